@@ -1,0 +1,282 @@
+//! The allocator traits, the RAII [`Allocation`] handle and the statistics every allocator
+//! reports.
+//!
+//! # The stream-ordering contract
+//!
+//! This contract is stated once, here; every stream-aware allocator links to it.
+//!
+//! * An allocation belongs to the stream it was allocated on (its *owning stream*). Work
+//!   enqueued on that stream after the allocation call may use it at once, and once it is
+//!   freed, later allocations on the same stream may reuse its memory at once: stream order
+//!   already separates the two uses.
+//! * [`Allocation::record_stream`] says "work enqueued on this other stream, up to the moment
+//!   the allocation is freed, uses this memory". The allocator must not hand the memory to
+//!   anyone else until that work has completed. Work enqueued on a recorded stream *after*
+//!   the free is the caller's bug.
+//! * Freeing (dropping the [`Allocation`]) never blocks on the device; what waits is the
+//!   reuse.
+//! * Non-stream-aware allocators ([`Allocator`] only) still honour recorded streams, in the
+//!   simplest safe way each can (see each allocator's documentation).
+
+use std::sync::Arc;
+
+use crate::device::{DevicePtr, Stream};
+use crate::error::Result;
+
+/// Alignment of every pointer handed out, in bytes.
+pub const ALIGNMENT: usize = 256;
+
+/// Rounds `size` up to a multiple of [`ALIGNMENT`]; `None` on overflow.
+pub fn align_up(size: usize) -> Option<usize> {
+    size.checked_add(ALIGNMENT - 1)
+        .map(|s| s & !(ALIGNMENT - 1))
+}
+
+/// What an allocator gets back when an [`Allocation`] is dropped.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Block {
+    /// Device address.
+    pub ptr: DevicePtr,
+    /// Size the caller asked for, in bytes.
+    pub size: usize,
+    /// The owning stream.
+    pub stream: Stream,
+    /// Device ordinal.
+    pub device: usize,
+    /// Allocator-private datum (e.g. an index into its block table).
+    pub token: u64,
+    /// Streams other than the owning one whose work uses the memory (see the
+    /// [module docs](self)). Empty in the common case, and then it does not allocate.
+    pub recorded: Vec<Stream>,
+}
+
+/// Takes blocks back when their [`Allocation`] is dropped.
+///
+/// Implemented by every allocator and adaptor. `free` must not panic and must not block on
+/// the device; an error it meets is kept by the allocator and reported by its next call or
+/// counted in its [`Stats`].
+pub trait BlockOwner: Send + Sync {
+    /// Takes `block` back.
+    fn free(&self, block: Block);
+}
+
+/// An RAII handle to device memory. Dropping it frees the memory (stream-ordered, see the
+/// [module docs](self)).
+///
+/// A zero-size allocation has a null pointer, touches no device memory and frees for
+/// nothing, as in PyTorch's allocator.
+pub struct Allocation {
+    block: Block,
+    owner: Option<Arc<dyn BlockOwner>>,
+}
+
+impl Allocation {
+    /// Wraps a block that `owner` takes back on drop.
+    pub fn new(block: Block, owner: Arc<dyn BlockOwner>) -> Self {
+        Self {
+            block,
+            owner: Some(owner),
+        }
+    }
+
+    /// A zero-size allocation: null pointer, nothing to free.
+    pub fn empty(device: usize, stream: Stream) -> Self {
+        Self {
+            block: Block {
+                device,
+                stream,
+                ..Block::default()
+            },
+            owner: None,
+        }
+    }
+
+    /// The device address (null for a zero-size allocation).
+    pub fn ptr(&self) -> DevicePtr {
+        self.block.ptr
+    }
+
+    /// The size asked for, in bytes.
+    pub fn size(&self) -> usize {
+        self.block.size
+    }
+
+    /// The device ordinal.
+    pub fn device(&self) -> usize {
+        self.block.device
+    }
+
+    /// The stream the allocation belongs to.
+    pub fn owning_stream(&self) -> Stream {
+        self.block.stream
+    }
+
+    /// Marks `stream` as a user of this memory until the allocation is freed. Recording the
+    /// owning stream, or a stream twice, does nothing.
+    pub fn record_stream(&mut self, stream: Stream) {
+        if stream != self.block.stream && !self.block.recorded.contains(&stream) {
+            self.block.recorded.push(stream);
+        }
+    }
+
+    /// Undoes [`Allocation::record_stream`] for `stream` (the caller has ordered that
+    /// stream's work before the free by other means).
+    pub fn erase_stream(&mut self, stream: Stream) {
+        self.block.recorded.retain(|s| *s != stream);
+    }
+
+    /// The streams recorded so far.
+    pub fn recorded_streams(&self) -> &[Stream] {
+        &self.block.recorded
+    }
+
+    /// Splits the handle into its block and owner without freeing; the caller becomes
+    /// responsible for handing the block to the owner. Adaptors use this to wrap an inner
+    /// allocator's allocations. `None` for a zero-size allocation.
+    pub fn into_parts(mut self) -> Option<(Block, Arc<dyn BlockOwner>)> {
+        let owner = self.owner.take()?;
+        Some((std::mem::take(&mut self.block), owner))
+    }
+}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        if let Some(owner) = self.owner.take() {
+            owner.free(std::mem::take(&mut self.block));
+        }
+    }
+}
+
+impl std::fmt::Debug for Allocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Allocation")
+            .field("ptr", &format_args!("{:#x}", self.block.ptr))
+            .field("size", &self.block.size)
+            .field("device", &self.block.device)
+            .field("stream", &self.block.stream)
+            .field("recorded", &self.block.recorded)
+            .finish()
+    }
+}
+
+/// Statistics every allocator reports. Figures an allocator does not track stay 0.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Bytes handed out to callers and not yet freed (sizes as asked for).
+    pub allocated: usize,
+    /// Peak of `allocated`.
+    pub allocated_peak: usize,
+    /// Bytes held from the device (by device allocations or pool reservations).
+    pub reserved: usize,
+    /// Peak of `reserved`.
+    pub reserved_peak: usize,
+    /// Bytes held from the device and free for reuse.
+    pub cached: usize,
+    /// Largest single block in `cached`.
+    pub largest_free_block: usize,
+    /// Bytes freed by callers whose reuse still waits on another stream's work.
+    pub pending_release: usize,
+    /// Allocations live now.
+    pub live_allocations: u64,
+    /// Allocations made since creation.
+    pub total_allocations: u64,
+    /// Frees since creation.
+    pub total_frees: u64,
+    /// Calls that allocated from the device.
+    pub device_allocs: u64,
+    /// Calls that returned memory to the device.
+    pub device_frees: u64,
+    /// Allocations that failed.
+    pub failures: u64,
+}
+
+impl Stats {
+    /// Share of cached memory that is not in the largest free block: 0 when the cache is one
+    /// block (or empty), near 1 when it is in many small pieces.
+    pub fn fragmentation(&self) -> f64 {
+        if self.cached == 0 {
+            0.0
+        } else {
+            1.0 - self.largest_free_block as f64 / self.cached as f64
+        }
+    }
+
+    /// Records an allocation of `size` bytes in the byte and count figures.
+    pub fn on_allocate(&mut self, size: usize) {
+        self.allocated += size;
+        self.allocated_peak = self.allocated_peak.max(self.allocated);
+        self.live_allocations += 1;
+        self.total_allocations += 1;
+    }
+
+    /// Records a free of `size` bytes in the byte and count figures.
+    pub fn on_free(&mut self, size: usize) {
+        self.allocated = self.allocated.saturating_sub(size);
+        self.live_allocations = self.live_allocations.saturating_sub(1);
+        self.total_frees += 1;
+    }
+
+    /// Records `bytes` reserved from the device in one call.
+    pub fn on_reserve(&mut self, bytes: usize) {
+        self.reserved += bytes;
+        self.reserved_peak = self.reserved_peak.max(self.reserved);
+        self.device_allocs += 1;
+    }
+
+    /// Records `bytes` returned to the device in one call.
+    pub fn on_unreserve(&mut self, bytes: usize) {
+        self.reserved = self.reserved.saturating_sub(bytes);
+        self.device_frees += 1;
+    }
+}
+
+/// An allocator of device memory. Allocations are made on the allocator's stream (its
+/// default stream) and belong to it; see the [module docs](self) for the ordering contract.
+pub trait Allocator: Send + Sync {
+    /// Allocates `size` bytes, aligned to [`ALIGNMENT`].
+    fn allocate(&self, size: usize) -> Result<Allocation>;
+    /// Returns cached memory that nobody uses to the device; the bytes returned.
+    fn release(&self) -> Result<usize>;
+    /// A snapshot of the allocator's statistics.
+    fn stats(&self) -> Stats;
+    /// The device ordinal this allocator serves.
+    fn device(&self) -> usize;
+}
+
+/// An allocator that allocates on any stream, following the ordering contract of the
+/// [module docs](self).
+pub trait StreamAllocator: Allocator {
+    /// Allocates `size` bytes owned by `stream`.
+    fn allocate_on(&self, size: usize, stream: Stream) -> Result<Allocation>;
+    /// The stream [`Allocator::allocate`] uses.
+    fn default_stream(&self) -> Stream;
+    /// Sets the stream [`Allocator::allocate`] uses.
+    fn set_default_stream(&self, stream: Stream);
+}
+
+impl<A: Allocator + ?Sized> Allocator for Arc<A> {
+    fn allocate(&self, size: usize) -> Result<Allocation> {
+        (**self).allocate(size)
+    }
+    fn release(&self) -> Result<usize> {
+        (**self).release()
+    }
+    fn stats(&self) -> Stats {
+        (**self).stats()
+    }
+    fn device(&self) -> usize {
+        (**self).device()
+    }
+}
+
+impl<A: StreamAllocator + ?Sized> StreamAllocator for Arc<A> {
+    fn allocate_on(&self, size: usize, stream: Stream) -> Result<Allocation> {
+        (**self).allocate_on(size, stream)
+    }
+    fn default_stream(&self) -> Stream {
+        (**self).default_stream()
+    }
+    fn set_default_stream(&self, stream: Stream) {
+        (**self).set_default_stream(stream)
+    }
+}

@@ -1,0 +1,1 @@
+//! The CUDA driver API through `cudarc`, loaded at run time.

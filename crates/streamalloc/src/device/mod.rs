@@ -1,0 +1,188 @@
+//! The device boundary: everything an allocator needs from a GPU driver, and nothing more.
+//!
+//! [`Device`] is implemented by [`cuda::CudaDevice`] (the CUDA driver API, loaded at run time)
+//! and by [`sim::SimDevice`] (a deterministic simulator with an ordering checker). All FFI and
+//! all `unsafe` of the crate live under `device::cuda`.
+//!
+//! Handles ([`Stream`], [`Event`], [`Pool`], [`Graph`], [`GraphExec`]) are plain integers: on
+//! CUDA they are the driver's handle values (a [`Stream`] is a `CUstream`, which is also a
+//! `cudaStream_t`), on the simulator they are ids. `Stream(0)` is the legacy default stream.
+
+pub mod cuda;
+mod event_pool;
+pub mod sim;
+
+pub use event_pool::EventPool;
+
+use crate::error::Result;
+
+/// A device address.
+pub type DevicePtr = u64;
+
+/// A stream handle (`CUstream` / `cudaStream_t` on CUDA). `Stream::DEFAULT` is the legacy
+/// default stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct Stream(pub u64);
+
+impl Stream {
+    /// The legacy default stream (handle 0).
+    pub const DEFAULT: Stream = Stream(0);
+}
+
+/// An event handle (`CUevent` on CUDA).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Event(pub u64);
+
+/// A stream-ordered memory pool handle (`CUmemoryPool` on CUDA).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Pool(pub u64);
+
+/// A captured, not yet instantiated graph (`CUgraph` on CUDA).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Graph(pub u64);
+
+/// An instantiated graph (`CUgraphExec` on CUDA).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GraphExec(pub u64);
+
+/// Free and total device memory, as the driver reports them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MemInfo {
+    /// Bytes free on the device.
+    pub free: usize,
+    /// Bytes on the device in all.
+    pub total: usize,
+}
+
+impl MemInfo {
+    /// Bytes in use on the device (by anyone in any process).
+    pub fn used(&self) -> usize {
+        self.total.saturating_sub(self.free)
+    }
+}
+
+/// Whether a stream is capturing work into a CUDA graph.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CaptureStatus {
+    /// Not capturing: work runs.
+    None,
+    /// Capturing: work is recorded into a graph, nothing runs.
+    Active,
+    /// The capture was invalidated by an error; it must be ended.
+    Invalidated,
+}
+
+/// Attributes of a stream-ordered memory pool that can be read or written
+/// (the driver's `CUmemPool_attribute`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolAttr {
+    /// Bytes the pool keeps reserved at a synchronization point before releasing to the OS.
+    ReleaseThreshold,
+    /// Whether an allocation may reuse memory freed on another stream once an event
+    /// dependency orders them.
+    ReuseFollowEventDependencies,
+    /// Whether an allocation may reuse memory whose free is known to have completed.
+    ReuseAllowOpportunistic,
+    /// Whether the driver may insert stream waits to reuse memory freed on another stream.
+    ReuseAllowInternalDependencies,
+    /// Bytes currently reserved by the pool from the device.
+    ReservedMemCurrent,
+    /// High-water mark of reserved bytes since the last reset.
+    ReservedMemHigh,
+    /// Bytes currently handed out from the pool.
+    UsedMemCurrent,
+    /// High-water mark of used bytes since the last reset.
+    UsedMemHigh,
+}
+
+/// Properties of a pool created with [`Device::create_pool`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PoolProps {
+    /// Largest size the pool may reserve, in bytes; 0 means no limit. Honoured where the
+    /// driver offers it (CUDA 12.2 and later).
+    pub max_size: usize,
+}
+
+/// A host function enqueued on a stream with [`Device::launch_host_func`].
+pub type HostFn = Box<dyn FnOnce() + Send + 'static>;
+
+/// What an allocator needs from a GPU. Object-safe: allocators hold an `Arc<dyn Device>`.
+///
+/// Every method may be called from any thread. Implementations make whatever driver context
+/// the call needs current themselves.
+pub trait Device: Send + Sync {
+    /// The device's ordinal.
+    fn ordinal(&self) -> usize;
+    /// Free and total memory of the device.
+    fn mem_info(&self) -> Result<MemInfo>;
+
+    /// Allocates `size` bytes outside any stream order (`cuMemAlloc`).
+    fn alloc(&self, size: usize) -> Result<DevicePtr>;
+    /// Frees memory from [`Device::alloc`] (`cuMemFree`; synchronizes the device).
+    fn free(&self, ptr: DevicePtr) -> Result<()>;
+
+    /// The device's default stream-ordered pool, shared with every library in the process.
+    fn default_pool(&self) -> Result<Pool>;
+    /// Creates a pool owned by the caller.
+    fn create_pool(&self, props: PoolProps) -> Result<Pool>;
+    /// Destroys a pool made by [`Device::create_pool`].
+    fn destroy_pool(&self, pool: Pool) -> Result<()>;
+    /// Reads a pool attribute (booleans read as 0 or 1).
+    fn pool_attr(&self, pool: Pool, attr: PoolAttr) -> Result<u64>;
+    /// Writes a pool attribute. The `*Current` attributes are read-only; the `*High`
+    /// attributes accept only 0 (a reset).
+    fn set_pool_attr(&self, pool: Pool, attr: PoolAttr, value: u64) -> Result<()>;
+    /// Releases unused pool memory until at most `keep` bytes stay reserved.
+    fn trim_pool(&self, pool: Pool, keep: usize) -> Result<()>;
+    /// Allocates from `pool` in the order of `stream` (`cuMemAllocFromPoolAsync`).
+    fn alloc_async(&self, size: usize, pool: Pool, stream: Stream) -> Result<DevicePtr>;
+    /// Frees stream-ordered memory in the order of `stream` (`cuMemFreeAsync`).
+    fn free_async(&self, ptr: DevicePtr, stream: Stream) -> Result<()>;
+
+    /// Creates a non-blocking stream.
+    fn create_stream(&self) -> Result<Stream>;
+    /// Destroys a stream; work already enqueued on it still completes.
+    fn destroy_stream(&self, stream: Stream) -> Result<()>;
+    /// Blocks the host until all work on `stream` has completed.
+    fn synchronize_stream(&self, stream: Stream) -> Result<()>;
+    /// Makes all later work on `stream` wait until `event` has completed.
+    fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()>;
+    /// Whether `stream` is capturing into a graph.
+    fn capture_status(&self, stream: Stream) -> Result<CaptureStatus>;
+    /// Enqueues a host function on `stream`; the stream waits until it returns.
+    fn launch_host_func(&self, stream: Stream, f: HostFn) -> Result<()>;
+
+    /// Creates an event with timing disabled.
+    fn create_event(&self) -> Result<Event>;
+    /// Destroys an event.
+    fn destroy_event(&self, event: Event) -> Result<()>;
+    /// Records `event` at the current end of `stream`.
+    fn record_event(&self, event: Event, stream: Stream) -> Result<()>;
+    /// Whether all work captured by `event` has completed (never blocks).
+    fn query_event(&self, event: Event) -> Result<bool>;
+    /// Blocks the host until `event` has completed.
+    fn synchronize_event(&self, event: Event) -> Result<()>;
+
+    /// Fills `len` bytes at `ptr` with `value`, in the order of `stream` (a real use of the
+    /// memory, for tests and benchmarks).
+    fn memset_async(&self, ptr: DevicePtr, value: u8, len: usize, stream: Stream) -> Result<()>;
+    /// Copies `dst.len()` bytes from the device to the host in the order of `stream`, and
+    /// waits for the copy.
+    fn copy_to_host(&self, dst: &mut [u8], src: DevicePtr, stream: Stream) -> Result<()>;
+    /// Copies `src` to the device in the order of `stream` (the source must stay alive, so
+    /// this waits for the copy).
+    fn copy_from_host(&self, dst: DevicePtr, src: &[u8], stream: Stream) -> Result<()>;
+
+    /// Starts capturing the work enqueued on `stream` into a graph (relaxed mode).
+    fn begin_capture(&self, stream: Stream) -> Result<()>;
+    /// Ends the capture on `stream` and returns the graph.
+    fn end_capture(&self, stream: Stream) -> Result<Graph>;
+    /// Instantiates a captured graph.
+    fn instantiate_graph(&self, graph: Graph) -> Result<GraphExec>;
+    /// Launches an instantiated graph on `stream`.
+    fn launch_graph(&self, exec: GraphExec, stream: Stream) -> Result<()>;
+    /// Destroys an instantiated graph.
+    fn destroy_graph_exec(&self, exec: GraphExec) -> Result<()>;
+    /// Destroys a captured graph.
+    fn destroy_graph(&self, graph: Graph) -> Result<()>;
+}

@@ -1,0 +1,120 @@
+//! The crate's one error type.
+
+use std::fmt;
+use std::time::Duration;
+
+/// Result alias used throughout the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in streamalloc.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Error {
+    /// The device (or a pool on it) could not satisfy a request, even after the allocator
+    /// released what it could. Carries the figures needed to understand why.
+    #[error("{0}")]
+    OutOfMemory(Box<OutOfMemory>),
+    /// A CUDA driver call failed.
+    #[error("CUDA driver error {name} ({code}) in {call}")]
+    Driver {
+        /// The raw `CUresult` value.
+        code: i32,
+        /// The driver's name for it, e.g. `CUDA_ERROR_INVALID_VALUE`.
+        name: String,
+        /// The driver entry point that returned it.
+        call: &'static str,
+    },
+    /// The CUDA driver library could not be loaded or initialised.
+    #[error("no CUDA driver: {0}")]
+    NoDriver(String),
+    /// A caller passed something the allocator cannot accept.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The device or mode in use does not offer this operation.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// A configured byte limit would be exceeded.
+    #[error("limit exceeded on device {device}: requested {requested} bytes with {in_use} in use, limit {limit}")]
+    LimitExceeded {
+        /// Device ordinal.
+        device: usize,
+        /// Bytes requested.
+        requested: usize,
+        /// Bytes already in use under the limit.
+        in_use: usize,
+        /// The limit in bytes.
+        limit: usize,
+    },
+    /// A bounded wait ran out.
+    #[error("timed out after {after:?} waiting for {waited_for}")]
+    Timeout {
+        /// What the caller was waiting for.
+        waited_for: String,
+        /// How long it waited.
+        after: Duration,
+    },
+    /// A configuration key or value was not understood.
+    #[error("configuration: {0}")]
+    Config(String),
+}
+
+/// Figures attached to an out-of-memory error.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OutOfMemory {
+    /// Device ordinal.
+    pub device: usize,
+    /// Bytes the caller asked for.
+    pub requested: usize,
+    /// Bytes handed out to callers and not yet freed.
+    pub allocated: usize,
+    /// Bytes the allocator holds from the device but has not handed out.
+    pub cached: usize,
+    /// Bytes freed by callers whose release is still pending on a stream.
+    pub pending_release: usize,
+    /// Bytes the allocator has reserved from the device in all.
+    pub reserved: usize,
+    /// Free bytes on the device, as the driver reports them.
+    pub device_free: usize,
+    /// Total bytes on the device.
+    pub device_total: usize,
+    /// Extra lines, e.g. one per stream pool.
+    pub detail: Vec<String>,
+    /// What the caller could do about it.
+    pub hint: String,
+}
+
+impl fmt::Display for OutOfMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "out of memory on device {}: requested {} bytes; allocated {}, cached {}, pending release {}, \
+             reserved {}, device free {} of {}",
+            self.device,
+            self.requested,
+            self.allocated,
+            self.cached,
+            self.pending_release,
+            self.reserved,
+            self.device_free,
+            self.device_total
+        )?;
+        for line in &self.detail {
+            write!(f, "; {line}")?;
+        }
+        if !self.hint.is_empty() {
+            write!(f, ". {}", self.hint)?;
+        }
+        Ok(())
+    }
+}
+
+impl Error {
+    /// Whether this error is an out-of-memory condition (the device's or an allocator's).
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, Error::OutOfMemory(_))
+    }
+
+    /// Builds an [`Error::OutOfMemory`] from its figures.
+    pub fn oom(report: OutOfMemory) -> Self {
+        Error::OutOfMemory(Box::new(report))
+    }
+}

@@ -1,0 +1,21 @@
+//! Stream-ordered GPU memory allocators.
+//!
+//! Layers, arrows pointing down (see `DESIGN.md`):
+//! * [`device`]: the only code that talks to a driver: CUDA (loaded at run time) or the
+//!   simulator.
+//! * [`policy`]: pure bookkeeping on integer addresses (no `unsafe`, no driver calls).
+//! * [`allocators`]: [`Plain`](allocators::Plain) and the caching and stream-ordered
+//!   allocators, each implementing [`Allocator`] and, where stream-aware,
+//!   [`StreamAllocator`].
+//!
+//! The ordering contract every allocator follows is written once, in [`allocation`].
+
+pub mod allocation;
+pub mod allocators;
+pub mod device;
+pub mod error;
+pub mod policy;
+
+pub use allocation::{Allocation, Allocator, Block, BlockOwner, Stats, StreamAllocator, ALIGNMENT};
+pub use device::{Device, DevicePtr, Stream};
+pub use error::{Error, OutOfMemory, Result};
