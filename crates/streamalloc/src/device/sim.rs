@@ -1,1 +1,1043 @@
-//! A simulated device.
+//! A simulated device: deterministic, no GPU and no backing memory, with an ordering checker.
+//!
+//! # Model
+//! * **Time.** A virtual host clock (`now`, in ns) advances by [`SimConfig::tick_ns`] at every
+//!   device call, and jumps forward at synchronizations. Each stream is an in-order queue
+//!   summarised by the time its last enqueued work completes (`ready`). Work enqueued on a
+//!   stream starts at `max(now, ready)`.
+//! * **Events** capture a stream's `ready` time when recorded and are complete once `now`
+//!   reaches it. `stream_wait_event` moves the waiting stream's `ready` to the event's time.
+//! * **Plain memory** (`alloc`/`free`) comes from one address space of
+//!   [`SimConfig::capacity`] bytes; `free` synchronizes the device, as `cuMemFree` does.
+//! * **Pools** model the driver's stream-ordered pools: a freed block is reusable at once by
+//!   its own stream; by another stream once the free has completed (opportunistic reuse) or
+//!   by inserting a wait on the free (internal dependencies), as the driver's default
+//!   attributes allow. Pools reserve in 2 MiB granules and release free granules above the
+//!   release threshold at synchronizations, or on `trim_pool`.
+//! * **Uses and the ordering checker.** [`SimDevice::use_range`] (and `memset_async`) enqueue
+//!   a simulated kernel that touches an address range for a duration. Whoever hands memory
+//!   out calls [`SimDevice::check_handout`]: if any earlier use of an overlapping range on
+//!   *another* stream could still be running when work on the receiving stream can start,
+//!   a [`Violation`] is recorded.
+//! * **Host functions** run on the thread whose device call moves the clock past their
+//!   place in the stream.
+//! * **Graph capture** records memsets into a graph instead of running them; launching the
+//!   graph enqueues them as uses. Pool allocations made during a capture are reserved at
+//!   capture time, as graph memory is.
+//!
+//! The only randomness (kernel duration jitter) comes from [`SimConfig::seed`].
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use super::{
+    CaptureStatus, Device, DevicePtr, Event, Graph, GraphExec, HostFn, MemInfo, Pool, PoolAttr,
+    PoolProps, Stream,
+};
+use crate::error::{Error, OutOfMemory, Result};
+
+/// Settings of a simulated device.
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    /// Device ordinal reported by [`Device::ordinal`].
+    pub ordinal: usize,
+    /// Bytes of device memory.
+    pub capacity: usize,
+    /// Host time that passes at each device call, in ns.
+    pub tick_ns: u64,
+    /// Bytes per ns a memset moves (4.0 TB/s on an H200 is 4000).
+    pub bandwidth_bytes_per_ns: u64,
+    /// Fixed cost of any simulated kernel, in ns.
+    pub launch_ns: u64,
+    /// Seed of the kernel-duration jitter (up to +25%).
+    pub seed: u64,
+}
+
+impl SimConfig {
+    /// A device sized like an NVIDIA H200 (143,771 MiB).
+    pub fn h200() -> Self {
+        Self {
+            ordinal: 0,
+            capacity: 143_771 << 20,
+            tick_ns: 50,
+            bandwidth_bytes_per_ns: 4000,
+            launch_ns: 2_000,
+            seed: 0,
+        }
+    }
+
+    /// An H200-like device with `capacity` bytes.
+    pub fn with_capacity(capacity: usize) -> Self {
+        Self { capacity, ..Self::h200() }
+    }
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        Self::h200()
+    }
+}
+
+/// One early reuse found by the ordering checker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Violation {
+    /// Start of the range handed out.
+    pub ptr: DevicePtr,
+    /// Length of the range handed out.
+    pub len: usize,
+    /// The stream that received it.
+    pub stream: Stream,
+    /// The earliest time work on `stream` could touch it.
+    pub usable_at: u64,
+    /// The stream of the earlier use still running.
+    pub user_stream: Stream,
+    /// Start of the earlier use's range.
+    pub user_ptr: DevicePtr,
+    /// When the earlier use ends.
+    pub use_ends_at: u64,
+}
+
+/// Plain allocations are rounded to this many bytes.
+const PLAIN_GRANULE: usize = 512;
+/// Pools reserve memory in granules of this many bytes.
+const POOL_GRANULE: usize = 2 << 20;
+/// Pool allocations are rounded to this many bytes.
+const POOL_ALIGN: usize = 512;
+/// Where the simulated address space starts.
+const BASE_ADDRESS: u64 = 0x7f00_0000_0000;
+
+/// The simulated device. Create with [`SimDevice::new`]; implements [`Device`].
+pub struct SimDevice {
+    config: SimConfig,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct StreamState {
+    ready: u64,
+    capture: Option<Vec<Node>>,
+}
+
+#[derive(Clone, Copy)]
+enum Node {
+    Memset { ptr: DevicePtr, len: usize },
+}
+
+struct Use {
+    ptr: DevicePtr,
+    len: usize,
+    stream: Stream,
+    end: u64,
+}
+
+#[derive(Clone, Copy)]
+struct FreeBlock {
+    size: usize,
+    /// When the free that made it completes.
+    avail_at: u64,
+    /// The stream it was freed on; `None` after merging blocks of different streams.
+    stream: Option<Stream>,
+}
+
+struct PoolState {
+    release_threshold: u64,
+    follow_events: bool,
+    opportunistic: bool,
+    internal_deps: bool,
+    max_size: usize,
+    /// Granule runs reserved from the address space: start -> size.
+    chunks: BTreeMap<u64, usize>,
+    /// Free blocks by address; never span two chunks.
+    free: BTreeMap<u64, FreeBlock>,
+    reserved: usize,
+    reserved_high: usize,
+    used: usize,
+    used_high: usize,
+}
+
+impl PoolState {
+    fn new(max_size: usize) -> Self {
+        Self {
+            release_threshold: 0,
+            follow_events: true,
+            opportunistic: true,
+            internal_deps: true,
+            max_size,
+            chunks: BTreeMap::new(),
+            free: BTreeMap::new(),
+            reserved: 0,
+            reserved_high: 0,
+            used: 0,
+            used_high: 0,
+        }
+    }
+
+    fn chunk_of(&self, addr: u64) -> Option<(u64, usize)> {
+        self.chunks
+            .range(..=addr)
+            .next_back()
+            .filter(|(s, n)| addr < **s + **n as u64)
+            .map(|(s, n)| (*s, *n))
+    }
+}
+
+/// Best-fit free ranges of the address space.
+#[derive(Default)]
+struct AddressSpace {
+    by_addr: BTreeMap<u64, usize>,
+    by_size: BTreeSet<(usize, u64)>,
+    used: usize,
+}
+
+impl AddressSpace {
+    fn new(capacity: usize) -> Self {
+        let mut s = Self::default();
+        s.insert(BASE_ADDRESS, capacity);
+        s
+    }
+
+    fn insert(&mut self, addr: u64, size: usize) {
+        self.by_addr.insert(addr, size);
+        self.by_size.insert((size, addr));
+    }
+
+    fn remove(&mut self, addr: u64, size: usize) {
+        self.by_addr.remove(&addr);
+        self.by_size.remove(&(size, addr));
+    }
+
+    fn take(&mut self, size: usize) -> Option<u64> {
+        let &(have, addr) = self.by_size.range((size, 0)..).next()?;
+        self.remove(addr, have);
+        if have > size {
+            self.insert(addr + size as u64, have - size);
+        }
+        self.used += size;
+        Some(addr)
+    }
+
+    fn give(&mut self, mut addr: u64, mut size: usize) {
+        self.used -= size;
+        if let Some((&next, &n)) = self.by_addr.range(addr + size as u64..).next() {
+            if next == addr + size as u64 {
+                self.remove(next, n);
+                size += n;
+            }
+        }
+        if let Some((&prev, &p)) = self.by_addr.range(..addr).next_back() {
+            if prev + p as u64 == addr {
+                self.remove(prev, p);
+                addr = prev;
+                size += p;
+            }
+        }
+        self.insert(addr, size);
+    }
+}
+
+struct State {
+    now: u64,
+    rng: SmallRng,
+    next_id: u64,
+    space: AddressSpace,
+    plain: HashMap<DevicePtr, usize>,
+    streams: HashMap<Stream, StreamState>,
+    /// Recorded events: the time they complete. Unrecorded events are absent (complete).
+    events: HashMap<Event, Option<u64>>,
+    pools: HashMap<Pool, PoolState>,
+    default_pool: Pool,
+    /// Live pool allocations: pointer -> (pool, rounded size).
+    async_allocs: HashMap<DevicePtr, (Pool, usize)>,
+    uses: Vec<Use>,
+    violations: Vec<Violation>,
+    /// Host functions waiting for the clock: (time, sequence) -> function.
+    host_fns: BTreeMap<(u64, u64), HostFn>,
+    graphs: HashMap<Graph, Vec<Node>>,
+    execs: HashMap<GraphExec, Vec<Node>>,
+}
+
+impl SimDevice {
+    /// A new simulated device.
+    pub fn new(config: SimConfig) -> Arc<Self> {
+        let mut streams = HashMap::new();
+        streams.insert(Stream::DEFAULT, StreamState::default());
+        let default_pool = Pool(1);
+        let mut pools = HashMap::new();
+        pools.insert(default_pool, PoolState::new(0));
+        let state = State {
+            now: 0,
+            rng: SmallRng::seed_from_u64(config.seed),
+            next_id: 2,
+            space: AddressSpace::new(config.capacity),
+            plain: HashMap::new(),
+            streams,
+            events: HashMap::new(),
+            pools,
+            default_pool,
+            async_allocs: HashMap::new(),
+            uses: Vec::new(),
+            violations: Vec::new(),
+            host_fns: BTreeMap::new(),
+            graphs: HashMap::new(),
+            execs: HashMap::new(),
+        };
+        Arc::new(Self { config, state: Mutex::new(state) })
+    }
+
+    /// The settings this device was made with.
+    pub fn config(&self) -> &SimConfig {
+        &self.config
+    }
+
+    /// The virtual host clock, in ns.
+    pub fn now(&self) -> u64 {
+        self.state.lock().now
+    }
+
+    /// Moves the host clock forward by `ns`, running host functions that come due.
+    pub fn advance(&self, ns: u64) {
+        let advanced: Result<()> = self.call(|st| {
+            st.now += ns;
+            Ok(())
+        });
+        debug_assert!(advanced.is_ok());
+    }
+
+    /// Enqueues a simulated kernel on `stream` that touches `len` bytes at `ptr` for
+    /// `duration_ns`. During a capture the use is not run (and not recorded).
+    pub fn use_range(&self, ptr: DevicePtr, len: usize, stream: Stream, duration_ns: u64) -> Result<()> {
+        self.call(|st| {
+            let now = st.now;
+            let s = st.stream_mut(stream)?;
+            if s.capture.is_some() {
+                return Ok(());
+            }
+            let start = s.ready.max(now);
+            s.ready = start + duration_ns;
+            let end = s.ready;
+            if st.uses.len() > 4096 {
+                st.uses.retain(|u| u.end > now);
+            }
+            st.uses.push(Use { ptr, len, stream, end });
+            Ok(())
+        })
+    }
+
+    /// Tells the checker that `len` bytes at `ptr` were just handed to `stream`. Records a
+    /// [`Violation`] for every earlier use on another stream that could still be running when
+    /// work on `stream` can start. Returns how many it recorded.
+    pub fn check_handout(&self, ptr: DevicePtr, len: usize, stream: Stream) -> usize {
+        let mut st = self.state.lock();
+        let now = st.now;
+        let usable_at = st.streams.get(&stream).map_or(now, |s| s.ready.max(now));
+        st.uses.retain(|u| u.end > now);
+        let found: Vec<Violation> = st
+            .uses
+            .iter()
+            .filter(|u| u.stream != stream && u.end > usable_at)
+            .filter(|u| u.ptr < ptr + len as u64 && ptr < u.ptr + u.len as u64)
+            .map(|u| Violation {
+                ptr,
+                len,
+                stream,
+                usable_at,
+                user_stream: u.stream,
+                user_ptr: u.ptr,
+                use_ends_at: u.end,
+            })
+            .collect();
+        let n = found.len();
+        st.violations.extend(found);
+        n
+    }
+
+    /// Every violation the checker has recorded.
+    pub fn violations(&self) -> Vec<Violation> {
+        self.state.lock().violations.clone()
+    }
+
+    /// When all work enqueued so far on `stream` completes (virtual ns).
+    pub fn stream_ready_at(&self, stream: Stream) -> Option<u64> {
+        self.state.lock().streams.get(&stream).map(|s| s.ready)
+    }
+
+    /// Runs one device call: ticks the clock, applies `f`, then runs due host functions
+    /// outside the lock.
+    fn call<T>(&self, f: impl FnOnce(&mut State) -> Result<T>) -> Result<T> {
+        let mut st = self.state.lock();
+        st.now += self.config.tick_ns;
+        let out = f(&mut st);
+        let due = st.take_due_host_fns();
+        drop(st);
+        for h in due {
+            h();
+        }
+        out
+    }
+
+    fn kernel_ns(&self, st: &mut State, len: usize) -> u64 {
+        let base = self.config.launch_ns + len as u64 / self.config.bandwidth_bytes_per_ns.max(1);
+        base + st.rng.gen_range(0..=base / 4)
+    }
+
+    fn oom(&self, st: &State, requested: usize) -> Error {
+        Error::oom(OutOfMemory {
+            device: self.config.ordinal,
+            requested,
+            device_free: self.config.capacity - st.space.used,
+            device_total: self.config.capacity,
+            hint: "the simulated device is full".into(),
+            ..OutOfMemory::default()
+        })
+    }
+}
+
+impl State {
+    fn id(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    fn stream_mut(&mut self, stream: Stream) -> Result<&mut StreamState> {
+        self.streams
+            .get_mut(&stream)
+            .ok_or_else(|| Error::InvalidArgument(format!("unknown or destroyed stream {:#x}", stream.0)))
+    }
+
+    fn take_due_host_fns(&mut self) -> Vec<HostFn> {
+        let later = self.host_fns.split_off(&(self.now + 1, 0));
+        std::mem::replace(&mut self.host_fns, later).into_values().collect()
+    }
+
+    /// Waits for every stream (as `cuCtxSynchronize` would) and applies release thresholds.
+    fn sync_device(&mut self) {
+        let latest = self.streams.values().map(|s| s.ready).max().unwrap_or(0);
+        self.now = self.now.max(latest);
+        self.apply_thresholds();
+    }
+
+    fn apply_thresholds(&mut self) {
+        let pools: Vec<Pool> = self.pools.keys().copied().collect();
+        for p in pools {
+            let keep = self.pools[&p].release_threshold as usize;
+            self.trim(p, keep);
+        }
+    }
+
+    /// Releases chunks that are wholly free (with completed frees) while more than `keep`
+    /// bytes are reserved.
+    fn trim(&mut self, pool: Pool, keep: usize) {
+        let now = self.now;
+        let Some(p) = self.pools.get_mut(&pool) else { return };
+        let mut released = Vec::new();
+        for (&start, &size) in &p.chunks {
+            if p.reserved.saturating_sub(released.iter().map(|(_, n)| n).sum::<usize>()) <= keep {
+                break;
+            }
+            if let Some(b) = p.free.get(&start) {
+                if b.size == size && b.avail_at <= now {
+                    released.push((start, size));
+                }
+            }
+        }
+        for (start, size) in released {
+            p.chunks.remove(&start);
+            p.free.remove(&start);
+            p.reserved -= size;
+            self.space.give(start, size);
+        }
+    }
+}
+
+impl Device for SimDevice {
+    fn ordinal(&self) -> usize {
+        self.config.ordinal
+    }
+
+    fn mem_info(&self) -> Result<MemInfo> {
+        self.call(|st| Ok(MemInfo { free: self.config.capacity - st.space.used, total: self.config.capacity }))
+    }
+
+    fn alloc(&self, size: usize) -> Result<DevicePtr> {
+        self.call(|st| {
+            if size == 0 {
+                return Err(Error::InvalidArgument("device allocation of 0 bytes".into()));
+            }
+            let rounded = size.div_ceil(PLAIN_GRANULE) * PLAIN_GRANULE;
+            let ptr = st.space.take(rounded).ok_or_else(|| self.oom(st, size))?;
+            st.plain.insert(ptr, rounded);
+            Ok(ptr)
+        })
+    }
+
+    fn free(&self, ptr: DevicePtr) -> Result<()> {
+        self.call(|st| {
+            let size = st
+                .plain
+                .remove(&ptr)
+                .ok_or_else(|| Error::InvalidArgument(format!("free of unknown pointer {ptr:#x}")))?;
+            st.sync_device();
+            st.space.give(ptr, size);
+            Ok(())
+        })
+    }
+
+    fn default_pool(&self) -> Result<Pool> {
+        self.call(|st| Ok(st.default_pool))
+    }
+
+    fn create_pool(&self, props: PoolProps) -> Result<Pool> {
+        self.call(|st| {
+            let p = Pool(st.id());
+            st.pools.insert(p, PoolState::new(props.max_size));
+            Ok(p)
+        })
+    }
+
+    fn destroy_pool(&self, pool: Pool) -> Result<()> {
+        self.call(|st| {
+            if pool == st.default_pool {
+                return Err(Error::InvalidArgument("the default pool cannot be destroyed".into()));
+            }
+            let p = st
+                .pools
+                .remove(&pool)
+                .ok_or_else(|| Error::InvalidArgument(format!("unknown pool {:#x}", pool.0)))?;
+            st.async_allocs.retain(|_, (owner, _)| *owner != pool);
+            for (start, size) in p.chunks {
+                st.space.give(start, size);
+            }
+            Ok(())
+        })
+    }
+
+    fn pool_attr(&self, pool: Pool, attr: PoolAttr) -> Result<u64> {
+        self.call(|st| {
+            let p = st
+                .pools
+                .get(&pool)
+                .ok_or_else(|| Error::InvalidArgument(format!("unknown pool {:#x}", pool.0)))?;
+            Ok(match attr {
+                PoolAttr::ReleaseThreshold => p.release_threshold,
+                PoolAttr::ReuseFollowEventDependencies => p.follow_events as u64,
+                PoolAttr::ReuseAllowOpportunistic => p.opportunistic as u64,
+                PoolAttr::ReuseAllowInternalDependencies => p.internal_deps as u64,
+                PoolAttr::ReservedMemCurrent => p.reserved as u64,
+                PoolAttr::ReservedMemHigh => p.reserved_high as u64,
+                PoolAttr::UsedMemCurrent => p.used as u64,
+                PoolAttr::UsedMemHigh => p.used_high as u64,
+            })
+        })
+    }
+
+    fn set_pool_attr(&self, pool: Pool, attr: PoolAttr, value: u64) -> Result<()> {
+        self.call(|st| {
+            let p = st
+                .pools
+                .get_mut(&pool)
+                .ok_or_else(|| Error::InvalidArgument(format!("unknown pool {:#x}", pool.0)))?;
+            match attr {
+                PoolAttr::ReleaseThreshold => p.release_threshold = value,
+                PoolAttr::ReuseFollowEventDependencies => p.follow_events = value != 0,
+                PoolAttr::ReuseAllowOpportunistic => p.opportunistic = value != 0,
+                PoolAttr::ReuseAllowInternalDependencies => p.internal_deps = value != 0,
+                PoolAttr::ReservedMemHigh if value == 0 => p.reserved_high = p.reserved,
+                PoolAttr::UsedMemHigh if value == 0 => p.used_high = p.used,
+                _ => return Err(Error::InvalidArgument(format!("pool attribute {attr:?} cannot be set to {value}"))),
+            }
+            Ok(())
+        })
+    }
+
+    fn trim_pool(&self, pool: Pool, keep: usize) -> Result<()> {
+        self.call(|st| {
+            if !st.pools.contains_key(&pool) {
+                return Err(Error::InvalidArgument(format!("unknown pool {:#x}", pool.0)));
+            }
+            st.trim(pool, keep);
+            Ok(())
+        })
+    }
+
+    fn alloc_async(&self, size: usize, pool: Pool, stream: Stream) -> Result<DevicePtr> {
+        self.call(|st| {
+            if size == 0 {
+                return Err(Error::InvalidArgument("pool allocation of 0 bytes".into()));
+            }
+            let n = size.div_ceil(POOL_ALIGN) * POOL_ALIGN;
+            let now = st.now;
+            let ready = st.stream_mut(stream)?.ready;
+            let p = st
+                .pools
+                .get_mut(&pool)
+                .ok_or_else(|| Error::InvalidArgument(format!("unknown pool {:#x}", pool.0)))?;
+            // Best fit among blocks reusable without a wait, then among those that need one.
+            let free_now = |b: &FreeBlock| {
+                b.stream == Some(stream)
+                    || (p.opportunistic && b.avail_at <= now)
+                    || (p.follow_events && b.avail_at <= ready)
+            };
+            let pick = |pred: &dyn Fn(&FreeBlock) -> bool| {
+                p.free
+                    .iter()
+                    .filter(|(_, b)| b.size >= n && pred(b))
+                    .min_by_key(|(a, b)| (b.size, **a))
+                    .map(|(a, b)| (*a, *b))
+            };
+            let mut chosen = pick(&free_now);
+            if chosen.is_none() && p.internal_deps {
+                chosen = pick(&|_| true);
+            }
+            let (addr, block) = match chosen {
+                Some(c) => c,
+                None => {
+                    let grow = n.div_ceil(POOL_GRANULE) * POOL_GRANULE;
+                    if p.max_size != 0 && p.reserved + grow > p.max_size {
+                        return Err(Error::oom(OutOfMemory {
+                            device: self.config.ordinal,
+                            requested: size,
+                            reserved: p.reserved,
+                            device_free: self.config.capacity - st.space.used,
+                            device_total: self.config.capacity,
+                            hint: format!("the pool's maximum size is {} bytes", p.max_size),
+                            ..OutOfMemory::default()
+                        }));
+                    }
+                    let Some(start) = st.space.take(grow) else { return Err(self.oom(st, size)) };
+                    let p = st.pools.get_mut(&pool).expect("pool looked up above");
+                    p.chunks.insert(start, grow);
+                    p.reserved += grow;
+                    p.reserved_high = p.reserved_high.max(p.reserved);
+                    let b = FreeBlock { size: grow, avail_at: 0, stream: None };
+                    p.free.insert(start, b);
+                    (start, b)
+                }
+            };
+            let p = st.pools.get_mut(&pool).expect("pool looked up above");
+            p.free.remove(&addr);
+            if block.size > n {
+                p.free.insert(addr + n as u64, FreeBlock { size: block.size - n, ..block });
+            }
+            p.used += n;
+            p.used_high = p.used_high.max(p.used);
+            st.async_allocs.insert(addr, (pool, n));
+            let s = st.stream_mut(stream)?;
+            if block.stream != Some(stream) {
+                // Opportunistic reuse has nothing to wait for; otherwise the driver inserts
+                // the dependency on the free.
+                s.ready = s.ready.max(block.avail_at);
+            }
+            Ok(addr)
+        })
+    }
+
+    fn free_async(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
+        self.call(|st| {
+            let now = st.now;
+            let s = st.stream_mut(stream)?;
+            let avail_at = if s.capture.is_some() { u64::MAX } else { s.ready.max(now) };
+            let (pool, n) = st
+                .async_allocs
+                .remove(&ptr)
+                .ok_or_else(|| Error::InvalidArgument(format!("free_async of unknown pointer {ptr:#x}")))?;
+            let p = st.pools.get_mut(&pool).expect("allocations of destroyed pools are dropped");
+            p.used -= n;
+            let (chunk, chunk_len) = p.chunk_of(ptr).expect("pool allocations lie in its chunks");
+            let chunk_end = chunk + chunk_len as u64;
+            let mut addr = ptr;
+            let mut block = FreeBlock { size: n, avail_at, stream: Some(stream) };
+            let merge = |a: FreeBlock, b: FreeBlock| FreeBlock {
+                size: a.size + b.size,
+                avail_at: a.avail_at.max(b.avail_at),
+                stream: if a.stream == b.stream { a.stream } else { None },
+            };
+            let next = addr + n as u64;
+            if next < chunk_end {
+                if let Some(b) = p.free.remove(&next) {
+                    block = merge(block, b);
+                }
+            }
+            if let Some((&prev, &b)) = p.free.range(chunk..addr).next_back() {
+                if prev + b.size as u64 == addr {
+                    p.free.remove(&prev);
+                    addr = prev;
+                    block = merge(b, block);
+                }
+            }
+            p.free.insert(addr, block);
+            Ok(())
+        })
+    }
+
+    fn create_stream(&self) -> Result<Stream> {
+        self.call(|st| {
+            let s = Stream(st.id());
+            let ready = st.now;
+            st.streams.insert(s, StreamState { ready, capture: None });
+            Ok(s)
+        })
+    }
+
+    fn destroy_stream(&self, stream: Stream) -> Result<()> {
+        self.call(|st| {
+            if stream == Stream::DEFAULT {
+                return Err(Error::InvalidArgument("the default stream cannot be destroyed".into()));
+            }
+            st.streams
+                .remove(&stream)
+                .map(|_| ())
+                .ok_or_else(|| Error::InvalidArgument(format!("unknown stream {:#x}", stream.0)))
+        })
+    }
+
+    fn synchronize_stream(&self, stream: Stream) -> Result<()> {
+        self.call(|st| {
+            let ready = st.stream_mut(stream)?.ready;
+            st.now = st.now.max(ready);
+            st.apply_thresholds();
+            Ok(())
+        })
+    }
+
+    fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()> {
+        self.call(|st| {
+            let at = *st
+                .events
+                .get(&event)
+                .ok_or_else(|| Error::InvalidArgument(format!("unknown event {:#x}", event.0)))?;
+            let s = st.stream_mut(stream)?;
+            if let Some(t) = at {
+                s.ready = s.ready.max(t);
+            }
+            Ok(())
+        })
+    }
+
+    fn capture_status(&self, stream: Stream) -> Result<CaptureStatus> {
+        self.call(|st| {
+            Ok(if st.stream_mut(stream)?.capture.is_some() { CaptureStatus::Active } else { CaptureStatus::None })
+        })
+    }
+
+    fn launch_host_func(&self, stream: Stream, f: HostFn) -> Result<()> {
+        self.call(|st| {
+            let at = st.stream_mut(stream)?.ready.max(st.now);
+            let seq = st.id();
+            st.host_fns.insert((at, seq), f);
+            Ok(())
+        })
+    }
+
+    fn create_event(&self) -> Result<Event> {
+        self.call(|st| {
+            let e = Event(st.id());
+            st.events.insert(e, None);
+            Ok(e)
+        })
+    }
+
+    fn destroy_event(&self, event: Event) -> Result<()> {
+        self.call(|st| {
+            st.events
+                .remove(&event)
+                .map(|_| ())
+                .ok_or_else(|| Error::InvalidArgument(format!("unknown event {:#x}", event.0)))
+        })
+    }
+
+    fn record_event(&self, event: Event, stream: Stream) -> Result<()> {
+        self.call(|st| {
+            let now = st.now;
+            let at = st.stream_mut(stream)?.ready.max(now);
+            let e = st
+                .events
+                .get_mut(&event)
+                .ok_or_else(|| Error::InvalidArgument(format!("unknown event {:#x}", event.0)))?;
+            *e = Some(at);
+            Ok(())
+        })
+    }
+
+    fn query_event(&self, event: Event) -> Result<bool> {
+        self.call(|st| {
+            let at = st
+                .events
+                .get(&event)
+                .ok_or_else(|| Error::InvalidArgument(format!("unknown event {:#x}", event.0)))?;
+            Ok(at.is_none_or(|t| t <= st.now))
+        })
+    }
+
+    fn synchronize_event(&self, event: Event) -> Result<()> {
+        self.call(|st| {
+            let at = st
+                .events
+                .get(&event)
+                .ok_or_else(|| Error::InvalidArgument(format!("unknown event {:#x}", event.0)))?;
+            if let Some(t) = *at {
+                st.now = st.now.max(t);
+                st.apply_thresholds();
+            }
+            Ok(())
+        })
+    }
+
+    fn memset_async(&self, ptr: DevicePtr, _value: u8, len: usize, stream: Stream) -> Result<()> {
+        let mut st = self.state.lock();
+        let ns = self.kernel_ns(&mut st, len);
+        if let Some(nodes) = st.stream_mut(stream)?.capture.as_mut() {
+            nodes.push(Node::Memset { ptr, len });
+            return Ok(());
+        }
+        drop(st);
+        self.use_range(ptr, len, stream, ns)
+    }
+
+    fn copy_to_host(&self, dst: &mut [u8], src: DevicePtr, stream: Stream) -> Result<()> {
+        // No backing memory: the copy is a use of the range, then a wait for it.
+        dst.fill(0);
+        let ns = self.kernel_ns(&mut self.state.lock(), dst.len());
+        self.use_range(src, dst.len(), stream, ns)?;
+        self.synchronize_stream(stream)
+    }
+
+    fn copy_from_host(&self, dst: DevicePtr, src: &[u8], stream: Stream) -> Result<()> {
+        let ns = self.kernel_ns(&mut self.state.lock(), src.len());
+        self.use_range(dst, src.len(), stream, ns)?;
+        self.synchronize_stream(stream)
+    }
+
+    fn begin_capture(&self, stream: Stream) -> Result<()> {
+        self.call(|st| {
+            let s = st.stream_mut(stream)?;
+            if s.capture.is_some() {
+                return Err(Error::InvalidArgument(format!("stream {:#x} is already capturing", stream.0)));
+            }
+            s.capture = Some(Vec::new());
+            Ok(())
+        })
+    }
+
+    fn end_capture(&self, stream: Stream) -> Result<Graph> {
+        self.call(|st| {
+            let nodes = st
+                .stream_mut(stream)?
+                .capture
+                .take()
+                .ok_or_else(|| Error::InvalidArgument(format!("stream {:#x} is not capturing", stream.0)))?;
+            let g = Graph(st.id());
+            st.graphs.insert(g, nodes);
+            Ok(g)
+        })
+    }
+
+    fn instantiate_graph(&self, graph: Graph) -> Result<GraphExec> {
+        self.call(|st| {
+            let nodes = st
+                .graphs
+                .get(&graph)
+                .ok_or_else(|| Error::InvalidArgument(format!("unknown graph {:#x}", graph.0)))?
+                .clone();
+            let e = GraphExec(st.id());
+            st.execs.insert(e, nodes);
+            Ok(e)
+        })
+    }
+
+    fn launch_graph(&self, exec: GraphExec, stream: Stream) -> Result<()> {
+        let nodes = self
+            .state
+            .lock()
+            .execs
+            .get(&exec)
+            .ok_or_else(|| Error::InvalidArgument(format!("unknown graph exec {:#x}", exec.0)))?
+            .clone();
+        for node in nodes {
+            match node {
+                Node::Memset { ptr, len } => self.memset_async(ptr, 0, len, stream)?,
+            }
+        }
+        Ok(())
+    }
+
+    fn destroy_graph_exec(&self, exec: GraphExec) -> Result<()> {
+        self.call(|st| {
+            st.execs
+                .remove(&exec)
+                .map(|_| ())
+                .ok_or_else(|| Error::InvalidArgument(format!("unknown graph exec {:#x}", exec.0)))
+        })
+    }
+
+    fn destroy_graph(&self, graph: Graph) -> Result<()> {
+        self.call(|st| {
+            st.graphs
+                .remove(&graph)
+                .map(|_| ())
+                .ok_or_else(|| Error::InvalidArgument(format!("unknown graph {:#x}", graph.0)))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    fn dev() -> Arc<SimDevice> {
+        SimDevice::new(SimConfig::with_capacity(1 << 30))
+    }
+
+    #[test]
+    fn checker_catches_planted_early_reuse() {
+        let d = dev();
+        let (a, b) = (d.create_stream().unwrap(), d.create_stream().unwrap());
+        let p = d.alloc(4096).unwrap();
+        d.use_range(p, 4096, b, 1_000_000).unwrap();
+        // Handing the range to stream a while b's kernel runs is an early reuse.
+        assert_eq!(d.check_handout(p, 4096, a), 1);
+        // The same stream is ordered; a disjoint range is fine.
+        assert_eq!(d.check_handout(p, 4096, b), 0);
+        assert_eq!(d.check_handout(p + 4096, 4096, a), 0);
+        let v = d.violations();
+        assert_eq!(v.len(), 1);
+        assert_eq!((v[0].stream, v[0].user_stream), (a, b));
+    }
+
+    #[test]
+    fn waiting_on_an_event_orders_the_reuse() {
+        let d = dev();
+        let (a, b) = (d.create_stream().unwrap(), d.create_stream().unwrap());
+        let p = d.alloc(4096).unwrap();
+        d.use_range(p, 4096, b, 1_000_000).unwrap();
+        let e = d.create_event().unwrap();
+        d.record_event(e, b).unwrap();
+        assert!(!d.query_event(e).unwrap());
+        d.stream_wait_event(a, e).unwrap();
+        assert_eq!(d.check_handout(p, 4096, a), 0);
+        d.synchronize_event(e).unwrap();
+        assert!(d.query_event(e).unwrap());
+        assert!(d.violations().is_empty());
+    }
+
+    #[test]
+    fn plain_free_synchronizes_the_device() {
+        let d = dev();
+        let s = d.create_stream().unwrap();
+        let p = d.alloc(4096).unwrap();
+        d.use_range(p, 4096, s, 5_000_000).unwrap();
+        d.free(p).unwrap();
+        assert!(d.now() >= 5_000_000);
+        let q = d.alloc(4096).unwrap();
+        assert_eq!(q, p, "best fit hands the same range back");
+        assert_eq!(d.check_handout(q, 4096, Stream::DEFAULT), 0);
+        assert!(d.free(q + 1).is_err());
+    }
+
+    #[test]
+    fn pool_reuse_across_streams_waits_for_the_free() {
+        let d = dev();
+        let (a, b) = (d.create_stream().unwrap(), d.create_stream().unwrap());
+        let pool = d.default_pool().unwrap();
+        let p = d.alloc_async(1 << 20, pool, a).unwrap();
+        d.use_range(p, 1 << 20, a, 1_000_000).unwrap();
+        d.free_async(p, a).unwrap();
+        // Same stream: at once, no wait.
+        let before = d.stream_ready_at(a).unwrap();
+        let q = d.alloc_async(1 << 20, pool, a).unwrap();
+        assert_eq!(q, p);
+        assert_eq!(d.stream_ready_at(a).unwrap(), before);
+        d.use_range(q, 1 << 20, a, 1_000_000).unwrap();
+        d.free_async(q, a).unwrap();
+        // Another stream: the driver inserts a wait on the free.
+        let r = d.alloc_async(1 << 20, pool, b).unwrap();
+        assert_eq!(r, p);
+        assert!(d.stream_ready_at(b).unwrap() >= d.stream_ready_at(a).unwrap());
+        assert_eq!(d.check_handout(r, 1 << 20, b), 0);
+        assert_eq!(d.pool_attr(pool, PoolAttr::UsedMemCurrent).unwrap(), 1 << 20);
+        d.free_async(r, b).unwrap();
+        d.synchronize_stream(b).unwrap();
+        assert_eq!(d.pool_attr(pool, PoolAttr::ReservedMemCurrent).unwrap(), 0, "threshold 0 releases at sync");
+        assert_eq!(d.mem_info().unwrap().used(), 0);
+    }
+
+    #[test]
+    fn pool_threshold_and_trim() {
+        let d = dev();
+        let pool = d.create_pool(PoolProps::default()).unwrap();
+        d.set_pool_attr(pool, PoolAttr::ReleaseThreshold, u64::MAX).unwrap();
+        let s = d.create_stream().unwrap();
+        let p = d.alloc_async(3 << 20, pool, s).unwrap();
+        d.free_async(p, s).unwrap();
+        d.synchronize_stream(s).unwrap();
+        assert_eq!(d.pool_attr(pool, PoolAttr::ReservedMemCurrent).unwrap(), 4 << 20);
+        d.trim_pool(pool, 0).unwrap();
+        assert_eq!(d.pool_attr(pool, PoolAttr::ReservedMemCurrent).unwrap(), 0);
+        assert_eq!(d.pool_attr(pool, PoolAttr::ReservedMemHigh).unwrap(), 4 << 20);
+        d.destroy_pool(pool).unwrap();
+    }
+
+    #[test]
+    fn out_of_memory_carries_figures() {
+        let d = dev();
+        match d.alloc(2 << 30) {
+            Err(Error::OutOfMemory(r)) => {
+                assert_eq!((r.requested, r.device_total), (2 << 30, 1 << 30));
+            }
+            other => panic!("expected out of memory, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn host_function_runs_when_its_stream_reaches_it() {
+        let d = dev();
+        let s = d.create_stream().unwrap();
+        let p = d.alloc(4096).unwrap();
+        d.use_range(p, 4096, s, 1_000_000).unwrap();
+        let ran = Arc::new(AtomicBool::new(false));
+        let r = ran.clone();
+        d.launch_host_func(s, Box::new(move || r.store(true, Ordering::SeqCst))).unwrap();
+        assert!(!ran.load(Ordering::SeqCst));
+        d.synchronize_stream(s).unwrap();
+        d.advance(1);
+        assert!(ran.load(Ordering::SeqCst));
+    }
+
+    #[test]
+    fn capture_records_and_launch_replays() {
+        let d = dev();
+        let s = d.create_stream().unwrap();
+        let p = d.alloc(4096).unwrap();
+        d.begin_capture(s).unwrap();
+        assert_eq!(d.capture_status(s).unwrap(), CaptureStatus::Active);
+        let captured_at = d.stream_ready_at(s).unwrap();
+        d.memset_async(p, 1, 4096, s).unwrap();
+        assert_eq!(d.stream_ready_at(s).unwrap(), captured_at, "captured work does not run");
+        let g = d.end_capture(s).unwrap();
+        assert_eq!(d.capture_status(s).unwrap(), CaptureStatus::None);
+        let before = d.stream_ready_at(s).unwrap();
+        let e = d.instantiate_graph(g).unwrap();
+        d.launch_graph(e, s).unwrap();
+        assert!(d.stream_ready_at(s).unwrap() > before);
+        d.destroy_graph_exec(e).unwrap();
+        d.destroy_graph(g).unwrap();
+    }
+
+    #[test]
+    fn same_seed_same_timeline() {
+        let run = || {
+            let d = SimDevice::new(SimConfig { seed: 7, ..SimConfig::with_capacity(1 << 30) });
+            let s = d.create_stream().unwrap();
+            let p = d.alloc(1 << 20).unwrap();
+            for _ in 0..10 {
+                d.memset_async(p, 0, 1 << 20, s).unwrap();
+            }
+            d.stream_ready_at(s).unwrap()
+        };
+        assert_eq!(run(), run());
+    }
+}
