@@ -28,8 +28,7 @@ pub const ALIGNMENT: usize = 256;
 
 /// Rounds `size` up to a multiple of [`ALIGNMENT`]; `None` on overflow.
 pub fn align_up(size: usize) -> Option<usize> {
-    size.checked_add(ALIGNMENT - 1)
-        .map(|s| s & !(ALIGNMENT - 1))
+    size.checked_add(ALIGNMENT - 1).map(|s| s & !(ALIGNMENT - 1))
 }
 
 /// What an allocator gets back when an [`Allocation`] is dropped.
@@ -73,22 +72,12 @@ pub struct Allocation {
 impl Allocation {
     /// Wraps a block that `owner` takes back on drop.
     pub fn new(block: Block, owner: Arc<dyn BlockOwner>) -> Self {
-        Self {
-            block,
-            owner: Some(owner),
-        }
+        Self { block, owner: Some(owner) }
     }
 
     /// A zero-size allocation: null pointer, nothing to free.
     pub fn empty(device: usize, stream: Stream) -> Self {
-        Self {
-            block: Block {
-                device,
-                stream,
-                ..Block::default()
-            },
-            owner: None,
-        }
+        Self { block: Block { device, stream, ..Block::default() }, owner: None }
     }
 
     /// The device address (null for a zero-size allocation).

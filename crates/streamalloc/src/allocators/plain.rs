@@ -33,13 +33,7 @@ struct State {
 impl Plain {
     /// A plain allocator on `device`; allocations belong to `stream`.
     pub fn new(device: Arc<dyn Device>, stream: Stream) -> Self {
-        Self {
-            inner: Arc::new(Inner {
-                device,
-                stream,
-                state: Mutex::new(State::default()),
-            }),
-        }
+        Self { inner: Arc::new(Inner { device, stream, state: Mutex::new(State::default()) }) }
     }
 
     fn take_free_error(&self) -> Result<()> {

@@ -18,10 +18,7 @@ pub struct EventPool {
 impl EventPool {
     /// An empty pool for `device`.
     pub fn new(device: Arc<dyn Device>) -> Self {
-        Self {
-            device,
-            idle: Mutex::new(Vec::new()),
-        }
+        Self { device, idle: Mutex::new(Vec::new()) }
     }
 
     /// An idle event, or a new one when none is idle.

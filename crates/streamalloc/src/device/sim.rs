@@ -35,8 +35,8 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use super::{
-    CaptureStatus, Device, DevicePtr, Event, Graph, GraphExec, HostFn, MemInfo, Pool, PoolAttr,
-    PoolProps, Stream,
+    CaptureStatus, Device, DevicePtr, Event, Graph, GraphExec, HostFn, MemInfo, Pool, PoolAttr, PoolProps,
+    Stream,
 };
 use crate::error::{Error, OutOfMemory, Result};
 
@@ -177,11 +177,7 @@ impl PoolState {
     }
 
     fn chunk_of(&self, addr: u64) -> Option<(u64, usize)> {
-        self.chunks
-            .range(..=addr)
-            .next_back()
-            .filter(|(s, n)| addr < **s + **n as u64)
-            .map(|(s, n)| (*s, *n))
+        self.chunks.range(..=addr).next_back().filter(|(s, n)| addr < **s + **n as u64).map(|(s, n)| (*s, *n))
     }
 }
 
@@ -459,7 +455,9 @@ impl Device for SimDevice {
     }
 
     fn mem_info(&self) -> Result<MemInfo> {
-        self.call(|st| Ok(MemInfo { free: self.config.capacity - st.space.used, total: self.config.capacity }))
+        self.call(|st| {
+            Ok(MemInfo { free: self.config.capacity - st.space.used, total: self.config.capacity })
+        })
     }
 
     fn alloc(&self, size: usize) -> Result<DevicePtr> {
@@ -547,7 +545,11 @@ impl Device for SimDevice {
                 PoolAttr::ReuseAllowInternalDependencies => p.internal_deps = value != 0,
                 PoolAttr::ReservedMemHigh if value == 0 => p.reserved_high = p.reserved,
                 PoolAttr::UsedMemHigh if value == 0 => p.used_high = p.used,
-                _ => return Err(Error::InvalidArgument(format!("pool attribute {attr:?} cannot be set to {value}"))),
+                _ => {
+                    return Err(Error::InvalidArgument(format!(
+                        "pool attribute {attr:?} cannot be set to {value}"
+                    )))
+                }
             }
             Ok(())
         })
@@ -719,7 +721,11 @@ impl Device for SimDevice {
 
     fn capture_status(&self, stream: Stream) -> Result<CaptureStatus> {
         self.call(|st| {
-            Ok(if st.stream_mut(stream)?.capture.is_some() { CaptureStatus::Active } else { CaptureStatus::None })
+            Ok(if st.stream_mut(stream)?.capture.is_some() {
+                CaptureStatus::Active
+            } else {
+                CaptureStatus::None
+            })
         })
     }
 
@@ -824,11 +830,10 @@ impl Device for SimDevice {
 
     fn end_capture(&self, stream: Stream) -> Result<Graph> {
         self.call(|st| {
-            let nodes = st
-                .stream_mut(stream)?
-                .capture
-                .take()
-                .ok_or_else(|| Error::InvalidArgument(format!("stream {:#x} is not capturing", stream.0)))?;
+            let nodes =
+                st.stream_mut(stream)?.capture.take().ok_or_else(|| {
+                    Error::InvalidArgument(format!("stream {:#x} is not capturing", stream.0))
+                })?;
             let g = Graph(st.id());
             st.graphs.insert(g, nodes);
             Ok(g)
@@ -961,7 +966,11 @@ mod tests {
         assert_eq!(d.pool_attr(pool, PoolAttr::UsedMemCurrent).unwrap(), 1 << 20);
         d.free_async(r, b).unwrap();
         d.synchronize_stream(b).unwrap();
-        assert_eq!(d.pool_attr(pool, PoolAttr::ReservedMemCurrent).unwrap(), 0, "threshold 0 releases at sync");
+        assert_eq!(
+            d.pool_attr(pool, PoolAttr::ReservedMemCurrent).unwrap(),
+            0,
+            "threshold 0 releases at sync"
+        );
         assert_eq!(d.mem_info().unwrap().used(), 0);
     }
 
