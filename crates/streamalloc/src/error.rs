@@ -33,7 +33,9 @@ pub enum Error {
     #[error("unsupported: {0}")]
     Unsupported(String),
     /// A configured byte limit would be exceeded.
-    #[error("limit exceeded on device {device}: requested {requested} bytes with {in_use} in use, limit {limit}")]
+    #[error(
+        "limit exceeded on device {device}: requested {requested} bytes with {in_use} in use, limit {limit}"
+    )]
     LimitExceeded {
         /// Device ordinal.
         device: usize,
@@ -55,6 +57,19 @@ pub enum Error {
     /// A configuration key or value was not understood.
     #[error("configuration: {0}")]
     Config(String),
+    /// A trace file (RMM logging CSV) has a row that cannot be read or replayed.
+    #[error("trace line {line}: {reason}: `{content}`")]
+    Trace {
+        /// 1-based line number in the file.
+        line: usize,
+        /// The line's text.
+        content: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Reading or writing a file failed (the message names the file).
+    #[error("I/O error: {0}")]
+    Io(String),
 }
 
 /// Figures attached to an out-of-memory error.

@@ -15,6 +15,8 @@ pub mod allocators;
 pub mod device;
 pub mod error;
 pub mod policy;
+pub mod replay;
+pub mod trace;
 
 pub use allocation::{Allocation, Allocator, Block, BlockOwner, Stats, StreamAllocator, ALIGNMENT};
 pub use device::{Device, DevicePtr, Stream};
