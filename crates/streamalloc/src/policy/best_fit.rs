@@ -1,0 +1,727 @@
+//! Best-fit free lists over chunks of address space, with splitting, coalescing and two size
+//! classes. Pure bookkeeping on integer addresses: the caller obtains chunks from somewhere
+//! (a device, a virtual-memory segment) and hands them in with [`BestFitPolicy::add_chunk`].
+//!
+//! # Size classes and rounding
+//! * Every block size is a multiple of [`ALIGNMENT`] (256 bytes): requests are rounded up to
+//!   it ([`BestFitPolicy::round`]) and nothing else is rounded at the block level.
+//! * A request of at most [`Classes::small_max`] bytes (1 MiB by default) is *small*; it is
+//!   served only from small chunks of [`Classes::small_chunk`] bytes (2 MiB by default).
+//!   Larger requests are *large* and served only from large chunks, so that small blocks never
+//!   pin or fragment the big chunks (PyTorch's small and large pools).
+//! * Growth ([`BestFitPolicy::growth_for`]): a small request grows by one small chunk; a large
+//!   request of at most [`Classes::large_chunk`] bytes grows by one large chunk; a larger one
+//!   gets a chunk of its own, rounded up to [`LARGE_ROUND`] (2 MiB).
+//!
+//! # Splitting
+//! A free block bigger than the request is split, the request taking the low end, when the
+//! remainder is at least the class's minimum: [`ALIGNMENT`] for small blocks (any remainder),
+//! and more than `small_max` for large blocks. A large block whose remainder would be 1 MiB or
+//! less is handed out whole, so large chunks do not fill with slivers that only small requests
+//! could use (and small requests never use large chunks). This is PyTorch's rule.
+//!
+//! # Coalescing
+//! A freed block merges at once with a free neighbour on either side within its chunk, so no
+//! two free blocks are ever adjacent. Blocks of different chunks never merge: each chunk goes
+//! back to its source whole.
+//!
+//! # Storage
+//! Blocks live in a slab (`Vec`) indexed by a `u32` *token*, which the caller carries back on
+//! free (it fits [`Block::token`](crate::Block::token)). Vacated slots are recycled through a
+//! stack, and neighbours within a chunk are linked by slot index, so splitting, freeing and
+//! coalescing never allocate once the slab has grown to the working set. The free lists are
+//! one `BTreeMap<(size, addr), slot>` per class: best fit is the first key at or above
+//! `(size, 0)`, i.e. the smallest fitting block, lowest address among equals. A B-tree insert
+//! may allocate a node now and then; that is the only allocation on the hot path.
+#![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+use std::collections::BTreeMap;
+
+use crate::allocation::ALIGNMENT;
+use crate::error::{Error, Result};
+
+/// Chunks for requests larger than [`Classes::large_chunk`] are rounded up to this (2 MiB).
+pub const LARGE_ROUND: u64 = 2 << 20;
+
+/// The size-class boundaries and chunk sizes of a [`BestFitPolicy`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Classes {
+    /// Largest request of the small class, in bytes.
+    pub small_max: u64,
+    /// Size of the chunks small requests are served from, in bytes.
+    pub small_chunk: u64,
+    /// Size of the chunks large requests up to this size are served from, in bytes.
+    pub large_chunk: u64,
+}
+
+impl Default for Classes {
+    fn default() -> Self {
+        Self { small_max: 1 << 20, small_chunk: 2 << 20, large_chunk: 20 << 20 }
+    }
+}
+
+impl Classes {
+    /// Checks that the sizes are multiples of [`ALIGNMENT`], that a small chunk holds the
+    /// largest small request and that a large chunk is bigger than it.
+    pub fn validate(&self) -> Result<()> {
+        let align = ALIGNMENT as u64;
+        if self.small_max == 0 || self.small_max % align != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "small size limit {} must be a positive multiple of {ALIGNMENT}",
+                self.small_max
+            )));
+        }
+        if self.small_chunk < self.small_max || self.small_chunk % align != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "small chunk size {} must be a multiple of {ALIGNMENT} of at least {}",
+                self.small_chunk, self.small_max
+            )));
+        }
+        if self.large_chunk <= self.small_max || self.large_chunk % align != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "large chunk size {} must be a multiple of {ALIGNMENT} above {}",
+                self.large_chunk, self.small_max
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Which free lists and chunks a block belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Class {
+    /// Requests of at most [`Classes::small_max`] bytes.
+    Small,
+    /// Everything larger.
+    Large,
+}
+
+impl Class {
+    fn index(self) -> usize {
+        match self {
+            Class::Small => 0,
+            Class::Large => 1,
+        }
+    }
+}
+
+/// A block handed out by [`BestFitPolicy::allocate`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Grant {
+    /// Start address.
+    pub addr: u64,
+    /// Block size in bytes (the rounded request, or more when the remainder was too small to
+    /// split off).
+    pub size: u64,
+    /// Pass this back to [`BestFitPolicy::free`].
+    pub token: u64,
+}
+
+/// What the policy holds, in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Figures {
+    /// Bytes in all chunks.
+    pub reserved: u64,
+    /// Bytes in blocks handed out.
+    pub allocated: u64,
+    /// Bytes in free blocks.
+    pub cached: u64,
+    /// The largest free block.
+    pub largest_free: u64,
+    /// Number of chunks.
+    pub chunks: usize,
+}
+
+/// A chunk wanted from the source: its class and size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Growth {
+    /// Class of the chunk (pass to [`BestFitPolicy::add_chunk`]).
+    pub class: Class,
+    /// Bytes to obtain.
+    pub size: u64,
+}
+
+const NIL: u32 = u32::MAX;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Vacant,
+    Free,
+    Allocated,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    addr: u64,
+    size: u64,
+    /// Neighbour at lower addresses in the same chunk, or `NIL`.
+    prev: u32,
+    /// Neighbour at higher addresses in the same chunk, or `NIL`.
+    next: u32,
+    state: State,
+    class: Class,
+}
+
+const VACANT: Slot =
+    Slot { addr: 0, size: 0, prev: NIL, next: NIL, state: State::Vacant, class: Class::Small };
+
+#[derive(Debug, Clone, Copy)]
+struct Chunk {
+    size: u64,
+    /// Slot of the block at the chunk's start. Stable: splitting keeps the low part in the
+    /// original slot and coalescing keeps the lower block's slot.
+    first: u32,
+}
+
+/// The best-fit policy: chunks, blocks and free lists (see the [module docs](self)).
+#[derive(Debug)]
+pub struct BestFitPolicy {
+    classes: Classes,
+    slots: Vec<Slot>,
+    vacant: Vec<u32>,
+    free: [BTreeMap<(u64, u64), u32>; 2],
+    chunks: BTreeMap<u64, Chunk>,
+    reserved: u64,
+    allocated: u64,
+    cached: u64,
+}
+
+impl BestFitPolicy {
+    /// An empty policy with the given classes (check them first with
+    /// [`Classes::validate`]).
+    pub fn new(classes: Classes) -> Self {
+        Self {
+            classes,
+            slots: Vec::new(),
+            vacant: Vec::new(),
+            free: [BTreeMap::new(), BTreeMap::new()],
+            chunks: BTreeMap::new(),
+            reserved: 0,
+            allocated: 0,
+            cached: 0,
+        }
+    }
+
+    /// The classes this policy was made with.
+    pub fn classes(&self) -> Classes {
+        self.classes
+    }
+
+    /// `size` rounded up to a multiple of [`ALIGNMENT`]; `None` for 0 or on overflow.
+    pub fn round(size: u64) -> Option<u64> {
+        let align = ALIGNMENT as u64;
+        if size == 0 {
+            return None;
+        }
+        size.checked_add(align - 1).map(|s| s & !(align - 1))
+    }
+
+    /// The class of a request of `size` bytes.
+    pub fn class_of(&self, size: u64) -> Class {
+        if size <= self.classes.small_max {
+            Class::Small
+        } else {
+            Class::Large
+        }
+    }
+
+    /// The chunk to obtain when [`BestFitPolicy::allocate`] found no block for `size`;
+    /// `None` for 0 or on overflow.
+    pub fn growth_for(&self, size: u64) -> Option<Growth> {
+        let size = Self::round(size)?;
+        Some(match self.class_of(size) {
+            Class::Small => Growth { class: Class::Small, size: self.classes.small_chunk },
+            Class::Large if size <= self.classes.large_chunk => {
+                Growth { class: Class::Large, size: self.classes.large_chunk }
+            }
+            Class::Large => {
+                Growth { class: Class::Large, size: size.checked_add(LARGE_ROUND - 1)? & !(LARGE_ROUND - 1) }
+            }
+        })
+    }
+
+    /// Smallest remainder worth splitting off a block of `class`.
+    fn min_split(&self, class: Class) -> u64 {
+        match class {
+            Class::Small => ALIGNMENT as u64,
+            Class::Large => self.classes.small_max + 1,
+        }
+    }
+
+    /// Adds the chunk `[addr, addr + size)` to `class`'s free blocks. Fails if it is empty,
+    /// not aligned to [`ALIGNMENT`] or overlaps a chunk already held.
+    pub fn add_chunk(&mut self, class: Class, addr: u64, size: u64) -> Result<()> {
+        let align = ALIGNMENT as u64;
+        let end = addr.checked_add(size);
+        if size == 0 || addr % align != 0 || size % align != 0 || end.is_none() {
+            return Err(Error::InvalidArgument(format!(
+                "chunk {addr:#x}+{size} is empty, unaligned or wraps around"
+            )));
+        }
+        let end = end.unwrap_or(u64::MAX);
+        let below = self.chunks.range(..end).next_back();
+        if below.is_some_and(|(&a, c)| a + c.size > addr) {
+            return Err(Error::InvalidArgument(format!(
+                "chunk {addr:#x}+{size} overlaps a chunk already held"
+            )));
+        }
+        let slot = self
+            .new_slot(Slot { addr, size, prev: NIL, next: NIL, state: State::Free, class })
+            .ok_or_else(|| Error::InvalidArgument("too many blocks (2^32 - 1)".into()))?;
+        self.chunks.insert(addr, Chunk { size, first: slot });
+        self.free_list(class).insert((size, addr), slot);
+        self.reserved += size;
+        self.cached += size;
+        Ok(())
+    }
+
+    /// The smallest free block that fits `size` bytes (rounded up), split when the remainder
+    /// is large enough. `None` when no free block fits (the caller must grow) or for 0.
+    pub fn allocate(&mut self, size: u64) -> Option<Grant> {
+        let size = Self::round(size)?;
+        let class = self.class_of(size);
+        let (&(block_size, addr), &slot) = self.free_list(class).range((size, 0)..).next()?;
+        self.free_list(class).remove(&(block_size, addr));
+        let mut granted = block_size;
+        let remainder = block_size - size;
+        if remainder >= self.min_split(class) {
+            let next = self.slot(slot).next;
+            let tail =
+                Slot { addr: addr + size, size: remainder, prev: slot, next, state: State::Free, class };
+            if let Some(t) = self.new_slot(tail) {
+                if let Some(n) = self.slot_mut(next) {
+                    n.prev = t;
+                }
+                self.free_list(class).insert((remainder, addr + size), t);
+                granted = size;
+                if let Some(s) = self.slot_mut(slot) {
+                    s.next = t;
+                }
+            }
+        }
+        if let Some(s) = self.slot_mut(slot) {
+            s.size = granted;
+            s.state = State::Allocated;
+        }
+        self.allocated += granted;
+        self.cached -= granted;
+        Some(Grant { addr, size: granted, token: u64::from(slot) })
+    }
+
+    /// Frees the block of `token`, which must start at `addr`, and merges it with its free
+    /// neighbours. Returns the block's size. Fails (a bug in the caller) if `token` is not a
+    /// block handed out at `addr`.
+    pub fn free(&mut self, token: u64, addr: u64) -> Result<u64> {
+        let idx = u32::try_from(token).unwrap_or(NIL);
+        let block = match self.slot(idx) {
+            s if s.state == State::Allocated && s.addr == addr => s,
+            _ => {
+                return Err(Error::InvalidArgument(format!(
+                    "free of {addr:#x} (token {token}), which is not allocated: this is a bug in the caller"
+                )))
+            }
+        };
+        self.allocated -= block.size;
+        self.cached += block.size;
+        let class = block.class;
+        let mut keep = idx;
+        let mut merged = Slot { state: State::Free, ..block };
+        let next = self.slot(block.next);
+        if next.state == State::Free {
+            self.free_list(class).remove(&(next.size, next.addr));
+            merged.size += next.size;
+            merged.next = next.next;
+            self.vacate(block.next);
+        }
+        let prev = self.slot(block.prev);
+        if prev.state == State::Free {
+            self.free_list(class).remove(&(prev.size, prev.addr));
+            self.vacate(keep);
+            keep = block.prev;
+            merged = Slot { addr: prev.addr, size: prev.size + merged.size, prev: prev.prev, ..merged };
+        }
+        if let Some(n) = self.slot_mut(merged.next) {
+            n.prev = keep;
+        }
+        if let Some(s) = self.slot_mut(keep) {
+            *s = merged;
+        }
+        self.free_list(class).insert((merged.size, merged.addr), keep);
+        Ok(block.size)
+    }
+
+    /// Removes every wholly free chunk and returns them as `(addr, size)`, for the caller to
+    /// give back to its source. Chunks with any block handed out stay.
+    pub fn release_free_chunks(&mut self) -> Vec<(u64, u64)> {
+        let mut released = Vec::new();
+        let Self { slots, vacant, free, chunks, reserved, cached, .. } = self;
+        chunks.retain(|&addr, chunk| {
+            let Some(first) = slots.get_mut(chunk.first as usize) else {
+                return true;
+            };
+            if first.state != State::Free || first.size != chunk.size {
+                return true;
+            }
+            if let Some(list) = free.get_mut(first.class.index()) {
+                list.remove(&(first.size, addr));
+            }
+            *first = VACANT;
+            vacant.push(chunk.first);
+            *reserved -= chunk.size;
+            *cached -= chunk.size;
+            released.push((addr, chunk.size));
+            false
+        });
+        released
+    }
+
+    /// Every chunk held, as `(addr, size)`, whether free or not.
+    pub fn chunks(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.chunks.iter().map(|(&a, c)| (a, c.size))
+    }
+
+    /// What the policy holds now. O(log n).
+    pub fn figures(&self) -> Figures {
+        let largest = |m: &BTreeMap<(u64, u64), u32>| m.last_key_value().map_or(0, |(k, _)| k.0);
+        Figures {
+            reserved: self.reserved,
+            allocated: self.allocated,
+            cached: self.cached,
+            largest_free: self.free.iter().map(largest).max().unwrap_or(0),
+            chunks: self.chunks.len(),
+        }
+    }
+
+    fn free_list(&mut self, class: Class) -> &mut BTreeMap<(u64, u64), u32> {
+        let [small, large] = &mut self.free;
+        match class {
+            Class::Small => small,
+            Class::Large => large,
+        }
+    }
+
+    /// A copy of slot `idx`; a vacant slot for `NIL` or out of range.
+    fn slot(&self, idx: u32) -> Slot {
+        self.slots.get(idx as usize).copied().unwrap_or(VACANT)
+    }
+
+    fn slot_mut(&mut self, idx: u32) -> Option<&mut Slot> {
+        self.slots.get_mut(idx as usize)
+    }
+
+    /// Stores `s` in a recycled or new slot; `None` when 2^32 - 1 slots are in use.
+    fn new_slot(&mut self, s: Slot) -> Option<u32> {
+        if let Some(idx) = self.vacant.pop() {
+            if let Some(slot) = self.slot_mut(idx) {
+                *slot = s;
+                return Some(idx);
+            }
+        }
+        let idx = u32::try_from(self.slots.len()).ok().filter(|&i| i != NIL)?;
+        self.slots.push(s);
+        Some(idx)
+    }
+
+    fn vacate(&mut self, idx: u32) {
+        if let Some(s) = self.slot_mut(idx) {
+            *s = VACANT;
+            self.vacant.push(idx);
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const MIB: u64 = 1 << 20;
+
+    impl BestFitPolicy {
+        /// Checks every invariant; panics with a description on the first broken one.
+        fn check(&self) {
+            let (mut reserved, mut allocated, mut cached, mut free_blocks) = (0, 0, 0, 0);
+            let mut last_end = 0;
+            for (&addr, chunk) in &self.chunks {
+                assert!(addr >= last_end, "chunks overlap at {addr:#x}");
+                last_end = addr + chunk.size;
+                reserved += chunk.size;
+                let mut idx = chunk.first;
+                let mut expected = addr;
+                let mut prev = NIL;
+                let mut prev_free = false;
+                while idx != NIL {
+                    let s = self.slots[idx as usize];
+                    assert_eq!(s.addr, expected, "block not contiguous");
+                    assert_eq!(s.prev, prev, "broken back link");
+                    assert!(s.size > 0 && s.size % ALIGNMENT as u64 == 0);
+                    match s.state {
+                        State::Free => {
+                            assert!(!prev_free, "two adjacent free blocks at {:#x}", s.addr);
+                            assert_eq!(self.free[s.class.index()].get(&(s.size, s.addr)), Some(&idx));
+                            cached += s.size;
+                            free_blocks += 1;
+                        }
+                        State::Allocated => allocated += s.size,
+                        State::Vacant => panic!("vacant slot linked in a chunk"),
+                    }
+                    prev_free = s.state == State::Free;
+                    expected += s.size;
+                    prev = idx;
+                    idx = s.next;
+                }
+                assert_eq!(expected, addr + chunk.size, "blocks do not add up to the chunk");
+            }
+            assert_eq!(free_blocks, self.free[0].len() + self.free[1].len(), "stale free-list entries");
+            assert_eq!((reserved, allocated, cached), (self.reserved, self.allocated, self.cached));
+            assert_eq!(reserved, allocated + cached);
+        }
+    }
+
+    fn classes() -> Classes {
+        Classes::default()
+    }
+
+    #[test]
+    fn rounds_to_alignment() {
+        assert_eq!(BestFitPolicy::round(0), None);
+        assert_eq!(BestFitPolicy::round(1), Some(256));
+        assert_eq!(BestFitPolicy::round(256), Some(256));
+        assert_eq!(BestFitPolicy::round(257), Some(512));
+        assert_eq!(BestFitPolicy::round(u64::MAX), None);
+    }
+
+    #[test]
+    fn growth_sizes() {
+        let p = BestFitPolicy::new(classes());
+        assert_eq!(p.growth_for(1), Some(Growth { class: Class::Small, size: 2 * MIB }));
+        assert_eq!(p.growth_for(MIB), Some(Growth { class: Class::Small, size: 2 * MIB }));
+        assert_eq!(p.growth_for(MIB + 1), Some(Growth { class: Class::Large, size: 20 * MIB }));
+        assert_eq!(p.growth_for(20 * MIB), Some(Growth { class: Class::Large, size: 20 * MIB }));
+        assert_eq!(p.growth_for(20 * MIB + 1), Some(Growth { class: Class::Large, size: 22 * MIB }));
+        assert_eq!(p.growth_for(0), None);
+        assert_eq!(p.growth_for(u64::MAX - 100), None);
+    }
+
+    #[test]
+    fn validates_classes() {
+        assert!(classes().validate().is_ok());
+        assert!(Classes { small_chunk: MIB / 2, ..classes() }.validate().is_err());
+        assert!(Classes { large_chunk: MIB, ..classes() }.validate().is_err());
+        assert!(Classes { small_max: 0, ..classes() }.validate().is_err());
+        assert!(Classes { large_chunk: 20 * MIB + 1, ..classes() }.validate().is_err());
+    }
+
+    #[test]
+    fn empty_policy_asks_to_grow() {
+        let mut p = BestFitPolicy::new(classes());
+        assert_eq!(p.allocate(100), None);
+        assert_eq!(p.allocate(0), None);
+        assert_eq!(p.figures(), Figures::default());
+    }
+
+    #[test]
+    fn split_hands_out_low_end() {
+        let mut p = BestFitPolicy::new(classes());
+        p.add_chunk(Class::Small, 0x1000_0000, 2 * MIB).unwrap();
+        let a = p.allocate(1000).unwrap();
+        assert_eq!((a.addr, a.size), (0x1000_0000, 1024));
+        let b = p.allocate(256).unwrap();
+        assert_eq!((b.addr, b.size), (0x1000_0400, 256));
+        p.check();
+        let f = p.figures();
+        assert_eq!((f.reserved, f.allocated, f.cached), (2 * MIB, 1280, 2 * MIB - 1280));
+        assert_eq!(f.largest_free, 2 * MIB - 1280);
+    }
+
+    #[test]
+    fn large_block_not_split_below_min_remainder() {
+        let mut p = BestFitPolicy::new(classes());
+        p.add_chunk(Class::Large, 0, 20 * MIB).unwrap();
+        let a = p.allocate(19 * MIB).unwrap();
+        assert_eq!(a.size, 20 * MIB, "a 1 MiB remainder is not split off");
+        p.free(a.token, a.addr).unwrap();
+        let b = p.allocate(18 * MIB).unwrap();
+        assert_eq!(b.size, 18 * MIB, "a 2 MiB remainder is");
+        p.check();
+    }
+
+    #[test]
+    fn coalesces_both_sides() {
+        let mut p = BestFitPolicy::new(classes());
+        p.add_chunk(Class::Small, 0, 2 * MIB).unwrap();
+        let a = p.allocate(4096).unwrap();
+        let b = p.allocate(4096).unwrap();
+        let c = p.allocate(4096).unwrap();
+        let d = p.allocate(4096).unwrap();
+        p.free(a.token, a.addr).unwrap();
+        p.free(c.token, c.addr).unwrap();
+        p.check();
+        assert_eq!(p.free[0].len(), 3, "a, c and the tail are separate free blocks");
+        p.free(b.token, b.addr).unwrap();
+        p.check();
+        assert_eq!(p.free[0].len(), 2, "a, b and c merged");
+        assert_eq!(p.figures().largest_free, 2 * MIB - 4 * 4096);
+        p.free(d.token, d.addr).unwrap();
+        p.check();
+        assert_eq!(p.free[0].len(), 1);
+        assert_eq!(p.figures().largest_free, 2 * MIB);
+    }
+
+    #[test]
+    fn best_fit_picks_smallest_fitting_block() {
+        let mut p = BestFitPolicy::new(classes());
+        p.add_chunk(Class::Small, 0, 2 * MIB).unwrap();
+        // Free holes of 64 KiB, 16 KiB and 32 KiB separated by live blocks.
+        let sizes = [64 << 10, 4096, 16 << 10, 4096, 32 << 10, 4096];
+        let grants: Vec<Grant> = sizes.iter().map(|&s| p.allocate(s).unwrap()).collect();
+        for i in [0, 2, 4] {
+            p.free(grants[i].token, grants[i].addr).unwrap();
+        }
+        let g = p.allocate(10 << 10).unwrap();
+        assert_eq!(g.addr, grants[2].addr, "the 16 KiB hole is the best fit");
+        let g = p.allocate(20 << 10).unwrap();
+        assert_eq!(g.addr, grants[4].addr, "the 32 KiB hole is the best fit");
+        let g = p.allocate(64 << 10).unwrap();
+        assert_eq!(g.addr, grants[0].addr);
+        p.check();
+    }
+
+    #[test]
+    fn small_and_large_classes_are_separate() {
+        let mut p = BestFitPolicy::new(classes());
+        p.add_chunk(Class::Large, 128 * MIB, 20 * MIB).unwrap();
+        assert_eq!(p.allocate(4096), None, "small requests never use large chunks");
+        assert_eq!(p.release_free_chunks(), vec![(128 * MIB, 20 * MIB)]);
+        p.add_chunk(Class::Small, 64 * MIB, 2 * MIB).unwrap();
+        assert_eq!(p.allocate(MIB + 256), None, "large requests never use small chunks");
+        p.add_chunk(Class::Large, 0, 20 * MIB).unwrap();
+        let s = p.allocate(MIB).unwrap();
+        p.free(s.token, s.addr).unwrap();
+        let l = p.allocate(19 * MIB).unwrap();
+        assert_eq!(p.allocate(4096).map(|g| g.addr), Some(64 * MIB), "small chunk, not the large one");
+        p.free(l.token, l.addr).unwrap();
+        let s = p.allocate(MIB).unwrap();
+        assert!(s.addr >= 64 * MIB);
+        let l = p.allocate(MIB + 1).unwrap();
+        assert!(l.addr < 20 * MIB);
+        p.check();
+    }
+
+    #[test]
+    fn release_returns_only_wholly_free_chunks() {
+        let mut p = BestFitPolicy::new(classes());
+        p.add_chunk(Class::Small, 0, 2 * MIB).unwrap();
+        p.add_chunk(Class::Large, 16 * MIB, 20 * MIB).unwrap();
+        p.add_chunk(Class::Large, 64 * MIB, 20 * MIB).unwrap();
+        let a = p.allocate(4096).unwrap();
+        let b = p.allocate(4 * MIB).unwrap();
+        let c = p.allocate(4 * MIB).unwrap();
+        assert_eq!((b.addr, c.addr), (16 * MIB, 20 * MIB), "lowest address among equal fits");
+        p.free(b.token, b.addr).unwrap();
+        assert_eq!(p.release_free_chunks(), vec![(64 * MIB, 20 * MIB)]);
+        p.check();
+        p.free(a.token, a.addr).unwrap();
+        p.free(c.token, c.addr).unwrap();
+        assert_eq!(p.release_free_chunks(), vec![(0, 2 * MIB), (16 * MIB, 20 * MIB)]);
+        p.check();
+        assert_eq!(p.figures(), Figures::default());
+        assert!(p.release_free_chunks().is_empty());
+    }
+
+    #[test]
+    fn rejects_bad_chunks_and_frees() {
+        let mut p = BestFitPolicy::new(classes());
+        assert!(p.add_chunk(Class::Small, 0, 0).is_err());
+        assert!(p.add_chunk(Class::Small, 100, 2 * MIB).is_err());
+        assert!(p.add_chunk(Class::Small, u64::MAX - 255, 512).is_err());
+        p.add_chunk(Class::Small, 4 * MIB, 2 * MIB).unwrap();
+        assert!(p.add_chunk(Class::Small, 5 * MIB, 2 * MIB).is_err());
+        assert!(p.add_chunk(Class::Small, 3 * MIB, 2 * MIB).is_err());
+        p.add_chunk(Class::Small, 6 * MIB, 2 * MIB).unwrap();
+        let a = p.allocate(256).unwrap();
+        assert!(p.free(a.token, a.addr + 256).is_err(), "wrong address");
+        assert!(p.free(a.token + 7, a.addr).is_err(), "free block's token");
+        assert!(p.free(u64::MAX, a.addr).is_err());
+        p.free(a.token, a.addr).unwrap();
+        assert!(p.free(a.token, a.addr).is_err(), "double free");
+        p.check();
+    }
+
+    #[test]
+    fn slots_are_recycled() {
+        let mut p = BestFitPolicy::new(classes());
+        p.add_chunk(Class::Small, 0, 2 * MIB).unwrap();
+        for _ in 0..1000 {
+            let a = p.allocate(512).unwrap();
+            let b = p.allocate(4096).unwrap();
+            p.free(a.token, a.addr).unwrap();
+            p.free(b.token, b.addr).unwrap();
+        }
+        assert!(p.slots.len() <= 3, "slab grew to {}", p.slots.len());
+        p.check();
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Alloc(u64),
+        Free(usize),
+        Release,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (1u64..=64 << 10).prop_map(Op::Alloc),
+            1 => (1u64..=2 * MIB).prop_map(Op::Alloc),
+            1 => ((MIB + 1)..=30 * MIB).prop_map(Op::Alloc),
+            4 => any::<usize>().prop_map(Op::Free),
+            1 => Just(Op::Release),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn random_sequences_keep_invariants(
+            ops in proptest::collection::vec(op(), 1..300),
+            large_chunk in prop_oneof![Just(4 * MIB), Just(20 * MIB)],
+        ) {
+            let mut p = BestFitPolicy::new(Classes { large_chunk, ..classes() });
+            let mut live: Vec<(Grant, u64)> = Vec::new();
+            let mut next_addr = 1u64 << 32;
+            for op in ops {
+                match op {
+                    Op::Alloc(size) => {
+                        let g = match p.allocate(size) {
+                            Some(g) => g,
+                            None => {
+                                let growth = p.growth_for(size).unwrap();
+                                p.add_chunk(growth.class, next_addr, growth.size).unwrap();
+                                // Leave a gap so that chunks are never adjacent.
+                                next_addr += growth.size + 2 * MIB;
+                                p.allocate(size).unwrap()
+                            }
+                        };
+                        prop_assert!(g.size >= size && g.size % 256 == 0);
+                        live.push((g, size));
+                    }
+                    Op::Free(i) if !live.is_empty() => {
+                        let (g, _) = live.swap_remove(i % live.len());
+                        prop_assert_eq!(p.free(g.token, g.addr).unwrap(), g.size);
+                    }
+                    Op::Free(_) => {}
+                    Op::Release => {
+                        for (addr, size) in p.release_free_chunks() {
+                            prop_assert!(live.iter().all(|(g, _)| g.addr + g.size <= addr || g.addr >= addr + size));
+                        }
+                    }
+                }
+                p.check();
+                let mut sorted: Vec<Grant> = live.iter().map(|(g, _)| *g).collect();
+                sorted.sort_by_key(|g| g.addr);
+                prop_assert!(sorted.windows(2).all(|w| w[0].addr + w[0].size <= w[1].addr), "live blocks overlap");
+                prop_assert_eq!(p.figures().allocated, live.iter().map(|(g, _)| g.size).sum::<u64>());
+            }
+        }
+    }
+}
