@@ -10,6 +10,7 @@
 //!
 //! The ordering contract every allocator follows is written once, in [`allocation`].
 
+pub mod adaptors;
 pub mod allocation;
 pub mod allocators;
 pub mod device;

@@ -337,6 +337,11 @@ impl<W: Write> TraceWriter<W> {
         .map_err(io_error)
     }
 
+    /// Writes out what is buffered.
+    pub fn flush(&mut self) -> Result<()> {
+        self.out.flush().map_err(io_error)
+    }
+
     /// Flushes and returns the underlying writer.
     pub fn finish(self) -> Result<W> {
         self.out.into_inner().map_err(|e| Error::Io(format!("flushing trace: {}", e.error())))

@@ -1,0 +1,96 @@
+//! `Limit`: a hard byte limit over any allocator.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use super::InnerOwner;
+use crate::allocation::{Allocation, Allocator, Block, BlockOwner, Stats, StreamAllocator};
+use crate::device::Stream;
+use crate::error::{Error, Result};
+
+/// Fails allocations that would take the bytes handed out (as asked for) past a limit, with
+/// [`Error::LimitExceeded`] naming it.
+pub struct Limit<A> {
+    inner: A,
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    limit: usize,
+    in_use: AtomicUsize,
+    owner: InnerOwner,
+}
+
+impl<A: Allocator> Limit<A> {
+    /// Wraps `inner` with a limit of `limit` bytes.
+    pub fn new(inner: A, limit: usize) -> Self {
+        Self { inner, shared: Arc::new(Shared { limit, in_use: AtomicUsize::new(0), owner: InnerOwner::default() }) }
+    }
+
+    /// The limit in bytes.
+    pub fn limit(&self) -> usize {
+        self.shared.limit
+    }
+
+    /// The wrapped allocator.
+    pub fn inner(&self) -> &A {
+        &self.inner
+    }
+
+    fn wrap(&self, size: usize, make: impl FnOnce() -> Result<Allocation>) -> Result<Allocation> {
+        let s = &self.shared;
+        let before = s.in_use.fetch_add(size, Ordering::Relaxed);
+        if before.checked_add(size).is_none_or(|total| total > s.limit) {
+            s.in_use.fetch_sub(size, Ordering::Relaxed);
+            return Err(Error::LimitExceeded {
+                device: self.inner.device(),
+                requested: size,
+                in_use: before,
+                limit: s.limit,
+            });
+        }
+        let adopted = make().and_then(|a| s.owner.adopt(a));
+        match adopted {
+            Ok(Ok(block)) => Ok(Allocation::new(block, self.shared.clone())),
+            Ok(Err(empty)) => Ok(empty),
+            Err(e) => {
+                s.in_use.fetch_sub(size, Ordering::Relaxed);
+                Err(e)
+            }
+        }
+    }
+}
+
+impl BlockOwner for Shared {
+    fn free(&self, block: Block) {
+        self.in_use.fetch_sub(block.size, Ordering::Relaxed);
+        self.owner.free(block);
+    }
+}
+
+impl<A: Allocator> Allocator for Limit<A> {
+    fn allocate(&self, size: usize) -> Result<Allocation> {
+        self.wrap(size, || self.inner.allocate(size))
+    }
+    fn release(&self) -> Result<usize> {
+        self.inner.release()
+    }
+    fn stats(&self) -> Stats {
+        self.inner.stats()
+    }
+    fn device(&self) -> usize {
+        self.inner.device()
+    }
+}
+
+impl<A: StreamAllocator> StreamAllocator for Limit<A> {
+    fn allocate_on(&self, size: usize, stream: Stream) -> Result<Allocation> {
+        self.wrap(size, || self.inner.allocate_on(size, stream))
+    }
+    fn default_stream(&self) -> Stream {
+        self.inner.default_stream()
+    }
+    fn set_default_stream(&self, stream: Stream) {
+        self.inner.set_default_stream(stream)
+    }
+}

@@ -1,0 +1,181 @@
+//! `StatsAdaptor`: byte and count statistics per stream, with resettable peaks and scopes.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::InnerOwner;
+use crate::allocation::{Allocation, Allocator, Block, BlockOwner, Stats, StreamAllocator};
+use crate::device::Stream;
+use crate::error::Result;
+
+/// Figures for one stream, for all streams, or for one scope.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StreamStats {
+    /// Bytes allocated and not yet freed (in a scope: beyond what was live when it opened).
+    pub current: usize,
+    /// Peak of `current` since creation, the last [`StatsAdaptor::reset_peaks`], or the
+    /// scope's opening.
+    pub peak: usize,
+    /// Bytes allocated in all.
+    pub total: usize,
+    /// Allocations made.
+    pub allocations: u64,
+    /// Frees made.
+    pub frees: u64,
+}
+
+impl StreamStats {
+    fn on_allocate(&mut self, size: usize) {
+        self.current += size;
+        self.peak = self.peak.max(self.current);
+        self.total += size;
+        self.allocations += 1;
+    }
+
+    fn on_free(&mut self, size: usize) {
+        self.current = self.current.saturating_sub(size);
+        self.frees += 1;
+    }
+}
+
+/// Counts bytes and operations per owning stream and in all, on top of the wrapped
+/// allocator's own [`Stats`] (which [`Allocator::stats`] still returns).
+pub struct StatsAdaptor<A> {
+    inner: A,
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    owner: InnerOwner,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    all: StreamStats,
+    per_stream: HashMap<Stream, StreamStats>,
+    /// Open scopes: id -> figures since the scope opened.
+    scopes: Vec<(u64, StreamStats)>,
+    next_scope: u64,
+}
+
+/// An open measurement scope (see [`StatsAdaptor::scope`]); closes when dropped.
+pub struct Scope {
+    shared: Arc<Shared>,
+    id: u64,
+}
+
+impl Scope {
+    /// Figures since the scope opened.
+    pub fn stats(&self) -> StreamStats {
+        let state = self.shared.state.lock();
+        state.scopes.iter().find(|(id, _)| *id == self.id).map(|(_, s)| *s).unwrap_or_default()
+    }
+}
+
+impl Drop for Scope {
+    fn drop(&mut self) {
+        self.shared.state.lock().scopes.retain(|(id, _)| *id != self.id);
+    }
+}
+
+impl<A: Allocator> StatsAdaptor<A> {
+    /// Wraps `inner`.
+    pub fn new(inner: A) -> Self {
+        Self { inner, shared: Arc::new(Shared { owner: InnerOwner::default(), state: Mutex::default() }) }
+    }
+
+    /// The wrapped allocator.
+    pub fn inner(&self) -> &A {
+        &self.inner
+    }
+
+    /// Figures over all streams.
+    pub fn totals(&self) -> StreamStats {
+        self.shared.state.lock().all
+    }
+
+    /// Figures per owning stream, sorted by stream.
+    pub fn per_stream(&self) -> Vec<(Stream, StreamStats)> {
+        let mut v: Vec<_> = self.shared.state.lock().per_stream.iter().map(|(s, f)| (*s, *f)).collect();
+        v.sort_by_key(|(s, _)| *s);
+        v
+    }
+
+    /// Sets every peak to the current figure.
+    pub fn reset_peaks(&self) {
+        let mut state = self.shared.state.lock();
+        state.all.peak = state.all.current;
+        for s in state.per_stream.values_mut() {
+            s.peak = s.current;
+        }
+    }
+
+    /// Opens a scope that measures from now until it is dropped. Scopes nest freely.
+    pub fn scope(&self) -> Scope {
+        let mut state = self.shared.state.lock();
+        state.next_scope += 1;
+        let id = state.next_scope;
+        state.scopes.push((id, StreamStats::default()));
+        Scope { shared: self.shared.clone(), id }
+    }
+
+    fn adopt(&self, a: Allocation) -> Result<Allocation> {
+        let block = match self.shared.owner.adopt(a)? {
+            Ok(block) => block,
+            Err(empty) => return Ok(empty),
+        };
+        let mut state = self.shared.state.lock();
+        state.all.on_allocate(block.size);
+        state.per_stream.entry(block.stream).or_default().on_allocate(block.size);
+        for (_, s) in &mut state.scopes {
+            s.on_allocate(block.size);
+        }
+        drop(state);
+        Ok(Allocation::new(block, self.shared.clone()))
+    }
+}
+
+impl BlockOwner for Shared {
+    fn free(&self, block: Block) {
+        let mut state = self.state.lock();
+        state.all.on_free(block.size);
+        if let Some(s) = state.per_stream.get_mut(&block.stream) {
+            s.on_free(block.size);
+        }
+        for (_, s) in &mut state.scopes {
+            s.on_free(block.size);
+        }
+        drop(state);
+        self.owner.free(block);
+    }
+}
+
+impl<A: Allocator> Allocator for StatsAdaptor<A> {
+    fn allocate(&self, size: usize) -> Result<Allocation> {
+        self.adopt(self.inner.allocate(size)?)
+    }
+    fn release(&self) -> Result<usize> {
+        self.inner.release()
+    }
+    fn stats(&self) -> Stats {
+        self.inner.stats()
+    }
+    fn device(&self) -> usize {
+        self.inner.device()
+    }
+}
+
+impl<A: StreamAllocator> StreamAllocator for StatsAdaptor<A> {
+    fn allocate_on(&self, size: usize, stream: Stream) -> Result<Allocation> {
+        self.adopt(self.inner.allocate_on(size, stream)?)
+    }
+    fn default_stream(&self) -> Stream {
+        self.inner.default_stream()
+    }
+    fn set_default_stream(&self, stream: Stream) {
+        self.inner.set_default_stream(stream)
+    }
+}

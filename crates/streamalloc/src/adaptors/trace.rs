@@ -1,0 +1,130 @@
+//! `TraceAdaptor`: writes every allocation and free as RMM's logging CSV.
+
+use std::io::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use parking_lot::Mutex;
+
+use super::InnerOwner;
+use crate::allocation::{Allocation, Allocator, Block, BlockOwner, Stats, StreamAllocator};
+use crate::device::Stream;
+use crate::error::{Error, Result};
+use crate::trace::{Action, Record, TraceWriter};
+
+/// Logs each allocation, failure and free to a [`TraceWriter`] (buffered; flushed by
+/// [`TraceAdaptor::flush`] and when the adaptor and its last allocation are dropped). Safe
+/// from many threads: rows are written under one lock. A write error is kept and returned by
+/// the next [`TraceAdaptor::flush`]. Streams are written as their handle values.
+pub struct TraceAdaptor<A, W: Write + Send + 'static> {
+    inner: A,
+    shared: Arc<Shared<W>>,
+}
+
+struct Shared<W: Write + Send + 'static> {
+    owner: InnerOwner,
+    out: Mutex<Output<W>>,
+}
+
+struct Output<W: Write> {
+    writer: Option<TraceWriter<W>>,
+    error: Option<Error>,
+}
+
+fn thread_number() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    thread_local!(static ID: u64 = NEXT.fetch_add(1, Ordering::Relaxed));
+    ID.with(|id| *id)
+}
+
+impl<W: Write + Send + 'static> Shared<W> {
+    fn log(&self, action: Action, ptr: u64, size: usize, stream: Stream) {
+        let time_us = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64);
+        let record = Record { thread: thread_number(), time_us, action, ptr, size, stream: stream.0 };
+        let mut out = self.out.lock();
+        let Output { writer, error } = &mut *out;
+        if let Some(w) = writer {
+            if let Err(e) = w.write(&record) {
+                error.get_or_insert(e);
+            }
+        }
+    }
+}
+
+impl<A: Allocator, W: Write + Send + 'static> TraceAdaptor<A, W> {
+    /// Wraps `inner`, writing rows to `writer`.
+    pub fn new(inner: A, writer: TraceWriter<W>) -> Self {
+        let out = Mutex::new(Output { writer: Some(writer), error: None });
+        Self { inner, shared: Arc::new(Shared { owner: InnerOwner::default(), out }) }
+    }
+
+    /// The wrapped allocator.
+    pub fn inner(&self) -> &A {
+        &self.inner
+    }
+
+    /// Flushes the rows written so far; returns the first write error met since the last
+    /// flush, if any.
+    pub fn flush(&self) -> Result<()> {
+        let mut out = self.shared.out.lock();
+        if let Some(e) = out.error.take() {
+            return Err(e);
+        }
+        match out.writer.as_mut() {
+            Some(w) => w.flush(),
+            None => Ok(()),
+        }
+    }
+
+    fn logged(&self, size: usize, stream: Stream, made: Result<Allocation>) -> Result<Allocation> {
+        let a = match made {
+            Ok(a) => a,
+            Err(e) => {
+                self.shared.log(Action::AllocateFailure, 0, size, stream);
+                return Err(e);
+            }
+        };
+        let block = match self.shared.owner.adopt(a)? {
+            Ok(block) => block,
+            Err(empty) => return Ok(empty),
+        };
+        self.shared.log(Action::Allocate, block.ptr, block.size, block.stream);
+        Ok(Allocation::new(block, self.shared.clone()))
+    }
+}
+
+impl<W: Write + Send + 'static> BlockOwner for Shared<W> {
+    fn free(&self, block: Block) {
+        self.log(Action::Free, block.ptr, block.size, block.stream);
+        self.owner.free(block);
+    }
+}
+
+impl<A: Allocator, W: Write + Send + 'static> Allocator for TraceAdaptor<A, W> {
+    fn allocate(&self, size: usize) -> Result<Allocation> {
+        let stream = Stream::DEFAULT;
+        self.logged(size, stream, self.inner.allocate(size))
+    }
+    fn release(&self) -> Result<usize> {
+        self.inner.release()
+    }
+    fn stats(&self) -> Stats {
+        self.inner.stats()
+    }
+    fn device(&self) -> usize {
+        self.inner.device()
+    }
+}
+
+impl<A: StreamAllocator, W: Write + Send + 'static> StreamAllocator for TraceAdaptor<A, W> {
+    fn allocate_on(&self, size: usize, stream: Stream) -> Result<Allocation> {
+        self.logged(size, stream, self.inner.allocate_on(size, stream))
+    }
+    fn default_stream(&self) -> Stream {
+        self.inner.default_stream()
+    }
+    fn set_default_stream(&self, stream: Stream) {
+        self.inner.set_default_stream(stream)
+    }
+}
