@@ -15,6 +15,7 @@ pub mod allocation;
 pub mod allocators;
 pub mod device;
 pub mod error;
+pub mod facade;
 pub mod policy;
 pub mod replay;
 pub mod trace;

@@ -24,7 +24,10 @@ struct Shared {
 impl<A: Allocator> Limit<A> {
     /// Wraps `inner` with a limit of `limit` bytes.
     pub fn new(inner: A, limit: usize) -> Self {
-        Self { inner, shared: Arc::new(Shared { limit, in_use: AtomicUsize::new(0), owner: InnerOwner::default() }) }
+        Self {
+            inner,
+            shared: Arc::new(Shared { limit, in_use: AtomicUsize::new(0), owner: InnerOwner::default() }),
+        }
     }
 
     /// The limit in bytes.

@@ -34,7 +34,8 @@ struct Shared {
 impl<A: Allocator> Retry<A> {
     /// Wraps `inner`, waiting at most `timeout` for memory.
     pub fn new(inner: A, timeout: Duration) -> Self {
-        let shared = Shared { owner: InnerOwner::default(), timeout, frees: Mutex::new(0), freed: Condvar::new() };
+        let shared =
+            Shared { owner: InnerOwner::default(), timeout, frees: Mutex::new(0), freed: Condvar::new() };
         Self { inner, shared: Arc::new(shared) }
     }
 

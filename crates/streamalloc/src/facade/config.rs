@@ -1,0 +1,400 @@
+//! The typed configuration, and the one place that reads `STREAMALLOC_CONF`.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+
+/// The environment variable [`Config::from_env`] reads.
+pub const ENV_VAR: &str = "STREAMALLOC_CONF";
+
+/// Which allocator serves each device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strategy {
+    /// [`Plain`](crate::allocators::Plain): no caching.
+    Plain,
+    /// [`BestFit`](crate::allocators::BestFit): one caching pool, made usable from any stream
+    /// by [`SingleStream`](crate::adaptors::SingleStream).
+    BestFit,
+    /// [`StreamSafe`](crate::allocators::StreamSafe): a caching pool per stream.
+    StreamSafe,
+    /// [`AsyncPool`](crate::allocators::AsyncPool): the driver's stream-ordered pool.
+    Async,
+}
+
+impl Strategy {
+    const NAMES: &'static str = "plain, best_fit, stream_safe, async";
+
+    /// The name used in configuration strings.
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Plain => "plain",
+            Strategy::BestFit => "best_fit",
+            Strategy::StreamSafe => "stream_safe",
+            Strategy::Async => "async",
+        }
+    }
+}
+
+impl FromStr for Strategy {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s {
+            "plain" => Strategy::Plain,
+            "best_fit" => Strategy::BestFit,
+            "stream_safe" => Strategy::StreamSafe,
+            "async" => Strategy::Async,
+            _ => return Err(Error::Config(format!("strategy={s}: expected one of {}", Strategy::NAMES))),
+        })
+    }
+}
+
+/// Which device implementation the facade opens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// The CUDA driver, loaded at run time.
+    Cuda,
+    /// The simulator (for tests and for machines without a GPU).
+    Sim,
+}
+
+/// Which stream-ordered pool the `async` strategy allocates from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolChoice {
+    /// The device's default pool, shared with every library in the process.
+    Default,
+    /// A pool the allocator creates and owns.
+    Owned,
+}
+
+/// A byte limit: absolute, or a fraction of the device's memory.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LimitSpec {
+    /// This many bytes.
+    Bytes(usize),
+    /// This fraction (0 < f <= 1) of the device's total memory.
+    Fraction(f64),
+}
+
+impl LimitSpec {
+    /// The limit in bytes on a device of `total` bytes.
+    pub fn bytes(self, total: usize) -> usize {
+        match self {
+            LimitSpec::Bytes(n) => n,
+            LimitSpec::Fraction(f) => (total as f64 * f) as usize,
+        }
+    }
+}
+
+/// Everything the facade needs to build an allocator stack. Built in code, or parsed from a
+/// `key=value,key=value` string (see [`Config::parse`] and the README's table of keys).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// `strategy`: which allocator serves each device. Default `stream_safe`.
+    pub strategy: Strategy,
+    /// `device`: `cuda` or `sim`. Default `cuda`.
+    pub device: DeviceKind,
+    /// `sim_capacity`: bytes of a simulated device. Default 143,771 MiB (an H200).
+    pub sim_capacity: usize,
+    /// `growth`: bytes a caching pool grows by for large requests. Default 20 MiB.
+    pub growth: usize,
+    /// `pool`: `default` or `owned`, for `async`. Default `default`.
+    pub pool: PoolChoice,
+    /// `release_threshold`: bytes an owned pool keeps reserved at synchronizations (`max`
+    /// for all). Default `max`.
+    pub release_threshold: u64,
+    /// `throttle`: for `async`, the share of device memory allocated plus pending release
+    /// above which allocating streams wait for pending frees. Default 0.8.
+    pub throttle: f64,
+    /// `trim_floor`: bytes `release` leaves reserved in a pool. Default 0.
+    pub trim_floor: usize,
+    /// `limit`: a byte limit (`40GiB`) or a fraction of device memory (`0.9`). Default none.
+    pub limit: Option<LimitSpec>,
+    /// `retry_timeout`: on out-of-memory, how long to wait for frees before failing
+    /// (`500ms`, `2s`); adds the Retry layer. Default none (allocators still make their own
+    /// one release-and-retry).
+    pub retry_timeout: Option<Duration>,
+    /// `stats`: `true` adds per-stream statistics. Default `false`.
+    pub stats: bool,
+    /// `trace`: write every allocation and free to this CSV file (device N > 0 writes to
+    /// `PATH.N`). Default none.
+    pub trace: Option<PathBuf>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            strategy: Strategy::StreamSafe,
+            device: DeviceKind::Cuda,
+            sim_capacity: 143_771 << 20,
+            growth: 20 << 20,
+            pool: PoolChoice::Default,
+            release_threshold: u64::MAX,
+            throttle: 0.8,
+            trim_floor: 0,
+            limit: None,
+            retry_timeout: None,
+            stats: false,
+            trace: None,
+        }
+    }
+}
+
+/// The keys [`Config::parse`] accepts, with what each takes.
+pub const KEYS: &[(&str, &str)] = &[
+    ("strategy", "plain | best_fit | stream_safe | async"),
+    ("device", "cuda | sim"),
+    ("sim_capacity", "a size, e.g. 80GiB"),
+    ("growth", "a size, e.g. 20MiB"),
+    ("pool", "default | owned"),
+    ("release_threshold", "a size, or max"),
+    ("throttle", "a ratio in (0, 1], or 1 to turn it off"),
+    ("trim_floor", "a size"),
+    ("limit", "a size (40GiB) or a fraction of device memory (0.9)"),
+    ("retry_timeout", "a duration: 500ms, 2s, 0"),
+    ("stats", "true | false"),
+    ("trace", "a file path"),
+];
+
+impl Config {
+    /// Parses `key=value` pairs separated by commas (whitespace around them is ignored) on
+    /// top of the defaults. Unknown keys and bad values are errors naming the key and what
+    /// it accepts.
+    pub fn parse(s: &str) -> Result<Self> {
+        let mut c = Config::default();
+        for pair in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (key, value) = pair
+                .split_once('=')
+                .map(|(k, v)| (k.trim(), v.trim()))
+                .ok_or_else(|| Error::Config(format!("`{pair}` is not key=value")))?;
+            let accepted = KEYS.iter().find(|(k, _)| *k == key).map(|(_, a)| *a).ok_or_else(|| {
+                let known: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();
+                Error::Config(format!("unknown key `{key}`; known keys: {}", known.join(", ")))
+            })?;
+            let bad = || Error::Config(format!("{key}={value}: expected {accepted}"));
+            match key {
+                "strategy" => c.strategy = value.parse()?,
+                "device" => {
+                    c.device = match value {
+                        "cuda" => DeviceKind::Cuda,
+                        "sim" => DeviceKind::Sim,
+                        _ => return Err(bad()),
+                    }
+                }
+                "sim_capacity" => c.sim_capacity = parse_size(value).ok_or_else(bad)?,
+                "growth" => c.growth = parse_size(value).filter(|n| *n > 0).ok_or_else(bad)?,
+                "pool" => {
+                    c.pool = match value {
+                        "default" => PoolChoice::Default,
+                        "owned" => PoolChoice::Owned,
+                        _ => return Err(bad()),
+                    }
+                }
+                "release_threshold" => {
+                    c.release_threshold =
+                        if value == "max" { u64::MAX } else { parse_size(value).ok_or_else(bad)? as u64 }
+                }
+                "throttle" => {
+                    c.throttle =
+                        value.parse::<f64>().ok().filter(|r| *r > 0.0 && *r <= 1.0).ok_or_else(bad)?
+                }
+                "trim_floor" => c.trim_floor = parse_size(value).ok_or_else(bad)?,
+                "limit" => {
+                    c.limit = Some(match value.parse::<f64>() {
+                        Ok(f) if f > 0.0 && f <= 1.0 && value.contains('.') => LimitSpec::Fraction(f),
+                        _ => LimitSpec::Bytes(parse_size(value).filter(|n| *n > 0).ok_or_else(bad)?),
+                    })
+                }
+                "retry_timeout" => c.retry_timeout = Some(parse_duration(value).ok_or_else(bad)?),
+                "stats" => c.stats = value.parse().map_err(|_| bad())?,
+                "trace" if !value.is_empty() => c.trace = Some(PathBuf::from(value)),
+                _ => return Err(bad()),
+            }
+        }
+        Ok(c)
+    }
+
+    /// The configuration from the environment variable [`ENV_VAR`] (the defaults when it is
+    /// unset or empty). The only place in the crate that reads the environment.
+    pub fn from_env() -> Result<Self> {
+        match std::env::var(ENV_VAR) {
+            Ok(s) => Self::parse(&s).map_err(|e| Error::Config(format!("{ENV_VAR}: {e}"))),
+            Err(std::env::VarError::NotPresent) => Ok(Self::default()),
+            Err(e) => Err(Error::Config(format!("{ENV_VAR}: {e}"))),
+        }
+    }
+}
+
+impl fmt::Display for Config {
+    /// Writes the configuration back as a string [`Config::parse`] reads.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let threshold = if self.release_threshold == u64::MAX {
+            "max".to_string()
+        } else {
+            self.release_threshold.to_string()
+        };
+        write!(
+            f,
+            "strategy={},device={},sim_capacity={},growth={},pool={},release_threshold={threshold},throttle={},\
+             trim_floor={},stats={}",
+            self.strategy.name(),
+            match self.device {
+                DeviceKind::Cuda => "cuda",
+                DeviceKind::Sim => "sim",
+            },
+            self.sim_capacity,
+            self.growth,
+            match self.pool {
+                PoolChoice::Default => "default",
+                PoolChoice::Owned => "owned",
+            },
+            self.throttle,
+            self.trim_floor,
+            self.stats,
+        )?;
+        match self.limit {
+            Some(LimitSpec::Bytes(n)) => write!(f, ",limit={n}")?,
+            Some(LimitSpec::Fraction(x)) => write!(f, ",limit={x:?}")?,
+            None => {}
+        }
+        if let Some(t) = self.retry_timeout {
+            write!(f, ",retry_timeout={}ms", t.as_millis())?;
+        }
+        if let Some(p) = &self.trace {
+            write!(f, ",trace={}", p.display())?;
+        }
+        Ok(())
+    }
+}
+
+/// Parses a size: a number with an optional unit, `B`, `KB`/`MB`/`GB`/`TB` (powers of 1000)
+/// or `KiB`/`MiB`/`GiB`/`TiB` (powers of 1024), case-insensitive; fractions allowed
+/// (`1.5GiB`).
+pub fn parse_size(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let unit: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        "kib" => 1 << 10,
+        "mib" => 1 << 20,
+        "gib" => 1 << 30,
+        "tib" => 1 << 40,
+        _ => return None,
+    };
+    if let Ok(n) = num.parse::<u64>() {
+        return n.checked_mul(unit).and_then(|b| usize::try_from(b).ok());
+    }
+    let x: f64 = num.parse().ok().filter(|x: &f64| x.is_finite() && *x >= 0.0)?;
+    let bytes = x * unit as f64;
+    (bytes < usize::MAX as f64).then_some(bytes as usize)
+}
+
+/// Parses a duration: `250ms`, `2s`, `1.5s`, or `0`.
+pub fn parse_duration(s: &str) -> Option<Duration> {
+    let s = s.trim();
+    if s == "0" {
+        return Some(Duration::ZERO);
+    }
+    let (num, scale) = if let Some(n) = s.strip_suffix("ms") {
+        (n, 1e-3)
+    } else if let Some(n) = s.strip_suffix('s') {
+        (n, 1.0)
+    } else {
+        return None;
+    };
+    let x: f64 = num.trim().parse().ok().filter(|x: &f64| x.is_finite() && *x >= 0.0)?;
+    Duration::try_from_secs_f64(x * scale).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("512MiB"), Some(512 << 20));
+        assert_eq!(parse_size("8GiB"), Some(8 << 30));
+        assert_eq!(parse_size("8gib"), Some(8 << 30));
+        assert_eq!(parse_size("1.5GiB"), Some(3 << 29));
+        assert_eq!(parse_size("2GB"), Some(2_000_000_000));
+        assert_eq!(parse_size("4096"), Some(4096));
+        assert_eq!(parse_size("7B"), Some(7));
+        assert_eq!(parse_size("3kB"), Some(3000));
+        assert_eq!(parse_size("1TiB"), Some(1 << 40));
+        for bad in ["", "GiB", "-1GiB", "1.2.3MiB", "12 parsecs", "99999999999TiB"] {
+            assert_eq!(parse_size(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("250ms"), Some(Duration::from_millis(250)));
+        assert_eq!(parse_duration("2s"), Some(Duration::from_secs(2)));
+        assert_eq!(parse_duration("0"), Some(Duration::ZERO));
+        assert_eq!(parse_duration("1.5s"), Some(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("5"), None);
+        assert_eq!(parse_duration("-1s"), None);
+    }
+
+    #[test]
+    fn every_key() {
+        let c = Config::parse(
+            "strategy=async, device=sim, sim_capacity=8GiB, growth=2MiB, pool=owned, \
+             release_threshold=1GiB, throttle=0.5, trim_floor=64MiB, limit=40GiB, retry_timeout=250ms, \
+             stats=true, trace=/tmp/t.csv",
+        )
+        .unwrap();
+        assert_eq!(c.strategy, Strategy::Async);
+        assert_eq!(c.device, DeviceKind::Sim);
+        assert_eq!(c.sim_capacity, 8 << 30);
+        assert_eq!(c.growth, 2 << 20);
+        assert_eq!(c.pool, PoolChoice::Owned);
+        assert_eq!(c.release_threshold, 1 << 30);
+        assert_eq!(c.throttle, 0.5);
+        assert_eq!(c.trim_floor, 64 << 20);
+        assert_eq!(c.limit, Some(LimitSpec::Bytes(40 << 30)));
+        assert_eq!(c.retry_timeout, Some(Duration::from_millis(250)));
+        assert!(c.stats);
+        assert_eq!(c.trace, Some(PathBuf::from("/tmp/t.csv")));
+        // Every key in KEYS is covered above.
+        assert_eq!(KEYS.len(), 12);
+        // Display writes back what parse reads.
+        assert_eq!(Config::parse(&c.to_string()).unwrap(), c);
+        for s in ["plain", "best_fit", "stream_safe", "async"] {
+            assert_eq!(Config::parse(&format!("strategy={s}")).unwrap().strategy.name(), s);
+        }
+        assert_eq!(Config::parse("limit=0.9").unwrap().limit, Some(LimitSpec::Fraction(0.9)));
+        assert_eq!(Config::parse("release_threshold=max").unwrap().release_threshold, u64::MAX);
+        assert_eq!(Config::parse("").unwrap(), Config::default());
+        assert_eq!(Config::parse(&Config::default().to_string()).unwrap(), Config::default());
+    }
+
+    #[test]
+    fn bad_input_names_the_key_and_accepted_values() {
+        let err = |s: &str| Config::parse(s).unwrap_err().to_string();
+        assert!(err("strategy=fast").contains("plain, best_fit, stream_safe, async"));
+        assert!(err("colour=blue").contains("unknown key `colour`"));
+        assert!(err("colour=blue").contains("strategy"));
+        assert!(err("growth=lots").contains("growth=lots: expected a size"));
+        assert!(err("growth=0").contains("growth=0"));
+        assert!(err("throttle=1.5").contains("throttle=1.5"));
+        assert!(err("throttle=0").contains("throttle"));
+        assert!(err("limit=0").contains("limit=0"));
+        assert!(err("device=tpu").contains("cuda | sim"));
+        assert!(err("pool=mine").contains("default | owned"));
+        assert!(err("stats=yes").contains("true | false"));
+        assert!(err("retry_timeout=soon").contains("a duration"));
+        assert!(err("trace=").contains("a file path"));
+        assert!(err("release_threshold=lots").contains("release_threshold"));
+        assert!(err("sim_capacity=x").contains("sim_capacity"));
+        assert!(err("trim_floor=x").contains("trim_floor"));
+        assert!(err("strategy").contains("not key=value"));
+    }
+}

@@ -1,0 +1,201 @@
+//! The facade: one allocator stack per device, built lazily from a typed [`Config`].
+//!
+//! The stack for each device, outermost first (each layer only when configured):
+//!
+//! ```text
+//! Limit -> Retry -> StatsAdaptor -> TraceAdaptor -> strategy
+//! ```
+//!
+//! Limit comes first so that a request over the limit fails at once, without making Retry
+//! wait; Retry wraps the statistics and trace layers so that its attempts are counted and
+//! logged as what they are; the strategy is the allocator itself. Strategies without stream
+//! methods (`plain`, `best_fit`) are wrapped in [`SingleStream`] so that every device offers
+//! a [`StreamAllocator`].
+
+mod config;
+
+pub use config::{
+    parse_duration, parse_size, Config, DeviceKind, LimitSpec, PoolChoice, Strategy, ENV_VAR, KEYS,
+};
+
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::Mutex;
+
+use crate::adaptors::{Limit, Retry, SingleStream, StatsAdaptor, StreamStats, TraceAdaptor};
+use crate::allocation::{Allocation, Stats, StreamAllocator};
+use crate::allocators::Plain;
+use crate::device::cuda::CudaDevice;
+use crate::device::sim::{SimConfig, SimDevice};
+use crate::device::{Device, Stream};
+use crate::error::{Error, Result};
+use crate::trace::TraceWriter;
+
+/// The most devices one facade serves.
+pub const MAX_DEVICES: usize = 64;
+
+/// A device's allocator stack.
+pub type DynAllocator = Arc<dyn StreamAllocator>;
+
+/// What the facade keeps for one device.
+pub struct DeviceStack {
+    /// The device.
+    pub device: Arc<dyn Device>,
+    /// The outermost layer of its stack.
+    pub allocator: DynAllocator,
+    /// The per-stream statistics layer, with `stats=true`.
+    pub stats: Option<Arc<StatsAdaptor<DynAllocator>>>,
+}
+
+/// Per-device allocator stacks built from one [`Config`], created on first use of each
+/// device, thread-safely. The constructor makes no driver call.
+pub struct Facade {
+    config: Config,
+    stacks: Box<[OnceLock<DeviceStack>]>,
+    building: Mutex<()>,
+}
+
+impl Facade {
+    /// A facade for `config`.
+    pub fn new(config: Config) -> Self {
+        Self { config, stacks: (0..MAX_DEVICES).map(|_| OnceLock::new()).collect(), building: Mutex::new(()) }
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The stack of device `ordinal`, built on first use.
+    pub fn stack(&self, ordinal: usize) -> Result<&DeviceStack> {
+        let slot = self.stacks.get(ordinal).ok_or_else(|| {
+            Error::InvalidArgument(format!("device {ordinal} is beyond the {MAX_DEVICES} a facade serves"))
+        })?;
+        if let Some(stack) = slot.get() {
+            return Ok(stack);
+        }
+        let _building = self.building.lock();
+        if let Some(stack) = slot.get() {
+            return Ok(stack);
+        }
+        let stack = self.build(ordinal)?;
+        Ok(slot.get_or_init(|| stack))
+    }
+
+    /// The allocator stack of device `ordinal`.
+    pub fn allocator(&self, ordinal: usize) -> Result<&DynAllocator> {
+        Ok(&self.stack(ordinal)?.allocator)
+    }
+
+    /// Allocates `size` bytes on device `ordinal`, owned by `stream`.
+    pub fn allocate(&self, size: usize, ordinal: usize, stream: Stream) -> Result<Allocation> {
+        self.allocator(ordinal)?.allocate_on(size, stream)
+    }
+
+    /// Statistics of device `ordinal` (zeros if it has not been used).
+    pub fn stats(&self, ordinal: usize) -> Stats {
+        self.stacks.get(ordinal).and_then(OnceLock::get).map(|s| s.allocator.stats()).unwrap_or_default()
+    }
+
+    /// Per-stream figures of device `ordinal`, with `stats=true`.
+    pub fn stream_stats(&self, ordinal: usize) -> Option<Vec<(Stream, StreamStats)>> {
+        self.stacks.get(ordinal)?.get()?.stats.as_ref().map(|s| s.per_stream())
+    }
+
+    /// Statistics summed over every device in use.
+    pub fn global_stats(&self) -> Stats {
+        self.stacks
+            .iter()
+            .filter_map(OnceLock::get)
+            .map(|s| s.allocator.stats())
+            .fold(Stats::default(), add_stats)
+    }
+
+    /// The ordinals of the devices in use.
+    pub fn devices_in_use(&self) -> Vec<usize> {
+        (0..MAX_DEVICES).filter(|i| self.stacks[*i].get().is_some()).collect()
+    }
+
+    /// Releases cached memory on every device in use; the bytes returned in all. Every
+    /// device is tried; the first error is returned after that.
+    pub fn release_all(&self) -> Result<usize> {
+        let mut total = 0;
+        let mut first_error = None;
+        for stack in self.stacks.iter().filter_map(OnceLock::get) {
+            match stack.allocator.release() {
+                Ok(n) => total += n,
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        first_error.map_or(Ok(total), Err)
+    }
+
+    fn open_device(&self, ordinal: usize) -> Result<Arc<dyn Device>> {
+        Ok(match self.config.device {
+            DeviceKind::Cuda => CudaDevice::new(ordinal)?,
+            DeviceKind::Sim => {
+                SimDevice::new(SimConfig { ordinal, ..SimConfig::with_capacity(self.config.sim_capacity) })
+            }
+        })
+    }
+
+    fn build(&self, ordinal: usize) -> Result<DeviceStack> {
+        let c = &self.config;
+        let device = self.open_device(ordinal)?;
+        let mut a: DynAllocator = match c.strategy {
+            Strategy::Plain => Arc::new(SingleStream::new(
+                Plain::new(device.clone(), Stream::DEFAULT),
+                device.clone(),
+                Stream::DEFAULT,
+            )),
+            other => {
+                return Err(Error::Unsupported(format!(
+                    "strategy {} is not built into this version",
+                    other.name()
+                )))
+            }
+        };
+        if let Some(path) = &c.trace {
+            let path = if ordinal == 0 {
+                path.clone()
+            } else {
+                PathBuf::from(format!("{}.{ordinal}", path.display()))
+            };
+            a = Arc::new(TraceAdaptor::new(a, TraceWriter::create(path)?));
+        }
+        let mut stats = None;
+        if c.stats {
+            let s = Arc::new(StatsAdaptor::new(a));
+            stats = Some(s.clone());
+            a = s;
+        }
+        if let Some(timeout) = c.retry_timeout {
+            a = Arc::new(Retry::new(a, timeout));
+        }
+        if let Some(limit) = c.limit {
+            a = Arc::new(Limit::new(a, limit.bytes(device.mem_info()?.total)));
+        }
+        Ok(DeviceStack { device, allocator: a, stats })
+    }
+}
+
+fn add_stats(a: Stats, b: Stats) -> Stats {
+    Stats {
+        allocated: a.allocated + b.allocated,
+        allocated_peak: a.allocated_peak + b.allocated_peak,
+        reserved: a.reserved + b.reserved,
+        reserved_peak: a.reserved_peak + b.reserved_peak,
+        cached: a.cached + b.cached,
+        largest_free_block: a.largest_free_block.max(b.largest_free_block),
+        pending_release: a.pending_release + b.pending_release,
+        live_allocations: a.live_allocations + b.live_allocations,
+        total_allocations: a.total_allocations + b.total_allocations,
+        total_frees: a.total_frees + b.total_frees,
+        device_allocs: a.device_allocs + b.device_allocs,
+        device_frees: a.device_frees + b.device_frees,
+        failures: a.failures + b.failures,
+    }
+}
