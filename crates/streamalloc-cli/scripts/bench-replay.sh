@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Times `streamalloc replay` of the largest sample trace (gpt2_generate.csv, 161k operations)
+# through every allocator on the simulator, end to end (parse, pass 0 with a memory sample
+# after every operation, 3 timed passes), and the parse alone (criterion).
+#
+# Usage: crates/streamalloc-cli/scripts/bench-replay.sh [--no-criterion]
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+cargo build --release --quiet -p streamalloc-cli
+echo "== streamalloc replay traces/gpt2_generate.csv --device sim (wall clock)"
+time target/release/streamalloc replay traces/gpt2_generate.csv --device sim
+if [[ "${1:-}" != "--no-criterion" ]]; then
+    echo "== parse (criterion)"
+    cargo bench --quiet -p streamalloc-cli --bench parse
+fi

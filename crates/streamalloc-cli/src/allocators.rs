@@ -1,0 +1,28 @@
+//! The allocators the command knows, by name. Adding one is one line in [`ALLOCATORS`].
+
+use std::sync::Arc;
+
+use streamalloc::allocators::Plain;
+use streamalloc::replay::ReplayTarget;
+use streamalloc::{Device, Stream};
+
+/// Builds a fresh allocator on a device.
+type Make = fn(Arc<dyn Device>) -> ReplayTarget;
+
+/// Every allocator the command can replay through, in the order of the default run.
+const ALLOCATORS: &[(&str, Make)] =
+    &[("plain", |device| ReplayTarget::Single(Arc::new(Plain::new(device, Stream::DEFAULT))))];
+
+/// The names of all known allocators.
+pub fn names() -> Vec<&'static str> {
+    ALLOCATORS.iter().map(|(name, _)| *name).collect()
+}
+
+/// The constructor of the allocator called `name`, or an error listing the known names.
+pub fn lookup(name: &str) -> Result<Make, String> {
+    ALLOCATORS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, make)| *make)
+        .ok_or_else(|| format!("unknown allocator `{name}`; known allocators: {}", names().join(", ")))
+}

@@ -1,0 +1,67 @@
+//! Choosing the device a replay runs on, and describing it.
+
+use std::sync::Arc;
+
+use clap::ValueEnum;
+use streamalloc::device::sim::{SimConfig, SimDevice};
+use streamalloc::Device;
+
+/// Which device to replay on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DeviceChoice {
+    /// The simulator, sized like an NVIDIA H200.
+    Sim,
+    /// GPU 0 through the CUDA driver.
+    Cuda,
+}
+
+/// An opened device and a one-line description of it.
+pub struct Opened {
+    /// The device.
+    pub device: Arc<dyn Device>,
+    /// What it is, for the first line of the output.
+    pub description: String,
+}
+
+/// Opens GPU 0 through the CUDA driver, or says why it cannot.
+///
+/// The CUDA backend (`streamalloc::device::cuda`) is not in the library yet, so this always
+/// fails for now; once it lands this becomes a call to `CudaDevice::new(0)`.
+pub fn open_cuda() -> Result<Opened, String> {
+    Err("the CUDA backend of streamalloc is not built yet".into())
+}
+
+/// The simulator the command uses when it has no GPU.
+pub fn simulator_config() -> SimConfig {
+    SimConfig::h200()
+}
+
+/// Describes the simulator configured by `config`.
+pub fn describe_simulator(config: &SimConfig) -> String {
+    format!(
+        "simulator (H200-sized: {} MiB of device memory, {} ns per device call, {} bytes/ns memset)",
+        config.capacity >> 20,
+        config.tick_ns,
+        config.bandwidth_bytes_per_ns
+    )
+}
+
+/// Opens the device `choice` names; with no choice, CUDA when a GPU is found, else the
+/// simulator.
+pub fn open(choice: Option<DeviceChoice>) -> Result<Opened, String> {
+    let simulator = || {
+        let config = simulator_config();
+        let description = describe_simulator(&config);
+        let device: Arc<dyn Device> = SimDevice::new(config);
+        Opened { device, description }
+    };
+    match choice {
+        Some(DeviceChoice::Sim) => Ok(simulator()),
+        Some(DeviceChoice::Cuda) => open_cuda().map_err(|e| format!("--device cuda: {e}")),
+        None => Ok(open_cuda().unwrap_or_else(|why| {
+            let mut opened = simulator();
+            opened.description.push_str(&format!("; no GPU: {why}"));
+            opened
+        })),
+    }
+}

@@ -1,0 +1,133 @@
+//! The `streamalloc` command, run as a process: output that parses, and clear errors (never
+//! a panic) on bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const HEADER: &str = "Thread,Time,Action,Pointer,Size,Stream";
+
+fn streamalloc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_streamalloc")).args(args).output().expect("the binary runs")
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Writes `text` to a file named after the test, in the system's temporary directory.
+fn temp_file(name: &str, text: &str) -> PathBuf {
+    let path = std::env::temp_dir().join(format!("streamalloc-cli-{}-{name}", std::process::id()));
+    std::fs::write(&path, text).expect("temp dir is writable");
+    path
+}
+
+fn sample(name: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../traces").join(name).display().to_string()
+}
+
+/// Asserts a clean failure: non-zero exit, an `error:` line containing every `needle`, no panic.
+fn assert_fails_with(out: &Output, needles: &[&str]) {
+    let err = stderr(out);
+    assert!(!out.status.success(), "expected failure, got success; stderr: {err}");
+    assert!(err.starts_with("error: "), "stderr: {err}");
+    assert!(!err.contains("panicked"), "stderr: {err}");
+    for needle in needles {
+        assert!(err.contains(needle), "stderr lacks {needle:?}: {err}");
+    }
+}
+
+#[test]
+fn replay_prints_the_device_then_a_table() {
+    let out = streamalloc(&["replay", &sample("resnet50_train.csv"), "--device", "sim", "--passes", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let mut lines = text.lines();
+    assert!(lines.next().unwrap().starts_with("device: simulator"));
+    assert!(lines.next().unwrap().contains("footprint"));
+    let row = lines.next().unwrap();
+    assert!(row.starts_with("plain") && row.contains("resnet50_train.csv") && row.contains("6620"), "{row}");
+}
+
+#[test]
+fn replay_json_parses_and_compare_reads_it() {
+    let trace = temp_file(
+        "small.csv",
+        &format!("{HEADER}\n0,1,allocate,0x10,1000,0\n0,2,allocate,0x20,300,0\n0,3,free,0x10,1000,0\n"),
+    );
+    let out = streamalloc(&["replay", trace.to_str().unwrap(), "-a", "plain", "--device", "sim", "--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let value: serde_json::Value = serde_json::from_slice(&out.stdout).expect("--json output parses");
+    let rows = value.as_array().expect("an array of results");
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0]["allocator"], "plain");
+    assert_eq!(rows[0]["ops"], 3);
+    assert_eq!(rows[0]["peak_live"], 1300);
+    assert_eq!(rows[0]["failures"], 0);
+    assert!(rows[0]["device"].as_str().unwrap().starts_with("simulator"));
+    assert!(rows[0]["ns_per_op_warm"].as_f64().unwrap() > 0.0);
+
+    let saved = temp_file("a.json", &stdout(&out));
+    let out = streamalloc(&["compare", saved.to_str().unwrap(), saved.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let row = text.lines().find(|l| l.starts_with("plain")).expect("a row per pair");
+    assert!(row.contains("1.000"), "same file: ratios of 1: {row}");
+}
+
+#[test]
+fn missing_file_is_a_clear_error() {
+    let out = streamalloc(&["replay", "/nonexistent/trace.csv", "--device", "sim"]);
+    assert_fails_with(&out, &["/nonexistent/trace.csv", "No such file"]);
+}
+
+#[test]
+fn malformed_row_names_line_and_content() {
+    let trace =
+        temp_file("bad-row.csv", &format!("{HEADER}\n0,1,allocate,0x10,1000,0\n0,2,allocate,0x20,lots,0\n"));
+    let out = streamalloc(&["replay", trace.to_str().unwrap(), "--device", "sim"]);
+    assert_fails_with(&out, &["line 3", "0,2,allocate,0x20,lots,0", "bad size"]);
+}
+
+#[test]
+fn free_of_unknown_pointer_is_an_error_unless_lenient() {
+    let trace =
+        temp_file("unknown-free.csv", &format!("{HEADER}\n0,1,allocate,0x10,64,0\n0,2,free,0xbad,64,0\n"));
+    let out = streamalloc(&["replay", trace.to_str().unwrap(), "--device", "sim"]);
+    assert_fails_with(&out, &["line 3", "0xbad", "not live"]);
+
+    let out = streamalloc(&["replay", trace.to_str().unwrap(), "--device", "sim", "--lenient"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("1 frees of unknown pointers skipped"));
+}
+
+#[test]
+fn unknown_allocator_lists_the_known_ones() {
+    let out = streamalloc(&["replay", &sample("resnet50_train.csv"), "--allocator", "nonesuch"]);
+    assert_fails_with(&out, &["nonesuch", "known allocators: plain"]);
+}
+
+#[test]
+fn compare_of_a_non_result_file_is_a_clear_error() {
+    let junk = temp_file("junk.json", "{\"not\": \"results\"}");
+    let out = streamalloc(&["compare", junk.to_str().unwrap(), junk.to_str().unwrap()]);
+    assert_fails_with(&out, &["not a `streamalloc replay --json` output"]);
+}
+
+#[test]
+fn record_says_it_is_not_available() {
+    let out = streamalloc(&["record", "--", "python", "train.py"]);
+    assert_fails_with(&out, &["not available yet", "C ABI"]);
+}
+
+#[test]
+fn info_describes_the_device() {
+    let out = streamalloc(&["info"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("simulator") || text.contains("GPU"), "{text}");
+    assert!(text.contains("allocators: plain"));
+}
