@@ -15,9 +15,13 @@ use crate::policy::best_fit::{BestFitPolicy, Classes, Grant, Growth};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BestFitConfig {
     /// Size of the chunks large requests (over 1 MiB) are carved from, in bytes; a request
-    /// larger than this gets a chunk of its own, rounded up to 2 MiB. Default 20 MiB, as in
-    /// PyTorch: on the sample traces it keeps the footprint within a few percent of the best
-    /// growth size measured while making several times fewer device calls than 2 MiB.
+    /// larger than this gets a chunk of its own, rounded up to 2 MiB. Default 32 MiB, chosen
+    /// by replaying the sample traces (`traces/`) with growth sizes from 2 to 64 MiB: peak
+    /// reserved over peak live bytes was 1.049 / 1.191 / 1.346 (GPT-2 training, ResNet-50
+    /// training, GPT-2 generation) at 32 MiB against 1.052 / 1.192 / 1.442 at PyTorch's
+    /// 20 MiB and 1.054 / 1.197 / 1.493 at 2 MiB, with fewer device allocations (109 / 91 /
+    /// 34 against 135 / 102 / 46 at 20 MiB); 28 to 36 MiB gave about the same, larger sizes
+    /// no steady gain.
     pub growth_size: usize,
     /// Size of the chunks small requests (1 MiB or less) are carved from. Default 2 MiB.
     pub small_chunk_size: usize,
@@ -27,7 +31,7 @@ pub struct BestFitConfig {
 
 impl Default for BestFitConfig {
     fn default() -> Self {
-        Self { growth_size: 20 << 20, small_chunk_size: 2 << 20, stream: Stream::DEFAULT }
+        Self { growth_size: 32 << 20, small_chunk_size: 2 << 20, stream: Stream::DEFAULT }
     }
 }
 
@@ -427,7 +431,9 @@ mod tests {
 
     fn pool(capacity: usize) -> (Arc<SimDevice>, BestFit) {
         let sim = SimDevice::new(SimConfig::with_capacity(capacity));
-        let pool = BestFit::new(sim.clone(), BestFitConfig::default()).unwrap();
+        // 20 MiB chunks keep the figures below small; the default is tested on its own.
+        let config = BestFitConfig { growth_size: 20 * MIB, ..Default::default() };
+        let pool = BestFit::new(sim.clone(), config).unwrap();
         (sim, pool)
     }
 
@@ -455,6 +461,15 @@ mod tests {
         let s = p.stats();
         assert_eq!((s.device_allocs, s.total_allocations, s.total_frees, s.live_allocations), (1, 2, 1, 1));
         assert_eq!((s.allocated, s.reserved, s.cached), (1000, 2 * MIB, 2 * MIB - 1024));
+    }
+
+    #[test]
+    fn default_grows_large_requests_by_32_mib() {
+        let sim = SimDevice::new(SimConfig::with_capacity(256 * MIB));
+        let p = BestFit::new(sim, BestFitConfig::default()).unwrap();
+        let _a = p.allocate(MIB + 1).unwrap();
+        let _b = p.allocate(40 * MIB).unwrap();
+        assert_eq!(p.stats().reserved, 32 * MIB + 40 * MIB);
     }
 
     #[test]
@@ -568,7 +583,7 @@ mod tests {
         let bad = [
             BestFitConfig { growth_size: MIB, ..Default::default() },
             BestFitConfig { small_chunk_size: MIB / 2, ..Default::default() },
-            BestFitConfig { growth_size: 20 * MIB + 1, ..Default::default() },
+            BestFitConfig { growth_size: 32 * MIB + 1, ..Default::default() },
         ];
         for config in bad {
             assert!(BestFit::new(sim.clone(), config).is_err(), "{config:?}");

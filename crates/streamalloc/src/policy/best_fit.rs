@@ -56,7 +56,7 @@ pub struct Classes {
 
 impl Default for Classes {
     fn default() -> Self {
-        Self { small_max: 1 << 20, small_chunk: 2 << 20, large_chunk: 20 << 20 }
+        Self { small_max: 1 << 20, small_chunk: 2 << 20, large_chunk: 32 << 20 }
     }
 }
 
@@ -497,9 +497,9 @@ mod tests {
         let p = BestFitPolicy::new(classes());
         assert_eq!(p.growth_for(1), Some(Growth { class: Class::Small, size: 2 * MIB }));
         assert_eq!(p.growth_for(MIB), Some(Growth { class: Class::Small, size: 2 * MIB }));
-        assert_eq!(p.growth_for(MIB + 1), Some(Growth { class: Class::Large, size: 20 * MIB }));
-        assert_eq!(p.growth_for(20 * MIB), Some(Growth { class: Class::Large, size: 20 * MIB }));
-        assert_eq!(p.growth_for(20 * MIB + 1), Some(Growth { class: Class::Large, size: 22 * MIB }));
+        assert_eq!(p.growth_for(MIB + 1), Some(Growth { class: Class::Large, size: 32 * MIB }));
+        assert_eq!(p.growth_for(32 * MIB), Some(Growth { class: Class::Large, size: 32 * MIB }));
+        assert_eq!(p.growth_for(32 * MIB + 1), Some(Growth { class: Class::Large, size: 34 * MIB }));
         assert_eq!(p.growth_for(0), None);
         assert_eq!(p.growth_for(u64::MAX - 100), None);
     }
@@ -510,7 +510,7 @@ mod tests {
         assert!(Classes { small_chunk: MIB / 2, ..classes() }.validate().is_err());
         assert!(Classes { large_chunk: MIB, ..classes() }.validate().is_err());
         assert!(Classes { small_max: 0, ..classes() }.validate().is_err());
-        assert!(Classes { large_chunk: 20 * MIB + 1, ..classes() }.validate().is_err());
+        assert!(Classes { large_chunk: 32 * MIB + 1, ..classes() }.validate().is_err());
     }
 
     #[test]
