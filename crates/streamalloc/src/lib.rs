@@ -23,3 +23,8 @@ pub mod trace;
 pub use allocation::{Allocation, Allocator, Block, BlockOwner, Stats, StreamAllocator, ALIGNMENT};
 pub use device::{Device, DevicePtr, Stream};
 pub use error::{Error, OutOfMemory, Result};
+
+/// The README's examples, compiled and run as doctests.
+#[doc = include_str!("../../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
