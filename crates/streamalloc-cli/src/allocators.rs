@@ -2,16 +2,20 @@
 
 use std::sync::Arc;
 
-use streamalloc::allocators::Plain;
+use streamalloc::allocators::{BestFit, BestFitConfig, Plain};
 use streamalloc::replay::ReplayTarget;
-use streamalloc::{Device, Stream};
+use streamalloc::{Device, Result, Stream};
 
 /// Builds a fresh allocator on a device.
-type Make = fn(Arc<dyn Device>) -> ReplayTarget;
+type Make = fn(Arc<dyn Device>) -> Result<ReplayTarget>;
 
 /// Every allocator the command can replay through, in the order of the default run.
-const ALLOCATORS: &[(&str, Make)] =
-    &[("plain", |device| ReplayTarget::Single(Arc::new(Plain::new(device, Stream::DEFAULT))))];
+const ALLOCATORS: &[(&str, Make)] = &[
+    ("plain", |device| Ok(ReplayTarget::Single(Arc::new(Plain::new(device, Stream::DEFAULT))))),
+    ("best_fit", |device| {
+        Ok(ReplayTarget::Single(Arc::new(BestFit::new(device, BestFitConfig::default())?)))
+    }),
+];
 
 /// The names of all known allocators.
 pub fn names() -> Vec<&'static str> {
@@ -19,7 +23,7 @@ pub fn names() -> Vec<&'static str> {
 }
 
 /// The constructor of the allocator called `name`, or an error listing the known names.
-pub fn lookup(name: &str) -> Result<Make, String> {
+pub fn lookup(name: &str) -> std::result::Result<Make, String> {
     ALLOCATORS
         .iter()
         .find(|(n, _)| *n == name)

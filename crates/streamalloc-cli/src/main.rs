@@ -155,7 +155,8 @@ fn run_replay(
     for trace in &traces {
         for (name, make) in names.iter().zip(&makers) {
             bar.set_message(format!("{} / {name}", trace.name));
-            let target = make(opened.device.clone());
+            let target =
+                make(opened.device.clone()).map_err(|e| format!("creating allocator {name}: {e}"))?;
             let replay_options = ReplayOptions { passes, progress: Some(&progress) };
             let result = replay(trace, name, &target, opened.device.as_ref(), &replay_options)
                 .map_err(|e| format!("replaying {} through {name}: {e}", trace.name))?;

@@ -107,7 +107,7 @@ fn free_of_unknown_pointer_is_an_error_unless_lenient() {
 #[test]
 fn unknown_allocator_lists_the_known_ones() {
     let out = streamalloc(&["replay", &sample("resnet50_train.csv"), "--allocator", "nonesuch"]);
-    assert_fails_with(&out, &["nonesuch", "known allocators: plain"]);
+    assert_fails_with(&out, &["nonesuch", "known allocators: plain, best_fit"]);
 }
 
 #[test]
@@ -129,5 +129,5 @@ fn info_describes_the_device() {
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
     assert!(text.contains("simulator") || text.contains("GPU"), "{text}");
-    assert!(text.contains("allocators: plain"));
+    assert!(text.contains("allocators: plain, best_fit"));
 }
