@@ -18,11 +18,25 @@ fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
-/// Writes `text` to a file named after the test, in the system's temporary directory.
-fn temp_file(name: &str, text: &str) -> PathBuf {
-    let path = std::env::temp_dir().join(format!("streamalloc-cli-{}-{name}", std::process::id()));
-    std::fs::write(&path, text).expect("temp dir is writable");
-    path
+/// A file named after the test in the system's temporary directory, removed on drop.
+struct TempFile(PathBuf);
+
+impl TempFile {
+    fn new(name: &str, text: &str) -> Self {
+        let path = std::env::temp_dir().join(format!("streamalloc-cli-{}-{name}", std::process::id()));
+        std::fs::write(&path, text).expect("temp dir is writable");
+        TempFile(path)
+    }
+
+    fn path(&self) -> &str {
+        self.0.to_str().expect("temp paths are UTF-8")
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 fn sample(name: &str) -> String {
@@ -54,11 +68,11 @@ fn replay_prints_the_device_then_a_table() {
 
 #[test]
 fn replay_json_parses_and_compare_reads_it() {
-    let trace = temp_file(
+    let trace = TempFile::new(
         "small.csv",
         &format!("{HEADER}\n0,1,allocate,0x10,1000,0\n0,2,allocate,0x20,300,0\n0,3,free,0x10,1000,0\n"),
     );
-    let out = streamalloc(&["replay", trace.to_str().unwrap(), "-a", "plain", "--device", "sim", "--json"]);
+    let out = streamalloc(&["replay", trace.path(), "-a", "plain", "--device", "sim", "--json"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let value: serde_json::Value = serde_json::from_slice(&out.stdout).expect("--json output parses");
     let rows = value.as_array().expect("an array of results");
@@ -70,8 +84,8 @@ fn replay_json_parses_and_compare_reads_it() {
     assert!(rows[0]["device"].as_str().unwrap().starts_with("simulator"));
     assert!(rows[0]["ns_per_op_warm"].as_f64().unwrap() > 0.0);
 
-    let saved = temp_file("a.json", &stdout(&out));
-    let out = streamalloc(&["compare", saved.to_str().unwrap(), saved.to_str().unwrap()]);
+    let saved = TempFile::new("a.json", &stdout(&out));
+    let out = streamalloc(&["compare", saved.path(), saved.path()]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
     let row = text.lines().find(|l| l.starts_with("plain")).expect("a row per pair");
@@ -86,20 +100,24 @@ fn missing_file_is_a_clear_error() {
 
 #[test]
 fn malformed_row_names_line_and_content() {
-    let trace =
-        temp_file("bad-row.csv", &format!("{HEADER}\n0,1,allocate,0x10,1000,0\n0,2,allocate,0x20,lots,0\n"));
-    let out = streamalloc(&["replay", trace.to_str().unwrap(), "--device", "sim"]);
+    let trace = TempFile::new(
+        "bad-row.csv",
+        &format!("{HEADER}\n0,1,allocate,0x10,1000,0\n0,2,allocate,0x20,lots,0\n"),
+    );
+    let out = streamalloc(&["replay", trace.path(), "--device", "sim"]);
     assert_fails_with(&out, &["line 3", "0,2,allocate,0x20,lots,0", "bad size"]);
 }
 
 #[test]
 fn free_of_unknown_pointer_is_an_error_unless_lenient() {
-    let trace =
-        temp_file("unknown-free.csv", &format!("{HEADER}\n0,1,allocate,0x10,64,0\n0,2,free,0xbad,64,0\n"));
-    let out = streamalloc(&["replay", trace.to_str().unwrap(), "--device", "sim"]);
+    let trace = TempFile::new(
+        "unknown-free.csv",
+        &format!("{HEADER}\n0,1,allocate,0x10,64,0\n0,2,free,0xbad,64,0\n"),
+    );
+    let out = streamalloc(&["replay", trace.path(), "--device", "sim"]);
     assert_fails_with(&out, &["line 3", "0xbad", "not live"]);
 
-    let out = streamalloc(&["replay", trace.to_str().unwrap(), "--device", "sim", "--lenient"]);
+    let out = streamalloc(&["replay", trace.path(), "--device", "sim", "--lenient"]);
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(stdout(&out).contains("1 frees of unknown pointers skipped"));
 }
@@ -112,8 +130,8 @@ fn unknown_allocator_lists_the_known_ones() {
 
 #[test]
 fn compare_of_a_non_result_file_is_a_clear_error() {
-    let junk = temp_file("junk.json", "{\"not\": \"results\"}");
-    let out = streamalloc(&["compare", junk.to_str().unwrap(), junk.to_str().unwrap()]);
+    let junk = TempFile::new("junk.json", "{\"not\": \"results\"}");
+    let out = streamalloc(&["compare", junk.path(), junk.path()]);
     assert_fails_with(&out, &["not a `streamalloc replay --json` output"]);
 }
 
