@@ -1,6 +1,7 @@
 //! `BestFit`: the auto-growth best-fit caching pool (Paddle's `AutoGrowthBestFitAllocator`,
 //! PyTorch's `CUDACachingAllocator`, RMM's `pool_memory_resource`).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -58,6 +59,8 @@ pub struct BestFit {
 }
 
 struct Inner {
+    /// Mirrors `!state.pending.is_empty()`, readable without the lock.
+    has_pending: AtomicBool,
     source: Arc<dyn ChunkSource>,
     events: EventPool,
     stream: Stream,
@@ -116,6 +119,7 @@ impl BestFit {
             error: None,
         };
         let inner = Inner {
+            has_pending: AtomicBool::new(false),
             ordinal: device.ordinal(),
             events: EventPool::new(device),
             source,
@@ -123,6 +127,65 @@ impl BestFit {
             state: Mutex::new(state),
         };
         Ok(Self { inner: Arc::new(inner) })
+    }
+
+    /// Allocates like [`Allocator::allocate`]; with `poll` false, frees pending on recorded
+    /// streams are not checked (no event query: for use while a stream captures a graph).
+    pub fn allocate_polling(&self, size: usize, poll: bool) -> Result<Allocation> {
+        if size == 0 {
+            return Ok(Allocation::empty(self.inner.ordinal, self.inner.stream));
+        }
+        let rounded = Self::round(size)?;
+        match self.from_cache(size, rounded, poll)? {
+            Ok(a) => Ok(a),
+            Err(Some(growth)) => self.grow_and_allocate(size, rounded, growth, poll),
+            Err(None) => Err(Error::InvalidArgument(format!("allocation size {size} overflows"))),
+        }
+    }
+
+    /// Allocates from cached blocks only: `Ok(None)` when none fits (the pool does not
+    /// grow). `poll` as in [`BestFit::allocate_polling`].
+    pub fn allocate_cached(&self, size: usize, poll: bool) -> Result<Option<Allocation>> {
+        if size == 0 {
+            return Ok(Some(Allocation::empty(self.inner.ordinal, self.inner.stream)));
+        }
+        Ok(self.from_cache(size, Self::round(size)?, poll)?.ok())
+    }
+
+    /// Whether freed blocks wait on recorded streams' events (read without locking).
+    pub fn has_pending(&self) -> bool {
+        self.inner.has_pending.load(Ordering::Relaxed)
+    }
+
+    fn round(size: usize) -> Result<u64> {
+        u64::try_from(size)
+            .ok()
+            .and_then(BestFitPolicy::round)
+            .ok_or_else(|| Error::InvalidArgument(format!("allocation size {size} overflows")))
+    }
+
+    /// The cached path: a hit, or on a miss the growth the pool would need (`None` if the
+    /// size is too large to grow for).
+    fn from_cache(
+        &self,
+        size: usize,
+        rounded: u64,
+        poll: bool,
+    ) -> Result<std::result::Result<Allocation, Option<Growth>>> {
+        let mut st = self.inner.state.lock();
+        if let Some(e) = st.error.take() {
+            return Err(e);
+        }
+        if poll && !st.pending.is_empty() {
+            drop(st);
+            self.inner.poll_pending();
+            st = self.inner.state.lock();
+        }
+        if let Some(grant) = st.allocate(rounded, size) {
+            drop(st);
+            return Ok(Ok(self.handout(grant, size)));
+        }
+        Ok(Err(st.policy.growth_for(rounded)))
     }
 
     fn handout(&self, grant: Grant, size: usize) -> Allocation {
@@ -139,7 +202,7 @@ impl BestFit {
 
     /// The slow path: obtain a chunk (releasing free chunks and retrying once on
     /// out-of-memory), add it and allocate from it.
-    fn grow_and_allocate(&self, size: usize, rounded: u64, growth: Growth) -> Result<Allocation> {
+    fn grow_and_allocate(&self, size: usize, rounded: u64, growth: Growth, poll: bool) -> Result<Allocation> {
         let inner = &self.inner;
         let chunk = usize::try_from(growth.size)
             .map_err(|_| Error::InvalidArgument(format!("allocation size {size} overflows")))?;
@@ -148,7 +211,9 @@ impl BestFit {
             Err(e) if e.is_out_of_memory() => {
                 // Memory freed meanwhile (by other threads or completed events) may fit now;
                 // otherwise give back what is free and try the source once more.
-                inner.poll_pending();
+                if poll {
+                    inner.poll_pending();
+                }
                 let retried = inner.state.lock().allocate(rounded, size);
                 if let Some(grant) = retried {
                     return Ok(self.handout(grant, size));
@@ -237,6 +302,7 @@ impl Inner {
         });
         batch.append(&mut st.pending);
         st.pending = batch;
+        self.has_pending.store(!st.pending.is_empty(), Ordering::Relaxed);
         if let Some(e) = query_error {
             st.error.get_or_insert(e);
         }
@@ -323,6 +389,7 @@ impl Inner {
             None => {
                 st.pending_bytes += block.size;
                 st.pending.push(Pending { token: block.token, ptr: block.ptr, size: block.size, events });
+                self.has_pending.store(true, Ordering::Relaxed);
             }
             Some(e) => {
                 st.stuck_bytes += block.size;
@@ -338,32 +405,7 @@ impl Inner {
 
 impl Allocator for BestFit {
     fn allocate(&self, size: usize) -> Result<Allocation> {
-        if size == 0 {
-            return Ok(Allocation::empty(self.inner.ordinal, self.inner.stream));
-        }
-        let rounded = u64::try_from(size)
-            .ok()
-            .and_then(BestFitPolicy::round)
-            .ok_or_else(|| Error::InvalidArgument(format!("allocation size {size} overflows")))?;
-        let mut st = self.inner.state.lock();
-        if let Some(e) = st.error.take() {
-            return Err(e);
-        }
-        if !st.pending.is_empty() {
-            drop(st);
-            self.inner.poll_pending();
-            st = self.inner.state.lock();
-        }
-        if let Some(grant) = st.allocate(rounded, size) {
-            drop(st);
-            return Ok(self.handout(grant, size));
-        }
-        let growth = st.policy.growth_for(rounded);
-        drop(st);
-        match growth {
-            Some(growth) => self.grow_and_allocate(size, rounded, growth),
-            None => Err(Error::InvalidArgument(format!("allocation size {size} overflows"))),
-        }
+        self.allocate_polling(size, true)
     }
 
     fn release(&self) -> Result<usize> {

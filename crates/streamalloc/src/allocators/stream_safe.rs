@@ -1,0 +1,335 @@
+//! `StreamSafe`: a caching pool per stream, with `record_stream`, deferred frees, stealing
+//! across streams and retry on out-of-memory (Paddle's `StreamSafeCUDAAllocator`, PyTorch's
+//! caching allocator semantics).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwapOption;
+use parking_lot::Mutex;
+
+use super::best_fit::{BestFit, BestFitConfig};
+use crate::allocation::{Allocation, Allocator, Stats, StreamAllocator};
+use crate::device::{CaptureStatus, Device, EventPool, Stream};
+use crate::error::{Error, OutOfMemory, Result};
+
+/// Settings of a [`StreamSafe`] allocator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamSafeConfig {
+    /// Chunk sizes of each stream's pool (its `stream` field is ignored: each pool belongs
+    /// to its own stream).
+    pub pool: BestFitConfig,
+    /// The stream [`Allocator::allocate`] uses until [`StreamAllocator::set_default_stream`].
+    pub default_stream: Stream,
+    /// On out-of-memory, after every pool has released its free chunks, how long to keep
+    /// retrying while frees pending on other streams' events complete. Default 0: fail
+    /// after the one release-and-retry.
+    pub retry_wait: Duration,
+}
+
+impl Default for StreamSafeConfig {
+    fn default() -> Self {
+        Self { pool: BestFitConfig::default(), default_stream: Stream::DEFAULT, retry_wait: Duration::ZERO }
+    }
+}
+
+/// How many streams get a lock-free slot; further streams share a locked map.
+const SLOTS: usize = 256;
+/// Pause between two attempts while waiting for pending frees.
+const RETRY_PAUSE: Duration = Duration::from_millis(1);
+
+/// A caching pool per stream, following the [ordering contract](crate::allocation).
+///
+/// * **Ownership.** Each stream has its own [`BestFit`] pool, created on the stream's first
+///   allocation. An allocation belongs to the stream it was made on; freed, its block goes
+///   back to that stream's pool and is reused at once by that stream.
+/// * **`record_stream`.** When an allocation that recorded other streams is freed, an event
+///   (from a pool of events) is recorded on each of them and the block stays out of the
+///   free lists until all have completed. Completion is checked lazily, without blocking:
+///   when the pool allocates with pending frees, on a miss, and in [`Allocator::release`];
+///   never by a background thread and never while the allocating stream is capturing a
+///   graph.
+/// * **Stealing.** When a stream's pool has no fitting block, a cached block of another
+///   stream's pool is taken before the device footprint grows: the taking stream waits on
+///   an event recorded on the owning stream (so earlier work there is done before it uses
+///   the memory), and the allocation records the taking stream, so it returns to its
+///   owner's pool once the taking stream's work is done. Such an allocation reports the
+///   owner as [`Allocation::owning_stream`].
+/// * **Out of memory.** Each pool first returns its own free chunks and retries once; then
+///   every stream's pool releases its free chunks and the allocation is retried, then
+///   retried again every millisecond for up to [`StreamSafeConfig::retry_wait`] while
+///   pending frees complete. The final error lists every stream's pool.
+/// * **Streams destroyed before their allocations.** Freeing memory owned by a destroyed
+///   stream makes no call on that stream, so it is safe. A stream recorded with
+///   `record_stream` must still exist when the allocation is freed (an event is recorded on
+///   it); if it does not, the block is never reused and the next call on that stream's pool
+///   reports the driver's error, but nothing crashes. Before destroying a stream, call
+///   [`StreamSafe::retire_stream`]: its pool is forgotten (so a new stream that the driver
+///   gives the same handle starts afresh), and its memory returns to the device once its
+///   last allocation is freed.
+/// * **Concurrency.** Finding a stream's pool takes no lock (the default stream's pool and
+///   the first 256 streams' pools sit in atomically swapped slots); each pool has one lock.
+pub struct StreamSafe {
+    device: Arc<dyn Device>,
+    config: StreamSafeConfig,
+    events: EventPool,
+    default_stream: AtomicU64,
+    slots: Box<[ArcSwapOption<StreamPool>]>,
+    overflow: Mutex<Vec<Arc<StreamPool>>>,
+    /// Serializes the creation and replacement of pools.
+    creating: Mutex<()>,
+}
+
+struct StreamPool {
+    stream: Stream,
+    pool: BestFit,
+}
+
+impl StreamSafe {
+    /// A stream-safe allocator on `device`. Makes no device call.
+    pub fn new(device: Arc<dyn Device>, config: StreamSafeConfig) -> Result<Self> {
+        // Validate the pool settings once, up front.
+        BestFit::new(device.clone(), config.pool)?;
+        Ok(Self {
+            events: EventPool::new(device.clone()),
+            device,
+            config,
+            default_stream: AtomicU64::new(config.default_stream.0),
+            slots: (0..SLOTS).map(|_| ArcSwapOption::empty()).collect(),
+            overflow: Mutex::new(Vec::new()),
+            creating: Mutex::new(()),
+        })
+    }
+
+    /// Forgets `stream`'s pool; call before destroying the stream. Its free chunks return
+    /// to the device now (after the stream's pending work), the rest when its last
+    /// allocation is freed.
+    pub fn retire_stream(&self, stream: Stream) -> Result<()> {
+        let _creating = self.creating.lock();
+        let old = match self.find_slot(stream) {
+            Some(i) => self.slots[i].swap(None),
+            None => {
+                let mut overflow = self.overflow.lock();
+                let pos = overflow.iter().position(|p| p.stream == stream);
+                pos.map(|i| overflow.swap_remove(i))
+            }
+        };
+        match old {
+            Some(p) => {
+                self.device.synchronize_stream(stream)?;
+                p.pool.release().map(|_| ())
+            }
+            None => Ok(()),
+        }
+    }
+
+    fn home(stream: Stream) -> usize {
+        // Stream handles are pointers: mix the bits so neighbours spread over the slots.
+        (stream.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as usize % SLOTS
+    }
+
+    /// The slot holding `stream`'s pool, probing linearly from its home slot.
+    fn find_slot(&self, stream: Stream) -> Option<usize> {
+        let home = Self::home(stream);
+        (0..SLOTS).map(|k| (home + k) % SLOTS).find(|&i| {
+            let slot = self.slots[i].load();
+            slot.as_ref().is_some_and(|p| p.stream == stream)
+        })
+    }
+
+    fn lookup(&self, stream: Stream) -> Option<Arc<StreamPool>> {
+        let home = Self::home(stream);
+        // Slots are emptied only by retire_stream, so a hole does not end the probe.
+        for k in 0..SLOTS {
+            if let Some(p) = self.slots[(home + k) % SLOTS].load().as_ref() {
+                if p.stream == stream {
+                    return Some(p.clone());
+                }
+            }
+        }
+        self.overflow.lock().iter().find(|p| p.stream == stream).cloned()
+    }
+
+    fn pool(&self, stream: Stream) -> Result<Arc<StreamPool>> {
+        if let Some(p) = self.lookup(stream) {
+            return Ok(p);
+        }
+        let _creating = self.creating.lock();
+        if let Some(p) = self.lookup(stream) {
+            return Ok(p);
+        }
+        let pool = BestFit::new(self.device.clone(), BestFitConfig { stream, ..self.config.pool })?;
+        let p = Arc::new(StreamPool { stream, pool });
+        let home = Self::home(stream);
+        match (0..SLOTS).map(|k| (home + k) % SLOTS).find(|&i| self.slots[i].load().is_none()) {
+            Some(i) => self.slots[i].store(Some(p.clone())),
+            None => self.overflow.lock().push(p.clone()),
+        }
+        Ok(p)
+    }
+
+    /// Every stream's pool.
+    fn pools(&self) -> Vec<Arc<StreamPool>> {
+        let mut all: Vec<Arc<StreamPool>> = self.slots.iter().filter_map(|s| s.load_full()).collect();
+        all.extend(self.overflow.lock().iter().cloned());
+        all
+    }
+
+    fn capturing(&self, stream: Stream) -> Result<bool> {
+        Ok(self.device.capture_status(stream)? != CaptureStatus::None)
+    }
+
+    /// Takes a cached block of another stream's pool, ordering `stream` after its owner.
+    fn steal(&self, size: usize, stream: Stream, poll: bool) -> Result<Option<Allocation>> {
+        for other in self.pools().into_iter().filter(|p| p.stream != stream) {
+            let Some(mut a) = other.pool.allocate_cached(size, poll)? else { continue };
+            let event = self.events.get()?;
+            let ordered = self
+                .device
+                .record_event(event, other.stream)
+                .and_then(|()| self.device.stream_wait_event(stream, event));
+            // The wait captured the event's state; the event can be reused at once.
+            self.events.put(event);
+            ordered?;
+            a.record_stream(stream);
+            return Ok(Some(a));
+        }
+        Ok(None)
+    }
+
+    fn allocate_slow(&self, pool: &StreamPool, size: usize, stream: Stream) -> Result<Allocation> {
+        let poll = !self.capturing(stream)?;
+        if let Some(a) = self.steal(size, stream, poll)? {
+            return Ok(a);
+        }
+        match pool.pool.allocate_polling(size, poll) {
+            Err(e) if e.is_out_of_memory() && poll => {}
+            other => return other,
+        }
+        let start = Instant::now();
+        let last = loop {
+            for p in self.pools() {
+                // A pool that cannot release now still lets the others try.
+                let _ = p.pool.release();
+            }
+            let e = match pool.pool.allocate_polling(size, true) {
+                Err(e) if e.is_out_of_memory() => e,
+                other => return other,
+            };
+            if start.elapsed() >= self.config.retry_wait {
+                break e;
+            }
+            std::thread::sleep(RETRY_PAUSE.min(self.config.retry_wait));
+        };
+        Err(self.out_of_memory(last, size, start.elapsed()))
+    }
+
+    fn out_of_memory(&self, error: Error, size: usize, waited: Duration) -> Error {
+        let Error::OutOfMemory(report) = error else { return error };
+        let pools = self.pools();
+        let mut total = Stats::default();
+        let mut detail: Vec<String> = pools
+            .iter()
+            .map(|p| {
+                let s = p.pool.stats();
+                total.allocated += s.allocated;
+                total.cached += s.cached;
+                total.pending_release += s.pending_release;
+                total.reserved += s.reserved;
+                format!(
+                    "stream {:#x}: allocated {}, cached {}, pending release {}, reserved {}",
+                    p.stream.0, s.allocated, s.cached, s.pending_release, s.reserved
+                )
+            })
+            .collect();
+        detail.extend(report.detail);
+        Error::oom(OutOfMemory {
+            requested: size,
+            allocated: total.allocated,
+            cached: total.cached,
+            pending_release: total.pending_release,
+            reserved: total.reserved,
+            detail,
+            hint: format!(
+                "every stream's pool released its free chunks and the allocation was retried for {waited:?}; \
+                 free memory, or raise the retry wait if frees are pending on other streams"
+            ),
+            ..*report
+        })
+    }
+}
+
+impl Allocator for StreamSafe {
+    fn allocate(&self, size: usize) -> Result<Allocation> {
+        self.allocate_on(size, self.default_stream())
+    }
+
+    /// Releases every stream's free chunks. While any of the streams is capturing a graph,
+    /// nothing is released (that would synchronize the device) and 0 is returned.
+    fn release(&self) -> Result<usize> {
+        let pools = self.pools();
+        for p in &pools {
+            if self.capturing(p.stream)? {
+                return Ok(0);
+            }
+        }
+        let mut total = 0;
+        let mut first_error = None;
+        for p in pools {
+            match p.pool.release() {
+                Ok(n) => total += n,
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        first_error.map_or(Ok(total), Err)
+    }
+
+    /// The sum over every stream's pool.
+    fn stats(&self) -> Stats {
+        self.pools().iter().map(|p| p.pool.stats()).fold(Stats::default(), |a, b| Stats {
+            allocated: a.allocated + b.allocated,
+            allocated_peak: a.allocated_peak + b.allocated_peak,
+            reserved: a.reserved + b.reserved,
+            reserved_peak: a.reserved_peak + b.reserved_peak,
+            cached: a.cached + b.cached,
+            largest_free_block: a.largest_free_block.max(b.largest_free_block),
+            pending_release: a.pending_release + b.pending_release,
+            live_allocations: a.live_allocations + b.live_allocations,
+            total_allocations: a.total_allocations + b.total_allocations,
+            total_frees: a.total_frees + b.total_frees,
+            device_allocs: a.device_allocs + b.device_allocs,
+            device_frees: a.device_frees + b.device_frees,
+            failures: a.failures + b.failures,
+        })
+    }
+
+    fn device(&self) -> usize {
+        self.device.ordinal()
+    }
+}
+
+impl StreamAllocator for StreamSafe {
+    fn allocate_on(&self, size: usize, stream: Stream) -> Result<Allocation> {
+        if size == 0 {
+            return Ok(Allocation::empty(self.device.ordinal(), stream));
+        }
+        let pool = self.pool(stream)?;
+        // Pending frees are polled only when there are some, and then only outside a capture.
+        let poll = !pool.pool.has_pending() || !self.capturing(stream)?;
+        match pool.pool.allocate_cached(size, poll)? {
+            Some(a) => Ok(a),
+            None => self.allocate_slow(&pool, size, stream),
+        }
+    }
+
+    fn default_stream(&self) -> Stream {
+        Stream(self.default_stream.load(Ordering::Relaxed))
+    }
+
+    fn set_default_stream(&self, stream: Stream) {
+        self.default_stream.store(stream.0, Ordering::Relaxed);
+    }
+}
