@@ -185,4 +185,8 @@ pub trait Device: Send + Sync {
     fn destroy_graph_exec(&self, exec: GraphExec) -> Result<()>;
     /// Destroys a captured graph.
     fn destroy_graph(&self, graph: Graph) -> Result<()>;
+    /// Instantiates a captured graph so that each launch first frees the memory the previous
+    /// launch allocated and left allocated (`CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH`);
+    /// without it, such a graph cannot be launched again until that memory is freed.
+    fn instantiate_graph_auto_free(&self, graph: Graph) -> Result<GraphExec>;
 }

@@ -21,9 +21,23 @@
 //!   a [`Violation`] is recorded.
 //! * **Host functions** run on the thread whose device call moves the clock past their
 //!   place in the stream.
-//! * **Graph capture** records memsets into a graph instead of running them; launching the
-//!   graph enqueues them as uses. Pool allocations made during a capture are reserved at
-//!   capture time, as graph memory is.
+//! * **Graph capture** records memsets, pool allocations and pool frees into a graph instead
+//!   of running them; launching the graph enqueues the memsets as uses.
+//!   - A stream that waits on an event recorded in a capture joins that capture, as on CUDA;
+//!     ending the capture fails (as `CUDA_ERROR_STREAM_CAPTURE_UNJOINED` does) if a joined
+//!     stream has captured work the origin stream never waited for.
+//!   - A captured pool allocation is reserved at capture time and belongs to the graph: a
+//!     launch first waits for the memory's previous free. Freed in the same capture, it goes
+//!     back to its pool when the graph is destroyed (after its last launch completes).
+//!     Not freed in the capture, it is the graph's output: freeing it before the graph was
+//!     launched is an error (the driver creates it at launch); once launched it outlives the
+//!     graph until freed; a graph never launched gives it back when destroyed. Relaunching a
+//!     graph whose output is still allocated fails unless it was instantiated with
+//!     [`Device::instantiate_graph_auto_free`].
+//!   - A captured free of memory allocated outside the capture runs at every launch (so a
+//!     second launch frees unknown memory and fails, as on CUDA).
+//!   - Graph memory is tied to the graph, not its executable graphs: destroy the executables
+//!     first. Unlike the driver's graph memory pool, graphs never share physical memory here.
 //!
 //! The only randomness (kernel duration jitter) comes from [`SimConfig::seed`].
 
@@ -119,12 +133,44 @@ pub struct SimDevice {
 #[derive(Default)]
 struct StreamState {
     ready: u64,
-    capture: Option<Vec<Node>>,
+    /// The id of the capture this stream takes part in.
+    capture: Option<u64>,
 }
 
 #[derive(Clone, Copy)]
 enum Node {
-    Memset { ptr: DevicePtr, len: usize },
+    Memset {
+        ptr: DevicePtr,
+        len: usize,
+    },
+    /// A pool allocation; launches wait until `after`, when its previous free completes.
+    Alloc {
+        ptr: DevicePtr,
+        after: u64,
+    },
+    Free {
+        ptr: DevicePtr,
+    },
+}
+
+/// A capture in progress; its id becomes the graph's handle.
+struct CaptureRec {
+    origin: Stream,
+    nodes: Vec<Node>,
+    /// Joined streams: (nodes captured on it, of those, how many the origin waited for).
+    sides: HashMap<Stream, (u64, u64)>,
+}
+
+struct GraphRec {
+    nodes: Vec<Node>,
+    /// When the work of the last launch completes; `None` if never launched.
+    launched_until: Option<u64>,
+}
+
+struct ExecRec {
+    graph: Graph,
+    nodes: Vec<Node>,
+    auto_free: bool,
 }
 
 struct Use {
@@ -252,8 +298,13 @@ struct State {
     violations: Vec<Violation>,
     /// Host functions waiting for the clock: (time, sequence) -> function.
     host_fns: BTreeMap<(u64, u64), HostFn>,
-    graphs: HashMap<Graph, Vec<Node>>,
-    execs: HashMap<GraphExec, Vec<Node>>,
+    captures: HashMap<u64, CaptureRec>,
+    /// Events last recorded in a capture: (capture, stream, nodes captured on that stream).
+    capture_events: HashMap<Event, (u64, Stream, u64)>,
+    graphs: HashMap<Graph, GraphRec>,
+    execs: HashMap<GraphExec, ExecRec>,
+    /// Live pool allocations made by a capture: pointer -> capture (and graph) id.
+    graph_mem: HashMap<DevicePtr, u64>,
 }
 
 impl SimDevice {
@@ -278,8 +329,11 @@ impl SimDevice {
             uses: Vec::new(),
             violations: Vec::new(),
             host_fns: BTreeMap::new(),
+            captures: HashMap::new(),
+            capture_events: HashMap::new(),
             graphs: HashMap::new(),
             execs: HashMap::new(),
+            graph_mem: HashMap::new(),
         };
         Arc::new(Self { config, state: Mutex::new(state) })
     }
@@ -447,6 +501,84 @@ impl State {
             self.space.give(start, size);
         }
     }
+
+    /// Adds `node` to the capture `stream` takes part in; `false` if it is not capturing.
+    fn capture_node(&mut self, stream: Stream, node: Node) -> Result<bool> {
+        let Some(c) = self.stream_mut(stream)?.capture else { return Ok(false) };
+        let rec = self.captures.get_mut(&c).expect("capturing streams name a live capture");
+        rec.nodes.push(node);
+        if stream != rec.origin {
+            rec.sides.entry(stream).or_default().0 += 1;
+        }
+        Ok(true)
+    }
+
+    /// Returns a pool allocation to its pool, reusable from `avail_at` (at once by `stream`).
+    fn pool_free(&mut self, ptr: DevicePtr, stream: Option<Stream>, avail_at: u64) -> Result<()> {
+        let (pool, n) = self
+            .async_allocs
+            .remove(&ptr)
+            .ok_or_else(|| Error::InvalidArgument(format!("free_async of unknown pointer {ptr:#x}")))?;
+        self.graph_mem.remove(&ptr);
+        let p = self.pools.get_mut(&pool).expect("allocations of destroyed pools are dropped");
+        p.used -= n;
+        let (chunk, chunk_len) = p.chunk_of(ptr).expect("pool allocations lie in its chunks");
+        let chunk_end = chunk + chunk_len as u64;
+        let mut addr = ptr;
+        let mut block = FreeBlock { size: n, avail_at, stream };
+        let merge = |a: FreeBlock, b: FreeBlock| FreeBlock {
+            size: a.size + b.size,
+            avail_at: a.avail_at.max(b.avail_at),
+            stream: if a.stream == b.stream { a.stream } else { None },
+        };
+        let next = addr + n as u64;
+        if next < chunk_end {
+            if let Some(b) = p.free.remove(&next) {
+                block = merge(block, b);
+            }
+        }
+        if let Some((&prev, &b)) = p.free.range(chunk..addr).next_back() {
+            if prev + b.size as u64 == addr {
+                p.free.remove(&prev);
+                addr = prev;
+                block = merge(b, block);
+            }
+        }
+        p.free.insert(addr, block);
+        Ok(())
+    }
+
+    /// Gives back the memory of a graph's allocations that no longer exist: those freed in
+    /// the graph, and all of them if it never ran. Outputs of a launched graph stay.
+    fn release_graph_mem(&mut self, id: u64, nodes: &[Node], launched_until: Option<u64>) -> Result<()> {
+        let freed: BTreeSet<DevicePtr> =
+            nodes.iter().filter_map(|n| if let Node::Free { ptr } = n { Some(*ptr) } else { None }).collect();
+        let avail_at = launched_until.unwrap_or(0).max(self.now);
+        for node in nodes {
+            let Node::Alloc { ptr, .. } = *node else { continue };
+            if self.graph_mem.get(&ptr) != Some(&id) {
+                continue;
+            }
+            if freed.contains(&ptr) || launched_until.is_none() {
+                self.pool_free(ptr, None, avail_at)?;
+            } else {
+                self.graph_mem.remove(&ptr);
+            }
+        }
+        Ok(())
+    }
+
+    fn instantiate(&mut self, graph: Graph, auto_free: bool) -> Result<GraphExec> {
+        let nodes = self
+            .graphs
+            .get(&graph)
+            .ok_or_else(|| Error::InvalidArgument(format!("unknown graph {:#x}", graph.0)))?
+            .nodes
+            .clone();
+        let e = GraphExec(self.id());
+        self.execs.insert(e, ExecRec { graph, nodes, auto_free });
+        Ok(e)
+    }
 }
 
 impl Device for SimDevice {
@@ -506,6 +638,8 @@ impl Device for SimDevice {
                 .remove(&pool)
                 .ok_or_else(|| Error::InvalidArgument(format!("unknown pool {:#x}", pool.0)))?;
             st.async_allocs.retain(|_, (owner, _)| *owner != pool);
+            let live = &st.async_allocs;
+            st.graph_mem.retain(|ptr, _| live.contains_key(ptr));
             for (start, size) in p.chunks {
                 st.space.give(start, size);
             }
@@ -627,6 +761,12 @@ impl Device for SimDevice {
             p.used += n;
             p.used_high = p.used_high.max(p.used);
             st.async_allocs.insert(addr, (pool, n));
+            if let Some(c) = st.stream_mut(stream)?.capture {
+                // Graph memory: the launch, not the capturing stream, waits for the free.
+                st.graph_mem.insert(addr, c);
+                st.capture_node(stream, Node::Alloc { ptr: addr, after: block.avail_at })?;
+                return Ok(addr);
+            }
             let s = st.stream_mut(stream)?;
             if block.stream != Some(stream) {
                 // Opportunistic reuse has nothing to wait for; otherwise the driver inserts
@@ -639,39 +779,21 @@ impl Device for SimDevice {
 
     fn free_async(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
         self.call(|st| {
-            let now = st.now;
-            let s = st.stream_mut(stream)?;
-            let avail_at = if s.capture.is_some() { u64::MAX } else { s.ready.max(now) };
-            let (pool, n) = st
-                .async_allocs
-                .remove(&ptr)
-                .ok_or_else(|| Error::InvalidArgument(format!("free_async of unknown pointer {ptr:#x}")))?;
-            let p = st.pools.get_mut(&pool).expect("allocations of destroyed pools are dropped");
-            p.used -= n;
-            let (chunk, chunk_len) = p.chunk_of(ptr).expect("pool allocations lie in its chunks");
-            let chunk_end = chunk + chunk_len as u64;
-            let mut addr = ptr;
-            let mut block = FreeBlock { size: n, avail_at, stream: Some(stream) };
-            let merge = |a: FreeBlock, b: FreeBlock| FreeBlock {
-                size: a.size + b.size,
-                avail_at: a.avail_at.max(b.avail_at),
-                stream: if a.stream == b.stream { a.stream } else { None },
-            };
-            let next = addr + n as u64;
-            if next < chunk_end {
-                if let Some(b) = p.free.remove(&next) {
-                    block = merge(block, b);
+            if !st.async_allocs.contains_key(&ptr) {
+                return Err(Error::InvalidArgument(format!("free_async of unknown pointer {ptr:#x}")));
+            }
+            if st.capture_node(stream, Node::Free { ptr })? {
+                return Ok(());
+            }
+            if let Some(&g) = st.graph_mem.get(&ptr) {
+                if st.graphs.get(&Graph(g)).is_none_or(|r| r.launched_until.is_none()) {
+                    return Err(Error::InvalidArgument(format!(
+                        "free_async of graph memory {ptr:#x} before its graph was launched"
+                    )));
                 }
             }
-            if let Some((&prev, &b)) = p.free.range(chunk..addr).next_back() {
-                if prev + b.size as u64 == addr {
-                    p.free.remove(&prev);
-                    addr = prev;
-                    block = merge(b, block);
-                }
-            }
-            p.free.insert(addr, block);
-            Ok(())
+            let avail_at = st.stream_mut(stream)?.ready.max(st.now);
+            st.pool_free(ptr, Some(stream), avail_at)
         })
     }
 
@@ -711,6 +833,31 @@ impl Device for SimDevice {
                 .events
                 .get(&event)
                 .ok_or_else(|| Error::InvalidArgument(format!("unknown event {:#x}", event.0)))?;
+            if let Some(&(c, src, seen)) = st.capture_events.get(&event) {
+                // An event of a capture: the waiting stream joins it, or the origin joins the
+                // recording stream's work back.
+                let current = st.stream_mut(stream)?.capture;
+                let Some(rec) = st.captures.get_mut(&c) else { return Ok(()) };
+                match current {
+                    None => {
+                        rec.sides.entry(stream).or_default();
+                        st.stream_mut(stream)?.capture = Some(c);
+                    }
+                    Some(x) if x == c => {
+                        if stream == rec.origin && src != rec.origin {
+                            let side = rec.sides.entry(src).or_default();
+                            side.1 = side.1.max(seen);
+                        }
+                    }
+                    Some(_) => {
+                        return Err(Error::InvalidArgument(format!(
+                            "stream {:#x} waits on an event of another capture",
+                            stream.0
+                        )))
+                    }
+                }
+                return Ok(());
+            }
             let s = st.stream_mut(stream)?;
             if let Some(t) = at {
                 s.ready = s.ready.max(t);
@@ -758,12 +905,22 @@ impl Device for SimDevice {
     fn record_event(&self, event: Event, stream: Stream) -> Result<()> {
         self.call(|st| {
             let now = st.now;
-            let at = st.stream_mut(stream)?.ready.max(now);
-            let e = st
-                .events
-                .get_mut(&event)
-                .ok_or_else(|| Error::InvalidArgument(format!("unknown event {:#x}", event.0)))?;
-            *e = Some(at);
+            let s = st.stream_mut(stream)?;
+            let (at, capture) = (s.ready.max(now), s.capture);
+            if !st.events.contains_key(&event) {
+                return Err(Error::InvalidArgument(format!("unknown event {:#x}", event.0)));
+            }
+            match capture {
+                Some(c) => {
+                    let seen = st.captures[&c].sides.get(&stream).map_or(0, |side| side.0);
+                    st.capture_events.insert(event, (c, stream, seen));
+                    st.events.insert(event, None);
+                }
+                None => {
+                    st.capture_events.remove(&event);
+                    st.events.insert(event, Some(at));
+                }
+            }
             Ok(())
         })
     }
@@ -795,8 +952,7 @@ impl Device for SimDevice {
     fn memset_async(&self, ptr: DevicePtr, _value: u8, len: usize, stream: Stream) -> Result<()> {
         let mut st = self.state.lock();
         let ns = self.kernel_ns(&mut st, len);
-        if let Some(nodes) = st.stream_mut(stream)?.capture.as_mut() {
-            nodes.push(Node::Memset { ptr, len });
+        if st.capture_node(stream, Node::Memset { ptr, len })? {
             return Ok(());
         }
         drop(st);
@@ -819,54 +975,87 @@ impl Device for SimDevice {
 
     fn begin_capture(&self, stream: Stream) -> Result<()> {
         self.call(|st| {
+            let c = st.id();
             let s = st.stream_mut(stream)?;
             if s.capture.is_some() {
                 return Err(Error::InvalidArgument(format!("stream {:#x} is already capturing", stream.0)));
             }
-            s.capture = Some(Vec::new());
+            s.capture = Some(c);
+            st.captures.insert(c, CaptureRec { origin: stream, nodes: Vec::new(), sides: HashMap::new() });
             Ok(())
         })
     }
 
     fn end_capture(&self, stream: Stream) -> Result<Graph> {
         self.call(|st| {
-            let nodes =
-                st.stream_mut(stream)?.capture.take().ok_or_else(|| {
-                    Error::InvalidArgument(format!("stream {:#x} is not capturing", stream.0))
-                })?;
-            let g = Graph(st.id());
-            st.graphs.insert(g, nodes);
-            Ok(g)
+            let not_origin =
+                || Error::InvalidArgument(format!("stream {:#x} did not begin a capture", stream.0));
+            let c = st.stream_mut(stream)?.capture.ok_or_else(not_origin)?;
+            if st.captures[&c].origin != stream {
+                return Err(not_origin());
+            }
+            let rec = st.captures.remove(&c).expect("checked above");
+            for s in st.streams.values_mut().filter(|s| s.capture == Some(c)) {
+                s.capture = None;
+            }
+            if let Some((side, _)) = rec.sides.iter().find(|(_, (n, joined))| n > joined) {
+                st.release_graph_mem(c, &rec.nodes, None)?;
+                return Err(Error::InvalidArgument(format!(
+                    "capture unjoined: stream {:#x} has captured work stream {:#x} never waited for",
+                    side.0, stream.0
+                )));
+            }
+            st.graphs.insert(Graph(c), GraphRec { nodes: rec.nodes, launched_until: None });
+            Ok(Graph(c))
         })
     }
 
     fn instantiate_graph(&self, graph: Graph) -> Result<GraphExec> {
-        self.call(|st| {
-            let nodes = st
-                .graphs
-                .get(&graph)
-                .ok_or_else(|| Error::InvalidArgument(format!("unknown graph {:#x}", graph.0)))?
-                .clone();
-            let e = GraphExec(st.id());
-            st.execs.insert(e, nodes);
-            Ok(e)
-        })
+        self.call(|st| st.instantiate(graph, false))
     }
 
     fn launch_graph(&self, exec: GraphExec, stream: Stream) -> Result<()> {
-        let nodes = self
-            .state
-            .lock()
-            .execs
-            .get(&exec)
-            .ok_or_else(|| Error::InvalidArgument(format!("unknown graph exec {:#x}", exec.0)))?
-            .clone();
-        for node in nodes {
-            match node {
+        let (graph, nodes) = {
+            let st = self.state.lock();
+            let x = st
+                .execs
+                .get(&exec)
+                .ok_or_else(|| Error::InvalidArgument(format!("unknown graph exec {:#x}", exec.0)))?;
+            let freed_inside =
+                |p: DevicePtr| x.nodes.iter().any(|n| matches!(n, Node::Free { ptr } if *ptr == p));
+            let relaunch = st.graphs.get(&x.graph).is_some_and(|g| g.launched_until.is_some());
+            let output_alive = x.nodes.iter().any(|n| {
+                matches!(n, Node::Alloc { ptr, .. } if !freed_inside(*ptr) && st.graph_mem.contains_key(ptr))
+            });
+            if relaunch && output_alive && !x.auto_free {
+                return Err(Error::InvalidArgument(format!(
+                    "graph exec {:#x} relaunched while memory its last launch allocated is still allocated",
+                    exec.0
+                )));
+            }
+            (x.graph, x.nodes.clone())
+        };
+        let allocated_inside =
+            |p: DevicePtr| nodes.iter().any(|n| matches!(n, Node::Alloc { ptr, .. } if *ptr == p));
+        for node in &nodes {
+            match *node {
                 Node::Memset { ptr, len } => self.memset_async(ptr, 0, len, stream)?,
+                Node::Alloc { after, .. } => self.call(|st| {
+                    let s = st.stream_mut(stream)?;
+                    s.ready = s.ready.max(after);
+                    Ok(())
+                })?,
+                Node::Free { ptr } if !allocated_inside(ptr) => self.free_async(ptr, stream)?,
+                Node::Free { .. } => {}
             }
         }
-        Ok(())
+        self.call(|st| {
+            let end = st.stream_mut(stream)?.ready.max(st.now);
+            if let Some(g) = st.graphs.get_mut(&graph) {
+                g.launched_until = Some(end);
+            }
+            Ok(())
+        })
     }
 
     fn destroy_graph_exec(&self, exec: GraphExec) -> Result<()> {
@@ -880,11 +1069,16 @@ impl Device for SimDevice {
 
     fn destroy_graph(&self, graph: Graph) -> Result<()> {
         self.call(|st| {
-            st.graphs
+            let rec = st
+                .graphs
                 .remove(&graph)
-                .map(|_| ())
-                .ok_or_else(|| Error::InvalidArgument(format!("unknown graph {:#x}", graph.0)))
+                .ok_or_else(|| Error::InvalidArgument(format!("unknown graph {:#x}", graph.0)))?;
+            st.release_graph_mem(graph.0, &rec.nodes, rec.launched_until)
         })
+    }
+
+    fn instantiate_graph_auto_free(&self, graph: Graph) -> Result<GraphExec> {
+        self.call(|st| st.instantiate(graph, true))
     }
 }
 

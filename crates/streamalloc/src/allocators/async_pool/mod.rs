@@ -1,0 +1,511 @@
+//! `AsyncPool`: the driver's stream-ordered pool (`cuMemAllocFromPoolAsync` /
+//! `cuMemFreeAsync`) with every stream-ordered decision left to the driver, as in Paddle's
+//! `CUDAMallocAsyncAllocator`. It follows the
+//! [stream-ordering contract](crate::allocation#the-stream-ordering-contract).
+//!
+//! # Frees
+//! * No recorded streams: `cuMemFreeAsync` on the owning stream. The driver lets later work
+//!   on that stream reuse the memory at once, and other streams once they are ordered after
+//!   the free.
+//! * Recorded streams: an event is recorded on the owning stream and on each recorded stream,
+//!   a dedicated *free stream* waits on them, and the memory is freed on the free stream.
+//!   The host never polls an event and the allocator keeps no list of unfreed allocations;
+//!   events go back to an [`EventPool`] at once, since a wait
+//!   captures the event's state when it is enqueued.
+//!
+//! # Throttle
+//! Memory freed on the free stream may stay unusable for a while. When the bytes allocated
+//! plus the bytes freed on the free stream since the last throttle exceed
+//! [`AsyncPoolConfig::throttle_ratio`] of the device's memory, the next allocating stream
+//! waits on the free stream (one event, no host wait) and the pending count restarts from 0.
+//! With nothing pending there is nothing to wait for, so no wait is made.
+//!
+//! # Lazy initialization
+//! [`AsyncPool::new`] makes no driver call, so a process may create allocators and then
+//! fork before CUDA initializes. The pool, the free stream and the device's size are set up
+//! at first use, once, under a lock.
+//!
+//! # CUDA graph capture
+//! Captures that allocate from an `AsyncPool` are begun with [`AsyncPool::begin_capture`]; an
+//! allocation on a stream that is capturing a graph begun elsewhere is an error (the
+//! allocator could not know which graph owns it). No trim, throttle wait or synchronization
+//! happens during a capture. The four cases:
+//! 1. *Allocated and freed inside the capture*: ordinary captured allocation and free nodes.
+//!    A free with recorded streams that take part in the capture goes through a free stream
+//!    of the capture's own (so the shared free stream is never pulled into a graph), which
+//!    [`Capture::end`] joins back into the capturing stream before ending the capture.
+//!    Recorded streams outside the capture are ignored: graph memory does not exist outside
+//!    the graph's launches.
+//! 2. *Allocated inside, freed outside*: the memory belongs to the graph. The driver creates
+//!    it at each launch, so it only exists once the graph has been launched; freeing it
+//!    before then is invalid. Dropping the [`Allocation`] therefore hands it to the
+//!    [`CapturedGraph`], which frees it (ordered after the last launch) when it is destroyed,
+//!    and only if it was ever launched. Graphs are instantiated with auto-free-on-launch
+//!    ([`Device::instantiate_graph_auto_free`]), so a graph whose memory outlives a launch
+//!    can be launched again: each launch frees what the previous one left and allocates it
+//!    anew at the same address. An `Allocation` still alive when its graph is destroyed stays
+//!    valid and is freed, after the last launch, when dropped.
+//! 3. *Allocated outside, freed inside*: a captured free would free the memory at every
+//!    launch, so the free is deferred to the end of the capture and done then on the owning
+//!    stream. As in PyTorch and Paddle, a graph must not use memory freed during its capture
+//!    when it is launched later: keep alive what a graph reads.
+//! 4. *Both outside*: ordinary.
+
+mod graph;
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::Mutex;
+
+pub use graph::{Capture, CapturedGraph};
+use graph::{CaptureOwner, GraphShared};
+
+use crate::allocation::{align_up, Allocation, Allocator, Block, BlockOwner, Stats, StreamAllocator};
+use crate::device::{CaptureStatus, Device, DevicePtr, EventPool, Pool, PoolAttr, PoolProps, Stream};
+use crate::error::{Error, OutOfMemory, Result};
+
+/// Which stream-ordered pool an [`AsyncPool`] allocates from.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PoolMode {
+    /// The device's default pool, shared with every library in the process (CuPy's
+    /// `MemoryAsyncPool`, PyTorch's cudaMallocAsync backend). Its attributes are left alone,
+    /// and its statistics include other libraries' memory.
+    DefaultPool,
+    /// A pool the allocator creates at first use and destroys when it is dropped.
+    Owned {
+        /// Bytes the pool keeps reserved at synchronizations instead of releasing them.
+        release_threshold: usize,
+        /// Which kinds of cross-stream reuse the driver may make.
+        reuse: ReuseFlags,
+        /// Largest size the pool may reserve, in bytes; 0 means no limit. Honoured where the
+        /// driver offers it (CUDA 12.2 and later).
+        max_size: usize,
+    },
+    /// A pool made by someone else; the allocator never changes or destroys it.
+    View(Pool),
+}
+
+/// The driver's reuse attributes of an owned pool (all on by default, as in the driver).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReuseFlags {
+    /// Reuse memory freed on another stream once an event orders the two.
+    pub follow_event_dependencies: bool,
+    /// Reuse memory whose free is known to have completed.
+    pub opportunistic: bool,
+    /// Let the driver insert stream waits to reuse memory freed on another stream.
+    pub internal_dependencies: bool,
+}
+
+impl Default for ReuseFlags {
+    fn default() -> Self {
+        Self { follow_event_dependencies: true, opportunistic: true, internal_dependencies: true }
+    }
+}
+
+/// Settings of an [`AsyncPool`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AsyncPoolConfig {
+    /// The pool to allocate from (default: the device's default pool).
+    pub mode: PoolMode,
+    /// Share of device memory that allocated plus pending-release bytes may reach before the
+    /// next allocation waits on the free stream (default 0.8; `f64::INFINITY` turns the
+    /// throttle off).
+    pub throttle_ratio: f64,
+    /// Bytes [`Allocator::release`] leaves reserved in the pool (default 0).
+    pub trim_floor: usize,
+    /// The stream [`Allocator::allocate`] uses until changed (default: the legacy default
+    /// stream).
+    pub default_stream: Stream,
+}
+
+impl Default for AsyncPoolConfig {
+    fn default() -> Self {
+        Self {
+            mode: PoolMode::DefaultPool,
+            throttle_ratio: 0.8,
+            trim_floor: 0,
+            default_stream: Stream::DEFAULT,
+        }
+    }
+}
+
+/// The driver's stream-ordered pool as a [`StreamAllocator`]; see the [module docs](self).
+pub struct AsyncPool {
+    inner: Arc<Inner>,
+}
+
+/// What is set up at first use.
+struct Ready {
+    pool: Pool,
+    free_stream: Stream,
+    device_total: usize,
+}
+
+#[derive(Default)]
+struct Counters {
+    stats: Stats,
+    /// Bytes freed on the free stream since the last throttle wait.
+    pending: usize,
+    /// The first error a free met, reported by the next call.
+    free_error: Option<Error>,
+}
+
+struct Inner {
+    device: Arc<dyn Device>,
+    config: AsyncPoolConfig,
+    default_stream: AtomicU64,
+    ready: OnceLock<Ready>,
+    init_lock: Mutex<()>,
+    events: EventPool,
+    counters: Mutex<Counters>,
+    /// Captures begun through this allocator, by capturing stream.
+    captures: Mutex<HashMap<Stream, Arc<GraphShared>>>,
+}
+
+fn is_oom(e: &Error) -> bool {
+    // CUDA_ERROR_OUT_OF_MEMORY, should a device layer report it as a plain driver error.
+    e.is_out_of_memory() || matches!(e, Error::Driver { code: 2, .. })
+}
+
+impl AsyncPool {
+    /// An allocator on `device`. Makes no driver call: the pool and the free stream are set
+    /// up at first use.
+    pub fn new(device: Arc<dyn Device>, config: AsyncPoolConfig) -> Self {
+        let inner = Inner {
+            events: EventPool::new(device.clone()),
+            device,
+            default_stream: AtomicU64::new(config.default_stream.0),
+            config,
+            ready: OnceLock::new(),
+            init_lock: Mutex::new(()),
+            counters: Mutex::new(Counters::default()),
+            captures: Mutex::new(HashMap::new()),
+        };
+        Self { inner: Arc::new(inner) }
+    }
+
+    /// The settings this allocator was made with.
+    pub fn config(&self) -> &AsyncPoolConfig {
+        &self.inner.config
+    }
+
+    /// The pool allocations come from (sets the allocator up if this is its first use).
+    pub fn pool(&self) -> Result<Pool> {
+        Ok(self.inner.ready()?.pool)
+    }
+
+    /// Starts capturing the work of `stream` into a CUDA graph (relaxed mode); see the
+    /// [module docs](self#cuda-graph-capture) for what happens to allocations made or freed
+    /// during the capture.
+    pub fn begin_capture(&self, stream: Stream) -> Result<Capture> {
+        self.inner.ready()?;
+        let shared = Arc::new(GraphShared::default());
+        {
+            let mut captures = self.inner.captures.lock();
+            if captures.contains_key(&stream) {
+                return Err(Error::InvalidArgument(format!("stream {:#x} is already capturing", stream.0)));
+            }
+            self.inner.device.begin_capture(stream)?;
+            captures.insert(stream, shared.clone());
+        }
+        Ok(Capture::new(self.inner.clone(), shared, stream))
+    }
+
+    fn take_free_error(&self) -> Result<()> {
+        match self.inner.counters.lock().free_error.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Allocator for AsyncPool {
+    fn allocate(&self, size: usize) -> Result<Allocation> {
+        self.allocate_on(size, self.default_stream())
+    }
+
+    fn release(&self) -> Result<usize> {
+        self.take_free_error()?;
+        let Some(ready) = self.inner.ready.get() else { return Ok(0) };
+        if !self.inner.captures.lock().is_empty() {
+            return Ok(0);
+        }
+        let reserved = || self.inner.device.pool_attr(ready.pool, PoolAttr::ReservedMemCurrent);
+        let before = reserved()?;
+        self.inner.device.trim_pool(ready.pool, self.inner.config.trim_floor)?;
+        Ok(before.saturating_sub(reserved()?) as usize)
+    }
+
+    fn stats(&self) -> Stats {
+        let (mut stats, pending) = {
+            let c = self.inner.counters.lock();
+            (c.stats, c.pending)
+        };
+        if let Some(ready) = self.inner.ready.get() {
+            let attr = |a| self.inner.device.pool_attr(ready.pool, a).unwrap_or(0) as usize;
+            stats.reserved = attr(PoolAttr::ReservedMemCurrent);
+            stats.reserved_peak = attr(PoolAttr::ReservedMemHigh);
+            let unused = stats.reserved.saturating_sub(attr(PoolAttr::UsedMemCurrent));
+            // Pending frees may have completed and been trimmed since: count at most what
+            // the pool holds unused.
+            stats.pending_release = pending.min(unused);
+            stats.cached = unused - stats.pending_release;
+        }
+        stats
+    }
+
+    fn device(&self) -> usize {
+        self.inner.device.ordinal()
+    }
+}
+
+impl StreamAllocator for AsyncPool {
+    fn allocate_on(&self, size: usize, stream: Stream) -> Result<Allocation> {
+        self.take_free_error()?;
+        let inner = &self.inner;
+        let device = inner.device.ordinal();
+        if size == 0 {
+            return Ok(Allocation::empty(device, stream));
+        }
+        let rounded = align_up(size)
+            .ok_or_else(|| Error::InvalidArgument(format!("allocation size {size} overflows")))?;
+        let ready = inner.ready()?;
+        let (ptr, owner): (DevicePtr, Arc<dyn BlockOwner>) = match inner.device.capture_status(stream)? {
+            CaptureStatus::None => {
+                inner.throttle(ready, stream)?;
+                (inner.alloc_with_retry(ready, size, rounded, stream)?, inner.clone())
+            }
+            CaptureStatus::Active => {
+                let Some(shared) = inner.captures.lock().get(&stream).cloned() else {
+                    return Err(Error::Unsupported(format!(
+                        "allocation on stream {:#x}, which is capturing a graph not begun with \
+                         AsyncPool::begin_capture",
+                        stream.0
+                    )));
+                };
+                let ptr = inner.device.alloc_async(rounded, ready.pool, stream).inspect_err(|_| {
+                    inner.counters.lock().stats.failures += 1;
+                })?;
+                (ptr, Arc::new(CaptureOwner::new(inner.clone(), shared)))
+            }
+            CaptureStatus::Invalidated => {
+                return Err(Error::InvalidArgument(format!(
+                    "allocation on stream {:#x}, whose capture was invalidated",
+                    stream.0
+                )))
+            }
+        };
+        {
+            let mut c = inner.counters.lock();
+            c.stats.on_allocate(size);
+            c.stats.device_allocs += 1;
+        }
+        let block = Block { ptr, size, stream, device, token: 0, recorded: Vec::new() };
+        Ok(Allocation::new(block, owner))
+    }
+
+    fn default_stream(&self) -> Stream {
+        Stream(self.inner.default_stream.load(Ordering::Relaxed))
+    }
+
+    fn set_default_stream(&self, stream: Stream) {
+        self.inner.default_stream.store(stream.0, Ordering::Relaxed);
+    }
+}
+
+impl Inner {
+    /// The pool and free stream, set up at the first call.
+    fn ready(&self) -> Result<&Ready> {
+        if let Some(r) = self.ready.get() {
+            return Ok(r);
+        }
+        let _once = self.init_lock.lock();
+        if let Some(r) = self.ready.get() {
+            return Ok(r);
+        }
+        let device_total = self.device.mem_info()?.total;
+        let pool = match self.config.mode {
+            PoolMode::DefaultPool => self.device.default_pool()?,
+            PoolMode::View(pool) => pool,
+            PoolMode::Owned { release_threshold, reuse, max_size } => {
+                let pool = self.device.create_pool(PoolProps { max_size })?;
+                let attrs = [
+                    (PoolAttr::ReleaseThreshold, release_threshold as u64),
+                    (PoolAttr::ReuseFollowEventDependencies, reuse.follow_event_dependencies as u64),
+                    (PoolAttr::ReuseAllowOpportunistic, reuse.opportunistic as u64),
+                    (PoolAttr::ReuseAllowInternalDependencies, reuse.internal_dependencies as u64),
+                ];
+                if let Err(e) = attrs.iter().try_for_each(|&(a, v)| self.device.set_pool_attr(pool, a, v)) {
+                    // Already failing: the pool is unused, so a failed destroy only leaks it.
+                    let _ = self.device.destroy_pool(pool);
+                    return Err(e);
+                }
+                pool
+            }
+        };
+        let free_stream = match self.device.create_stream() {
+            Ok(s) => s,
+            Err(e) => {
+                if matches!(self.config.mode, PoolMode::Owned { .. }) {
+                    let _ = self.device.destroy_pool(pool);
+                }
+                return Err(e);
+            }
+        };
+        Ok(self.ready.get_or_init(|| Ready { pool, free_stream, device_total }))
+    }
+
+    /// Makes later work on `waiter` wait for the work enqueued so far on each of `streams`.
+    fn order_after(&self, waiter: Stream, streams: impl IntoIterator<Item = Stream>) -> Result<()> {
+        for s in streams {
+            let event = self.events.get()?;
+            let waited = self
+                .device
+                .record_event(event, s)
+                .and_then(|()| self.device.stream_wait_event(waiter, event));
+            // The wait (if made) took the event's state; the event may be recorded again.
+            self.events.put(event);
+            waited?;
+        }
+        Ok(())
+    }
+
+    fn throttle(&self, ready: &Ready, stream: Stream) -> Result<()> {
+        let over = {
+            let c = self.counters.lock();
+            c.pending > 0
+                && (c.stats.allocated + c.pending) as f64
+                    > self.config.throttle_ratio * ready.device_total as f64
+        };
+        if over {
+            self.order_after(stream, [ready.free_stream])?;
+            self.counters.lock().pending = 0;
+        }
+        Ok(())
+    }
+
+    /// One allocation from the pool; on out-of-memory, one retry after ordering `stream`
+    /// after the pending frees and trimming the pool.
+    fn alloc_with_retry(
+        &self,
+        ready: &Ready,
+        size: usize,
+        rounded: usize,
+        stream: Stream,
+    ) -> Result<DevicePtr> {
+        let first = match self.device.alloc_async(rounded, ready.pool, stream) {
+            Err(e) if is_oom(&e) => {
+                let pending = self.counters.lock().pending > 0;
+                if pending {
+                    self.order_after(stream, [ready.free_stream])?;
+                }
+                self.device.trim_pool(ready.pool, 0)?;
+                self.device.alloc_async(rounded, ready.pool, stream)
+            }
+            other => other,
+        };
+        first.map_err(|e| {
+            let mut c = self.counters.lock();
+            c.stats.failures += 1;
+            if !is_oom(&e) {
+                return e;
+            }
+            let attr = |a| self.device.pool_attr(ready.pool, a).unwrap_or(0) as usize;
+            let reserved = attr(PoolAttr::ReservedMemCurrent);
+            let info = self.device.mem_info().unwrap_or_default();
+            let hint = match self.config.mode {
+                PoolMode::Owned { max_size, .. } if max_size != 0 => {
+                    format!("the pool's maximum size is {max_size} bytes: raise max_size or free allocations")
+                }
+                _ => "free allocations or memory held outside this pool (other pools, libraries or \
+                      processes); a lower throttle_ratio makes allocations wait for pending frees sooner"
+                    .into(),
+            };
+            Error::oom(OutOfMemory {
+                device: self.device.ordinal(),
+                requested: size,
+                allocated: c.stats.allocated,
+                cached: reserved.saturating_sub(attr(PoolAttr::UsedMemCurrent)),
+                pending_release: c.pending,
+                reserved,
+                device_free: info.free,
+                device_total: info.total,
+                detail: Vec::new(),
+                hint,
+            })
+        })
+    }
+
+    /// Frees a block allocated outside any capture, or a graph's memory after its launch.
+    fn release_block(&self, block: Block) -> Result<()> {
+        let ready = self.ready()?;
+        if self.device.capture_status(block.stream)? != CaptureStatus::None {
+            return self.defer_to_capture(block.stream, block);
+        }
+        for &s in &block.recorded {
+            if self.device.capture_status(s)? != CaptureStatus::None {
+                return self.defer_to_capture(s, block);
+            }
+        }
+        if block.recorded.is_empty() {
+            self.device.free_async(block.ptr, block.stream)?;
+        } else {
+            self.order_after(
+                ready.free_stream,
+                std::iter::once(block.stream).chain(block.recorded.iter().copied()),
+            )?;
+            self.device.free_async(block.ptr, ready.free_stream)?;
+            self.counters.lock().pending += block.size;
+        }
+        self.counters.lock().stats.device_frees += 1;
+        Ok(())
+    }
+
+    /// Case 3: memory from outside a capture, freed while `stream` captures; freed when the
+    /// capture ends.
+    fn defer_to_capture(&self, stream: Stream, block: Block) -> Result<()> {
+        let Some(shared) = self.captures.lock().get(&stream).cloned() else {
+            return Err(Error::Unsupported(format!(
+                "free of {:#x} while stream {:#x} captures a graph not begun with \
+                 AsyncPool::begin_capture: the memory is leaked",
+                block.ptr, stream.0
+            )));
+        };
+        match shared.defer(block) {
+            // The capture ended meanwhile: free as usual.
+            Some(block) => self.release_block(block),
+            None => Ok(()),
+        }
+    }
+
+    fn keep_error(&self, result: Result<()>) {
+        if let Err(e) = result {
+            self.counters.lock().free_error.get_or_insert(e);
+        }
+    }
+}
+
+impl BlockOwner for Inner {
+    fn free(&self, block: Block) {
+        self.counters.lock().stats.on_free(block.size);
+        let result = self.release_block(block);
+        self.keep_error(result);
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if let Some(ready) = self.ready.get() {
+            // Nothing to report to: work already enqueued on the stream still completes, and
+            // a pool with outstanding frees is released by the driver once they complete.
+            let _ = self.device.destroy_stream(ready.free_stream);
+            if matches!(self.config.mode, PoolMode::Owned { .. }) {
+                let _ = self.device.destroy_pool(ready.pool);
+            }
+        }
+    }
+}
