@@ -10,7 +10,15 @@ use super::chunk_source::{ChunkSource, DeviceChunks};
 use crate::allocation::{Allocation, Allocator, Block, BlockOwner, Stats};
 use crate::device::{Device, Event, EventPool, Stream};
 use crate::error::{Error, OutOfMemory, Result};
-use crate::policy::best_fit::{BestFitPolicy, Classes, Grant, Growth};
+use crate::policy::best_fit::{BestFitPolicy, Class, Classes, Grant, Growth};
+
+/// A wholly free chunk moving from one pool to another (see [`BestFit::take_free_chunk`]).
+#[derive(Debug)]
+pub struct FreeChunk {
+    class: Class,
+    addr: u64,
+    size: u64,
+}
 
 /// Settings of a [`BestFit`] pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -155,6 +163,27 @@ impl BestFit {
     /// Whether freed blocks wait on recorded streams' events (read without locking).
     pub fn has_pending(&self) -> bool {
         self.inner.has_pending.load(Ordering::Relaxed)
+    }
+
+    /// Takes the smallest wholly free chunk that could serve `size` bytes out of this pool,
+    /// for another pool of the same device to [`adopt`](BestFit::adopt_chunk). The memory's
+    /// last use was in the order of this pool's stream: the adopter must order itself after
+    /// it. `None` if no such chunk is cached.
+    pub fn take_free_chunk(&self, size: usize) -> Option<FreeChunk> {
+        let mut st = self.inner.state.lock();
+        let (class, addr, size) = st.policy.take_free_chunk(u64::try_from(size).ok()?)?;
+        st.stats.reserved -= size as usize;
+        Some(FreeChunk { class, addr, size })
+    }
+
+    /// Adds a chunk taken from another pool of the same device with
+    /// [`BestFit::take_free_chunk`].
+    pub fn adopt_chunk(&self, chunk: FreeChunk) -> Result<()> {
+        let mut st = self.inner.state.lock();
+        st.policy.add_chunk(chunk.class, chunk.addr, chunk.size)?;
+        st.stats.reserved += chunk.size as usize;
+        st.stats.reserved_peak = st.stats.reserved_peak.max(st.stats.reserved);
+        Ok(())
     }
 
     fn round(size: usize) -> Result<u64> {

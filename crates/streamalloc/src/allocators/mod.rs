@@ -8,7 +8,7 @@ mod plain;
 mod stream_safe;
 
 pub use async_pool::{AsyncPool, AsyncPoolConfig, Capture, CapturedGraph, PoolMode, ReuseFlags};
-pub use best_fit::{BestFit, BestFitConfig};
+pub use best_fit::{BestFit, BestFitConfig, FreeChunk};
 pub use chunk_source::{ChunkSource, DeviceChunks};
 pub use plain::Plain;
 pub use stream_safe::{StreamSafe, StreamSafeConfig};

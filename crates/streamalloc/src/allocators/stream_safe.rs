@@ -50,12 +50,11 @@ const RETRY_PAUSE: Duration = Duration::from_millis(1);
 ///   when the pool allocates with pending frees, on a miss, and in [`Allocator::release`];
 ///   never by a background thread and never while the allocating stream is capturing a
 ///   graph.
-/// * **Stealing.** When a stream's pool has no fitting block, a cached block of another
-///   stream's pool is taken before the device footprint grows: the taking stream waits on
-///   an event recorded on the owning stream (so earlier work there is done before it uses
-///   the memory), and the allocation records the taking stream, so it returns to its
-///   owner's pool once the taking stream's work is done. Such an allocation reports the
-///   owner as [`Allocation::owning_stream`].
+/// * **Stealing.** When a stream's pool has no fitting block, a wholly free chunk of another
+///   stream's pool that fits is moved into it before the device footprint grows: the taking
+///   stream waits on an event recorded on the giving stream (so earlier work there is done
+///   before it uses the memory), once per chunk, and the chunk then belongs to the taking
+///   stream's pool for good, so streams do not pay an event per allocation.
 /// * **Out of memory.** Each pool first returns its own free chunks and retries once; then
 ///   every stream's pool releases its free chunks and the allocation is retried, then
 ///   retried again every millisecond for up to [`StreamSafeConfig::retry_wait`] while
@@ -180,28 +179,36 @@ impl StreamSafe {
         Ok(self.device.capture_status(stream)? != CaptureStatus::None)
     }
 
-    /// Takes a cached block of another stream's pool, ordering `stream` after its owner.
-    fn steal(&self, size: usize, stream: Stream, poll: bool) -> Result<Option<Allocation>> {
-        for other in self.pools().into_iter().filter(|p| p.stream != stream) {
-            let Some(mut a) = other.pool.allocate_cached(size, poll)? else { continue };
+    /// Moves a wholly free chunk that fits `size` from another stream's pool into `pool`,
+    /// ordering `pool`'s stream after the chunk's last use. Whether one was moved.
+    fn steal(&self, pool: &StreamPool, size: usize) -> Result<bool> {
+        for other in self.pools().into_iter().filter(|p| p.stream != pool.stream) {
+            let Some(chunk) = other.pool.take_free_chunk(size) else { continue };
             let event = self.events.get()?;
             let ordered = self
                 .device
                 .record_event(event, other.stream)
-                .and_then(|()| self.device.stream_wait_event(stream, event));
+                .and_then(|()| self.device.stream_wait_event(pool.stream, event));
             // The wait captured the event's state; the event can be reused at once.
             self.events.put(event);
-            ordered?;
-            a.record_stream(stream);
-            return Ok(Some(a));
+            if ordered.is_err() {
+                // The giving stream cannot be waited on (e.g. it was destroyed without
+                // retire_stream): its chunk stays where it is, and another is tried.
+                other.pool.adopt_chunk(chunk)?;
+                continue;
+            }
+            pool.pool.adopt_chunk(chunk)?;
+            return Ok(true);
         }
-        Ok(None)
+        Ok(false)
     }
 
     fn allocate_slow(&self, pool: &StreamPool, size: usize, stream: Stream) -> Result<Allocation> {
         let poll = !self.capturing(stream)?;
-        if let Some(a) = self.steal(size, stream, poll)? {
-            return Ok(a);
+        if self.steal(pool, size)? {
+            if let Some(a) = pool.pool.allocate_cached(size, poll)? {
+                return Ok(a);
+            }
         }
         match pool.pool.allocate_polling(size, poll) {
             Err(e) if e.is_out_of_memory() && poll => {}

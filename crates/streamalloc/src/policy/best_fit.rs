@@ -375,6 +375,27 @@ impl BestFitPolicy {
         released
     }
 
+    /// Removes the smallest wholly free chunk of the class of `size` that could serve
+    /// `size` bytes, without returning it anywhere: the caller hands it to another policy
+    /// with [`BestFitPolicy::add_chunk`]. `None` if there is none.
+    pub fn take_free_chunk(&mut self, size: u64) -> Option<(Class, u64, u64)> {
+        let size = Self::round(size)?;
+        let class = self.class_of(size);
+        let Self { slots, vacant, free, chunks, reserved, cached, .. } = self;
+        let list = free.get_mut(class.index())?;
+        let (&(block_size, addr), &slot) =
+            list.range((size, 0)..).find(|((n, a), _)| chunks.get(a).is_some_and(|c| c.size == *n))?;
+        list.remove(&(block_size, addr));
+        chunks.remove(&addr);
+        if let Some(s) = slots.get_mut(slot as usize) {
+            *s = VACANT;
+        }
+        vacant.push(slot);
+        *reserved -= block_size;
+        *cached -= block_size;
+        Some((class, addr, block_size))
+    }
+
     /// Every chunk held, as `(addr, size)`, whether free or not.
     pub fn chunks(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         self.chunks.iter().map(|(&a, c)| (a, c.size))

@@ -1,0 +1,34 @@
+//! The conformance suite on a CUDA GPU. Every test here is `#[ignore]`d: CI has no GPU;
+//! scripts/gpu-test.sh runs them with `--ignored` on the GPU machine.
+
+mod conformance;
+
+use std::sync::Arc;
+
+use conformance::Made;
+use streamalloc::allocators::{BestFit, BestFitConfig, Plain, StreamSafe, StreamSafeConfig};
+use streamalloc::{Device, Stream};
+
+fn plain(device: Arc<dyn Device>) -> Made {
+    Made::Plain(Arc::new(Plain::new(device, Stream::DEFAULT)))
+}
+
+conformance_tests!(gpu plain_on_gpu, plain);
+
+fn best_fit(device: Arc<dyn Device>) -> Made {
+    Made::Plain(Arc::new(BestFit::new(device, BestFitConfig::default()).expect("pool")))
+}
+
+fn stream_safe(device: Arc<dyn Device>) -> Made {
+    Made::Streams(Arc::new(StreamSafe::new(device, StreamSafeConfig::default()).expect("allocator")))
+}
+
+conformance_tests!(gpu best_fit_on_gpu, best_fit);
+conformance_tests!(gpu stream_safe_on_gpu, stream_safe);
+
+fn async_pool(device: Arc<dyn Device>) -> Made {
+    use streamalloc::allocators::{AsyncPool, AsyncPoolConfig};
+    Made::Streams(Arc::new(AsyncPool::new(device, AsyncPoolConfig::default())))
+}
+
+conformance_tests!(gpu async_pool_on_gpu, async_pool);

@@ -1,0 +1,180 @@
+//! StreamSafe on the simulator: per-stream reuse, record_stream, stealing, retry on
+//! out-of-memory, destroyed and retired streams, graph capture.
+
+mod conformance;
+
+use std::sync::Arc;
+
+use conformance::{run_program, Action, Made};
+use streamalloc::allocators::{BestFitConfig, StreamSafe, StreamSafeConfig};
+use streamalloc::device::sim::{SimConfig, SimDevice};
+use streamalloc::{Allocator, Device, Error, Stream, StreamAllocator};
+
+const MIB: usize = 1 << 20;
+
+fn setup(capacity: usize) -> (Arc<SimDevice>, StreamSafe, Stream, Stream) {
+    let sim = SimDevice::new(SimConfig::with_capacity(capacity));
+    let a = StreamSafe::new(sim.clone(), StreamSafeConfig::default()).unwrap();
+    let (s1, s2) = (sim.create_stream().unwrap(), sim.create_stream().unwrap());
+    (sim, a, s1, s2)
+}
+
+fn stream_safe(device: Arc<dyn Device>) -> Made {
+    Made::Streams(Arc::new(StreamSafe::new(device, StreamSafeConfig::default()).unwrap()))
+}
+
+#[test]
+fn same_stream_reuses_at_once() {
+    let (sim, a, s1, _) = setup(1 << 30);
+    let x = a.allocate_on(3 * MIB, s1).unwrap();
+    let p = x.ptr();
+    sim.use_range(p, 3 * MIB, s1, 5_000_000).unwrap();
+    drop(x);
+    let y = a.allocate_on(3 * MIB, s1).unwrap();
+    assert_eq!(y.ptr(), p);
+    assert_eq!(y.owning_stream(), s1);
+    assert_eq!(sim.check_handout(y.ptr(), y.size(), s1), 0);
+}
+
+#[test]
+fn recorded_stream_defers_reuse_until_its_work_is_done() {
+    let (sim, a, s1, s2) = setup(1 << 30);
+    let mut x = a.allocate_on(3 * MIB, s1).unwrap();
+    let p = x.ptr();
+    sim.use_range(p, 3 * MIB, s2, 5_000_000).unwrap();
+    x.record_stream(s2);
+    drop(x);
+    assert_eq!(a.stats().pending_release, 3 * MIB);
+    let y = a.allocate_on(3 * MIB, s1).unwrap();
+    assert_ne!(y.ptr(), p, "reused while stream 2 still used it");
+    assert_eq!(sim.check_handout(y.ptr(), y.size(), s1), 0);
+    sim.synchronize_stream(s2).unwrap();
+    let z = a.allocate_on(3 * MIB, s1).unwrap();
+    assert_eq!(z.ptr(), p, "reused once the event completed");
+    assert_eq!(sim.check_handout(z.ptr(), z.size(), s1), 0);
+    assert_eq!(a.stats().pending_release, 0);
+    assert!(sim.violations().is_empty());
+}
+
+/// The planted test: a program that uses memory on another stream without record_stream is
+/// caught by the checker; the same program with record_stream is clean.
+#[test]
+fn omitting_record_stream_is_caught() {
+    let program = [
+        Action::Alloc { stream: 0, size: 3 * MIB },
+        Action::Use { idx: 0, stream: 1, ns: 5_000_000 },
+        Action::Free { idx: 0 },
+        Action::Alloc { stream: 0, size: 3 * MIB },
+    ];
+    assert_eq!(run_program(stream_safe, &program, true), 0);
+    assert_eq!(run_program(stream_safe, &program, false), 1);
+}
+
+#[test]
+fn a_miss_steals_from_another_stream_instead_of_growing() {
+    let (sim, a, s1, s2) = setup(1 << 30);
+    let x = a.allocate_on(40 * MIB, s1).unwrap();
+    let p = x.ptr();
+    sim.use_range(p, 40 * MIB, s1, 5_000_000).unwrap();
+    drop(x);
+    let reserved = a.stats().reserved;
+    let y = a.allocate_on(40 * MIB, s2).unwrap();
+    assert_eq!(y.ptr(), p, "took stream 1's free chunk");
+    assert_eq!(y.owning_stream(), s2, "the chunk now belongs to stream 2's pool");
+    assert_eq!(a.stats().reserved, reserved, "footprint did not grow");
+    // Stream 2 now waits for stream 1's kernel, so the reuse is ordered.
+    assert_eq!(sim.check_handout(y.ptr(), y.size(), s2), 0);
+    sim.use_range(p, 40 * MIB, s2, 5_000_000).unwrap();
+    drop(y);
+    // Stream 2 reuses it at once; stream 1 takes it back only after stream 2's work.
+    let again = a.allocate_on(40 * MIB, s2).unwrap();
+    assert_eq!((again.ptr(), sim.check_handout(again.ptr(), again.size(), s2)), (p, 0));
+    sim.use_range(p, 40 * MIB, s2, 5_000_000).unwrap();
+    drop(again);
+    let z = a.allocate_on(40 * MIB, s1).unwrap();
+    assert_eq!(z.ptr(), p);
+    assert_eq!(sim.check_handout(z.ptr(), z.size(), s1), 0);
+    assert_eq!(a.stats().reserved, reserved);
+    assert!(sim.violations().is_empty());
+}
+
+#[test]
+fn out_of_memory_releases_other_streams_caches_then_reports_every_pool() {
+    let (_sim, a, s1, s2) = setup(64 * MIB);
+    drop(a.allocate_on(40 * MIB, s1).unwrap());
+    assert_eq!(a.stats().cached, 40 * MIB);
+    // 50 MiB fits neither stream 1's cached block nor the device beside it: stream 1's pool
+    // must give its chunk back.
+    let y = a.allocate_on(50 * MIB, s2).unwrap();
+    assert_eq!(a.stats().reserved, 50 * MIB);
+    let err = a.allocate_on(30 * MIB, s1).unwrap_err();
+    let Error::OutOfMemory(report) = &err else { panic!("expected out of memory, got {err}") };
+    assert_eq!((report.requested, report.allocated, report.reserved), (30 * MIB, 50 * MIB, 50 * MIB));
+    let text = err.to_string();
+    assert!(
+        text.contains(&format!("stream {:#x}", s1.0)) && text.contains(&format!("stream {:#x}", s2.0)),
+        "{text}"
+    );
+    drop(y);
+    a.allocate_on(30 * MIB, s1).unwrap();
+}
+
+#[test]
+fn freeing_memory_of_a_destroyed_stream_does_not_crash() {
+    let (sim, a, s1, s2) = setup(1 << 30);
+    let owned = a.allocate_on(MIB, s2).unwrap();
+    let _keeps_stream_1s_chunk_busy = a.allocate_on(MIB, s1).unwrap();
+    let mut recorded = a.allocate_on(MIB, s1).unwrap();
+    recorded.record_stream(s2);
+    sim.destroy_stream(s2).unwrap();
+    drop(owned);
+    drop(recorded);
+    // The failed event record is reported once, by the next call on stream 1's pool...
+    assert!(a.allocate_on(MIB, s1).is_err());
+    // ...and the allocator goes on working.
+    let x = a.allocate_on(MIB, s1).unwrap();
+    assert_eq!(sim.check_handout(x.ptr(), x.size(), s1), 0);
+}
+
+#[test]
+fn retire_stream_forgets_its_pool_and_returns_memory() {
+    let (sim, a, s1, s2) = setup(1 << 30);
+    let kept = a.allocate_on(MIB, s1).unwrap();
+    drop(a.allocate_on(40 * MIB, s2).unwrap());
+    let before = sim.mem_info().unwrap().used();
+    a.retire_stream(s2).unwrap();
+    assert_eq!(sim.mem_info().unwrap().used(), before - 40 * MIB);
+    sim.destroy_stream(s2).unwrap();
+    assert_eq!(a.stats().reserved, 2 * MIB, "only stream 1's small chunk is left");
+    drop(kept);
+}
+
+#[test]
+fn allocation_during_capture_and_release_waits_for_its_end() {
+    let (sim, a, s1, s2) = setup(1 << 30);
+    let mut x = a.allocate_on(MIB, s1).unwrap();
+    x.record_stream(s2);
+    drop(x);
+    sim.begin_capture(s1).unwrap();
+    // A pending free exists, but no event is queried: a new block is carved instead.
+    let y = a.allocate_on(MIB, s1).unwrap();
+    assert_eq!(a.release().unwrap(), 0, "nothing is released during a capture");
+    let g = sim.end_capture(s1).unwrap();
+    sim.destroy_graph(g).unwrap();
+    drop(y);
+    sim.synchronize_stream(s2).unwrap();
+    assert!(a.release().unwrap() > 0);
+}
+
+#[test]
+fn many_streams_overflow_the_slots() {
+    let sim = SimDevice::new(SimConfig::with_capacity(4 << 30));
+    let config = StreamSafeConfig { pool: BestFitConfig::default(), ..Default::default() };
+    let a = StreamSafe::new(sim.clone(), config).unwrap();
+    let streams: Vec<Stream> = (0..300).map(|_| sim.create_stream().unwrap()).collect();
+    let live: Vec<_> = streams.iter().map(|&s| a.allocate_on(4096, s).unwrap()).collect();
+    for (x, s) in live.iter().zip(&streams) {
+        assert_eq!(x.owning_stream(), *s);
+    }
+    assert_eq!(a.stats().live_allocations, 300);
+}
