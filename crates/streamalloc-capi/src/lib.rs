@@ -1,0 +1,185 @@
+//! The C ABI of streamalloc, built as `libstreamalloc.so`, with three faces:
+//!
+//! * PyTorch's `CUDAPluggableAllocator` ABI: [`streamalloc_malloc`] and [`streamalloc_free`].
+//! * CuPy's `CFunctionAllocator` ABI: [`streamalloc_cupy_malloc`] and
+//!   [`streamalloc_cupy_free`].
+//! * A C API with status codes and a thread-local last-error string: `streamalloc_allocate`,
+//!   `_deallocate`, `_record_stream`, `_release`, `_stats`, `_configure`, `_last_error`.
+//!
+//! All three share one process-wide facade (per-device allocator stacks), configured by
+//! [`streamalloc_configure`] or else, at the first call, from `STREAMALLOC_CONF` (e.g.
+//! `device=sim,strategy=plain`); and one map of live allocations by pointer, so a pointer from
+//! any face can be freed by the free of any other. No call unwinds into C or aborts: errors and
+//! panics become a status (or a null pointer) and the thread's last error. Zero-size requests
+//! give a null pointer (PyTorch's convention), and freeing null does nothing.
+//!
+//! `include/streamalloc.h` is generated from this crate by cbindgen; `cargo test -p
+//! streamalloc-capi` fails when it is out of date, and regenerates it with
+//! `STREAMALLOC_BLESS=1`.
+
+mod live;
+mod state;
+mod status;
+
+use std::ffi::CStr;
+use std::os::raw::{c_char, c_int, c_void};
+use std::ptr;
+
+use core_alloc::facade::Config;
+use core_alloc::{Error, Stream};
+use libc::ssize_t;
+
+use state::State;
+pub use status::{StreamallocStats, StreamallocStatus};
+
+/// A CUDA stream: `cudaStream_t`, the same value as the driver's `CUstream`. Null is the
+/// legacy default stream.
+pub type CudaStream = *mut c_void;
+
+fn stream(s: CudaStream) -> Stream {
+    Stream(s as u64)
+}
+
+/// PyTorch `CUDAPluggableAllocator` allocation: `size` bytes on `device`, owned by `stream`.
+/// Returns NULL for size 0 (PyTorch's convention) and on failure (the reason goes to the last
+/// error and to stderr).
+#[no_mangle]
+pub extern "C" fn streamalloc_malloc(size: ssize_t, device: c_int, stream: CudaStream) -> *mut c_void {
+    status::abi("streamalloc_malloc", ptr::null_mut(), || {
+        let size =
+            usize::try_from(size).map_err(|_| Error::InvalidArgument(format!("negative size {size}")))?;
+        Ok(State::get()?.allocate(size, device, self::stream(stream))? as *mut c_void)
+    })
+}
+
+/// PyTorch `CUDAPluggableAllocator` free. `size`, `device` and `stream` are ignored: the
+/// allocation knows its own. An unknown pointer (double free) is reported on stderr and
+/// otherwise ignored.
+#[no_mangle]
+pub extern "C" fn streamalloc_free(ptr: *mut c_void, size: ssize_t, device: c_int, stream: CudaStream) {
+    let _ = (size, device, stream);
+    status::abi("streamalloc_free", (), || State::get()?.free(ptr as u64));
+}
+
+/// CuPy `CFunctionAllocator` allocation: `size` bytes on `device`, on the legacy default
+/// stream (CuPy passes no stream; see [`streamalloc_cupy_free`] for why that is safe).
+/// `param` is unused. Returns NULL on failure, which CuPy does not check: the reason goes to
+/// stderr and the last error (`streamalloc.cupy.enable(checked=True)` raises instead).
+#[no_mangle]
+pub extern "C" fn streamalloc_cupy_malloc(param: *mut c_void, size: usize, device: c_int) -> *mut c_void {
+    let _ = param;
+    status::abi("streamalloc_cupy_malloc", ptr::null_mut(), || {
+        Ok(State::get()?.allocate(size, device, Stream::DEFAULT)? as *mut c_void)
+    })
+}
+
+/// CuPy `CFunctionAllocator` free. Before the memory can be reused, an event is recorded on
+/// the legacy default stream: that orders it after all work enqueued so far on every
+/// *blocking* stream (CuPy's null stream and `cupy.cuda.Stream()`'s default) and orders all
+/// later work on those streams after it, so the next user of the memory cannot overlap its
+/// last one. Memory used on non-blocking streams needs the C API with an explicit stream.
+#[no_mangle]
+pub extern "C" fn streamalloc_cupy_free(param: *mut c_void, ptr: *mut c_void, device: c_int) {
+    let _ = (param, device);
+    status::abi("streamalloc_cupy_free", (), || State::get()?.free_legacy(ptr as u64));
+}
+
+/// Allocates `size` bytes on `device`, owned by `stream`, and writes the pointer to `*out`
+/// (NULL for size 0, which succeeds, and on failure).
+///
+/// # Safety
+/// `out` is null (an error) or valid for writing a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn streamalloc_allocate(
+    size: usize,
+    device: c_int,
+    stream: CudaStream,
+    out: *mut *mut c_void,
+) -> StreamallocStatus {
+    status::status(|| {
+        if out.is_null() {
+            return Err(Error::InvalidArgument("out is null".into()));
+        }
+        let result = State::get().and_then(|s| s.allocate(size, device, self::stream(stream)));
+        // SAFETY: `out` is non-null and, by the caller's contract, valid for writes.
+        unsafe { out.write(result.as_ref().map_or(ptr::null_mut(), |p| *p as *mut c_void)) };
+        result.map(drop)
+    })
+}
+
+/// Frees an allocation made by any of the allocation functions, in the order of its owning
+/// stream and after the work of every stream recorded on it. Freeing NULL succeeds; an
+/// unknown pointer (double free) is `STREAMALLOC_INVALID_ARGUMENT`.
+#[no_mangle]
+pub extern "C" fn streamalloc_deallocate(ptr: *mut c_void) -> StreamallocStatus {
+    status::status(|| State::get()?.free(ptr as u64))
+}
+
+/// Says that work on `stream`, enqueued until the allocation at `ptr` is freed, uses it: the
+/// memory is not reused before that work completes. NULL (a zero-size allocation) succeeds.
+#[no_mangle]
+pub extern "C" fn streamalloc_record_stream(ptr: *mut c_void, stream: CudaStream) -> StreamallocStatus {
+    status::status(|| State::get()?.record_stream(ptr as u64, self::stream(stream)))
+}
+
+/// Returns the cached memory of `device` that no allocation uses to the driver, and writes the
+/// bytes returned to `*released` unless it is NULL.
+///
+/// # Safety
+/// `released` is null or valid for writing a `size_t`.
+#[no_mangle]
+pub unsafe extern "C" fn streamalloc_release(device: c_int, released: *mut usize) -> StreamallocStatus {
+    status::status(|| {
+        let bytes = State::get()?.release(device)?;
+        if !released.is_null() {
+            // SAFETY: non-null, and valid for writes by the caller's contract.
+            unsafe { released.write(bytes) };
+        }
+        Ok(())
+    })
+}
+
+/// Writes the statistics of `device` to `*out` (zeros for a device not used yet).
+///
+/// # Safety
+/// `out` is null (an error) or valid for writing a `streamalloc_stats_t`.
+#[no_mangle]
+pub unsafe extern "C" fn streamalloc_stats(device: c_int, out: *mut StreamallocStats) -> StreamallocStatus {
+    status::status(|| {
+        if out.is_null() {
+            return Err(Error::InvalidArgument("out is null".into()));
+        }
+        let stats = State::get()?.stats(device)?;
+        // SAFETY: `out` is non-null and, by the caller's contract, valid for writes.
+        unsafe { out.write(stats.into()) };
+        Ok(())
+    })
+}
+
+/// Configures the library with a `STREAMALLOC_CONF`-style string (e.g.
+/// `strategy=async,release_threshold=8GiB`), which then takes the place of the environment
+/// variable. Call it before any other function: once the library is in use (configured, or
+/// configured from the environment at a first call), only an equal configuration succeeds and
+/// any other is `STREAMALLOC_CONFIG_ERROR`.
+///
+/// # Safety
+/// `conf` is null (an error) or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn streamalloc_configure(conf: *const c_char) -> StreamallocStatus {
+    status::status(|| {
+        if conf.is_null() {
+            return Err(Error::InvalidArgument("conf is null".into()));
+        }
+        // SAFETY: non-null, and NUL-terminated by the caller's contract.
+        let conf = unsafe { CStr::from_ptr(conf) };
+        let conf = conf.to_str().map_err(|_| Error::Config("the configuration is not UTF-8".into()))?;
+        State::configure(Config::parse(conf)?)
+    })
+}
+
+/// The message of the last failed call on the calling thread (an empty string if none). The
+/// string belongs to the library and stays valid until the next call on this thread.
+#[no_mangle]
+pub extern "C" fn streamalloc_last_error() -> *const c_char {
+    status::last_error()
+}

@@ -1,0 +1,141 @@
+//! The process-wide state behind the C ABI: one [`Facade`], the live allocations, and the
+//! events the CuPy free path records.
+
+use std::os::raw::c_int;
+use std::sync::OnceLock;
+
+use core_alloc::device::EventPool;
+use core_alloc::facade::{Config, Facade, MAX_DEVICES};
+use core_alloc::{DevicePtr, Error, Result, Stats, Stream};
+
+use crate::live::LiveMap;
+
+/// Everything the exported functions share.
+pub(crate) struct State {
+    facade: Facade,
+    live: LiveMap,
+    /// Per device, events recorded on the legacy default stream by [`State::free_legacy`].
+    legacy_events: Box<[OnceLock<EventPool>]>,
+}
+
+/// Built once, at the first call, from [`streamalloc_configure`](crate::streamalloc_configure)
+/// or else from `STREAMALLOC_CONF`. A bad `STREAMALLOC_CONF` is kept as the error every call
+/// then reports.
+static STATE: OnceLock<Result<State>> = OnceLock::new();
+
+impl State {
+    fn new(config: Config) -> Self {
+        Self {
+            facade: Facade::new(config),
+            live: LiveMap::new(),
+            legacy_events: (0..MAX_DEVICES).map(|_| OnceLock::new()).collect(),
+        }
+    }
+
+    /// The state, built from `STREAMALLOC_CONF` on first use.
+    pub(crate) fn get() -> Result<&'static State> {
+        match STATE.get_or_init(|| Config::from_env().map(State::new)) {
+            Ok(s) => Ok(s),
+            Err(e) => Err(e.clone()),
+        }
+    }
+
+    /// Builds the state from `config`; if it is already built, succeeds only when it was built
+    /// from an equal configuration.
+    pub(crate) fn configure(config: Config) -> Result<()> {
+        let mut built_here = false;
+        let state = STATE.get_or_init(|| {
+            built_here = true;
+            Ok(State::new(config.clone()))
+        });
+        match state {
+            _ if built_here => Ok(()),
+            Ok(s) if *s.facade.config() == config => Ok(()),
+            Ok(s) => Err(Error::Config(format!(
+                "already configured with `{}` (at first use, or by an earlier configure); cannot change to `{config}`",
+                s.facade.config()
+            ))),
+            Err(e) => Err(Error::Config(format!("the configuration was fixed at first use and is bad: {e}"))),
+        }
+    }
+
+    /// Allocates `size` bytes owned by `stream`; 0 (null) for size 0.
+    pub(crate) fn allocate(&self, size: usize, device: c_int, stream: Stream) -> Result<DevicePtr> {
+        let device = ordinal(device)?;
+        if size == 0 {
+            return Ok(0);
+        }
+        if size > isize::MAX as usize {
+            return Err(Error::InvalidArgument(format!("size {size} is larger than any allocation can be")));
+        }
+        let a = self.facade.allocate(size, device, stream)?;
+        let ptr = a.ptr();
+        self.live.insert(a);
+        Ok(ptr)
+    }
+
+    /// Frees the allocation at `ptr` (null: nothing to do).
+    pub(crate) fn free(&self, ptr: DevicePtr) -> Result<()> {
+        if ptr != 0 {
+            drop(self.live.remove(ptr).ok_or_else(|| not_live(ptr))?);
+        }
+        Ok(())
+    }
+
+    /// Frees the allocation at `ptr`, made on the legacy default stream, whose users may be any
+    /// *blocking* streams: an event recorded on the legacy default stream first waits for all
+    /// work already enqueued on every blocking stream, and all later work on those streams waits
+    /// for it, so whoever reuses the memory next is ordered after its last use. If the record
+    /// fails, the memory is leaked rather than handed out while a kernel may still use it.
+    pub(crate) fn free_legacy(&self, ptr: DevicePtr) -> Result<()> {
+        let a = self.live.remove(ptr).ok_or_else(|| not_live(ptr))?;
+        let device = &self.facade.stack(a.device())?.device;
+        let events = self.legacy_events[a.device()].get_or_init(|| EventPool::new(device.clone()));
+        let recorded = events.get().and_then(|event| {
+            let r = device.record_event(event, Stream::DEFAULT);
+            // Nothing waits on the event itself: it can be recorded again at once.
+            events.put(event);
+            r
+        });
+        match recorded {
+            Ok(()) => drop(a),
+            Err(_) => std::mem::forget(a),
+        }
+        recorded
+    }
+
+    /// Marks `stream` as a user of the allocation at `ptr` (null: nothing to do).
+    pub(crate) fn record_stream(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
+        if ptr != 0 {
+            self.live.with(ptr, |a| a.record_stream(stream)).ok_or_else(|| not_live(ptr))?;
+        }
+        Ok(())
+    }
+
+    /// Returns cached memory of `device` to the driver; the bytes returned (0 for a device
+    /// not used yet, whose stack is not built for this).
+    pub(crate) fn release(&self, device: c_int) -> Result<usize> {
+        let device = ordinal(device)?;
+        if !self.facade.devices_in_use().contains(&device) {
+            return Ok(0);
+        }
+        self.facade.allocator(device)?.release()
+    }
+
+    /// Statistics of `device` (zeros for a device not used yet).
+    pub(crate) fn stats(&self, device: c_int) -> Result<Stats> {
+        Ok(self.facade.stats(ordinal(device)?))
+    }
+}
+
+fn ordinal(device: c_int) -> Result<usize> {
+    usize::try_from(device).ok().filter(|d| *d < MAX_DEVICES).ok_or_else(|| {
+        Error::InvalidArgument(format!("device {device} is not a device ordinal in 0..{MAX_DEVICES}"))
+    })
+}
+
+fn not_live(ptr: DevicePtr) -> Error {
+    Error::InvalidArgument(format!(
+        "{ptr:#x} is not a live streamalloc allocation (freed twice, or not made by streamalloc)"
+    ))
+}

@@ -1,0 +1,165 @@
+//! Status codes, the statistics struct, the thread-local last error, and the guards that keep
+//! errors and panics from crossing the C boundary.
+
+use std::cell::RefCell;
+use std::ffi::CString;
+use std::io::Write;
+use std::os::raw::c_char;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use core_alloc::{Error, Result, Stats};
+
+/// What a C API call returns. The variants are named as C sees them.
+#[repr(C)]
+#[allow(non_camel_case_types)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamallocStatus {
+    /// Success.
+    STREAMALLOC_OK = 0,
+    /// The device or the allocator is out of memory (the message has the figures).
+    STREAMALLOC_OUT_OF_MEMORY = 1,
+    /// An argument was rejected: null output pointer, negative or absurd size, unknown
+    /// device, or a pointer that is not a live allocation (double free).
+    STREAMALLOC_INVALID_ARGUMENT = 2,
+    /// A CUDA driver call failed.
+    STREAMALLOC_DRIVER_ERROR = 3,
+    /// The CUDA driver could not be loaded.
+    STREAMALLOC_NO_DRIVER = 4,
+    /// The configured `limit` would be exceeded.
+    STREAMALLOC_LIMIT_EXCEEDED = 5,
+    /// A bounded wait (e.g. `retry_timeout`) ran out.
+    STREAMALLOC_TIMEOUT = 6,
+    /// The configured strategy or device does not offer this.
+    STREAMALLOC_UNSUPPORTED = 7,
+    /// The configuration (`STREAMALLOC_CONF` or `streamalloc_configure`) is bad or conflicts.
+    STREAMALLOC_CONFIG_ERROR = 8,
+    /// Writing the trace file failed.
+    STREAMALLOC_IO_ERROR = 9,
+    /// A bug in streamalloc (a panic, caught at the boundary).
+    STREAMALLOC_INTERNAL = 10,
+}
+
+impl StreamallocStatus {
+    fn of(e: &Error) -> Self {
+        match e {
+            Error::OutOfMemory(_) => Self::STREAMALLOC_OUT_OF_MEMORY,
+            Error::InvalidArgument(_) => Self::STREAMALLOC_INVALID_ARGUMENT,
+            Error::Driver { .. } => Self::STREAMALLOC_DRIVER_ERROR,
+            Error::NoDriver(_) => Self::STREAMALLOC_NO_DRIVER,
+            Error::LimitExceeded { .. } => Self::STREAMALLOC_LIMIT_EXCEEDED,
+            Error::Timeout { .. } => Self::STREAMALLOC_TIMEOUT,
+            Error::Unsupported(_) => Self::STREAMALLOC_UNSUPPORTED,
+            Error::Config(_) => Self::STREAMALLOC_CONFIG_ERROR,
+            Error::Trace { .. } | Error::Io(_) => Self::STREAMALLOC_IO_ERROR,
+        }
+    }
+}
+
+/// The statistics of one device's allocator stack (mirrors the core crate's `Stats`; figures
+/// the strategy does not track stay 0).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StreamallocStats {
+    /// Bytes handed out and not yet freed (sizes as asked for).
+    pub allocated: usize,
+    /// Peak of `allocated`.
+    pub allocated_peak: usize,
+    /// Bytes held from the device.
+    pub reserved: usize,
+    /// Peak of `reserved`.
+    pub reserved_peak: usize,
+    /// Bytes held from the device and free for reuse.
+    pub cached: usize,
+    /// Largest single block in `cached`.
+    pub largest_free_block: usize,
+    /// Bytes freed whose reuse still waits on another stream's work.
+    pub pending_release: usize,
+    /// Allocations live now.
+    pub live_allocations: u64,
+    /// Allocations made since the start.
+    pub total_allocations: u64,
+    /// Frees since the start.
+    pub total_frees: u64,
+    /// Calls that allocated from the device.
+    pub device_allocs: u64,
+    /// Calls that returned memory to the device.
+    pub device_frees: u64,
+    /// Allocations that failed.
+    pub failures: u64,
+}
+
+impl From<Stats> for StreamallocStats {
+    fn from(s: Stats) -> Self {
+        Self {
+            allocated: s.allocated,
+            allocated_peak: s.allocated_peak,
+            reserved: s.reserved,
+            reserved_peak: s.reserved_peak,
+            cached: s.cached,
+            largest_free_block: s.largest_free_block,
+            pending_release: s.pending_release,
+            live_allocations: s.live_allocations,
+            total_allocations: s.total_allocations,
+            total_frees: s.total_frees,
+            device_allocs: s.device_allocs,
+            device_frees: s.device_frees,
+            failures: s.failures,
+        }
+    }
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+/// The calling thread's last error message (empty if none). The pointer stays valid until
+/// the next failing call on this thread.
+pub(crate) fn last_error() -> *const c_char {
+    LAST_ERROR.with(|e| e.borrow().as_ptr())
+}
+
+fn set_last_error(message: String) {
+    let message = CString::new(message.replace('\0', " ")).unwrap_or_default();
+    LAST_ERROR.with(|e| *e.borrow_mut() = message);
+}
+
+fn panic_error(payload: &(dyn std::any::Any + Send)) -> String {
+    let what = payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a panic");
+    format!("internal error (a bug in streamalloc): {what}")
+}
+
+/// Runs a C API call: an error or a panic becomes its status, with the message kept as the
+/// thread's last error.
+pub(crate) fn status(f: impl FnOnce() -> Result<()>) -> StreamallocStatus {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => StreamallocStatus::STREAMALLOC_OK,
+        Ok(Err(e)) => {
+            let s = StreamallocStatus::of(&e);
+            set_last_error(e.to_string());
+            s
+        }
+        Err(payload) => {
+            set_last_error(panic_error(&*payload));
+            StreamallocStatus::STREAMALLOC_INTERNAL
+        }
+    }
+}
+
+/// Runs a call of a framework ABI (PyTorch's or CuPy's), which has no error channel: an error
+/// or a panic yields `fail`, sets the last error, and is written to stderr, the only place a
+/// framework user will see why.
+pub(crate) fn abi<T>(call: &str, fail: T, f: impl FnOnce() -> Result<T>) -> T {
+    let message = match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(v)) => return v,
+        Ok(Err(e)) => e.to_string(),
+        Err(payload) => panic_error(&*payload),
+    };
+    // Nothing better to do if stderr is closed.
+    let _ = writeln!(std::io::stderr(), "streamalloc: {call}: {message}");
+    set_last_error(message);
+    fail
+}

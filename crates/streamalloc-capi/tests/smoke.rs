@@ -1,0 +1,68 @@
+//! Compiles `tests/c/smoke.c` against `include/streamalloc.h` and the built
+//! `libstreamalloc.so`, and runs it on the simulator under every strategy.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The directory of the `libstreamalloc.so` cargo built for this test run.
+fn library_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    // The test runs from target/<profile>/deps; the library is there and one level up.
+    exe.ancestors()
+        .skip(1)
+        .take(2)
+        .find(|d| d.join("libstreamalloc.so").is_file())
+        .unwrap_or_else(|| panic!("no libstreamalloc.so next to {}", exe.display()))
+        .to_path_buf()
+}
+
+fn compile_smoke() -> PathBuf {
+    let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let lib = library_dir();
+    let exe = Path::new(env!("CARGO_TARGET_TMPDIR")).join("streamalloc-smoke");
+    let output = Command::new("cc")
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-pthread", "-I"])
+        .arg(crate_dir.join("include"))
+        .arg(crate_dir.join("tests/c/smoke.c"))
+        .arg("-o")
+        .arg(&exe)
+        .arg("-L")
+        .arg(&lib)
+        .arg(format!("-Wl,-rpath,{}", lib.display()))
+        .arg("-lstreamalloc")
+        .output()
+        .expect("run cc");
+    assert!(
+        output.status.success(),
+        "cc failed:\n{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    exe
+}
+
+#[test]
+fn c_smoke_on_the_simulator() {
+    let exe = compile_smoke();
+    let mut ran = Vec::new();
+    for strategy in ["plain", "best_fit", "stream_safe", "async"] {
+        let conf = format!("device=sim,strategy={strategy},sim_capacity=64GiB");
+        let out = Command::new(&exe).env("STREAMALLOC_CONF", &conf).output().expect("run smoke");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if out.status.code() == Some(77) && strategy != "plain" {
+            eprintln!("{strategy}: {stdout}");
+            continue;
+        }
+        assert!(out.status.success(), "{conf}: smoke failed\nstdout:\n{stdout}\nstderr:\n{stderr}");
+        assert!(stdout.contains(", 0 failed"), "{conf}:\n{stdout}");
+        // The framework ABIs report their errors (which the smoke test provokes) on stderr.
+        assert!(
+            stderr.contains("streamalloc: streamalloc_malloc: invalid argument: negative size -5"),
+            "{stderr}"
+        );
+        eprintln!("{strategy}: {stdout}");
+        ran.push(strategy);
+    }
+    assert!(ran.contains(&"plain"));
+}
