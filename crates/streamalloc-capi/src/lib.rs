@@ -183,3 +183,6 @@ pub unsafe extern "C" fn streamalloc_configure(conf: *const c_char) -> Streamall
 pub extern "C" fn streamalloc_last_error() -> *const c_char {
     status::last_error()
 }
+
+#[cfg(test)]
+mod tests;

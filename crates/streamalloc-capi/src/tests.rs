@@ -1,0 +1,189 @@
+//! Bad input at the boundary: every case returns a status or a null with the last error set,
+//! and never unwinds or aborts. All tests share the process-wide state, on the simulator.
+
+use std::ffi::CStr;
+use std::ptr;
+
+use super::*;
+use crate::status::{abi, status};
+use StreamallocStatus::*;
+
+const CONF: &CStr = c"device=sim,strategy=plain,sim_capacity=16GiB";
+
+fn setup() {
+    // SAFETY: a NUL-terminated literal.
+    assert_eq!(unsafe { streamalloc_configure(CONF.as_ptr()) }, STREAMALLOC_OK, "{}", last_error());
+}
+
+fn last_error() -> String {
+    // SAFETY: the library's string, valid until the next call on this thread.
+    unsafe { CStr::from_ptr(streamalloc_last_error()) }.to_string_lossy().into_owned()
+}
+
+fn allocate(size: usize, device: c_int) -> (StreamallocStatus, *mut c_void) {
+    let mut p = ptr::dangling_mut::<c_void>();
+    // SAFETY: `p` is a valid place for a pointer.
+    let s = unsafe { streamalloc_allocate(size, device, ptr::null_mut(), &mut p) };
+    (s, p)
+}
+
+#[test]
+fn sizes() {
+    setup();
+    assert_eq!(allocate(0, 0), (STREAMALLOC_OK, ptr::null_mut()));
+    assert!(streamalloc_malloc(0, 0, ptr::null_mut()).is_null());
+    assert!(streamalloc_malloc(-1, 0, ptr::null_mut()).is_null());
+    assert!(last_error().contains("negative size -1"), "{}", last_error());
+    assert!(streamalloc_malloc(isize::MIN, 0, ptr::null_mut()).is_null());
+    for absurd in [usize::MAX, usize::MAX - 255, isize::MAX as usize + 1] {
+        assert_eq!(allocate(absurd, 0), (STREAMALLOC_INVALID_ARGUMENT, ptr::null_mut()));
+        assert!(last_error().contains("larger than any allocation"), "{}", last_error());
+        assert!(streamalloc_cupy_malloc(ptr::null_mut(), absurd, 0).is_null());
+    }
+    assert_eq!(allocate(1 << 50, 0), (STREAMALLOC_OUT_OF_MEMORY, ptr::null_mut()));
+    assert!(last_error().contains("out of memory on device 0"), "{}", last_error());
+}
+
+#[test]
+fn devices() {
+    setup();
+    for device in [-1, c_int::MIN, 64, 1000, c_int::MAX] {
+        assert_eq!(allocate(256, device), (STREAMALLOC_INVALID_ARGUMENT, ptr::null_mut()));
+        assert!(last_error().contains(&format!("device {device} ")), "{}", last_error());
+        assert!(streamalloc_malloc(256, device, ptr::null_mut()).is_null());
+        assert!(streamalloc_cupy_malloc(ptr::null_mut(), 256, device).is_null());
+        let mut released = 0;
+        // SAFETY: valid out-pointers.
+        unsafe {
+            assert_eq!(streamalloc_release(device, &mut released), STREAMALLOC_INVALID_ARGUMENT);
+            assert_eq!(
+                streamalloc_stats(device, &mut StreamallocStats::default()),
+                STREAMALLOC_INVALID_ARGUMENT
+            );
+        }
+    }
+    // Zero size still checks the device.
+    assert_eq!(allocate(0, -1).0, STREAMALLOC_INVALID_ARGUMENT);
+}
+
+#[test]
+fn pointers() {
+    setup();
+    // SAFETY: null out-pointers are the bad input under test.
+    unsafe {
+        assert_eq!(
+            streamalloc_allocate(256, 0, ptr::null_mut(), ptr::null_mut()),
+            STREAMALLOC_INVALID_ARGUMENT
+        );
+        assert_eq!(streamalloc_stats(0, ptr::null_mut()), STREAMALLOC_INVALID_ARGUMENT);
+        assert_eq!(streamalloc_release(0, ptr::null_mut()), STREAMALLOC_OK);
+        assert_eq!(streamalloc_configure(ptr::null()), STREAMALLOC_INVALID_ARGUMENT);
+    }
+    let foreign = 0xdead_0000 as *mut c_void;
+    assert_eq!(streamalloc_deallocate(foreign), STREAMALLOC_INVALID_ARGUMENT);
+    assert!(last_error().contains("0xdead0000 is not a live streamalloc allocation"), "{}", last_error());
+    assert_eq!(streamalloc_record_stream(foreign, ptr::null_mut()), STREAMALLOC_INVALID_ARGUMENT);
+    streamalloc_free(foreign, 1, 0, ptr::null_mut());
+    streamalloc_cupy_free(ptr::null_mut(), foreign, 0);
+    assert!(last_error().contains("not a live"));
+    assert_eq!(streamalloc_deallocate(ptr::null_mut()), STREAMALLOC_OK);
+    assert_eq!(streamalloc_record_stream(ptr::null_mut(), ptr::null_mut()), STREAMALLOC_OK);
+    streamalloc_free(ptr::null_mut(), 0, 0, ptr::null_mut());
+}
+
+#[test]
+fn double_free_through_every_face() {
+    setup();
+    let (s, p) = allocate(4096, 0);
+    assert_eq!(s, STREAMALLOC_OK);
+    assert_eq!(streamalloc_deallocate(p), STREAMALLOC_OK);
+    assert_eq!(streamalloc_deallocate(p), STREAMALLOC_INVALID_ARGUMENT);
+    let t = streamalloc_malloc(4096, 0, ptr::null_mut());
+    assert!(!t.is_null());
+    streamalloc_free(t, 4096, 0, ptr::null_mut());
+    streamalloc_free(t, 4096, 0, ptr::null_mut());
+    let c = streamalloc_cupy_malloc(ptr::null_mut(), 4096, 0);
+    assert!(!c.is_null());
+    streamalloc_cupy_free(ptr::null_mut(), c, 0);
+    streamalloc_cupy_free(ptr::null_mut(), c, 0);
+    assert!(last_error().contains("not a live"));
+}
+
+#[test]
+fn configuration() {
+    setup();
+    // SAFETY: NUL-terminated literals.
+    unsafe {
+        assert_eq!(streamalloc_configure(c"strategy=plain,device=sim".as_ptr()), STREAMALLOC_CONFIG_ERROR);
+        assert!(last_error().contains("already configured"), "{}", last_error());
+        assert_eq!(streamalloc_configure(c"strategy=warp".as_ptr()), STREAMALLOC_CONFIG_ERROR);
+        assert!(last_error().contains("strategy=warp"), "{}", last_error());
+        assert_eq!(streamalloc_configure(c"trace=\xff".as_ptr()), STREAMALLOC_CONFIG_ERROR);
+        assert!(last_error().contains("UTF-8"), "{}", last_error());
+    }
+}
+
+#[test]
+fn stats_and_release() {
+    setup();
+    let (_, p) = allocate(1000, 3);
+    let mut s = StreamallocStats::default();
+    // SAFETY: valid out-pointers.
+    unsafe {
+        assert_eq!(streamalloc_stats(3, &mut s), STREAMALLOC_OK);
+        assert_eq!((s.allocated, s.live_allocations), (1000, 1));
+        assert_eq!(streamalloc_deallocate(p), STREAMALLOC_OK);
+        assert_eq!(streamalloc_stats(3, &mut s), STREAMALLOC_OK);
+        assert_eq!((s.allocated, s.live_allocations, s.total_frees), (0, 0, 1));
+        let mut released = usize::MAX;
+        assert_eq!(streamalloc_release(3, &mut released), STREAMALLOC_OK);
+        assert_ne!(released, usize::MAX);
+        assert_eq!(streamalloc_release(9, &mut released), STREAMALLOC_OK);
+        assert_eq!(released, 0);
+    }
+}
+
+#[test]
+fn errors_and_panics_stay_on_this_side() {
+    assert_eq!(status(|| Err(Error::Unsupported("x".into()))), STREAMALLOC_UNSUPPORTED);
+    assert_eq!(last_error(), "unsupported: x");
+    assert_eq!(status(|| panic!("boom")), STREAMALLOC_INTERNAL);
+    assert!(last_error().contains("a bug in streamalloc): boom"), "{}", last_error());
+    assert_eq!(abi("test", 7, || -> core_alloc::Result<i32> { panic!("{}", "bang") }), 7);
+    assert!(last_error().contains("bang"));
+    assert_eq!(status(|| Err(Error::InvalidArgument("nul \0 inside".into()))), STREAMALLOC_INVALID_ARGUMENT);
+    assert_eq!(last_error(), "invalid argument: nul   inside");
+    // The last error is per thread.
+    std::thread::spawn(|| assert_eq!(last_error(), "")).join().unwrap();
+}
+
+#[test]
+fn threads_share_the_map() {
+    setup();
+    let handles: Vec<_> = (0..8)
+        .map(|t| {
+            std::thread::spawn(move || {
+                let mut live = Vec::new();
+                for i in 0..2000usize {
+                    let p = streamalloc_malloc((256 * (1 + (i + t) % 5)) as ssize_t, 1, ptr::null_mut());
+                    assert!(!p.is_null());
+                    live.push(p as usize);
+                    if i % 3 == 0 {
+                        let q = live.swap_remove(i % live.len()) as *mut c_void;
+                        assert_eq!(streamalloc_deallocate(q), STREAMALLOC_OK);
+                    }
+                }
+                for p in live {
+                    streamalloc_free(p as *mut c_void, 0, 1, ptr::null_mut());
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    let mut s = StreamallocStats::default();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { streamalloc_stats(1, &mut s) }, STREAMALLOC_OK);
+    assert_eq!((s.allocated, s.live_allocations, s.total_allocations), (0, 0, 16_000));
+}
