@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use clap::ValueEnum;
+use streamalloc::device::cuda::{device_count, CudaDevice};
 use streamalloc::device::sim::{SimConfig, SimDevice};
 use streamalloc::Device;
 
@@ -24,11 +25,35 @@ pub struct Opened {
 }
 
 /// Opens GPU 0 through the CUDA driver, or says why it cannot.
-///
-/// The CUDA backend (`streamalloc::device::cuda`) is not in the library yet, so this always
-/// fails for now; once it lands this becomes a call to `CudaDevice::new(0)`.
 pub fn open_cuda() -> Result<Opened, String> {
-    Err("the CUDA backend of streamalloc is not built yet".into())
+    let device = CudaDevice::new(0).map_err(|e| e.to_string())?;
+    let memory = device.mem_info().map_err(|e| e.to_string())?;
+    let description = format!("CUDA device 0 ({} MiB, {} MiB free)", memory.total >> 20, memory.free >> 20);
+    Ok(Opened { device, description })
+}
+
+/// One line per CUDA device: memory and whether it offers stream-ordered pools. The
+/// library does not expose the driver version yet, so it is not shown.
+pub fn describe_gpus() -> Vec<String> {
+    let count = match device_count() {
+        Ok(n) => n,
+        Err(e) => return vec![format!("CUDA: {e}")],
+    };
+    let mut lines = vec![format!("CUDA devices: {count}")];
+    for ordinal in 0..count {
+        lines.push(match CudaDevice::new(ordinal) {
+            Ok(device) => {
+                let memory = device.mem_info().map_or_else(
+                    |e| e.to_string(),
+                    |m| format!("{} MiB, {} MiB free", m.total >> 20, m.free >> 20),
+                );
+                let pools = if device.default_pool().is_ok() { "yes" } else { "no" };
+                format!("device {ordinal}: {memory}; stream-ordered pools: {pools}")
+            }
+            Err(e) => format!("device {ordinal}: {e}"),
+        });
+    }
+    lines
 }
 
 /// The simulator the command uses when it has no GPU.

@@ -348,7 +348,7 @@ fn compare(a_path: &Path, b_path: &Path) -> Result<(), String> {
 
 fn info() {
     match device::open_cuda() {
-        Ok(opened) => println!("device: {}", opened.description),
+        Ok(_) => device::describe_gpus().iter().for_each(|line| println!("{line}")),
         Err(why) => {
             println!("no GPU: {why}");
             println!("replays run on the {}", device::describe_simulator(&device::simulator_config()));
