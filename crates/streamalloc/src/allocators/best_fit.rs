@@ -160,6 +160,12 @@ impl BestFit {
         Ok(self.from_cache(size, Self::round(size)?, poll)?.ok())
     }
 
+    /// The owner that takes this pool's blocks back (for an allocator that hands the pool's
+    /// blocks out under its own owner, like [`StreamSafe`](super::StreamSafe)).
+    pub fn block_owner(&self) -> Arc<dyn BlockOwner> {
+        self.inner.clone()
+    }
+
     /// Whether freed blocks wait on recorded streams' events (read without locking).
     pub fn has_pending(&self) -> bool {
         self.inner.has_pending.load(Ordering::Relaxed)

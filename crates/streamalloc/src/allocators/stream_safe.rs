@@ -2,15 +2,15 @@
 //! across streams and retry on out-of-memory (Paddle's `StreamSafeCUDAAllocator`, PyTorch's
 //! caching allocator semantics).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use arc_swap::ArcSwapOption;
+use arc_swap::{ArcSwap, ArcSwapOption};
 use parking_lot::Mutex;
 
 use super::best_fit::{BestFit, BestFitConfig};
-use crate::allocation::{Allocation, Allocator, Stats, StreamAllocator};
+use crate::allocation::{Allocation, Allocator, Block, BlockOwner, Stats, StreamAllocator};
 use crate::device::{CaptureStatus, Device, EventPool, Stream};
 use crate::error::{Error, OutOfMemory, Result};
 
@@ -64,9 +64,9 @@ const RETRY_PAUSE: Duration = Duration::from_millis(1);
 ///   `record_stream` must still exist when the allocation is freed (an event is recorded on
 ///   it); if it does not, the block is never reused and the next call on that stream's pool
 ///   reports the driver's error, but nothing crashes. Before destroying a stream, call
-///   [`StreamSafe::retire_stream`]: its pool is forgotten (so a new stream that the driver
-///   gives the same handle starts afresh), and its memory returns to the device once its
-///   last allocation is freed.
+///   [`StreamSafe::retire_stream`]: its pool is retired (a new stream that the driver gives
+///   the same handle starts afresh), its free chunks return to the device, and the rest
+///   returns at a later [`Allocator::release`] once its allocations are freed.
 /// * **Concurrency.** Finding a stream's pool takes no lock (the default stream's pool and
 ///   the first 256 streams' pools sit in atomically swapped slots); each pool has one lock.
 pub struct StreamSafe {
@@ -76,6 +76,8 @@ pub struct StreamSafe {
     default_stream: AtomicU64,
     slots: Box<[ArcSwapOption<StreamPool>]>,
     overflow: Mutex<Vec<Arc<StreamPool>>>,
+    /// Every pool ever made, retired ones included; takes blocks back.
+    registry: Arc<Registry>,
     /// Serializes the creation and replacement of pools.
     creating: Mutex<()>,
 }
@@ -83,6 +85,27 @@ pub struct StreamSafe {
 struct StreamPool {
     stream: Stream,
     pool: BestFit,
+    /// Position in the registry, carried in the high half of each block's token.
+    index: u64,
+    owner: Arc<dyn BlockOwner>,
+    /// Set by [`StreamSafe::retire_stream`]: the stream may be gone.
+    retired: AtomicBool,
+}
+
+/// Routes freed blocks back to the pool that made them: all of StreamSafe's allocations
+/// have this one owner (adaptors rely on that), and the pool is named by the token.
+struct Registry {
+    pools: ArcSwap<Vec<Arc<StreamPool>>>,
+}
+
+impl BlockOwner for Registry {
+    fn free(&self, mut block: Block) {
+        let index = block.token >> 32;
+        block.token &= u64::from(u32::MAX);
+        if let Some(p) = self.pools.load().get(index as usize) {
+            p.owner.free(block);
+        }
+    }
 }
 
 impl StreamSafe {
@@ -97,13 +120,14 @@ impl StreamSafe {
             default_stream: AtomicU64::new(config.default_stream.0),
             slots: (0..SLOTS).map(|_| ArcSwapOption::empty()).collect(),
             overflow: Mutex::new(Vec::new()),
+            registry: Arc::new(Registry { pools: ArcSwap::from_pointee(Vec::new()) }),
             creating: Mutex::new(()),
         })
     }
 
-    /// Forgets `stream`'s pool; call before destroying the stream. Its free chunks return
-    /// to the device now (after the stream's pending work), the rest when its last
-    /// allocation is freed.
+    /// Retires `stream`'s pool; call before destroying the stream. Synchronizes the stream,
+    /// then returns the pool's free chunks to the device; chunks still in use return at a
+    /// later [`Allocator::release`] once freed.
     pub fn retire_stream(&self, stream: Stream) -> Result<()> {
         let _creating = self.creating.lock();
         let old = match self.find_slot(stream) {
@@ -116,6 +140,7 @@ impl StreamSafe {
         };
         match old {
             Some(p) => {
+                p.retired.store(true, Ordering::Relaxed);
                 self.device.synchronize_stream(stream)?;
                 p.pool.release().map(|_| ())
             }
@@ -159,7 +184,17 @@ impl StreamSafe {
             return Ok(p);
         }
         let pool = BestFit::new(self.device.clone(), BestFitConfig { stream, ..self.config.pool })?;
-        let p = Arc::new(StreamPool { stream, pool });
+        let mut all = Vec::clone(&self.registry.pools.load());
+        let owner = pool.block_owner();
+        let p = Arc::new(StreamPool {
+            stream,
+            pool,
+            index: all.len() as u64,
+            owner,
+            retired: AtomicBool::new(false),
+        });
+        all.push(p.clone());
+        self.registry.pools.store(Arc::new(all));
         let home = Self::home(stream);
         match (0..SLOTS).map(|k| (home + k) % SLOTS).find(|&i| self.slots[i].load().is_none()) {
             Some(i) => self.slots[i].store(Some(p.clone())),
@@ -168,11 +203,20 @@ impl StreamSafe {
         Ok(p)
     }
 
-    /// Every stream's pool.
-    fn pools(&self) -> Vec<Arc<StreamPool>> {
-        let mut all: Vec<Arc<StreamPool>> = self.slots.iter().filter_map(|s| s.load_full()).collect();
-        all.extend(self.overflow.lock().iter().cloned());
-        all
+    /// Every pool, retired ones included.
+    fn pools(&self) -> Arc<Vec<Arc<StreamPool>>> {
+        self.registry.pools.load_full()
+    }
+
+    /// Hands `pool`'s allocation out under the registry's ownership.
+    fn adopt(&self, pool: &StreamPool, a: Allocation) -> Allocation {
+        match a.into_parts() {
+            Some((mut block, _)) => {
+                block.token |= pool.index << 32;
+                Allocation::new(block, self.registry.clone())
+            }
+            None => Allocation::empty(self.device.ordinal(), pool.stream),
+        }
     }
 
     fn capturing(&self, stream: Stream) -> Result<bool> {
@@ -182,7 +226,9 @@ impl StreamSafe {
     /// Moves a wholly free chunk that fits `size` from another stream's pool into `pool`,
     /// ordering `pool`'s stream after the chunk's last use. Whether one was moved.
     fn steal(&self, pool: &StreamPool, size: usize) -> Result<bool> {
-        for other in self.pools().into_iter().filter(|p| p.stream != pool.stream) {
+        for other in
+            self.pools().iter().filter(|p| p.stream != pool.stream && !p.retired.load(Ordering::Relaxed))
+        {
             let Some(chunk) = other.pool.take_free_chunk(size) else { continue };
             let event = self.events.get()?;
             let ordered = self
@@ -207,22 +253,22 @@ impl StreamSafe {
         let poll = !self.capturing(stream)?;
         if self.steal(pool, size)? {
             if let Some(a) = pool.pool.allocate_cached(size, poll)? {
-                return Ok(a);
+                return Ok(self.adopt(pool, a));
             }
         }
         match pool.pool.allocate_polling(size, poll) {
             Err(e) if e.is_out_of_memory() && poll => {}
-            other => return other,
+            other => return Ok(self.adopt(pool, other?)),
         }
         let start = Instant::now();
         let last = loop {
-            for p in self.pools() {
+            for p in self.pools().iter() {
                 // A pool that cannot release now still lets the others try.
                 let _ = p.pool.release();
             }
             let e = match pool.pool.allocate_polling(size, true) {
                 Err(e) if e.is_out_of_memory() => e,
-                other => return other,
+                other => return Ok(self.adopt(pool, other?)),
             };
             if start.elapsed() >= self.config.retry_wait {
                 break e;
@@ -276,14 +322,14 @@ impl Allocator for StreamSafe {
     /// nothing is released (that would synchronize the device) and 0 is returned.
     fn release(&self) -> Result<usize> {
         let pools = self.pools();
-        for p in &pools {
+        for p in pools.iter().filter(|p| !p.retired.load(Ordering::Relaxed)) {
             if self.capturing(p.stream)? {
                 return Ok(0);
             }
         }
         let mut total = 0;
         let mut first_error = None;
-        for p in pools {
+        for p in pools.iter() {
             match p.pool.release() {
                 Ok(n) => total += n,
                 Err(e) => {
@@ -327,7 +373,7 @@ impl StreamAllocator for StreamSafe {
         // Pending frees are polled only when there are some, and then only outside a capture.
         let poll = !pool.pool.has_pending() || !self.capturing(stream)?;
         match pool.pool.allocate_cached(size, poll)? {
-            Some(a) => Ok(a),
+            Some(a) => Ok(self.adopt(&pool, a)),
             None => self.allocate_slow(&pool, size, stream),
         }
     }

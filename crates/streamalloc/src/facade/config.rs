@@ -98,12 +98,13 @@ pub struct Config {
     pub device: DeviceKind,
     /// `sim_capacity`: bytes of a simulated device. Default 143,771 MiB (an H200).
     pub sim_capacity: usize,
-    /// `growth`: bytes a caching pool grows by for large requests. Default 20 MiB.
+    /// `growth`: bytes a caching pool grows by for large requests. Default 32 MiB.
     pub growth: usize,
     /// `pool`: `default` or `owned`, for `async`. Default `default`.
     pub pool: PoolChoice,
-    /// `release_threshold`: bytes an owned pool keeps reserved at synchronizations (`max`
-    /// for all). Default `max`.
+    /// `release_threshold`: bytes an owned pool (`pool=owned`) keeps reserved at
+    /// synchronizations (`max` for all). Default `max`. The default pool's attributes are
+    /// left as other libraries set them.
     pub release_threshold: u64,
     /// `throttle`: for `async`, the share of device memory allocated plus pending release
     /// above which allocating streams wait for pending frees. Default 0.8.
@@ -129,7 +130,7 @@ impl Default for Config {
             strategy: Strategy::StreamSafe,
             device: DeviceKind::Cuda,
             sim_capacity: 143_771 << 20,
-            growth: 20 << 20,
+            growth: 32 << 20,
             pool: PoolChoice::Default,
             release_threshold: u64::MAX,
             throttle: 0.8,

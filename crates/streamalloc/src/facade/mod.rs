@@ -25,7 +25,10 @@ use parking_lot::Mutex;
 
 use crate::adaptors::{Limit, Retry, SingleStream, StatsAdaptor, StreamStats, TraceAdaptor};
 use crate::allocation::{Allocation, Stats, StreamAllocator};
-use crate::allocators::Plain;
+use crate::allocators::{
+    AsyncPool, AsyncPoolConfig, BestFit, BestFitConfig, Plain, PoolMode, ReuseFlags, StreamSafe,
+    StreamSafeConfig,
+};
 use crate::device::cuda::CudaDevice;
 use crate::device::sim::{SimConfig, SimDevice};
 use crate::device::{Device, Stream};
@@ -151,11 +154,33 @@ impl Facade {
                 device.clone(),
                 Stream::DEFAULT,
             )),
-            other => {
-                return Err(Error::Unsupported(format!(
-                    "strategy {} is not built into this version",
-                    other.name()
-                )))
+            Strategy::BestFit => {
+                let pool = BestFit::new(
+                    device.clone(),
+                    BestFitConfig { growth_size: c.growth, ..Default::default() },
+                )?;
+                Arc::new(SingleStream::new(pool, device.clone(), Stream::DEFAULT))
+            }
+            Strategy::StreamSafe => {
+                let pool = BestFitConfig { growth_size: c.growth, ..Default::default() };
+                Arc::new(StreamSafe::new(device.clone(), StreamSafeConfig { pool, ..Default::default() })?)
+            }
+            Strategy::Async => {
+                let mode = match c.pool {
+                    PoolChoice::Default => PoolMode::DefaultPool,
+                    PoolChoice::Owned => PoolMode::Owned {
+                        release_threshold: usize::try_from(c.release_threshold).unwrap_or(usize::MAX),
+                        reuse: ReuseFlags::default(),
+                        max_size: 0,
+                    },
+                };
+                let config = AsyncPoolConfig {
+                    mode,
+                    throttle_ratio: c.throttle,
+                    trim_floor: c.trim_floor,
+                    ..Default::default()
+                };
+                Arc::new(AsyncPool::new(device.clone(), config))
             }
         };
         if let Some(path) = &c.trace {

@@ -1,0 +1,147 @@
+//! The facade on the simulator: every strategy, the stack's layers, per-device statistics,
+//! and a trace written by the Trace layer that replays to identical statistics.
+
+use std::sync::Arc;
+
+use streamalloc::facade::{Config, Facade, Strategy};
+use streamalloc::replay::{replay, ReplayOptions, ReplayTarget};
+use streamalloc::trace::Trace;
+use streamalloc::{Allocator, Error, Stream, StreamAllocator};
+
+const MIB: usize = 1 << 20;
+
+fn sim(conf: &str) -> Facade {
+    Facade::new(Config::parse(&format!("device=sim,sim_capacity=1GiB,{conf}")).unwrap())
+}
+
+#[test]
+fn every_strategy_allocates_on_any_stream() {
+    for strategy in ["plain", "best_fit", "stream_safe", "async"] {
+        let f = sim(&format!("strategy={strategy}"));
+        let dev = f.stack(0).unwrap().device.clone();
+        let s = dev.create_stream().unwrap();
+        let a = f.allocate(3 * MIB, 0, s).unwrap();
+        let b = f.allocate(5000, 0, Stream::DEFAULT).unwrap();
+        assert_ne!(a.ptr(), b.ptr());
+        assert_eq!(f.stats(0).allocated, 3 * MIB + 5000, "{strategy}");
+        drop((a, b));
+        dev.synchronize_stream(s).unwrap();
+        f.release_all().unwrap();
+        assert_eq!(f.stats(0).allocated, 0, "{strategy}");
+    }
+}
+
+#[test]
+fn devices_are_separate_and_stats_are_per_device() {
+    let f = sim("strategy=stream_safe");
+    let a = f.allocate(MIB, 0, Stream::DEFAULT).unwrap();
+    let b = f.allocate(2 * MIB, 1, Stream::DEFAULT).unwrap();
+    assert_eq!((a.device(), b.device()), (0, 1));
+    assert_eq!(f.stats(0).allocated, MIB);
+    assert_eq!(f.stats(1).allocated, 2 * MIB);
+    assert_eq!(f.global_stats().allocated, 3 * MIB);
+    assert_eq!(f.devices_in_use(), vec![0, 1]);
+    assert!(matches!(f.allocate(1, 64, Stream::DEFAULT), Err(Error::InvalidArgument(_))));
+}
+
+#[test]
+fn limit_layer_names_the_limit() {
+    let f = sim("strategy=stream_safe,limit=8MiB");
+    let _a = f.allocate(6 * MIB, 0, Stream::DEFAULT).unwrap();
+    match f.allocate(3 * MIB, 0, Stream::DEFAULT) {
+        Err(Error::LimitExceeded { limit, in_use, requested, .. }) => {
+            assert_eq!((limit, in_use, requested), (8 * MIB, 6 * MIB, 3 * MIB));
+        }
+        other => panic!("expected the limit, got {other:?}"),
+    }
+    let f = sim("strategy=plain,limit=0.5");
+    assert!(f.allocate(600 * MIB, 0, Stream::DEFAULT).is_err(), "half of 1 GiB");
+}
+
+#[test]
+fn retry_layer_waits_for_a_free_from_another_thread() {
+    let f = Arc::new(sim("strategy=plain,retry_timeout=2s,sim_capacity=64MiB"));
+    let held = f.allocate(40 * MIB, 0, Stream::DEFAULT).unwrap();
+    let freer = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        drop(held);
+    });
+    let got = f.allocate(40 * MIB, 0, Stream::DEFAULT);
+    freer.join().unwrap();
+    assert!(got.is_ok(), "{got:?}");
+    // Without a free, it gives up after the timeout with the figures and says so.
+    let f = sim("strategy=plain,retry_timeout=30ms,sim_capacity=64MiB");
+    let _held = f.allocate(40 * MIB, 0, Stream::DEFAULT).unwrap();
+    let err = f.allocate(40 * MIB, 0, Stream::DEFAULT).unwrap_err();
+    assert!(err.is_out_of_memory() && err.to_string().contains("waited"), "{err}");
+}
+
+#[test]
+fn stats_layer_counts_per_stream() {
+    let f = sim("strategy=stream_safe,stats=true");
+    let dev = f.stack(0).unwrap().device.clone();
+    let s = dev.create_stream().unwrap();
+    let a = f.allocate(MIB, 0, s).unwrap();
+    let b = f.allocate(2 * MIB, 0, Stream::DEFAULT).unwrap();
+    drop(b);
+    let per = f.stream_stats(0).unwrap();
+    let find = |st: Stream| per.iter().find(|(x, _)| *x == st).map(|(_, v)| *v).unwrap();
+    assert_eq!((find(s).current, find(s).allocations), (MIB, 1));
+    assert_eq!((find(Stream::DEFAULT).current, find(Stream::DEFAULT).peak), (0, 2 * MIB));
+    drop(a);
+    assert!(sim("strategy=stream_safe").stream_stats(0).is_none());
+}
+
+#[test]
+fn a_written_trace_replays_to_identical_statistics() {
+    let path = std::env::temp_dir().join(format!("streamalloc-facade-{}.csv", std::process::id()));
+    let f = sim(&format!("strategy=stream_safe,trace={}", path.display()));
+    let a = f.allocator(0).unwrap().clone();
+    let mut live = Vec::new();
+    for i in 0..200usize {
+        live.push(a.allocate_on((i * 7919) % (3 * MIB) + 1, Stream::DEFAULT).unwrap());
+        if i % 3 == 0 {
+            live.swap_remove(i % live.len());
+        }
+    }
+    drop(live);
+    let original = a.stats();
+    drop(a);
+    drop(f); // flushes the trace
+    let trace = Trace::from_path(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!(trace.len(), 400);
+    let g = sim("strategy=stream_safe");
+    let stack = g.stack(0).unwrap();
+    let target = ReplayTarget::Streams(stack.allocator.clone());
+    let result = replay(
+        &trace,
+        "stream_safe",
+        &target,
+        stack.device.as_ref(),
+        &ReplayOptions { passes: 1, progress: None },
+    )
+    .unwrap();
+    let replayed = stack.allocator.stats();
+    assert_eq!(result.failures, 0);
+    // Two passes (measuring and timed) of the same operations.
+    assert_eq!(replayed.total_allocations, 2 * original.total_allocations);
+    assert_eq!(replayed.allocated_peak, original.allocated_peak);
+    assert_eq!(replayed.reserved_peak, original.reserved_peak);
+    assert_eq!(result.peak_live, original.allocated_peak);
+}
+
+#[test]
+fn the_same_stack_from_code_and_from_a_string() {
+    let from_string =
+        Config::parse("strategy=async,pool=owned,release_threshold=1GiB,throttle=0.8,limit=40GiB").unwrap();
+    let from_code = Config {
+        strategy: Strategy::Async,
+        pool: streamalloc::facade::PoolChoice::Owned,
+        release_threshold: 1 << 30,
+        throttle: 0.8,
+        limit: Some(streamalloc::facade::LimitSpec::Bytes(40 << 30)),
+        ..Config::default()
+    };
+    assert_eq!(from_string, from_code);
+}
