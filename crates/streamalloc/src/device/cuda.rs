@@ -1,1 +1,677 @@
 //! The CUDA driver API through `cudarc`, loaded at run time.
+//!
+//! [`CudaDevice`] implements [`Device`] on one GPU's *primary context* (the context the CUDA
+//! runtime, PyTorch and CuPy use), so memory and streams are shared with those libraries.
+//!
+//! * Loading: `libcuda` is opened at the first [`CudaDevice::new`] or [`cuda_available`], and
+//!   every entry point this module calls is looked up once then. A machine without the driver
+//!   (or with one too old) gets [`Error::NoDriver`], never a panic.
+//! * Contexts: any thread may call any method. Each call makes the primary context current on
+//!   the calling thread unless it already is (one `cuCtxGetCurrent`, a thread-local read in the
+//!   driver). A thread with no current context keeps ours afterwards, so its next call costs
+//!   nothing more; a thread that had *another* context current gets it back when the call
+//!   returns, so callers such as PyTorch never see their current device change under them.
+//! * Handles: a [`Stream`], [`Event`], [`Pool`], [`Graph`] or [`GraphExec`] holds the driver
+//!   handle's pointer value; `Stream(0)` is the legacy default stream.
+//! * Errors: a failing `CUresult` becomes [`Error::Driver`] with the driver's name for it and
+//!   the entry point; `CUDA_ERROR_OUT_OF_MEMORY` from an allocation becomes
+//!   [`Error::OutOfMemory`] with the device's free and total memory.
+//!
+//! This is the only module of the crate with `unsafe` code.
+
+use std::collections::BTreeMap;
+use std::ffi::{c_int, c_void, CStr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::sys;
+use parking_lot::Mutex;
+
+use super::{
+    CaptureStatus, Device, DevicePtr, Event, Graph, GraphExec, HostFn, MemInfo, Pool, PoolAttr, PoolProps,
+    Stream,
+};
+use crate::error::{Error, OutOfMemory, Result};
+
+/// Every driver entry point this module calls, by the exact symbol name `cudarc` loads. `cudarc`
+/// panics when a symbol is missing at its first call, so [`init_driver`] checks them all up
+/// front and turns a missing one into [`Error::NoDriver`]. Keep in sync with the `sys::` calls
+/// below.
+const SYMBOLS: &[&str] = &[
+    "cuInit",
+    "cuGetErrorName",
+    "cuDeviceGetCount",
+    "cuDeviceGet",
+    "cuDevicePrimaryCtxRetain",
+    "cuDevicePrimaryCtxRelease_v2",
+    "cuCtxGetCurrent",
+    "cuCtxSetCurrent",
+    "cuMemGetInfo_v2",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
+    "cuDeviceGetDefaultMemPool",
+    "cuMemPoolCreate",
+    "cuMemPoolDestroy",
+    "cuMemPoolGetAttribute",
+    "cuMemPoolSetAttribute",
+    "cuMemPoolTrimTo",
+    "cuMemAllocFromPoolAsync",
+    "cuMemFreeAsync",
+    "cuStreamCreate",
+    "cuStreamDestroy_v2",
+    "cuStreamSynchronize",
+    "cuStreamWaitEvent",
+    "cuStreamIsCapturing",
+    "cuLaunchHostFunc",
+    "cuEventCreate",
+    "cuEventDestroy_v2",
+    "cuEventRecord",
+    "cuEventQuery",
+    "cuEventSynchronize",
+    "cuMemsetD8Async",
+    "cuMemcpyDtoHAsync_v2",
+    "cuMemcpyHtoDAsync_v2",
+    "cuStreamBeginCapture_v2",
+    "cuStreamEndCapture",
+    "cuGraphInstantiateWithFlags",
+    "cuGraphLaunch",
+    "cuGraphExecDestroy",
+    "cuGraphDestroy",
+];
+
+/// Whether a CUDA driver can be loaded and initialised here and shows at least one device.
+/// The first call loads the driver; later calls are cheap.
+pub fn cuda_available() -> bool {
+    driver().is_ok() && device_count().is_ok_and(|n| n > 0)
+}
+
+/// Number of CUDA devices the driver shows (after `CUDA_VISIBLE_DEVICES`).
+pub fn device_count() -> Result<usize> {
+    driver()?;
+    let mut n: c_int = 0;
+    // SAFETY: the driver is loaded and initialised (`driver()` above) and `n` is a valid
+    // out-pointer for the duration of the call.
+    check(unsafe { sys::cuDeviceGetCount(&mut n) }, "cuDeviceGetCount")?;
+    Ok(usize::try_from(n).unwrap_or(0))
+}
+
+/// Loads and initialises the driver once per process; later calls return the cached outcome.
+fn driver() -> Result<()> {
+    static INIT: OnceLock<Result<()>> = OnceLock::new();
+    INIT.get_or_init(init_driver).clone()
+}
+
+fn init_driver() -> Result<()> {
+    // SAFETY: `is_culib_present` only tries to open the candidate library names and closes
+    // them again; it has no other effect.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(Error::NoDriver(
+            "the CUDA driver library (libcuda.so) was not found; is LD_LIBRARY_PATH set?".into(),
+        ));
+    }
+    // SAFETY: `culib` opens the library (running its initialisers, which is what loading a
+    // driver means) and keeps it open for the process; it panics only if no candidate opens,
+    // which the catch turns into an error.
+    let lib = catch_unwind(|| unsafe { sys::culib() })
+        .map_err(|_| Error::NoDriver("the CUDA driver library could not be opened".into()))?;
+    for name in SYMBOLS {
+        // SAFETY: the symbol is only looked up, never called or dereferenced here, so the
+        // pointer type is irrelevant.
+        if unsafe { lib.get::<*const c_void>(*name) }.is_err() {
+            return Err(Error::NoDriver(format!(
+                "the CUDA driver lacks `{name}`; a driver for CUDA 12 or later is needed"
+            )));
+        }
+    }
+    // SAFETY: every symbol the module uses exists (checked above), so cudarc's lazy loader
+    // cannot panic; `cuInit(0)` is always valid to call and may be called many times.
+    let res = unsafe { sys::cuInit(0) };
+    if res != sys::CUresult::CUDA_SUCCESS {
+        return Err(Error::NoDriver(format!("cuInit failed with {} ({})", error_name(res), res as i32)));
+    }
+    Ok(())
+}
+
+/// The driver's name for `res`, e.g. `CUDA_ERROR_INVALID_VALUE`.
+fn error_name(res: sys::CUresult) -> String {
+    let mut p: *const std::ffi::c_char = ptr::null();
+    // SAFETY: `cuGetErrorName` needs no initialisation and writes a pointer to a static,
+    // nul-terminated string into `p`, or leaves it null for an unknown code.
+    let ok = unsafe { sys::cuGetErrorName(res, &mut p) } == sys::CUresult::CUDA_SUCCESS;
+    if ok && !p.is_null() {
+        // SAFETY: on success `p` points to a static nul-terminated string owned by the driver.
+        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    } else {
+        format!("CUresult {}", res as i32)
+    }
+}
+
+/// `Ok` on `CUDA_SUCCESS`, else [`Error::Driver`] naming `call`.
+fn check(res: sys::CUresult, call: &'static str) -> Result<()> {
+    if res == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::Driver { code: res as i32, name: error_name(res), call })
+    }
+}
+
+fn stream(s: Stream) -> sys::CUstream {
+    s.0 as usize as sys::CUstream
+}
+fn event(e: Event) -> sys::CUevent {
+    e.0 as usize as sys::CUevent
+}
+fn pool(p: Pool) -> sys::CUmemoryPool {
+    p.0 as usize as sys::CUmemoryPool
+}
+fn handle<T>(p: *mut T) -> u64 {
+    p as usize as u64
+}
+
+/// A primary context handle, shareable between threads.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Ctx(sys::CUcontext);
+
+// SAFETY: a `CUcontext` is an opaque driver handle; the driver API allows any thread to make a
+// context current and use it, and we never dereference the pointer.
+unsafe impl Send for Ctx {}
+// SAFETY: as above; sharing the handle value between threads has no effect by itself.
+unsafe impl Sync for Ctx {}
+
+/// Keeps the device's context current for one call; puts back a foreign context on drop.
+/// Not `Send`: it belongs to the thread that made it.
+struct Bound {
+    restore: Option<sys::CUcontext>,
+}
+
+impl Drop for Bound {
+    fn drop(&mut self) {
+        if let Some(prev) = self.restore {
+            // SAFETY: `prev` was current on this thread a moment ago, so it is a live
+            // context handle; failure only leaves our context current, which is harmless.
+            let _ = unsafe { sys::cuCtxSetCurrent(prev) };
+        }
+    }
+}
+
+/// Closures enqueued by [`CudaDevice::launch_host_func`] that have not run yet, by id. The
+/// driver gets the id, not a pointer: a host function captured into a graph may run several
+/// times or never, and the registry makes both safe (the closure runs at most once; one that
+/// never runs stays here).
+static HOST_FNS: Mutex<BTreeMap<u64, HostFn>> = Mutex::new(BTreeMap::new());
+static NEXT_HOST_FN: AtomicU64 = AtomicU64::new(1);
+
+/// The `CUhostFn` every host function goes through: takes its closure out of [`HOST_FNS`] and
+/// runs it. A panic in the closure is caught: nothing may unwind into the driver.
+extern "C" fn run_host_fn(data: *mut c_void) {
+    let id = data as usize as u64;
+    let f = HOST_FNS.lock().remove(&id);
+    if let Some(f) = f {
+        let _ = catch_unwind(AssertUnwindSafe(f));
+    }
+}
+
+/// One CUDA device, driven through its primary context. See the [module docs](self).
+pub struct CudaDevice {
+    ordinal: usize,
+    device: sys::CUdevice,
+    ctx: Ctx,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("ordinal", &self.ordinal)
+            .field("ctx", &format_args!("{:#x}", handle(self.ctx.0)))
+            .finish()
+    }
+}
+
+impl CudaDevice {
+    /// Opens device `ordinal`: loads and initialises the driver if needed and retains the
+    /// device's primary context (released on drop). [`Error::NoDriver`] where there is no
+    /// usable driver, [`Error::InvalidArgument`] for an ordinal the driver does not show.
+    pub fn new(ordinal: usize) -> Result<Arc<CudaDevice>> {
+        let count = device_count()?;
+        if ordinal >= count {
+            return Err(Error::InvalidArgument(format!(
+                "CUDA device {ordinal} does not exist ({count} visible)"
+            )));
+        }
+        let idx = c_int::try_from(ordinal)
+            .map_err(|_| Error::InvalidArgument(format!("CUDA device ordinal {ordinal}")))?;
+        let mut device: sys::CUdevice = 0;
+        // SAFETY: the driver is initialised (`device_count` succeeded), `idx` is in range and
+        // `device` is a valid out-pointer.
+        check(unsafe { sys::cuDeviceGet(&mut device, idx) }, "cuDeviceGet")?;
+        let mut ctx: sys::CUcontext = ptr::null_mut();
+        // SAFETY: `device` is a valid device handle and `ctx` a valid out-pointer; the retain
+        // is balanced by the release in `Drop`.
+        check(unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, device) }, "cuDevicePrimaryCtxRetain")?;
+        Ok(Arc::new(CudaDevice { ordinal, device, ctx: Ctx(ctx) }))
+    }
+
+    /// Makes the primary context current on this thread for the duration of the returned
+    /// guard (see the [module docs](self)).
+    fn bind(&self) -> Result<Bound> {
+        let mut cur: sys::CUcontext = ptr::null_mut();
+        // SAFETY: the driver is initialised (a `CudaDevice` exists) and `cur` is a valid
+        // out-pointer.
+        check(unsafe { sys::cuCtxGetCurrent(&mut cur) }, "cuCtxGetCurrent")?;
+        if cur == self.ctx.0 {
+            return Ok(Bound { restore: None });
+        }
+        // SAFETY: `self.ctx` is a primary context retained by `self`, hence alive.
+        check(unsafe { sys::cuCtxSetCurrent(self.ctx.0) }, "cuCtxSetCurrent")?;
+        Ok(Bound { restore: (!cur.is_null()).then_some(cur) })
+    }
+
+    /// The out-of-memory error for a request of `size` bytes, with the device's figures.
+    fn oom(&self, size: usize) -> Error {
+        let info = self.mem_info().unwrap_or_default();
+        Error::oom(OutOfMemory {
+            device: self.ordinal,
+            requested: size,
+            device_free: info.free,
+            device_total: info.total,
+            ..OutOfMemory::default()
+        })
+    }
+
+    /// `cuGraphInstantiateWithFlags` with `flags`.
+    fn instantiate(&self, graph: Graph, flags: u64) -> Result<GraphExec> {
+        let _ctx = self.bind()?;
+        let mut x: sys::CUgraphExec = ptr::null_mut();
+        // SAFETY: a context is current, the driver validates the graph handle and the flags,
+        // and `x` is a valid out-pointer.
+        check(
+            unsafe { sys::cuGraphInstantiateWithFlags(&mut x, graph.0 as usize as sys::CUgraph, flags) },
+            "cuGraphInstantiateWithFlags",
+        )?;
+        Ok(GraphExec(handle(x)))
+    }
+
+    /// `Err(Unsupported)` when `s` is capturing: `what` cannot be captured.
+    fn capturing(&self, s: Stream, what: &str) -> Result<()> {
+        if self.capture_status(s)? == CaptureStatus::None {
+            Ok(())
+        } else {
+            Err(Error::Unsupported(format!("{what} on stream {:#x} while it is capturing a graph", s.0)))
+        }
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        // SAFETY: balances the retain in `new`. The symbol was checked at load time, so this
+        // cannot panic; an error (e.g. the driver already shut down at process exit) is
+        // ignored because there is nothing left to release.
+        let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device) };
+    }
+}
+
+/// Maps an attribute to the driver's, and whether its value is a `cuuint64_t` (else `int`).
+fn pool_attr_raw(attr: PoolAttr) -> (sys::CUmemPool_attribute, bool) {
+    use sys::CUmemPool_attribute as A;
+    match attr {
+        PoolAttr::ReleaseThreshold => (A::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, true),
+        PoolAttr::ReuseFollowEventDependencies => (A::CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES, false),
+        PoolAttr::ReuseAllowOpportunistic => (A::CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC, false),
+        PoolAttr::ReuseAllowInternalDependencies => {
+            (A::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES, false)
+        }
+        PoolAttr::ReservedMemCurrent => (A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, true),
+        PoolAttr::ReservedMemHigh => (A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, true),
+        PoolAttr::UsedMemCurrent => (A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT, true),
+        PoolAttr::UsedMemHigh => (A::CU_MEMPOOL_ATTR_USED_MEM_HIGH, true),
+    }
+}
+
+impl Device for CudaDevice {
+    fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    fn mem_info(&self) -> Result<MemInfo> {
+        let _ctx = self.bind()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: a context is current and both out-pointers are valid.
+        check(unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) }, "cuMemGetInfo")?;
+        Ok(MemInfo { free, total })
+    }
+
+    fn alloc(&self, size: usize) -> Result<DevicePtr> {
+        let _ctx = self.bind()?;
+        let mut p: sys::CUdeviceptr = 0;
+        // SAFETY: a context is current and `p` is a valid out-pointer.
+        match unsafe { sys::cuMemAlloc_v2(&mut p, size) } {
+            sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(self.oom(size)),
+            res => check(res, "cuMemAlloc").map(|()| p),
+        }
+    }
+
+    fn free(&self, ptr: DevicePtr) -> Result<()> {
+        let _ctx = self.bind()?;
+        // SAFETY: a context is current; the driver validates `ptr` and rejects anything it did
+        // not hand out, and the caller owns the memory it frees.
+        check(unsafe { sys::cuMemFree_v2(ptr) }, "cuMemFree")
+    }
+
+    fn default_pool(&self) -> Result<Pool> {
+        let _ctx = self.bind()?;
+        let mut p: sys::CUmemoryPool = ptr::null_mut();
+        // SAFETY: `self.device` is a valid device and `p` a valid out-pointer.
+        check(unsafe { sys::cuDeviceGetDefaultMemPool(&mut p, self.device) }, "cuDeviceGetDefaultMemPool")?;
+        Ok(Pool(handle(p)))
+    }
+
+    fn create_pool(&self, props: PoolProps) -> Result<Pool> {
+        let _ctx = self.bind()?;
+        let raw = sys::CUmemPoolProps {
+            allocType: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+            handleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+            location: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: self.device,
+            },
+            win32SecurityAttributes: ptr::null_mut(),
+            maxSize: props.max_size,
+            usage: 0,
+            reserved: [0; 54],
+        };
+        let mut p: sys::CUmemoryPool = ptr::null_mut();
+        // SAFETY: `raw` is a fully initialised props struct (reserved bytes zero, as the
+        // driver requires) that outlives the call; `p` is a valid out-pointer.
+        check(unsafe { sys::cuMemPoolCreate(&mut p, &raw) }, "cuMemPoolCreate")?;
+        Ok(Pool(handle(p)))
+    }
+
+    fn destroy_pool(&self, p: Pool) -> Result<()> {
+        let _ctx = self.bind()?;
+        // SAFETY: the driver validates the pool handle; destroying a pool with live
+        // allocations is defined (they are freed when released).
+        check(unsafe { sys::cuMemPoolDestroy(pool(p)) }, "cuMemPoolDestroy")
+    }
+
+    fn pool_attr(&self, p: Pool, attr: PoolAttr) -> Result<u64> {
+        let _ctx = self.bind()?;
+        let (a, wide) = pool_attr_raw(attr);
+        if wide {
+            let mut v: u64 = 0;
+            // SAFETY: `a` is an attribute whose value is a `cuuint64_t`, and `v` is one.
+            check(
+                unsafe { sys::cuMemPoolGetAttribute(pool(p), a, (&mut v as *mut u64).cast()) },
+                "cuMemPoolGetAttribute",
+            )?;
+            Ok(v)
+        } else {
+            let mut v: c_int = 0;
+            // SAFETY: `a` is an attribute whose value is an `int`, and `v` is one.
+            check(
+                unsafe { sys::cuMemPoolGetAttribute(pool(p), a, (&mut v as *mut c_int).cast()) },
+                "cuMemPoolGetAttribute",
+            )?;
+            Ok(u64::from(v != 0))
+        }
+    }
+
+    fn set_pool_attr(&self, p: Pool, attr: PoolAttr, value: u64) -> Result<()> {
+        let _ctx = self.bind()?;
+        let (a, wide) = pool_attr_raw(attr);
+        if wide {
+            let mut v: u64 = value;
+            // SAFETY: `a` takes a `cuuint64_t`, which `v` is; the driver only reads it.
+            check(
+                unsafe { sys::cuMemPoolSetAttribute(pool(p), a, (&mut v as *mut u64).cast()) },
+                "cuMemPoolSetAttribute",
+            )
+        } else {
+            let mut v: c_int = c_int::from(value != 0);
+            // SAFETY: `a` takes an `int`, which `v` is; the driver only reads it.
+            check(
+                unsafe { sys::cuMemPoolSetAttribute(pool(p), a, (&mut v as *mut c_int).cast()) },
+                "cuMemPoolSetAttribute",
+            )
+        }
+    }
+
+    fn trim_pool(&self, p: Pool, keep: usize) -> Result<()> {
+        let _ctx = self.bind()?;
+        // SAFETY: the driver validates the pool handle; trimming only releases unused memory.
+        check(unsafe { sys::cuMemPoolTrimTo(pool(p), keep) }, "cuMemPoolTrimTo")
+    }
+
+    fn alloc_async(&self, size: usize, p: Pool, s: Stream) -> Result<DevicePtr> {
+        let _ctx = self.bind()?;
+        let mut d: sys::CUdeviceptr = 0;
+        // SAFETY: a context is current, `d` is a valid out-pointer and the driver validates
+        // the pool and stream handles.
+        match unsafe { sys::cuMemAllocFromPoolAsync(&mut d, size, pool(p), stream(s)) } {
+            sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(self.oom(size)),
+            res => check(res, "cuMemAllocFromPoolAsync").map(|()| d),
+        }
+    }
+
+    fn free_async(&self, ptr: DevicePtr, s: Stream) -> Result<()> {
+        let _ctx = self.bind()?;
+        // SAFETY: a context is current; the driver validates `ptr` and the stream, and the
+        // caller owns the memory it frees.
+        check(unsafe { sys::cuMemFreeAsync(ptr, stream(s)) }, "cuMemFreeAsync")
+    }
+
+    fn create_stream(&self) -> Result<Stream> {
+        let _ctx = self.bind()?;
+        let mut s: sys::CUstream = ptr::null_mut();
+        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+        // SAFETY: a context is current and `s` is a valid out-pointer.
+        check(unsafe { sys::cuStreamCreate(&mut s, flags) }, "cuStreamCreate")?;
+        Ok(Stream(handle(s)))
+    }
+
+    fn destroy_stream(&self, s: Stream) -> Result<()> {
+        let _ctx = self.bind()?;
+        // SAFETY: the driver validates the handle; pending work still completes.
+        check(unsafe { sys::cuStreamDestroy_v2(stream(s)) }, "cuStreamDestroy")
+    }
+
+    fn synchronize_stream(&self, s: Stream) -> Result<()> {
+        let _ctx = self.bind()?;
+        // SAFETY: a context is current and the driver validates the handle.
+        check(unsafe { sys::cuStreamSynchronize(stream(s)) }, "cuStreamSynchronize")
+    }
+
+    fn stream_wait_event(&self, s: Stream, e: Event) -> Result<()> {
+        let _ctx = self.bind()?;
+        // SAFETY: a context is current and the driver validates both handles.
+        check(unsafe { sys::cuStreamWaitEvent(stream(s), event(e), 0) }, "cuStreamWaitEvent")
+    }
+
+    fn capture_status(&self, s: Stream) -> Result<CaptureStatus> {
+        let _ctx = self.bind()?;
+        let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: a context is current, the driver validates the stream and `st` is a valid
+        // out-pointer.
+        check(unsafe { sys::cuStreamIsCapturing(stream(s), &mut st) }, "cuStreamIsCapturing")?;
+        Ok(match st {
+            sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE => CaptureStatus::None,
+            sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE => CaptureStatus::Active,
+            sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_INVALIDATED => CaptureStatus::Invalidated,
+        })
+    }
+
+    /// Enqueues `f` on `s`. If `s` is capturing, `f` is captured into the graph and runs at
+    /// the graph's first launch only; if that graph never runs, `f` is never dropped.
+    fn launch_host_func(&self, s: Stream, f: HostFn) -> Result<()> {
+        let _ctx = self.bind()?;
+        let id = NEXT_HOST_FN.fetch_add(1, Ordering::Relaxed);
+        HOST_FNS.lock().insert(id, f);
+        // SAFETY: `run_host_fn` is an `extern "C"` function that never unwinds and treats its
+        // argument as an integer id (it never dereferences it), so any number of calls, or
+        // none, is sound.
+        let res = unsafe { sys::cuLaunchHostFunc(stream(s), Some(run_host_fn), id as usize as *mut c_void) };
+        if res != sys::CUresult::CUDA_SUCCESS {
+            HOST_FNS.lock().remove(&id);
+        }
+        check(res, "cuLaunchHostFunc")
+    }
+
+    fn create_event(&self) -> Result<Event> {
+        let _ctx = self.bind()?;
+        let mut e: sys::CUevent = ptr::null_mut();
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        // SAFETY: a context is current and `e` is a valid out-pointer.
+        check(unsafe { sys::cuEventCreate(&mut e, flags) }, "cuEventCreate")?;
+        Ok(Event(handle(e)))
+    }
+
+    fn destroy_event(&self, e: Event) -> Result<()> {
+        let _ctx = self.bind()?;
+        // SAFETY: the driver validates the handle; a pending recording still completes.
+        check(unsafe { sys::cuEventDestroy_v2(event(e)) }, "cuEventDestroy")
+    }
+
+    fn record_event(&self, e: Event, s: Stream) -> Result<()> {
+        let _ctx = self.bind()?;
+        // SAFETY: a context is current and the driver validates both handles.
+        check(unsafe { sys::cuEventRecord(event(e), stream(s)) }, "cuEventRecord")
+    }
+
+    fn query_event(&self, e: Event) -> Result<bool> {
+        let _ctx = self.bind()?;
+        // SAFETY: a context is current and the driver validates the handle.
+        match unsafe { sys::cuEventQuery(event(e)) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            res => check(res, "cuEventQuery").map(|()| false),
+        }
+    }
+
+    fn synchronize_event(&self, e: Event) -> Result<()> {
+        let _ctx = self.bind()?;
+        // SAFETY: a context is current and the driver validates the handle.
+        check(unsafe { sys::cuEventSynchronize(event(e)) }, "cuEventSynchronize")
+    }
+
+    fn memset_async(&self, ptr: DevicePtr, value: u8, len: usize, s: Stream) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let _ctx = self.bind()?;
+        // SAFETY: a context is current; the driver checks that `ptr..ptr + len` is device
+        // memory and the caller owns it.
+        check(unsafe { sys::cuMemsetD8Async(ptr, value, len, stream(s)) }, "cuMemsetD8Async")
+    }
+
+    fn copy_to_host(&self, dst: &mut [u8], src: DevicePtr, s: Stream) -> Result<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        // A captured copy would write into `dst` whenever the graph runs, long after this
+        // borrow ends.
+        self.capturing(s, "copy_to_host")?;
+        let _ctx = self.bind()?;
+        // SAFETY: `dst` is valid for `dst.len()` bytes of writes and stays borrowed until the
+        // stream is synchronized below, so the copy finishes before the borrow ends; the
+        // stream is not capturing (checked above), so the copy is not deferred into a graph.
+        check(
+            unsafe { sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), src, dst.len(), stream(s)) },
+            "cuMemcpyDtoHAsync",
+        )?;
+        // SAFETY: a context is current and the driver validates the handle.
+        check(unsafe { sys::cuStreamSynchronize(stream(s)) }, "cuStreamSynchronize")
+    }
+
+    fn copy_from_host(&self, dst: DevicePtr, src: &[u8], s: Stream) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.capturing(s, "copy_from_host")?;
+        let _ctx = self.bind()?;
+        // SAFETY: `src` is valid for `src.len()` bytes of reads and stays borrowed until the
+        // stream is synchronized below; the stream is not capturing (checked above).
+        check(
+            unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), src.len(), stream(s)) },
+            "cuMemcpyHtoDAsync",
+        )?;
+        // SAFETY: a context is current and the driver validates the handle.
+        check(unsafe { sys::cuStreamSynchronize(stream(s)) }, "cuStreamSynchronize")
+    }
+
+    fn begin_capture(&self, s: Stream) -> Result<()> {
+        let _ctx = self.bind()?;
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: a context is current and the driver validates the stream (capturing the
+        // legacy default stream is rejected with an error).
+        check(unsafe { sys::cuStreamBeginCapture_v2(stream(s), mode) }, "cuStreamBeginCapture")
+    }
+
+    fn end_capture(&self, s: Stream) -> Result<Graph> {
+        let _ctx = self.bind()?;
+        let mut g: sys::CUgraph = ptr::null_mut();
+        // SAFETY: a context is current, the driver validates the stream and `g` is a valid
+        // out-pointer.
+        check(unsafe { sys::cuStreamEndCapture(stream(s), &mut g) }, "cuStreamEndCapture")?;
+        Ok(Graph(handle(g)))
+    }
+
+    fn instantiate_graph(&self, graph: Graph) -> Result<GraphExec> {
+        self.instantiate(graph, 0)
+    }
+
+    fn instantiate_graph_auto_free(&self, graph: Graph) -> Result<GraphExec> {
+        let auto_free = sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH;
+        self.instantiate(graph, u64::from(auto_free.0))
+    }
+
+    fn launch_graph(&self, exec: GraphExec, s: Stream) -> Result<()> {
+        let _ctx = self.bind()?;
+        // SAFETY: a context is current and the driver validates both handles.
+        check(unsafe { sys::cuGraphLaunch(exec.0 as usize as sys::CUgraphExec, stream(s)) }, "cuGraphLaunch")
+    }
+
+    fn destroy_graph_exec(&self, exec: GraphExec) -> Result<()> {
+        let _ctx = self.bind()?;
+        // SAFETY: the driver validates the handle.
+        check(unsafe { sys::cuGraphExecDestroy(exec.0 as usize as sys::CUgraphExec) }, "cuGraphExecDestroy")
+    }
+
+    fn destroy_graph(&self, graph: Graph) -> Result<()> {
+        let _ctx = self.bind()?;
+        // SAFETY: the driver validates the handle.
+        check(unsafe { sys::cuGraphDestroy(graph.0 as usize as sys::CUgraph) }, "cuGraphDestroy")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_driver_is_an_error_not_a_panic() {
+        match CudaDevice::new(0) {
+            Ok(dev) => assert!(cuda_available() && dev.ordinal() == 0),
+            Err(Error::NoDriver(msg)) => {
+                assert!(!cuda_available());
+                assert!(!msg.is_empty());
+            }
+            Err(e) => panic!("unexpected error: {e}"),
+        }
+    }
+
+    #[test]
+    fn symbol_list_covers_every_call() {
+        let src = include_str!("cuda.rs");
+        let mut rest = src;
+        while let Some(i) = rest.find("sys::cu") {
+            let tail = &rest[i + 5..];
+            let end = tail.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(tail.len());
+            let name = &tail[..end];
+            if tail[end..].starts_with('(') && name != "culib" {
+                assert!(SYMBOLS.contains(&name), "{name} missing from SYMBOLS");
+            }
+            rest = &tail[end..];
+        }
+    }
+}
