@@ -1,24 +1,14 @@
 //! Compiles `tests/c/smoke.c` against `include/streamalloc.h` and the built
 //! `libstreamalloc.so`, and runs it on the simulator under every strategy.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The directory of the `libstreamalloc.so` cargo built for this test run.
-fn library_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    // The test runs from target/<profile>/deps; the library is there and one level up.
-    exe.ancestors()
-        .skip(1)
-        .take(2)
-        .find(|d| d.join("libstreamalloc.so").is_file())
-        .unwrap_or_else(|| panic!("no libstreamalloc.so next to {}", exe.display()))
-        .to_path_buf()
-}
-
 fn compile_smoke() -> PathBuf {
     let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let lib = library_dir();
+    let lib = common::library_dir();
     let exe = Path::new(env!("CARGO_TARGET_TMPDIR")).join("streamalloc-smoke");
     let output = Command::new("cc")
         .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-pthread", "-I"])

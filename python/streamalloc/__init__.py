@@ -1,0 +1,121 @@
+"""streamalloc: stream-ordered GPU memory allocators, through the bundled libstreamalloc.so.
+
+`stats` and `release` work whichever framework allocates; `streamalloc.torch.enable` and
+`streamalloc.cupy.enable` plug the library into PyTorch and CuPy.
+"""
+
+import ctypes
+import pathlib
+import threading
+
+__all__ = ["StreamallocError", "library_path", "load", "configure", "stats", "release"]
+
+STATUS_NAMES = (
+    "OK",
+    "OUT_OF_MEMORY",
+    "INVALID_ARGUMENT",
+    "DRIVER_ERROR",
+    "NO_DRIVER",
+    "LIMIT_EXCEEDED",
+    "TIMEOUT",
+    "UNSUPPORTED",
+    "CONFIG_ERROR",
+    "IO_ERROR",
+    "INTERNAL",
+)
+"""Names of the C API's status codes (`streamalloc_status_t`), by value."""
+
+OUT_OF_MEMORY = STATUS_NAMES.index("OUT_OF_MEMORY")
+"""The status code of an out-of-memory failure."""
+
+
+class StreamallocError(RuntimeError):
+    """A C API call failed; `status` is its status name, the message the library's."""
+
+    def __init__(self, status, message):
+        self.status = STATUS_NAMES[status] if 0 <= status < len(STATUS_NAMES) else str(status)
+        super().__init__(f"{self.status}: {message}")
+
+
+class Stats(ctypes.Structure):
+    """`streamalloc_stats_t`, field for field."""
+
+    _fields_ = [
+        ("allocated", ctypes.c_size_t),
+        ("allocated_peak", ctypes.c_size_t),
+        ("reserved", ctypes.c_size_t),
+        ("reserved_peak", ctypes.c_size_t),
+        ("cached", ctypes.c_size_t),
+        ("largest_free_block", ctypes.c_size_t),
+        ("pending_release", ctypes.c_size_t),
+        ("live_allocations", ctypes.c_uint64),
+        ("total_allocations", ctypes.c_uint64),
+        ("total_frees", ctypes.c_uint64),
+        ("device_allocs", ctypes.c_uint64),
+        ("device_frees", ctypes.c_uint64),
+        ("failures", ctypes.c_uint64),
+    ]
+
+
+_lock = threading.Lock()
+_lib = None
+
+
+def library_path():
+    """The path of the bundled libstreamalloc.so."""
+    return pathlib.Path(__file__).with_name("libstreamalloc.so")
+
+
+def load():
+    """The loaded library (loaded once; the frameworks load the same file, so they share it)."""
+    global _lib
+    with _lock:
+        if _lib is None:
+            path = library_path()
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} is missing: build the package with scripts/build-python.sh")
+            lib = ctypes.CDLL(str(path))
+            status = ctypes.c_int
+            lib.streamalloc_allocate.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
+                                                 ctypes.POINTER(ctypes.c_void_p)]
+            lib.streamalloc_allocate.restype = status
+            lib.streamalloc_deallocate.argtypes = [ctypes.c_void_p]
+            lib.streamalloc_deallocate.restype = status
+            lib.streamalloc_release.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_size_t)]
+            lib.streamalloc_release.restype = status
+            lib.streamalloc_stats.argtypes = [ctypes.c_int, ctypes.POINTER(Stats)]
+            lib.streamalloc_stats.restype = status
+            lib.streamalloc_configure.argtypes = [ctypes.c_char_p]
+            lib.streamalloc_configure.restype = status
+            lib.streamalloc_last_error.argtypes = []
+            lib.streamalloc_last_error.restype = ctypes.c_char_p
+            lib.streamalloc_cupy_free.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+            lib.streamalloc_cupy_free.restype = None
+            _lib = lib
+        return _lib
+
+
+def check(status):
+    """Raises `StreamallocError` with the thread's last error unless `status` is OK."""
+    if status != 0:
+        raise StreamallocError(status, load().streamalloc_last_error().decode(errors="replace"))
+
+
+def configure(conf):
+    """Configures the library with a `STREAMALLOC_CONF`-style string. Must come before its
+    first use in the process; afterwards only the same configuration is accepted."""
+    check(load().streamalloc_configure(conf.encode()))
+
+
+def stats(device=0):
+    """The statistics of `device`'s allocator, as a dict (zeros for a device not used yet)."""
+    out = Stats()
+    check(load().streamalloc_stats(device, ctypes.byref(out)))
+    return {name: getattr(out, name) for name, _ in Stats._fields_}
+
+
+def release(device=0):
+    """Returns `device`'s cached memory that no allocation uses to the driver; the bytes."""
+    released = ctypes.c_size_t(0)
+    check(load().streamalloc_release(device, ctypes.byref(released)))
+    return released.value

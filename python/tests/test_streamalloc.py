@@ -1,0 +1,169 @@
+"""Tests of the streamalloc Python package on the simulator, without torch or cupy.
+
+Run as a script (`python3 python/tests/test_streamalloc.py`) or with pytest, with the package
+(and libstreamalloc.so in it) importable and STREAMALLOC_CONF unset: the tests configure
+device=sim themselves. Stand-ins for torch and cupy call the C functions the way the real
+frameworks do (through ctypes, by name or by address), so the ABI wiring is exercised too.
+"""
+
+import ctypes
+import pathlib
+import re
+import sys
+import types
+
+import streamalloc
+import streamalloc.cupy
+import streamalloc.torch
+
+CONF = "device=sim,strategy=plain,sim_capacity=8GiB"
+HEADER = pathlib.Path(__file__).resolve().parents[2] / "crates/streamalloc-capi/include/streamalloc.h"
+
+
+def fake_torch():
+    """A stand-in for torch.cuda.memory that loads the library and calls it as torch does."""
+    calls = {}
+
+    class CUDAPluggableAllocator:
+        def __init__(self, path, alloc_fn_name, free_fn_name):
+            lib = ctypes.CDLL(path)
+            self.alloc = getattr(lib, alloc_fn_name)
+            self.alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+            self.alloc.restype = ctypes.c_void_p
+            self.free = getattr(lib, free_fn_name)
+            self.free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+            self.free.restype = None
+
+    def change_current_allocator(allocator):
+        calls["current"] = allocator
+
+    memory = types.SimpleNamespace(CUDAPluggableAllocator=CUDAPluggableAllocator,
+                                   change_current_allocator=change_current_allocator)
+    torch = types.ModuleType("torch")
+    torch.cuda = types.SimpleNamespace(memory=memory)
+    return torch, calls
+
+
+def fake_cupy():
+    """A stand-in for cupy.cuda that calls the allocator as CuPy's Cython code does."""
+    calls = {}
+    malloc_t = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    free_t = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
+
+    class OutOfMemoryError(MemoryError):
+        def __init__(self, size, total, limit=0):
+            super().__init__(f"out of memory allocating {size} bytes (allocated so far: {total})")
+
+    class CFunctionAllocator:
+        def __init__(self, param, malloc_func, free_func, owner):
+            self.param, self.owner = param, owner
+            self._malloc, self._free = malloc_t(malloc_func), free_t(free_func)
+
+        def malloc(self, size):
+            ptr = self._malloc(self.param, size, 0) or 0
+            return ptr, lambda: self._free(self.param, ptr, 0)
+
+    class PythonFunctionAllocator:
+        def __init__(self, malloc_func, free_func):
+            self._malloc, self._free = malloc_func, free_func
+
+        def malloc(self, size):
+            ptr = self._malloc(size, 0)
+            return ptr, lambda: self._free(ptr, 0)
+
+    def set_allocator(malloc):
+        calls["malloc"] = malloc
+
+    memory = types.SimpleNamespace(CFunctionAllocator=CFunctionAllocator,
+                                   PythonFunctionAllocator=PythonFunctionAllocator,
+                                   OutOfMemoryError=OutOfMemoryError)
+    cuda = types.SimpleNamespace(memory=memory, set_allocator=set_allocator,
+                                 get_current_stream=lambda: types.SimpleNamespace(ptr=0))
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = cuda
+    return cupy, calls
+
+
+def test_configure_stats_release():
+    streamalloc.configure(CONF)
+    streamalloc.configure(CONF)  # the same configuration again is fine
+    try:
+        streamalloc.configure("device=sim,strategy=plain,stats=true")
+        raise AssertionError("a different configuration was accepted")
+    except streamalloc.StreamallocError as e:
+        assert e.status == "CONFIG_ERROR" and "already configured" in str(e), e
+    s = streamalloc.stats(0)
+    assert set(s) == {name for name, _ in streamalloc.Stats._fields_}
+    assert streamalloc.release(2) == 0
+    assert isinstance(streamalloc.release(0), int)
+    for bad in (-1, 64):
+        try:
+            streamalloc.stats(bad)
+            raise AssertionError(f"stats({bad}) succeeded")
+        except streamalloc.StreamallocError as e:
+            assert e.status == "INVALID_ARGUMENT" and f"device {bad}" in str(e), e
+
+
+def test_torch_enable():
+    torch, calls = fake_torch()
+    sys.modules["torch"] = torch
+    try:
+        allocator = streamalloc.torch.enable(CONF)
+    finally:
+        del sys.modules["torch"]
+    assert calls["current"] is allocator
+    before = streamalloc.stats(0)
+    p = allocator.alloc(1 << 20, 0, None)
+    assert p and p % 256 == 0
+    assert streamalloc.stats(0)["allocated"] == before["allocated"] + (1 << 20)
+    allocator.free(p, 1 << 20, 0, None)
+    assert streamalloc.stats(0)["allocated"] == before["allocated"]
+    assert allocator.alloc(0, 0, None) is None
+
+
+def test_cupy_enable():
+    cupy, calls = fake_cupy()
+    sys.modules["cupy"] = cupy
+    try:
+        for checked in (False, True):
+            streamalloc.cupy.enable(CONF, checked=checked)
+            before = streamalloc.stats(0)
+            ptr, free = calls["malloc"](4096)
+            assert ptr and ptr % 256 == 0
+            assert streamalloc.stats(0)["allocated"] == before["allocated"] + 4096
+            free()
+            after = streamalloc.stats(0)
+            assert after["allocated"] == before["allocated"]
+            assert after["total_frees"] == before["total_frees"] + 1
+        try:
+            calls["malloc"](1 << 40)  # more than the simulated 8 GiB
+            raise AssertionError("an impossible allocation succeeded")
+        except cupy.cuda.memory.OutOfMemoryError:
+            pass
+    finally:
+        del sys.modules["cupy"]
+
+
+def test_stats_struct_matches_header():
+    body = re.search(r"typedef struct streamalloc_stats_t \{(.*?)\}", HEADER.read_text(), re.S).group(1)
+    fields = re.findall(r"^\s*(size_t|uint64_t) (\w+);", body, re.M)
+    ctype = {"size_t": ctypes.c_size_t, "uint64_t": ctypes.c_uint64}
+    assert [(n, ctype[t]) for t, n in fields] == streamalloc.Stats._fields_, fields
+
+
+def main():
+    tests = [(name, f) for name, f in sorted(globals().items()) if name.startswith("test_")]
+    failed = 0
+    for name, f in tests:
+        try:
+            f()
+            print(f"{name} ... ok")
+        except Exception as e:  # report every failure, then fail
+            failed += 1
+            print(f"{name} ... FAILED: {type(e).__name__}: {e}")
+    print(f"{len(tests) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
