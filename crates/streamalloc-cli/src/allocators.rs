@@ -2,7 +2,9 @@
 
 use std::sync::Arc;
 
-use streamalloc::allocators::{BestFit, BestFitConfig, Plain};
+use streamalloc::allocators::{
+    AsyncPool, AsyncPoolConfig, BestFit, BestFitConfig, Plain, StreamSafe, StreamSafeConfig,
+};
 use streamalloc::replay::ReplayTarget;
 use streamalloc::{Device, Result, Stream};
 
@@ -14,6 +16,12 @@ const ALLOCATORS: &[(&str, Make)] = &[
     ("plain", |device| Ok(ReplayTarget::Single(Arc::new(Plain::new(device, Stream::DEFAULT))))),
     ("best_fit", |device| {
         Ok(ReplayTarget::Single(Arc::new(BestFit::new(device, BestFitConfig::default())?)))
+    }),
+    ("stream_safe", |device| {
+        Ok(ReplayTarget::Streams(Arc::new(StreamSafe::new(device, StreamSafeConfig::default())?)))
+    }),
+    ("async", |device| {
+        Ok(ReplayTarget::Streams(Arc::new(AsyncPool::new(device, AsyncPoolConfig::default()))))
     }),
 ];
 

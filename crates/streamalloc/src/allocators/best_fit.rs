@@ -143,12 +143,7 @@ impl BestFit {
         if size == 0 {
             return Ok(Allocation::empty(self.inner.ordinal, self.inner.stream));
         }
-        let rounded = Self::round(size)?;
-        match self.from_cache(size, rounded, poll)? {
-            Ok(a) => Ok(a),
-            Err(Some(growth)) => self.grow_and_allocate(size, rounded, growth, poll),
-            Err(None) => Err(Error::InvalidArgument(format!("allocation size {size} overflows"))),
-        }
+        Ok(Allocation::new(self.allocate_block(size, poll)?, self.inner.clone()))
     }
 
     /// Allocates from cached blocks only: `Ok(None)` when none fits (the pool does not
@@ -157,6 +152,24 @@ impl BestFit {
         if size == 0 {
             return Ok(Some(Allocation::empty(self.inner.ordinal, self.inner.stream)));
         }
+        Ok(self.allocate_cached_block(size, poll)?.map(|b| Allocation::new(b, self.inner.clone())))
+    }
+
+    /// [`BestFit::allocate_polling`] for a non-zero `size`, as a bare block: the caller
+    /// hands it back through [`BestFit::block_owner`] (an allocator that wraps the pool's
+    /// blocks in allocations of its own, like [`StreamSafe`](super::StreamSafe)).
+    pub fn allocate_block(&self, size: usize, poll: bool) -> Result<Block> {
+        let rounded = Self::round(size)?;
+        match self.from_cache(size, rounded, poll)? {
+            Ok(b) => Ok(b),
+            Err(Some(growth)) => self.grow_and_allocate(size, rounded, growth, poll),
+            Err(None) => Err(Error::InvalidArgument(format!("allocation size {size} overflows"))),
+        }
+    }
+
+    /// [`BestFit::allocate_cached`] for a non-zero `size`, as a bare block (see
+    /// [`BestFit::allocate_block`]).
+    pub fn allocate_cached_block(&self, size: usize, poll: bool) -> Result<Option<Block>> {
         Ok(self.from_cache(size, Self::round(size)?, poll)?.ok())
     }
 
@@ -206,7 +219,7 @@ impl BestFit {
         size: usize,
         rounded: u64,
         poll: bool,
-    ) -> Result<std::result::Result<Allocation, Option<Growth>>> {
+    ) -> Result<std::result::Result<Block, Option<Growth>>> {
         let mut st = self.inner.state.lock();
         if let Some(e) = st.error.take() {
             return Err(e);
@@ -223,21 +236,20 @@ impl BestFit {
         Ok(Err(st.policy.growth_for(rounded)))
     }
 
-    fn handout(&self, grant: Grant, size: usize) -> Allocation {
-        let block = Block {
+    fn handout(&self, grant: Grant, size: usize) -> Block {
+        Block {
             ptr: grant.addr,
             size,
             stream: self.inner.stream,
             device: self.inner.ordinal,
             token: grant.token,
             recorded: Vec::new(),
-        };
-        Allocation::new(block, self.inner.clone())
+        }
     }
 
     /// The slow path: obtain a chunk (releasing free chunks and retrying once on
     /// out-of-memory), add it and allocate from it.
-    fn grow_and_allocate(&self, size: usize, rounded: u64, growth: Growth, poll: bool) -> Result<Allocation> {
+    fn grow_and_allocate(&self, size: usize, rounded: u64, growth: Growth, poll: bool) -> Result<Block> {
         let inner = &self.inner;
         let chunk = usize::try_from(growth.size)
             .map_err(|_| Error::InvalidArgument(format!("allocation size {size} overflows")))?;

@@ -2,11 +2,11 @@
 //! across streams and retry on out-of-memory (Paddle's `StreamSafeCUDAAllocator`, PyTorch's
 //! caching allocator semantics).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use arc_swap::{ArcSwap, ArcSwapOption};
+use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
 
 use super::best_fit::{BestFit, BestFitConfig};
@@ -93,16 +93,52 @@ struct StreamPool {
 }
 
 /// Routes freed blocks back to the pool that made them: all of StreamSafe's allocations
-/// have this one owner (adaptors rely on that), and the pool is named by the token.
+/// have this one owner (adaptors rely on that), and the pool is named by the high half of
+/// the block's token. Pools are only ever appended, so reading one takes no lock.
 struct Registry {
-    pools: ArcSwap<Vec<Arc<StreamPool>>>,
+    pages: Box<[OnceLock<Box<[OnceLock<Arc<StreamPool>>]>>]>,
+    len: AtomicUsize,
+}
+
+/// Pools per registry page; a registry holds `PAGE * PAGE` pools in all.
+const PAGE: usize = 1024;
+
+impl Registry {
+    fn new() -> Self {
+        Self { pages: (0..PAGE).map(|_| OnceLock::new()).collect(), len: AtomicUsize::new(0) }
+    }
+
+    fn get(&self, index: usize) -> Option<&Arc<StreamPool>> {
+        self.pages.get(index / PAGE)?.get()?.get(index % PAGE)?.get()
+    }
+
+    /// Every pool made so far, retired ones included.
+    fn all(&self) -> impl Iterator<Item = &Arc<StreamPool>> {
+        (0..self.len.load(Ordering::Acquire)).filter_map(|i| self.get(i))
+    }
+
+    /// Appends a pool made by `make` with the next index; callers serialize.
+    fn push(&self, make: impl FnOnce(u64) -> Arc<StreamPool>) -> Result<Arc<StreamPool>> {
+        let index = self.len.load(Ordering::Acquire);
+        let page = self.pages.get(index / PAGE).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "StreamSafe serves at most {} streams in its lifetime",
+                PAGE * PAGE
+            ))
+        })?;
+        let page = page.get_or_init(|| (0..PAGE).map(|_| OnceLock::new()).collect());
+        let pool = make(index as u64);
+        let _ = page[index % PAGE].set(pool.clone());
+        self.len.store(index + 1, Ordering::Release);
+        Ok(pool)
+    }
 }
 
 impl BlockOwner for Registry {
     fn free(&self, mut block: Block) {
-        let index = block.token >> 32;
+        let index = (block.token >> 32) as usize;
         block.token &= u64::from(u32::MAX);
-        if let Some(p) = self.pools.load().get(index as usize) {
+        if let Some(p) = self.get(index) {
             p.owner.free(block);
         }
     }
@@ -120,7 +156,7 @@ impl StreamSafe {
             default_stream: AtomicU64::new(config.default_stream.0),
             slots: (0..SLOTS).map(|_| ArcSwapOption::empty()).collect(),
             overflow: Mutex::new(Vec::new()),
-            registry: Arc::new(Registry { pools: ArcSwap::from_pointee(Vec::new()) }),
+            registry: Arc::new(Registry::new()),
             creating: Mutex::new(()),
         })
     }
@@ -184,17 +220,10 @@ impl StreamSafe {
             return Ok(p);
         }
         let pool = BestFit::new(self.device.clone(), BestFitConfig { stream, ..self.config.pool })?;
-        let mut all = Vec::clone(&self.registry.pools.load());
         let owner = pool.block_owner();
-        let p = Arc::new(StreamPool {
-            stream,
-            pool,
-            index: all.len() as u64,
-            owner,
-            retired: AtomicBool::new(false),
-        });
-        all.push(p.clone());
-        self.registry.pools.store(Arc::new(all));
+        let p = self.registry.push(|index| {
+            Arc::new(StreamPool { stream, pool, index, owner, retired: AtomicBool::new(false) })
+        })?;
         let home = Self::home(stream);
         match (0..SLOTS).map(|k| (home + k) % SLOTS).find(|&i| self.slots[i].load().is_none()) {
             Some(i) => self.slots[i].store(Some(p.clone())),
@@ -204,18 +233,23 @@ impl StreamSafe {
     }
 
     /// Every pool, retired ones included.
-    fn pools(&self) -> Arc<Vec<Arc<StreamPool>>> {
-        self.registry.pools.load_full()
+    fn pools(&self) -> impl Iterator<Item = &Arc<StreamPool>> {
+        self.registry.all()
     }
 
-    /// Hands `pool`'s allocation out under the registry's ownership.
-    fn adopt(&self, pool: &StreamPool, a: Allocation) -> Allocation {
-        match a.into_parts() {
-            Some((mut block, _)) => {
-                block.token |= pool.index << 32;
-                Allocation::new(block, self.registry.clone())
-            }
-            None => Allocation::empty(self.device.ordinal(), pool.stream),
+    /// Hands a block of `pool` out under the registry's ownership.
+    fn wrap(&self, pool: &StreamPool, mut block: Block) -> Allocation {
+        block.token |= pool.index << 32;
+        Allocation::new(block, self.registry.clone())
+    }
+
+    /// Allocates from `pool`, which belongs to `stream`.
+    fn allocate_in(&self, pool: &StreamPool, size: usize, stream: Stream) -> Result<Allocation> {
+        // Pending frees are polled only when there are some, and then only outside a capture.
+        let poll = !pool.pool.has_pending() || !self.capturing(stream)?;
+        match pool.pool.allocate_cached_block(size, poll)? {
+            Some(b) => Ok(self.wrap(pool, b)),
+            None => self.allocate_slow(pool, size, stream),
         }
     }
 
@@ -226,9 +260,7 @@ impl StreamSafe {
     /// Moves a wholly free chunk that fits `size` from another stream's pool into `pool`,
     /// ordering `pool`'s stream after the chunk's last use. Whether one was moved.
     fn steal(&self, pool: &StreamPool, size: usize) -> Result<bool> {
-        for other in
-            self.pools().iter().filter(|p| p.stream != pool.stream && !p.retired.load(Ordering::Relaxed))
-        {
+        for other in self.pools().filter(|p| p.stream != pool.stream && !p.retired.load(Ordering::Relaxed)) {
             let Some(chunk) = other.pool.take_free_chunk(size) else { continue };
             let event = self.events.get()?;
             let ordered = self
@@ -252,23 +284,23 @@ impl StreamSafe {
     fn allocate_slow(&self, pool: &StreamPool, size: usize, stream: Stream) -> Result<Allocation> {
         let poll = !self.capturing(stream)?;
         if self.steal(pool, size)? {
-            if let Some(a) = pool.pool.allocate_cached(size, poll)? {
-                return Ok(self.adopt(pool, a));
+            if let Some(b) = pool.pool.allocate_cached_block(size, poll)? {
+                return Ok(self.wrap(pool, b));
             }
         }
-        match pool.pool.allocate_polling(size, poll) {
+        match pool.pool.allocate_block(size, poll) {
             Err(e) if e.is_out_of_memory() && poll => {}
-            other => return Ok(self.adopt(pool, other?)),
+            other => return Ok(self.wrap(pool, other?)),
         }
         let start = Instant::now();
         let last = loop {
-            for p in self.pools().iter() {
+            for p in self.pools() {
                 // A pool that cannot release now still lets the others try.
                 let _ = p.pool.release();
             }
-            let e = match pool.pool.allocate_polling(size, true) {
+            let e = match pool.pool.allocate_block(size, true) {
                 Err(e) if e.is_out_of_memory() => e,
-                other => return Ok(self.adopt(pool, other?)),
+                other => return Ok(self.wrap(pool, other?)),
             };
             if start.elapsed() >= self.config.retry_wait {
                 break e;
@@ -283,7 +315,6 @@ impl StreamSafe {
         let pools = self.pools();
         let mut total = Stats::default();
         let mut detail: Vec<String> = pools
-            .iter()
             .map(|p| {
                 let s = p.pool.stats();
                 total.allocated += s.allocated;
@@ -321,15 +352,14 @@ impl Allocator for StreamSafe {
     /// Releases every stream's free chunks. While any of the streams is capturing a graph,
     /// nothing is released (that would synchronize the device) and 0 is returned.
     fn release(&self) -> Result<usize> {
-        let pools = self.pools();
-        for p in pools.iter().filter(|p| !p.retired.load(Ordering::Relaxed)) {
+        for p in self.pools().filter(|p| !p.retired.load(Ordering::Relaxed)) {
             if self.capturing(p.stream)? {
                 return Ok(0);
             }
         }
         let mut total = 0;
         let mut first_error = None;
-        for p in pools.iter() {
+        for p in self.pools() {
             match p.pool.release() {
                 Ok(n) => total += n,
                 Err(e) => {
@@ -342,7 +372,7 @@ impl Allocator for StreamSafe {
 
     /// The sum over every stream's pool.
     fn stats(&self) -> Stats {
-        self.pools().iter().map(|p| p.pool.stats()).fold(Stats::default(), |a, b| Stats {
+        self.pools().map(|p| p.pool.stats()).fold(Stats::default(), |a, b| Stats {
             allocated: a.allocated + b.allocated,
             allocated_peak: a.allocated_peak + b.allocated_peak,
             reserved: a.reserved + b.reserved,
@@ -369,13 +399,14 @@ impl StreamAllocator for StreamSafe {
         if size == 0 {
             return Ok(Allocation::empty(self.device.ordinal(), stream));
         }
-        let pool = self.pool(stream)?;
-        // Pending frees are polled only when there are some, and then only outside a capture.
-        let poll = !pool.pool.has_pending() || !self.capturing(stream)?;
-        match pool.pool.allocate_cached(size, poll)? {
-            Some(a) => Ok(self.adopt(&pool, a)),
-            None => self.allocate_slow(&pool, size, stream),
+        {
+            let home = self.slots[Self::home(stream)].load();
+            if let Some(p) = home.as_ref().filter(|p| p.stream == stream) {
+                return self.allocate_in(p, size, stream);
+            }
         }
+        let pool = self.pool(stream)?;
+        self.allocate_in(&pool, size, stream)
     }
 
     fn default_stream(&self) -> Stream {
