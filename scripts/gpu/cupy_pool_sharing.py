@@ -12,8 +12,8 @@ The default pool's release threshold is raised first, so freed memory stays in t
 line `POOL_SHARING ...` per direction and exits non-zero if a footprint grew by more than
 the slack.
 
-Usage: python3 scripts/gpu/cupy_pool_sharing.py [path/to/libstreamalloc_capi.so]
-(default: target/release/libstreamalloc_capi.so, or $STREAMALLOC_CAPI_LIB).
+Usage: python3 scripts/gpu/cupy_pool_sharing.py [path/to/libstreamalloc.so]
+(default: target/release/libstreamalloc.so, or $STREAMALLOC_CAPI_LIB).
 """
 
 import ctypes
@@ -51,7 +51,7 @@ def used():
 
 
 def main():
-    default = os.environ.get("STREAMALLOC_CAPI_LIB", "target/release/libstreamalloc_capi.so")
+    default = os.environ.get("STREAMALLOC_CAPI_LIB", "target/release/libstreamalloc.so")
     lib = load(sys.argv[1] if len(sys.argv) > 1 else default)
     check(lib, lib.streamalloc_configure(b"strategy=async,pool=default"), "streamalloc_configure")
 
