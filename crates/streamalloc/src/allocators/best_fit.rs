@@ -160,7 +160,7 @@ impl BestFit {
     /// blocks in allocations of its own, like [`StreamSafe`](super::StreamSafe)).
     pub fn allocate_block(&self, size: usize, poll: bool) -> Result<Block> {
         let rounded = Self::round(size)?;
-        match self.from_cache(size, rounded, poll)? {
+        match self.cached_or_growth(size, rounded, poll)? {
             Ok(b) => Ok(b),
             Err(Some(growth)) => self.grow_and_allocate(size, rounded, growth, poll),
             Err(None) => Err(Error::InvalidArgument(format!("allocation size {size} overflows"))),
@@ -170,7 +170,7 @@ impl BestFit {
     /// [`BestFit::allocate_cached`] for a non-zero `size`, as a bare block (see
     /// [`BestFit::allocate_block`]).
     pub fn allocate_cached_block(&self, size: usize, poll: bool) -> Result<Option<Block>> {
-        Ok(self.from_cache(size, Self::round(size)?, poll)?.ok())
+        Ok(self.cached_or_growth(size, Self::round(size)?, poll)?.ok())
     }
 
     /// The owner that takes this pool's blocks back (for an allocator that hands the pool's
@@ -214,7 +214,7 @@ impl BestFit {
 
     /// The cached path: a hit, or on a miss the growth the pool would need (`None` if the
     /// size is too large to grow for).
-    fn from_cache(
+    fn cached_or_growth(
         &self,
         size: usize,
         rounded: u64,

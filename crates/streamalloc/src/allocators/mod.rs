@@ -1,7 +1,7 @@
 //! The allocators: each implements [`Allocator`](crate::Allocator), and the stream-aware
 //! ones [`StreamAllocator`](crate::StreamAllocator).
 
-mod async_pool;
+pub mod async_pool;
 mod best_fit;
 mod chunk_source;
 mod plain;

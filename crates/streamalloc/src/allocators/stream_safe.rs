@@ -96,9 +96,12 @@ struct StreamPool {
 /// have this one owner (adaptors rely on that), and the pool is named by the high half of
 /// the block's token. Pools are only ever appended, so reading one takes no lock.
 struct Registry {
-    pages: Box<[OnceLock<Box<[OnceLock<Arc<StreamPool>>]>>]>,
+    pages: Box<[OnceLock<Page>]>,
     len: AtomicUsize,
 }
+
+/// One page of the registry.
+type Page = Box<[OnceLock<Arc<StreamPool>>]>;
 
 /// Pools per registry page; a registry holds `PAGE * PAGE` pools in all.
 const PAGE: usize = 1024;
