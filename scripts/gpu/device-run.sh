@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine, over what scripts/gpu-bench.sh prepared. Parts, in the order given:
+#   tests    every test executable, GPU tests included (.gpu/run.sh)
+#   cupy     CuPy and AsyncPool sharing the device's default pool; a CuPy workload under
+#            CuPy's pool and under streamalloc, results compared
+#   gpt2     GPT-2 small training under PyTorch's allocator and each strategy, losses compared
+#   anchors  the anchors harness (footprint and ns/op tables) and its multi-thread scaling
+# Results go to $OUT (or /tmp/streamalloc-gpu). Exits non-zero if any part failed.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export OUT=${OUT:-/tmp/streamalloc-gpu}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+failed=()
+for part in "$@"; do
+  echo "===== $part"
+  case $part in
+    tests) bash .gpu/run.sh --skip c_smoke_on_the_simulator --skip python_package_on_the_simulator ;;
+    cupy)
+      python3 scripts/gpu/cupy_pool_sharing.py .anchors/libstreamalloc.so &&
+        python3 -m pip install -q --no-index --no-deps --target /tmp/sa-site dist/streamalloc-*.whl &&
+        PYTHONPATH=/tmp/sa-site python3 scripts/gpu/cupy_workload.py | tee "$OUT/cupy.md" ;;
+    gpt2) bash scripts/gpu/gpt2_compare.sh > "$OUT/gpt2.log" 2>&1; rc=$?; tail -n 30 "$OUT/gpt2.log"; (exit $rc) ;;
+    anchors)
+      bash .anchors/build.sh .anchors/wheels &&
+        CONFS="strategy=stream_safe strategy=async strategy=async,pool=owned" \
+          bash .anchors/run.sh .anchors/traces .anchors/libstreamalloc.so > "$OUT/anchors.jsonl" &&
+        python3 .anchors/table.py < "$OUT/anchors.jsonl" | tee "$OUT/anchors.md" &&
+        CONFS="strategy=stream_safe strategy=async" \
+          bash .anchors/run_mt.sh .anchors/traces/resnet50_train.csv .anchors/libstreamalloc.so \
+          | tee "$OUT/anchors_mt.jsonl" ;;
+    *) echo "unknown part $part"; false ;;
+  esac || failed+=("$part")
+done
+echo "===== done; failed parts: ${failed[*]:-none}"
+[ ${#failed[@]} -eq 0 ]
