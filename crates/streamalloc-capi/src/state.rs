@@ -18,6 +18,21 @@ pub(crate) struct State {
     legacy_events: Box<[OnceLock<EventPool>]>,
 }
 
+extern "C" {
+    fn atexit(f: extern "C" fn()) -> c_int;
+}
+
+/// Writes out buffered trace rows when the process exits (the state is never dropped).
+extern "C" fn flush_at_exit() {
+    let _ = std::panic::catch_unwind(|| {
+        if let Some(Ok(state)) = STATE.get() {
+            if let Err(e) = state.facade.flush() {
+                eprintln!("streamalloc: writing the trace at exit: {e}");
+            }
+        }
+    });
+}
+
 /// Built once, at the first call, from [`streamalloc_configure`](crate::streamalloc_configure)
 /// or else from `STREAMALLOC_CONF`. A bad `STREAMALLOC_CONF` is kept as the error every call
 /// then reports.
@@ -25,6 +40,11 @@ static STATE: OnceLock<Result<State>> = OnceLock::new();
 
 impl State {
     fn new(config: Config) -> Self {
+        if config.trace.is_some() {
+            // SAFETY: `atexit` is given a function with the C ABI that never unwinds; registering
+            // it has no other precondition.
+            unsafe { atexit(flush_at_exit) };
+        }
         Self {
             facade: Facade::new(config),
             live: LiveMap::new(),

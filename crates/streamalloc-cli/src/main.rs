@@ -20,6 +20,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
+use streamalloc::facade::{Config, ENV_VAR};
 use streamalloc::replay::{replay, ReplayOptions, ReplayResult};
 use streamalloc::trace::{ParseOptions, Trace};
 
@@ -70,8 +71,13 @@ enum Command {
     },
     /// Describes the device: the GPU when CUDA finds one, else the simulator.
     Info,
-    /// Records a trace of a program's allocations (not available yet: needs the C ABI).
+    /// Runs a program whose GPU allocations go through libstreamalloc.so (e.g. PyTorch after
+    /// `streamalloc.torch.enable()`, CuPy after `streamalloc.cupy.enable()`, or a C program
+    /// linked to it) with the Trace layer on, and summarizes the trace it wrote.
     Record {
+        /// Where to write the trace (RMM logging CSV).
+        #[arg(long, short, default_value = "streamalloc-trace.csv")]
+        output: PathBuf,
         /// The program and its arguments.
         #[arg(trailing_var_arg = true, required = true, value_name = "COMMAND")]
         command: Vec<String>,
@@ -99,13 +105,7 @@ fn main() -> ExitCode {
             info();
             Ok(())
         }
-        Command::Record { command } => Err(format!(
-            "`streamalloc record -- {}` is not available yet: recording needs streamalloc's C ABI \
-             (a library the program loads in place of its allocator), which does not exist yet. \
-             Meanwhile, record with PyTorch's memory history and convert it to the CSV format \
-             (see traces/README.md).",
-            command.join(" ")
-        )),
+        Command::Record { output, command } => record(&output, &command),
     };
     match outcome {
         Ok(()) => ExitCode::SUCCESS,
@@ -113,6 +113,41 @@ fn main() -> ExitCode {
             eprintln!("error: {message}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Runs `command` with `trace=output` added to the configuration in force, then reads the
+/// trace back.
+fn record(output: &Path, command: &[String]) -> Result<(), String> {
+    let mut config = Config::from_env().map_err(|e| e.to_string())?;
+    config.trace = Some(output.to_path_buf());
+    let _ = std::fs::remove_file(output);
+    let status = std::process::Command::new(&command[0])
+        .args(&command[1..])
+        .env(ENV_VAR, config.to_string())
+        .status()
+        .map_err(|e| format!("cannot run `{}`: {e}", command[0]))?;
+    if !output.exists() {
+        return Err(format!(
+            "`{}` wrote no trace to {}: did it load libstreamalloc.so (e.g. streamalloc.torch.enable())?",
+            command.join(" "),
+            output.display()
+        ));
+    }
+    let trace = Trace::from_path_with(output, ParseOptions { skip_unknown_frees: true })
+        .map_err(|e| e.to_string())?;
+    println!(
+        "{}: {} operations, peak live {} bytes, {} streams ({})",
+        output.display(),
+        trace.len(),
+        trace.peak_live,
+        trace.streams.len(),
+        status
+    );
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("`{}` failed: {status}", command.join(" ")))
     }
 }
 

@@ -135,10 +135,35 @@ fn compare_of_a_non_result_file_is_a_clear_error() {
     assert_fails_with(&out, &["not a `streamalloc replay --json` output"]);
 }
 
+/// Records a small Python program that allocates through libstreamalloc.so (built beside
+/// the CLI by `cargo build --workspace`) on the simulator.
 #[test]
-fn record_says_it_is_not_available() {
-    let out = streamalloc(&["record", "--", "python", "train.py"]);
-    assert_fails_with(&out, &["not available yet", "C ABI"]);
+fn record_writes_the_trace_of_a_program_using_the_library() {
+    let bin = Path::new(env!("CARGO_BIN_EXE_streamalloc"));
+    let lib = bin.with_file_name("libstreamalloc.so");
+    assert!(lib.is_file(), "{} missing: run `cargo build --workspace` first", lib.display());
+    let out_path = std::env::temp_dir().join(format!("streamalloc-record-{}.csv", std::process::id()));
+    let script = format!(
+        "import ctypes\nl = ctypes.CDLL({lib:?})\nl.streamalloc_malloc.restype = ctypes.c_void_p\n\
+         ps = [l.streamalloc_malloc(ctypes.c_ssize_t(1 << (10 + i)), 0, None) for i in range(5)]\n\
+         [l.streamalloc_free(ctypes.c_void_p(p), ctypes.c_ssize_t(0), 0, None) for p in ps]\n"
+    );
+    let out = Command::new(bin)
+        .args(["record", "-o", out_path.to_str().unwrap(), "--", "python3", "-c", &script])
+        .env("STREAMALLOC_CONF", "device=sim,strategy=stream_safe")
+        .output()
+        .unwrap();
+    let text = std::fs::read_to_string(&out_path).unwrap_or_default();
+    let _ = std::fs::remove_file(&out_path);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("10 operations, peak live 31744 bytes"), "{}", stdout(&out));
+    assert_eq!(text.lines().count(), 11, "{text}");
+}
+
+#[test]
+fn record_says_when_the_program_did_not_use_the_library() {
+    let out = streamalloc(&["record", "-o", "/tmp/streamalloc-no-trace.csv", "--", "true"]);
+    assert_fails_with(&out, &["wrote no trace", "libstreamalloc.so"]);
 }
 
 #[test]

@@ -18,6 +18,7 @@ pub use config::{
     parse_duration, parse_size, Config, DeviceKind, LimitSpec, PoolChoice, Strategy, ENV_VAR, KEYS,
 };
 
+use std::fs::File;
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
@@ -49,6 +50,8 @@ pub struct DeviceStack {
     pub allocator: DynAllocator,
     /// The per-stream statistics layer, with `stats=true`.
     pub stats: Option<Arc<StatsAdaptor<DynAllocator>>>,
+    /// The trace layer, with `trace=PATH`.
+    pub trace: Option<Arc<TraceAdaptor<DynAllocator, File>>>,
 }
 
 /// Per-device allocator stacks built from one [`Config`], created on first use of each
@@ -136,6 +139,19 @@ impl Facade {
         first_error.map_or(Ok(total), Err)
     }
 
+    /// Writes out what the trace layers have buffered (a process-wide facade is never
+    /// dropped, so a front end calls this at exit). Every device is tried; the first error
+    /// is returned after that.
+    pub fn flush(&self) -> Result<()> {
+        let mut first_error = None;
+        for trace in self.stacks.iter().filter_map(OnceLock::get).filter_map(|s| s.trace.as_ref()) {
+            if let Err(e) = trace.flush() {
+                first_error.get_or_insert(e);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
     fn open_device(&self, ordinal: usize) -> Result<Arc<dyn Device>> {
         Ok(match self.config.device {
             DeviceKind::Cuda => CudaDevice::new(ordinal)?,
@@ -183,13 +199,16 @@ impl Facade {
                 Arc::new(AsyncPool::new(device.clone(), config))
             }
         };
+        let mut trace = None;
         if let Some(path) = &c.trace {
             let path = if ordinal == 0 {
                 path.clone()
             } else {
                 PathBuf::from(format!("{}.{ordinal}", path.display()))
             };
-            a = Arc::new(TraceAdaptor::new(a, TraceWriter::create(path)?));
+            let t = Arc::new(TraceAdaptor::new(a, TraceWriter::create(path)?));
+            trace = Some(t.clone());
+            a = t;
         }
         let mut stats = None;
         if c.stats {
@@ -203,7 +222,7 @@ impl Facade {
         if let Some(limit) = c.limit {
             a = Arc::new(Limit::new(a, limit.bytes(device.mem_info()?.total)));
         }
-        Ok(DeviceStack { device, allocator: a, stats })
+        Ok(DeviceStack { device, allocator: a, stats, trace })
     }
 }
 
