@@ -3,7 +3,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use super::InnerOwner;
+use super::{FreeHook, Owners};
 use crate::allocation::{Allocation, Allocator, Block, BlockOwner, Stats, StreamAllocator};
 use crate::device::Stream;
 use crate::error::{Error, Result};
@@ -13,21 +13,18 @@ use crate::error::{Error, Result};
 pub struct Limit<A> {
     inner: A,
     shared: Arc<Shared>,
+    owners: Owners<Shared>,
 }
 
 struct Shared {
     limit: usize,
     in_use: AtomicUsize,
-    owner: InnerOwner,
 }
 
 impl<A: Allocator> Limit<A> {
     /// Wraps `inner` with a limit of `limit` bytes.
     pub fn new(inner: A, limit: usize) -> Self {
-        Self {
-            inner,
-            shared: Arc::new(Shared { limit, in_use: AtomicUsize::new(0), owner: InnerOwner::default() }),
-        }
+        Self { inner, shared: Arc::new(Shared { limit, in_use: AtomicUsize::new(0) }), owners: Owners::new() }
     }
 
     /// The limit in bytes.
@@ -52,10 +49,8 @@ impl<A: Allocator> Limit<A> {
                 limit: s.limit,
             });
         }
-        let adopted = make().and_then(|a| s.owner.adopt(a));
-        match adopted {
-            Ok(Ok(block)) => Ok(Allocation::new(block, self.shared.clone())),
-            Ok(Err(empty)) => Ok(empty),
+        match make() {
+            Ok(a) => Ok(self.owners.adopt(&self.shared, a, |_| ())),
             Err(e) => {
                 s.in_use.fetch_sub(size, Ordering::Relaxed);
                 Err(e)
@@ -64,10 +59,10 @@ impl<A: Allocator> Limit<A> {
     }
 }
 
-impl BlockOwner for Shared {
-    fn free(&self, block: Block) {
+impl FreeHook for Shared {
+    fn free(&self, block: Block, inner: &dyn BlockOwner) {
         self.in_use.fetch_sub(block.size, Ordering::Relaxed);
-        self.owner.free(block);
+        inner.free(block);
     }
 }
 

@@ -22,41 +22,70 @@ pub use single_stream::SingleStream;
 pub use stats::{Scope, StatsAdaptor, StreamStats};
 pub use trace::TraceAdaptor;
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use parking_lot::Mutex;
 
 use crate::allocation::{Allocation, Block, BlockOwner};
-use crate::error::{Error, Result};
 
-/// The inner allocator's block owner, learned from its first allocation. Every allocator
-/// hands out all its allocations with one owner (see [`BlockOwner`]), so an adaptor can
-/// forward frees without storing anything per allocation.
-#[derive(Default)]
-struct InnerOwner(OnceLock<Arc<dyn BlockOwner>>);
+/// What an adaptor does when one of its allocations is freed: its own bookkeeping, and
+/// handing the block on to `inner`, the owner that made it.
+trait FreeHook: Send + Sync + 'static {
+    /// Takes `block` back; must pass it on to `inner`.
+    fn free(&self, block: Block, inner: &dyn BlockOwner);
+}
 
-impl InnerOwner {
-    /// Takes an inner allocation apart; `Ok(None)` for a zero-size one, which the adaptor
-    /// passes on untouched.
-    fn adopt(&self, allocation: Allocation) -> Result<Result<Block, Allocation>> {
-        if allocation.size() == 0 {
-            return Ok(Err(allocation));
-        }
-        let (block, owner) = allocation.into_parts().expect("non-empty allocations have an owner");
-        let known = self.0.get_or_init(|| owner.clone());
-        if !Arc::ptr_eq(known, &owner) {
-            owner.free(block);
-            return Err(Error::InvalidArgument(
-                "the wrapped allocator handed out allocations with two different owners; \
-                 this is a bug in that allocator"
-                    .into(),
-            ));
-        }
-        Ok(Ok(block))
+/// The owner of an adaptor's allocations made from one inner owner.
+struct Wrapped<H> {
+    hook: Arc<H>,
+    inner: Arc<dyn BlockOwner>,
+}
+
+impl<H: FreeHook> BlockOwner for Wrapped<H> {
+    fn free(&self, block: Block) {
+        self.hook.free(block, self.inner.as_ref());
+    }
+}
+
+/// One [`Wrapped`] owner per owner of the inner allocator (an allocator may have several:
+/// StreamSafe has one per stream), made once and found again without a lock, so an
+/// adaptor stores nothing per allocation and threads on different streams share no
+/// reference count.
+struct Owners<H> {
+    known: ArcSwap<Vec<Arc<Wrapped<H>>>>,
+    adding: Mutex<()>,
+}
+
+impl<H: FreeHook> Owners<H> {
+    fn new() -> Self {
+        Self { known: ArcSwap::from_pointee(Vec::new()), adding: Mutex::new(()) }
     }
 
-    /// Hands a block back to the inner allocator.
-    fn free(&self, block: Block) {
-        if let Some(owner) = self.0.get() {
-            owner.free(block);
+    /// Re-owns an inner allocation by `hook`, after `before` has seen its block; a zero-size
+    /// allocation passes through untouched.
+    fn adopt(&self, hook: &Arc<H>, allocation: Allocation, before: impl FnOnce(&Block)) -> Allocation {
+        if allocation.size() == 0 {
+            return allocation;
         }
+        let (device, stream) = (allocation.device(), allocation.owning_stream());
+        // Only zero-size allocations lack an owner.
+        let Some((block, inner)) = allocation.into_parts() else { return Allocation::empty(device, stream) };
+        before(&block);
+        let wrapped = self.find(&inner).unwrap_or_else(|| {
+            let _adding = self.adding.lock();
+            self.find(&inner).unwrap_or_else(|| {
+                let w = Arc::new(Wrapped { hook: hook.clone(), inner: inner.clone() });
+                let mut all = Vec::clone(&self.known.load());
+                all.push(w.clone());
+                self.known.store(Arc::new(all));
+                w
+            })
+        });
+        Allocation::new(block, wrapped)
+    }
+
+    fn find(&self, inner: &Arc<dyn BlockOwner>) -> Option<Arc<Wrapped<H>>> {
+        self.known.load().iter().find(|w| Arc::ptr_eq(&w.inner, inner)).cloned()
     }
 }

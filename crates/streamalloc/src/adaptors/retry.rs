@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use super::InnerOwner;
+use super::{FreeHook, Owners};
 use crate::allocation::{Allocation, Allocator, Block, BlockOwner, Stats, StreamAllocator};
 use crate::device::Stream;
 use crate::error::{Error, Result};
@@ -22,10 +22,10 @@ const SLICE: Duration = Duration::from_millis(5);
 pub struct Retry<A> {
     inner: A,
     shared: Arc<Shared>,
+    owners: Owners<Shared>,
 }
 
 struct Shared {
-    owner: InnerOwner,
     timeout: Duration,
     frees: Mutex<u64>,
     freed: Condvar,
@@ -34,9 +34,8 @@ struct Shared {
 impl<A: Allocator> Retry<A> {
     /// Wraps `inner`, waiting at most `timeout` for memory.
     pub fn new(inner: A, timeout: Duration) -> Self {
-        let shared =
-            Shared { owner: InnerOwner::default(), timeout, frees: Mutex::new(0), freed: Condvar::new() };
-        Self { inner, shared: Arc::new(shared) }
+        let shared = Shared { timeout, frees: Mutex::new(0), freed: Condvar::new() };
+        Self { inner, shared: Arc::new(shared), owners: Owners::new() }
     }
 
     /// The wrapped allocator.
@@ -73,16 +72,13 @@ impl<A: Allocator> Retry<A> {
     }
 
     fn adopt(&self, a: Allocation) -> Result<Allocation> {
-        Ok(match self.shared.owner.adopt(a)? {
-            Ok(block) => Allocation::new(block, self.shared.clone()),
-            Err(empty) => empty,
-        })
+        Ok(self.owners.adopt(&self.shared, a, |_| ()))
     }
 }
 
-impl BlockOwner for Shared {
-    fn free(&self, block: Block) {
-        self.owner.free(block);
+impl FreeHook for Shared {
+    fn free(&self, block: Block, inner: &dyn BlockOwner) {
+        inner.free(block);
         *self.frees.lock() += 1;
         self.freed.notify_all();
     }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::InnerOwner;
+use super::{FreeHook, Owners};
 use crate::allocation::{Allocation, Allocator, Block, BlockOwner, Stats, StreamAllocator};
 use crate::device::Stream;
 use crate::error::Result;
@@ -45,10 +45,10 @@ impl StreamStats {
 pub struct StatsAdaptor<A> {
     inner: A,
     shared: Arc<Shared>,
+    owners: Owners<Shared>,
 }
 
 struct Shared {
-    owner: InnerOwner,
     state: Mutex<State>,
 }
 
@@ -84,7 +84,7 @@ impl Drop for Scope {
 impl<A: Allocator> StatsAdaptor<A> {
     /// Wraps `inner`.
     pub fn new(inner: A) -> Self {
-        Self { inner, shared: Arc::new(Shared { owner: InnerOwner::default(), state: Mutex::default() }) }
+        Self { inner, shared: Arc::new(Shared { state: Mutex::default() }), owners: Owners::new() }
     }
 
     /// The wrapped allocator.
@@ -122,24 +122,20 @@ impl<A: Allocator> StatsAdaptor<A> {
         Scope { shared: self.shared.clone(), id }
     }
 
-    fn adopt(&self, a: Allocation) -> Result<Allocation> {
-        let block = match self.shared.owner.adopt(a)? {
-            Ok(block) => block,
-            Err(empty) => return Ok(empty),
-        };
-        let mut state = self.shared.state.lock();
-        state.all.on_allocate(block.size);
-        state.per_stream.entry(block.stream).or_default().on_allocate(block.size);
-        for (_, s) in &mut state.scopes {
-            s.on_allocate(block.size);
-        }
-        drop(state);
-        Ok(Allocation::new(block, self.shared.clone()))
+    fn adopt(&self, a: Allocation) -> Allocation {
+        self.owners.adopt(&self.shared, a, |block| {
+            let mut state = self.shared.state.lock();
+            state.all.on_allocate(block.size);
+            state.per_stream.entry(block.stream).or_default().on_allocate(block.size);
+            for (_, s) in &mut state.scopes {
+                s.on_allocate(block.size);
+            }
+        })
     }
 }
 
-impl BlockOwner for Shared {
-    fn free(&self, block: Block) {
+impl FreeHook for Shared {
+    fn free(&self, block: Block, inner: &dyn BlockOwner) {
         let mut state = self.state.lock();
         state.all.on_free(block.size);
         if let Some(s) = state.per_stream.get_mut(&block.stream) {
@@ -149,13 +145,13 @@ impl BlockOwner for Shared {
             s.on_free(block.size);
         }
         drop(state);
-        self.owner.free(block);
+        inner.free(block);
     }
 }
 
 impl<A: Allocator> Allocator for StatsAdaptor<A> {
     fn allocate(&self, size: usize) -> Result<Allocation> {
-        self.adopt(self.inner.allocate(size)?)
+        Ok(self.adopt(self.inner.allocate(size)?))
     }
     fn release(&self) -> Result<usize> {
         self.inner.release()
@@ -170,7 +166,7 @@ impl<A: Allocator> Allocator for StatsAdaptor<A> {
 
 impl<A: StreamAllocator> StreamAllocator for StatsAdaptor<A> {
     fn allocate_on(&self, size: usize, stream: Stream) -> Result<Allocation> {
-        self.adopt(self.inner.allocate_on(size, stream)?)
+        Ok(self.adopt(self.inner.allocate_on(size, stream)?))
     }
     fn default_stream(&self) -> Stream {
         self.inner.default_stream()

@@ -7,7 +7,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
 
-use super::InnerOwner;
+use super::{FreeHook, Owners};
 use crate::allocation::{Allocation, Allocator, Block, BlockOwner, Stats, StreamAllocator};
 use crate::device::Stream;
 use crate::error::{Error, Result};
@@ -20,10 +20,10 @@ use crate::trace::{Action, Record, TraceWriter};
 pub struct TraceAdaptor<A, W: Write + Send + 'static> {
     inner: A,
     shared: Arc<Shared<W>>,
+    owners: Owners<Shared<W>>,
 }
 
 struct Shared<W: Write + Send + 'static> {
-    owner: InnerOwner,
     out: Mutex<Output<W>>,
 }
 
@@ -56,7 +56,7 @@ impl<A: Allocator, W: Write + Send + 'static> TraceAdaptor<A, W> {
     /// Wraps `inner`, writing rows to `writer`.
     pub fn new(inner: A, writer: TraceWriter<W>) -> Self {
         let out = Mutex::new(Output { writer: Some(writer), error: None });
-        Self { inner, shared: Arc::new(Shared { owner: InnerOwner::default(), out }) }
+        Self { inner, shared: Arc::new(Shared { out }), owners: Owners::new() }
     }
 
     /// The wrapped allocator.
@@ -85,19 +85,16 @@ impl<A: Allocator, W: Write + Send + 'static> TraceAdaptor<A, W> {
                 return Err(e);
             }
         };
-        let block = match self.shared.owner.adopt(a)? {
-            Ok(block) => block,
-            Err(empty) => return Ok(empty),
-        };
-        self.shared.log(Action::Allocate, block.ptr, block.size, block.stream);
-        Ok(Allocation::new(block, self.shared.clone()))
+        Ok(self.owners.adopt(&self.shared, a, |block| {
+            self.shared.log(Action::Allocate, block.ptr, block.size, block.stream)
+        }))
     }
 }
 
-impl<W: Write + Send + 'static> BlockOwner for Shared<W> {
-    fn free(&self, block: Block) {
+impl<W: Write + Send + 'static> FreeHook for Shared<W> {
+    fn free(&self, block: Block, inner: &dyn BlockOwner) {
         self.log(Action::Free, block.ptr, block.size, block.stream);
-        self.owner.free(block);
+        inner.free(block);
     }
 }
 

@@ -143,7 +143,13 @@ impl BestFit {
         if size == 0 {
             return Ok(Allocation::empty(self.inner.ordinal, self.inner.stream));
         }
-        Ok(Allocation::new(self.allocate_block(size, poll)?, self.inner.clone()))
+        let rounded = Self::round(size)?;
+        let block = match self.cached_or_growth(size, rounded, poll)? {
+            Ok(b) => b,
+            Err(Some(growth)) => self.grow_and_allocate(size, rounded, growth, poll)?,
+            Err(None) => return Err(Error::InvalidArgument(format!("allocation size {size} overflows"))),
+        };
+        Ok(Allocation::new(block, self.inner.clone()))
     }
 
     /// Allocates from cached blocks only: `Ok(None)` when none fits (the pool does not
@@ -152,31 +158,8 @@ impl BestFit {
         if size == 0 {
             return Ok(Some(Allocation::empty(self.inner.ordinal, self.inner.stream)));
         }
-        Ok(self.allocate_cached_block(size, poll)?.map(|b| Allocation::new(b, self.inner.clone())))
-    }
-
-    /// [`BestFit::allocate_polling`] for a non-zero `size`, as a bare block: the caller
-    /// hands it back through [`BestFit::block_owner`] (an allocator that wraps the pool's
-    /// blocks in allocations of its own, like [`StreamSafe`](super::StreamSafe)).
-    pub fn allocate_block(&self, size: usize, poll: bool) -> Result<Block> {
-        let rounded = Self::round(size)?;
-        match self.cached_or_growth(size, rounded, poll)? {
-            Ok(b) => Ok(b),
-            Err(Some(growth)) => self.grow_and_allocate(size, rounded, growth, poll),
-            Err(None) => Err(Error::InvalidArgument(format!("allocation size {size} overflows"))),
-        }
-    }
-
-    /// [`BestFit::allocate_cached`] for a non-zero `size`, as a bare block (see
-    /// [`BestFit::allocate_block`]).
-    pub fn allocate_cached_block(&self, size: usize, poll: bool) -> Result<Option<Block>> {
-        Ok(self.cached_or_growth(size, Self::round(size)?, poll)?.ok())
-    }
-
-    /// The owner that takes this pool's blocks back (for an allocator that hands the pool's
-    /// blocks out under its own owner, like [`StreamSafe`](super::StreamSafe)).
-    pub fn block_owner(&self) -> Arc<dyn BlockOwner> {
-        self.inner.clone()
+        let hit = self.cached_or_growth(size, Self::round(size)?, poll)?.ok();
+        Ok(hit.map(|b| Allocation::new(b, self.inner.clone())))
     }
 
     /// Whether freed blocks wait on recorded streams' events (read without locking).

@@ -10,7 +10,7 @@ use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
 
 use super::best_fit::{BestFit, BestFitConfig};
-use crate::allocation::{Allocation, Allocator, Block, BlockOwner, Stats, StreamAllocator};
+use crate::allocation::{Allocation, Allocator, Stats, StreamAllocator};
 use crate::device::{CaptureStatus, Device, EventPool, Stream};
 use crate::error::{Error, OutOfMemory, Result};
 
@@ -76,8 +76,8 @@ pub struct StreamSafe {
     default_stream: AtomicU64,
     slots: Box<[ArcSwapOption<StreamPool>]>,
     overflow: Mutex<Vec<Arc<StreamPool>>>,
-    /// Every pool ever made, retired ones included; takes blocks back.
-    registry: Arc<Registry>,
+    /// Every pool ever made, retired ones included.
+    registry: Registry,
     /// Serializes the creation and replacement of pools.
     creating: Mutex<()>,
 }
@@ -85,16 +85,12 @@ pub struct StreamSafe {
 struct StreamPool {
     stream: Stream,
     pool: BestFit,
-    /// Position in the registry, carried in the high half of each block's token.
-    index: u64,
-    owner: Arc<dyn BlockOwner>,
     /// Set by [`StreamSafe::retire_stream`]: the stream may be gone.
     retired: AtomicBool,
 }
 
-/// Routes freed blocks back to the pool that made them: all of StreamSafe's allocations
-/// have this one owner (adaptors rely on that), and the pool is named by the high half of
-/// the block's token. Pools are only ever appended, so reading one takes no lock.
+/// Every pool ever made, retired ones included, for statistics, release and stealing.
+/// Pools are only ever appended, so reading the list takes no lock.
 struct Registry {
     pages: Box<[OnceLock<Page>]>,
     len: AtomicUsize,
@@ -120,8 +116,8 @@ impl Registry {
         (0..self.len.load(Ordering::Acquire)).filter_map(|i| self.get(i))
     }
 
-    /// Appends a pool made by `make` with the next index; callers serialize.
-    fn push(&self, make: impl FnOnce(u64) -> Arc<StreamPool>) -> Result<Arc<StreamPool>> {
+    /// Appends `pool`; callers serialize.
+    fn push(&self, pool: Arc<StreamPool>) -> Result<Arc<StreamPool>> {
         let index = self.len.load(Ordering::Acquire);
         let page = self.pages.get(index / PAGE).ok_or_else(|| {
             Error::InvalidArgument(format!(
@@ -130,20 +126,9 @@ impl Registry {
             ))
         })?;
         let page = page.get_or_init(|| (0..PAGE).map(|_| OnceLock::new()).collect());
-        let pool = make(index as u64);
         let _ = page[index % PAGE].set(pool.clone());
         self.len.store(index + 1, Ordering::Release);
         Ok(pool)
-    }
-}
-
-impl BlockOwner for Registry {
-    fn free(&self, mut block: Block) {
-        let index = (block.token >> 32) as usize;
-        block.token &= u64::from(u32::MAX);
-        if let Some(p) = self.get(index) {
-            p.owner.free(block);
-        }
     }
 }
 
@@ -159,7 +144,7 @@ impl StreamSafe {
             default_stream: AtomicU64::new(config.default_stream.0),
             slots: (0..SLOTS).map(|_| ArcSwapOption::empty()).collect(),
             overflow: Mutex::new(Vec::new()),
-            registry: Arc::new(Registry::new()),
+            registry: Registry::new(),
             creating: Mutex::new(()),
         })
     }
@@ -223,10 +208,7 @@ impl StreamSafe {
             return Ok(p);
         }
         let pool = BestFit::new(self.device.clone(), BestFitConfig { stream, ..self.config.pool })?;
-        let owner = pool.block_owner();
-        let p = self.registry.push(|index| {
-            Arc::new(StreamPool { stream, pool, index, owner, retired: AtomicBool::new(false) })
-        })?;
+        let p = self.registry.push(Arc::new(StreamPool { stream, pool, retired: AtomicBool::new(false) }))?;
         let home = Self::home(stream);
         match (0..SLOTS).map(|k| (home + k) % SLOTS).find(|&i| self.slots[i].load().is_none()) {
             Some(i) => self.slots[i].store(Some(p.clone())),
@@ -240,18 +222,12 @@ impl StreamSafe {
         self.registry.all()
     }
 
-    /// Hands a block of `pool` out under the registry's ownership.
-    fn wrap(&self, pool: &StreamPool, mut block: Block) -> Allocation {
-        block.token |= pool.index << 32;
-        Allocation::new(block, self.registry.clone())
-    }
-
     /// Allocates from `pool`, which belongs to `stream`.
     fn allocate_in(&self, pool: &StreamPool, size: usize, stream: Stream) -> Result<Allocation> {
         // Pending frees are polled only when there are some, and then only outside a capture.
         let poll = !pool.pool.has_pending() || !self.capturing(stream)?;
-        match pool.pool.allocate_cached_block(size, poll)? {
-            Some(b) => Ok(self.wrap(pool, b)),
+        match pool.pool.allocate_cached(size, poll)? {
+            Some(a) => Ok(a),
             None => self.allocate_slow(pool, size, stream),
         }
     }
@@ -287,13 +263,13 @@ impl StreamSafe {
     fn allocate_slow(&self, pool: &StreamPool, size: usize, stream: Stream) -> Result<Allocation> {
         let poll = !self.capturing(stream)?;
         if self.steal(pool, size)? {
-            if let Some(b) = pool.pool.allocate_cached_block(size, poll)? {
-                return Ok(self.wrap(pool, b));
+            if let Some(a) = pool.pool.allocate_cached(size, poll)? {
+                return Ok(a);
             }
         }
-        match pool.pool.allocate_block(size, poll) {
+        match pool.pool.allocate_polling(size, poll) {
             Err(e) if e.is_out_of_memory() && poll => {}
-            other => return Ok(self.wrap(pool, other?)),
+            other => return other,
         }
         let start = Instant::now();
         let last = loop {
@@ -301,9 +277,9 @@ impl StreamSafe {
                 // A pool that cannot release now still lets the others try.
                 let _ = p.pool.release();
             }
-            let e = match pool.pool.allocate_block(size, true) {
+            let e = match pool.pool.allocate_polling(size, true) {
                 Err(e) if e.is_out_of_memory() => e,
-                other => return Ok(self.wrap(pool, other?)),
+                other => return other,
             };
             if start.elapsed() >= self.config.retry_wait {
                 break e;
