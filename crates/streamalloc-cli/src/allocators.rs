@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use streamalloc::allocators::{
-    AsyncPool, AsyncPoolConfig, BestFit, BestFitConfig, Plain, StreamSafe, StreamSafeConfig,
+    AsyncPool, AsyncPoolConfig, BestFit, BestFitConfig, Plain, PoolMode, StreamSafe, StreamSafeConfig,
 };
 use streamalloc::replay::ReplayTarget;
 use streamalloc::{Device, Result, Stream};
@@ -21,7 +21,12 @@ const ALLOCATORS: &[(&str, Make)] = &[
         Ok(ReplayTarget::Streams(Arc::new(StreamSafe::new(device, StreamSafeConfig::default())?)))
     }),
     ("async", |device| {
-        Ok(ReplayTarget::Streams(Arc::new(AsyncPool::new(device, AsyncPoolConfig::default()))))
+        // The default pool keeps its memory, as the anchors' raw cudaMallocAsync run does.
+        let mode = PoolMode::DefaultPool { release_threshold: Some(usize::MAX) };
+        Ok(ReplayTarget::Streams(Arc::new(AsyncPool::new(
+            device,
+            AsyncPoolConfig { mode, ..Default::default() },
+        ))))
     }),
 ];
 

@@ -102,9 +102,9 @@ pub struct Config {
     pub growth: usize,
     /// `pool`: `default` or `owned`, for `async`. Default `default`.
     pub pool: PoolChoice,
-    /// `release_threshold`: bytes an owned pool (`pool=owned`) keeps reserved at
-    /// synchronizations (`max` for all). Default `max`. The default pool's attributes are
-    /// left as other libraries set them.
+    /// `release_threshold`: bytes the `async` strategy's pool keeps reserved at
+    /// synchronizations (`max` for all), set at first use (on the default pool too, as
+    /// PyTorch's cudaMallocAsync backend does). Default `max`.
     pub release_threshold: u64,
     /// `throttle`: for `async`, the share of device memory allocated plus pending release
     /// above which allocating streams wait for pending frees. Default 0.8.

@@ -183,7 +183,9 @@ impl Facade {
             }
             Strategy::Async => {
                 let mode = match c.pool {
-                    PoolChoice::Default => PoolMode::DefaultPool,
+                    PoolChoice::Default => PoolMode::DefaultPool {
+                        release_threshold: Some(usize::try_from(c.release_threshold).unwrap_or(usize::MAX)),
+                    },
                     PoolChoice::Owned => PoolMode::Owned {
                         release_threshold: usize::try_from(c.release_threshold).unwrap_or(usize::MAX),
                         reuse: ReuseFlags::default(),

@@ -72,9 +72,15 @@ use crate::error::{Error, OutOfMemory, Result};
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum PoolMode {
     /// The device's default pool, shared with every library in the process (CuPy's
-    /// `MemoryAsyncPool`, PyTorch's cudaMallocAsync backend). Its attributes are left alone,
-    /// and its statistics include other libraries' memory.
-    DefaultPool,
+    /// `MemoryAsyncPool`, PyTorch's cudaMallocAsync backend); its statistics include other
+    /// libraries' memory.
+    DefaultPool {
+        /// `Some`: set the pool's release threshold at first use, as PyTorch's cudaMallocAsync
+        /// backend does (the driver's default, 0, returns all free memory at every
+        /// synchronization, which makes the next allocations map it again). `None`: leave
+        /// the pool's attributes as other libraries set them.
+        release_threshold: Option<usize>,
+    },
     /// A pool the allocator creates at first use and destroys when it is dropped.
     Owned {
         /// Bytes the pool keeps reserved at synchronizations instead of releasing them.
@@ -125,7 +131,7 @@ pub struct AsyncPoolConfig {
 impl Default for AsyncPoolConfig {
     fn default() -> Self {
         Self {
-            mode: PoolMode::DefaultPool,
+            mode: PoolMode::DefaultPool { release_threshold: None },
             throttle_ratio: 0.8,
             trim_floor: 0,
             default_stream: Stream::DEFAULT,
@@ -265,7 +271,6 @@ impl Allocator for AsyncPool {
 
 impl StreamAllocator for AsyncPool {
     fn allocate_on(&self, size: usize, stream: Stream) -> Result<Allocation> {
-        self.take_free_error()?;
         let inner = &self.inner;
         let device = inner.device.ordinal();
         if size == 0 {
@@ -274,9 +279,19 @@ impl StreamAllocator for AsyncPool {
         let rounded = align_up(size)
             .ok_or_else(|| Error::InvalidArgument(format!("allocation size {size} overflows")))?;
         let ready = inner.ready()?;
+        // One look at the counters: an error a free met, and whether the throttle applies.
+        let over_throttle = {
+            let mut c = inner.counters.lock();
+            if let Some(e) = c.free_error.take() {
+                return Err(e);
+            }
+            c.pending > 0
+                && (c.stats.allocated + c.pending) as f64
+                    > inner.config.throttle_ratio * ready.device_total as f64
+        };
         let (ptr, owner): (DevicePtr, Arc<dyn BlockOwner>) = match inner.device.capture_status(stream)? {
             CaptureStatus::None => {
-                inner.throttle(ready, stream)?;
+                inner.throttle(ready, stream, over_throttle)?;
                 (inner.alloc_with_retry(ready, size, rounded, stream)?, inner.clone())
             }
             CaptureStatus::Active => {
@@ -329,7 +344,13 @@ impl Inner {
         }
         let device_total = self.device.mem_info()?.total;
         let pool = match self.config.mode {
-            PoolMode::DefaultPool => self.device.default_pool()?,
+            PoolMode::DefaultPool { release_threshold } => {
+                let pool = self.device.default_pool()?;
+                if let Some(t) = release_threshold {
+                    self.device.set_pool_attr(pool, PoolAttr::ReleaseThreshold, t as u64)?;
+                }
+                pool
+            }
             PoolMode::View(pool) => pool,
             PoolMode::Owned { release_threshold, reuse, max_size } => {
                 let pool = self.device.create_pool(PoolProps { max_size })?;
@@ -374,13 +395,9 @@ impl Inner {
         Ok(())
     }
 
-    fn throttle(&self, ready: &Ready, stream: Stream) -> Result<()> {
-        let over = {
-            let c = self.counters.lock();
-            c.pending > 0
-                && (c.stats.allocated + c.pending) as f64
-                    > self.config.throttle_ratio * ready.device_total as f64
-        };
+    /// When `over` (allocated plus pending-release bytes past the throttle ratio), makes
+    /// `stream` wait for the pending frees.
+    fn throttle(&self, ready: &Ready, stream: Stream, over: bool) -> Result<()> {
         if over {
             self.order_after(stream, [ready.free_stream])?;
             self.counters.lock().pending = 0;
