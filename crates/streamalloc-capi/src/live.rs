@@ -1,53 +1,109 @@
 //! The live allocations, keyed by pointer: the hot path of every free.
 
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
 use core_alloc::{Allocation, DevicePtr};
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 
-/// Shards of the map; a power of two.
-const SHARDS: usize = 64;
-
-/// One shard, on its own cache lines so that threads locking neighbours do not contend.
+/// One thread's share of the map, on its own cache lines.
 #[repr(align(128))]
 struct Shard(Mutex<FxHashMap<DevicePtr, Allocation>>);
 
-/// Live allocations by device pointer, in [`SHARDS`] independently locked shards: no global
-/// lock, and no heap allocation per operation beyond the map's own growth.
+/// Live allocations by device pointer, one shard per thread that allocates: a thread records
+/// its allocations in its own shard, and a free made on the same thread (the common case:
+/// frameworks free where they allocate) locks only that shard, whose lock and lines no other
+/// thread touches, so threads scale. A free from another thread finds the pointer by looking
+/// through every shard. Shards outlive their threads (allocations can outlive the thread
+/// that made them).
 pub(crate) struct LiveMap {
-    shards: Box<[Shard]>,
+    id: usize,
+    shards: Mutex<Vec<Arc<Shard>>>,
+}
+
+thread_local! {
+    /// This thread's shard of each map, by map id.
+    static LOCAL: RefCell<Vec<(usize, Arc<Shard>)>> = const { RefCell::new(Vec::new()) };
 }
 
 impl LiveMap {
     /// An empty map.
     pub(crate) fn new() -> Self {
-        Self { shards: (0..SHARDS).map(|_| Shard(Mutex::new(FxHashMap::default()))).collect() }
+        static NEXT_ID: AtomicUsize = AtomicUsize::new(0);
+        Self { id: NEXT_ID.fetch_add(1, Ordering::Relaxed), shards: Mutex::new(Vec::new()) }
     }
 
-    fn shard(&self, ptr: DevicePtr) -> &Mutex<FxHashMap<DevicePtr, Allocation>> {
-        // Pointers are 256-byte aligned and often aligned far more (segment starts): drop the
-        // zero bits, then take the top bits of a Fibonacci hash, which depend on all the others.
-        let h = (ptr >> 8).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - SHARDS.trailing_zeros());
-        &self.shards[h as usize].0
+    /// Runs `f` on this thread's shard, made and registered on the thread's first use.
+    /// `None` while the thread is being torn down (its thread-locals are gone).
+    fn local<R>(&self, f: impl FnOnce(&Shard) -> R) -> Option<R> {
+        LOCAL
+            .try_with(|local| {
+                let mut local = local.borrow_mut();
+                if let Some((_, shard)) = local.iter().find(|(id, _)| *id == self.id) {
+                    return f(shard);
+                }
+                let shard = Arc::new(Shard(Mutex::new(FxHashMap::default())));
+                self.shards.lock().push(shard.clone());
+                local.push((self.id, shard.clone()));
+                f(&shard)
+            })
+            .ok()
     }
 
     /// Keeps `a` (not zero-size) until [`LiveMap::remove`].
     pub(crate) fn insert(&self, a: Allocation) {
-        let ptr = a.ptr();
-        if let Some(old) = self.shard(ptr).lock().insert(ptr, a) {
-            // The allocator handed out a live pointer twice (a bug in it). Dropping the old
-            // handle would free memory the new one now owns, so it is leaked instead.
-            std::mem::forget(old);
+        let mut a = Some(a);
+        let inserted = self.local(|shard| put(shard, a.take()));
+        if inserted.is_none() {
+            // A thread being torn down: any shard will do.
+            let shards = self.shards.lock();
+            match shards.first() {
+                Some(shard) => put(shard, a.take()),
+                None => {
+                    let shard = Arc::new(Shard(Mutex::new(FxHashMap::default())));
+                    put(&shard, a.take());
+                    drop(shards);
+                    self.shards.lock().push(shard);
+                }
+            }
         }
     }
 
     /// Takes the allocation at `ptr` out of the map; it is dropped by the caller, outside the
     /// shard's lock.
     pub(crate) fn remove(&self, ptr: DevicePtr) -> Option<Allocation> {
-        self.shard(ptr).lock().remove(&ptr)
+        if let Some(Some(a)) = self.local(|shard| shard.0.lock().remove(&ptr)) {
+            return Some(a);
+        }
+        let shards = self.shards.lock().clone();
+        shards.iter().find_map(|shard| shard.0.lock().remove(&ptr))
     }
 
     /// Runs `f` on the allocation at `ptr`, under its shard's lock.
     pub(crate) fn with<R>(&self, ptr: DevicePtr, f: impl FnOnce(&mut Allocation) -> R) -> Option<R> {
-        self.shard(ptr).lock().get_mut(&ptr).map(f)
+        let mut f = Some(f);
+        let mut apply = |shard: &Shard| -> Option<R> {
+            let mut map = shard.0.lock();
+            let a = map.get_mut(&ptr)?;
+            f.take().map(|g| g(a))
+        };
+        if let Some(Some(r)) = self.local(&mut apply) {
+            return Some(r);
+        }
+        let shards = self.shards.lock().clone();
+        shards.iter().find_map(|shard| apply(shard))
+    }
+}
+
+/// Inserts `a` into `shard`. A pointer already live in it means the allocator handed it out
+/// twice (a bug in it): dropping the old handle would free memory the new one owns, so it
+/// is leaked instead.
+fn put(shard: &Shard, a: Option<Allocation>) {
+    if let Some(a) = a {
+        if let Some(old) = shard.0.lock().insert(a.ptr(), a) {
+            std::mem::forget(old);
+        }
     }
 }

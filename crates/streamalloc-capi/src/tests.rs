@@ -187,3 +187,22 @@ fn threads_share_the_map() {
     assert_eq!(unsafe { streamalloc_stats(1, &mut s) }, STREAMALLOC_OK);
     assert_eq!((s.allocated, s.live_allocations, s.total_allocations), (0, 0, 16_000));
 }
+
+#[test]
+fn a_pointer_allocated_on_one_thread_is_found_from_another() {
+    setup();
+    let ptrs: Vec<usize> = std::thread::spawn(|| {
+        (0..50).map(|i| streamalloc_malloc(4096 + i, 2, ptr::null_mut()) as usize).collect()
+    })
+    .join()
+    .unwrap();
+    // The allocating thread is gone; its allocations are still found and freed from here.
+    for (i, &p) in ptrs.iter().enumerate() {
+        assert_ne!(p, 0);
+        if i % 2 == 0 {
+            assert_eq!(streamalloc_record_stream(p as *mut c_void, ptr::null_mut()), STREAMALLOC_OK);
+        }
+        assert_eq!(streamalloc_deallocate(p as *mut c_void), STREAMALLOC_OK);
+        assert_eq!(streamalloc_deallocate(p as *mut c_void), STREAMALLOC_INVALID_ARGUMENT, "double free");
+    }
+}
