@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prepares everything the GPU machine needs (it has no Rust toolchain and no registry), here:
-#   .gpu/      the test executables (scripts/gpu-test.sh)
+#   .gpu/      the test executables (scripts/gpu-test.sh) and the recorded_free_cost example
 #   .anchors/  the anchors harness, traces, RMM wheels and libstreamalloc.so
 #   dist/      the Python wheel bundling libstreamalloc.so (scripts/build-python.sh)
 # then prints the device-tool calls. On the GPU machine, scripts/gpu/device-run.sh runs the
@@ -9,6 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 shared=${SHARED:-../shared}
 bash scripts/gpu-test.sh >/dev/null
+cargo build --release -p streamalloc --example recorded_free_cost
+strip --strip-debug -o .gpu/recorded_free_cost target/release/examples/recorded_free_cost
 bash scripts/build-python.sh >/dev/null
 rm -rf .anchors && mkdir -p .anchors
 cp -r "$shared/anchors/." .anchors/ && cp -r "$shared/traces" .anchors/traces && chmod -R u+w .anchors

@@ -5,6 +5,7 @@
 #            CuPy's pool and under streamalloc, results compared
 #   gpt2     GPT-2 small training under PyTorch's allocator and each strategy, losses compared
 #   anchors  the anchors harness (footprint and ns/op tables) and its multi-thread scaling
+#   bench    the cost of a free with a recorded stream (examples/recorded_free_cost.rs)
 # Results go to $OUT (or /tmp/streamalloc-gpu). Exits non-zero if any part failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -30,6 +31,7 @@ for part in "$@"; do
         CONFS="strategy=stream_safe strategy=async" \
           bash .anchors/run_mt.sh .anchors/traces/resnet50_train.csv .anchors/libstreamalloc.so \
           | tee "$OUT/anchors_mt.jsonl" ;;
+    bench) .gpu/recorded_free_cost | tee "$OUT/recorded_free_cost.txt" ;;
     *) echo "unknown part $part"; false ;;
   esac || failed+=("$part")
 done

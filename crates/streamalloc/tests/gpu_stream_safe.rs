@@ -1,0 +1,115 @@
+//! `StreamSafe` (and `BestFit` made stream-usable by `SingleStream`) on a CUDA GPU:
+//! cross-stream safety with `record_stream`, and the control that shows the test can fail.
+//! Stream B is blocked by a host function (released after at most [`BLOCK_LIMIT`]) while its
+//! pending write uses a buffer of stream A; the buffer is freed and A allocates the same size.
+//! Every test is `#[ignore]`d: scripts/gpu-test.sh runs them with `--ignored`.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use streamalloc::adaptors::SingleStream;
+use streamalloc::allocators::{BestFit, BestFitConfig, StreamSafe, StreamSafeConfig};
+use streamalloc::device::cuda::CudaDevice;
+use streamalloc::{Device, Stream, StreamAllocator};
+
+const MIB: usize = 1 << 20;
+/// Longest a host function keeps its stream blocked.
+const BLOCK_LIMIT: Duration = Duration::from_secs(5);
+
+fn gpu() -> Arc<dyn Device> {
+    CudaDevice::new(0).unwrap_or_else(|e| panic!("GPU test run without a usable CUDA device: {e}"))
+}
+
+/// Blocks `stream` with a host function until the returned flag is set (or [`BLOCK_LIMIT`]).
+fn block_stream(device: &Arc<dyn Device>, stream: Stream) -> Arc<AtomicBool> {
+    let go = Arc::new(AtomicBool::new(false));
+    let flag = go.clone();
+    device
+        .launch_host_func(
+            stream,
+            Box::new(move || {
+                let start = Instant::now();
+                while !flag.load(Ordering::Acquire) && start.elapsed() < BLOCK_LIMIT {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }),
+        )
+        .expect("host function");
+    go
+}
+
+/// A's buffer gets 0xAA; blocked B enqueues a write of 0xBB to it; the buffer is freed (with
+/// or without `record_stream(B)`); A allocates the same size and writes 0xCC; B is released.
+/// Returns whether A got the same address, and the new buffer's bytes once all is done.
+fn delayed_user_then_reuse(
+    alloc: &dyn StreamAllocator,
+    device: &Arc<dyn Device>,
+    record: bool,
+) -> (bool, Vec<u8>) {
+    let (a, b) = (device.create_stream().unwrap(), device.create_stream().unwrap());
+    const N: usize = 64 * MIB;
+    let mut x = alloc.allocate_on(N, a).unwrap();
+    device.memset_async(x.ptr(), 0xAA, N, a).unwrap();
+    device.synchronize_stream(a).unwrap();
+    let go = block_stream(device, b);
+    device.memset_async(x.ptr(), 0xBB, N, b).unwrap();
+    if record {
+        x.record_stream(b);
+    }
+    let first = x.ptr();
+    drop(x);
+    let y = alloc.allocate_on(N, a).unwrap();
+    device.memset_async(y.ptr(), 0xCC, N, a).unwrap();
+    device.synchronize_stream(a).unwrap();
+    go.store(true, Ordering::Release);
+    device.synchronize_stream(b).unwrap();
+    let mut bytes = vec![0u8; N];
+    device.copy_to_host(&mut bytes, y.ptr(), a).unwrap();
+    let same = y.ptr() == first;
+    drop(y);
+    device.synchronize_stream(a).unwrap();
+    device.destroy_stream(a).unwrap();
+    device.destroy_stream(b).unwrap();
+    (same, bytes)
+}
+
+fn all(bytes: &[u8], value: u8) -> bool {
+    bytes.iter().all(|b| *b == value)
+}
+
+fn stream_safe(device: &Arc<dyn Device>) -> StreamSafe {
+    StreamSafe::new(device.clone(), StreamSafeConfig::default()).unwrap()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-test.sh"]
+fn stream_safe_record_stream_prevents_early_reuse() {
+    let device = gpu();
+    let (same, bytes) = delayed_user_then_reuse(&stream_safe(&device), &device, true);
+    assert!(!same, "the block was handed out while stream B still had work on it");
+    assert!(all(&bytes, 0xCC), "B's delayed write landed in A's new allocation");
+}
+
+/// The control: without `record_stream`, StreamSafe reuses the block on A at once, and B's
+/// late write lands in A's new allocation, so the check above can fail.
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-test.sh"]
+fn stream_safe_without_record_stream_reuses_early() {
+    let device = gpu();
+    let (same, bytes) = delayed_user_then_reuse(&stream_safe(&device), &device, false);
+    assert!(same, "StreamSafe did not reuse the block on its own stream at once");
+    assert!(all(&bytes, 0xBB), "expected B's late write to show the early reuse");
+}
+
+/// BestFit has no stream methods; made usable on any stream by SingleStream, it honours
+/// `record_stream` the same way.
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-test.sh"]
+fn single_stream_best_fit_record_stream_prevents_early_reuse() {
+    let device = gpu();
+    let pool = BestFit::new(device.clone(), BestFitConfig::default()).unwrap();
+    let alloc = SingleStream::new(pool, device.clone(), Stream::DEFAULT);
+    let (_, bytes) = delayed_user_then_reuse(&alloc, &device, true);
+    assert!(all(&bytes, 0xCC), "B's delayed write landed in A's new allocation");
+}
