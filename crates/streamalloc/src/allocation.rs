@@ -219,6 +219,29 @@ impl Stats {
     }
 }
 
+/// Adds up the figures of several allocators (or pools): byte and count figures add, so a
+/// sum's peaks are the sum of each one's peak (an upper bound of the peak of the whole), and
+/// `largest_free_block` is the largest of any.
+impl std::iter::Sum for Stats {
+    fn sum<I: Iterator<Item = Stats>>(iter: I) -> Stats {
+        iter.fold(Stats::default(), |a, b| Stats {
+            allocated: a.allocated + b.allocated,
+            allocated_peak: a.allocated_peak + b.allocated_peak,
+            reserved: a.reserved + b.reserved,
+            reserved_peak: a.reserved_peak + b.reserved_peak,
+            cached: a.cached + b.cached,
+            largest_free_block: a.largest_free_block.max(b.largest_free_block),
+            pending_release: a.pending_release + b.pending_release,
+            live_allocations: a.live_allocations + b.live_allocations,
+            total_allocations: a.total_allocations + b.total_allocations,
+            total_frees: a.total_frees + b.total_frees,
+            device_allocs: a.device_allocs + b.device_allocs,
+            device_frees: a.device_frees + b.device_frees,
+            failures: a.failures + b.failures,
+        })
+    }
+}
+
 /// An allocator of device memory. Allocations are made on the allocator's stream (its
 /// default stream) and belong to it; see the [module docs](self) for the ordering contract.
 pub trait Allocator: Send + Sync {

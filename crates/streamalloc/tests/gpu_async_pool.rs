@@ -4,22 +4,18 @@
 //! `--ignored`. Waits are bounded: a stream blocked by a host function is released after at
 //! most [`BLOCK_LIMIT`].
 
-use std::sync::atomic::{AtomicBool, Ordering};
+mod gpu_common;
+
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use gpu_common::{all, block_stream, gpu};
 use streamalloc::allocators::{AsyncPool, AsyncPoolConfig, PoolMode, ReuseFlags};
-use streamalloc::device::cuda::CudaDevice;
 use streamalloc::{Allocator, Device, DevicePtr, Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
-/// Longest a host function keeps its stream blocked.
-const BLOCK_LIMIT: Duration = Duration::from_secs(5);
-
-fn gpu() -> Arc<dyn Device> {
-    CudaDevice::new(0).unwrap_or_else(|e| panic!("GPU test run without a usable CUDA device: {e}"))
-}
 
 /// An owned pool that keeps its memory, so that reuse is visible by address.
 fn owned_pool(device: &Arc<dyn Device>) -> AsyncPool {
@@ -27,32 +23,10 @@ fn owned_pool(device: &Arc<dyn Device>) -> AsyncPool {
     AsyncPool::new(device.clone(), AsyncPoolConfig { mode, ..AsyncPoolConfig::default() })
 }
 
-/// Blocks `stream` with a host function until the returned flag is set (or [`BLOCK_LIMIT`]).
-fn block_stream(device: &Arc<dyn Device>, stream: Stream) -> Arc<AtomicBool> {
-    let go = Arc::new(AtomicBool::new(false));
-    let flag = go.clone();
-    device
-        .launch_host_func(
-            stream,
-            Box::new(move || {
-                let start = Instant::now();
-                while !flag.load(Ordering::Acquire) && start.elapsed() < BLOCK_LIMIT {
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-            }),
-        )
-        .expect("host function");
-    go
-}
-
 fn read(device: &Arc<dyn Device>, ptr: DevicePtr, len: usize, stream: Stream) -> Vec<u8> {
     let mut host = vec![0u8; len];
     device.copy_to_host(&mut host, ptr, stream).expect("copy to host");
     host
-}
-
-fn all(bytes: &[u8], value: u8) -> bool {
-    bytes.iter().all(|b| *b == value)
 }
 
 /// Stream B is blocked; B's pending work (a write of 0xBB, enqueued before the free) uses a

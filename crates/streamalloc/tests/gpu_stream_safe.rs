@@ -4,40 +4,17 @@
 //! pending write uses a buffer of stream A; the buffer is freed and A allocates the same size.
 //! Every test is `#[ignore]`d: scripts/gpu-test.sh runs them with `--ignored`.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+mod gpu_common;
 
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use gpu_common::{all, block_stream, gpu};
 use streamalloc::adaptors::SingleStream;
 use streamalloc::allocators::{BestFit, BestFitConfig, StreamSafe, StreamSafeConfig};
-use streamalloc::device::cuda::CudaDevice;
 use streamalloc::{Device, Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
-/// Longest a host function keeps its stream blocked.
-const BLOCK_LIMIT: Duration = Duration::from_secs(5);
-
-fn gpu() -> Arc<dyn Device> {
-    CudaDevice::new(0).unwrap_or_else(|e| panic!("GPU test run without a usable CUDA device: {e}"))
-}
-
-/// Blocks `stream` with a host function until the returned flag is set (or [`BLOCK_LIMIT`]).
-fn block_stream(device: &Arc<dyn Device>, stream: Stream) -> Arc<AtomicBool> {
-    let go = Arc::new(AtomicBool::new(false));
-    let flag = go.clone();
-    device
-        .launch_host_func(
-            stream,
-            Box::new(move || {
-                let start = Instant::now();
-                while !flag.load(Ordering::Acquire) && start.elapsed() < BLOCK_LIMIT {
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-            }),
-        )
-        .expect("host function");
-    go
-}
 
 /// A's buffer gets 0xAA; blocked B enqueues a write of 0xBB to it; the buffer is freed (with
 /// or without `record_stream(B)`); A allocates the same size and writes 0xCC; B is released.
@@ -72,10 +49,6 @@ fn delayed_user_then_reuse(
     device.destroy_stream(a).unwrap();
     device.destroy_stream(b).unwrap();
     (same, bytes)
-}
-
-fn all(bytes: &[u8], value: u8) -> bool {
-    bytes.iter().all(|b| *b == value)
 }
 
 fn stream_safe(device: &Arc<dyn Device>) -> StreamSafe {

@@ -349,23 +349,9 @@ impl Allocator for StreamSafe {
         first_error.map_or(Ok(total), Err)
     }
 
-    /// The sum over every stream's pool.
+    /// The sum over every stream's pool (peaks are sums of each pool's peak).
     fn stats(&self) -> Stats {
-        self.pools().map(|p| p.pool.stats()).fold(Stats::default(), |a, b| Stats {
-            allocated: a.allocated + b.allocated,
-            allocated_peak: a.allocated_peak + b.allocated_peak,
-            reserved: a.reserved + b.reserved,
-            reserved_peak: a.reserved_peak + b.reserved_peak,
-            cached: a.cached + b.cached,
-            largest_free_block: a.largest_free_block.max(b.largest_free_block),
-            pending_release: a.pending_release + b.pending_release,
-            live_allocations: a.live_allocations + b.live_allocations,
-            total_allocations: a.total_allocations + b.total_allocations,
-            total_frees: a.total_frees + b.total_frees,
-            device_allocs: a.device_allocs + b.device_allocs,
-            device_frees: a.device_frees + b.device_frees,
-            failures: a.failures + b.failures,
-        })
+        self.pools().map(|p| p.pool.stats()).sum()
     }
 
     fn device(&self) -> usize {

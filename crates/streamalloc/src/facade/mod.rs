@@ -111,11 +111,7 @@ impl Facade {
 
     /// Statistics summed over every device in use.
     pub fn global_stats(&self) -> Stats {
-        self.stacks
-            .iter()
-            .filter_map(OnceLock::get)
-            .map(|s| s.allocator.stats())
-            .fold(Stats::default(), add_stats)
+        self.stacks.iter().filter_map(OnceLock::get).map(|s| s.allocator.stats()).sum()
     }
 
     /// The ordinals of the devices in use.
@@ -225,23 +221,5 @@ impl Facade {
             a = Arc::new(Limit::new(a, limit.bytes(device.mem_info()?.total)));
         }
         Ok(DeviceStack { device, allocator: a, stats, trace })
-    }
-}
-
-fn add_stats(a: Stats, b: Stats) -> Stats {
-    Stats {
-        allocated: a.allocated + b.allocated,
-        allocated_peak: a.allocated_peak + b.allocated_peak,
-        reserved: a.reserved + b.reserved,
-        reserved_peak: a.reserved_peak + b.reserved_peak,
-        cached: a.cached + b.cached,
-        largest_free_block: a.largest_free_block.max(b.largest_free_block),
-        pending_release: a.pending_release + b.pending_release,
-        live_allocations: a.live_allocations + b.live_allocations,
-        total_allocations: a.total_allocations + b.total_allocations,
-        total_frees: a.total_frees + b.total_frees,
-        device_allocs: a.device_allocs + b.device_allocs,
-        device_frees: a.device_frees + b.device_frees,
-        failures: a.failures + b.failures,
     }
 }
