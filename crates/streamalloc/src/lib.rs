@@ -4,11 +4,17 @@
 //! * [`device`]: the only code that talks to a driver: CUDA (loaded at run time) or the
 //!   simulator.
 //! * [`policy`]: pure bookkeeping on integer addresses (no `unsafe`, no driver calls).
-//! * [`allocators`]: [`Plain`](allocators::Plain) and the caching and stream-ordered
-//!   allocators, each implementing [`Allocator`] and, where stream-aware,
-//!   [`StreamAllocator`].
+//! * [`allocators`]: [`Plain`](allocators::Plain), [`BestFit`](allocators::BestFit),
+//!   [`StreamSafe`](allocators::StreamSafe) and [`AsyncPool`](allocators::AsyncPool), each
+//!   implementing [`Allocator`] and, where stream-aware, [`StreamAllocator`].
+//! * [`adaptors`]: Limit, Retry, statistics, trace, and SingleStream, over any allocator.
+//! * [`facade`]: per-device stacks built from a typed [`Config`](facade::Config), the one
+//!   place that reads `STREAMALLOC_CONF`.
+//! * [`trace`] and [`replay`]: RMM's logging CSV, and replaying it through an allocator.
 //!
 //! The ordering contract every allocator follows is written once, in [`allocation`].
+
+#![warn(missing_docs)]
 
 pub mod adaptors;
 pub mod allocation;
