@@ -115,6 +115,33 @@ conformance_tests!(stream_safe_on_sim, stream_safe);
 conformance_tests!(single_stream_best_fit_on_sim, best_fit_any_stream);
 conformance_tests!(adaptor_stack_on_sim, adaptor_stack);
 
+fn stream_safe_inner(device: Arc<dyn Device>) -> StreamSafe {
+    StreamSafe::new(device, StreamSafeConfig::default()).expect("allocator")
+}
+
+fn limit(device: Arc<dyn Device>) -> Made {
+    Made::Streams(Arc::new(Limit::new(stream_safe_inner(device), usize::MAX)))
+}
+
+fn retry(device: Arc<dyn Device>) -> Made {
+    Made::Streams(Arc::new(Retry::new(stream_safe_inner(device), Duration::from_millis(10))))
+}
+
+fn stats(device: Arc<dyn Device>) -> Made {
+    Made::Streams(Arc::new(StatsAdaptor::new(stream_safe_inner(device))))
+}
+
+fn traced(device: Arc<dyn Device>) -> Made {
+    let writer = TraceWriter::new(std::io::sink()).expect("writer");
+    Made::Streams(Arc::new(TraceAdaptor::new(stream_safe_inner(device), writer)))
+}
+
+// Each adaptor on its own too (over StreamSafe, whose allocations have one owner per stream).
+conformance_tests!(limit_on_sim, limit);
+conformance_tests!(retry_on_sim, retry);
+conformance_tests!(stats_on_sim, stats);
+conformance_tests!(trace_on_sim, traced);
+
 fn async_pool(device: Arc<dyn Device>) -> Made {
     use streamalloc::allocators::{AsyncPool, AsyncPoolConfig};
     Made::Streams(Arc::new(AsyncPool::new(device, AsyncPoolConfig::default())))

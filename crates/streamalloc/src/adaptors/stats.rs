@@ -175,3 +175,36 @@ impl<A: StreamAllocator> StreamAllocator for StatsAdaptor<A> {
         self.inner.set_default_stream(stream)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::allocators::Plain;
+    use crate::device::sim::{SimConfig, SimDevice};
+
+    #[test]
+    fn peaks_reset_and_scopes_nest() {
+        let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+        let s = StatsAdaptor::new(Plain::new(sim, Stream::DEFAULT));
+        let a = s.allocate(1000).unwrap();
+        let b = s.allocate(3000).unwrap();
+        drop(b);
+        assert_eq!((s.totals().current, s.totals().peak, s.totals().total), (1000, 4000, 4000));
+        s.reset_peaks();
+        assert_eq!(s.totals().peak, 1000);
+        let outer = s.scope();
+        let c = s.allocate(500).unwrap();
+        {
+            let inner = s.scope();
+            let d = s.allocate(200).unwrap();
+            drop(d);
+            assert_eq!((inner.stats().allocations, inner.stats().frees, inner.stats().peak), (1, 1, 200));
+        }
+        drop(c);
+        let o = outer.stats();
+        assert_eq!((o.allocations, o.frees, o.peak, o.current), (2, 2, 700, 0));
+        assert_eq!(s.per_stream(), vec![(Stream::DEFAULT, s.totals())]);
+        drop(a);
+        assert_eq!(s.totals().current, 0);
+    }
+}
