@@ -395,4 +395,9 @@ fn info() {
         }
     }
     println!("allocators: {}", allocators::names().join(", "));
+    // What the C ABI (libstreamalloc.so) would build in this environment.
+    match Config::from_env() {
+        Ok(config) => println!("{ENV_VAR} in force: {config}"),
+        Err(e) => println!("{ENV_VAR} is not valid: {e}"),
+    }
 }

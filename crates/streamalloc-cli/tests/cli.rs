@@ -173,4 +173,11 @@ fn info_describes_the_device() {
     let text = stdout(&out);
     assert!(text.contains("simulator") || text.contains("CUDA devices"), "{text}");
     assert!(text.contains("allocators: plain, best_fit"));
+    assert!(text.contains("STREAMALLOC_CONF in force: strategy="), "{text}");
+    let bad = Command::new(env!("CARGO_BIN_EXE_streamalloc"))
+        .arg("info")
+        .env("STREAMALLOC_CONF", "colour=blue")
+        .output()
+        .unwrap();
+    assert!(stdout(&bad).contains("unknown key `colour`"), "{}", stdout(&bad));
 }
