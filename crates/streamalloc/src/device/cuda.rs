@@ -13,6 +13,11 @@
 //!   returns, so callers such as PyTorch never see their current device change under them.
 //! * Handles: a [`Stream`], [`Event`], [`Pool`], [`Graph`] or [`GraphExec`] holds the driver
 //!   handle's pointer value; `Stream(0)` is the legacy default stream.
+//! * Peers: [`Device::copy_peer`] and pool access name another device by ordinal. A device
+//!   opens each peer it is asked about once, as a private [`CudaDevice`] (which retains that
+//!   ordinal's primary context), and keeps it for its own lifetime: the copy needs the peer's
+//!   context, which must outlive the asynchronous copy. Being private, it never forms a
+//!   reference cycle with the caller's own instance for that ordinal.
 //! * Errors: a failing `CUresult` becomes [`Error::Driver`] with the driver's name for it and
 //!   the entry point; `CUDA_ERROR_OUT_OF_MEMORY` from an allocation becomes
 //!   [`Error::OutOfMemory`] with the device's free and total memory.
@@ -79,6 +84,10 @@ const SYMBOLS: &[&str] = &[
     "cuGraphLaunch",
     "cuGraphExecDestroy",
     "cuGraphDestroy",
+    "cuMemPoolSetAccess",
+    "cuMemPoolGetAccess",
+    "cuPointerGetAttribute",
+    "cuMemcpyPeerAsync",
 ];
 
 /// Whether a CUDA driver can be loaded and initialised here and shows at least one device.
@@ -218,6 +227,8 @@ pub struct CudaDevice {
     ordinal: usize,
     device: sys::CUdevice,
     ctx: Ctx,
+    /// Peers opened for [`Device::copy_peer`] and pool access, by ordinal.
+    peers: Mutex<BTreeMap<usize, Arc<CudaDevice>>>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -250,7 +261,7 @@ impl CudaDevice {
         // SAFETY: `device` is a valid device handle and `ctx` a valid out-pointer; the retain
         // is balanced by the release in `Drop`.
         check(unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, device) }, "cuDevicePrimaryCtxRetain")?;
-        Ok(Arc::new(CudaDevice { ordinal, device, ctx: Ctx(ctx) }))
+        Ok(Arc::new(CudaDevice { ordinal, device, ctx: Ctx(ctx), peers: Mutex::new(BTreeMap::new()) }))
     }
 
     /// Makes the primary context current on this thread for the duration of the returned
@@ -266,6 +277,36 @@ impl CudaDevice {
         // SAFETY: `self.ctx` is a primary context retained by `self`, hence alive.
         check(unsafe { sys::cuCtxSetCurrent(self.ctx.0) }, "cuCtxSetCurrent")?;
         Ok(Bound { restore: (!cur.is_null()).then_some(cur) })
+    }
+
+    /// The device handle and primary context of ordinal `peer`: this device's own, or those of
+    /// the peer opened at its first use (see the [module docs](self)).
+    fn peer(&self, peer: usize) -> Result<(sys::CUdevice, Ctx)> {
+        if peer == self.ordinal {
+            return Ok((self.device, self.ctx));
+        }
+        let mut peers = self.peers.lock();
+        if let Some(d) = peers.get(&peer) {
+            return Ok((d.device, d.ctx));
+        }
+        let d = CudaDevice::new(peer)?;
+        let found = (d.device, d.ctx);
+        peers.insert(peer, d);
+        Ok(found)
+    }
+
+    /// The stream-ordered pool `ptr` was allocated from, if any.
+    fn pool_of(&self, ptr: DevicePtr) -> Result<Option<Pool>> {
+        let _ctx = self.bind()?;
+        let mut p: sys::CUmemoryPool = ptr::null_mut();
+        let attr = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE;
+        // SAFETY: a context is current; this attribute's value is a `CUmemoryPool`, which `p`
+        // is, and the driver writes null for memory that is not from a pool.
+        check(
+            unsafe { sys::cuPointerGetAttribute((&mut p as *mut sys::CUmemoryPool).cast(), attr, ptr) },
+            "cuPointerGetAttribute",
+        )?;
+        Ok((!p.is_null()).then(|| Pool(handle(p))))
     }
 
     /// The out-of-memory error for a request of `size` bytes, with the device's figures.
@@ -310,6 +351,11 @@ impl Drop for CudaDevice {
         // ignored because there is nothing left to release.
         let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device) };
     }
+}
+
+/// The memory location of device handle `device`.
+fn device_location(device: sys::CUdevice) -> sys::CUmemLocation {
+    sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: device }
 }
 
 /// Maps an attribute to the driver's, and whether its value is a `cuuint64_t` (else `int`).
@@ -372,10 +418,7 @@ impl Device for CudaDevice {
         let raw = sys::CUmemPoolProps {
             allocType: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
             handleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
-            location: sys::CUmemLocation {
-                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                id: self.device,
-            },
+            location: device_location(self.device),
             win32SecurityAttributes: ptr::null_mut(),
             maxSize: props.max_size,
             usage: 0,
@@ -435,6 +478,31 @@ impl Device for CudaDevice {
                 "cuMemPoolSetAttribute",
             )
         }
+    }
+
+    fn set_pool_access(&self, p: Pool, peer: usize, enabled: bool) -> Result<()> {
+        let (device, _) = self.peer(peer)?;
+        let _ctx = self.bind()?;
+        let flags = if enabled {
+            sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        } else {
+            sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE
+        };
+        let desc = sys::CUmemAccessDesc { location: device_location(device), flags };
+        // SAFETY: `desc` is one fully initialised descriptor that outlives the call, as the
+        // count of 1 says; the driver validates the pool handle and the device.
+        check(unsafe { sys::cuMemPoolSetAccess(pool(p), &desc, 1) }, "cuMemPoolSetAccess")
+    }
+
+    fn pool_access(&self, p: Pool, peer: usize) -> Result<bool> {
+        let (device, _) = self.peer(peer)?;
+        let _ctx = self.bind()?;
+        let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
+        let mut location = device_location(device);
+        // SAFETY: both pointers are valid for the call; the driver only writes one of the
+        // access flags (none, read, read-write), all of which the enum has, into `flags`.
+        check(unsafe { sys::cuMemPoolGetAccess(&mut flags, pool(p), &mut location) }, "cuMemPoolGetAccess")?;
+        Ok(flags == sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
     }
 
     fn trim_pool(&self, p: Pool, keep: usize) -> Result<()> {
@@ -562,6 +630,43 @@ impl Device for CudaDevice {
         // SAFETY: a context is current; the driver checks that `ptr..ptr + len` is device
         // memory and the caller owns it.
         check(unsafe { sys::cuMemsetD8Async(ptr, value, len, stream(s)) }, "cuMemsetD8Async")
+    }
+
+    /// Checks first that a pool allocation's pool grants `dst_device` access, so that a copy
+    /// without access fails at once with [`Error::InvalidArgument`] naming the pool, instead
+    /// of however the driver would treat it (possibly a fault that ruins the context).
+    fn copy_peer(
+        &self,
+        dst: DevicePtr,
+        dst_device: usize,
+        src: DevicePtr,
+        len: usize,
+        s: Stream,
+    ) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let (_, dst_ctx) = self.peer(dst_device)?;
+        if dst_device != self.ordinal {
+            if let Some(p) = self.pool_of(src)? {
+                if !self.pool_access(p, dst_device)? {
+                    return Err(Error::InvalidArgument(format!(
+                        "peer copy of {src:#x} from device {} to device {dst_device}: its pool {:#x} \
+                         does not grant device {dst_device} access (Device::set_pool_access, \
+                         AsyncPool::grant_peer_access)",
+                        self.ordinal, p.0
+                    )));
+                }
+            }
+        }
+        let _ctx = self.bind()?;
+        // SAFETY: a context is current; both contexts are primary contexts retained by `self`
+        // (its own, or a kept peer's), so they outlive the asynchronous copy; the driver checks
+        // that both ranges are device memory of those contexts, and the caller owns them.
+        check(
+            unsafe { sys::cuMemcpyPeerAsync(dst, dst_ctx.0, src, self.ctx.0, len, stream(s)) },
+            "cuMemcpyPeerAsync",
+        )
     }
 
     fn copy_to_host(&self, dst: &mut [u8], src: DevicePtr, s: Stream) -> Result<()> {

@@ -132,6 +132,13 @@ pub trait Device: Send + Sync {
     /// Writes a pool attribute. The `*Current` attributes are read-only; the `*High`
     /// attributes accept only 0 (a reset).
     fn set_pool_attr(&self, pool: Pool, attr: PoolAttr, value: u64) -> Result<()>;
+    /// Grants (`enabled`) or revokes read-write access to the memory of `pool` for device
+    /// `peer` (`cuMemPoolSetAccess`). The pool's own device always has access. Pool memory does
+    /// not follow context-level peer access: without this, a peer may not use it.
+    fn set_pool_access(&self, pool: Pool, peer: usize, enabled: bool) -> Result<()>;
+    /// Whether device `peer` has read-write access to the memory of `pool`
+    /// (`cuMemPoolGetAccess`).
+    fn pool_access(&self, pool: Pool, peer: usize) -> Result<bool>;
     /// Releases unused pool memory until at most `keep` bytes stay reserved.
     fn trim_pool(&self, pool: Pool, keep: usize) -> Result<()>;
     /// Allocates from `pool` in the order of `stream` (`cuMemAllocFromPoolAsync`).
@@ -166,6 +173,18 @@ pub trait Device: Send + Sync {
     /// Fills `len` bytes at `ptr` with `value`, in the order of `stream` (a real use of the
     /// memory, for tests and benchmarks).
     fn memset_async(&self, ptr: DevicePtr, value: u8, len: usize, stream: Stream) -> Result<()>;
+    /// Copies `len` bytes from `src` on this device to `dst` on device `dst_device`, in the order
+    /// of `stream` (a stream of this device; `cuMemcpyPeerAsync`). Fails with
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) when `src` is pool memory whose
+    /// pool does not grant `dst_device` access ([`Device::set_pool_access`]).
+    fn copy_peer(
+        &self,
+        dst: DevicePtr,
+        dst_device: usize,
+        src: DevicePtr,
+        len: usize,
+        stream: Stream,
+    ) -> Result<()>;
     /// Copies `dst.len()` bytes from the device to the host in the order of `stream`, and
     /// waits for the copy.
     fn copy_to_host(&self, dst: &mut [u8], src: DevicePtr, stream: Stream) -> Result<()>;

@@ -14,6 +14,11 @@
 //!   by inserting a wait on the free (internal dependencies), as the driver's default
 //!   attributes allow. Pools reserve in 2 MiB granules and release free granules above the
 //!   release threshold at synchronizations, or on `trim_pool`.
+//! * **Peers.** Each pool keeps the set of other device ordinals granted access to it
+//!   ([`Device::set_pool_access`]); the owning device always has it. A simulated device knows
+//!   no other device: [`Device::copy_peer`] checks that the source, if it is a pool allocation
+//!   of this device, may be read by the destination device, and is otherwise a use of the
+//!   source range on the stream, like a memset. Nothing is written anywhere.
 //! * **Uses and the ordering checker.** [`SimDevice::use_range`] (and `memset_async`) enqueue
 //!   a simulated kernel that touches an address range for a duration. Whoever hands memory
 //!   out calls [`SimDevice::check_handout`]: if any earlier use of an overlapping range on
@@ -195,6 +200,8 @@ struct PoolState {
     opportunistic: bool,
     internal_deps: bool,
     max_size: usize,
+    /// Other devices granted access to the pool's memory.
+    peers: BTreeSet<usize>,
     /// Granule runs reserved from the address space: start -> size.
     chunks: BTreeMap<u64, usize>,
     /// Free blocks by address; never span two chunks.
@@ -213,6 +220,7 @@ impl PoolState {
             opportunistic: true,
             internal_deps: true,
             max_size,
+            peers: BTreeSet::new(),
             chunks: BTreeMap::new(),
             free: BTreeMap::new(),
             reserved: 0,
@@ -689,6 +697,43 @@ impl Device for SimDevice {
         })
     }
 
+    fn set_pool_access(&self, pool: Pool, peer: usize, enabled: bool) -> Result<()> {
+        let own = self.config.ordinal;
+        self.call(|st| {
+            let p = st
+                .pools
+                .get_mut(&pool)
+                .ok_or_else(|| Error::InvalidArgument(format!("unknown pool {:#x}", pool.0)))?;
+            match (peer == own, enabled) {
+                (true, true) => {}
+                (true, false) => {
+                    return Err(Error::InvalidArgument(format!(
+                        "pool {:#x} cannot revoke the access of its own device {own}",
+                        pool.0
+                    )))
+                }
+                (false, true) => {
+                    p.peers.insert(peer);
+                }
+                (false, false) => {
+                    p.peers.remove(&peer);
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn pool_access(&self, pool: Pool, peer: usize) -> Result<bool> {
+        let own = self.config.ordinal;
+        self.call(|st| {
+            let p = st
+                .pools
+                .get(&pool)
+                .ok_or_else(|| Error::InvalidArgument(format!("unknown pool {:#x}", pool.0)))?;
+            Ok(peer == own || p.peers.contains(&peer))
+        })
+    }
+
     fn trim_pool(&self, pool: Pool, keep: usize) -> Result<()> {
         self.call(|st| {
             if !st.pools.contains_key(&pool) {
@@ -957,6 +1002,40 @@ impl Device for SimDevice {
         }
         drop(st);
         self.use_range(ptr, len, stream, ns)
+    }
+
+    fn copy_peer(
+        &self,
+        _dst: DevicePtr,
+        dst_device: usize,
+        src: DevicePtr,
+        len: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        let own = self.config.ordinal;
+        let mut st = self.state.lock();
+        let source_pool = st
+            .async_allocs
+            .iter()
+            .find(|(start, (_, n))| **start <= src && src < **start + *n as u64)
+            .map(|(_, (pool, _))| *pool);
+        if let Some(pool) = source_pool {
+            if dst_device != own && !st.pools.get(&pool).is_some_and(|p| p.peers.contains(&dst_device)) {
+                return Err(Error::InvalidArgument(format!(
+                    "peer copy of {src:#x} from device {own} to device {dst_device}: its pool {:#x} \
+                     does not grant device {dst_device} access (Device::set_pool_access, \
+                     AsyncPool::grant_peer_access)",
+                    pool.0
+                )));
+            }
+        }
+        let ns = self.kernel_ns(&mut st, len);
+        // Captured, it is replayed at each launch as a use of the source range.
+        if st.capture_node(stream, Node::Memset { ptr: src, len })? {
+            return Ok(());
+        }
+        drop(st);
+        self.use_range(src, len, stream, ns)
     }
 
     fn copy_to_host(&self, dst: &mut [u8], src: DevicePtr, stream: Stream) -> Result<()> {

@@ -204,6 +204,21 @@ impl AsyncPool {
         Ok(self.inner.ready()?.pool)
     }
 
+    /// Lets device `peer` read and write this allocator's pool memory (`cuMemPoolSetAccess`),
+    /// e.g. as the source of a [`Device::copy_peer`] to it or in its kernels; sets the
+    /// allocator up if this is its first use. Allowed in every [`PoolMode`]: on the default
+    /// pool or a [`PoolMode::View`], the access is a property of that pool and so holds for
+    /// every user of it in the process, not just this allocator.
+    pub fn grant_peer_access(&self, peer: usize) -> Result<()> {
+        self.inner.device.set_pool_access(self.inner.ready()?.pool, peer, true)
+    }
+
+    /// Takes back what [`AsyncPool::grant_peer_access`] gave device `peer` (process-wide on a
+    /// shared pool, as there). The pool's own device always keeps access.
+    pub fn revoke_peer_access(&self, peer: usize) -> Result<()> {
+        self.inner.device.set_pool_access(self.inner.ready()?.pool, peer, false)
+    }
+
     /// Starts capturing the work of `stream` into a CUDA graph (relaxed mode); see the
     /// [module docs](self#cuda-graph-capture) for what happens to allocations made or freed
     /// during the capture.
