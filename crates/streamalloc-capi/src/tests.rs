@@ -94,18 +94,19 @@ fn pointers() {
 #[test]
 fn double_free_through_every_face() {
     setup();
-    let (s, p) = allocate(4096, 0);
+    // A device of its own: a pointer freed here must not be handed to a test running beside.
+    let (s, p) = allocate(4096, 5);
     assert_eq!(s, STREAMALLOC_OK);
     assert_eq!(streamalloc_deallocate(p), STREAMALLOC_OK);
     assert_eq!(streamalloc_deallocate(p), STREAMALLOC_INVALID_ARGUMENT);
-    let t = streamalloc_malloc(4096, 0, ptr::null_mut());
+    let t = streamalloc_malloc(4096, 5, ptr::null_mut());
     assert!(!t.is_null());
-    streamalloc_free(t, 4096, 0, ptr::null_mut());
-    streamalloc_free(t, 4096, 0, ptr::null_mut());
-    let c = streamalloc_cupy_malloc(ptr::null_mut(), 4096, 0);
+    streamalloc_free(t, 4096, 5, ptr::null_mut());
+    streamalloc_free(t, 4096, 5, ptr::null_mut());
+    let c = streamalloc_cupy_malloc(ptr::null_mut(), 4096, 5);
     assert!(!c.is_null());
-    streamalloc_cupy_free(ptr::null_mut(), c, 0);
-    streamalloc_cupy_free(ptr::null_mut(), c, 0);
+    streamalloc_cupy_free(ptr::null_mut(), c, 5);
+    streamalloc_cupy_free(ptr::null_mut(), c, 5);
     assert!(last_error().contains("not a live"));
 }
 

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use clap::ValueEnum;
-use streamalloc::device::cuda::{device_count, CudaDevice};
+use streamalloc::device::cuda::{device_count, driver_version, CudaDevice};
 use streamalloc::device::sim::{SimConfig, SimDevice};
 use streamalloc::Device;
 
@@ -39,7 +39,9 @@ pub fn describe_gpus() -> Vec<String> {
         Ok(n) => n,
         Err(e) => return vec![format!("CUDA: {e}")],
     };
-    let mut lines = vec![format!("CUDA devices: {count}")];
+    let driver =
+        driver_version().map_or_else(|e| e.to_string(), |(major, minor)| format!("CUDA {major}.{minor}"));
+    let mut lines = vec![format!("CUDA driver: {driver}"), format!("CUDA devices: {count}")];
     for ordinal in 0..count {
         lines.push(match CudaDevice::new(ordinal) {
             Ok(device) => {

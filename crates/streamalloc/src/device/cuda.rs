@@ -51,6 +51,7 @@ const SYMBOLS: &[&str] = &[
     "cuDeviceGet",
     "cuDevicePrimaryCtxRetain",
     "cuDevicePrimaryCtxRelease_v2",
+    "cuDriverGetVersion",
     "cuCtxGetCurrent",
     "cuCtxSetCurrent",
     "cuMemGetInfo_v2",
@@ -104,6 +105,17 @@ pub fn device_count() -> Result<usize> {
     // out-pointer for the duration of the call.
     check(unsafe { sys::cuDeviceGetCount(&mut n) }, "cuDeviceGetCount")?;
     Ok(usize::try_from(n).unwrap_or(0))
+}
+
+/// The CUDA version the driver supports, as (major, minor), e.g. (13, 0).
+pub fn driver_version() -> Result<(u32, u32)> {
+    driver()?;
+    let mut v: c_int = 0;
+    // SAFETY: the driver is loaded and initialised (`driver()` above) and `v` is a valid
+    // out-pointer for the duration of the call.
+    check(unsafe { sys::cuDriverGetVersion(&mut v) }, "cuDriverGetVersion")?;
+    let v = u32::try_from(v).unwrap_or(0);
+    Ok((v / 1000, v % 1000 / 10))
 }
 
 /// Loads and initialises the driver once per process; later calls return the cached outcome.

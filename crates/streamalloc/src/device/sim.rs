@@ -128,6 +128,10 @@ const POOL_GRANULE: usize = 2 << 20;
 const POOL_ALIGN: usize = 512;
 /// Where the simulated address space starts.
 const BASE_ADDRESS: u64 = 0x7f00_0000_0000;
+/// Address space between two devices' bases (16 TiB, more than any simulated capacity), so
+/// that simulated devices, like CUDA devices under unified addressing, never hand out the
+/// same address.
+const DEVICE_STRIDE: u64 = 1 << 44;
 
 /// The simulated device. Create with [`SimDevice::new`]; implements [`Device`].
 pub struct SimDevice {
@@ -244,9 +248,9 @@ struct AddressSpace {
 }
 
 impl AddressSpace {
-    fn new(capacity: usize) -> Self {
+    fn new(base: u64, capacity: usize) -> Self {
         let mut s = Self::default();
-        s.insert(BASE_ADDRESS, capacity);
+        s.insert(base, capacity);
         s
     }
 
@@ -327,7 +331,7 @@ impl SimDevice {
             now: 0,
             rng: SmallRng::seed_from_u64(config.seed),
             next_id: 2,
-            space: AddressSpace::new(config.capacity),
+            space: AddressSpace::new(BASE_ADDRESS + config.ordinal as u64 * DEVICE_STRIDE, config.capacity),
             plain: HashMap::new(),
             streams,
             events: HashMap::new(),
