@@ -308,6 +308,12 @@ impl BestFitPolicy {
         Some(Grant { addr, size: granted, token: u64::from(slot) })
     }
 
+    /// The size of the block of `token` if it is handed out and starts at `addr`.
+    pub fn allocated_size(&self, token: u64, addr: u64) -> Option<u64> {
+        let s = self.slot(u32::try_from(token).ok()?);
+        (s.state == State::Allocated && s.addr == addr).then_some(s.size)
+    }
+
     /// Frees the block of `token`, which must start at `addr`, and merges it with its free
     /// neighbours. Returns the block's size. Fails (a bug in the caller) if `token` is not a
     /// block handed out at `addr`.
