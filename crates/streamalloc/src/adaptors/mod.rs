@@ -10,6 +10,35 @@
 //! * [`TraceAdaptor`]: writes every allocation and free as RMM's logging CSV.
 //! * [`SingleStream`]: makes an allocator without stream methods usable on any stream.
 
+/// The [`Allocator`](crate::Allocator) methods an adaptor passes to the allocator it wraps
+/// (`self.inner`).
+macro_rules! pass_through_allocator {
+    () => {
+        fn release(&self) -> Result<usize> {
+            self.inner.release()
+        }
+        fn stats(&self) -> Stats {
+            self.inner.stats()
+        }
+        fn device(&self) -> usize {
+            self.inner.device()
+        }
+    };
+}
+
+/// The default-stream methods of [`StreamAllocator`](crate::StreamAllocator) an adaptor
+/// passes to the allocator it wraps (`self.inner`).
+macro_rules! pass_through_default_stream {
+    () => {
+        fn default_stream(&self) -> Stream {
+            self.inner.default_stream()
+        }
+        fn set_default_stream(&self, stream: Stream) {
+            self.inner.set_default_stream(stream)
+        }
+    };
+}
+
 mod limit;
 mod retry;
 mod single_stream;

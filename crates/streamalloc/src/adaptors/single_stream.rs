@@ -38,15 +38,7 @@ impl<A: Allocator> Allocator for SingleStream<A> {
     fn allocate(&self, size: usize) -> Result<Allocation> {
         self.allocate_on(size, self.default_stream())
     }
-    fn release(&self) -> Result<usize> {
-        self.inner.release()
-    }
-    fn stats(&self) -> Stats {
-        self.inner.stats()
-    }
-    fn device(&self) -> usize {
-        self.inner.device()
-    }
+    pass_through_allocator!();
 }
 
 impl<A: Allocator> StreamAllocator for SingleStream<A> {

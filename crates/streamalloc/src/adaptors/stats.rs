@@ -153,27 +153,14 @@ impl<A: Allocator> Allocator for StatsAdaptor<A> {
     fn allocate(&self, size: usize) -> Result<Allocation> {
         Ok(self.adopt(self.inner.allocate(size)?))
     }
-    fn release(&self) -> Result<usize> {
-        self.inner.release()
-    }
-    fn stats(&self) -> Stats {
-        self.inner.stats()
-    }
-    fn device(&self) -> usize {
-        self.inner.device()
-    }
+    pass_through_allocator!();
 }
 
 impl<A: StreamAllocator> StreamAllocator for StatsAdaptor<A> {
     fn allocate_on(&self, size: usize, stream: Stream) -> Result<Allocation> {
         Ok(self.adopt(self.inner.allocate_on(size, stream)?))
     }
-    fn default_stream(&self) -> Stream {
-        self.inner.default_stream()
-    }
-    fn set_default_stream(&self, stream: Stream) {
-        self.inner.set_default_stream(stream)
-    }
+    pass_through_default_stream!();
 }
 
 #[cfg(test)]

@@ -103,25 +103,12 @@ impl<A: Allocator, W: Write + Send + 'static> Allocator for TraceAdaptor<A, W> {
         let stream = Stream::DEFAULT;
         self.logged(size, stream, self.inner.allocate(size))
     }
-    fn release(&self) -> Result<usize> {
-        self.inner.release()
-    }
-    fn stats(&self) -> Stats {
-        self.inner.stats()
-    }
-    fn device(&self) -> usize {
-        self.inner.device()
-    }
+    pass_through_allocator!();
 }
 
 impl<A: StreamAllocator, W: Write + Send + 'static> StreamAllocator for TraceAdaptor<A, W> {
     fn allocate_on(&self, size: usize, stream: Stream) -> Result<Allocation> {
         self.logged(size, stream, self.inner.allocate_on(size, stream))
     }
-    fn default_stream(&self) -> Stream {
-        self.inner.default_stream()
-    }
-    fn set_default_stream(&self, stream: Stream) {
-        self.inner.set_default_stream(stream)
-    }
+    pass_through_default_stream!();
 }
