@@ -518,7 +518,12 @@ impl Allocator for BestFit {
         let figures = st.policy.figures();
         Stats {
             cached: (figures.cached + st.quick_bytes) as usize,
-            largest_free_block: figures.largest_free as usize,
+            largest_free_block: st
+                .quick
+                .values()
+                .flatten()
+                .map(|&(_, _, block)| block)
+                .fold(figures.largest_free, u64::max) as usize,
             pending_release: st.pending_bytes + st.stuck_bytes,
             ..st.stats
         }
@@ -608,6 +613,30 @@ mod tests {
         let s = p.stats();
         assert_eq!((s.device_allocs, s.total_allocations, s.total_frees, s.live_allocations), (1, 2, 1, 1));
         assert_eq!((s.allocated, s.reserved, s.cached), (1000, 2 * MIB, 2 * MIB - 1024));
+    }
+
+    #[test]
+    fn parked_blocks_serve_their_size_and_merge_before_growth() {
+        let (_, p) = pool(64 * MIB);
+        // Four 512 KiB blocks fill a small chunk; two freed neighbours are parked, not merged.
+        let mut xs: Vec<_> = (0..4).map(|_| p.allocate(512 << 10).unwrap()).collect();
+        let (b, c) = (xs.remove(1), xs.remove(1));
+        let (b_ptr, c_ptr) = (b.ptr(), c.ptr());
+        drop((b, c));
+        let s = p.stats();
+        assert_eq!((s.cached, s.largest_free_block, s.reserved), (MIB, 512 << 10, 2 * MIB));
+        // The same size comes back from the parked blocks.
+        let again = p.allocate(512 << 10).unwrap();
+        assert!(again.ptr() == b_ptr || again.ptr() == c_ptr);
+        drop(again);
+        // A 1 MiB request fits only once the two parked neighbours merge: no growth.
+        let merged = p.allocate(MIB).unwrap();
+        assert_eq!(merged.ptr(), b_ptr.min(c_ptr));
+        assert_eq!(p.stats().reserved, 2 * MIB);
+        drop(merged);
+        drop(xs);
+        // Release returns the chunk whole: parked blocks are given back first.
+        assert_eq!(p.release().unwrap(), 2 * MIB);
     }
 
     #[test]
