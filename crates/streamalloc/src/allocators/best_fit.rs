@@ -86,11 +86,9 @@ struct Inner {
 
 struct State {
     policy: BestFitPolicy,
-    /// Freed blocks parked by rounded size for exact reuse, not yet given back to the
-    /// policy: (token, address, block size). See [`BestFit`]'s docs.
-    quick: FxHashMap<u64, Vec<(u64, u64, u64)>>,
-    /// Bytes of the blocks in `quick`.
-    quick_bytes: u64,
+    /// Freed blocks parked for exact reuse, not yet given back to the policy: small, large.
+    /// See [`BestFit`]'s docs.
+    parked: [Parked; 2],
     /// Byte and count figures; `cached`, `largest_free_block` and `pending_release` are
     /// filled in by [`BestFit::stats`].
     stats: Stats,
@@ -133,8 +131,7 @@ impl BestFit {
         let device = source.device().clone();
         let state = State {
             policy: BestFitPolicy::new(classes),
-            quick: FxHashMap::default(),
-            quick_bytes: 0,
+            parked: [Parked::default(), Parked::default()],
             stats: Stats::default(),
             pending: Vec::new(),
             pending_bytes: 0,
@@ -300,24 +297,42 @@ impl BestFit {
     }
 }
 
+/// Parked blocks of one size class.
+#[derive(Default)]
+struct Parked {
+    /// Rounded request size -> (token, address, block size).
+    by_size: FxHashMap<u64, Vec<(u64, u64, u64)>>,
+    /// Bytes of the blocks parked.
+    bytes: u64,
+}
+
+fn class_index(class: Class) -> usize {
+    match class {
+        Class::Small => 0,
+        Class::Large => 1,
+    }
+}
+
 impl State {
     /// Allocates from the cache and counts it: a parked block of exactly this rounded size,
     /// else best fit (after giving parked large blocks back, for a large request), else best
     /// fit again after giving every parked block back.
     fn allocate(&mut self, rounded: u64, size: usize) -> Option<Grant> {
-        let grant = match self.quick.get_mut(&rounded).and_then(Vec::pop) {
+        let class = self.policy.class_of(rounded);
+        let parked = &mut self.parked[class_index(class)];
+        let grant = match parked.by_size.get_mut(&rounded).and_then(Vec::pop) {
             Some((token, addr, block)) => {
-                self.quick_bytes -= block;
+                parked.bytes -= block;
                 Grant { addr, size: block, token }
             }
             None => {
-                if self.policy.class_of(rounded) == Class::Large {
-                    self.unpark(Some(Class::Large));
+                if class == Class::Large {
+                    self.unpark(Class::Large);
                 }
                 match self.policy.allocate(rounded) {
                     Some(g) => g,
-                    None if self.quick_bytes > 0 => {
-                        self.unpark(None);
+                    None if self.parked.iter().any(|p| p.bytes > 0) => {
+                        self.unpark_all();
                         self.policy.allocate(rounded)?
                     }
                     None => return None,
@@ -330,29 +345,35 @@ impl State {
 
     /// Parks a freed block for exact reuse (the caller checked it is handed out).
     fn park(&mut self, rounded: u64, token: u64, addr: u64, block: u64) {
-        self.quick.entry(rounded).or_default().push((token, addr, block));
-        self.quick_bytes += block;
+        let parked = &mut self.parked[class_index(self.policy.class_of(rounded))];
+        parked.by_size.entry(rounded).or_default().push((token, addr, block));
+        parked.bytes += block;
     }
 
     /// Gives every parked block back to the policy, which coalesces it.
     fn unpark_all(&mut self) {
-        self.unpark(None);
+        self.unpark(Class::Small);
+        self.unpark(Class::Large);
     }
 
-    /// Gives the parked blocks of `class` (of every class for `None`) back to the policy.
-    fn unpark(&mut self, class: Option<Class>) {
-        let State { quick, policy, error, quick_bytes, .. } = self;
-        for (&rounded, parked) in quick.iter_mut() {
-            if class.is_some_and(|c| policy.class_of(rounded) != c) {
-                continue;
-            }
-            for (token, addr, block) in parked.drain(..) {
-                *quick_bytes -= block;
-                if let Err(e) = policy.free(token, addr) {
-                    error.get_or_insert(e);
-                }
+    /// Gives the parked blocks of `class` back to the policy.
+    fn unpark(&mut self, class: Class) {
+        let State { parked, policy, error, .. } = self;
+        let parked = &mut parked[class_index(class)];
+        if parked.bytes == 0 {
+            return;
+        }
+        for (token, addr, _) in parked.by_size.values_mut().flat_map(|v| v.drain(..)) {
+            if let Err(e) = policy.free(token, addr) {
+                error.get_or_insert(e);
             }
         }
+        parked.bytes = 0;
+    }
+
+    /// Bytes parked in both classes.
+    fn parked_bytes(&self) -> u64 {
+        self.parked.iter().map(|p| p.bytes).sum()
     }
 }
 
@@ -517,11 +538,11 @@ impl Allocator for BestFit {
         let st = self.inner.state.lock();
         let figures = st.policy.figures();
         Stats {
-            cached: (figures.cached + st.quick_bytes) as usize,
+            cached: (figures.cached + st.parked_bytes()) as usize,
             largest_free_block: st
-                .quick
-                .values()
-                .flatten()
+                .parked
+                .iter()
+                .flat_map(|p| p.by_size.values().flatten())
                 .map(|&(_, _, block)| block)
                 .fold(figures.largest_free, u64::max) as usize,
             pending_release: st.pending_bytes + st.stuck_bytes,
