@@ -292,3 +292,33 @@ impl<A: StreamAllocator + ?Sized> StreamAllocator for Arc<A> {
         (**self).set_default_stream(stream)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Keep(parking_lot::Mutex<Vec<Block>>);
+
+    impl BlockOwner for Keep {
+        fn free(&self, block: Block) {
+            self.0.lock().push(block);
+        }
+    }
+
+    #[test]
+    fn recorded_streams_travel_to_the_owner() {
+        let owner = Arc::new(Keep(parking_lot::Mutex::new(Vec::new())));
+        let block = Block { ptr: 0x1000, size: 256, stream: Stream(1), ..Block::default() };
+        let mut a = Allocation::new(block, owner.clone());
+        a.record_stream(Stream(1)); // the owning stream: nothing to do
+        a.record_stream(Stream(2));
+        a.record_stream(Stream(3));
+        a.record_stream(Stream(2)); // twice: once
+        assert_eq!(a.recorded_streams(), &[Stream(2), Stream(3)]);
+        a.erase_stream(Stream(2));
+        assert_eq!((a.owning_stream(), a.recorded_streams()), (Stream(1), &[Stream(3)][..]));
+        drop(a);
+        let freed = owner.0.lock();
+        assert_eq!((freed.len(), freed[0].ptr, freed[0].recorded.as_slice()), (1, 0x1000, &[Stream(3)][..]));
+    }
+}

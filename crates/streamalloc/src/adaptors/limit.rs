@@ -27,16 +27,6 @@ impl<A: Allocator> Limit<A> {
         Self { inner, shared: Arc::new(Shared { limit, in_use: AtomicUsize::new(0) }), owners: Owners::new() }
     }
 
-    /// The limit in bytes.
-    pub fn limit(&self) -> usize {
-        self.shared.limit
-    }
-
-    /// The wrapped allocator.
-    pub fn inner(&self) -> &A {
-        &self.inner
-    }
-
     fn wrap(&self, size: usize, make: impl FnOnce() -> Result<Allocation>) -> Result<Allocation> {
         let s = &self.shared;
         let before = s.in_use.fetch_add(size, Ordering::Relaxed);

@@ -38,11 +38,6 @@ impl<A: Allocator> Retry<A> {
         Self { inner, shared: Arc::new(shared), owners: Owners::new() }
     }
 
-    /// The wrapped allocator.
-    pub fn inner(&self) -> &A {
-        &self.inner
-    }
-
     fn retry(&self, make: impl Fn() -> Result<Allocation>) -> Result<Allocation> {
         match make() {
             Err(e) if e.is_out_of_memory() => {}

@@ -87,11 +87,6 @@ impl<A: Allocator> StatsAdaptor<A> {
         Self { inner, shared: Arc::new(Shared { state: Mutex::default() }), owners: Owners::new() }
     }
 
-    /// The wrapped allocator.
-    pub fn inner(&self) -> &A {
-        &self.inner
-    }
-
     /// Figures over all streams.
     pub fn totals(&self) -> StreamStats {
         self.shared.state.lock().all

@@ -59,11 +59,6 @@ impl<A: Allocator, W: Write + Send + 'static> TraceAdaptor<A, W> {
         Self { inner, shared: Arc::new(Shared { out }), owners: Owners::new() }
     }
 
-    /// The wrapped allocator.
-    pub fn inner(&self) -> &A {
-        &self.inner
-    }
-
     /// Flushes the rows written so far; returns the first write error met since the last
     /// flush, if any.
     pub fn flush(&self) -> Result<()> {

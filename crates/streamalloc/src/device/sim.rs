@@ -350,11 +350,6 @@ impl SimDevice {
         Arc::new(Self { config, state: Mutex::new(state) })
     }
 
-    /// The settings this device was made with.
-    pub fn config(&self) -> &SimConfig {
-        &self.config
-    }
-
     /// The virtual host clock, in ns.
     pub fn now(&self) -> u64 {
         self.state.lock().now

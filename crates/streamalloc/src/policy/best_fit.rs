@@ -202,11 +202,6 @@ impl BestFitPolicy {
         }
     }
 
-    /// The classes this policy was made with.
-    pub fn classes(&self) -> Classes {
-        self.classes
-    }
-
     /// `size` rounded up to a multiple of [`ALIGNMENT`]; `None` for 0 or on overflow.
     pub fn round(size: u64) -> Option<u64> {
         let align = ALIGNMENT as u64;

@@ -194,11 +194,6 @@ impl AsyncPool {
         Self { inner: Arc::new(inner) }
     }
 
-    /// The settings this allocator was made with.
-    pub fn config(&self) -> &AsyncPoolConfig {
-        &self.inner.config
-    }
-
     /// The pool allocations come from (sets the allocator up if this is its first use).
     pub fn pool(&self) -> Result<Pool> {
         Ok(self.inner.ready()?.pool)
