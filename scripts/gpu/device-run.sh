@@ -5,13 +5,17 @@
 #            CuPy's pool and under streamalloc, results compared
 #   gpt2     GPT-2 small training under PyTorch's allocator and each strategy, losses compared
 #   anchors  the anchors harness (footprint and ns/op tables) and its multi-thread scaling
-#   bench    the cost of a free with a recorded stream (examples/recorded_free_cost.rs)
+#   bench    the cost of a free with a recorded stream (examples/recorded_free_cost.rs) and
+#            what AsyncPool adds to the bare driver calls (examples/async_overhead.rs)
+#   async    AsyncPool against raw cudaMallocAsync in the anchors harness, alternating, five
+#            rounds (after `anchors`, which builds the harness)
 # Results go to $OUT (or /tmp/streamalloc-gpu). Exits non-zero if any part failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export OUT=${OUT:-/tmp/streamalloc-gpu}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+lscpu | grep -E '^(Model name|CPU\(s\)|Thread|Core|Socket)' 
 failed=()
 for part in "$@"; do
   echo "===== $part"
@@ -34,7 +38,14 @@ for part in "$@"; do
         CONFS="strategy=stream_safe strategy=async" \
           bash .anchors/run_mt.sh .anchors/traces/resnet50_train.csv .anchors/libstreamalloc.so \
           | tee "$OUT/anchors_mt.jsonl" ;;
-    bench) .gpu/recorded_free_cost | tee "$OUT/recorded_free_cost.txt" ;;
+    bench) .gpu/recorded_free_cost | tee "$OUT/recorded_free_cost.txt" &&
+      .gpu/async_overhead | tee "$OUT/async_overhead.txt" ;;
+    async)
+      for round in 1 2 3 4 5; do for tr in .anchors/traces/*.csv; do
+        /tmp/anchor-bin/replay_core async "$tr" &&
+          STREAMALLOC_CONF=strategy=async /tmp/anchor-bin/replay_core \
+            "so:$PWD/.anchors/libstreamalloc.so:streamalloc_malloc:streamalloc_free" "$tr"
+      done; done | tee "$OUT/async_rounds.jsonl" ;;
     *) echo "unknown part $part"; false ;;
   esac || failed+=("$part")
 done

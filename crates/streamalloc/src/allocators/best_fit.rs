@@ -74,6 +74,10 @@ pub struct BestFit {
     inner: Arc<Inner>,
 }
 
+/// Aligned to two cache lines so that the lock and the reference count, written by every
+/// allocation and free, share no line with another pool's (threads on different streams
+/// then touch disjoint lines).
+#[repr(align(128))]
 struct Inner {
     /// Mirrors `!state.pending.is_empty()`, readable without the lock.
     has_pending: AtomicBool,
@@ -300,10 +304,23 @@ impl BestFit {
 /// Parked blocks of one size class.
 #[derive(Default)]
 struct Parked {
-    /// Rounded request size -> (token, address, block size).
-    by_size: FxHashMap<u64, Vec<(u64, u64, u64)>>,
+    /// Rounded request size -> the blocks parked under it. Lists emptied by reuse keep their
+    /// capacity, so parking again does not allocate.
+    by_size: FxHashMap<u64, SizeList>,
+    /// The sizes whose lists were pushed to since the last unpark, each once: unparking
+    /// visits only these, not every size ever seen.
+    listed: Vec<u64>,
     /// Bytes of the blocks parked.
     bytes: u64,
+}
+
+/// The blocks parked under one rounded size.
+#[derive(Default)]
+struct SizeList {
+    /// (token, address, block size).
+    blocks: Vec<(u64, u64, u64)>,
+    /// Whether the size is in [`Parked::listed`].
+    listed: bool,
 }
 
 fn class_index(class: Class) -> usize {
@@ -320,7 +337,7 @@ impl State {
     fn allocate(&mut self, rounded: u64, size: usize) -> Option<Grant> {
         let class = self.policy.class_of(rounded);
         let parked = &mut self.parked[class_index(class)];
-        let grant = match parked.by_size.get_mut(&rounded).and_then(Vec::pop) {
+        let grant = match parked.by_size.get_mut(&rounded).and_then(|list| list.blocks.pop()) {
             Some((token, addr, block)) => {
                 parked.bytes -= block;
                 Grant { addr, size: block, token }
@@ -346,7 +363,12 @@ impl State {
     /// Parks a freed block for exact reuse (the caller checked it is handed out).
     fn park(&mut self, rounded: u64, token: u64, addr: u64, block: u64) {
         let parked = &mut self.parked[class_index(self.policy.class_of(rounded))];
-        parked.by_size.entry(rounded).or_default().push((token, addr, block));
+        let list = parked.by_size.entry(rounded).or_default();
+        list.blocks.push((token, addr, block));
+        if !list.listed {
+            list.listed = true;
+            parked.listed.push(rounded);
+        }
         parked.bytes += block;
     }
 
@@ -359,16 +381,20 @@ impl State {
     /// Gives the parked blocks of `class` back to the policy.
     fn unpark(&mut self, class: Class) {
         let State { parked, policy, error, .. } = self;
-        let parked = &mut parked[class_index(class)];
-        if parked.bytes == 0 {
+        let Parked { by_size, listed, bytes } = &mut parked[class_index(class)];
+        if *bytes == 0 {
             return;
         }
-        for (token, addr, _) in parked.by_size.values_mut().flat_map(|v| v.drain(..)) {
-            if let Err(e) = policy.free(token, addr) {
-                error.get_or_insert(e);
+        for size in listed.drain(..) {
+            let Some(list) = by_size.get_mut(&size) else { continue };
+            list.listed = false;
+            for (token, addr, _) in list.blocks.drain(..) {
+                if let Err(e) = policy.free(token, addr) {
+                    error.get_or_insert(e);
+                }
             }
         }
-        parked.bytes = 0;
+        *bytes = 0;
     }
 
     /// Bytes parked in both classes.
@@ -542,7 +568,7 @@ impl Allocator for BestFit {
             largest_free_block: st
                 .parked
                 .iter()
-                .flat_map(|p| p.by_size.values().flatten())
+                .flat_map(|p| p.by_size.values().flat_map(|list| &list.blocks))
                 .map(|&(_, _, block)| block)
                 .fold(figures.largest_free, u64::max) as usize,
             pending_release: st.pending_bytes + st.stuck_bytes,

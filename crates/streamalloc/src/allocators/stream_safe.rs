@@ -6,7 +6,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
 
 use super::best_fit::{BestFit, BestFitConfig};
@@ -68,14 +67,17 @@ const RETRY_PAUSE: Duration = Duration::from_millis(1);
 ///   the same handle starts afresh), its free chunks return to the device, and the rest
 ///   returns at a later [`Allocator::release`] once its allocations are freed.
 /// * **Concurrency.** Finding a stream's pool takes no lock (the default stream's pool and
-///   the first 256 streams' pools sit in atomically swapped slots); each pool has one lock.
+///   the first 256 streams' pools are found by reading atomics, writing none); each pool has one lock.
 pub struct StreamSafe {
     device: Arc<dyn Device>,
     config: StreamSafeConfig,
     events: EventPool,
     default_stream: AtomicU64,
-    slots: Box<[ArcSwapOption<StreamPool>]>,
-    overflow: Mutex<Vec<Arc<StreamPool>>>,
+    /// The pools in use, as registry index + 1 (0: empty), by stream hash with linear
+    /// probing; finding a pool here reads atomics and writes none.
+    slots: Box<[AtomicUsize]>,
+    /// Registry indices of the pools in use that found no slot.
+    overflow: Mutex<Vec<usize>>,
     /// Every pool ever made, retired ones included.
     registry: Registry,
     /// Serializes the creation and replacement of pools.
@@ -97,7 +99,7 @@ struct Registry {
 }
 
 /// One page of the registry.
-type Page = Box<[OnceLock<Arc<StreamPool>>]>;
+type Page = Box<[OnceLock<StreamPool>]>;
 
 /// Pools per registry page; a registry holds `PAGE * PAGE` pools in all.
 const PAGE: usize = 1024;
@@ -107,17 +109,17 @@ impl Registry {
         Self { pages: (0..PAGE).map(|_| OnceLock::new()).collect(), len: AtomicUsize::new(0) }
     }
 
-    fn get(&self, index: usize) -> Option<&Arc<StreamPool>> {
+    fn get(&self, index: usize) -> Option<&StreamPool> {
         self.pages.get(index / PAGE)?.get()?.get(index % PAGE)?.get()
     }
 
     /// Every pool made so far, retired ones included.
-    fn all(&self) -> impl Iterator<Item = &Arc<StreamPool>> {
+    fn all(&self) -> impl Iterator<Item = &StreamPool> {
         (0..self.len.load(Ordering::Acquire)).filter_map(|i| self.get(i))
     }
 
-    /// Appends `pool`; callers serialize.
-    fn push(&self, pool: Arc<StreamPool>) -> Result<Arc<StreamPool>> {
+    /// Appends `pool` and returns its index; callers serialize.
+    fn push(&self, pool: StreamPool) -> Result<usize> {
         let index = self.len.load(Ordering::Acquire);
         let page = self.pages.get(index / PAGE).ok_or_else(|| {
             Error::InvalidArgument(format!(
@@ -126,9 +128,9 @@ impl Registry {
             ))
         })?;
         let page = page.get_or_init(|| (0..PAGE).map(|_| OnceLock::new()).collect());
-        let _ = page[index % PAGE].set(pool.clone());
+        let _ = page[index % PAGE].set(pool);
         self.len.store(index + 1, Ordering::Release);
-        Ok(pool)
+        Ok(index)
     }
 }
 
@@ -142,7 +144,7 @@ impl StreamSafe {
             device,
             config,
             default_stream: AtomicU64::new(config.default_stream.0),
-            slots: (0..SLOTS).map(|_| ArcSwapOption::empty()).collect(),
+            slots: (0..SLOTS).map(|_| AtomicUsize::new(0)).collect(),
             overflow: Mutex::new(Vec::new()),
             registry: Registry::new(),
             creating: Mutex::new(()),
@@ -155,14 +157,14 @@ impl StreamSafe {
     pub fn retire_stream(&self, stream: Stream) -> Result<()> {
         let _creating = self.creating.lock();
         let old = match self.find_slot(stream) {
-            Some(i) => self.slots[i].swap(None),
+            Some(i) => Some(self.slots[i].swap(0, Ordering::AcqRel) - 1),
             None => {
                 let mut overflow = self.overflow.lock();
-                let pos = overflow.iter().position(|p| p.stream == stream);
+                let pos = overflow.iter().position(|&i| self.registry.get(i).is_some_and(|p| p.stream == stream));
                 pos.map(|i| overflow.swap_remove(i))
             }
         };
-        match old {
+        match old.and_then(|i| self.registry.get(i)) {
             Some(p) => {
                 p.retired.store(true, Ordering::Relaxed);
                 self.device.synchronize_stream(stream)?;
@@ -177,29 +179,27 @@ impl StreamSafe {
         (stream.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as usize % SLOTS
     }
 
-    /// The slot holding `stream`'s pool, probing linearly from its home slot.
+    /// The pool in slot `i`, if any.
+    fn slot(&self, i: usize) -> Option<&StreamPool> {
+        self.slots[i].load(Ordering::Acquire).checked_sub(1).and_then(|index| self.registry.get(index))
+    }
+
+    /// The slot holding `stream`'s pool, probing linearly from its home slot. Slots are
+    /// emptied only by retire_stream, so a hole does not end the probe.
     fn find_slot(&self, stream: Stream) -> Option<usize> {
         let home = Self::home(stream);
-        (0..SLOTS).map(|k| (home + k) % SLOTS).find(|&i| {
-            let slot = self.slots[i].load();
-            slot.as_ref().is_some_and(|p| p.stream == stream)
-        })
+        (0..SLOTS).map(|k| (home + k) % SLOTS).find(|&i| self.slot(i).is_some_and(|p| p.stream == stream))
     }
 
-    fn lookup(&self, stream: Stream) -> Option<Arc<StreamPool>> {
-        let home = Self::home(stream);
-        // Slots are emptied only by retire_stream, so a hole does not end the probe.
-        for k in 0..SLOTS {
-            if let Some(p) = self.slots[(home + k) % SLOTS].load().as_ref() {
-                if p.stream == stream {
-                    return Some(p.clone());
-                }
-            }
+    fn lookup(&self, stream: Stream) -> Option<&StreamPool> {
+        if let Some(i) = self.find_slot(stream) {
+            return self.slot(i);
         }
-        self.overflow.lock().iter().find(|p| p.stream == stream).cloned()
+        let overflow = self.overflow.lock();
+        overflow.iter().filter_map(|&i| self.registry.get(i)).find(|p| p.stream == stream)
     }
 
-    fn pool(&self, stream: Stream) -> Result<Arc<StreamPool>> {
+    fn pool(&self, stream: Stream) -> Result<&StreamPool> {
         if let Some(p) = self.lookup(stream) {
             return Ok(p);
         }
@@ -208,17 +208,18 @@ impl StreamSafe {
             return Ok(p);
         }
         let pool = BestFit::new(self.device.clone(), BestFitConfig { stream, ..self.config.pool })?;
-        let p = self.registry.push(Arc::new(StreamPool { stream, pool, retired: AtomicBool::new(false) }))?;
+        let index = self.registry.push(StreamPool { stream, pool, retired: AtomicBool::new(false) })?;
         let home = Self::home(stream);
-        match (0..SLOTS).map(|k| (home + k) % SLOTS).find(|&i| self.slots[i].load().is_none()) {
-            Some(i) => self.slots[i].store(Some(p.clone())),
-            None => self.overflow.lock().push(p.clone()),
+        let free_slot = (0..SLOTS).map(|k| (home + k) % SLOTS).find(|&i| self.slots[i].load(Ordering::Acquire) == 0);
+        match free_slot {
+            Some(i) => self.slots[i].store(index + 1, Ordering::Release),
+            None => self.overflow.lock().push(index),
         }
-        Ok(p)
+        self.registry.get(index).ok_or_else(|| Error::InvalidArgument("StreamSafe lost a pool it made: a bug".into()))
     }
 
     /// Every pool, retired ones included.
-    fn pools(&self) -> impl Iterator<Item = &Arc<StreamPool>> {
+    fn pools(&self) -> impl Iterator<Item = &StreamPool> {
         self.registry.all()
     }
 
@@ -364,14 +365,11 @@ impl StreamAllocator for StreamSafe {
         if size == 0 {
             return Ok(Allocation::empty(self.device.ordinal(), stream));
         }
-        {
-            let home = self.slots[Self::home(stream)].load();
-            if let Some(p) = home.as_ref().filter(|p| p.stream == stream) {
-                return self.allocate_in(p, size, stream);
-            }
+        if let Some(p) = self.slot(Self::home(stream)).filter(|p| p.stream == stream) {
+            return self.allocate_in(p, size, stream);
         }
         let pool = self.pool(stream)?;
-        self.allocate_in(&pool, size, stream)
+        self.allocate_in(pool, size, stream)
     }
 
     fn default_stream(&self) -> Stream {

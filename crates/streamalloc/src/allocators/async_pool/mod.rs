@@ -289,17 +289,57 @@ impl StreamAllocator for AsyncPool {
         let rounded = align_up(size)
             .ok_or_else(|| Error::InvalidArgument(format!("allocation size {size} overflows")))?;
         let ready = inner.ready()?;
-        // One look at the counters: an error a free met, and whether the throttle applies.
-        let over_throttle = {
+        // One look at the counters: an error a free met, whether the throttle applies, and
+        // the allocation counted in advance (taken back below if it fails).
+        let (over_throttle, peak_before) = {
             let mut c = inner.counters.lock();
             if let Some(e) = c.free_error.take() {
                 return Err(e);
             }
-            c.pending > 0
+            let over = c.pending > 0
                 && (c.stats.allocated + c.pending) as f64
-                    > inner.config.throttle_ratio * ready.device_total as f64
+                    > inner.config.throttle_ratio * ready.device_total as f64;
+            let peak_before = c.stats.allocated_peak;
+            c.stats.on_allocate(size);
+            c.stats.device_allocs += 1;
+            (over, peak_before)
         };
-        let (ptr, owner): (DevicePtr, Arc<dyn BlockOwner>) = match inner.device.capture_status(stream)? {
+        let made = inner.allocate_counted(ready, size, rounded, stream, over_throttle);
+        if made.is_err() {
+            let s = &mut inner.counters.lock().stats;
+            s.allocated -= size;
+            s.allocated_peak = peak_before.max(s.allocated);
+            s.live_allocations -= 1;
+            s.total_allocations -= 1;
+            s.device_allocs -= 1;
+        }
+        let (ptr, owner) = made?;
+        let block = Block { ptr, size, stream, device, token: 0, recorded: Vec::new() };
+        Ok(Allocation::new(block, owner))
+    }
+
+    fn default_stream(&self) -> Stream {
+        Stream(self.inner.default_stream.load(Ordering::Relaxed))
+    }
+
+    fn set_default_stream(&self, stream: Stream) {
+        self.inner.default_stream.store(stream.0, Ordering::Relaxed);
+    }
+}
+
+impl Inner {
+    /// The device side of an allocation, already counted: the pointer and the owner that
+    /// takes it back.
+    fn allocate_counted(
+        self: &Arc<Self>,
+        ready: &Ready,
+        size: usize,
+        rounded: usize,
+        stream: Stream,
+        over_throttle: bool,
+    ) -> Result<(DevicePtr, Arc<dyn BlockOwner>)> {
+        let inner = self;
+        Ok(match inner.device.capture_status(stream)? {
             CaptureStatus::None => {
                 inner.throttle(ready, stream, over_throttle)?;
                 (inner.alloc_with_retry(ready, size, rounded, stream)?, inner.clone())
@@ -323,26 +363,9 @@ impl StreamAllocator for AsyncPool {
                     stream.0
                 )))
             }
-        };
-        {
-            let mut c = inner.counters.lock();
-            c.stats.on_allocate(size);
-            c.stats.device_allocs += 1;
-        }
-        let block = Block { ptr, size, stream, device, token: 0, recorded: Vec::new() };
-        Ok(Allocation::new(block, owner))
+        })
     }
 
-    fn default_stream(&self) -> Stream {
-        Stream(self.inner.default_stream.load(Ordering::Relaxed))
-    }
-
-    fn set_default_stream(&self, stream: Stream) {
-        self.inner.default_stream.store(stream.0, Ordering::Relaxed);
-    }
-}
-
-impl Inner {
     /// The pool and free stream, set up at the first call.
     fn ready(&self) -> Result<&Ready> {
         if let Some(r) = self.ready.get() {
@@ -455,7 +478,8 @@ impl Inner {
             Error::oom(OutOfMemory {
                 device: self.device.ordinal(),
                 requested: size,
-                allocated: c.stats.allocated,
+                // The request was counted in advance (see `allocate_on`).
+                allocated: c.stats.allocated.saturating_sub(size),
                 cached: reserved.saturating_sub(attr(PoolAttr::UsedMemCurrent)),
                 pending_release: c.pending,
                 reserved,
@@ -469,13 +493,22 @@ impl Inner {
 
     /// Frees a block allocated outside any capture, or a graph's memory after its launch.
     fn release_block(&self, block: Block) -> Result<()> {
+        if self.release_uncounted(block)? {
+            self.counters.lock().stats.device_frees += 1;
+        }
+        Ok(())
+    }
+
+    /// [`Inner::release_block`] without counting the device free; whether one was made now
+    /// (not deferred to the end of a capture).
+    fn release_uncounted(&self, block: Block) -> Result<bool> {
         let ready = self.ready()?;
         if self.device.capture_status(block.stream)? != CaptureStatus::None {
-            return self.defer_to_capture(block.stream, block);
+            return self.defer_to_capture(block.stream, block).map(|()| false);
         }
         for &s in &block.recorded {
             if self.device.capture_status(s)? != CaptureStatus::None {
-                return self.defer_to_capture(s, block);
+                return self.defer_to_capture(s, block).map(|()| false);
             }
         }
         if block.recorded.is_empty() {
@@ -488,8 +521,7 @@ impl Inner {
             self.device.free_async(block.ptr, ready.free_stream)?;
             self.counters.lock().pending += block.size;
         }
-        self.counters.lock().stats.device_frees += 1;
-        Ok(())
+        Ok(true)
     }
 
     /// Case 3: memory from outside a capture, freed while `stream` captures; freed when the
@@ -518,9 +550,18 @@ impl Inner {
 
 impl BlockOwner for Inner {
     fn free(&self, block: Block) {
-        self.counters.lock().stats.on_free(block.size);
-        let result = self.release_block(block);
-        self.keep_error(result);
+        let size = block.size;
+        let result = self.release_uncounted(block);
+        // One look at the counters.
+        let mut c = self.counters.lock();
+        c.stats.on_free(size);
+        match result {
+            Ok(true) => c.stats.device_frees += 1,
+            Ok(false) => {}
+            Err(e) => {
+                c.free_error.get_or_insert(e);
+            }
+        }
     }
 }
 
