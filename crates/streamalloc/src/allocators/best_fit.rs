@@ -61,13 +61,16 @@ impl Default for BestFitConfig {
 ///   blocking at the next allocation or release. Freeing never blocks and never panics; if
 ///   recording an event fails, the block is never reused (its chunk returns to the device
 ///   only when the pool is dropped) and the error is reported by the next call.
-/// * **Exact reuse.** A freed block is first *parked* under its rounded size, not merged: the
-///   next request of that size takes it back at once (a hash lookup instead of a B-tree
-///   search, split and merge; training and inference loops repeat their sizes). Parked blocks
-///   return to the policy, which merges them, before any request is served by best fit for
-///   large blocks (so large chunks do not fragment), before the pool grows, releases or
-///   gives a chunk away, so parking never raises the footprint by itself. Measured on the
-///   sample traces: the same peak reserved, a third less CPU per operation.
+/// * **Exact reuse.** A freed small block (1 MiB or less) is first *parked* under its rounded
+///   size, not merged: the next request of that size takes it back at once (a hash lookup
+///   instead of a B-tree search, split and merge; training and inference loops repeat their
+///   sizes). Parked blocks return to the policy, which merges them, before the pool grows,
+///   releases or gives a chunk away, so parking never raises the footprint by itself. Large
+///   blocks go back to the policy at once: the sample traces reuse few large blocks at their
+///   exact size before a request of another size needs them merged (in GPT-2 training, one
+///   large request in four), so parking them cost more than it saved. Measured on the
+///   sample traces (`streamalloc replay --device sim`): the same peak reserved as without
+///   parking, and 25-40% less CPU per operation.
 /// * **Concurrency.** One lock guards the pool; device calls are made outside it. Reusing a
 ///   cached block takes the lock once and allocates nothing on the heap.
 pub struct BestFit {
@@ -90,9 +93,9 @@ struct Inner {
 
 struct State {
     policy: BestFitPolicy,
-    /// Freed blocks parked for exact reuse, not yet given back to the policy: small, large.
-    /// See [`BestFit`]'s docs.
-    parked: [Parked; 2],
+    /// Freed small blocks parked for exact reuse, not yet given back to the policy. See
+    /// [`BestFit`]'s docs.
+    parked: Parked,
     /// Byte and count figures; `cached`, `largest_free_block` and `pending_release` are
     /// filled in by [`BestFit::stats`].
     stats: Stats,
@@ -135,7 +138,7 @@ impl BestFit {
         let device = source.device().clone();
         let state = State {
             policy: BestFitPolicy::new(classes),
-            parked: [Parked::default(), Parked::default()],
+            parked: Parked::default(),
             stats: Stats::default(),
             pending: Vec::new(),
             pending_bytes: 0,
@@ -189,7 +192,7 @@ impl BestFit {
     /// it. `None` if no such chunk is cached.
     pub fn take_free_chunk(&self, size: usize) -> Option<FreeChunk> {
         let mut st = self.inner.state.lock();
-        st.unpark_all();
+        st.unpark();
         let (class, addr, size) = st.policy.take_free_chunk(u64::try_from(size).ok()?)?;
         st.stats.reserved -= size as usize;
         Some(FreeChunk { class, addr, size })
@@ -301,7 +304,7 @@ impl BestFit {
     }
 }
 
-/// Parked blocks of one size class.
+/// Parked small blocks.
 #[derive(Default)]
 struct Parked {
     /// Rounded request size -> the blocks parked under it. Lists emptied by reuse keep their
@@ -323,46 +326,39 @@ struct SizeList {
     listed: bool,
 }
 
-fn class_index(class: Class) -> usize {
-    match class {
-        Class::Small => 0,
-        Class::Large => 1,
-    }
-}
-
 impl State {
     /// Allocates from the cache and counts it: a parked block of exactly this rounded size,
-    /// else best fit (after giving parked large blocks back, for a large request), else best
-    /// fit again after giving every parked block back.
+    /// else best fit, else best fit again after giving every parked block back.
     fn allocate(&mut self, rounded: u64, size: usize) -> Option<Grant> {
-        let class = self.policy.class_of(rounded);
-        let parked = &mut self.parked[class_index(class)];
+        let parked = &mut self.parked;
         let grant = match parked.by_size.get_mut(&rounded).and_then(|list| list.blocks.pop()) {
             Some((token, addr, block)) => {
                 parked.bytes -= block;
                 Grant { addr, size: block, token }
             }
-            None => {
-                if class == Class::Large {
-                    self.unpark(Class::Large);
+            None => match self.policy.allocate(rounded) {
+                Some(g) => g,
+                None if self.parked.bytes > 0 => {
+                    self.unpark();
+                    self.policy.allocate(rounded)?
                 }
-                match self.policy.allocate(rounded) {
-                    Some(g) => g,
-                    None if self.parked.iter().any(|p| p.bytes > 0) => {
-                        self.unpark_all();
-                        self.policy.allocate(rounded)?
-                    }
-                    None => return None,
-                }
-            }
+                None => return None,
+            },
         };
         self.stats.on_allocate(size);
         Some(grant)
     }
 
-    /// Parks a freed block for exact reuse (the caller checked it is handed out).
-    fn park(&mut self, rounded: u64, token: u64, addr: u64, block: u64) {
-        let parked = &mut self.parked[class_index(self.policy.class_of(rounded))];
+    /// Takes back a freed block (the caller checked it is handed out): parked for exact
+    /// reuse if small, else merged at once.
+    fn take_back(&mut self, rounded: u64, token: u64, addr: u64, block: u64) {
+        if self.policy.class_of(rounded) == Class::Large {
+            if let Err(e) = self.policy.free(token, addr) {
+                self.error.get_or_insert(e);
+            }
+            return;
+        }
+        let parked = &mut self.parked;
         let list = parked.by_size.entry(rounded).or_default();
         list.blocks.push((token, addr, block));
         if !list.listed {
@@ -373,15 +369,9 @@ impl State {
     }
 
     /// Gives every parked block back to the policy, which coalesces it.
-    fn unpark_all(&mut self) {
-        self.unpark(Class::Small);
-        self.unpark(Class::Large);
-    }
-
-    /// Gives the parked blocks of `class` back to the policy.
-    fn unpark(&mut self, class: Class) {
+    fn unpark(&mut self) {
         let State { parked, policy, error, .. } = self;
-        let Parked { by_size, listed, bytes } = &mut parked[class_index(class)];
+        let Parked { by_size, listed, bytes } = parked;
         if *bytes == 0 {
             return;
         }
@@ -397,10 +387,6 @@ impl State {
         *bytes = 0;
     }
 
-    /// Bytes parked in both classes.
-    fn parked_bytes(&self) -> u64 {
-        self.parked.iter().map(|p| p.bytes).sum()
-    }
 }
 
 impl Inner {
@@ -453,7 +439,7 @@ impl Inner {
     fn release_free_chunks(&self) -> Result<usize> {
         let chunks = {
             let mut st = self.state.lock();
-            st.unpark_all();
+            st.unpark();
             st.policy.release_free_chunks()
         };
         let mut released = Vec::with_capacity(chunks.len());
@@ -564,11 +550,12 @@ impl Allocator for BestFit {
         let st = self.inner.state.lock();
         let figures = st.policy.figures();
         Stats {
-            cached: (figures.cached + st.parked_bytes()) as usize,
+            cached: (figures.cached + st.parked.bytes) as usize,
             largest_free_block: st
                 .parked
-                .iter()
-                .flat_map(|p| p.by_size.values().flat_map(|list| &list.blocks))
+                .by_size
+                .values()
+                .flat_map(|list| &list.blocks)
                 .map(|&(_, _, block)| block)
                 .fold(figures.largest_free, u64::max) as usize,
             pending_release: st.pending_bytes + st.stuck_bytes,
@@ -590,7 +577,7 @@ impl BlockOwner for Inner {
         st.stats.on_free(block.size);
         let rounded = BestFitPolicy::round(block.size as u64);
         match (rounded, st.policy.allocated_size(block.token, block.ptr)) {
-            (Some(rounded), Some(size)) => st.park(rounded, block.token, block.ptr, size),
+            (Some(rounded), Some(size)) => st.take_back(rounded, block.token, block.ptr, size),
             _ => {
                 let e = Error::InvalidArgument(format!(
                     "free of {:#x} (token {}), which is not allocated: this is a bug in the caller",
