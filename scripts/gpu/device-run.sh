@@ -8,14 +8,20 @@
 #   bench    the cost of a free with a recorded stream (examples/recorded_free_cost.rs) and
 #            what AsyncPool adds to the bare driver calls (examples/async_overhead.rs)
 #   async    AsyncPool against raw cudaMallocAsync in the anchors harness, alternating, five
-#            rounds (after `anchors`, which builds the harness)
+#            rounds
+#   mt       StreamSafe's multi-thread scaling in the anchors harness (1-8 threads, each on
+#            its own stream), three rounds on two traces
 # Results go to $OUT (or /tmp/streamalloc-gpu). Exits non-zero if any part failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export OUT=${OUT:-/tmp/streamalloc-gpu}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-lscpu | grep -E '^(Model name|CPU\(s\)|Thread|Core|Socket)' 
+lscpu | grep -E '^(Model name|CPU\(s\)|Thread|Core|Socket)' | tee "$OUT/cpu.txt"
+# The anchors harness's replayers, built once per machine.
+build_anchors() {
+  [ -x /tmp/anchor-bin/replay_core ] || bash .anchors/build.sh .anchors/wheels
+}
 failed=()
 for part in "$@"; do
   echo "===== $part"
@@ -31,7 +37,7 @@ for part in "$@"; do
         PYTHONPATH=/tmp/sa-site python3 scripts/gpu/cupy_workload.py | tee "$OUT/cupy.md" ;;
     gpt2) bash scripts/gpu/gpt2_compare.sh > "$OUT/gpt2.log" 2>&1; rc=$?; tail -n 30 "$OUT/gpt2.log"; (exit $rc) ;;
     anchors)
-      bash .anchors/build.sh .anchors/wheels &&
+      build_anchors &&
         CONFS="strategy=stream_safe strategy=async strategy=async,pool=owned" \
           bash .anchors/run.sh .anchors/traces .anchors/libstreamalloc.so > "$OUT/anchors.jsonl" &&
         python3 .anchors/table.py < "$OUT/anchors.jsonl" | tee "$OUT/anchors.md" &&
@@ -41,11 +47,16 @@ for part in "$@"; do
     bench) .gpu/recorded_free_cost | tee "$OUT/recorded_free_cost.txt" &&
       .gpu/async_overhead | tee "$OUT/async_overhead.txt" ;;
     async)
-      for round in 1 2 3 4 5; do for tr in .anchors/traces/*.csv; do
+      build_anchors && for round in 1 2 3 4 5; do for tr in .anchors/traces/*.csv; do
         /tmp/anchor-bin/replay_core async "$tr" &&
           STREAMALLOC_CONF=strategy=async /tmp/anchor-bin/replay_core \
             "so:$PWD/.anchors/libstreamalloc.so:streamalloc_malloc:streamalloc_free" "$tr"
       done; done | tee "$OUT/async_rounds.jsonl" ;;
+    mt)
+      build_anchors && for round in 1 2 3; do for tr in resnet50_train gpt2_train; do for n in 1 2 4 8; do
+        THREADS=$n STREAMALLOC_CONF=strategy=stream_safe /tmp/anchor-bin/replay_core \
+          "so:$PWD/.anchors/libstreamalloc.so:streamalloc_malloc:streamalloc_free" ".anchors/traces/$tr.csv"
+      done; done; done | tee "$OUT/mt_rounds.jsonl" ;;
     *) echo "unknown part $part"; false ;;
   esac || failed+=("$part")
 done
