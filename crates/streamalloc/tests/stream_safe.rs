@@ -71,6 +71,29 @@ fn omitting_record_stream_is_caught() {
 }
 
 #[test]
+fn busy_streams_keep_their_memory() {
+    // Two streams taking turns with 40 MiB each. The chunk moves once each way (a pool gives
+    // a chunk the first time another looks), then the second stream, finding the first busy
+    // since its last look, grows: each keeps a chunk, instead of one chunk ping-ponging
+    // between them with a cross-stream wait per move.
+    let (sim, a, s1, s2) = setup(1 << 30);
+    let mut got = Vec::new();
+    for _ in 0..10 {
+        for s in [s1, s2] {
+            let x = a.allocate_on(40 * MIB, s).unwrap();
+            assert_eq!(sim.check_handout(x.ptr(), x.size(), s), 0);
+            sim.use_range(x.ptr(), 40 * MIB, s, 1_000).unwrap();
+            got.push(x.ptr());
+        }
+    }
+    assert_eq!(a.stats().reserved, 80 * MIB);
+    let (first, second) = (got[4], got[5]);
+    assert_ne!(first, second);
+    assert!(got[4..].chunks(2).all(|turn| turn == [first, second]), "{got:x?}");
+    assert!(sim.violations().is_empty());
+}
+
+#[test]
 fn a_miss_steals_from_another_stream_instead_of_growing() {
     let (sim, a, s1, s2) = setup(1 << 30);
     let x = a.allocate_on(40 * MIB, s1).unwrap();

@@ -35,6 +35,8 @@ impl Default for StreamSafeConfig {
 
 /// How many streams get a lock-free slot; further streams share a locked map.
 const SLOTS: usize = 256;
+/// [`StreamPool::seen`] of a pool no stealing pool has looked at yet.
+const NEVER_SEEN: u64 = u64::MAX;
 /// Pause between two attempts while waiting for pending frees.
 const RETRY_PAUSE: Duration = Duration::from_millis(1);
 
@@ -53,7 +55,12 @@ const RETRY_PAUSE: Duration = Duration::from_millis(1);
 ///   stream's pool that fits is moved into it before the device footprint grows: the taking
 ///   stream waits on an event recorded on the giving stream (so earlier work there is done
 ///   before it uses the memory), once per chunk, and the chunk then belongs to the taking
-///   stream's pool for good, so streams do not pay an event per allocation.
+///   stream's pool for good, so streams do not pay an event per allocation. A pool gives a
+///   chunk away the first time another pool looks, and after that only if it has made no
+///   allocation since the last look: a busy stream keeps its memory. Taking from busy
+///   streams made chunks ping-pong between streams that each needed them, every move a
+///   cross-stream wait and a lock of the other stream's pool (eight threads replaying a
+///   trace on their own streams moved chunks hundreds of times per pass).
 /// * **Out of memory.** Each pool first returns its own free chunks and retries once; then
 ///   every stream's pool releases its free chunks and the allocation is retried, then
 ///   retried again every millisecond for up to [`StreamSafeConfig::retry_wait`] while
@@ -87,6 +94,9 @@ pub struct StreamSafe {
 struct StreamPool {
     stream: Stream,
     pool: BestFit,
+    /// The pool's allocation count when a stealing pool last looked at it ([`NEVER_SEEN`]
+    /// before the first look).
+    seen: AtomicU64,
     /// Set by [`StreamSafe::retire_stream`]: the stream may be gone.
     retired: AtomicBool,
 }
@@ -208,7 +218,7 @@ impl StreamSafe {
             return Ok(p);
         }
         let pool = BestFit::new(self.device.clone(), BestFitConfig { stream, ..self.config.pool })?;
-        let index = self.registry.push(StreamPool { stream, pool, retired: AtomicBool::new(false) })?;
+        let index = self.registry.push(StreamPool { stream, pool, seen: AtomicU64::new(NEVER_SEEN), retired: AtomicBool::new(false) })?;
         let home = Self::home(stream);
         let free_slot = (0..SLOTS).map(|k| (home + k) % SLOTS).find(|&i| self.slots[i].load(Ordering::Acquire) == 0);
         match free_slot {
@@ -241,6 +251,12 @@ impl StreamSafe {
     /// ordering `pool`'s stream after the chunk's last use. Whether one was moved.
     fn steal(&self, pool: &StreamPool, size: usize) -> Result<bool> {
         for other in self.pools().filter(|p| p.stream != pool.stream && !p.retired.load(Ordering::Relaxed)) {
+            let allocations = other.pool.stats().total_allocations;
+            let seen = other.seen.swap(allocations, Ordering::Relaxed);
+            if seen != NEVER_SEEN && seen != allocations {
+                // Busy since the last look: it keeps its memory.
+                continue;
+            }
             let Some(chunk) = other.pool.take_free_chunk(size) else { continue };
             let event = self.events.get()?;
             let ordered = self
