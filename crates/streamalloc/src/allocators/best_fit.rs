@@ -386,7 +386,6 @@ impl State {
         }
         *bytes = 0;
     }
-
 }
 
 impl Inner {

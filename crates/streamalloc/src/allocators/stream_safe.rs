@@ -170,7 +170,8 @@ impl StreamSafe {
             Some(i) => Some(self.slots[i].swap(0, Ordering::AcqRel) - 1),
             None => {
                 let mut overflow = self.overflow.lock();
-                let pos = overflow.iter().position(|&i| self.registry.get(i).is_some_and(|p| p.stream == stream));
+                let pos =
+                    overflow.iter().position(|&i| self.registry.get(i).is_some_and(|p| p.stream == stream));
                 pos.map(|i| overflow.swap_remove(i))
             }
         };
@@ -218,14 +219,22 @@ impl StreamSafe {
             return Ok(p);
         }
         let pool = BestFit::new(self.device.clone(), BestFitConfig { stream, ..self.config.pool })?;
-        let index = self.registry.push(StreamPool { stream, pool, seen: AtomicU64::new(NEVER_SEEN), retired: AtomicBool::new(false) })?;
+        let index = self.registry.push(StreamPool {
+            stream,
+            pool,
+            seen: AtomicU64::new(NEVER_SEEN),
+            retired: AtomicBool::new(false),
+        })?;
         let home = Self::home(stream);
-        let free_slot = (0..SLOTS).map(|k| (home + k) % SLOTS).find(|&i| self.slots[i].load(Ordering::Acquire) == 0);
+        let free_slot =
+            (0..SLOTS).map(|k| (home + k) % SLOTS).find(|&i| self.slots[i].load(Ordering::Acquire) == 0);
         match free_slot {
             Some(i) => self.slots[i].store(index + 1, Ordering::Release),
             None => self.overflow.lock().push(index),
         }
-        self.registry.get(index).ok_or_else(|| Error::InvalidArgument("StreamSafe lost a pool it made: a bug".into()))
+        self.registry
+            .get(index)
+            .ok_or_else(|| Error::InvalidArgument("StreamSafe lost a pool it made: a bug".into()))
     }
 
     /// Every pool, retired ones included.
