@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepares everything the GPU machine needs (it has no Rust toolchain and no registry), here:
-#   .gpu/      the test executables (scripts/gpu-test.sh) and the recorded_free_cost and
-#              async_overhead examples
+#   .gpu/      the test executables (scripts/gpu-test.sh) and the recorded_free_cost,
+#              async_overhead and mt_replay examples
 #   .anchors/  the anchors harness, traces, RMM wheels and libstreamalloc.so
 #   dist/      the Python wheel bundling libstreamalloc.so (scripts/build-python.sh)
 # then prints the device-tool calls. On the GPU machine, scripts/gpu/device-run.sh runs the
@@ -10,8 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 shared=${SHARED:-../shared}
 bash scripts/gpu-test.sh >/dev/null
-cargo build --release -p streamalloc --example recorded_free_cost --example async_overhead
-for e in recorded_free_cost async_overhead; do strip --strip-debug -o .gpu/$e target/release/examples/$e; done
+cargo build --release -p streamalloc --example recorded_free_cost --example async_overhead --example mt_replay
+for e in recorded_free_cost async_overhead mt_replay; do strip --strip-debug -o .gpu/$e target/release/examples/$e; done
 bash scripts/build-python.sh >/dev/null
 rm -rf .anchors && mkdir -p .anchors
 cp -r "$shared/anchors/." .anchors/ && cp -r "$shared/traces" .anchors/traces && chmod -R u+w .anchors

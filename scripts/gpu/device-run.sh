@@ -11,6 +11,8 @@
 #            rounds
 #   mt       StreamSafe's multi-thread scaling in the anchors harness (1-8 threads, each on
 #            its own stream), three rounds on two traces
+#   mtx      the same scaling without the C ABI (examples/mt_replay.rs), on the simulator and
+#            on the GPU, with the device allocations made in the timed passes
 # Results go to $OUT (or /tmp/streamalloc-gpu). Exits non-zero if any part failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -52,6 +54,10 @@ for part in "$@"; do
           STREAMALLOC_CONF=strategy=async /tmp/anchor-bin/replay_core \
             "so:$PWD/.anchors/libstreamalloc.so:streamalloc_malloc:streamalloc_free" "$tr"
       done; done | tee "$OUT/async_rounds.jsonl" ;;
+    mtx)
+      for dev in sim cuda; do for tr in resnet50_train gpt2_train; do
+        .gpu/mt_replay ".anchors/traces/$tr.csv" $dev
+      done; done | tee "$OUT/mt_replay.txt" ;;
     mt)
       build_anchors && for round in 1 2 3; do for tr in resnet50_train gpt2_train; do for n in 1 2 4 8; do
         THREADS=$n STREAMALLOC_CONF=strategy=stream_safe /tmp/anchor-bin/replay_core \

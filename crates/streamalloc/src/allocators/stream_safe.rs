@@ -55,12 +55,12 @@ const RETRY_PAUSE: Duration = Duration::from_millis(1);
 ///   stream's pool that fits is moved into it before the device footprint grows: the taking
 ///   stream waits on an event recorded on the giving stream (so earlier work there is done
 ///   before it uses the memory), once per chunk, and the chunk then belongs to the taking
-///   stream's pool for good, so streams do not pay an event per allocation. A pool gives a
-///   chunk away the first time another pool looks, and after that only if it has made no
-///   allocation since the last look: a busy stream keeps its memory. Taking from busy
-///   streams made chunks ping-pong between streams that each needed them, every move a
-///   cross-stream wait and a lock of the other stream's pool (eight threads replaying a
-///   trace on their own streams moved chunks hundreds of times per pass).
+///   stream's pool for good, so streams do not pay an event per allocation. Only an idle
+///   pool gives a chunk away: one with no live allocation and, after the first time another
+///   pool looked at it, no allocation made since the last look. Taking from busy streams
+///   made chunks ping-pong between streams that each needed them, every move a cross-stream
+///   wait and a lock of the other stream's pool (eight threads replaying a trace on their
+///   own streams moved chunks hundreds of times per pass).
 /// * **Out of memory.** Each pool first returns its own free chunks and retries once; then
 ///   every stream's pool releases its free chunks and the allocation is retried, then
 ///   retried again every millisecond for up to [`StreamSafeConfig::retry_wait`] while
@@ -260,10 +260,10 @@ impl StreamSafe {
     /// ordering `pool`'s stream after the chunk's last use. Whether one was moved.
     fn steal(&self, pool: &StreamPool, size: usize) -> Result<bool> {
         for other in self.pools().filter(|p| p.stream != pool.stream && !p.retired.load(Ordering::Relaxed)) {
-            let allocations = other.pool.stats().total_allocations;
-            let seen = other.seen.swap(allocations, Ordering::Relaxed);
-            if seen != NEVER_SEEN && seen != allocations {
-                // Busy since the last look: it keeps its memory.
+            let stats = other.pool.stats();
+            let seen = other.seen.swap(stats.total_allocations, Ordering::Relaxed);
+            if stats.live_allocations > 0 || (seen != NEVER_SEEN && seen != stats.total_allocations) {
+                // In use, or busy since the last look: it keeps its memory.
                 continue;
             }
             let Some(chunk) = other.pool.take_free_chunk(size) else { continue };
