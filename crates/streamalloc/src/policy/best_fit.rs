@@ -202,10 +202,45 @@ impl FreeList {
         }
     }
 
-    /// The smallest block of at least `size` bytes (lowest address among equals), taken out.
-    fn take_fit(&mut self, size: u64) -> Option<(u64, u64, u32)> {
+    /// The index of the smallest block of at least `size` bytes (lowest address among
+    /// equals) and the block.
+    fn fit(&self, size: u64) -> Option<(usize, (u64, u64, u32))> {
         let i = self.0.partition_point(|&(s, _, _)| s < size);
-        (i < self.0.len()).then(|| self.0.remove(i))
+        self.0.get(i).map(|&e| (i, e))
+    }
+
+    /// Replaces the entry at index `i` with `(size, addr, slot)`, moving only the entries
+    /// between its old and new places (one short move, where a remove and an insert would
+    /// each move the whole tail).
+    fn replace(&mut self, i: usize, size: u64, addr: u64, slot: u32) {
+        let entry = (size, addr, slot);
+        let key = |&(s, a, _): &(u64, u64, u32)| (s, a);
+        let Some(&old) = self.0.get(i) else { return };
+        if key(&entry) > key(&old) {
+            let tail = self.0.get(i + 1..).unwrap_or_default();
+            let to = i + tail.partition_point(|e| key(e) < key(&entry));
+            if let Some(run) = self.0.get_mut(i..=to) {
+                run.rotate_left(1);
+                if let Some(last) = run.last_mut() {
+                    *last = entry;
+                }
+            }
+        } else {
+            let to = self.0.get(..i).unwrap_or_default().partition_point(|e| key(e) < key(&entry));
+            if let Some(run) = self.0.get_mut(to..=i) {
+                run.rotate_right(1);
+                if let Some(first) = run.first_mut() {
+                    *first = entry;
+                }
+            }
+        }
+    }
+
+    /// Removes the entry at index `i`.
+    fn remove_at(&mut self, i: usize) {
+        if i < self.0.len() {
+            self.0.remove(i);
+        }
     }
 
     /// The largest block's size (0 if none).
@@ -316,9 +351,10 @@ impl BestFitPolicy {
     pub fn allocate(&mut self, size: u64) -> Option<Grant> {
         let size = Self::round(size)?;
         let class = self.class_of(size);
-        let (block_size, addr, slot) = self.free_list(class).take_fit(size)?;
+        let (at, (block_size, addr, slot)) = self.free_list(class).fit(size)?;
         let mut granted = block_size;
         let remainder = block_size - size;
+        let mut kept_in_list = false;
         if remainder >= self.min_split(class) {
             let next = self.slot(slot).next;
             let tail =
@@ -327,12 +363,17 @@ impl BestFitPolicy {
                 if let Some(n) = self.slot_mut(next) {
                     n.prev = t;
                 }
-                self.free_list(class).insert(remainder, addr + size, t);
+                // The remainder takes the block's place in the free list.
+                self.free_list(class).replace(at, remainder, addr + size, t);
+                kept_in_list = true;
                 granted = size;
                 if let Some(s) = self.slot_mut(slot) {
                     s.next = t;
                 }
             }
+        }
+        if !kept_in_list {
+            self.free_list(class).remove_at(at);
         }
         if let Some(s) = self.slot_mut(slot) {
             s.size = granted;
@@ -367,16 +408,22 @@ impl BestFitPolicy {
         let class = block.class;
         let mut keep = idx;
         let mut merged = Slot { state: State::Free, ..block };
+        // The list entry of a merged neighbour, which the merged block takes over.
+        let mut entry = None;
         let next = self.slot(block.next);
         if next.state == State::Free {
-            self.free_list(class).remove(next.size, next.addr);
+            entry = self.free_list(class).position(next.size, next.addr).ok();
             merged.size += next.size;
             merged.next = next.next;
             self.vacate(block.next);
         }
         let prev = self.slot(block.prev);
         if prev.state == State::Free {
-            self.free_list(class).remove(prev.size, prev.addr);
+            let list = self.free_list(class);
+            if let Some(i) = entry {
+                list.remove_at(i);
+            }
+            entry = list.position(prev.size, prev.addr).ok();
             self.vacate(keep);
             keep = block.prev;
             merged = Slot { addr: prev.addr, size: prev.size + merged.size, prev: prev.prev, ..merged };
@@ -387,7 +434,10 @@ impl BestFitPolicy {
         if let Some(s) = self.slot_mut(keep) {
             *s = merged;
         }
-        self.free_list(class).insert(merged.size, merged.addr, keep);
+        match entry {
+            Some(i) => self.free_list(class).replace(i, merged.size, merged.addr, keep),
+            None => self.free_list(class).insert(merged.size, merged.addr, keep),
+        }
         Ok(block.size)
     }
 
