@@ -56,11 +56,13 @@ const RETRY_PAUSE: Duration = Duration::from_millis(1);
 ///   stream waits on an event recorded on the giving stream (so earlier work there is done
 ///   before it uses the memory), once per chunk, and the chunk then belongs to the taking
 ///   stream's pool for good, so streams do not pay an event per allocation. Only an idle
-///   pool gives a chunk away: one with no live allocation and, after the first time another
-///   pool looked at it, no allocation made since the last look. Taking from busy streams
-///   made chunks ping-pong between streams that each needed them, every move a cross-stream
-///   wait and a lock of the other stream's pool (eight threads replaying a trace on their
-///   own streams moved chunks hundreds of times per pass).
+///   pool gives a chunk away: one with no live allocation that has made no allocation since
+///   another pool's previous look at it (so a pool is never taken from at the first look).
+///   Taking from busy streams made chunks ping-pong between streams that each needed them,
+///   every move a cross-stream wait and a lock of the other stream's pool (eight threads
+///   replaying a trace on their own streams moved chunks hundreds of times per pass); taking
+///   at the first look robbed streams waiting at a barrier between two steps, which then
+///   grew again in the next step.
 /// * **Out of memory.** Each pool first returns its own free chunks and retries once; then
 ///   every stream's pool releases its free chunks and the allocation is retried, then
 ///   retried again every millisecond for up to [`StreamSafeConfig::retry_wait`] while
@@ -95,7 +97,7 @@ struct StreamPool {
     stream: Stream,
     pool: BestFit,
     /// The pool's allocation count when a stealing pool last looked at it ([`NEVER_SEEN`]
-    /// before the first look).
+    /// before the first look, which no count equals).
     seen: AtomicU64,
     /// Set by [`StreamSafe::retire_stream`]: the stream may be gone.
     retired: AtomicBool,
@@ -262,8 +264,8 @@ impl StreamSafe {
         for other in self.pools().filter(|p| p.stream != pool.stream && !p.retired.load(Ordering::Relaxed)) {
             let stats = other.pool.stats();
             let seen = other.seen.swap(stats.total_allocations, Ordering::Relaxed);
-            if stats.live_allocations > 0 || (seen != NEVER_SEEN && seen != stats.total_allocations) {
-                // In use, or busy since the last look: it keeps its memory.
+            if stats.live_allocations > 0 || seen != stats.total_allocations {
+                // In use, or not seen idle twice in a row: it keeps its memory.
                 continue;
             }
             let Some(chunk) = other.pool.take_free_chunk(size) else { continue };
