@@ -35,7 +35,7 @@ impl Default for StreamSafeConfig {
 
 /// How many streams get a lock-free slot; further streams share a locked map.
 const SLOTS: usize = 256;
-/// [`StreamPool::seen`] of a pool no stealing pool has looked at yet.
+/// In [`StreamPool::looked`], a pool not looked at yet (no allocation count equals it).
 const NEVER_SEEN: u64 = u64::MAX;
 /// Pause between two attempts while waiting for pending frees.
 const RETRY_PAUSE: Duration = Duration::from_millis(1);
@@ -56,13 +56,13 @@ const RETRY_PAUSE: Duration = Duration::from_millis(1);
 ///   stream waits on an event recorded on the giving stream (so earlier work there is done
 ///   before it uses the memory), once per chunk, and the chunk then belongs to the taking
 ///   stream's pool for good, so streams do not pay an event per allocation. Only an idle
-///   pool gives a chunk away: one with no live allocation that has made no allocation since
-///   another pool's previous look at it (so a pool is never taken from at the first look).
-///   Taking from busy streams made chunks ping-pong between streams that each needed them,
-///   every move a cross-stream wait and a lock of the other stream's pool (eight threads
-///   replaying a trace on their own streams moved chunks hundreds of times per pass); taking
-///   at the first look robbed streams waiting at a barrier between two steps, which then
-///   grew again in the next step.
+///   pool gives a chunk away: one with no live allocation that has made no allocation
+///   between the taking pool's previous miss and this one (so nothing is taken at a pool's
+///   first miss). Taking from busy streams made chunks ping-pong between streams that each
+///   needed them, every move a cross-stream wait and a lock of the other stream's pool
+///   (eight threads replaying a trace on their own streams moved chunks hundreds of times per
+///   pass); taking from a stream idle only for a moment robbed streams waiting at a barrier
+///   between two steps, which then grew again in the next step.
 /// * **Out of memory.** Each pool first returns its own free chunks and retries once; then
 ///   every stream's pool releases its free chunks and the allocation is retried, then
 ///   retried again every millisecond for up to [`StreamSafeConfig::retry_wait`] while
@@ -96,9 +96,9 @@ pub struct StreamSafe {
 struct StreamPool {
     stream: Stream,
     pool: BestFit,
-    /// The pool's allocation count when a stealing pool last looked at it ([`NEVER_SEEN`]
-    /// before the first look, which no count equals).
-    seen: AtomicU64,
+    /// Each other pool's allocation count (by registry index) when this pool last looked
+    /// for a chunk to take ([`NEVER_SEEN`] before its first look).
+    looked: Mutex<Vec<u64>>,
     /// Set by [`StreamSafe::retire_stream`]: the stream may be gone.
     retired: AtomicBool,
 }
@@ -224,7 +224,7 @@ impl StreamSafe {
         let index = self.registry.push(StreamPool {
             stream,
             pool,
-            seen: AtomicU64::new(NEVER_SEEN),
+            looked: Mutex::new(Vec::new()),
             retired: AtomicBool::new(false),
         })?;
         let home = Self::home(stream);
@@ -261,11 +261,22 @@ impl StreamSafe {
     /// Moves a wholly free chunk that fits `size` from another stream's pool into `pool`,
     /// ordering `pool`'s stream after the chunk's last use. Whether one was moved.
     fn steal(&self, pool: &StreamPool, size: usize) -> Result<bool> {
-        for other in self.pools().filter(|p| p.stream != pool.stream && !p.retired.load(Ordering::Relaxed)) {
+        // Held while other pools' locks are taken and released one at a time; no pool's lock
+        // is held while a `looked` is locked, so the order cannot cycle.
+        let mut looked = pool.looked.lock();
+        for (index, other) in self.pools().enumerate() {
+            if other.stream == pool.stream || other.retired.load(Ordering::Relaxed) {
+                continue;
+            }
             let stats = other.pool.stats();
-            let seen = other.seen.swap(stats.total_allocations, Ordering::Relaxed);
-            if stats.live_allocations > 0 || seen != stats.total_allocations {
-                // In use, or not seen idle twice in a row: it keeps its memory.
+            if looked.len() <= index {
+                looked.resize(index + 1, NEVER_SEEN);
+            }
+            let Some(last) = looked.get_mut(index) else { continue };
+            let idle = stats.live_allocations == 0 && *last == stats.total_allocations;
+            *last = stats.total_allocations;
+            if !idle {
+                // In use, or busy since this pool's previous look: it keeps its memory.
                 continue;
             }
             let Some(chunk) = other.pool.take_free_chunk(size) else { continue };
