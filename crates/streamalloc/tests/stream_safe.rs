@@ -94,8 +94,25 @@ fn busy_streams_keep_their_memory() {
 }
 
 #[test]
+fn with_memory_to_spare_a_miss_grows() {
+    // The default takes chunks only when free device memory is under 10% of the total.
+    let (_sim, a, s1, s2) = setup(1 << 30);
+    let p = a.allocate_on(40 * MIB, s1).unwrap().ptr();
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let x = a.allocate_on(40 * MIB, s2).unwrap();
+        assert_ne!(x.ptr(), p, "stream 1's idle chunk was taken with memory to spare");
+        held.push(x);
+    }
+    assert_eq!(a.stats().reserved, 160 * MIB);
+}
+
+#[test]
 fn a_miss_steals_from_an_idle_stream_instead_of_growing() {
-    let (sim, a, s1, s2) = setup(1 << 30);
+    let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+    let config = StreamSafeConfig { steal_below_free_percent: 100, ..Default::default() };
+    let a = StreamSafe::new(sim.clone(), config).unwrap();
+    let (s1, s2) = (sim.create_stream().unwrap(), sim.create_stream().unwrap());
     let x = a.allocate_on(40 * MIB, s1).unwrap();
     let p = x.ptr();
     sim.use_range(p, 40 * MIB, s1, 5_000_000).unwrap();

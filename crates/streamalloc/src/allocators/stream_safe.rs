@@ -25,11 +25,20 @@ pub struct StreamSafeConfig {
     /// retrying while frees pending on other streams' events complete. Default 0: fail
     /// after the one release-and-retry.
     pub retry_wait: Duration,
+    /// A pool that misses takes a chunk from another stream's idle pool only while the
+    /// device's free memory is below this percentage of its total; above it, the pool grows.
+    /// Default 10; 100 takes whenever an idle pool has a fitting chunk, 0 never does.
+    pub steal_below_free_percent: u8,
 }
 
 impl Default for StreamSafeConfig {
     fn default() -> Self {
-        Self { pool: BestFitConfig::default(), default_stream: Stream::DEFAULT, retry_wait: Duration::ZERO }
+        Self {
+            pool: BestFitConfig::default(),
+            default_stream: Stream::DEFAULT,
+            retry_wait: Duration::ZERO,
+            steal_below_free_percent: 10,
+        }
     }
 }
 
@@ -51,18 +60,21 @@ const RETRY_PAUSE: Duration = Duration::from_millis(1);
 ///   when the pool allocates with pending frees, on a miss, and in [`Allocator::release`];
 ///   never by a background thread and never while the allocating stream is capturing a
 ///   graph.
-/// * **Stealing.** When a stream's pool has no fitting block, a wholly free chunk of another
-///   stream's pool that fits is moved into it before the device footprint grows: the taking
-///   stream waits on an event recorded on the giving stream (so earlier work there is done
-///   before it uses the memory), once per chunk, and the chunk then belongs to the taking
-///   stream's pool for good, so streams do not pay an event per allocation. Only an idle
-///   pool gives a chunk away: one with no live allocation that has made no allocation
-///   between the taking pool's previous miss and this one (so nothing is taken at a pool's
-///   first miss). Taking from busy streams made chunks ping-pong between streams that each
-///   needed them, every move a cross-stream wait and a lock of the other stream's pool
-///   (eight threads replaying a trace on their own streams moved chunks hundreds of times per
-///   pass); taking from a stream idle only for a moment robbed streams waiting at a barrier
-///   between two steps, which then grew again in the next step.
+/// * **Stealing.** When a stream's pool has no fitting block while device memory is short
+///   (free below [`StreamSafeConfig::steal_below_free_percent`], default 10%, of the total),
+///   a wholly free chunk of another stream's idle pool that fits is moved into it before the
+///   device footprint grows; with memory to spare the pool grows instead, which costs one
+///   device call and no other stream anything. The taking stream waits on an event recorded
+///   on the giving stream (so earlier work there is done before it uses the memory), once
+///   per chunk, and the chunk then belongs to the taking stream's pool for good, so streams
+///   do not pay an event per allocation. Only an idle pool gives a chunk away: one with no
+///   live allocation that has made no allocation between the taking pool's previous miss
+///   and this one (so nothing is taken at a pool's first miss). Taking from busy streams
+///   made chunks ping-pong between streams that each needed them, every move a cross-stream
+///   wait and a lock of the other stream's pool (eight threads replaying a trace on their
+///   own streams moved chunks hundreds of times per pass); taking from a stream idle only
+///   for a moment robbed streams waiting at a barrier between two steps, which then grew
+///   again in the next step.
 /// * **Out of memory.** Each pool first returns its own free chunks and retries once; then
 ///   every stream's pool releases its free chunks and the allocation is retried, then
 ///   retried again every millisecond for up to [`StreamSafeConfig::retry_wait`] while
@@ -258,6 +270,17 @@ impl StreamSafe {
         Ok(self.device.capture_status(stream)? != CaptureStatus::None)
     }
 
+    /// Whether the device's free memory is below [`StreamSafeConfig::steal_below_free_percent`]
+    /// of its total.
+    fn memory_is_short(&self) -> Result<bool> {
+        let percent = u128::from(self.config.steal_below_free_percent);
+        if percent == 0 {
+            return Ok(false);
+        }
+        let mem = self.device.mem_info()?;
+        Ok((mem.free as u128) * 100 < (mem.total as u128) * percent)
+    }
+
     /// Moves a wholly free chunk that fits `size` from another stream's pool into `pool`,
     /// ordering `pool`'s stream after the chunk's last use. Whether one was moved.
     fn steal(&self, pool: &StreamPool, size: usize) -> Result<bool> {
@@ -301,7 +324,7 @@ impl StreamSafe {
 
     fn allocate_slow(&self, pool: &StreamPool, size: usize, stream: Stream) -> Result<Allocation> {
         let poll = !self.capturing(stream)?;
-        if self.steal(pool, size)? {
+        if self.memory_is_short()? && self.steal(pool, size)? {
             if let Some(a) = pool.pool.allocate_cached(size, poll)? {
                 return Ok(a);
             }
