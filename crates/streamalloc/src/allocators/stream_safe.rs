@@ -88,7 +88,8 @@ const RETRY_PAUSE: Duration = Duration::from_millis(1);
 ///   the same handle starts afresh), its free chunks return to the device, and the rest
 ///   returns at a later [`Allocator::release`] once its allocations are freed.
 /// * **Concurrency.** Finding a stream's pool takes no lock (the default stream's pool and
-///   the first 256 streams' pools are found by reading atomics, writing none); each pool has one lock.
+///   the first 256 streams' pools are found by reading atomics, writing none); allocating
+///   and freeing take the one lock of the stream's pool.
 pub struct StreamSafe {
     device: Arc<dyn Device>,
     config: StreamSafeConfig,
@@ -181,7 +182,7 @@ impl StreamSafe {
     pub fn retire_stream(&self, stream: Stream) -> Result<()> {
         let _creating = self.creating.lock();
         let old = match self.find_slot(stream) {
-            Some(i) => Some(self.slots[i].swap(0, Ordering::AcqRel) - 1),
+            Some(i) => self.slots[i].swap(0, Ordering::AcqRel).checked_sub(1),
             None => {
                 let mut overflow = self.overflow.lock();
                 let pos =
@@ -284,8 +285,9 @@ impl StreamSafe {
     /// Moves a wholly free chunk that fits `size` from another stream's pool into `pool`,
     /// ordering `pool`'s stream after the chunk's last use. Whether one was moved.
     fn steal(&self, pool: &StreamPool, size: usize) -> Result<bool> {
-        // Held while other pools' locks are taken and released one at a time; no pool's lock
-        // is held while a `looked` is locked, so the order cannot cycle.
+        // Held while other pools' state locks are taken and released one at a time. A
+        // `looked` is locked only here, never under a state lock, and a thread holds one
+        // `looked` at a time, so the lock order cannot cycle.
         let mut looked = pool.looked.lock();
         for (index, other) in self.pools().enumerate() {
             if other.stream == pool.stream || other.retired.load(Ordering::Relaxed) {

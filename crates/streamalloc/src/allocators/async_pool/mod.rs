@@ -338,24 +338,23 @@ impl Inner {
         stream: Stream,
         over_throttle: bool,
     ) -> Result<(DevicePtr, Arc<dyn BlockOwner>)> {
-        let inner = self;
-        Ok(match inner.device.capture_status(stream)? {
+        Ok(match self.device.capture_status(stream)? {
             CaptureStatus::None => {
-                inner.throttle(ready, stream, over_throttle)?;
-                (inner.alloc_with_retry(ready, size, rounded, stream)?, inner.clone())
+                self.throttle(ready, stream, over_throttle)?;
+                (self.alloc_with_retry(ready, size, rounded, stream)?, self.clone())
             }
             CaptureStatus::Active => {
-                let Some(shared) = inner.captures.lock().get(&stream).cloned() else {
+                let Some(shared) = self.captures.lock().get(&stream).cloned() else {
                     return Err(Error::Unsupported(format!(
                         "allocation on stream {:#x}, which is capturing a graph not begun with \
                          AsyncPool::begin_capture",
                         stream.0
                     )));
                 };
-                let ptr = inner.device.alloc_async(rounded, ready.pool, stream).inspect_err(|_| {
-                    inner.counters.lock().stats.failures += 1;
+                let ptr = self.device.alloc_async(rounded, ready.pool, stream).inspect_err(|_| {
+                    self.counters.lock().stats.failures += 1;
                 })?;
-                (ptr, Arc::new(CaptureOwner::new(inner.clone(), shared)))
+                (ptr, Arc::new(CaptureOwner::new(self.clone(), shared)))
             }
             CaptureStatus::Invalidated => {
                 return Err(Error::InvalidArgument(format!(
