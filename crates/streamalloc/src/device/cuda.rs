@@ -662,12 +662,7 @@ impl Device for CudaDevice {
         if dst_device != self.ordinal {
             if let Some(p) = self.pool_of(src)? {
                 if !self.pool_access(p, dst_device)? {
-                    return Err(Error::InvalidArgument(format!(
-                        "peer copy of {src:#x} from device {} to device {dst_device}: its pool {:#x} \
-                         does not grant device {dst_device} access (Device::set_pool_access, \
-                         AsyncPool::grant_peer_access)",
-                        self.ordinal, p.0
-                    )));
+                    return Err(super::no_peer_access(src, self.ordinal, dst_device, p));
                 }
             }
         }

@@ -14,7 +14,7 @@ pub mod sim;
 
 pub use event_pool::EventPool;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// A device address.
 pub type DevicePtr = u64;
@@ -208,4 +208,14 @@ pub trait Device: Send + Sync {
     /// launch allocated and left allocated (`CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH`);
     /// without it, such a graph cannot be launched again until that memory is freed.
     fn instantiate_graph_auto_free(&self, graph: Graph) -> Result<GraphExec>;
+}
+
+/// The error of a [`Device::copy_peer`] whose source is memory of `pool` (on device `from`)
+/// and whose pool does not grant device `to` access.
+fn no_peer_access(src: DevicePtr, from: usize, to: usize, pool: Pool) -> Error {
+    Error::InvalidArgument(format!(
+        "peer copy of {src:#x} from device {from} to device {to}: its pool {:#x} does not grant \
+         device {to} access (Device::set_pool_access, AsyncPool::grant_peer_access)",
+        pool.0
+    ))
 }

@@ -640,10 +640,7 @@ impl Device for SimDevice {
             if pool == st.default_pool {
                 return Err(Error::InvalidArgument("the default pool cannot be destroyed".into()));
             }
-            let p = st
-                .pools
-                .remove(&pool)
-                .ok_or_else(|| Error::InvalidArgument(format!("unknown pool {:#x}", pool.0)))?;
+            let p = st.pools.remove(&pool).ok_or_else(|| unknown_pool(pool))?;
             st.async_allocs.retain(|_, (owner, _)| *owner != pool);
             let live = &st.async_allocs;
             st.graph_mem.retain(|ptr, _| live.contains_key(ptr));
@@ -656,10 +653,7 @@ impl Device for SimDevice {
 
     fn pool_attr(&self, pool: Pool, attr: PoolAttr) -> Result<u64> {
         self.call(|st| {
-            let p = st
-                .pools
-                .get(&pool)
-                .ok_or_else(|| Error::InvalidArgument(format!("unknown pool {:#x}", pool.0)))?;
+            let p = st.pools.get(&pool).ok_or_else(|| unknown_pool(pool))?;
             Ok(match attr {
                 PoolAttr::ReleaseThreshold => p.release_threshold,
                 PoolAttr::ReuseFollowEventDependencies => p.follow_events as u64,
@@ -675,10 +669,7 @@ impl Device for SimDevice {
 
     fn set_pool_attr(&self, pool: Pool, attr: PoolAttr, value: u64) -> Result<()> {
         self.call(|st| {
-            let p = st
-                .pools
-                .get_mut(&pool)
-                .ok_or_else(|| Error::InvalidArgument(format!("unknown pool {:#x}", pool.0)))?;
+            let p = st.pools.get_mut(&pool).ok_or_else(|| unknown_pool(pool))?;
             match attr {
                 PoolAttr::ReleaseThreshold => p.release_threshold = value,
                 PoolAttr::ReuseFollowEventDependencies => p.follow_events = value != 0,
@@ -699,10 +690,7 @@ impl Device for SimDevice {
     fn set_pool_access(&self, pool: Pool, peer: usize, enabled: bool) -> Result<()> {
         let own = self.config.ordinal;
         self.call(|st| {
-            let p = st
-                .pools
-                .get_mut(&pool)
-                .ok_or_else(|| Error::InvalidArgument(format!("unknown pool {:#x}", pool.0)))?;
+            let p = st.pools.get_mut(&pool).ok_or_else(|| unknown_pool(pool))?;
             match (peer == own, enabled) {
                 (true, true) => {}
                 (true, false) => {
@@ -725,10 +713,7 @@ impl Device for SimDevice {
     fn pool_access(&self, pool: Pool, peer: usize) -> Result<bool> {
         let own = self.config.ordinal;
         self.call(|st| {
-            let p = st
-                .pools
-                .get(&pool)
-                .ok_or_else(|| Error::InvalidArgument(format!("unknown pool {:#x}", pool.0)))?;
+            let p = st.pools.get(&pool).ok_or_else(|| unknown_pool(pool))?;
             Ok(peer == own || p.peers.contains(&peer))
         })
     }
@@ -736,7 +721,7 @@ impl Device for SimDevice {
     fn trim_pool(&self, pool: Pool, keep: usize) -> Result<()> {
         self.call(|st| {
             if !st.pools.contains_key(&pool) {
-                return Err(Error::InvalidArgument(format!("unknown pool {:#x}", pool.0)));
+                return Err(unknown_pool(pool));
             }
             st.trim(pool, keep);
             Ok(())
@@ -751,10 +736,7 @@ impl Device for SimDevice {
             let n = size.div_ceil(POOL_ALIGN) * POOL_ALIGN;
             let now = st.now;
             let ready = st.stream_mut(stream)?.ready;
-            let p = st
-                .pools
-                .get_mut(&pool)
-                .ok_or_else(|| Error::InvalidArgument(format!("unknown pool {:#x}", pool.0)))?;
+            let p = st.pools.get_mut(&pool).ok_or_else(|| unknown_pool(pool))?;
             // Best fit among blocks reusable without a wait, then among those that need one.
             let free_now = |b: &FreeBlock| {
                 b.stream == Some(stream)
@@ -1020,12 +1002,7 @@ impl Device for SimDevice {
             .map(|(_, (pool, _))| *pool);
         if let Some(pool) = source_pool {
             if dst_device != own && !st.pools.get(&pool).is_some_and(|p| p.peers.contains(&dst_device)) {
-                return Err(Error::InvalidArgument(format!(
-                    "peer copy of {src:#x} from device {own} to device {dst_device}: its pool {:#x} \
-                     does not grant device {dst_device} access (Device::set_pool_access, \
-                     AsyncPool::grant_peer_access)",
-                    pool.0
-                )));
+                return Err(super::no_peer_access(src, own, dst_device, pool));
             }
         }
         let ns = self.kernel_ns(&mut st, len);
@@ -1158,6 +1135,11 @@ impl Device for SimDevice {
     fn instantiate_graph_auto_free(&self, graph: Graph) -> Result<GraphExec> {
         self.call(|st| st.instantiate(graph, true))
     }
+}
+
+/// The error for a pool handle the simulator did not make (or has destroyed).
+fn unknown_pool(pool: Pool) -> Error {
+    Error::InvalidArgument(format!("unknown pool {:#x}", pool.0))
 }
 
 #[cfg(test)]
