@@ -175,7 +175,7 @@ pub trait Device: Send + Sync {
     fn memset_async(&self, ptr: DevicePtr, value: u8, len: usize, stream: Stream) -> Result<()>;
     /// Copies `len` bytes from `src` on this device to `dst` on device `dst_device`, in the order
     /// of `stream` (a stream of this device; `cuMemcpyPeerAsync`). Fails with
-    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) when `src` is pool memory whose
+    /// [`Error::InvalidArgument`] when `src` is pool memory whose
     /// pool does not grant `dst_device` access ([`Device::set_pool_access`]).
     fn copy_peer(
         &self,
