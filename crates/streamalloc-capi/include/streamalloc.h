@@ -76,9 +76,10 @@ extern "C" {
 // error and to stderr).
 void *streamalloc_malloc(ssize_t size, int device, cudaStream_t stream);
 
-// PyTorch `CUDAPluggableAllocator` free. `size`, `device` and `stream` are ignored: the
-// allocation knows its own. An unknown pointer (double free) is reported on stderr and
-// otherwise ignored.
+// PyTorch `CUDAPluggableAllocator` free. `size` is ignored; `device` and `stream` (those the
+// allocation was made with, as PyTorch passes them) are where the allocation is looked for
+// first, and any other is correct too. An unknown pointer (double free) is reported on
+// stderr and otherwise ignored.
 void streamalloc_free(void *ptr, ssize_t size, int device, cudaStream_t stream);
 
 // CuPy `CFunctionAllocator` allocation: `size` bytes on `device`, on the legacy default

@@ -17,7 +17,6 @@
 //! streamalloc-capi` fails when it is out of date, and regenerates it with
 //! `STREAMALLOC_BLESS=1`.
 
-mod live;
 mod state;
 mod status;
 
@@ -52,13 +51,16 @@ pub extern "C" fn streamalloc_malloc(size: ssize_t, device: c_int, stream: CudaS
     })
 }
 
-/// PyTorch `CUDAPluggableAllocator` free. `size`, `device` and `stream` are ignored: the
-/// allocation knows its own. An unknown pointer (double free) is reported on stderr and
-/// otherwise ignored.
+/// PyTorch `CUDAPluggableAllocator` free. `size` is ignored; `device` and `stream` (those the
+/// allocation was made with, as PyTorch passes them) are where the allocation is looked for
+/// first, and any other is correct too. An unknown pointer (double free) is reported on
+/// stderr and otherwise ignored.
 #[no_mangle]
 pub extern "C" fn streamalloc_free(ptr: *mut c_void, size: ssize_t, device: c_int, stream: CudaStream) {
-    let _ = (size, device, stream);
-    status::abi("streamalloc_free", (), || State::get()?.free(ptr as u64));
+    let _ = size;
+    status::abi("streamalloc_free", (), || {
+        State::get()?.free(ptr as u64, Some(device), self::stream(stream))
+    });
 }
 
 /// CuPy `CFunctionAllocator` allocation: `size` bytes on `device`, on the legacy default
@@ -80,8 +82,8 @@ pub extern "C" fn streamalloc_cupy_malloc(param: *mut c_void, size: usize, devic
 /// last one. Memory used on non-blocking streams needs the C API with an explicit stream.
 #[no_mangle]
 pub extern "C" fn streamalloc_cupy_free(param: *mut c_void, ptr: *mut c_void, device: c_int) {
-    let _ = (param, device);
-    status::abi("streamalloc_cupy_free", (), || State::get()?.free_legacy(ptr as u64));
+    let _ = param;
+    status::abi("streamalloc_cupy_free", (), || State::get()?.free_legacy(ptr as u64, device));
 }
 
 /// Allocates `size` bytes on `device`, owned by `stream`, and writes the pointer to `*out`
@@ -112,7 +114,7 @@ pub unsafe extern "C" fn streamalloc_allocate(
 /// unknown pointer (double free) is `STREAMALLOC_INVALID_ARGUMENT`.
 #[no_mangle]
 pub extern "C" fn streamalloc_deallocate(ptr: *mut c_void) -> StreamallocStatus {
-    status::status(|| State::get()?.free(ptr as u64))
+    status::status(|| State::get()?.free(ptr as u64, None, Stream::DEFAULT))
 }
 
 /// Says that work on `stream`, enqueued until the allocation at `ptr` is freed, uses it: the

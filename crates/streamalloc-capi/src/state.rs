@@ -1,19 +1,16 @@
-//! The process-wide state behind the C ABI: one [`Facade`], the live allocations, and the
-//! events the CuPy free path records.
+//! The process-wide state behind the C ABI: one [`Facade`], whose stacks keep the live
+//! allocations by pointer, and the events the CuPy free path records.
 
 use std::os::raw::c_int;
 use std::sync::OnceLock;
 
 use core_alloc::device::EventPool;
-use core_alloc::facade::{Config, Facade, MAX_DEVICES};
+use core_alloc::facade::{Config, DeviceStack, Facade, MAX_DEVICES};
 use core_alloc::{DevicePtr, Error, Result, Stats, Stream};
-
-use crate::live::LiveMap;
 
 /// Everything the exported functions share.
 pub(crate) struct State {
     facade: Facade,
-    live: LiveMap,
     /// Per device, events recorded on the legacy default stream by [`State::free_legacy`].
     legacy_events: Box<[OnceLock<EventPool>]>,
 }
@@ -47,7 +44,6 @@ impl State {
         }
         Self {
             facade: Facade::new(config),
-            live: LiveMap::new(),
             legacy_events: (0..MAX_DEVICES).map(|_| OnceLock::new()).collect(),
         }
     }
@@ -88,58 +84,73 @@ impl State {
         if size > isize::MAX as usize {
             return Err(Error::InvalidArgument(format!("size {size} is larger than any allocation can be")));
         }
-        let a = self.facade.allocate(size, device, stream)?;
-        let ptr = a.ptr();
-        self.live.insert(a);
-        Ok(ptr)
+        self.facade.stack(device)?.pointers.allocate_ptr(size, stream)
     }
 
-    /// Frees the allocation at `ptr` (null: nothing to do).
-    pub(crate) fn free(&self, ptr: DevicePtr) -> Result<()> {
-        if ptr != 0 {
-            drop(self.live.remove(ptr).ok_or_else(|| not_live(ptr))?);
+    /// Frees the allocation at `ptr` (null: nothing to do). `device` and `owner` are where
+    /// the caller says it was made, looked at first.
+    pub(crate) fn free(&self, ptr: DevicePtr, device: Option<c_int>, owner: Stream) -> Result<()> {
+        if ptr == 0 || self.stacks_from(device).any(|s| s.pointers.free_ptr(ptr, owner)) {
+            return Ok(());
         }
-        Ok(())
+        Err(not_live(ptr))
     }
 
-    /// Frees the allocation at `ptr`, made on the legacy default stream, whose users may be any
-    /// *blocking* streams: an event recorded on the legacy default stream first waits for all
-    /// work already enqueued on every blocking stream, and all later work on those streams waits
-    /// for it, so whoever reuses the memory next is ordered after its last use. If the record
-    /// fails, the memory is leaked rather than handed out while a kernel may still use it.
-    pub(crate) fn free_legacy(&self, ptr: DevicePtr) -> Result<()> {
-        let a = self.live.remove(ptr).ok_or_else(|| not_live(ptr))?;
-        let device = &self.facade.stack(a.device())?.device;
-        let events = self.legacy_events[a.device()].get_or_init(|| EventPool::new(device.clone()));
-        let recorded = events.get().and_then(|event| {
-            let r = device.record_event(event, Stream::DEFAULT);
-            // Nothing waits on the event itself: it can be recorded again at once.
-            events.put(event);
-            r
-        });
-        match recorded {
-            Ok(()) => drop(a),
-            Err(_) => std::mem::forget(a),
+    /// Frees the allocation at `ptr` (null: nothing to do), made on the legacy default stream
+    /// of `device`, whose users may be any *blocking* streams: an event recorded on the
+    /// legacy default stream first waits for all work already enqueued on every blocking
+    /// stream, and all later work on those streams waits for it, so whoever reuses the memory
+    /// next is ordered after its last use. If the record fails, the memory is leaked rather
+    /// than handed out while a kernel may still use it.
+    pub(crate) fn free_legacy(&self, ptr: DevicePtr, device: c_int) -> Result<()> {
+        if ptr == 0 {
+            return Ok(());
         }
+        for stack in self.stacks_from(Some(device)) {
+            // Recorded before the free, so that nobody can reuse the memory ahead of it.
+            self.record_legacy(stack)?;
+            if stack.pointers.free_ptr(ptr, Stream::DEFAULT) {
+                return Ok(());
+            }
+        }
+        Err(not_live(ptr))
+    }
+
+    /// Records an event on the legacy default stream of `stack`'s device.
+    fn record_legacy(&self, stack: &DeviceStack) -> Result<()> {
+        let device = &stack.device;
+        let events = self
+            .legacy_events
+            .get(device.ordinal())
+            .ok_or_else(|| Error::InvalidArgument(format!("device {} has no slot", device.ordinal())))?
+            .get_or_init(|| EventPool::new(device.clone()));
+        let event = events.get()?;
+        let recorded = device.record_event(event, Stream::DEFAULT);
+        // Nothing waits on the event itself: it can be recorded again at once.
+        events.put(event);
         recorded
     }
 
     /// Marks `stream` as a user of the allocation at `ptr` (null: nothing to do).
     pub(crate) fn record_stream(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
-        if ptr != 0 {
-            self.live.with(ptr, |a| a.record_stream(stream)).ok_or_else(|| not_live(ptr))?;
+        if ptr == 0 || self.stacks_from(None).any(|s| s.pointers.record_stream_ptr(ptr, stream)) {
+            return Ok(());
         }
-        Ok(())
+        Err(not_live(ptr))
+    }
+
+    /// The stacks built so far, that of `device` (if it is one in use) first.
+    fn stacks_from(&self, device: Option<c_int>) -> impl Iterator<Item = &DeviceStack> {
+        let first = device.and_then(|d| usize::try_from(d).ok()).and_then(|d| self.facade.built(d));
+        let rest = self.facade.built_stacks().filter(move |s| !first.is_some_and(|f| std::ptr::eq(f, *s)));
+        first.into_iter().chain(rest)
     }
 
     /// Returns cached memory of `device` to the driver; the bytes returned (0 for a device
     /// not used yet, whose stack is not built for this).
     pub(crate) fn release(&self, device: c_int) -> Result<usize> {
         let device = ordinal(device)?;
-        if !self.facade.devices_in_use().contains(&device) {
-            return Ok(0);
-        }
-        self.facade.allocator(device)?.release()
+        self.facade.built(device).map_or(Ok(0), |s| s.allocator.release())
     }
 
     /// Statistics of `device` (zeros for a device not used yet).

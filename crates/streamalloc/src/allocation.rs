@@ -266,6 +266,28 @@ pub trait StreamAllocator: Allocator {
     fn set_default_stream(&self, stream: Stream);
 }
 
+/// Allocations known by their pointer alone, for front ends that hand raw pointers to C:
+/// the allocator keeps each live allocation itself, so a free needs nothing but the pointer
+/// and the front end keeps no map of its own. The [ordering contract](self) is the same as
+/// for handles: a free is ordered on the owning stream and after every recorded stream.
+///
+/// [`StreamSafe`](crate::allocators::StreamSafe) keeps them in its pools, under the lock a
+/// free takes anyway; [`PointerMap`](crate::adaptors::PointerMap) gives any
+/// [`StreamAllocator`] this interface by keeping its handles in a map.
+pub trait PointerAllocator: Send + Sync {
+    /// Allocates `size` bytes owned by `stream` and keeps the allocation until
+    /// [`PointerAllocator::free_ptr`]; the pointer. Size 0 gives the null pointer and keeps
+    /// nothing.
+    fn allocate_ptr(&self, size: usize, stream: Stream) -> Result<DevicePtr>;
+    /// Frees the allocation at `ptr`. `owner` is the owning stream as the caller knows it, a
+    /// hint looked at first (any stream is correct, a wrong one only slower). `false` if no
+    /// allocation of this allocator lives at `ptr`.
+    fn free_ptr(&self, ptr: DevicePtr, owner: Stream) -> bool;
+    /// [`Allocation::record_stream`] for the allocation at `ptr`; `false` if no allocation of
+    /// this allocator lives there.
+    fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> bool;
+}
+
 impl<A: Allocator + ?Sized> Allocator for Arc<A> {
     fn allocate(&self, size: usize) -> Result<Allocation> {
         (**self).allocate(size)

@@ -26,7 +26,9 @@ pub mod policy;
 pub mod replay;
 pub mod trace;
 
-pub use allocation::{Allocation, Allocator, Block, BlockOwner, Stats, StreamAllocator, ALIGNMENT};
+pub use allocation::{
+    Allocation, Allocator, Block, BlockOwner, PointerAllocator, Stats, StreamAllocator, ALIGNMENT,
+};
 pub use device::{Device, DevicePtr, Stream};
 pub use error::{Error, OutOfMemory, Result};
 

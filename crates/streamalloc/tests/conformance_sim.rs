@@ -5,11 +5,11 @@ mod conformance;
 
 use std::sync::Arc;
 
-use conformance::{run_program, Made};
+use conformance::{run_program, ByPointer, Made};
 use parking_lot::Mutex;
 use std::time::Duration;
 
-use streamalloc::adaptors::{Limit, Retry, SingleStream, StatsAdaptor, TraceAdaptor};
+use streamalloc::adaptors::{Limit, PointerMap, Retry, SingleStream, StatsAdaptor, TraceAdaptor};
 use streamalloc::allocators::{BestFit, BestFitConfig, Plain, StreamSafe, StreamSafeConfig};
 use streamalloc::trace::TraceWriter;
 use streamalloc::{Allocation, Allocator, Block, BlockOwner, Device, Error, Stats, Stream, StreamAllocator};
@@ -148,3 +148,18 @@ fn async_pool(device: Arc<dyn Device>) -> Made {
 }
 
 conformance_tests!(async_pool_on_sim, async_pool);
+
+/// StreamSafe through its own pointer bookkeeping (what the C ABI uses with `stream_safe`).
+fn stream_safe_by_pointer(device: Arc<dyn Device>) -> Made {
+    let ss = Arc::new(StreamSafe::new(device, StreamSafeConfig::default()).expect("allocator"));
+    Made::Streams(Arc::new(ByPointer { pointers: ss.clone(), base: ss }))
+}
+
+/// A PointerMap over the adaptor stack (what the C ABI uses when adaptors are configured).
+fn pointer_map(device: Arc<dyn Device>) -> Made {
+    let Made::Streams(base) = adaptor_stack(device) else { unreachable!("the stack is stream-aware") };
+    Made::Streams(Arc::new(ByPointer { pointers: Arc::new(PointerMap::new(base.clone())), base }))
+}
+
+conformance_tests!(stream_safe_by_pointer_on_sim, stream_safe_by_pointer);
+conformance_tests!(pointer_map_on_sim, pointer_map);

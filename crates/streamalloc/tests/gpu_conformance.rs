@@ -5,7 +5,7 @@ mod conformance;
 
 use std::sync::Arc;
 
-use conformance::Made;
+use conformance::{ByPointer, Made};
 use streamalloc::allocators::{BestFit, BestFitConfig, Plain, StreamSafe, StreamSafeConfig};
 use streamalloc::{Device, Stream};
 
@@ -32,3 +32,11 @@ fn async_pool(device: Arc<dyn Device>) -> Made {
 }
 
 conformance_tests!(gpu async_pool_on_gpu, async_pool);
+
+/// StreamSafe through its own pointer bookkeeping (the C ABI's path with `stream_safe`).
+fn stream_safe_by_pointer(device: Arc<dyn Device>) -> Made {
+    let ss = Arc::new(StreamSafe::new(device, StreamSafeConfig::default()).expect("allocator"));
+    Made::Streams(Arc::new(ByPointer { pointers: ss.clone(), base: ss }))
+}
+
+conformance_tests!(gpu stream_safe_by_pointer_on_gpu, stream_safe_by_pointer);

@@ -4,11 +4,13 @@
 //! pending write uses a buffer of stream A; the buffer is freed and A allocates the same size.
 //! Every test is `#[ignore]`d: scripts/gpu-test.sh runs them with `--ignored`.
 
+mod conformance;
 mod gpu_common;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use conformance::ByPointer;
 use gpu_common::{all, block_stream, gpu};
 use streamalloc::adaptors::SingleStream;
 use streamalloc::allocators::{BestFit, BestFitConfig, StreamSafe, StreamSafeConfig};
@@ -62,6 +64,21 @@ fn stream_safe_record_stream_prevents_early_reuse() {
     let (same, bytes) = delayed_user_then_reuse(&stream_safe(&device), &device, true);
     assert!(!same, "the block was handed out while stream B still had work on it");
     assert!(all(&bytes, 0xCC), "B's delayed write landed in A's new allocation");
+}
+
+/// The same through StreamSafe's pointer bookkeeping (the C ABI's path): the handle's
+/// recorded stream is recorded by pointer and the free is by pointer.
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-test.sh"]
+fn stream_safe_by_pointer_record_stream_prevents_early_reuse() {
+    let device = gpu();
+    let ss = Arc::new(stream_safe(&device));
+    let by_pointer = ByPointer { pointers: ss.clone(), base: ss };
+    let (same, bytes) = delayed_user_then_reuse(&by_pointer, &device, true);
+    assert!(!same, "the block was handed out while stream B still had work on it");
+    assert!(all(&bytes, 0xCC), "B's delayed write landed in A's new allocation");
+    let (same, bytes) = delayed_user_then_reuse(&by_pointer, &device, false);
+    assert!(same && all(&bytes, 0xBB), "the control: without record_stream the block is reused at once");
 }
 
 /// The control: without `record_stream`, StreamSafe reuses the block on A at once, and B's

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use conformance::{run_program, Action, Made};
 use streamalloc::allocators::{BestFitConfig, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice};
-use streamalloc::{Allocator, Device, Error, Stream, StreamAllocator};
+use streamalloc::{Allocator, Device, Error, PointerAllocator, Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
 
@@ -217,4 +217,72 @@ fn many_streams_overflow_the_slots() {
         assert_eq!(x.owning_stream(), *s);
     }
     assert_eq!(a.stats().live_allocations, 300);
+}
+
+/// By pointer: a free with the owning stream as hint, with a wrong hint, and of a pointer
+/// that is not live; each reuses like a handle's free.
+#[test]
+fn frees_by_pointer_find_the_pool_with_any_hint() {
+    let (sim, a, s1, s2) = setup(1 << 30);
+    let p = a.allocate_ptr(3 * MIB, s1).unwrap();
+    let q = a.allocate_ptr(3 * MIB, s2).unwrap();
+    assert_eq!(a.stats().live_allocations, 2);
+    assert!(a.free_ptr(p, s1));
+    assert!(a.free_ptr(q, s1), "a wrong hint still finds the allocation");
+    assert!(!a.free_ptr(q, s2), "freed twice");
+    assert!(!a.free_ptr(0xdead_0000, s1));
+    assert!(!a.record_stream_ptr(p, s2), "record_stream on a freed pointer");
+    assert_eq!(a.stats().live_allocations, 0);
+    assert_eq!(a.allocate_ptr(3 * MIB, s2).unwrap(), q, "stream 2's block went back to stream 2");
+    assert_eq!(a.allocate_ptr(0, s1).unwrap(), 0);
+    assert!(sim.violations().is_empty());
+}
+
+/// By pointer, a recorded stream delays reuse as it does for a handle.
+#[test]
+fn record_stream_by_pointer_defers_reuse() {
+    let (sim, a, s1, s2) = setup(1 << 30);
+    let p = a.allocate_ptr(3 * MIB, s1).unwrap();
+    sim.use_range(p, 3 * MIB, s2, 5_000_000).unwrap();
+    assert!(a.record_stream_ptr(p, s2));
+    assert!(a.free_ptr(p, s1));
+    assert_eq!(a.stats().pending_release, 3 * MIB);
+    let q = a.allocate_ptr(3 * MIB, s1).unwrap();
+    assert_ne!(q, p, "reused while stream 2 still used it");
+    sim.synchronize_stream(s2).unwrap();
+    assert_eq!(a.allocate_ptr(3 * MIB, s1).unwrap(), p, "reused once the event completed");
+    assert!(sim.violations().is_empty());
+}
+
+/// A pointer kept by a retired stream's pool is still found and freed, and the pool's
+/// memory returns at the next release.
+#[test]
+fn pointers_of_a_retired_stream_are_freed() {
+    let (sim, a, _, s2) = setup(1 << 30);
+    let p = a.allocate_ptr(40 * MIB, s2).unwrap();
+    a.retire_stream(s2).unwrap();
+    sim.destroy_stream(s2).unwrap();
+    assert!(a.free_ptr(p, s2));
+    a.release().unwrap();
+    assert_eq!(a.stats().reserved, 0);
+}
+
+/// Allocations that miss the cache (growth, out-of-memory retry) are kept by pointer too,
+/// and threads freeing each other's pointers find them.
+#[test]
+fn pointers_cross_threads_and_growth() {
+    let (_sim, a, s1, s2) = setup(1 << 30);
+    let a = Arc::new(a);
+    let ptrs: Vec<u64> = (0..64)
+        .map(|i| a.allocate_ptr((i % 7 + 1) * MIB, if i % 2 == 0 { s1 } else { s2 }).unwrap())
+        .collect();
+    let b = a.clone();
+    std::thread::spawn(move || {
+        for p in ptrs {
+            assert!(b.free_ptr(p, Stream::DEFAULT));
+        }
+    })
+    .join()
+    .unwrap();
+    assert_eq!(a.stats().live_allocations, 0);
 }

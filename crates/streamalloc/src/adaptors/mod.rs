@@ -9,6 +9,8 @@
 //!   and nested scopes.
 //! * [`TraceAdaptor`]: writes every allocation and free as RMM's logging CSV.
 //! * [`SingleStream`]: makes an allocator without stream methods usable on any stream.
+//! * [`PointerMap`]: frees by pointer alone (a [`PointerAllocator`](crate::PointerAllocator)),
+//!   for front ends that hand raw pointers to C.
 
 /// The [`Allocator`](crate::Allocator) methods an adaptor passes to the allocator it wraps
 /// (`self.inner`).
@@ -40,12 +42,14 @@ macro_rules! pass_through_default_stream {
 }
 
 mod limit;
+mod pointer_map;
 mod retry;
 mod single_stream;
 mod stats;
 mod trace;
 
 pub use limit::Limit;
+pub use pointer_map::PointerMap;
 pub use retry::Retry;
 pub use single_stream::SingleStream;
 pub use stats::{Scope, StatsAdaptor, StreamStats};

@@ -4,12 +4,12 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
 
 use super::chunk_source::{ChunkSource, DeviceChunks};
 use crate::allocation::{Allocation, Allocator, Block, BlockOwner, Stats};
-use crate::device::{Device, Event, EventPool, Stream};
+use crate::device::{Device, DevicePtr, Event, EventPool, Stream};
 use crate::error::{Error, OutOfMemory, Result};
 use crate::policy::best_fit::{BestFitPolicy, Class, Classes, Grant, Growth};
 
@@ -109,6 +109,11 @@ struct State {
     /// The first error met where it could not be returned (a free), reported by the next
     /// call.
     error: Option<Error>,
+    /// Allocations kept by pointer ([`BestFit::allocate_kept`]): pointer -> (token, size as
+    /// asked for).
+    kept: FxHashMap<DevicePtr, (u64, usize)>,
+    /// The streams recorded on kept allocations that recorded any.
+    kept_recorded: FxHashMap<DevicePtr, Vec<Stream>>,
 }
 
 struct Pending {
@@ -144,6 +149,8 @@ impl BestFit {
             pending_bytes: 0,
             stuck_bytes: 0,
             error: None,
+            kept: FxHashMap::default(),
+            kept_recorded: FxHashMap::default(),
         };
         let inner = Inner {
             has_pending: AtomicBool::new(false),
@@ -179,6 +186,70 @@ impl BestFit {
         }
         let hit = self.cached_or_growth(size, Self::round(size)?, poll)?.ok();
         Ok(hit.map(|b| Allocation::new(b, self.inner.clone())))
+    }
+
+    /// Like [`BestFit::allocate_cached`] for a size that is not zero, but the pool keeps the
+    /// allocation by its pointer (for a [`PointerAllocator`](crate::PointerAllocator))
+    /// instead of returning a handle: a hit takes the pool's lock once and nothing else.
+    pub(crate) fn allocate_kept(&self, size: usize, poll: bool) -> Result<Option<DevicePtr>> {
+        let rounded = Self::round(size)?;
+        let mut st = self.lock_polled(poll)?;
+        let Some(grant) = st.allocate(rounded, size) else { return Ok(None) };
+        st.kept.insert(grant.addr, (grant.token, size));
+        Ok(Some(grant.addr))
+    }
+
+    /// Keeps `allocation`, made by this pool, by its pointer as [`BestFit::allocate_kept`]
+    /// does; the pointer (null for a zero-size allocation). An allocation of another owner
+    /// is a bug in the caller: it is freed and an error returned.
+    pub(crate) fn keep(&self, allocation: Allocation) -> Result<DevicePtr> {
+        let Some((block, owner)) = allocation.into_parts() else { return Ok(0) };
+        if !std::ptr::addr_eq(Arc::as_ptr(&owner), Arc::as_ptr(&self.inner)) {
+            owner.free(block);
+            return Err(Error::InvalidArgument(
+                "BestFit::keep was given another pool's allocation: a bug".into(),
+            ));
+        }
+        let mut st = self.inner.state.lock();
+        st.kept.insert(block.ptr, (block.token, block.size));
+        if !block.recorded.is_empty() {
+            st.kept_recorded.insert(block.ptr, block.recorded);
+        }
+        Ok(block.ptr)
+    }
+
+    /// Frees the allocation kept at `ptr`, as dropping its handle would; `false` if the pool
+    /// keeps none there.
+    pub(crate) fn free_kept(&self, ptr: DevicePtr) -> bool {
+        let inner = &self.inner;
+        let mut st = inner.state.lock();
+        let Some((token, size)) = st.kept.remove(&ptr) else { return false };
+        let recorded = if st.kept_recorded.is_empty() { None } else { st.kept_recorded.remove(&ptr) };
+        match recorded {
+            None => st.take_back(token, ptr, size),
+            Some(recorded) => {
+                drop(st);
+                let (stream, device) = (inner.stream, inner.ordinal);
+                inner.free_recorded(Block { ptr, size, stream, device, token, recorded });
+            }
+        }
+        true
+    }
+
+    /// [`Allocation::record_stream`] for the allocation kept at `ptr`; `false` if the pool
+    /// keeps none there.
+    pub(crate) fn record_kept(&self, ptr: DevicePtr, stream: Stream) -> bool {
+        let mut st = self.inner.state.lock();
+        if !st.kept.contains_key(&ptr) {
+            return false;
+        }
+        if stream != self.inner.stream {
+            let recorded = st.kept_recorded.entry(ptr).or_default();
+            if !recorded.contains(&stream) {
+                recorded.push(stream);
+            }
+        }
+        true
     }
 
     /// Whether freed blocks wait on recorded streams' events (read without locking).
@@ -223,6 +294,17 @@ impl BestFit {
         rounded: u64,
         poll: bool,
     ) -> Result<std::result::Result<Block, Option<Growth>>> {
+        let mut st = self.lock_polled(poll)?;
+        if let Some(grant) = st.allocate(rounded, size) {
+            drop(st);
+            return Ok(Ok(self.handout(grant, size)));
+        }
+        Ok(Err(st.policy.growth_for(rounded)))
+    }
+
+    /// The pool's state, locked, after reporting the error a free could not and, with
+    /// `poll`, moving completed pending frees to the free lists.
+    fn lock_polled(&self, poll: bool) -> Result<MutexGuard<'_, State>> {
         let mut st = self.inner.state.lock();
         if let Some(e) = st.error.take() {
             return Err(e);
@@ -232,11 +314,7 @@ impl BestFit {
             self.inner.poll_pending();
             st = self.inner.state.lock();
         }
-        if let Some(grant) = st.allocate(rounded, size) {
-            drop(st);
-            return Ok(Ok(self.handout(grant, size)));
-        }
-        Ok(Err(st.policy.growth_for(rounded)))
+        Ok(st)
     }
 
     fn handout(&self, grant: Grant, size: usize) -> Block {
@@ -349,18 +427,28 @@ impl State {
         Some(grant)
     }
 
-    /// Takes back a freed block (the caller checked it is handed out): parked for exact
-    /// reuse if small, else merged at once.
-    fn take_back(&mut self, rounded: u64, token: u64, addr: u64, block: u64) {
+    /// Takes back the block of `token` at `ptr`, freed by an allocation of `size` bytes:
+    /// parked for exact reuse if small, else merged at once. A block not handed out is a bug
+    /// in the caller, kept as the error the next call reports.
+    fn take_back(&mut self, token: u64, ptr: u64, size: usize) {
+        self.stats.on_free(size);
+        let rounded = BestFitPolicy::round(size as u64);
+        let (Some(rounded), Some(block)) = (rounded, self.policy.allocated_size(token, ptr)) else {
+            let e = Error::InvalidArgument(format!(
+                "free of {ptr:#x} (token {token}), which is not allocated: this is a bug in the caller"
+            ));
+            self.error.get_or_insert(e);
+            return;
+        };
         if self.policy.class_of(rounded) == Class::Large {
-            if let Err(e) = self.policy.free(token, addr) {
+            if let Err(e) = self.policy.free(token, ptr) {
                 self.error.get_or_insert(e);
             }
             return;
         }
         let parked = &mut self.parked;
         let list = parked.by_size.entry(rounded).or_default();
-        list.blocks.push((token, addr, block));
+        list.blocks.push((token, ptr, block));
         if !list.listed {
             list.listed = true;
             parked.listed.push(rounded);
@@ -572,19 +660,7 @@ impl BlockOwner for Inner {
         if !block.recorded.is_empty() {
             return self.free_recorded(block);
         }
-        let mut st = self.state.lock();
-        st.stats.on_free(block.size);
-        let rounded = BestFitPolicy::round(block.size as u64);
-        match (rounded, st.policy.allocated_size(block.token, block.ptr)) {
-            (Some(rounded), Some(size)) => st.take_back(rounded, block.token, block.ptr, size),
-            _ => {
-                let e = Error::InvalidArgument(format!(
-                    "free of {:#x} (token {}), which is not allocated: this is a bug in the caller",
-                    block.ptr, block.token
-                ));
-                st.error.get_or_insert(e);
-            }
-        }
+        self.state.lock().take_back(block.token, block.ptr, block.size);
     }
 }
 

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::best_fit::{BestFit, BestFitConfig};
-use crate::allocation::{Allocation, Allocator, Stats, StreamAllocator};
-use crate::device::{CaptureStatus, Device, EventPool, Stream};
+use crate::allocation::{Allocation, Allocator, PointerAllocator, Stats, StreamAllocator};
+use crate::device::{CaptureStatus, Device, DevicePtr, EventPool, Stream};
 use crate::error::{Error, OutOfMemory, Result};
 
 /// Settings of a [`StreamSafe`] allocator.
@@ -257,14 +257,19 @@ impl StreamSafe {
         self.registry.all()
     }
 
-    /// Allocates from `pool`, which belongs to `stream`.
-    fn allocate_in(&self, pool: &StreamPool, size: usize, stream: Stream) -> Result<Allocation> {
-        // Pending frees are polled only when there are some, and then only outside a capture.
-        let poll = !pool.pool.has_pending() || !self.capturing(stream)?;
-        match pool.pool.allocate_cached(size, poll)? {
-            Some(a) => Ok(a),
-            None => self.allocate_slow(pool, size, stream),
+    /// `stream`'s pool, made on its first use; the default stream's pool and the first
+    /// streams' are found by reading one slot.
+    fn pool_of(&self, stream: Stream) -> Result<&StreamPool> {
+        match self.slot(Self::home(stream)).filter(|p| p.stream == stream) {
+            Some(p) => Ok(p),
+            None => self.pool(stream),
         }
+    }
+
+    /// Whether an allocation in `pool`, which belongs to `stream`, may poll pending frees:
+    /// only when there are some (no device call otherwise), and then only outside a capture.
+    fn polls(&self, pool: &StreamPool, stream: Stream) -> Result<bool> {
+        Ok(!pool.pool.has_pending() || !self.capturing(stream)?)
     }
 
     fn capturing(&self, stream: Stream) -> Result<bool> {
@@ -428,11 +433,11 @@ impl StreamAllocator for StreamSafe {
         if size == 0 {
             return Ok(Allocation::empty(self.device.ordinal(), stream));
         }
-        if let Some(p) = self.slot(Self::home(stream)).filter(|p| p.stream == stream) {
-            return self.allocate_in(p, size, stream);
+        let pool = self.pool_of(stream)?;
+        match pool.pool.allocate_cached(size, self.polls(pool, stream)?)? {
+            Some(a) => Ok(a),
+            None => self.allocate_slow(pool, size, stream),
         }
-        let pool = self.pool(stream)?;
-        self.allocate_in(pool, size, stream)
     }
 
     fn default_stream(&self) -> Stream {
@@ -441,5 +446,35 @@ impl StreamAllocator for StreamSafe {
 
     fn set_default_stream(&self, stream: Stream) {
         self.default_stream.store(stream.0, Ordering::Relaxed);
+    }
+}
+
+/// Each stream's pool keeps the allocations made on it by pointer, under the lock it takes
+/// anyway: allocating and freeing take that one lock and nothing else (no map of handles, no
+/// reference count). A free looks in the pool of the stream it is given first, then in every
+/// pool.
+impl PointerAllocator for StreamSafe {
+    fn allocate_ptr(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
+        if size == 0 {
+            return Ok(0);
+        }
+        let pool = self.pool_of(stream)?;
+        match pool.pool.allocate_kept(size, self.polls(pool, stream)?)? {
+            Some(ptr) => Ok(ptr),
+            None => pool.pool.keep(self.allocate_slow(pool, size, stream)?),
+        }
+    }
+
+    fn free_ptr(&self, ptr: DevicePtr, owner: Stream) -> bool {
+        let first = self.slot(Self::home(owner)).filter(|p| p.stream == owner);
+        first.is_some_and(|p| p.pool.free_kept(ptr))
+            || self
+                .pools()
+                .filter(|p| !first.is_some_and(|f| std::ptr::eq(f, *p)))
+                .any(|p| p.pool.free_kept(ptr))
+    }
+
+    fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> bool {
+        self.pools().any(|p| p.pool.record_kept(ptr, stream))
     }
 }

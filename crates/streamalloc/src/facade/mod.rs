@@ -24,8 +24,8 @@ use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
-use crate::adaptors::{Limit, Retry, SingleStream, StatsAdaptor, StreamStats, TraceAdaptor};
-use crate::allocation::{Allocation, Stats, StreamAllocator};
+use crate::adaptors::{Limit, PointerMap, Retry, SingleStream, StatsAdaptor, StreamStats, TraceAdaptor};
+use crate::allocation::{Allocation, PointerAllocator, Stats, StreamAllocator};
 use crate::allocators::{
     AsyncPool, AsyncPoolConfig, BestFit, BestFitConfig, Plain, PoolMode, ReuseFlags, StreamSafe,
     StreamSafeConfig,
@@ -48,6 +48,10 @@ pub struct DeviceStack {
     pub device: Arc<dyn Device>,
     /// The outermost layer of its stack.
     pub allocator: DynAllocator,
+    /// The same stack by pointer, for front ends that hand raw pointers out: the strategy
+    /// itself where it keeps its allocations by pointer (`stream_safe` with no adaptor
+    /// layer), else a [`PointerMap`] over [`DeviceStack::allocator`].
+    pub pointers: Arc<dyn PointerAllocator>,
     /// The per-stream statistics layer, with `stats=true`.
     pub stats: Option<Arc<StatsAdaptor<DynAllocator>>>,
     /// The trace layer, with `trace=PATH`.
@@ -89,6 +93,16 @@ impl Facade {
         Ok(slot.get_or_init(|| stack))
     }
 
+    /// The stack of device `ordinal` if it is built (the device is in use).
+    pub fn built(&self, ordinal: usize) -> Option<&DeviceStack> {
+        self.stacks.get(ordinal)?.get()
+    }
+
+    /// The stacks built so far, by device ordinal.
+    pub fn built_stacks(&self) -> impl Iterator<Item = &DeviceStack> {
+        self.stacks.iter().filter_map(OnceLock::get)
+    }
+
     /// The allocator stack of device `ordinal`.
     pub fn allocator(&self, ordinal: usize) -> Result<&DynAllocator> {
         Ok(&self.stack(ordinal)?.allocator)
@@ -111,7 +125,7 @@ impl Facade {
 
     /// Statistics summed over every device in use.
     pub fn global_stats(&self) -> Stats {
-        self.stacks.iter().filter_map(OnceLock::get).map(|s| s.allocator.stats()).sum()
+        self.built_stacks().map(|s| s.allocator.stats()).sum()
     }
 
     /// The ordinals of the devices in use.
@@ -124,7 +138,7 @@ impl Facade {
     pub fn release_all(&self) -> Result<usize> {
         let mut total = 0;
         let mut first_error = None;
-        for stack in self.stacks.iter().filter_map(OnceLock::get) {
+        for stack in self.built_stacks() {
             match stack.allocator.release() {
                 Ok(n) => total += n,
                 Err(e) => {
@@ -140,7 +154,7 @@ impl Facade {
     /// is returned after that.
     pub fn flush(&self) -> Result<()> {
         let mut first_error = None;
-        for trace in self.stacks.iter().filter_map(OnceLock::get).filter_map(|s| s.trace.as_ref()) {
+        for trace in self.built_stacks().filter_map(|s| s.trace.as_ref()) {
             if let Err(e) = trace.flush() {
                 first_error.get_or_insert(e);
             }
@@ -160,6 +174,8 @@ impl Facade {
     fn build(&self, ordinal: usize) -> Result<DeviceStack> {
         let c = &self.config;
         let device = self.open_device(ordinal)?;
+        // The strategy's own pointer bookkeeping, where it has some.
+        let mut native: Option<Arc<dyn PointerAllocator>> = None;
         let mut a: DynAllocator = match c.strategy {
             Strategy::Plain => Arc::new(SingleStream::new(
                 Plain::new(device.clone(), Stream::DEFAULT),
@@ -175,7 +191,12 @@ impl Facade {
             }
             Strategy::StreamSafe => {
                 let pool = BestFitConfig { growth_size: c.growth, ..Default::default() };
-                Arc::new(StreamSafe::new(device.clone(), StreamSafeConfig { pool, ..Default::default() })?)
+                let ss = Arc::new(StreamSafe::new(
+                    device.clone(),
+                    StreamSafeConfig { pool, ..Default::default() },
+                )?);
+                native = Some(ss.clone());
+                ss
             }
             Strategy::Async => {
                 let mode = match c.pool {
@@ -220,6 +241,11 @@ impl Facade {
         if let Some(limit) = c.limit {
             a = Arc::new(Limit::new(a, limit.bytes(device.mem_info()?.total)));
         }
-        Ok(DeviceStack { device, allocator: a, stats, trace })
+        let pointers = match native {
+            // Only while no adaptor layer wraps the strategy.
+            Some(p) if std::ptr::addr_eq(Arc::as_ptr(&p), Arc::as_ptr(&a)) => p,
+            _ => Arc::new(PointerMap::new(a.clone())),
+        };
+        Ok(DeviceStack { device, allocator: a, pointers, stats, trace })
     }
 }

@@ -12,7 +12,10 @@ use parking_lot::Mutex;
 use proptest::prelude::*;
 use streamalloc::device::cuda::CudaDevice;
 use streamalloc::device::sim::{SimConfig, SimDevice};
-use streamalloc::{Allocation, Allocator, Device, Error, Stream, StreamAllocator, ALIGNMENT};
+use streamalloc::{
+    Allocation, Allocator, Block, BlockOwner, Device, Error, PointerAllocator, Stats, Stream,
+    StreamAllocator, ALIGNMENT,
+};
 
 /// The allocator under test, as its widest interface.
 pub enum Made {
@@ -36,6 +39,62 @@ impl Made {
             Made::Plain(a) => a.allocate(size),
             Made::Streams(a) => a.allocate_on(size, stream),
         }
+    }
+}
+
+/// A [`PointerAllocator`] under the suite: its allocations are handles whose drop frees by
+/// pointer (after recording on it the streams recorded on the handle), so every check runs
+/// through `allocate_ptr`, `record_stream_ptr` and `free_ptr`. Releases, statistics and the
+/// default stream come from `base`, the allocator behind the pointers.
+pub struct ByPointer {
+    pub pointers: Arc<dyn PointerAllocator>,
+    pub base: Arc<dyn StreamAllocator>,
+}
+
+struct FreeByPointer(Arc<dyn PointerAllocator>);
+
+impl BlockOwner for FreeByPointer {
+    fn free(&self, block: Block) {
+        for &s in &block.recorded {
+            assert!(self.0.record_stream_ptr(block.ptr, s), "{:#x} not live at record_stream_ptr", block.ptr);
+        }
+        assert!(self.0.free_ptr(block.ptr, block.stream), "{:#x} not live at free_ptr", block.ptr);
+        // Freed: a second free finds nothing.
+        assert!(!self.0.free_ptr(block.ptr, block.stream), "{:#x} freed twice", block.ptr);
+    }
+}
+
+impl Allocator for ByPointer {
+    fn allocate(&self, size: usize) -> streamalloc::Result<Allocation> {
+        self.allocate_on(size, self.base.default_stream())
+    }
+    fn release(&self) -> streamalloc::Result<usize> {
+        self.base.release()
+    }
+    fn stats(&self) -> Stats {
+        self.base.stats()
+    }
+    fn device(&self) -> usize {
+        self.base.device()
+    }
+}
+
+impl StreamAllocator for ByPointer {
+    fn allocate_on(&self, size: usize, stream: Stream) -> streamalloc::Result<Allocation> {
+        let device = self.base.device();
+        let ptr = self.pointers.allocate_ptr(size, stream)?;
+        if ptr == 0 {
+            assert_eq!(size, 0, "a null pointer for {size} bytes");
+            return Ok(Allocation::empty(device, stream));
+        }
+        let block = Block { ptr, size, stream, device, ..Block::default() };
+        Ok(Allocation::new(block, Arc::new(FreeByPointer(self.pointers.clone()))))
+    }
+    fn default_stream(&self) -> Stream {
+        self.base.default_stream()
+    }
+    fn set_default_stream(&self, stream: Stream) {
+        self.base.set_default_stream(stream)
     }
 }
 

@@ -1,12 +1,52 @@
-//! The live allocations, keyed by pointer: the hot path of every free.
+//! `PointerMap`: the [`PointerAllocator`] of any [`StreamAllocator`], keeping its handles in a
+//! map by pointer.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use core_alloc::{Allocation, DevicePtr};
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
+
+use crate::allocation::{Allocation, PointerAllocator, StreamAllocator};
+use crate::device::{DevicePtr, Stream};
+use crate::error::Result;
+
+/// Gives any [`StreamAllocator`] (an adaptor stack, an allocator without pointer bookkeeping of
+/// its own) the [`PointerAllocator`] interface by keeping each allocation's handle in a map
+/// by pointer until it is freed. The map has one shard per allocating thread, so threads
+/// that free what they allocate share no lock.
+pub struct PointerMap<A> {
+    inner: A,
+    live: LiveMap,
+}
+
+impl<A: StreamAllocator> PointerMap<A> {
+    /// Keeps `inner`'s allocations by pointer.
+    pub fn new(inner: A) -> Self {
+        Self { inner, live: LiveMap::new() }
+    }
+}
+
+impl<A: StreamAllocator> PointerAllocator for PointerMap<A> {
+    fn allocate_ptr(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
+        let a = self.inner.allocate_on(size, stream)?;
+        let ptr = a.ptr();
+        if ptr != 0 {
+            self.live.insert(a);
+        }
+        Ok(ptr)
+    }
+
+    fn free_ptr(&self, ptr: DevicePtr, _owner: Stream) -> bool {
+        // The handle is dropped (and the memory freed) outside the map's lock.
+        self.live.remove(ptr).is_some()
+    }
+
+    fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> bool {
+        self.live.with(ptr, |a| a.record_stream(stream)).is_some()
+    }
+}
 
 /// One thread's share of the map, on its own cache lines.
 #[repr(align(128))]
@@ -18,7 +58,7 @@ struct Shard(Mutex<FxHashMap<DevicePtr, Allocation>>);
 /// thread touches, so threads scale. A free from another thread finds the pointer by looking
 /// through every shard. Shards outlive their threads (allocations can outlive the thread
 /// that made them).
-pub(crate) struct LiveMap {
+struct LiveMap {
     id: usize,
     shards: Mutex<Vec<Arc<Shard>>>,
 }
@@ -30,7 +70,7 @@ thread_local! {
 
 impl LiveMap {
     /// An empty map.
-    pub(crate) fn new() -> Self {
+    fn new() -> Self {
         static NEXT_ID: AtomicUsize = AtomicUsize::new(0);
         Self { id: NEXT_ID.fetch_add(1, Ordering::Relaxed), shards: Mutex::new(Vec::new()) }
     }
@@ -53,7 +93,7 @@ impl LiveMap {
     }
 
     /// Keeps `a` (not zero-size) until [`LiveMap::remove`].
-    pub(crate) fn insert(&self, a: Allocation) {
+    fn insert(&self, a: Allocation) {
         let mut a = Some(a);
         let inserted = self.local(|shard| put(shard, a.take()));
         if inserted.is_none() {
@@ -73,7 +113,7 @@ impl LiveMap {
 
     /// Takes the allocation at `ptr` out of the map; it is dropped by the caller, outside the
     /// shard's lock.
-    pub(crate) fn remove(&self, ptr: DevicePtr) -> Option<Allocation> {
+    fn remove(&self, ptr: DevicePtr) -> Option<Allocation> {
         if let Some(Some(a)) = self.local(|shard| shard.0.lock().remove(&ptr)) {
             return Some(a);
         }
@@ -82,7 +122,7 @@ impl LiveMap {
     }
 
     /// Runs `f` on the allocation at `ptr`, under its shard's lock.
-    pub(crate) fn with<R>(&self, ptr: DevicePtr, f: impl FnOnce(&mut Allocation) -> R) -> Option<R> {
+    fn with<R>(&self, ptr: DevicePtr, f: impl FnOnce(&mut Allocation) -> R) -> Option<R> {
         let mut f = Some(f);
         let mut apply = |shard: &Shard| -> Option<R> {
             let mut map = shard.0.lock();
