@@ -1,6 +1,7 @@
 //! CPU cost per operation of the caching policy and allocators, replaying the sample traces
-//! (`traces/`) on the simulator: the policy alone (no device at all), BestFit, and StreamSafe
-//! on one stream (its overhead over BestFit is what the stream-safe layer costs).
+//! (`traces/`) on the simulator: the policy alone (no device at all), BestFit, StreamSafe
+//! on one stream (its overhead over BestFit is what the stream-safe layer costs), and
+//! StreamSafe by pointer (the C ABI's path: no handles, allocations kept in the pools).
 //!
 //! Each iteration is one warm pass over a trace (everything freed at its end); throughput is
 //! in trace operations. Run: `cargo bench -p streamalloc --bench replay`.
@@ -12,7 +13,7 @@ use streamalloc::allocators::{BestFit, BestFitConfig, StreamSafe, StreamSafeConf
 use streamalloc::device::sim::{SimConfig, SimDevice};
 use streamalloc::policy::best_fit::{BestFitPolicy, Classes};
 use streamalloc::trace::{Op, Trace};
-use streamalloc::{Allocation, Allocator, Device, StreamAllocator};
+use streamalloc::{Allocation, Allocator, Device, PointerAllocator, Stream, StreamAllocator};
 
 fn traces() -> Vec<Trace> {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../traces");
@@ -61,6 +62,19 @@ fn allocator_pass(trace: &Trace, live: &mut [Option<Allocation>], alloc: &dyn Fn
     live.iter_mut().for_each(|x| *x = None);
 }
 
+/// One pass of `trace` through a [`PointerAllocator`] on `stream`.
+fn pointer_pass(trace: &Trace, live: &mut [u64], a: &dyn PointerAllocator, stream: Stream) {
+    for op in &trace.ops {
+        match *op {
+            Op::Allocate { slot, size, .. } => live[slot] = a.allocate_ptr(size, stream).expect("allocation"),
+            Op::Free { slot, .. } => assert!(a.free_ptr(std::mem::take(&mut live[slot]), stream)),
+        }
+    }
+    for p in live.iter_mut().map(std::mem::take).filter(|&p| p != 0) {
+        assert!(a.free_ptr(p, stream));
+    }
+}
+
 fn bench(c: &mut Criterion) {
     for trace in traces() {
         let mut group = c.benchmark_group(trace.name.trim_end_matches(".csv").to_string());
@@ -87,6 +101,10 @@ fn bench(c: &mut Criterion) {
             b.iter(|| {
                 allocator_pass(&trace, &mut live, &|n| stream_safe.allocate_on(n, s).expect("allocation"))
             })
+        });
+        let mut ptrs = vec![0; trace.slots];
+        group.bench_function("stream_safe_by_pointer", |b| {
+            b.iter(|| pointer_pass(&trace, &mut ptrs, stream_safe.as_ref(), s))
         });
         group.finish();
     }

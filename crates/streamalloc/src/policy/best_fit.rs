@@ -575,7 +575,8 @@ impl BestFitPolicy {
         let class = self.class_of(size);
         let Self { slots, vacant, free, chunks, reserved, cached, .. } = self;
         let list = free.get_mut(class.index())?;
-        let (block_size, addr, slot) = list.from(size).find(|&(n, a, _)| chunks.get(&a).is_some_and(|c| c.size == n))?;
+        let (block_size, addr, slot) =
+            list.from(size).find(|&(n, a, _)| chunks.get(&a).is_some_and(|c| c.size == n))?;
         list.remove(block_size, addr);
         chunks.remove(&addr);
         if let Some(s) = slots.get_mut(slot as usize) {
@@ -693,7 +694,10 @@ mod tests {
                 for (b, bin) in list.bins.iter().enumerate() {
                     assert_eq!(list.filled_from(b) == Some(b), !bin.is_empty(), "bitmap wrong for bin {b}");
                     assert!(bin.iter().all(|&(s, _, _)| bin_of(s) == b), "entry in the wrong bin");
-                    assert!(bin.windows(2).all(|w| order(w[0].0, w[0].1) < order(w[1].0, w[1].1)), "bin unsorted");
+                    assert!(
+                        bin.windows(2).all(|w| order(w[0].0, w[0].1) < order(w[1].0, w[1].1)),
+                        "bin unsorted"
+                    );
                     listed += bin.len();
                 }
             }
@@ -782,7 +786,11 @@ mod tests {
         p.free(a.token, a.addr).unwrap();
         p.free(c.token, c.addr).unwrap();
         p.check();
-        assert_eq!(p.free[0].bins.iter().map(Vec::len).sum::<usize>(), 3, "a, c and the tail are separate free blocks");
+        assert_eq!(
+            p.free[0].bins.iter().map(Vec::len).sum::<usize>(),
+            3,
+            "a, c and the tail are separate free blocks"
+        );
         p.free(b.token, b.addr).unwrap();
         p.check();
         assert_eq!(p.free[0].bins.iter().map(Vec::len).sum::<usize>(), 2, "a, b and c merged");
