@@ -13,9 +13,10 @@
 #            its own stream), three rounds on two traces
 #   mtx      the same scaling without the C ABI (examples/mt_replay.rs), on the simulator and
 #            on the GPU, with the device allocations made in the timed passes
+#   asyncx   raw cudaMallocAsync against cudaMallocFromPoolAsync (AsyncPool's call), with and
+#            without a capture query per call, and AsyncPool, alternating, five rounds
 #   speed    StreamSafe through the C ABI against the fast anchors (PyTorch native and
-#            expandable, RMM pool and binning), three rounds; StreamSafe on the simulator
-#            too, to tell this machine's CPU from the device (scripts/gpu/speed_table.py)
+#            expandable, RMM pool and binning), three rounds (scripts/gpu/speed_table.py)
 # Results go to $OUT (or /tmp/streamalloc-gpu). Exits non-zero if any part failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -61,15 +62,20 @@ for part in "$@"; do
       for dev in sim cuda; do for tr in resnet50_train gpt2_train; do
         .gpu/mt_replay ".anchors/traces/$tr.csv" $dev
       done; done | tee "$OUT/mt_replay.txt" ;;
+    asyncx)
+      build_anchors && nvcc -O2 -std=c++17 -I.anchors -o /tmp/anchor-bin/async_variants scripts/gpu/async_variants.cpp &&
+        for round in 1 2 3 4 5; do for tr in .anchors/traces/*.csv; do
+          for m in async frompool frompool_query; do /tmp/anchor-bin/async_variants $m "$tr"; done
+          STREAMALLOC_CONF=strategy=async /tmp/anchor-bin/replay_core \
+            "so:$PWD/.anchors/libstreamalloc.so:streamalloc_malloc:streamalloc_free" "$tr"
+        done; done | tee "$OUT/asyncx_rounds.jsonl" ;;
     speed)
       build_anchors && for round in 1 2 3; do echo "{\"round\":$round}"; for tr in .anchors/traces/*.csv; do
         /tmp/anchor-bin/replay_torch "$tr"
         PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True /tmp/anchor-bin/replay_torch "$tr"
         /tmp/anchor-bin/replay_rmm pool "$tr" && /tmp/anchor-bin/replay_rmm binning "$tr"
-        for c in strategy=stream_safe device=sim,strategy=stream_safe; do
-          STREAMALLOC_CONF=$c /tmp/anchor-bin/replay_core \
-            "so:$PWD/.anchors/libstreamalloc.so:streamalloc_malloc:streamalloc_free" "$tr"
-        done
+        STREAMALLOC_CONF=strategy=stream_safe /tmp/anchor-bin/replay_core \
+          "so:$PWD/.anchors/libstreamalloc.so:streamalloc_malloc:streamalloc_free" "$tr"
       done; done > "$OUT/speed_rounds.jsonl" && python3 scripts/gpu/speed_table.py < "$OUT/speed_rounds.jsonl" \
         | tee "$OUT/speed.md" ;;
     mt)

@@ -1,6 +1,6 @@
 """Reads the `speed` part's JSON lines (a {"round": N} line before each round's results) and
 prints, per round and trace, StreamSafe's warm ns/op through the C ABI over the fastest anchor
-of that round (the #3 bar: at most 0.5), and StreamSafe on the simulator for comparison."""
+of that round (the #3 bar: at most 0.5)."""
 import json
 import sys
 from collections import defaultdict
@@ -19,14 +19,12 @@ for line in sys.stdin:
         rounds[current][r["trace"].removesuffix(".csv")][r["allocator"]] = r["ns_per_op_warm"]
 
 ours = "streamalloc:strategy=stream_safe"
-sim = "streamalloc:device=sim,strategy=stream_safe"
-print("| round | trace | fastest anchor | ns/op | stream_safe ns/op | ratio | on the simulator, same CPU |")
-print("|---|---|---|---|---|---|---|")
+print("| round | trace | fastest anchor | ns/op | stream_safe ns/op | ratio |")
+print("|---|---|---|---|---|---|")
 for n, traces in sorted(rounds.items()):
     for trace, figures in sorted(traces.items()):
         anchors = {k: v for k, v in figures.items() if not k.startswith("streamalloc")}
         if not anchors or ours not in figures:
             continue
         name, best = min(anchors.items(), key=lambda kv: kv[1])
-        print(f"| {n} | {trace} | {name} | {best:.0f} | {figures[ours]:.0f} | {figures[ours] / best:.2f} | "
-              f"{figures.get(sim, float('nan')):.0f} |")
+        print(f"| {n} | {trace} | {name} | {best:.0f} | {figures[ours]:.0f} | {figures[ours] / best:.2f} |")
