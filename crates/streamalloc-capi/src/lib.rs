@@ -8,8 +8,10 @@
 //!
 //! All three share one process-wide facade (per-device allocator stacks), configured by
 //! [`streamalloc_configure`] or else, at the first call, from `STREAMALLOC_CONF` (e.g.
-//! `device=sim,strategy=plain`); and one map of live allocations by pointer, so a pointer from
-//! any face can be freed by the free of any other. No call unwinds into C or aborts: errors and
+//! `device=sim,strategy=plain`). Each device's stack keeps its live allocations by pointer
+//! (a [`PointerAllocator`](core_alloc::PointerAllocator): `stream_safe` in its per-stream
+//! pools, under the lock a free takes anyway; other stacks in a map of handles), so a pointer
+//! from any face can be freed by the free of any other. No call unwinds into C or aborts: errors and
 //! panics become a status (or a null pointer) and the thread's last error. Zero-size requests
 //! give a null pointer (PyTorch's convention), and freeing null does nothing.
 //!
