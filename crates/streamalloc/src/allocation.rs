@@ -271,8 +271,9 @@ pub trait StreamAllocator: Allocator {
 /// and the front end keeps no map of its own. The [ordering contract](self) is the same as
 /// for handles: a free is ordered on the owning stream and after every recorded stream.
 ///
-/// [`StreamSafe`](crate::allocators::StreamSafe) keeps them in its pools, under the lock a
-/// free takes anyway; [`PointerMap`](crate::adaptors::PointerMap) gives any
+/// Dropping the allocator frees the allocations it still keeps (their pointers must not be
+/// used after that). [`StreamSafe`](crate::allocators::StreamSafe) keeps them in its pools,
+/// under the lock a free takes anyway; [`PointerMap`](crate::adaptors::PointerMap) gives any
 /// [`StreamAllocator`] this interface by keeping its handles in a map.
 pub trait PointerAllocator: Send + Sync {
     /// Allocates `size` bytes owned by `stream` and keeps the allocation until

@@ -145,3 +145,29 @@ fn the_same_stack_from_code_and_from_a_string() {
     };
     assert_eq!(from_string, from_code);
 }
+
+/// Every stack frees by pointer: `stream_safe` alone through its own bookkeeping, any
+/// stack with a layer through a map of handles, and the layers see the pointer traffic.
+#[test]
+fn every_stack_allocates_and_frees_by_pointer() {
+    for conf in
+        ["strategy=stream_safe", "strategy=stream_safe,stats=true", "strategy=plain", "strategy=async"]
+    {
+        let f = sim(conf);
+        let stack = f.stack(0).unwrap();
+        let s = stack.device.create_stream().unwrap();
+        let p = stack.pointers.allocate_ptr(3 * MIB, s).unwrap();
+        assert_eq!(f.stats(0).allocated, 3 * MIB, "{conf}");
+        assert!(stack.pointers.record_stream_ptr(p, Stream::DEFAULT), "{conf}");
+        assert!(stack.pointers.free_ptr(p, Stream::DEFAULT), "{conf}: a wrong hint still finds it");
+        assert!(!stack.pointers.free_ptr(p, s), "{conf}: freed twice");
+        assert_eq!(f.stats(0).allocated, 0, "{conf}");
+        assert_eq!(stack.pointers.allocate_ptr(0, s).unwrap(), 0);
+    }
+    let f = sim("strategy=stream_safe,stats=true");
+    let stack = f.stack(0).unwrap();
+    let p = stack.pointers.allocate_ptr(MIB, Stream::DEFAULT).unwrap();
+    let per_stream = f.stream_stats(0).unwrap();
+    assert_eq!(per_stream.len(), 1, "the stats layer saw the allocation made by pointer");
+    assert!(stack.pointers.free_ptr(p, Stream::DEFAULT));
+}
