@@ -9,6 +9,7 @@ use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 
 use crate::allocation::{Allocation, PointerAllocator, StreamAllocator};
+use crate::allocators::insert_roomy;
 use crate::device::{DevicePtr, Stream};
 use crate::error::Result;
 
@@ -142,7 +143,7 @@ impl LiveMap {
 /// is leaked instead.
 fn put(shard: &Shard, a: Option<Allocation>) {
     if let Some(a) = a {
-        if let Some(old) = shard.0.lock().insert(a.ptr(), a) {
+        if let Some(old) = insert_roomy(&mut shard.0.lock(), a.ptr(), a) {
             std::mem::forget(old);
         }
     }

@@ -195,7 +195,7 @@ impl BestFit {
         let rounded = Self::round(size)?;
         let mut st = self.lock_polled(poll)?;
         let Some(grant) = st.allocate(rounded, size) else { return Ok(None) };
-        st.kept.insert(grant.addr, (grant.token, size));
+        super::insert_roomy(&mut st.kept, grant.addr, (grant.token, size));
         Ok(Some(grant.addr))
     }
 
@@ -211,7 +211,7 @@ impl BestFit {
             ));
         }
         let mut st = self.inner.state.lock();
-        st.kept.insert(block.ptr, (block.token, block.size));
+        super::insert_roomy(&mut st.kept, block.ptr, (block.token, block.size));
         if !block.recorded.is_empty() {
             st.kept_recorded.insert(block.ptr, block.recorded);
         }
