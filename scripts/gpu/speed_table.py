@@ -1,6 +1,8 @@
 """Reads the `speed` part's JSON lines (a {"round": N} line before each round's results) and
 prints, per round and trace, StreamSafe's warm ns/op through the C ABI over the fastest anchor
-of that round (the #3 bar: at most 0.5)."""
+of that round (the #3 bar: at most 0.5); then each allocator's best round against the best
+round of the fastest anchor, which reads through the machine's noise (the same binary, run
+back to back on the H200 machine, ranges over 2x)."""
 import json
 import sys
 from collections import defaultdict
@@ -28,3 +30,18 @@ for n, traces in sorted(rounds.items()):
             continue
         name, best = min(anchors.items(), key=lambda kv: kv[1])
         print(f"| {n} | {trace} | {name} | {best:.0f} | {figures[ours]:.0f} | {figures[ours] / best:.2f} |")
+
+best = defaultdict(dict)
+for traces in rounds.values():
+    for trace, figures in traces.items():
+        for name, ns in figures.items():
+            best[trace][name] = min(ns, best[trace].get(name, ns))
+print()
+print("| trace | fastest anchor, best round | ns/op | stream_safe, best round | ratio |")
+print("|---|---|---|---|---|")
+for trace, figures in sorted(best.items()):
+    anchors = {k: v for k, v in figures.items() if not k.startswith("streamalloc")}
+    if not anchors or ours not in figures:
+        continue
+    name, ns = min(anchors.items(), key=lambda kv: kv[1])
+    print(f"| {trace} | {name} | {ns:.0f} | {figures[ours]:.0f} | {figures[ours] / ns:.2f} |")
