@@ -6,7 +6,8 @@
 #   gpt2     GPT-2 small training under PyTorch's allocator and each strategy, losses compared
 #   anchors  the anchors harness (footprint and ns/op tables) and its multi-thread scaling
 #   bench    the cost of a free with a recorded stream (examples/recorded_free_cost.rs) and
-#            what AsyncPool adds to the bare driver calls (examples/async_overhead.rs)
+#            what AsyncPool adds to the bare driver calls, per pair and on each trace with
+#            alternating passes in one process (examples/async_overhead.rs)
 #   async    AsyncPool against raw cudaMallocAsync in the anchors harness, alternating, five
 #            rounds
 #   mt       StreamSafe's multi-thread scaling in the anchors harness (1-8 threads, each on
@@ -51,7 +52,7 @@ for part in "$@"; do
           bash .anchors/run_mt.sh .anchors/traces/resnet50_train.csv .anchors/libstreamalloc.so \
           | tee "$OUT/anchors_mt.jsonl" ;;
     bench) .gpu/recorded_free_cost | tee "$OUT/recorded_free_cost.txt" &&
-      .gpu/async_overhead | tee "$OUT/async_overhead.txt" ;;
+      .gpu/async_overhead .anchors/traces/*.csv | tee "$OUT/async_overhead.txt" ;;
     async)
       build_anchors && for round in 1 2 3 4 5; do for tr in .anchors/traces/*.csv; do
         /tmp/anchor-bin/replay_core async "$tr" &&
