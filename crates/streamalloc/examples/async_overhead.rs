@@ -94,7 +94,10 @@ fn replay(
             trace,
             &mut allocations,
             |n| async_pool.allocate_on(n, s).map(Some),
-            |a| Ok(drop(a)),
+            |a| {
+                drop(a);
+                Ok(())
+            },
             sync,
         )?);
         pointers.push(pass(
