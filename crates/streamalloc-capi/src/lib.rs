@@ -10,7 +10,8 @@
 //! [`streamalloc_configure`] or else, at the first call, from `STREAMALLOC_CONF` (e.g.
 //! `device=sim,strategy=plain`). Each device's stack keeps its live allocations by pointer
 //! (a [`PointerAllocator`](core_alloc::PointerAllocator): `stream_safe` in its per-stream
-//! pools, under the lock a free takes anyway; other stacks in a map of handles), so a pointer
+//! pools and `async` beside its counters, under the lock each takes anyway; stacks with
+//! adaptor layers in a map of handles), so a pointer
 //! from any face can be freed by the free of any other. No call unwinds into C or aborts: errors and
 //! panics become a status (or a null pointer) and the thread's last error. Zero-size requests
 //! give a null pointer (PyTorch's convention), and freeing null does nothing.

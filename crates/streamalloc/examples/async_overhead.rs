@@ -7,8 +7,8 @@
 //! Given trace files, it then replays each, alternating passes in this one process so that
 //! every subject sees the same pool and the same moment of the machine: the bare calls with
 //! the trace's sizes (what the anchors' raw cudaMallocAsync does), AsyncPool by handle, and
-//! AsyncPool by pointer through a [`PointerMap`] (the C ABI's path for `strategy=async`);
-//! the median pass of each, in ns per operation.
+//! AsyncPool by pointer (its own bookkeeping: the C ABI's path for `strategy=async`); the
+//! median pass of each, in ns per operation.
 //!
 //! A measurement to read, not a test: `cargo run --release --example async_overhead [TRACE...]`
 //! (on the GPU machine, the packed binary: scripts/gpu/device-run.sh bench).
@@ -16,7 +16,6 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use streamalloc::adaptors::PointerMap;
 use streamalloc::allocators::{AsyncPool, AsyncPoolConfig, PoolMode};
 use streamalloc::device::cuda::CudaDevice;
 use streamalloc::device::{Pool, PoolAttr, Stream};
@@ -77,7 +76,7 @@ fn replay(
     async_pool: &Arc<AsyncPool>,
     trace: &Trace,
 ) -> Result<()> {
-    let by_pointer = PointerMap::new(async_pool.clone());
+    let by_pointer: &dyn PointerAllocator = async_pool.as_ref();
     let (mut raw, mut handles, mut pointers) = (Vec::new(), Vec::new(), Vec::new());
     let mut ptrs = vec![0u64; trace.slots];
     let mut allocations: Vec<Option<Allocation>> = (0..trace.slots).map(|_| None).collect();

@@ -272,8 +272,9 @@ pub trait StreamAllocator: Allocator {
 /// for handles: a free is ordered on the owning stream and after every recorded stream.
 ///
 /// Dropping the allocator frees the allocations it still keeps (their pointers must not be
-/// used after that). [`StreamSafe`](crate::allocators::StreamSafe) keeps them in its pools,
-/// under the lock a free takes anyway; [`PointerMap`](crate::adaptors::PointerMap) gives any
+/// used after that). [`StreamSafe`](crate::allocators::StreamSafe) keeps them in its pools
+/// and [`AsyncPool`](crate::allocators::AsyncPool) beside its counters, under the lock a
+/// free takes anyway; [`PointerMap`](crate::adaptors::PointerMap) gives any
 /// [`StreamAllocator`] this interface by keeping its handles in a map.
 pub trait PointerAllocator: Send + Sync {
     /// Allocates `size` bytes owned by `stream` and keeps the allocation until

@@ -163,3 +163,12 @@ fn pointer_map(device: Arc<dyn Device>) -> Made {
 
 conformance_tests!(stream_safe_by_pointer_on_sim, stream_safe_by_pointer);
 conformance_tests!(pointer_map_on_sim, pointer_map);
+
+/// AsyncPool through its own pointer bookkeeping (the C ABI's path with `async`).
+fn async_pool_by_pointer(device: Arc<dyn Device>) -> Made {
+    use streamalloc::allocators::{AsyncPool, AsyncPoolConfig};
+    let pool = Arc::new(AsyncPool::new(device, AsyncPoolConfig::default()));
+    Made::Streams(Arc::new(ByPointer { pointers: pool.clone(), base: pool }))
+}
+
+conformance_tests!(async_pool_by_pointer_on_sim, async_pool_by_pointer);

@@ -4,15 +4,17 @@
 //! `--ignored`. Waits are bounded: a stream blocked by a host function is released after at
 //! most [`BLOCK_LIMIT`].
 
+mod conformance;
 mod gpu_common;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use conformance::ByPointer;
 use gpu_common::{all, block_stream, gpu};
 use streamalloc::allocators::{AsyncPool, AsyncPoolConfig, PoolMode, ReuseFlags};
-use streamalloc::{Allocator, Device, DevicePtr, Stream, StreamAllocator};
+use streamalloc::{Allocator, Device, DevicePtr, PointerAllocator, Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
@@ -31,10 +33,13 @@ fn read(device: &Arc<dyn Device>, ptr: DevicePtr, len: usize, stream: Stream) ->
 
 /// Stream B is blocked; B's pending work (a write of 0xBB, enqueued before the free) uses a
 /// buffer of stream A, which is then freed; A allocates the same size and writes 0xCC, and B
-/// is released. Returns (whether A got the same address, the new buffer's bytes).
-fn delayed_user_then_reuse(record: bool) -> (bool, Vec<u8>) {
+/// is released. Returns (whether A got the same address, the new buffer's bytes). With
+/// `by_pointer`, through the pool's pointer bookkeeping (the C ABI's path).
+fn delayed_user_then_reuse(record: bool, by_pointer: bool) -> (bool, Vec<u8>) {
     let device = gpu();
-    let pool = owned_pool(&device);
+    let owned = Arc::new(owned_pool(&device));
+    let wrapped = ByPointer { pointers: owned.clone(), base: owned.clone() };
+    let pool: &dyn StreamAllocator = if by_pointer { &wrapped } else { owned.as_ref() };
     let (a, b) = (device.create_stream().unwrap(), device.create_stream().unwrap());
     const N: usize = 64 * MIB;
     let mut x = pool.allocate_on(N, a).unwrap();
@@ -63,7 +68,7 @@ fn delayed_user_then_reuse(record: bool) -> (bool, Vec<u8>) {
     drop(y);
     device.synchronize_stream(a).unwrap();
     device.destroy_event(done).unwrap();
-    drop(pool);
+    drop((wrapped, owned));
     device.destroy_stream(a).unwrap();
     device.destroy_stream(b).unwrap();
     (same, bytes)
@@ -72,8 +77,13 @@ fn delayed_user_then_reuse(record: bool) -> (bool, Vec<u8>) {
 #[test]
 #[ignore = "needs a CUDA GPU: run by scripts/gpu-test.sh"]
 fn record_stream_prevents_early_reuse() {
-    let (same, bytes) = delayed_user_then_reuse(true);
-    assert!(all(&bytes, 0xCC), "B's delayed write landed in A's new allocation (same address: {same})");
+    for by_pointer in [false, true] {
+        let (same, bytes) = delayed_user_then_reuse(true, by_pointer);
+        assert!(
+            all(&bytes, 0xCC),
+            "B's delayed write landed in A's new allocation (same address: {same}, by pointer: {by_pointer})"
+        );
+    }
 }
 
 /// The control: without `record_stream`, the pool hands the memory to A at once, B's delayed
@@ -81,9 +91,14 @@ fn record_stream_prevents_early_reuse() {
 #[test]
 #[ignore = "needs a CUDA GPU: run by scripts/gpu-test.sh"]
 fn without_record_stream_memory_is_reused_early() {
-    let (same, bytes) = delayed_user_then_reuse(false);
-    assert!(same, "the pool did not reuse the block at once");
-    assert!(all(&bytes, 0xBB), "expected B's late write to show the early reuse");
+    for by_pointer in [false, true] {
+        let (same, bytes) = delayed_user_then_reuse(false, by_pointer);
+        assert!(same, "the pool did not reuse the block at once (by pointer: {by_pointer})");
+        assert!(
+            all(&bytes, 0xBB),
+            "expected B's late write to show the early reuse (by pointer: {by_pointer})"
+        );
+    }
 }
 
 fn graph_setup() -> (Arc<dyn Device>, AsyncPool, Stream) {
@@ -138,6 +153,27 @@ fn graph_case2_allocated_inside_freed_outside() {
     drop(y);
     g.destroy().unwrap();
     pool.allocate_on(MIB, s).expect("no error kept");
+    device.synchronize_stream(s).unwrap();
+}
+
+/// Case 2 by pointer: graph memory kept by pointer and freed outside the capture belongs to
+/// the graph as a handle's does.
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-test.sh"]
+fn graph_case2_by_pointer() {
+    let (device, pool, s) = graph_setup();
+    let cap = pool.begin_capture(s).unwrap();
+    let x = pool.allocate_ptr(16 * MIB, s).unwrap();
+    device.memset_async(x, 0x44, 16 * MIB, s).unwrap();
+    let g = cap.end().unwrap();
+    g.launch(s).unwrap();
+    assert!(all(&read(&device, x, 16 * MIB, s), 0x44), "graph memory holds the launch's data");
+    assert!(pool.free_ptr(x, s));
+    g.launch(s).expect("auto-free-on-launch allows a relaunch");
+    assert!(all(&read(&device, x, 16 * MIB, s), 0x44));
+    g.destroy().unwrap();
+    assert_eq!(pool.stats().live_allocations, 0);
+    pool.allocate_ptr(MIB, s).expect("no error kept");
     device.synchronize_stream(s).unwrap();
 }
 

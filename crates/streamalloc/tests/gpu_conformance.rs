@@ -40,3 +40,12 @@ fn stream_safe_by_pointer(device: Arc<dyn Device>) -> Made {
 }
 
 conformance_tests!(gpu stream_safe_by_pointer_on_gpu, stream_safe_by_pointer);
+
+/// AsyncPool through its own pointer bookkeeping (the C ABI's path with `async`).
+fn async_pool_by_pointer(device: Arc<dyn Device>) -> Made {
+    use streamalloc::allocators::{AsyncPool, AsyncPoolConfig};
+    let pool = Arc::new(AsyncPool::new(device, AsyncPoolConfig::default()));
+    Made::Streams(Arc::new(ByPointer { pointers: pool.clone(), base: pool }))
+}
+
+conformance_tests!(gpu async_pool_by_pointer_on_gpu, async_pool_by_pointer);

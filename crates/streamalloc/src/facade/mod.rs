@@ -49,8 +49,8 @@ pub struct DeviceStack {
     /// The outermost layer of its stack.
     pub allocator: DynAllocator,
     /// The same stack by pointer, for front ends that hand raw pointers out: the strategy
-    /// itself where it keeps its allocations by pointer (`stream_safe` with no adaptor
-    /// layer), else a [`PointerMap`] over [`DeviceStack::allocator`].
+    /// itself where it keeps its allocations by pointer (`stream_safe` and `async` with no
+    /// adaptor layer), else a [`PointerMap`] over [`DeviceStack::allocator`].
     pub pointers: Arc<dyn PointerAllocator>,
     /// The per-stream statistics layer, with `stats=true`.
     pub stats: Option<Arc<StatsAdaptor<DynAllocator>>>,
@@ -215,7 +215,9 @@ impl Facade {
                     trim_floor: c.trim_floor,
                     ..Default::default()
                 };
-                Arc::new(AsyncPool::new(device.clone(), config))
+                let pool = Arc::new(AsyncPool::new(device.clone(), config));
+                native = Some(pool.clone());
+                pool
             }
         };
         let mut trace = None;

@@ -99,7 +99,7 @@ impl CaptureOwner {
 
 impl BlockOwner for CaptureOwner {
     fn free(&self, block: Block) {
-        self.inner.counters.lock().stats.on_free(block.size);
+        self.inner.counted(|c| c.stats.on_free(block.size));
         let mut st = self.shared.state.lock();
         let result = match st.phase {
             Phase::Capturing => {

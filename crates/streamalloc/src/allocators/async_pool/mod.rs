@@ -56,15 +56,18 @@ mod graph;
 mod tests;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
 
 pub use graph::{Capture, CapturedGraph};
 use graph::{CaptureOwner, GraphShared};
 
-use crate::allocation::{align_up, Allocation, Allocator, Block, BlockOwner, Stats, StreamAllocator};
+use crate::allocation::{
+    align_up, Allocation, Allocator, Block, BlockOwner, PointerAllocator, Stats, StreamAllocator,
+};
 use crate::device::{CaptureStatus, Device, DevicePtr, EventPool, Pool, PoolAttr, PoolProps, Stream};
 use crate::error::{Error, OutOfMemory, Result};
 
@@ -148,16 +151,57 @@ pub struct AsyncPool {
 struct Ready {
     pool: Pool,
     free_stream: Stream,
-    device_total: usize,
 }
 
-#[derive(Default)]
 struct Counters {
     stats: Stats,
     /// Bytes freed on the free stream since the last throttle wait.
     pending: usize,
+    /// Allocated plus pending bytes past which the throttle applies (set at first use).
+    throttle_limit: usize,
     /// The first error a free met, reported by the next call.
     free_error: Option<Error>,
+    /// Allocations kept by pointer ([`PointerAllocator`]).
+    kept: FxHashMap<DevicePtr, Kept>,
+}
+
+impl Default for Counters {
+    fn default() -> Self {
+        Self {
+            stats: Stats::default(),
+            pending: 0,
+            throttle_limit: usize::MAX,
+            free_error: None,
+            kept: FxHashMap::default(),
+        }
+    }
+}
+
+impl Counters {
+    /// Whether the next allocation waits on the free stream (see the [module docs](self#throttle)).
+    fn throttled(&self) -> bool {
+        self.pending > 0 && self.stats.allocated.saturating_add(self.pending) > self.throttle_limit
+    }
+
+    fn count_allocation(&mut self, size: usize) {
+        self.stats.on_allocate(size);
+        self.stats.device_allocs += 1;
+    }
+}
+
+/// An allocation kept by pointer.
+struct Kept {
+    size: usize,
+    stream: Stream,
+    recorded: Vec<Stream>,
+    /// The capture it was made in (cases 1 and 2 of the module docs), if any.
+    capture: Option<Arc<GraphShared>>,
+}
+
+/// Who takes an allocation back: the pool, or the capture it was made in.
+enum Owner {
+    Pool,
+    Capture(Arc<GraphShared>),
 }
 
 struct Inner {
@@ -168,6 +212,10 @@ struct Inner {
     init_lock: Mutex<()>,
     events: EventPool,
     counters: Mutex<Counters>,
+    /// Mirrors [`Counters::throttled`], read without the lock.
+    throttled: AtomicBool,
+    /// Mirrors `counters.free_error.is_some()`, read without the lock.
+    failed: AtomicBool,
     /// Captures begun through this allocator, by capturing stream.
     captures: Mutex<HashMap<Stream, Arc<GraphShared>>>,
 }
@@ -189,6 +237,8 @@ impl AsyncPool {
             ready: OnceLock::new(),
             init_lock: Mutex::new(()),
             counters: Mutex::new(Counters::default()),
+            throttled: AtomicBool::new(false),
+            failed: AtomicBool::new(false),
             captures: Mutex::new(HashMap::new()),
         };
         Self { inner: Arc::new(inner) }
@@ -232,10 +282,24 @@ impl AsyncPool {
     }
 
     fn take_free_error(&self) -> Result<()> {
-        match self.inner.counters.lock().free_error.take() {
+        match self.inner.counted(|c| c.free_error.take()) {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+
+    /// The device side of an allocation of `size` bytes (not zero) on `stream`, not yet
+    /// counted: the pointer and who takes it back.
+    fn allocate_uncounted(&self, size: usize, stream: Stream) -> Result<(DevicePtr, Owner)> {
+        let inner = &self.inner;
+        let rounded = align_up(size)
+            .ok_or_else(|| Error::InvalidArgument(format!("allocation size {size} overflows")))?;
+        let ready = inner.ready()?;
+        if inner.failed.load(Ordering::Relaxed) {
+            self.take_free_error()?;
+        }
+        let throttled = inner.throttled.load(Ordering::Relaxed);
+        inner.allocate_device(ready, size, rounded, stream, throttled)
     }
 }
 
@@ -286,34 +350,12 @@ impl StreamAllocator for AsyncPool {
         if size == 0 {
             return Ok(Allocation::empty(device, stream));
         }
-        let rounded = align_up(size)
-            .ok_or_else(|| Error::InvalidArgument(format!("allocation size {size} overflows")))?;
-        let ready = inner.ready()?;
-        // One look at the counters: an error a free met, whether the throttle applies, and
-        // the allocation counted in advance (taken back below if it fails).
-        let (over_throttle, peak_before) = {
-            let mut c = inner.counters.lock();
-            if let Some(e) = c.free_error.take() {
-                return Err(e);
-            }
-            let over = c.pending > 0
-                && (c.stats.allocated + c.pending) as f64
-                    > inner.config.throttle_ratio * ready.device_total as f64;
-            let peak_before = c.stats.allocated_peak;
-            c.stats.on_allocate(size);
-            c.stats.device_allocs += 1;
-            (over, peak_before)
+        let (ptr, owner) = self.allocate_uncounted(size, stream)?;
+        inner.counted(|c| c.count_allocation(size));
+        let owner: Arc<dyn BlockOwner> = match owner {
+            Owner::Pool => inner.clone(),
+            Owner::Capture(shared) => Arc::new(CaptureOwner::new(inner.clone(), shared)),
         };
-        let made = inner.allocate_counted(ready, size, rounded, stream, over_throttle);
-        if made.is_err() {
-            let s = &mut inner.counters.lock().stats;
-            s.allocated -= size;
-            s.allocated_peak = peak_before.max(s.allocated);
-            s.live_allocations -= 1;
-            s.total_allocations -= 1;
-            s.device_allocs -= 1;
-        }
-        let (ptr, owner) = made?;
         let block = Block { ptr, size, stream, device, token: 0, recorded: Vec::new() };
         Ok(Allocation::new(block, owner))
     }
@@ -328,20 +370,28 @@ impl StreamAllocator for AsyncPool {
 }
 
 impl Inner {
-    /// The device side of an allocation, already counted: the pointer and the owner that
-    /// takes it back.
-    fn allocate_counted(
-        self: &Arc<Self>,
+    /// Runs `f` on the counters, then refreshes what is read of them without the lock.
+    fn counted<R>(&self, f: impl FnOnce(&mut Counters) -> R) -> R {
+        let mut c = self.counters.lock();
+        let r = f(&mut c);
+        self.throttled.store(c.throttled(), Ordering::Relaxed);
+        self.failed.store(c.free_error.is_some(), Ordering::Relaxed);
+        r
+    }
+
+    /// The device side of an allocation: the pointer and who takes it back.
+    fn allocate_device(
+        &self,
         ready: &Ready,
         size: usize,
         rounded: usize,
         stream: Stream,
-        over_throttle: bool,
-    ) -> Result<(DevicePtr, Arc<dyn BlockOwner>)> {
+        throttled: bool,
+    ) -> Result<(DevicePtr, Owner)> {
         Ok(match self.device.capture_status(stream)? {
             CaptureStatus::None => {
-                self.throttle(ready, stream, over_throttle)?;
-                (self.alloc_with_retry(ready, size, rounded, stream)?, self.clone())
+                self.throttle(ready, stream, throttled)?;
+                (self.alloc_with_retry(ready, size, rounded, stream)?, Owner::Pool)
             }
             CaptureStatus::Active => {
                 let Some(shared) = self.captures.lock().get(&stream).cloned() else {
@@ -354,7 +404,7 @@ impl Inner {
                 let ptr = self.device.alloc_async(rounded, ready.pool, stream).inspect_err(|_| {
                     self.counters.lock().stats.failures += 1;
                 })?;
-                (ptr, Arc::new(CaptureOwner::new(self.clone(), shared)))
+                (ptr, Owner::Capture(shared))
             }
             CaptureStatus::Invalidated => {
                 return Err(Error::InvalidArgument(format!(
@@ -375,6 +425,9 @@ impl Inner {
             return Ok(r);
         }
         let device_total = self.device.mem_info()?.total;
+        // Saturates: an infinite ratio never throttles.
+        let limit = (self.config.throttle_ratio * device_total as f64) as usize;
+        self.counted(|c| c.throttle_limit = limit);
         let pool = match self.config.mode {
             PoolMode::DefaultPool { release_threshold } => {
                 let pool = self.device.default_pool()?;
@@ -409,7 +462,7 @@ impl Inner {
                 return Err(e);
             }
         };
-        Ok(self.ready.get_or_init(|| Ready { pool, free_stream, device_total }))
+        Ok(self.ready.get_or_init(|| Ready { pool, free_stream }))
     }
 
     /// Makes later work on `waiter` wait for the work enqueued so far on each of `streams`.
@@ -432,7 +485,7 @@ impl Inner {
     fn throttle(&self, ready: &Ready, stream: Stream, over: bool) -> Result<()> {
         if over {
             self.order_after(stream, [ready.free_stream])?;
-            self.counters.lock().pending = 0;
+            self.counted(|c| c.pending = 0);
         }
         Ok(())
     }
@@ -477,8 +530,7 @@ impl Inner {
             Error::oom(OutOfMemory {
                 device: self.device.ordinal(),
                 requested: size,
-                // The request was counted in advance (see `allocate_on`).
-                allocated: c.stats.allocated.saturating_sub(size),
+                allocated: c.stats.allocated,
                 cached: reserved.saturating_sub(attr(PoolAttr::UsedMemCurrent)),
                 pending_release: c.pending,
                 reserved,
@@ -518,7 +570,7 @@ impl Inner {
                 std::iter::once(block.stream).chain(block.recorded.iter().copied()),
             )?;
             self.device.free_async(block.ptr, ready.free_stream)?;
-            self.counters.lock().pending += block.size;
+            self.counted(|c| c.pending += block.size);
         }
         Ok(true)
     }
@@ -542,7 +594,9 @@ impl Inner {
 
     fn keep_error(&self, result: Result<()>) {
         if let Err(e) = result {
-            self.counters.lock().free_error.get_or_insert(e);
+            self.counted(|c| {
+                c.free_error.get_or_insert(e);
+            });
         }
     }
 }
@@ -552,20 +606,28 @@ impl BlockOwner for Inner {
         let size = block.size;
         let result = self.release_uncounted(block);
         // One look at the counters.
-        let mut c = self.counters.lock();
-        c.stats.on_free(size);
-        match result {
-            Ok(true) => c.stats.device_frees += 1,
-            Ok(false) => {}
-            Err(e) => {
-                c.free_error.get_or_insert(e);
+        self.counted(|c| {
+            c.stats.on_free(size);
+            match result {
+                Ok(true) => c.stats.device_frees += 1,
+                Ok(false) => {}
+                Err(e) => {
+                    c.free_error.get_or_insert(e);
+                }
             }
-        }
+        });
     }
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
+        // Allocations still kept by pointer go with the allocator (those of a capture belong
+        // to its graph). Nothing to report a failure to.
+        for (ptr, kept) in std::mem::take(&mut self.counters.get_mut().kept) {
+            if kept.capture.is_none() {
+                let _ = self.device.free_async(ptr, kept.stream);
+            }
+        }
         if let Some(ready) = self.ready.get() {
             // Nothing to report to: work already enqueued on the stream still completes, and
             // a pool with outstanding frees is released by the driver once they complete.
@@ -574,5 +636,71 @@ impl Drop for Inner {
                 let _ = self.device.destroy_pool(ready.pool);
             }
         }
+    }
+}
+
+/// The allocator keeps allocations by pointer under the lock its counters take anyway: an
+/// allocation or a free by pointer locks once, as one by handle does.
+impl PointerAllocator for AsyncPool {
+    fn allocate_ptr(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
+        if size == 0 {
+            return Ok(0);
+        }
+        let (ptr, owner) = self.allocate_uncounted(size, stream)?;
+        let capture = match owner {
+            Owner::Pool => None,
+            Owner::Capture(shared) => Some(shared),
+        };
+        self.inner.counted(|c| {
+            c.count_allocation(size);
+            crate::allocators::insert_roomy(
+                &mut c.kept,
+                ptr,
+                Kept { size, stream, recorded: Vec::new(), capture },
+            );
+        });
+        Ok(ptr)
+    }
+
+    fn free_ptr(&self, ptr: DevicePtr, _owner: Stream) -> bool {
+        let inner = &self.inner;
+        // Counted as a device free at once; taken back in the rare case that it is not one.
+        let kept = inner.counted(|c| {
+            let kept = c.kept.remove(&ptr)?;
+            if kept.capture.is_none() {
+                c.stats.on_free(kept.size);
+                c.stats.device_frees += 1;
+            }
+            Some(kept)
+        });
+        let Some(kept) = kept else { return false };
+        let device = inner.device.ordinal();
+        let block =
+            Block { ptr, size: kept.size, stream: kept.stream, device, token: 0, recorded: kept.recorded };
+        match kept.capture {
+            Some(shared) => CaptureOwner::new(inner.clone(), shared).free(block),
+            None => match inner.release_uncounted(block) {
+                Ok(true) => {}
+                // Deferred to the end of a capture, which counts it then.
+                Ok(false) => inner.counted(|c| c.stats.device_frees -= 1),
+                Err(e) => inner.counted(|c| {
+                    c.stats.device_frees -= 1;
+                    c.free_error.get_or_insert(e);
+                }),
+            },
+        }
+        true
+    }
+
+    fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> bool {
+        self.inner
+            .counted(|c| {
+                let kept = c.kept.get_mut(&ptr)?;
+                if stream != kept.stream && !kept.recorded.contains(&stream) {
+                    kept.recorded.push(stream);
+                }
+                Some(())
+            })
+            .is_some()
     }
 }
