@@ -712,6 +712,19 @@ mod tests {
     }
 
     #[test]
+    fn bins_follow_size_order() {
+        let sizes = (1..20_000u64).map(|k| k * 256).chain((23..48).map(|p| (1u64 << p) - 256));
+        let mut last = (0, 0);
+        for size in sizes {
+            let bin = bin_of(size);
+            assert!(bin >= last.1, "{size} in bin {bin}, before {} in bin {}", last.0, last.1);
+            last = (size, bin);
+        }
+        assert_eq!(bin_of(1 << 20), bin_of((1 << 20) + (1 << 18) - 1), "four bins per doubling");
+        assert_eq!(bin_of(1 << 20) + 1, bin_of((1 << 20) + (1 << 18)));
+    }
+
+    #[test]
     fn rounds_to_alignment() {
         assert_eq!(BestFitPolicy::round(0), None);
         assert_eq!(BestFitPolicy::round(1), Some(256));
