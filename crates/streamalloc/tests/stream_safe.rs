@@ -267,7 +267,7 @@ fn pointers_of_a_retired_stream_are_freed() {
     assert_eq!(a.stats().reserved, 0);
 }
 
-/// Allocations that miss the cache (growth, out-of-memory retry) are kept by pointer too,
+/// Allocations that miss the cache and grow the pool are kept by pointer too,
 /// and threads freeing each other's pointers find them.
 #[test]
 fn pointers_cross_threads_and_growth() {
