@@ -21,14 +21,24 @@ for line in sys.stdin:
         rounds[current][r["trace"].removesuffix(".csv")][r["allocator"]] = r["ns_per_op_warm"]
 
 ours = "streamalloc:strategy=stream_safe"
+
+
+def fastest_anchor(figures):
+    """(name, ns/op) of the fastest allocator that is not streamalloc; None without one or
+    without our own figure."""
+    anchors = {k: v for k, v in figures.items() if not k.startswith("streamalloc")}
+    if not anchors or ours not in figures:
+        return None
+    return min(anchors.items(), key=lambda kv: kv[1])
+
+
 print("| round | trace | fastest anchor | ns/op | stream_safe ns/op | ratio |")
 print("|---|---|---|---|---|---|")
 for n, traces in sorted(rounds.items()):
     for trace, figures in sorted(traces.items()):
-        anchors = {k: v for k, v in figures.items() if not k.startswith("streamalloc")}
-        if not anchors or ours not in figures:
+        if not (anchor := fastest_anchor(figures)):
             continue
-        name, best = min(anchors.items(), key=lambda kv: kv[1])
+        name, best = anchor
         print(f"| {n} | {trace} | {name} | {best:.0f} | {figures[ours]:.0f} | {figures[ours] / best:.2f} |")
 
 best = defaultdict(dict)
@@ -40,8 +50,7 @@ print()
 print("| trace | fastest anchor, best round | ns/op | stream_safe, best round | ratio |")
 print("|---|---|---|---|---|")
 for trace, figures in sorted(best.items()):
-    anchors = {k: v for k, v in figures.items() if not k.startswith("streamalloc")}
-    if not anchors or ours not in figures:
+    if not (anchor := fastest_anchor(figures)):
         continue
-    name, ns = min(anchors.items(), key=lambda kv: kv[1])
+    name, ns = anchor
     print(f"| {trace} | {name} | {ns:.0f} | {figures[ours]:.0f} | {figures[ours] / ns:.2f} |")

@@ -90,11 +90,7 @@ impl State {
     /// Frees the allocation at `ptr` (null: nothing to do). `device` and `owner` are where
     /// the caller says it was made, looked at first.
     pub(crate) fn free(&self, ptr: DevicePtr, device: Option<c_int>, owner: Stream) -> Result<()> {
-        let first = self.stack_of(device);
-        if ptr == 0
-            || first.is_some_and(|s| s.pointers.free_ptr(ptr, owner))
-            || self.stacks_but(first).any(|s| s.pointers.free_ptr(ptr, owner))
-        {
+        if ptr == 0 || self.stacks_from(device).any(|s| s.pointers.free_ptr(ptr, owner)) {
             return Ok(());
         }
         Err(not_live(ptr))
@@ -143,20 +139,11 @@ impl State {
         Err(not_live(ptr))
     }
 
-    /// The stack of `device`, if it is one in use.
-    fn stack_of(&self, device: Option<c_int>) -> Option<&DeviceStack> {
-        device.and_then(|d| usize::try_from(d).ok()).and_then(|d| self.facade.built(d))
-    }
-
-    /// The stacks built so far but `first`.
-    fn stacks_but<'a>(&'a self, first: Option<&'a DeviceStack>) -> impl Iterator<Item = &'a DeviceStack> {
-        self.facade.built_stacks().filter(move |s| !first.is_some_and(|f| std::ptr::eq(f, *s)))
-    }
-
     /// The stacks built so far, that of `device` (if it is one in use) first.
     fn stacks_from(&self, device: Option<c_int>) -> impl Iterator<Item = &DeviceStack> {
-        let first = self.stack_of(device);
-        first.into_iter().chain(self.stacks_but(first))
+        let first = device.and_then(|d| usize::try_from(d).ok()).and_then(|d| self.facade.built(d));
+        let rest = self.facade.built_stacks().filter(move |s| !first.is_some_and(|f| std::ptr::eq(f, *s)));
+        first.into_iter().chain(rest)
     }
 
     /// Returns cached memory of `device` to the driver; the bytes returned (0 for a device

@@ -31,6 +31,15 @@ pub fn align_up(size: usize) -> Option<usize> {
     size.checked_add(ALIGNMENT - 1).map(|s| s & !(ALIGNMENT - 1))
 }
 
+/// Adds `stream` to `recorded`, the streams using memory that `owner` owns, unless it is the
+/// owner or there already ([`Allocation::record_stream`], and allocators that keep
+/// allocations by pointer).
+pub(crate) fn record_user(recorded: &mut Vec<Stream>, owner: Stream, stream: Stream) {
+    if stream != owner && !recorded.contains(&stream) {
+        recorded.push(stream);
+    }
+}
+
 /// What an allocator gets back when an [`Allocation`] is dropped.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Block {
@@ -103,9 +112,7 @@ impl Allocation {
     /// Marks `stream` as a user of this memory until the allocation is freed. Recording the
     /// owning stream, or a stream twice, does nothing.
     pub fn record_stream(&mut self, stream: Stream) {
-        if stream != self.block.stream && !self.block.recorded.contains(&stream) {
-            self.block.recorded.push(stream);
-        }
+        record_user(&mut self.block.recorded, self.block.stream, stream);
     }
 
     /// Undoes [`Allocation::record_stream`] for `stream` (the caller has ordered that

@@ -8,7 +8,7 @@ use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
 
 use super::chunk_source::{ChunkSource, DeviceChunks};
-use crate::allocation::{Allocation, Allocator, Block, BlockOwner, Stats};
+use crate::allocation::{record_user, Allocation, Allocator, Block, BlockOwner, Stats};
 use crate::device::{Device, DevicePtr, Event, EventPool, Stream};
 use crate::error::{Error, OutOfMemory, Result};
 use crate::policy::best_fit::{BestFitPolicy, Class, Classes, Grant, Growth};
@@ -243,11 +243,9 @@ impl BestFit {
         if !st.kept.contains_key(&ptr) {
             return false;
         }
+        // The owning stream is not recorded: no entry made for it.
         if stream != self.inner.stream {
-            let recorded = st.kept_recorded.entry(ptr).or_default();
-            if !recorded.contains(&stream) {
-                recorded.push(stream);
-            }
+            record_user(st.kept_recorded.entry(ptr).or_default(), self.inner.stream, stream);
         }
         true
     }

@@ -66,7 +66,7 @@ pub use graph::{Capture, CapturedGraph};
 use graph::{CaptureOwner, GraphShared};
 
 use crate::allocation::{
-    align_up, Allocation, Allocator, Block, BlockOwner, PointerAllocator, Stats, StreamAllocator,
+    align_up, record_user, Allocation, Allocator, Block, BlockOwner, PointerAllocator, Stats, StreamAllocator,
 };
 use crate::device::{CaptureStatus, Device, DevicePtr, EventPool, Pool, PoolAttr, PoolProps, Stream};
 use crate::error::{Error, OutOfMemory, Result};
@@ -696,9 +696,7 @@ impl PointerAllocator for AsyncPool {
         self.inner
             .counted(|c| {
                 let kept = c.kept.get_mut(&ptr)?;
-                if stream != kept.stream && !kept.recorded.contains(&stream) {
-                    kept.recorded.push(stream);
-                }
+                record_user(&mut kept.recorded, kept.stream, stream);
                 Some(())
             })
             .is_some()
