@@ -14,8 +14,9 @@
 #            its own stream), three rounds on two traces
 #   mtx      the same scaling without the C ABI (examples/mt_replay.rs), on the simulator and
 #            on the GPU, with the device allocations made in the timed passes
-#   asyncx   raw cudaMallocAsync against cudaMallocFromPoolAsync (AsyncPool's call), with and
-#            without a capture query per call, and AsyncPool, alternating, five rounds
+#   samerun  AsyncPool through the C ABI against raw cudaMallocAsync and the driver calls it
+#            makes, in one process, passes alternating, 31 rounds per trace
+#            (scripts/gpu/async_same_run.cpp; ROUNDS, SUBJECTS and EXTRA override)
 #   speed    StreamSafe through the C ABI against the fast anchors (PyTorch native and
 #            expandable, RMM pool and binning), three rounds (scripts/gpu/speed_table.py)
 # Results go to $OUT (or /tmp/streamalloc-gpu). Exits non-zero if any part failed.
@@ -63,13 +64,13 @@ for part in "$@"; do
       for dev in sim cuda; do for tr in resnet50_train gpt2_train; do
         .gpu/mt_replay ".anchors/traces/$tr.csv" $dev
       done; done | tee "$OUT/mt_replay.txt" ;;
-    asyncx)
-      build_anchors && nvcc -O2 -std=c++17 -I.anchors -o /tmp/anchor-bin/async_variants scripts/gpu/async_variants.cpp &&
-        for round in 1 2 3 4 5; do for tr in .anchors/traces/*.csv; do
-          for m in async frompool frompool_query; do /tmp/anchor-bin/async_variants $m "$tr"; done
-          STREAMALLOC_CONF=strategy=async /tmp/anchor-bin/replay_core \
-            "so:$PWD/.anchors/libstreamalloc.so:streamalloc_malloc:streamalloc_free" "$tr"
-        done; done | tee "$OUT/asyncx_rounds.jsonl" ;;
+    samerun)
+      mkdir -p /tmp/anchor-bin &&
+        nvcc -O2 -std=c++17 -I.anchors -o /tmp/anchor-bin/async_same_run scripts/gpu/async_same_run.cpp -lcuda -ldl &&
+        (for tr in .anchors/traces/*.csv; do
+          STREAMALLOC_CONF=strategy=async /tmp/anchor-bin/async_same_run "$tr" ${ROUNDS:-31} \
+            ${SUBJECTS:-async pool pool_ctx pool_ctx_query} "so:$PWD/.anchors/libstreamalloc.so" ${EXTRA:-} || exit 1
+        done) > "$OUT/samerun.jsonl" && grep -E 'summary|probe' "$OUT/samerun.jsonl" ;;
     speed)
       build_anchors && for round in 1 2 3; do echo "{\"round\":$round}"; for tr in .anchors/traces/*.csv; do
         /tmp/anchor-bin/replay_torch "$tr"

@@ -139,6 +139,34 @@ fn calls_work_from_a_thread_without_a_context() {
     .expect("worker thread failed");
 }
 
+/// The calls of the allocation path on an ordinary stream, which bind no context, work as the
+/// first calls of a thread with none current, and the memory is usable from another thread.
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-test.sh"]
+fn stream_calls_work_as_the_first_calls_of_a_thread() {
+    let dev = device();
+    let s = dev.create_stream().unwrap();
+    let pool = dev.default_pool().unwrap();
+    let d = Arc::clone(&dev);
+    let p = std::thread::spawn(move || {
+        assert_eq!(d.capture_status(s).unwrap(), CaptureStatus::None);
+        let p = d.alloc_async(MIB, pool, s).unwrap();
+        let q = d.alloc_async(MIB, pool, s).unwrap();
+        d.free_async(q, s).unwrap();
+        p
+    })
+    .join()
+    .expect("worker thread failed");
+    let data = pattern(MIB, 5);
+    dev.copy_from_host(p, &data, s).unwrap();
+    let mut back = vec![0u8; MIB];
+    dev.copy_to_host(&mut back, p, s).unwrap();
+    assert_eq!(back, data);
+    dev.free_async(p, s).unwrap();
+    dev.synchronize_stream(s).unwrap();
+    dev.destroy_stream(s).unwrap();
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: run by scripts/gpu-test.sh"]
 fn out_of_memory_carries_figures() {

@@ -6,11 +6,16 @@
 //! * Loading: `libcuda` is opened at the first [`CudaDevice::new`] or [`cuda_available`], and
 //!   every entry point this module calls is looked up once then. A machine without the driver
 //!   (or with one too old) gets [`Error::NoDriver`], never a panic.
-//! * Contexts: any thread may call any method. Each call makes the primary context current on
-//!   the calling thread unless it already is (one `cuCtxGetCurrent`, a thread-local read in the
-//!   driver). A thread with no current context keeps ours afterwards, so its next call costs
-//!   nothing more; a thread that had *another* context current gets it back when the call
-//!   returns, so callers such as PyTorch never see their current device change under them.
+//! * Contexts: any thread may call any method. A call makes the primary context current on
+//!   the calling thread unless it already is (one `cuCtxGetCurrent`). A thread with no current
+//!   context keeps ours afterwards, so its next call costs nothing more; a thread that had
+//!   *another* context current gets it back when the call returns, so callers such as PyTorch
+//!   never see their current device change under them. The calls an allocation and a free
+//!   make on an ordinary stream (`cuMemAllocFromPoolAsync`, `cuMemFreeAsync`,
+//!   `cuStreamIsCapturing`) bind nothing: the driver takes the context from the stream
+//!   (checked on the H200 from a thread with no current context,
+//!   `scripts/gpu/async_same_run.cpp`), and the bind's `cuCtxGetCurrent` before each of them
+//!   cost 3-5% of raw cudaMallocAsync's time per operation on the traces.
 //! * Handles: a [`Stream`], [`Event`], [`Pool`], [`Graph`] or [`GraphExec`] holds the driver
 //!   handle's pointer value; `Stream(0)` is the legacy default stream.
 //! * Peers: [`Device::copy_peer`] and pool access name another device by ordinal. A device
@@ -291,6 +296,24 @@ impl CudaDevice {
         Ok(Bound { restore: (!cur.is_null()).then_some(cur) })
     }
 
+    /// Makes `call`, a driver call on the explicit stream `s`, unbound where `s` is an
+    /// ordinary stream (see the [module docs](self)); a call that fails unbound, other than
+    /// for want of memory, is made again bound, so that a driver wanting a context gets one.
+    /// The legacy and per-thread default streams stand for the current context's, so calls on
+    /// them bind first.
+    fn on_stream(&self, s: Stream, call: impl Fn() -> sys::CUresult) -> Result<sys::CUresult> {
+        // CU_STREAM_LEGACY and CU_STREAM_PER_THREAD are the handles 0x1 and 0x2.
+        if s.0 > 2 {
+            match call() {
+                sys::CUresult::CUDA_SUCCESS => return Ok(sys::CUresult::CUDA_SUCCESS),
+                oom @ sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => return Ok(oom),
+                _ => {}
+            }
+        }
+        let _ctx = self.bind()?;
+        Ok(call())
+    }
+
     /// The device handle and primary context of ordinal `peer`: this device's own, or those of
     /// the peer opened at its first use (see the [module docs](self)).
     fn peer(&self, peer: usize) -> Result<(sys::CUdevice, Ctx)> {
@@ -524,21 +547,21 @@ impl Device for CudaDevice {
     }
 
     fn alloc_async(&self, size: usize, p: Pool, s: Stream) -> Result<DevicePtr> {
-        let _ctx = self.bind()?;
         let mut d: sys::CUdeviceptr = 0;
-        // SAFETY: a context is current, `d` is a valid out-pointer and the driver validates
-        // the pool and stream handles.
-        match unsafe { sys::cuMemAllocFromPoolAsync(&mut d, size, pool(p), stream(s)) } {
+        let d_ptr: *mut sys::CUdeviceptr = &mut d;
+        // SAFETY: `d_ptr` points to `d`, alive across the call; the driver validates the pool
+        // and stream handles (and reports a missing context, see `on_stream`).
+        let res = self.on_stream(s, || unsafe { sys::cuMemAllocFromPoolAsync(d_ptr, size, pool(p), stream(s)) })?;
+        match res {
             sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(self.oom(size)),
             res => check(res, "cuMemAllocFromPoolAsync").map(|()| d),
         }
     }
 
     fn free_async(&self, ptr: DevicePtr, s: Stream) -> Result<()> {
-        let _ctx = self.bind()?;
-        // SAFETY: a context is current; the driver validates `ptr` and the stream, and the
-        // caller owns the memory it frees.
-        check(unsafe { sys::cuMemFreeAsync(ptr, stream(s)) }, "cuMemFreeAsync")
+        // SAFETY: the driver validates `ptr` and the stream (and reports a missing context,
+        // see `on_stream`); the caller owns the memory it frees.
+        check(self.on_stream(s, || unsafe { sys::cuMemFreeAsync(ptr, stream(s)) })?, "cuMemFreeAsync")
     }
 
     fn create_stream(&self) -> Result<Stream> {
@@ -569,11 +592,12 @@ impl Device for CudaDevice {
     }
 
     fn capture_status(&self, s: Stream) -> Result<CaptureStatus> {
-        let _ctx = self.bind()?;
         let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        // SAFETY: a context is current, the driver validates the stream and `st` is a valid
-        // out-pointer.
-        check(unsafe { sys::cuStreamIsCapturing(stream(s), &mut st) }, "cuStreamIsCapturing")?;
+        let st_ptr: *mut sys::CUstreamCaptureStatus = &mut st;
+        // SAFETY: `st_ptr` points to `st`, alive across the call; the driver validates the
+        // stream (and reports a missing context, see `on_stream`).
+        let res = self.on_stream(s, || unsafe { sys::cuStreamIsCapturing(stream(s), st_ptr) })?;
+        check(res, "cuStreamIsCapturing")?;
         Ok(match st {
             sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE => CaptureStatus::None,
             sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE => CaptureStatus::Active,

@@ -1,6 +1,7 @@
 //! The small CUDA graph wrapper of [`AsyncPool`](super::AsyncPool): a capture in progress
 //! ([`Capture`]) and the graph it made ([`CapturedGraph`]), with what each owes the pool.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -171,7 +172,11 @@ impl Capture {
         if let Some(s) = side {
             self.inner.keep_error(device.destroy_stream(s));
         }
-        self.inner.captures.lock().remove(&self.stream);
+        {
+            let mut captures = self.inner.captures.lock();
+            captures.remove(&self.stream);
+            self.inner.capturing.store(captures.len(), Ordering::SeqCst);
+        }
         let deferred = {
             let mut st = self.shared.state.lock();
             st.phase = if joined.is_ok() && graph.is_ok() { Phase::Captured } else { Phase::Destroyed };
