@@ -551,7 +551,8 @@ impl Device for CudaDevice {
         let d_ptr: *mut sys::CUdeviceptr = &mut d;
         // SAFETY: `d_ptr` points to `d`, alive across the call; the driver validates the pool
         // and stream handles (and reports a missing context, see `on_stream`).
-        let res = self.on_stream(s, || unsafe { sys::cuMemAllocFromPoolAsync(d_ptr, size, pool(p), stream(s)) })?;
+        let res =
+            self.on_stream(s, || unsafe { sys::cuMemAllocFromPoolAsync(d_ptr, size, pool(p), stream(s)) })?;
         match res {
             sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(self.oom(size)),
             res => check(res, "cuMemAllocFromPoolAsync").map(|()| d),
