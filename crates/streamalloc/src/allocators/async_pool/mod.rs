@@ -27,16 +27,16 @@
 //!
 //! # CUDA graph capture
 //! Captures that allocate from an `AsyncPool` are begun with [`AsyncPool::begin_capture`].
-//! While one is active, the allocator asks the driver whether the stream of each allocation
-//! and free is capturing, and refuses an allocation on a stream that captures a graph begun
+//! While one is active, the allocator asks the driver whether the stream of each allocation and
+//! free is capturing, and refuses an allocation on a stream that captures a graph begun
 //! elsewhere (it could not know which graph owns it). While none is, it asks only before a
-//! throttle wait: on the traces, that query per operation cost 4-6% of raw cudaMallocAsync's
-//! time on the H200, as much again as the rest of what the allocator adds. A capture begun
-//! elsewhere then (`torch.cuda.graph` over the C ABI, a bare `cuStreamBeginCapture`) gets
-//! the driver's captured allocation and free nodes under the driver's rules (memory
-//! allocated in a graph and not freed in it exists once the graph has been launched), as
-//! with PyTorch's and RMM's cudaMallocAsync allocators. No trim, throttle wait or
-//! synchronization happens during a capture of this allocator's. The four cases:
+//! throttle wait: on the traces, asking on every allocation and free cost 3-5% of raw
+//! cudaMallocAsync's time on the H200 (all else the allocator adds: 6-8%). A capture begun
+//! elsewhere then (`torch.cuda.graph` over the C ABI, a bare `cuStreamBeginCapture`) gets the
+//! driver's captured allocation and free nodes under the driver's rules (memory allocated in a
+//! graph and not freed in it exists once the graph has been launched), as with PyTorch's and
+//! RMM's cudaMallocAsync allocators. No trim, throttle wait or synchronization happens during a
+//! capture of this allocator's. The four cases:
 //! 1. *Allocated and freed inside the capture*: ordinary captured allocation and free nodes.
 //!    A free with recorded streams that take part in the capture goes through a free stream
 //!    of the capture's own (so the shared free stream is never pulled into a graph), which
