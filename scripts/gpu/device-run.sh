@@ -46,7 +46,7 @@ for part in "$@"; do
     gpt2) bash scripts/gpu/gpt2_compare.sh > "$OUT/gpt2.log" 2>&1; rc=$?; tail -n 30 "$OUT/gpt2.log"; (exit $rc) ;;
     anchors)
       build_anchors &&
-        CONFS="strategy=stream_safe strategy=async strategy=async,pool=owned" \
+        CONFS="strategy=stream_safe strategy=stream_safe,expandable=true strategy=async strategy=async,pool=owned" \
           bash .anchors/run.sh .anchors/traces .anchors/libstreamalloc.so > "$OUT/anchors.jsonl" &&
         python3 .anchors/table.py < "$OUT/anchors.jsonl" | tee "$OUT/anchors.md" &&
         CONFS="strategy=stream_safe strategy=async" \

@@ -20,6 +20,10 @@ const ALLOCATORS: &[(&str, Make)] = &[
     ("stream_safe", |device| {
         Ok(ReplayTarget::Streams(Arc::new(StreamSafe::new(device, StreamSafeConfig::default())?)))
     }),
+    ("stream_safe_expandable", |device| {
+        let pool = BestFitConfig { expandable: true, ..Default::default() };
+        Ok(ReplayTarget::Streams(Arc::new(StreamSafe::new(device, StreamSafeConfig { pool, ..Default::default() })?)))
+    }),
     ("async", |device| {
         // The default pool keeps its memory, as the anchors' raw cudaMallocAsync run does.
         let mode = PoolMode::DefaultPool { release_threshold: Some(usize::MAX) };

@@ -97,6 +97,20 @@ fn stream_safe(device: Arc<dyn Device>) -> Made {
     Made::Streams(Arc::new(StreamSafe::new(device, StreamSafeConfig::default()).expect("allocator")))
 }
 
+/// BestFit and StreamSafe with expandable segments.
+fn expandable() -> BestFitConfig {
+    BestFitConfig { expandable: true, ..BestFitConfig::default() }
+}
+
+fn best_fit_expandable(device: Arc<dyn Device>) -> Made {
+    Made::Plain(Arc::new(BestFit::new(device, expandable()).expect("pool")))
+}
+
+fn stream_safe_expandable(device: Arc<dyn Device>) -> Made {
+    let config = StreamSafeConfig { pool: expandable(), ..StreamSafeConfig::default() };
+    Made::Streams(Arc::new(StreamSafe::new(device, config).expect("allocator")))
+}
+
 fn best_fit_any_stream(device: Arc<dyn Device>) -> Made {
     let pool = BestFit::new(device.clone(), BestFitConfig::default()).expect("pool");
     Made::Streams(Arc::new(SingleStream::new(pool, device, Stream::DEFAULT)))
@@ -112,6 +126,8 @@ fn adaptor_stack(device: Arc<dyn Device>) -> Made {
 
 conformance_tests!(best_fit_on_sim, best_fit);
 conformance_tests!(stream_safe_on_sim, stream_safe);
+conformance_tests!(best_fit_expandable_on_sim, best_fit_expandable);
+conformance_tests!(stream_safe_expandable_on_sim, stream_safe_expandable);
 conformance_tests!(single_stream_best_fit_on_sim, best_fit_any_stream);
 conformance_tests!(adaptor_stack_on_sim, adaptor_stack);
 

@@ -26,6 +26,23 @@ fn stream_safe(device: Arc<dyn Device>) -> Made {
 conformance_tests!(gpu best_fit_on_gpu, best_fit);
 conformance_tests!(gpu stream_safe_on_gpu, stream_safe);
 
+/// BestFit and StreamSafe with expandable segments.
+fn expandable() -> BestFitConfig {
+    BestFitConfig { expandable: true, ..BestFitConfig::default() }
+}
+
+fn best_fit_expandable(device: Arc<dyn Device>) -> Made {
+    Made::Plain(Arc::new(BestFit::new(device, expandable()).expect("pool")))
+}
+
+fn stream_safe_expandable(device: Arc<dyn Device>) -> Made {
+    let config = StreamSafeConfig { pool: expandable(), ..StreamSafeConfig::default() };
+    Made::Streams(Arc::new(StreamSafe::new(device, config).expect("allocator")))
+}
+
+conformance_tests!(gpu best_fit_expandable_on_gpu, best_fit_expandable);
+conformance_tests!(gpu stream_safe_expandable_on_gpu, stream_safe_expandable);
+
 fn async_pool(device: Arc<dyn Device>) -> Made {
     use streamalloc::allocators::{AsyncPool, AsyncPoolConfig};
     Made::Streams(Arc::new(AsyncPool::new(device, AsyncPoolConfig::default())))

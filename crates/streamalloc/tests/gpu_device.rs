@@ -167,6 +167,34 @@ fn stream_calls_work_as_the_first_calls_of_a_thread() {
     dev.destroy_stream(s).unwrap();
 }
 
+/// A reservation mapped in two calls holds data across the boundary, takes device memory while
+/// mapped and gives it back when unmapped.
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-test.sh"]
+fn mapped_reservation_round_trip() {
+    let dev = device();
+    let s = dev.create_stream().unwrap();
+    let g = dev.map_granularity().unwrap();
+    assert!(g > 0 && g.is_power_of_two(), "granularity {g}");
+    let r = dev.reserve_address(16 * g).unwrap();
+    let before = dev.mem_info().unwrap().free;
+    dev.map(r, g).unwrap();
+    dev.map(r + g as u64, 2 * g).unwrap();
+    let used = before - dev.mem_info().unwrap().free;
+    assert!(used >= 3 * g, "mapping 3 granules took {used} bytes");
+    let data = pattern(2 * g, 9);
+    let at = r + (g / 2) as u64;
+    dev.copy_from_host(at, &data, s).unwrap();
+    let mut back = vec![0u8; 2 * g];
+    dev.copy_to_host(&mut back, at, s).unwrap();
+    assert_eq!(back, data);
+    dev.synchronize_stream(s).unwrap();
+    dev.unmap(r, 3 * g).unwrap();
+    assert!(dev.mem_info().unwrap().free >= before - g, "unmapping gave the memory back");
+    dev.free_address(r, 16 * g).unwrap();
+    dev.destroy_stream(s).unwrap();
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: run by scripts/gpu-test.sh"]
 fn out_of_memory_carries_figures() {

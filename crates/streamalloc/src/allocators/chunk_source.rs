@@ -7,8 +7,8 @@ use crate::error::Result;
 
 /// A source of chunks of device address space for a caching pool such as
 /// [`BestFit`](super::BestFit). Today's implementation is [`DeviceChunks`] (plain device
-/// allocations); a source of virtual-memory segments can be added without touching the pool's
-/// policy.
+/// allocations). Expandable segments are not a source: a pool grows them in place
+/// ([`BestFitConfig::expandable`](super::BestFitConfig::expandable)).
 pub trait ChunkSource: Send + Sync {
     /// Obtains a chunk of `size` bytes, aligned to [`ALIGNMENT`](crate::ALIGNMENT).
     fn grow(&self, size: usize) -> Result<DevicePtr>;

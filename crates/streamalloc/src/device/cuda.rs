@@ -69,6 +69,14 @@ const SYMBOLS: &[&str] = &[
     "cuMemPoolSetAttribute",
     "cuMemPoolTrimTo",
     "cuMemAllocFromPoolAsync",
+    "cuMemGetAllocationGranularity",
+    "cuMemAddressReserve",
+    "cuMemAddressFree",
+    "cuMemCreate",
+    "cuMemMap",
+    "cuMemSetAccess",
+    "cuMemUnmap",
+    "cuMemRelease",
     "cuMemFreeAsync",
     "cuStreamCreate",
     "cuStreamDestroy_v2",
@@ -393,6 +401,22 @@ fn device_location(device: sys::CUdevice) -> sys::CUmemLocation {
     sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: device }
 }
 
+/// Properties of the physical memory [`Device::map`] creates: pinned memory of `device`.
+fn allocation_prop(device: sys::CUdevice) -> sys::CUmemAllocationProp {
+    sys::CUmemAllocationProp {
+        type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        location: device_location(device),
+        win32HandleMetaData: ptr::null_mut(),
+        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+            compressionType: 0,
+            gpuDirectRDMACapable: 0,
+            usage: 0,
+            reserved: [0; 4],
+        },
+    }
+}
+
 /// Maps an attribute to the driver's, and whether its value is a `cuuint64_t` (else `int`).
 fn pool_attr_raw(attr: PoolAttr) -> (sys::CUmemPool_attribute, bool) {
     use sys::CUmemPool_attribute as A;
@@ -544,6 +568,101 @@ impl Device for CudaDevice {
         let _ctx = self.bind()?;
         // SAFETY: the driver validates the pool handle; trimming only releases unused memory.
         check(unsafe { sys::cuMemPoolTrimTo(pool(p), keep) }, "cuMemPoolTrimTo")
+    }
+
+    fn map_granularity(&self) -> Result<usize> {
+        let _ctx = self.bind()?;
+        let prop = allocation_prop(self.device);
+        let mut granularity = 0usize;
+        let option = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
+        // SAFETY: `prop` is fully initialised and `granularity` a valid out-pointer, both alive
+        // across the call.
+        check(
+            unsafe { sys::cuMemGetAllocationGranularity(&mut granularity, &prop, option) },
+            "cuMemGetAllocationGranularity",
+        )?;
+        Ok(granularity)
+    }
+
+    fn reserve_address(&self, size: usize) -> Result<DevicePtr> {
+        let _ctx = self.bind()?;
+        let mut addr: sys::CUdeviceptr = 0;
+        // SAFETY: `addr` is a valid out-pointer; no fixed address or alignment is asked for.
+        check(unsafe { sys::cuMemAddressReserve(&mut addr, size, 0, 0, 0) }, "cuMemAddressReserve")?;
+        Ok(addr)
+    }
+
+    fn free_address(&self, addr: DevicePtr, size: usize) -> Result<()> {
+        let _ctx = self.bind()?;
+        // SAFETY: the driver validates that the range is a reservation; the caller has
+        // unmapped it.
+        check(unsafe { sys::cuMemAddressFree(addr, size) }, "cuMemAddressFree")
+    }
+
+    /// Maps one physical allocation per granule, so that [`Device::unmap`] can take back any
+    /// granule-aligned part (the driver unmaps whole mappings only). Each allocation's
+    /// handle is released once mapped: unmapping then frees the memory.
+    fn map(&self, addr: DevicePtr, size: usize) -> Result<()> {
+        let _ctx = self.bind()?;
+        let granularity = self.map_granularity()?;
+        if granularity == 0 || size % granularity != 0 {
+            return Err(Error::InvalidArgument(format!("map of {size} bytes: not granules of {granularity}")));
+        }
+        let prop = allocation_prop(self.device);
+        let access = sys::CUmemAccessDesc {
+            location: device_location(self.device),
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        let mut done = 0;
+        let result = (|| {
+            while done < size {
+                let at = addr + done as u64;
+                let mut handle: sys::CUmemGenericAllocationHandle = 0;
+                // SAFETY: `prop` is fully initialised and `handle` a valid out-pointer, both
+                // alive across the call.
+                check(unsafe { sys::cuMemCreate(&mut handle, granularity, &prop, 0) }, "cuMemCreate")?;
+                // SAFETY: `handle` is the allocation just created, of exactly the mapped size;
+                // the driver validates that the range is reserved and unmapped.
+                let mapped = check(unsafe { sys::cuMemMap(at, granularity, 0, handle, 0) }, "cuMemMap");
+                // SAFETY: `handle` is ours; once mapped, the mapping keeps the memory alive,
+                // and if the map failed this frees it.
+                let released = check(unsafe { sys::cuMemRelease(handle) }, "cuMemRelease");
+                mapped?;
+                done += granularity;
+                released?;
+                // SAFETY: `access` is one fully initialised descriptor, as the count of 1
+                // says; `[at, at + granularity)` is mapped.
+                check(unsafe { sys::cuMemSetAccess(at, granularity, &access, 1) }, "cuMemSetAccess")?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            // A failed map maps nothing; the granules mapped so far are unused.
+            if done > 0 {
+                let _ = self.unmap(addr, done);
+            }
+            return Err(match e {
+                Error::Driver { code, .. } if code == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY as i32 => {
+                    self.oom(size)
+                }
+                e => e,
+            });
+        }
+        Ok(())
+    }
+
+    fn unmap(&self, addr: DevicePtr, size: usize) -> Result<()> {
+        let _ctx = self.bind()?;
+        let granularity = self.map_granularity()?;
+        if granularity == 0 || size % granularity != 0 {
+            return Err(Error::InvalidArgument(format!("unmap of {size} bytes: not granules of {granularity}")));
+        }
+        for at in (addr..addr + size as u64).step_by(granularity) {
+            // SAFETY: each granule is one whole mapping of `map`; the caller guarantees that no
+            // work uses the range any more.
+            check(unsafe { sys::cuMemUnmap(at, granularity) }, "cuMemUnmap")?;
+        }
+        Ok(())
     }
 
     fn alloc_async(&self, size: usize, p: Pool, s: Stream) -> Result<DevicePtr> {

@@ -141,6 +141,21 @@ pub trait Device: Send + Sync {
     fn pool_access(&self, pool: Pool, peer: usize) -> Result<bool>;
     /// Releases unused pool memory until at most `keep` bytes stay reserved.
     fn trim_pool(&self, pool: Pool, keep: usize) -> Result<()>;
+    /// Granularity of virtual-memory mappings, in bytes: [`Device::map`] and
+    /// [`Device::unmap`] take addresses and sizes that are multiples of it.
+    fn map_granularity(&self) -> Result<usize>;
+    /// Reserves `size` bytes (a multiple of [`Device::map_granularity`]) of device address
+    /// space, backed by nothing (`cuMemAddressReserve`).
+    fn reserve_address(&self, size: usize) -> Result<DevicePtr>;
+    /// Frees a reservation of [`Device::reserve_address`]; nothing in it may be mapped.
+    fn free_address(&self, addr: DevicePtr, size: usize) -> Result<()>;
+    /// Backs `[addr, addr + size)`, inside a reservation and unmapped, with new device memory
+    /// that this device may read and write (`cuMemCreate`, `cuMemMap`, `cuMemSetAccess`).
+    fn map(&self, addr: DevicePtr, size: usize) -> Result<()>;
+    /// Unmaps `[addr, addr + size)`, all of it mapped, giving its memory back to the device
+    /// (`cuMemUnmap`). No work may use the range any more: unlike `cuMemFree`, this does not
+    /// wait for the device.
+    fn unmap(&self, addr: DevicePtr, size: usize) -> Result<()>;
     /// Allocates from `pool` in the order of `stream` (`cuMemAllocFromPoolAsync`).
     fn alloc_async(&self, size: usize, pool: Pool, stream: Stream) -> Result<DevicePtr>;
     /// Frees stream-ordered memory in the order of `stream` (`cuMemFreeAsync`).

@@ -14,6 +14,10 @@
 //!   by inserting a wait on the free (internal dependencies), as the driver's default
 //!   attributes allow. Pools reserve in 2 MiB granules and release free granules above the
 //!   release threshold at synchronizations, or on `trim_pool`.
+//! * **Address reservations** ([`Device::reserve_address`]) take no memory; mapping a range
+//!   of one takes 2 MiB granules from the same memory as plain allocations, and unmapping
+//!   gives them back. Unmapping a range that a stream's work may still use is an error (on
+//!   CUDA it would be a fault or silent corruption).
 //! * **Peers.** Each pool keeps the set of other device ordinals granted access to it
 //!   ([`Device::set_pool_access`]); the owning device always has it. A simulated device knows
 //!   no other device: [`Device::copy_peer`] checks that the source, if it is a pool allocation
@@ -124,6 +128,12 @@ pub struct Violation {
 const PLAIN_GRANULE: usize = 512;
 /// Pools reserve memory in granules of this many bytes.
 const POOL_GRANULE: usize = 2 << 20;
+/// Granularity of mappings into address reservations, as on NVIDIA GPUs.
+const MAP_GRANULE: usize = 2 << 20;
+/// Address reservations start here, apart from the device's memory.
+const RESERVED_BASE: u64 = 1 << 50;
+/// Distance between the reservations of successive device ordinals.
+const RESERVED_STRIDE: u64 = 1 << 46;
 /// Pool allocations are rounded to this many bytes.
 const POOL_ALIGN: usize = 512;
 /// Where the simulated address space starts.
@@ -317,6 +327,12 @@ struct State {
     execs: HashMap<GraphExec, ExecRec>,
     /// Live pool allocations made by a capture: pointer -> capture (and graph) id.
     graph_mem: HashMap<DevicePtr, u64>,
+    /// Address reservations: start -> size.
+    reservations: BTreeMap<u64, usize>,
+    /// Where the next reservation starts.
+    next_reservation: u64,
+    /// Mapped granules of reservations: address -> the memory behind it, taken from `space`.
+    mapped: BTreeMap<u64, u64>,
 }
 
 impl SimDevice {
@@ -346,6 +362,9 @@ impl SimDevice {
             graphs: HashMap::new(),
             execs: HashMap::new(),
             graph_mem: HashMap::new(),
+            reservations: BTreeMap::new(),
+            next_reservation: RESERVED_BASE + config.ordinal as u64 * RESERVED_STRIDE,
+            mapped: BTreeMap::new(),
         };
         Arc::new(Self { config, state: Mutex::new(state) })
     }
@@ -454,6 +473,22 @@ impl SimDevice {
 }
 
 impl State {
+    /// Checks that `[addr, addr + size)` is granule-aligned, not empty and inside one
+    /// reservation.
+    fn check_reserved(&self, addr: u64, size: usize) -> Result<()> {
+        let inside = self
+            .reservations
+            .range(..=addr)
+            .next_back()
+            .is_some_and(|(&start, &len)| addr + size as u64 <= start + len as u64);
+        if size == 0 || size % MAP_GRANULE != 0 || addr % MAP_GRANULE as u64 != 0 || !inside {
+            return Err(Error::InvalidArgument(format!(
+                "{addr:#x}+{size} is not a granule-aligned range of one reservation"
+            )));
+        }
+        Ok(())
+    }
+
     fn id(&mut self) -> u64 {
         self.next_id += 1;
         self.next_id
@@ -724,6 +759,81 @@ impl Device for SimDevice {
                 return Err(unknown_pool(pool));
             }
             st.trim(pool, keep);
+            Ok(())
+        })
+    }
+
+    fn map_granularity(&self) -> Result<usize> {
+        Ok(MAP_GRANULE)
+    }
+
+    fn reserve_address(&self, size: usize) -> Result<DevicePtr> {
+        self.call(|st| {
+            if size == 0 || size % MAP_GRANULE != 0 {
+                return Err(Error::InvalidArgument(format!("reservation of {size} bytes")));
+            }
+            let addr = st.next_reservation;
+            st.next_reservation += size as u64;
+            st.reservations.insert(addr, size);
+            Ok(addr)
+        })
+    }
+
+    fn free_address(&self, addr: DevicePtr, size: usize) -> Result<()> {
+        self.call(|st| {
+            if st.reservations.get(&addr) != Some(&size) {
+                return Err(Error::InvalidArgument(format!("no reservation {addr:#x}+{size}")));
+            }
+            if st.mapped.range(addr..addr + size as u64).next().is_some() {
+                return Err(Error::InvalidArgument(format!("reservation {addr:#x} is still mapped")));
+            }
+            st.reservations.remove(&addr);
+            Ok(())
+        })
+    }
+
+    fn map(&self, addr: DevicePtr, size: usize) -> Result<()> {
+        self.call(|st| {
+            st.check_reserved(addr, size)?;
+            if st.mapped.range(addr..addr + size as u64).next().is_some() {
+                return Err(Error::InvalidArgument(format!("{addr:#x}+{size} is already mapped")));
+            }
+            let mut taken = Vec::with_capacity(size / MAP_GRANULE);
+            for _ in 0..size / MAP_GRANULE {
+                match st.space.take(MAP_GRANULE) {
+                    Some(memory) => taken.push(memory),
+                    None => {
+                        // A failed map maps nothing.
+                        for memory in taken {
+                            st.space.give(memory, MAP_GRANULE);
+                        }
+                        return Err(self.oom(st, size));
+                    }
+                }
+            }
+            st.mapped.extend((addr..).step_by(MAP_GRANULE).zip(taken));
+            Ok(())
+        })
+    }
+
+    fn unmap(&self, addr: DevicePtr, size: usize) -> Result<()> {
+        self.call(|st| {
+            st.check_reserved(addr, size)?;
+            let end = addr + size as u64;
+            if st.mapped.range(addr..end).count() != size / MAP_GRANULE {
+                return Err(Error::InvalidArgument(format!("{addr:#x}+{size} is not all mapped")));
+            }
+            let now = st.now;
+            if let Some(u) = st.uses.iter().find(|u| u.end > now && u.ptr < end && addr < u.ptr + u.len as u64) {
+                return Err(Error::InvalidArgument(format!(
+                    "unmap of {addr:#x}+{size} while stream {:#x} uses {:#x} until {} (now {now})",
+                    u.stream.0, u.ptr, u.end
+                )));
+            }
+            for (_, memory) in st.mapped.range(addr..end).map(|(&g, &m)| (g, m)).collect::<Vec<_>>() {
+                st.space.give(memory, MAP_GRANULE);
+            }
+            st.mapped.retain(|&g, _| g < addr || g >= end);
             Ok(())
         })
     }
@@ -1165,6 +1275,37 @@ mod tests {
         let v = d.violations();
         assert_eq!(v.len(), 1);
         assert_eq!((v[0].stream, v[0].user_stream), (a, b));
+    }
+
+    #[test]
+    fn reservations_map_device_memory_and_unmap_only_when_unused() {
+        const G: usize = MAP_GRANULE;
+        let d = dev();
+        let s = d.create_stream().unwrap();
+        assert_eq!(d.map_granularity().unwrap(), G);
+        let r = d.reserve_address(64 * G).unwrap();
+        let free = d.mem_info().unwrap().free;
+        d.map(r, 3 * G).unwrap();
+        assert_eq!(d.mem_info().unwrap().free, free - 3 * G);
+        assert!(d.map(r + 2 * G as u64, 2 * G).is_err(), "partly mapped already");
+        assert!(d.map(r + 62 * G as u64, 4 * G).is_err(), "past the reservation");
+        assert!(d.map(r + 3 * G as u64, G + 512).is_err(), "not whole granules");
+        // A map the device cannot back maps nothing.
+        let big = d.reserve_address(1024 * G).unwrap();
+        assert!(d.map(big, 1024 * G).unwrap_err().is_out_of_memory());
+        assert_eq!(d.mem_info().unwrap().free, free - 3 * G);
+        // Unmapping memory a stream still uses is refused; once the use is over it is not.
+        d.use_range(r + G as u64, 4096, s, 1_000_000).unwrap();
+        assert!(d.unmap(r, 2 * G).is_err());
+        d.unmap(r + 2 * G as u64, G).unwrap();
+        d.synchronize_stream(s).unwrap();
+        assert!(d.unmap(r, 3 * G).is_err(), "a granule is unmapped already");
+        assert!(d.free_address(r, 64 * G).is_err(), "still mapped");
+        d.unmap(r, 2 * G).unwrap();
+        assert_eq!(d.mem_info().unwrap().free, free);
+        d.free_address(r, 64 * G).unwrap();
+        d.free_address(big, 1024 * G).unwrap();
+        assert!(d.map(r, G).is_err(), "no reservation any more");
     }
 
     #[test]

@@ -100,6 +100,10 @@ pub struct Config {
     pub sim_capacity: usize,
     /// `growth`: bytes a caching pool grows by for large requests. Default 32 MiB.
     pub growth: usize,
+    /// `expandable`: `true` makes the caching pools (`best_fit`, `stream_safe`) grow
+    /// expandable segments instead of chunks ([`BestFitConfig::expandable`](crate::allocators::BestFitConfig::expandable)).
+    /// Default `false`.
+    pub expandable: bool,
     /// `pool`: `default` or `owned`, for `async`. Default `default`.
     pub pool: PoolChoice,
     /// `release_threshold`: bytes the `async` strategy's pool keeps reserved at
@@ -131,6 +135,7 @@ impl Default for Config {
             device: DeviceKind::Cuda,
             sim_capacity: 143_771 << 20,
             growth: 32 << 20,
+            expandable: false,
             pool: PoolChoice::Default,
             release_threshold: u64::MAX,
             throttle: 0.8,
@@ -149,6 +154,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ("device", "cuda | sim"),
     ("sim_capacity", "a size, e.g. 80GiB"),
     ("growth", "a size, e.g. 20MiB"),
+    ("expandable", "true | false"),
     ("pool", "default | owned"),
     ("release_threshold", "a size, or max"),
     ("throttle", "a ratio in (0, 1], or 1 to turn it off"),
@@ -210,6 +216,7 @@ impl Config {
                 }
                 "retry_timeout" => c.retry_timeout = Some(parse_duration(value).ok_or_else(bad)?),
                 "stats" => c.stats = value.parse().map_err(|_| bad())?,
+                "expandable" => c.expandable = value.parse().map_err(|_| bad())?,
                 "trace" if !value.is_empty() => c.trace = Some(PathBuf::from(value)),
                 _ => return Err(bad()),
             }
@@ -238,8 +245,8 @@ impl fmt::Display for Config {
         };
         write!(
             f,
-            "strategy={},device={},sim_capacity={},growth={},pool={},release_threshold={threshold},throttle={},\
-             trim_floor={},stats={}",
+            "strategy={},device={},sim_capacity={},growth={},expandable={},pool={},release_threshold={threshold},\
+             throttle={},trim_floor={},stats={}",
             self.strategy.name(),
             match self.device {
                 DeviceKind::Cuda => "cuda",
@@ -247,6 +254,7 @@ impl fmt::Display for Config {
             },
             self.sim_capacity,
             self.growth,
+            self.expandable,
             match self.pool {
                 PoolChoice::Default => "default",
                 PoolChoice::Owned => "owned",
@@ -347,7 +355,7 @@ mod tests {
     #[test]
     fn every_key() {
         let c = Config::parse(
-            "strategy=async, device=sim, sim_capacity=8GiB, growth=2MiB, pool=owned, \
+            "strategy=async, device=sim, sim_capacity=8GiB, growth=2MiB, expandable=true, pool=owned, \
              release_threshold=1GiB, throttle=0.5, trim_floor=64MiB, limit=40GiB, retry_timeout=250ms, \
              stats=true, trace=/tmp/t.csv",
         )
@@ -356,6 +364,7 @@ mod tests {
         assert_eq!(c.device, DeviceKind::Sim);
         assert_eq!(c.sim_capacity, 8 << 30);
         assert_eq!(c.growth, 2 << 20);
+        assert!(c.expandable);
         assert_eq!(c.pool, PoolChoice::Owned);
         assert_eq!(c.release_threshold, 1 << 30);
         assert_eq!(c.throttle, 0.5);
@@ -365,7 +374,7 @@ mod tests {
         assert!(c.stats);
         assert_eq!(c.trace, Some(PathBuf::from("/tmp/t.csv")));
         // Every key in KEYS is covered above.
-        assert_eq!(KEYS.len(), 12);
+        assert_eq!(KEYS.len(), 13);
         // Display writes back what parse reads.
         assert_eq!(Config::parse(&c.to_string()).unwrap(), c);
         for s in ["plain", "best_fit", "stream_safe", "async"] {
@@ -391,6 +400,7 @@ mod tests {
         assert!(err("device=tpu").contains("cuda | sim"));
         assert!(err("pool=mine").contains("default | owned"));
         assert!(err("stats=yes").contains("true | false"));
+        assert!(err("expandable=1").contains("true | false"));
         assert!(err("retry_timeout=soon").contains("a duration"));
         assert!(err("trace=").contains("a file path"));
         assert!(err("release_threshold=lots").contains("release_threshold"));

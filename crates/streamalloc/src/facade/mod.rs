@@ -185,12 +185,12 @@ impl Facade {
             Strategy::BestFit => {
                 let pool = BestFit::new(
                     device.clone(),
-                    BestFitConfig { growth_size: c.growth, ..Default::default() },
+                    BestFitConfig { growth_size: c.growth, expandable: c.expandable, ..Default::default() },
                 )?;
                 Arc::new(SingleStream::new(pool, device.clone(), Stream::DEFAULT))
             }
             Strategy::StreamSafe => {
-                let pool = BestFitConfig { growth_size: c.growth, ..Default::default() };
+                let pool = BestFitConfig { growth_size: c.growth, expandable: c.expandable, ..Default::default() };
                 let ss = Arc::new(StreamSafe::new(
                     device.clone(),
                     StreamSafeConfig { pool, ..Default::default() },

@@ -104,7 +104,8 @@ pub enum Class {
 }
 
 impl Class {
-    fn index(self) -> usize {
+    /// 0 for small, 1 for large: an index into per-class arrays.
+    pub(crate) fn index(self) -> usize {
         match self {
             Class::Small => 0,
             Class::Large => 1,
@@ -146,6 +147,8 @@ pub struct Growth {
     pub class: Class,
     /// Bytes to obtain.
     pub size: u64,
+    /// Whether the chunk is the request's own: it is larger than [`Classes::large_chunk`].
+    pub own: bool,
 }
 
 const NIL: u32 = u32::MAX;
@@ -178,6 +181,9 @@ struct Chunk {
     /// Slot of the block at the chunk's start. Stable: splitting keeps the low part in the
     /// original slot and coalescing keeps the lower block's slot.
     first: u32,
+    /// A segment: grows at its end ([`BestFitPolicy::extend_segment`]) and is never taken by
+    /// [`BestFitPolicy::take_free_chunk`].
+    segment: bool,
 }
 
 /// A free-list entry: `(size, addr, slot)`.
@@ -402,12 +408,13 @@ impl BestFitPolicy {
     pub fn growth_for(&self, size: u64) -> Option<Growth> {
         let size = Self::round(size)?;
         Some(match self.class_of(size) {
-            Class::Small => Growth { class: Class::Small, size: self.classes.small_chunk },
+            Class::Small => Growth { class: Class::Small, size: self.classes.small_chunk, own: false },
             Class::Large if size <= self.classes.large_chunk => {
-                Growth { class: Class::Large, size: self.classes.large_chunk }
+                Growth { class: Class::Large, size: self.classes.large_chunk, own: false }
             }
             Class::Large => {
-                Growth { class: Class::Large, size: size.checked_add(LARGE_ROUND - 1)? & !(LARGE_ROUND - 1) }
+                let size = size.checked_add(LARGE_ROUND - 1)? & !(LARGE_ROUND - 1);
+                Growth { class: Class::Large, size, own: true }
             }
         })
     }
@@ -423,6 +430,79 @@ impl BestFitPolicy {
     /// Adds the chunk `[addr, addr + size)` to `class`'s free blocks. Fails if it is empty,
     /// not aligned to [`ALIGNMENT`] or overlaps a chunk already held.
     pub fn add_chunk(&mut self, class: Class, addr: u64, size: u64) -> Result<()> {
+        self.insert_chunk(class, addr, size, false)
+    }
+
+    /// Adds `[addr, addr + size)` as [`BestFitPolicy::add_chunk`] does, as a *segment*: a chunk
+    /// whose address space continues past its end, so that [`BestFitPolicy::extend_segment`]
+    /// can grow it there (a virtual-memory reservation mapped as needed).
+    pub fn add_segment(&mut self, class: Class, addr: u64, size: u64) -> Result<()> {
+        self.insert_chunk(class, addr, size, true)
+    }
+
+    /// Grows the segment that starts at `addr` by `added` bytes at its end; the new bytes
+    /// join its last block if that is free. Fails if there is no such segment, `added` is
+    /// not a positive multiple of [`ALIGNMENT`] or the growth would overlap another chunk.
+    pub fn extend_segment(&mut self, addr: u64, added: u64) -> Result<()> {
+        let Some(&chunk) = self.chunks.get(&addr).filter(|c| c.segment) else {
+            return Err(Error::InvalidArgument(format!("no segment at {addr:#x}")));
+        };
+        let end = addr + chunk.size;
+        let new_end = end.checked_add(added);
+        let overlaps = new_end.is_some_and(|e| self.chunks.range(end..e).next().is_some());
+        if added == 0 || added % ALIGNMENT as u64 != 0 || new_end.is_none() || overlaps {
+            return Err(Error::InvalidArgument(format!(
+                "segment {addr:#x} cannot grow by {added} bytes at {end:#x}"
+            )));
+        }
+        let last = self.last_block(chunk.first);
+        let tail = self.slot(last);
+        let class = tail.class;
+        if tail.state == State::Free {
+            let list = self.free_list(class);
+            list.remove(tail.size, tail.addr);
+            list.insert(tail.size + added, tail.addr, last);
+            if let Some(t) = self.slot_mut(last) {
+                t.size += added;
+            }
+        } else {
+            let slot = self
+                .new_slot(Slot { addr: end, size: added, prev: last, next: NIL, state: State::Free, class })
+                .ok_or_else(|| Error::InvalidArgument("too many blocks (2^32 - 1)".into()))?;
+            if let Some(t) = self.slot_mut(last) {
+                t.next = slot;
+            }
+            self.free_list(class).insert(added, end, slot);
+        }
+        if let Some(c) = self.chunks.get_mut(&addr) {
+            c.size += added;
+        }
+        self.reserved += added;
+        self.cached += added;
+        Ok(())
+    }
+
+    /// The free bytes at the end of the segment that starts at `addr` (0 when its last block
+    /// is handed out); `None` if there is no such segment.
+    pub fn segment_tail_free(&self, addr: u64) -> Option<u64> {
+        let chunk = self.chunks.get(&addr).filter(|c| c.segment)?;
+        let tail = self.slot(self.last_block(chunk.first));
+        Some(if tail.state == State::Free { tail.size } else { 0 })
+    }
+
+    /// The slot of the last block of the chunk whose first block is `first`.
+    fn last_block(&self, first: u32) -> u32 {
+        let mut idx = first;
+        loop {
+            let next = self.slot(idx).next;
+            if next == NIL {
+                return idx;
+            }
+            idx = next;
+        }
+    }
+
+    fn insert_chunk(&mut self, class: Class, addr: u64, size: u64, segment: bool) -> Result<()> {
         let align = ALIGNMENT as u64;
         let end = addr.checked_add(size);
         if size == 0 || addr % align != 0 || size % align != 0 || end.is_none() {
@@ -440,7 +520,7 @@ impl BestFitPolicy {
         let slot = self
             .new_slot(Slot { addr, size, prev: NIL, next: NIL, state: State::Free, class })
             .ok_or_else(|| Error::InvalidArgument("too many blocks (2^32 - 1)".into()))?;
-        self.chunks.insert(addr, Chunk { size, first: slot });
+        self.chunks.insert(addr, Chunk { size, first: slot, segment });
         self.free_list(class).insert(size, addr, slot);
         self.reserved += size;
         self.cached += size;
@@ -567,8 +647,8 @@ impl BestFitPolicy {
         released
     }
 
-    /// Removes the smallest wholly free chunk of the class of `size` that could serve
-    /// `size` bytes, without returning it anywhere: the caller hands it to another policy
+    /// Removes the smallest wholly free chunk (not a segment) of the class of `size` that
+    /// could serve `size` bytes, without returning it anywhere: the caller hands it to another policy
     /// with [`BestFitPolicy::add_chunk`]. `None` if there is none.
     pub fn take_free_chunk(&mut self, size: u64) -> Option<(Class, u64, u64)> {
         let size = Self::round(size)?;
@@ -576,7 +656,7 @@ impl BestFitPolicy {
         let Self { slots, vacant, free, chunks, reserved, cached, .. } = self;
         let list = free.get_mut(class.index())?;
         let (block_size, addr, slot) =
-            list.from(size).find(|&(n, a, _)| chunks.get(&a).is_some_and(|c| c.size == n))?;
+            list.from(size).find(|&(n, a, _)| chunks.get(&a).is_some_and(|c| c.size == n && !c.segment))?;
         list.remove(block_size, addr);
         chunks.remove(&addr);
         if let Some(s) = slots.get_mut(slot as usize) {
@@ -736,11 +816,11 @@ mod tests {
     #[test]
     fn growth_sizes() {
         let p = BestFitPolicy::new(classes());
-        assert_eq!(p.growth_for(1), Some(Growth { class: Class::Small, size: 2 * MIB }));
-        assert_eq!(p.growth_for(MIB), Some(Growth { class: Class::Small, size: 2 * MIB }));
-        assert_eq!(p.growth_for(MIB + 1), Some(Growth { class: Class::Large, size: 32 * MIB }));
-        assert_eq!(p.growth_for(32 * MIB), Some(Growth { class: Class::Large, size: 32 * MIB }));
-        assert_eq!(p.growth_for(32 * MIB + 1), Some(Growth { class: Class::Large, size: 34 * MIB }));
+        assert_eq!(p.growth_for(1), Some(Growth { class: Class::Small, size: 2 * MIB, own: false }));
+        assert_eq!(p.growth_for(MIB), Some(Growth { class: Class::Small, size: 2 * MIB, own: false }));
+        assert_eq!(p.growth_for(MIB + 1), Some(Growth { class: Class::Large, size: 32 * MIB, own: false }));
+        assert_eq!(p.growth_for(32 * MIB), Some(Growth { class: Class::Large, size: 32 * MIB, own: false }));
+        assert_eq!(p.growth_for(32 * MIB + 1), Some(Growth { class: Class::Large, size: 34 * MIB, own: true }));
         assert_eq!(p.growth_for(0), None);
         assert_eq!(p.growth_for(u64::MAX - 100), None);
     }
@@ -855,6 +935,42 @@ mod tests {
     }
 
     #[test]
+    fn segments_grow_at_their_end_and_stay_in_their_pool() {
+        let mut p = BestFitPolicy::new(classes());
+        p.add_segment(Class::Large, 64 * MIB, 4 * MIB).unwrap();
+        let a = p.allocate(2 * MIB).unwrap();
+        assert_eq!(p.segment_tail_free(64 * MIB), Some(2 * MIB));
+        assert_eq!(p.segment_tail_free(0), None);
+        // The free tail and the growth make one block.
+        assert!(p.allocate(5 * MIB).is_none());
+        p.extend_segment(64 * MIB, 4 * MIB).unwrap();
+        p.check();
+        let b = p.allocate(5 * MIB).unwrap();
+        assert_eq!((b.addr, b.size), (66 * MIB, 6 * MIB), "a remainder of 1 MiB is not split off");
+        assert_eq!(p.segment_tail_free(64 * MIB), Some(0));
+        // A growth after a handed-out last block is a block of its own, which merges with the
+        // blocks before it once they are free.
+        p.extend_segment(64 * MIB, 2 * MIB).unwrap();
+        p.check();
+        assert_eq!(p.segment_tail_free(64 * MIB), Some(2 * MIB));
+        p.free(b.token, b.addr).unwrap();
+        assert_eq!(p.segment_tail_free(64 * MIB), Some(8 * MIB));
+        p.free(a.token, a.addr).unwrap();
+        p.check();
+        assert_eq!(p.figures().largest_free, 10 * MIB);
+        // Never given to another pool, but released when wholly free.
+        assert_eq!(p.take_free_chunk(2 * MIB), None);
+        assert_eq!(p.release_free_chunks(), vec![(64 * MIB, 10 * MIB)]);
+        // Growth into another chunk, or of what is not a segment, is refused.
+        p.add_segment(Class::Large, 64 * MIB, 2 * MIB).unwrap();
+        p.add_chunk(Class::Large, 68 * MIB, 2 * MIB).unwrap();
+        assert!(p.extend_segment(64 * MIB, 4 * MIB).is_err());
+        assert!(p.extend_segment(68 * MIB, 2 * MIB).is_err());
+        assert!(p.extend_segment(64 * MIB, 100).is_err());
+        p.check();
+    }
+
+    #[test]
     fn release_returns_only_wholly_free_chunks() {
         let mut p = BestFitPolicy::new(classes());
         p.add_chunk(Class::Small, 0, 2 * MIB).unwrap();
@@ -930,10 +1046,14 @@ mod tests {
         fn random_sequences_keep_invariants(
             ops in proptest::collection::vec(op(), 1..300),
             large_chunk in prop_oneof![Just(4 * MIB), Just(20 * MIB)],
+            segments in any::<bool>(),
         ) {
             let mut p = BestFitPolicy::new(Classes { large_chunk, ..classes() });
             let mut live: Vec<(Grant, u64)> = Vec::new();
             let mut next_addr = 1u64 << 32;
+            // With `segments`, one segment per class, grown by what a request lacks (as
+            // BestFit's expandable pools do), far from the chunks.
+            let base = [1u64 << 40, 1u64 << 41];
             for op in ops {
                 match op {
                     Op::Alloc(size) => {
@@ -941,9 +1061,21 @@ mod tests {
                             Some(g) => g,
                             None => {
                                 let growth = p.growth_for(size).unwrap();
-                                p.add_chunk(growth.class, next_addr, growth.size).unwrap();
-                                // Leave a gap so that chunks are never adjacent.
-                                next_addr += growth.size + 2 * MIB;
+                                let at = base[growth.class.index()];
+                                if segments && !growth.own {
+                                    let rounded = BestFitPolicy::round(size).unwrap();
+                                    match p.segment_tail_free(at) {
+                                        Some(tail) => {
+                                            prop_assert!(tail < rounded);
+                                            p.extend_segment(at, (rounded - tail).div_ceil(2 * MIB) * 2 * MIB).unwrap();
+                                        }
+                                        None => p.add_segment(growth.class, at, rounded.div_ceil(2 * MIB) * 2 * MIB).unwrap(),
+                                    }
+                                } else {
+                                    p.add_chunk(growth.class, next_addr, growth.size).unwrap();
+                                    // Leave a gap so that chunks are never adjacent.
+                                    next_addr += growth.size + 2 * MIB;
+                                }
                                 p.allocate(size).unwrap()
                             }
                         };
