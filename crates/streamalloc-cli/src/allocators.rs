@@ -22,7 +22,10 @@ const ALLOCATORS: &[(&str, Make)] = &[
     }),
     ("stream_safe_expandable", |device| {
         let pool = BestFitConfig { expandable: true, ..Default::default() };
-        Ok(ReplayTarget::Streams(Arc::new(StreamSafe::new(device, StreamSafeConfig { pool, ..Default::default() })?)))
+        Ok(ReplayTarget::Streams(Arc::new(StreamSafe::new(
+            device,
+            StreamSafeConfig { pool, ..Default::default() },
+        )?)))
     }),
     ("async", |device| {
         // The default pool keeps its memory, as the anchors' raw cudaMallocAsync run does.

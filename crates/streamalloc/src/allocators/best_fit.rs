@@ -489,7 +489,8 @@ impl BestFit {
             let _ = inner.release_free(sg);
             // The release may have taken this class's segment: grow it anew.
             let at = base + sg.mapped[c];
-            let need = if sg.mapped[c] == 0 { rounded.div_ceil(sg.granularity) * sg.granularity } else { need };
+            let need =
+                if sg.mapped[c] == 0 { rounded.div_ceil(sg.granularity) * sg.granularity } else { need };
             if let Err(e) = device.map(at, need as usize) {
                 return Err(inner.failure(e, size, need as usize));
             }
@@ -953,7 +954,8 @@ mod tests {
         let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
         let s = sim.create_stream().unwrap();
         let (sim, pool) = {
-            let config = BestFitConfig { growth_size: 20 * MIB, stream: s, expandable: true, ..Default::default() };
+            let config =
+                BestFitConfig { growth_size: 20 * MIB, stream: s, expandable: true, ..Default::default() };
             (sim.clone(), BestFit::new(sim, config).unwrap())
         };
         let start = device_free(&sim);

@@ -606,7 +606,9 @@ impl Device for CudaDevice {
         let _ctx = self.bind()?;
         let granularity = self.map_granularity()?;
         if granularity == 0 || size % granularity != 0 {
-            return Err(Error::InvalidArgument(format!("map of {size} bytes: not granules of {granularity}")));
+            return Err(Error::InvalidArgument(format!(
+                "map of {size} bytes: not granules of {granularity}"
+            )));
         }
         let prop = allocation_prop(self.device);
         let access = sys::CUmemAccessDesc {
@@ -655,7 +657,9 @@ impl Device for CudaDevice {
         let _ctx = self.bind()?;
         let granularity = self.map_granularity()?;
         if granularity == 0 || size % granularity != 0 {
-            return Err(Error::InvalidArgument(format!("unmap of {size} bytes: not granules of {granularity}")));
+            return Err(Error::InvalidArgument(format!(
+                "unmap of {size} bytes: not granules of {granularity}"
+            )));
         }
         for at in (addr..addr + size as u64).step_by(granularity) {
             // SAFETY: each granule is one whole mapping of `map`; the caller guarantees that no

@@ -824,7 +824,9 @@ impl Device for SimDevice {
                 return Err(Error::InvalidArgument(format!("{addr:#x}+{size} is not all mapped")));
             }
             let now = st.now;
-            if let Some(u) = st.uses.iter().find(|u| u.end > now && u.ptr < end && addr < u.ptr + u.len as u64) {
+            if let Some(u) =
+                st.uses.iter().find(|u| u.end > now && u.ptr < end && addr < u.ptr + u.len as u64)
+            {
                 return Err(Error::InvalidArgument(format!(
                     "unmap of {addr:#x}+{size} while stream {:#x} uses {:#x} until {} (now {now})",
                     u.stream.0, u.ptr, u.end

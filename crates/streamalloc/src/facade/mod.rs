@@ -190,7 +190,8 @@ impl Facade {
                 Arc::new(SingleStream::new(pool, device.clone(), Stream::DEFAULT))
             }
             Strategy::StreamSafe => {
-                let pool = BestFitConfig { growth_size: c.growth, expandable: c.expandable, ..Default::default() };
+                let pool =
+                    BestFitConfig { growth_size: c.growth, expandable: c.expandable, ..Default::default() };
                 let ss = Arc::new(StreamSafe::new(
                     device.clone(),
                     StreamSafeConfig { pool, ..Default::default() },

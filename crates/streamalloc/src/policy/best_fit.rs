@@ -820,7 +820,10 @@ mod tests {
         assert_eq!(p.growth_for(MIB), Some(Growth { class: Class::Small, size: 2 * MIB, own: false }));
         assert_eq!(p.growth_for(MIB + 1), Some(Growth { class: Class::Large, size: 32 * MIB, own: false }));
         assert_eq!(p.growth_for(32 * MIB), Some(Growth { class: Class::Large, size: 32 * MIB, own: false }));
-        assert_eq!(p.growth_for(32 * MIB + 1), Some(Growth { class: Class::Large, size: 34 * MIB, own: true }));
+        assert_eq!(
+            p.growth_for(32 * MIB + 1),
+            Some(Growth { class: Class::Large, size: 34 * MIB, own: true })
+        );
         assert_eq!(p.growth_for(0), None);
         assert_eq!(p.growth_for(u64::MAX - 100), None);
     }
