@@ -913,16 +913,19 @@ mod tests {
         sim.mem_info().unwrap().free
     }
 
-    fn expandable_pool(capacity: usize, stream: Stream) -> (Arc<SimDevice>, BestFit) {
-        let sim = SimDevice::new(SimConfig::with_capacity(capacity));
+    /// An expandable pool on a simulated device of 1 GiB, for the device's first stream when
+    /// `on_own_stream`, else for the legacy default stream.
+    fn expandable_pool(on_own_stream: bool) -> (Arc<SimDevice>, BestFit, Stream) {
+        let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+        let stream = if on_own_stream { sim.create_stream().unwrap() } else { Stream::DEFAULT };
         let config = BestFitConfig { growth_size: 20 * MIB, stream, expandable: true, ..Default::default() };
         let pool = BestFit::new(sim.clone(), config).unwrap();
-        (sim, pool)
+        (sim, pool, stream)
     }
 
     #[test]
     fn expandable_pool_grows_by_what_is_lacking_and_merges_across_growths() {
-        let (sim, pool) = expandable_pool(1 << 30, Stream::DEFAULT);
+        let (sim, pool, _) = expandable_pool(false);
         let start = device_free(&sim);
         // 3 MiB maps two 2 MiB granules; the 1 MiB left over is handed out with the block.
         let a = pool.allocate(3 * MIB).unwrap();
@@ -951,13 +954,7 @@ mod tests {
 
     #[test]
     fn expandable_segments_go_back_after_their_streams_work() {
-        let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
-        let s = sim.create_stream().unwrap();
-        let (sim, pool) = {
-            let config =
-                BestFitConfig { growth_size: 20 * MIB, stream: s, expandable: true, ..Default::default() };
-            (sim.clone(), BestFit::new(sim, config).unwrap())
-        };
+        let (sim, pool, s) = expandable_pool(true);
         let start = device_free(&sim);
         let a = pool.allocate(6 * MIB).unwrap();
         let keep = pool.allocate(4096).unwrap();

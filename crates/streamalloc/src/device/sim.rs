@@ -832,8 +832,9 @@ impl Device for SimDevice {
                     u.stream.0, u.ptr, u.end
                 )));
             }
-            for (_, memory) in st.mapped.range(addr..end).map(|(&g, &m)| (g, m)).collect::<Vec<_>>() {
-                st.space.give(memory, MAP_GRANULE);
+            let memory: Vec<u64> = st.mapped.range(addr..end).map(|(_, &m)| m).collect();
+            for m in memory {
+                st.space.give(m, MAP_GRANULE);
             }
             st.mapped.retain(|&g, _| g < addr || g >= end);
             Ok(())
