@@ -23,7 +23,9 @@
 //! # Coalescing
 //! A freed block merges at once with a free neighbour on either side within its chunk, so no
 //! two free blocks are ever adjacent. Blocks of different chunks never merge: each chunk goes
-//! back to its source whole.
+//! back to its source whole. A *segment* ([`BestFitPolicy::add_segment`]) is a chunk that
+//! grows at its end instead of being joined by new chunks: what it grows by joins its last
+//! block when that is free.
 //!
 //! # Storage
 //! Blocks live in a slab (`Vec`) indexed by a `u32` *token*, which the caller carries back on
@@ -648,8 +650,8 @@ impl BestFitPolicy {
     }
 
     /// Removes the smallest wholly free chunk (not a segment) of the class of `size` that
-    /// could serve `size` bytes, without returning it anywhere: the caller hands it to another policy
-    /// with [`BestFitPolicy::add_chunk`]. `None` if there is none.
+    /// could serve `size` bytes, without returning it anywhere: the caller hands it to another
+    /// policy with [`BestFitPolicy::add_chunk`]. `None` if there is none.
     pub fn take_free_chunk(&mut self, size: u64) -> Option<(Class, u64, u64)> {
         let size = Self::round(size)?;
         let class = self.class_of(size);
