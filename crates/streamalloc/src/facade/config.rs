@@ -101,8 +101,9 @@ pub struct Config {
     /// `growth`: bytes a caching pool grows by for large requests. Default 32 MiB.
     pub growth: usize,
     /// `expandable`: `true` makes the caching pools (`best_fit`, `stream_safe`) grow
-    /// expandable segments instead of chunks ([`BestFitConfig::expandable`](crate::allocators::BestFitConfig::expandable)).
-    /// Default `false`.
+    /// expandable segments instead of chunks (see
+    /// [`BestFitConfig::expandable`](crate::allocators::BestFitConfig::expandable)). Default
+    /// `false`.
     pub expandable: bool,
     /// `pool`: `default` or `owned`, for `async`. Default `default`.
     pub pool: PoolChoice,
