@@ -5,18 +5,17 @@ mod conformance;
 
 use std::sync::Arc;
 
-use conformance::{run_program, ByPointer, Made};
+use conformance::{
+    async_pool, async_pool_by_pointer, best_fit, best_fit_expandable, plain, run_program, stream_safe,
+    stream_safe_by_pointer, stream_safe_expandable, ByPointer, Made,
+};
 use parking_lot::Mutex;
 use std::time::Duration;
 
 use streamalloc::adaptors::{Limit, PointerMap, Retry, SingleStream, StatsAdaptor, TraceAdaptor};
-use streamalloc::allocators::{BestFit, BestFitConfig, Plain, StreamSafe, StreamSafeConfig};
+use streamalloc::allocators::{BestFit, BestFitConfig, StreamSafe, StreamSafeConfig};
 use streamalloc::trace::TraceWriter;
 use streamalloc::{Allocation, Allocator, Block, BlockOwner, Device, Error, Stats, Stream, StreamAllocator};
-
-fn plain(device: Arc<dyn Device>) -> Made {
-    Made::Plain(Arc::new(Plain::new(device, Stream::DEFAULT)))
-}
 
 conformance_tests!(plain_on_sim, plain);
 
@@ -89,28 +88,6 @@ fn checker_catches_planted_early_reuse() {
     assert_eq!(run_program(plain, &program, true), 0);
 }
 
-fn best_fit(device: Arc<dyn Device>) -> Made {
-    Made::Plain(Arc::new(BestFit::new(device, BestFitConfig::default()).expect("pool")))
-}
-
-fn stream_safe(device: Arc<dyn Device>) -> Made {
-    Made::Streams(Arc::new(StreamSafe::new(device, StreamSafeConfig::default()).expect("allocator")))
-}
-
-/// BestFit and StreamSafe with expandable segments.
-fn expandable() -> BestFitConfig {
-    BestFitConfig { expandable: true, ..BestFitConfig::default() }
-}
-
-fn best_fit_expandable(device: Arc<dyn Device>) -> Made {
-    Made::Plain(Arc::new(BestFit::new(device, expandable()).expect("pool")))
-}
-
-fn stream_safe_expandable(device: Arc<dyn Device>) -> Made {
-    let config = StreamSafeConfig { pool: expandable(), ..StreamSafeConfig::default() };
-    Made::Streams(Arc::new(StreamSafe::new(device, config).expect("allocator")))
-}
-
 fn best_fit_any_stream(device: Arc<dyn Device>) -> Made {
     let pool = BestFit::new(device.clone(), BestFitConfig::default()).expect("pool");
     Made::Streams(Arc::new(SingleStream::new(pool, device, Stream::DEFAULT)))
@@ -158,18 +135,7 @@ conformance_tests!(retry_on_sim, retry);
 conformance_tests!(stats_on_sim, stats);
 conformance_tests!(trace_on_sim, traced);
 
-fn async_pool(device: Arc<dyn Device>) -> Made {
-    use streamalloc::allocators::{AsyncPool, AsyncPoolConfig};
-    Made::Streams(Arc::new(AsyncPool::new(device, AsyncPoolConfig::default())))
-}
-
 conformance_tests!(async_pool_on_sim, async_pool);
-
-/// StreamSafe through its own pointer bookkeeping (what the C ABI uses with `stream_safe`).
-fn stream_safe_by_pointer(device: Arc<dyn Device>) -> Made {
-    let ss = Arc::new(StreamSafe::new(device, StreamSafeConfig::default()).expect("allocator"));
-    Made::Streams(Arc::new(ByPointer { pointers: ss.clone(), base: ss }))
-}
 
 /// A PointerMap over the adaptor stack (what the C ABI uses when adaptors are configured).
 fn pointer_map(device: Arc<dyn Device>) -> Made {
@@ -179,12 +145,5 @@ fn pointer_map(device: Arc<dyn Device>) -> Made {
 
 conformance_tests!(stream_safe_by_pointer_on_sim, stream_safe_by_pointer);
 conformance_tests!(pointer_map_on_sim, pointer_map);
-
-/// AsyncPool through its own pointer bookkeeping (the C ABI's path with `async`).
-fn async_pool_by_pointer(device: Arc<dyn Device>) -> Made {
-    use streamalloc::allocators::{AsyncPool, AsyncPoolConfig};
-    let pool = Arc::new(AsyncPool::new(device, AsyncPoolConfig::default()));
-    Made::Streams(Arc::new(ByPointer { pointers: pool.clone(), base: pool }))
-}
 
 conformance_tests!(async_pool_by_pointer_on_sim, async_pool_by_pointer);

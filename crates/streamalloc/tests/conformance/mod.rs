@@ -10,6 +10,9 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 use proptest::prelude::*;
+use streamalloc::allocators::{
+    AsyncPool, AsyncPoolConfig, BestFit, BestFitConfig, Plain, StreamSafe, StreamSafeConfig,
+};
 use streamalloc::device::cuda::CudaDevice;
 use streamalloc::device::sim::{SimConfig, SimDevice};
 use streamalloc::{
@@ -332,6 +335,49 @@ pub fn run_program(make: Factory, program: &[Action], record: bool) -> usize {
     }
     drop(live);
     sim.violations().len()
+}
+
+/// The allocators both the simulator's and the GPU's suite run, as factories.
+pub fn plain(device: Arc<dyn Device>) -> Made {
+    Made::Plain(Arc::new(Plain::new(device, Stream::DEFAULT)))
+}
+
+pub fn best_fit(device: Arc<dyn Device>) -> Made {
+    Made::Plain(Arc::new(BestFit::new(device, BestFitConfig::default()).expect("pool")))
+}
+
+pub fn stream_safe(device: Arc<dyn Device>) -> Made {
+    Made::Streams(Arc::new(StreamSafe::new(device, StreamSafeConfig::default()).expect("allocator")))
+}
+
+/// BestFit's settings with expandable segments.
+fn expandable() -> BestFitConfig {
+    BestFitConfig { expandable: true, ..BestFitConfig::default() }
+}
+
+pub fn best_fit_expandable(device: Arc<dyn Device>) -> Made {
+    Made::Plain(Arc::new(BestFit::new(device, expandable()).expect("pool")))
+}
+
+pub fn stream_safe_expandable(device: Arc<dyn Device>) -> Made {
+    let config = StreamSafeConfig { pool: expandable(), ..StreamSafeConfig::default() };
+    Made::Streams(Arc::new(StreamSafe::new(device, config).expect("allocator")))
+}
+
+pub fn async_pool(device: Arc<dyn Device>) -> Made {
+    Made::Streams(Arc::new(AsyncPool::new(device, AsyncPoolConfig::default())))
+}
+
+/// StreamSafe through its own pointer bookkeeping (the C ABI's path with `stream_safe`).
+pub fn stream_safe_by_pointer(device: Arc<dyn Device>) -> Made {
+    let ss = Arc::new(StreamSafe::new(device, StreamSafeConfig::default()).expect("allocator"));
+    Made::Streams(Arc::new(ByPointer { pointers: ss.clone(), base: ss }))
+}
+
+/// AsyncPool through its own pointer bookkeeping (the C ABI's path with `async`).
+pub fn async_pool_by_pointer(device: Arc<dyn Device>) -> Made {
+    let pool = Arc::new(AsyncPool::new(device, AsyncPoolConfig::default()));
+    Made::Streams(Arc::new(ByPointer { pointers: pool.clone(), base: pool }))
 }
 
 /// Generates the suite's `#[test]` functions for one allocator: `conformance_tests!(name,
