@@ -462,16 +462,14 @@ impl BestFit {
             st.policy.segment_tail_free(base).unwrap_or(0)
         };
         let need = (rounded - tail.min(rounded)).div_ceil(sg.granularity) * sg.granularity;
-        let lacking = || {
-            Error::oom(OutOfMemory {
+        if sg.mapped[c] + need > sg.reservation {
+            let full = Error::oom(OutOfMemory {
                 device: inner.ordinal,
                 requested: size,
                 hint: format!("the segment's reservation of {} bytes is full", sg.reservation),
                 ..OutOfMemory::default()
-            })
-        };
-        if sg.mapped[c] + need > sg.reservation {
-            return Err(inner.failure(lacking(), size, need as usize));
+            });
+            return Err(inner.failure(full, size, need as usize));
         }
         let at = base + sg.mapped[c];
         if let Err(e) = device.map(at, need as usize) {

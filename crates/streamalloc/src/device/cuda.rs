@@ -322,6 +322,18 @@ impl CudaDevice {
         Ok(call())
     }
 
+    /// The mapping granularity, checked to divide `size`, the size `call` (`map` or `unmap`)
+    /// was given.
+    fn granularity_of(&self, size: usize, call: &str) -> Result<usize> {
+        let granularity = self.map_granularity()?;
+        if granularity == 0 || size % granularity != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{call} of {size} bytes: not granules of {granularity}"
+            )));
+        }
+        Ok(granularity)
+    }
+
     /// The device handle and primary context of ordinal `peer`: this device's own, or those of
     /// the peer opened at its first use (see the [module docs](self)).
     fn peer(&self, peer: usize) -> Result<(sys::CUdevice, Ctx)> {
@@ -604,12 +616,7 @@ impl Device for CudaDevice {
     /// handle is released once mapped: unmapping then frees the memory.
     fn map(&self, addr: DevicePtr, size: usize) -> Result<()> {
         let _ctx = self.bind()?;
-        let granularity = self.map_granularity()?;
-        if granularity == 0 || size % granularity != 0 {
-            return Err(Error::InvalidArgument(format!(
-                "map of {size} bytes: not granules of {granularity}"
-            )));
-        }
+        let granularity = self.granularity_of(size, "map")?;
         let prop = allocation_prop(self.device);
         let access = sys::CUmemAccessDesc {
             location: device_location(self.device),
@@ -655,12 +662,7 @@ impl Device for CudaDevice {
 
     fn unmap(&self, addr: DevicePtr, size: usize) -> Result<()> {
         let _ctx = self.bind()?;
-        let granularity = self.map_granularity()?;
-        if granularity == 0 || size % granularity != 0 {
-            return Err(Error::InvalidArgument(format!(
-                "unmap of {size} bytes: not granules of {granularity}"
-            )));
-        }
+        let granularity = self.granularity_of(size, "unmap")?;
         for at in (addr..addr + size as u64).step_by(granularity) {
             // SAFETY: each granule is one whole mapping of `map`; the caller guarantees that no
             // work uses the range any more.
