@@ -461,7 +461,7 @@ impl BestFit {
             }
             st.policy.segment_tail_free(base).unwrap_or(0)
         };
-        let need = (rounded - tail.min(rounded)).div_ceil(sg.granularity) * sg.granularity;
+        let mut need = (rounded - tail.min(rounded)).div_ceil(sg.granularity) * sg.granularity;
         if sg.mapped[c] + need > sg.reservation {
             let full = Error::oom(OutOfMemory {
                 device: inner.ordinal,
@@ -471,8 +471,7 @@ impl BestFit {
             });
             return Err(inner.failure(full, size, need as usize));
         }
-        let at = base + sg.mapped[c];
-        if let Err(e) = device.map(at, need as usize) {
+        if let Err(e) = device.map(base + sg.mapped[c], need as usize) {
             if !e.is_out_of_memory() {
                 return Err(inner.failure(e, size, need as usize));
             }
@@ -486,31 +485,14 @@ impl BestFit {
             // A failure to give memory back shows in the out-of-memory figures.
             let _ = inner.release_free(sg);
             // The release may have taken this class's segment: grow it anew.
-            let at = base + sg.mapped[c];
-            let need =
-                if sg.mapped[c] == 0 { rounded.div_ceil(sg.granularity) * sg.granularity } else { need };
-            if let Err(e) = device.map(at, need as usize) {
+            if sg.mapped[c] == 0 {
+                need = rounded.div_ceil(sg.granularity) * sg.granularity;
+            }
+            if let Err(e) = device.map(base + sg.mapped[c], need as usize) {
                 return Err(inner.failure(e, size, need as usize));
             }
-            return self.extend_and_allocate(sg, c, class, base, need, size, rounded);
         }
-        self.extend_and_allocate(sg, c, class, base, need, size, rounded)
-    }
-
-    /// Adds the `need` bytes just mapped at the end of class `c`'s segment to the policy and
-    /// allocates from them.
-    #[allow(clippy::too_many_arguments)]
-    fn extend_and_allocate(
-        &self,
-        sg: &mut Segments,
-        c: usize,
-        class: Class,
-        base: u64,
-        need: u64,
-        size: usize,
-        rounded: u64,
-    ) -> Result<Block> {
-        let inner = &self.inner;
+        // The `need` bytes just mapped join the segment's end, and the request is served there.
         let mut st = inner.state.lock();
         let added = match sg.mapped[c] {
             0 => st.policy.add_segment(class, base, need),
@@ -520,7 +502,7 @@ impl BestFit {
             st.stats.failures += 1;
             drop(st);
             // A bug: the policy refused memory that is mapped; give it back.
-            let _ = inner.source.device().unmap(base + sg.mapped[c], need as usize);
+            let _ = device.unmap(base + sg.mapped[c], need as usize);
             return Err(e);
         }
         sg.mapped[c] += need;
