@@ -421,9 +421,7 @@ impl BestFit {
             }
         }
     }
-}
 
-impl BestFit {
     /// The slow path of an expandable pool: map what the request lacks at the end of its
     /// class's segment (releasing wholly free segments and chunks and retrying once on
     /// out-of-memory), and allocate from it.
