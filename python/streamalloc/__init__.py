@@ -91,6 +91,8 @@ def load():
             lib.streamalloc_last_error.restype = ctypes.c_char_p
             lib.streamalloc_cupy_free.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
             lib.streamalloc_cupy_free.restype = None
+            lib.streamalloc_cupy_set_stream_source.argtypes = [ctypes.c_void_p]
+            lib.streamalloc_cupy_set_stream_source.restype = None
             _lib = lib
         return _lib
 

@@ -11,15 +11,17 @@ def enable(conf=None, checked=False):
     `conf` is a `STREAMALLOC_CONF`-style string; without it the environment variable, or the
     defaults, apply.
 
-    By default CuPy calls the C functions directly (`CFunctionAllocator`), without a stream:
-    memory is allocated on the legacy default stream, and its free records an event there,
-    which orders its reuse after all work on CuPy's *blocking* streams (its null stream and
-    `cupy.cuda.Stream()`'s default). Work on non-blocking streams is not covered, and a
-    failed allocation hands CuPy a null pointer (the reason is printed).
+    Memory is allocated on CuPy's current stream, as `cupy.cuda.MemoryPool` does: freed, it
+    is reused at once by later work on that stream, and by other streams (blocking or not)
+    only after the work queued on it before the free. Memory used on another stream than the
+    one it was allocated on needs that stream to wait, as under CuPy's own pool.
 
-    `checked=True` allocates on CuPy's current stream instead, and raises
-    `cupy.cuda.memory.OutOfMemoryError` (or `streamalloc.StreamallocError`) on failure, at
-    the cost of a Python call per allocation and free.
+    By default CuPy calls the C functions directly (`CFunctionAllocator`), which learn the
+    current stream from CuPy's own C function (`cupy_backends.cuda.stream`); a failed
+    allocation hands CuPy a null pointer (the reason is printed). `checked=True` goes through
+    Python instead and raises `cupy.cuda.memory.OutOfMemoryError` (or
+    `streamalloc.StreamallocError`) on failure, at the cost of a Python call per allocation
+    and free.
 
     Returns the allocator object CuPy holds.
     """
@@ -28,6 +30,7 @@ def enable(conf=None, checked=False):
     lib = streamalloc.load()
     if conf is not None:
         streamalloc.configure(conf)
+    lib.streamalloc_cupy_set_stream_source(_current_stream_source())
     if checked:
         allocator = cupy.cuda.memory.PythonFunctionAllocator(_checked_malloc, _checked_free)
     else:
@@ -36,6 +39,22 @@ def enable(conf=None, checked=False):
         allocator = cupy.cuda.memory.CFunctionAllocator(0, malloc, free, lib)
     cupy.cuda.set_allocator(allocator.malloc)
     return allocator
+
+
+def _current_stream_source():
+    """The address of CuPy's C function returning the current stream (`intptr_t (void)`),
+    exported by `cupy_backends.cuda.stream` in its Cython C-API table."""
+    from cupy_backends.cuda import stream
+
+    capsule = stream.__pyx_capi__["get_current_stream_ptr"]
+    get_name = ctypes.pythonapi.PyCapsule_GetName
+    get_name.restype, get_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    name = get_name(capsule)
+    if not (name.split(b"(")[0].strip().endswith(b"intptr_t") and name.replace(b" ", b"").endswith(b"(void)")):
+        raise RuntimeError(f"cupy_backends.cuda.stream.get_current_stream_ptr has type {name!r}, not intptr_t (void)")
+    return get_pointer(capsule, name)
 
 
 def _checked_malloc(size, device_id):
@@ -53,5 +72,4 @@ def _checked_malloc(size, device_id):
 
 
 def _checked_free(ptr, device_id):
-    # The legacy-stream event of the C path also covers memory used on blocking streams.
     streamalloc.load().streamalloc_cupy_free(None, ptr, device_id)

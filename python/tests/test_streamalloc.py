@@ -24,6 +24,14 @@ def fake_torch():
     """A stand-in for torch.cuda.memory that loads the library and calls it as torch does."""
     calls = {}
 
+    class Hooks:
+        """torch._C._cuda_CUDAAllocator: each setter takes a function's address."""
+
+        def __getattr__(self, setter):
+            if not setter.startswith("set_"):
+                raise AttributeError(setter)
+            return lambda address: calls.setdefault("hooks", {}).__setitem__(setter, address)
+
     class CUDAPluggableAllocator:
         def __init__(self, path, alloc_fn_name, free_fn_name):
             lib = ctypes.CDLL(path)
@@ -33,6 +41,10 @@ def fake_torch():
             self.free = getattr(lib, free_fn_name)
             self.free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
             self.free.restype = None
+            self._hooks = Hooks()
+
+        def allocator(self):
+            return self._hooks
 
     def change_current_allocator(allocator):
         calls["current"] = allocator
@@ -81,7 +93,27 @@ def fake_cupy():
                                  get_current_stream=lambda: types.SimpleNamespace(ptr=0))
     cupy = types.ModuleType("cupy")
     cupy.cuda = cuda
-    return cupy, calls
+    # cupy_backends.cuda.stream exports get_current_stream_ptr in its Cython C-API table.
+    source_t = ctypes.CFUNCTYPE(ctypes.c_ssize_t)
+
+    @source_t
+    def current_stream():
+        calls["stream_queries"] = calls.get("stream_queries", 0) + 1
+        return 0
+
+    name = b"intptr_t (void)"
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype, new_capsule.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    capsule = new_capsule(ctypes.cast(current_stream, ctypes.c_void_p), name, None)
+    calls["keep"] = (current_stream, name)
+    stream = types.ModuleType("cupy_backends.cuda.stream")
+    stream.__pyx_capi__ = {"get_current_stream_ptr": capsule}
+    backends = types.ModuleType("cupy_backends")
+    backends.cuda = types.ModuleType("cupy_backends.cuda")
+    backends.cuda.stream = stream
+    modules = {"cupy": cupy, "cupy_backends": backends, "cupy_backends.cuda": backends.cuda,
+               "cupy_backends.cuda.stream": stream}
+    return modules, calls
 
 
 def test_configure_stats_release():
@@ -112,18 +144,33 @@ def test_torch_enable():
     finally:
         del sys.modules["torch"]
     assert calls["current"] is allocator
+    lib = streamalloc.load()
+    address = {name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for _, name in streamalloc.torch._HOOKS}
+    assert calls["hooks"] == {setter: address[name] for setter, name in streamalloc.torch._HOOKS}, calls["hooks"]
     before = streamalloc.stats(0)
     p = allocator.alloc(1 << 20, 0, None)
     assert p and p % 256 == 0
     assert streamalloc.stats(0)["allocated"] == before["allocated"] + (1 << 20)
+    record = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)(address["streamalloc_torch_record_stream"])
+    record(p, None)
+    base_alloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t))(
+        address["streamalloc_torch_base_allocation"])
+    size = ctypes.c_size_t(0)
+    base = base_alloc(p, ctypes.byref(size))
+    assert base <= p and p + (1 << 20) <= base + size.value, (base, size.value, p)
+    assert streamalloc.torch.memory_stats(0)["allocated_bytes.all.current"] == before["allocated"] + (1 << 20)
+    assert "allocated_bytes.all.current" in streamalloc.torch.memory_summary(0)
     allocator.free(p, 1 << 20, 0, None)
     assert streamalloc.stats(0)["allocated"] == before["allocated"]
     assert allocator.alloc(0, 0, None) is None
+    ctypes.CFUNCTYPE(None)(address["streamalloc_torch_empty_cache"])()
+    assert streamalloc.stats(0)["reserved"] == 0
 
 
 def test_cupy_enable():
-    cupy, calls = fake_cupy()
-    sys.modules["cupy"] = cupy
+    modules, calls = fake_cupy()
+    sys.modules.update(modules)
+    cupy = modules["cupy"]
     try:
         for checked in (False, True):
             streamalloc.cupy.enable(CONF, checked=checked)
@@ -135,13 +182,16 @@ def test_cupy_enable():
             after = streamalloc.stats(0)
             assert after["allocated"] == before["allocated"]
             assert after["total_frees"] == before["total_frees"] + 1
+        assert calls.get("stream_queries", 0) == 1, "the C path asks CuPy for its current stream"
         try:
             calls["malloc"](1 << 40)  # more than the simulated 8 GiB
             raise AssertionError("an impossible allocation succeeded")
         except cupy.cuda.memory.OutOfMemoryError:
             pass
     finally:
-        del sys.modules["cupy"]
+        for name in modules:
+            del sys.modules[name]
+        streamalloc.load().streamalloc_cupy_set_stream_source(None)
 
 
 def test_stats_struct_matches_header():

@@ -22,10 +22,12 @@
 
 mod state;
 mod status;
+mod torch;
 
 use std::ffi::CStr;
 use std::os::raw::{c_char, c_int, c_void};
 use std::ptr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use core_alloc::facade::Config;
 use core_alloc::{Error, Stream};
@@ -33,6 +35,7 @@ use libc::ssize_t;
 
 use state::State;
 pub use status::{StreamallocStats, StreamallocStatus};
+pub use torch::*;
 
 /// A CUDA stream: `cudaStream_t`, the same value as the driver's `CUstream`. Null is the
 /// legacy default stream.
@@ -47,11 +50,13 @@ fn stream(s: CudaStream) -> Stream {
 /// error and to stderr).
 #[no_mangle]
 pub extern "C" fn streamalloc_malloc(size: ssize_t, device: c_int, stream: CudaStream) -> *mut c_void {
-    status::abi("streamalloc_malloc", ptr::null_mut(), || {
-        let size =
-            usize::try_from(size).map_err(|_| Error::InvalidArgument(format!("negative size {size}")))?;
-        Ok(State::get()?.allocate(size, device, self::stream(stream))? as *mut c_void)
-    })
+    status::abi("streamalloc_malloc", ptr::null_mut(), || malloc(size, device, stream))
+}
+
+/// The allocation of the PyTorch ABI, errors returned.
+fn malloc(size: ssize_t, device: c_int, stream: CudaStream) -> Result<*mut c_void, Error> {
+    let size = usize::try_from(size).map_err(|_| Error::InvalidArgument(format!("negative size {size}")))?;
+    Ok(State::get()?.allocate(size, device, self::stream(stream))? as *mut c_void)
 }
 
 /// PyTorch `CUDAPluggableAllocator` free. `size` is ignored; `device` and `stream` (those the
@@ -66,27 +71,72 @@ pub extern "C" fn streamalloc_free(ptr: *mut c_void, size: ssize_t, device: c_in
     });
 }
 
-/// CuPy `CFunctionAllocator` allocation: `size` bytes on `device`, on the legacy default
-/// stream (CuPy passes no stream; see [`streamalloc_cupy_free`] for why that is safe).
+/// Where the CuPy functions learn CuPy's current stream (see
+/// [`streamalloc_cupy_set_stream_source`]): a function pointer, 0 for none.
+static CUPY_STREAM_SOURCE: AtomicUsize = AtomicUsize::new(0);
+
+/// A function that returns CuPy's current stream (`cudaStream_t`), such as the
+/// `get_current_stream_ptr` CuPy exports from `cupy_backends.cuda.stream`.
+pub type CupyStreamSource = Option<unsafe extern "C" fn() -> isize>;
+
+/// Makes [`streamalloc_cupy_malloc`] allocate on the stream `source` returns (CuPy's current
+/// stream), as `cupy.cuda.MemoryPool` does; NULL goes back to the legacy default stream.
+/// `streamalloc.cupy.enable()` installs CuPy's own function.
+///
+/// # Safety
+/// `source`, if not NULL, must be callable from every thread that calls the CuPy functions,
+/// in the state CuPy calls its allocator in (CuPy's function reads a Python thread-local, and
+/// CuPy allocates and frees with the GIL held).
+#[no_mangle]
+pub unsafe extern "C" fn streamalloc_cupy_set_stream_source(source: CupyStreamSource) {
+    CUPY_STREAM_SOURCE.store(source.map_or(0, |f| f as usize), Ordering::Release);
+}
+
+/// CuPy's current stream, if a source is installed.
+fn cupy_stream() -> Option<Stream> {
+    match CUPY_STREAM_SOURCE.load(Ordering::Acquire) {
+        0 => None,
+        f => {
+            // SAFETY: a non-zero value is a function of type `CupyStreamSource` stored by
+            // streamalloc_cupy_set_stream_source, whose contract makes it callable here.
+            let source: unsafe extern "C" fn() -> isize = unsafe { std::mem::transmute(f) };
+            // SAFETY: as above.
+            Some(Stream(unsafe { source() } as u64))
+        }
+    }
+}
+
+/// CuPy `CFunctionAllocator` allocation: `size` bytes on `device`, owned by CuPy's current
+/// stream when [`streamalloc_cupy_set_stream_source`] installed a way to learn it (so the
+/// memory is reused on that stream at once and elsewhere only after its work, as with
+/// `cupy.cuda.MemoryPool`), else by the legacy default stream (see [`streamalloc_cupy_free`]).
 /// `param` is unused. Returns NULL on failure, which CuPy does not check: the reason goes to
 /// stderr and the last error (`streamalloc.cupy.enable(checked=True)` raises instead).
 #[no_mangle]
 pub extern "C" fn streamalloc_cupy_malloc(param: *mut c_void, size: usize, device: c_int) -> *mut c_void {
     let _ = param;
     status::abi("streamalloc_cupy_malloc", ptr::null_mut(), || {
-        Ok(State::get()?.allocate(size, device, Stream::DEFAULT)? as *mut c_void)
+        let stream = cupy_stream().unwrap_or(Stream::DEFAULT);
+        Ok(State::get()?.allocate(size, device, stream)? as *mut c_void)
     })
 }
 
-/// CuPy `CFunctionAllocator` free. Before the memory can be reused, an event is recorded on
-/// the legacy default stream: that orders it after all work enqueued so far on every
-/// *blocking* stream (CuPy's null stream and `cupy.cuda.Stream()`'s default) and orders all
-/// later work on those streams after it, so the next user of the memory cannot overlap its
-/// last one. Memory used on non-blocking streams needs the C API with an explicit stream.
+/// CuPy `CFunctionAllocator` free, in the order of the stream the memory was allocated on.
+/// Without a stream source, allocations are on the legacy default stream and an event is
+/// recorded there first: that orders the free after all work enqueued so far on every
+/// *blocking* stream (CuPy's null stream and `cupy.cuda.Stream()`'s default) and all later
+/// work on those streams after it, so the next user of the memory cannot overlap its last
+/// one.
 #[no_mangle]
 pub extern "C" fn streamalloc_cupy_free(param: *mut c_void, ptr: *mut c_void, device: c_int) {
     let _ = param;
-    status::abi("streamalloc_cupy_free", (), || State::get()?.free_legacy(ptr as u64, device));
+    status::abi("streamalloc_cupy_free", (), || {
+        let state = State::get()?;
+        match CUPY_STREAM_SOURCE.load(Ordering::Relaxed) {
+            0 => state.free_legacy(ptr as u64, device),
+            _ => state.free(ptr as u64, Some(device), Stream::DEFAULT),
+        }
+    });
 }
 
 /// Allocates `size` bytes on `device`, owned by `stream`, and writes the pointer to `*out`

@@ -2,9 +2,11 @@
 //! allocations by pointer, and the events the CuPy free path records.
 
 use std::os::raw::c_int;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use core_alloc::device::EventPool;
+use core_alloc::facade::private_pools::{PoolId, StreamFilter};
 use core_alloc::facade::{Config, DeviceStack, Facade, MAX_DEVICES};
 use core_alloc::{DevicePtr, Error, Result, Stats, Stream};
 
@@ -13,6 +15,8 @@ pub(crate) struct State {
     facade: Facade,
     /// Per device, events recorded on the legacy default stream by [`State::free_legacy`].
     legacy_events: Box<[OnceLock<EventPool>]>,
+    /// Per device, the bytes [`State::set_memory_fraction`] allows (0: no limit).
+    fraction_limits: Box<[AtomicUsize]>,
 }
 
 extern "C" {
@@ -45,6 +49,7 @@ impl State {
         Self {
             facade: Facade::new(config),
             legacy_events: (0..MAX_DEVICES).map(|_| OnceLock::new()).collect(),
+            fraction_limits: (0..MAX_DEVICES).map(|_| AtomicUsize::new(0)).collect(),
         }
     }
 
@@ -84,13 +89,112 @@ impl State {
         if size > isize::MAX as usize {
             return Err(Error::InvalidArgument(format!("size {size} is larger than any allocation can be")));
         }
-        self.facade.stack(device)?.pointers.allocate_ptr(size, stream)
+        let stack = self.facade.stack(device)?;
+        if let Some(routed) = stack.private.allocate(size, stream) {
+            return routed;
+        }
+        match self.fraction_limits[device].load(Ordering::Relaxed) {
+            0 => stack.pointers.allocate_ptr(size, stream),
+            limit => self.allocate_limited(stack, size, stream, limit),
+        }
+    }
+
+    /// Allocates under the limit of [`State::set_memory_fraction`], on reserved memory as
+    /// PyTorch's allocator applies it: a request that would take the bytes allocated over the
+    /// limit fails; one that takes the device memory held over it releases the cache and, if
+    /// that is not enough, fails.
+    fn allocate_limited(
+        &self,
+        stack: &DeviceStack,
+        size: usize,
+        stream: Stream,
+        limit: usize,
+    ) -> Result<DevicePtr> {
+        let exceeded = |in_use: usize| Error::LimitExceeded {
+            device: stack.device.ordinal(),
+            requested: size,
+            in_use,
+            limit,
+        };
+        let before = stack.allocator.stats();
+        if before.allocated.saturating_add(size) > limit {
+            return Err(exceeded(before.allocated));
+        }
+        let ptr = stack.pointers.allocate_ptr(size, stream)?;
+        if stack.allocator.stats().reserved <= limit {
+            return Ok(ptr);
+        }
+        stack.allocator.release()?;
+        let held = stack.allocator.stats().reserved;
+        if held <= limit {
+            return Ok(ptr);
+        }
+        stack.pointers.free_ptr(ptr, stream);
+        Err(exceeded(held))
+    }
+
+    /// Limits device `device` to `fraction` of its memory (0 < fraction <= 1), as
+    /// `torch.cuda.set_per_process_memory_fraction`.
+    pub(crate) fn set_memory_fraction(&self, device: c_int, fraction: f64) -> Result<()> {
+        let ordinal = ordinal(device)?;
+        if !(fraction > 0.0 && fraction <= 1.0) {
+            return Err(Error::InvalidArgument(format!("memory fraction {fraction} is not in (0, 1]")));
+        }
+        let total = self.facade.stack(ordinal)?.device.mem_info()?.total;
+        let limit = ((total as f64 * fraction) as usize).max(1);
+        self.fraction_limits[ordinal].store(limit, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// From now on, allocations on `device` that `filter` matches go to private pool `id`.
+    pub(crate) fn pool_begin(&self, device: c_int, id: PoolId, filter: StreamFilter) -> Result<()> {
+        self.facade.stack(ordinal(device)?)?.private.begin(id, filter)
+    }
+
+    /// Allocations stop going to private pool `id` of `device`.
+    pub(crate) fn pool_end(&self, device: c_int, id: PoolId) -> Result<()> {
+        if let Some(stack) = self.facade.built(ordinal(device)?) {
+            stack.private.end(id);
+        }
+        Ok(())
+    }
+
+    /// Private pool `id` of `device` loses a use (see `PrivatePools::release`).
+    pub(crate) fn pool_release(&self, device: c_int, id: PoolId) -> Result<()> {
+        if let Some(stack) = self.facade.built(ordinal(device)?) {
+            stack.private.release(id);
+        }
+        Ok(())
+    }
+
+    /// The device allocation that holds `ptr`: its base and size.
+    pub(crate) fn base_allocation(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize)> {
+        let mut last = None;
+        for stack in self.stacks_from(None) {
+            match stack.device.address_range(ptr) {
+                Ok(found) => return Ok(found),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| not_live(ptr)))
+    }
+
+    /// Returns the cached memory of every device in use to the driver, except while a private
+    /// pool is active (a graph capture may be under way); the bytes returned.
+    pub(crate) fn empty_cache(&self) -> Result<usize> {
+        if self.facade.built_stacks().any(|s| s.private.is_active()) {
+            return Ok(0);
+        }
+        self.facade.release_all()
     }
 
     /// Frees the allocation at `ptr` (null: nothing to do). `device` and `owner` are where
     /// the caller says it was made, looked at first.
     pub(crate) fn free(&self, ptr: DevicePtr, device: Option<c_int>, owner: Stream) -> Result<()> {
-        if ptr == 0 || self.stacks_from(device).any(|s| s.pointers.free_ptr(ptr, owner)) {
+        if ptr == 0
+            || self.stacks_from(device).any(|s| s.pointers.free_ptr(ptr, owner))
+            || self.stacks_from(device).any(|s| s.private.free(ptr, owner))
+        {
             return Ok(());
         }
         Err(not_live(ptr))
@@ -109,7 +213,7 @@ impl State {
         for stack in self.stacks_from(Some(device)) {
             // Recorded before the free, so that nobody can reuse the memory ahead of it.
             self.record_legacy(stack)?;
-            if stack.pointers.free_ptr(ptr, Stream::DEFAULT) {
+            if stack.pointers.free_ptr(ptr, Stream::DEFAULT) || stack.private.free(ptr, Stream::DEFAULT) {
                 return Ok(());
             }
         }
@@ -133,7 +237,10 @@ impl State {
 
     /// Marks `stream` as a user of the allocation at `ptr` (null: nothing to do).
     pub(crate) fn record_stream(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
-        if ptr == 0 || self.stacks_from(None).any(|s| s.pointers.record_stream_ptr(ptr, stream)) {
+        if ptr == 0
+            || self.stacks_from(None).any(|s| s.pointers.record_stream_ptr(ptr, stream))
+            || self.stacks_from(None).any(|s| s.private.record_stream(ptr, stream))
+        {
             return Ok(());
         }
         Err(not_live(ptr))
@@ -155,7 +262,9 @@ impl State {
 
     /// Statistics of `device` (zeros for a device not used yet).
     pub(crate) fn stats(&self, device: c_int) -> Result<Stats> {
-        Ok(self.facade.stats(ordinal(device)?))
+        let ordinal = ordinal(device)?;
+        let private = self.facade.built(ordinal).map(|s| s.private.stats()).unwrap_or_default();
+        Ok([self.facade.stats(ordinal), private].into_iter().sum())
     }
 }
 

@@ -102,6 +102,8 @@ const SYMBOLS: &[&str] = &[
     "cuMemPoolGetAccess",
     "cuPointerGetAttribute",
     "cuMemcpyPeerAsync",
+    "cuThreadExchangeStreamCaptureMode",
+    "cuMemGetAddressRange_v2",
 ];
 
 /// Whether a CUDA driver can be loaded and initialised here and shows at least one device.
@@ -230,6 +232,23 @@ impl Drop for Bound {
     }
 }
 
+/// The calling thread in the relaxed stream-capture mode, with the primary context bound
+/// ([`CudaDevice::bind_relaxed`]); the thread's previous mode comes back on drop, then its
+/// previous context.
+struct Relaxed {
+    previous: sys::CUstreamCaptureMode,
+    _bound: Bound,
+}
+
+impl Drop for Relaxed {
+    fn drop(&mut self) {
+        let mut mode = self.previous;
+        // SAFETY: `mode` is a valid in/out pointer; restoring can only fail if the driver is
+        // gone, and then there is no mode to restore.
+        let _ = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    }
+}
+
 /// Closures enqueued by [`CudaDevice::launch_host_func`] that have not run yet, by id. The
 /// driver gets the id, not a pointer: a host function captured into a graph may run several
 /// times or never, and the registry makes both safe (the closure runs at most once; one that
@@ -320,6 +339,24 @@ impl CudaDevice {
         }
         let _ctx = self.bind()?;
         Ok(call())
+    }
+
+    /// Binds the primary context and puts the calling thread in the relaxed stream-capture
+    /// mode until the guard drops, for calls the driver calls "potentially unsafe" during a
+    /// capture (`cuMemAlloc`, `cuMemFree`, `cuMemGetInfo`, the virtual-memory calls). In the
+    /// default (global) mode they fail, and invalidate the capture, while any thread captures
+    /// a graph; in relaxed mode they run, as PyTorch's caching allocator runs its `cudaMalloc`
+    /// in a capture. None of them touches a captured stream, and memory a capture uses is
+    /// never freed while it can be replayed (see `facade::private_pools`).
+    fn bind_relaxed(&self) -> Result<Relaxed> {
+        let bound = self.bind()?;
+        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: `mode` is a valid in/out pointer for the call.
+        check(
+            unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) },
+            "cuThreadExchangeStreamCaptureMode",
+        )?;
+        Ok(Relaxed { previous: mode, _bound: bound })
     }
 
     /// The mapping granularity, checked to divide `size`, the size `call` (`map` or `unmap`)
@@ -452,7 +489,7 @@ impl Device for CudaDevice {
     }
 
     fn mem_info(&self) -> Result<MemInfo> {
-        let _ctx = self.bind()?;
+        let _ctx = self.bind_relaxed()?;
         let (mut free, mut total) = (0usize, 0usize);
         // SAFETY: a context is current and both out-pointers are valid.
         check(unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) }, "cuMemGetInfo")?;
@@ -460,7 +497,7 @@ impl Device for CudaDevice {
     }
 
     fn alloc(&self, size: usize) -> Result<DevicePtr> {
-        let _ctx = self.bind()?;
+        let _ctx = self.bind_relaxed()?;
         let mut p: sys::CUdeviceptr = 0;
         // SAFETY: a context is current and `p` is a valid out-pointer.
         match unsafe { sys::cuMemAlloc_v2(&mut p, size) } {
@@ -470,7 +507,7 @@ impl Device for CudaDevice {
     }
 
     fn free(&self, ptr: DevicePtr) -> Result<()> {
-        let _ctx = self.bind()?;
+        let _ctx = self.bind_relaxed()?;
         // SAFETY: a context is current; the driver validates `ptr` and rejects anything it did
         // not hand out, and the caller owns the memory it frees.
         check(unsafe { sys::cuMemFree_v2(ptr) }, "cuMemFree")
@@ -597,7 +634,7 @@ impl Device for CudaDevice {
     }
 
     fn reserve_address(&self, size: usize) -> Result<DevicePtr> {
-        let _ctx = self.bind()?;
+        let _ctx = self.bind_relaxed()?;
         let mut addr: sys::CUdeviceptr = 0;
         // SAFETY: `addr` is a valid out-pointer; no fixed address or alignment is asked for.
         check(unsafe { sys::cuMemAddressReserve(&mut addr, size, 0, 0, 0) }, "cuMemAddressReserve")?;
@@ -605,7 +642,7 @@ impl Device for CudaDevice {
     }
 
     fn free_address(&self, addr: DevicePtr, size: usize) -> Result<()> {
-        let _ctx = self.bind()?;
+        let _ctx = self.bind_relaxed()?;
         // SAFETY: the driver validates that the range is a reservation; the caller has
         // unmapped it.
         check(unsafe { sys::cuMemAddressFree(addr, size) }, "cuMemAddressFree")
@@ -615,7 +652,7 @@ impl Device for CudaDevice {
     /// granule-aligned part (the driver unmaps whole mappings only). Each allocation's
     /// handle is released once mapped: unmapping then frees the memory.
     fn map(&self, addr: DevicePtr, size: usize) -> Result<()> {
-        let _ctx = self.bind()?;
+        let _ctx = self.bind_relaxed()?;
         let granularity = self.granularity_of(size, "map")?;
         let prop = allocation_prop(self.device);
         let access = sys::CUmemAccessDesc {
@@ -661,7 +698,7 @@ impl Device for CudaDevice {
     }
 
     fn unmap(&self, addr: DevicePtr, size: usize) -> Result<()> {
-        let _ctx = self.bind()?;
+        let _ctx = self.bind_relaxed()?;
         let granularity = self.granularity_of(size, "unmap")?;
         for at in (addr..addr + size as u64).step_by(granularity) {
             // SAFETY: each granule is one whole mapping of `map`; the caller guarantees that no
@@ -669,6 +706,15 @@ impl Device for CudaDevice {
             check(unsafe { sys::cuMemUnmap(at, granularity) }, "cuMemUnmap")?;
         }
         Ok(())
+    }
+
+    fn address_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize)> {
+        let _ctx = self.bind()?;
+        let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: a context is current and both out-pointers are valid; the driver validates
+        // `ptr`.
+        check(unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }, "cuMemGetAddressRange")?;
+        Ok((base, size))
     }
 
     fn alloc_async(&self, size: usize, p: Pool, s: Stream) -> Result<DevicePtr> {

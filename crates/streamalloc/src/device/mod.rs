@@ -156,6 +156,9 @@ pub trait Device: Send + Sync {
     /// (`cuMemUnmap`). No work may use the range any more: unlike `cuMemFree`, this does not
     /// wait for the device.
     fn unmap(&self, addr: DevicePtr, size: usize) -> Result<()>;
+    /// The base and size of the device allocation (a `cuMemAlloc` chunk, a pool allocation, a
+    /// mapping) that contains `ptr` (`cuMemGetAddressRange`).
+    fn address_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize)>;
     /// Allocates from `pool` in the order of `stream` (`cuMemAllocFromPoolAsync`).
     fn alloc_async(&self, size: usize, pool: Pool, stream: Stream) -> Result<DevicePtr>;
     /// Frees stream-ordered memory in the order of `stream` (`cuMemFreeAsync`).

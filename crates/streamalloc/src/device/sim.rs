@@ -841,6 +841,19 @@ impl Device for SimDevice {
         })
     }
 
+    fn address_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize)> {
+        self.call(|st| {
+            let within = |(&base, &size): (&DevicePtr, &usize)| base <= ptr && ptr < base + size as u64;
+            st.plain
+                .iter()
+                .find(|e| within(*e))
+                .or_else(|| st.async_allocs.iter().map(|(a, (_, n))| (a, n)).find(|e| within(*e)))
+                .or_else(|| st.reservations.range(..=ptr).next_back().filter(|e| within(*e)))
+                .map(|(&base, &size)| (base, size))
+                .ok_or_else(|| Error::InvalidArgument(format!("{ptr:#x} is in no device allocation")))
+        })
+    }
+
     fn alloc_async(&self, size: usize, pool: Pool, stream: Stream) -> Result<DevicePtr> {
         self.call(|st| {
             if size == 0 {

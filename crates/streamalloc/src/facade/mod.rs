@@ -13,6 +13,7 @@
 //! a [`StreamAllocator`].
 
 mod config;
+pub mod private_pools;
 
 pub use config::{
     parse_duration, parse_size, Config, DeviceKind, LimitSpec, PoolChoice, Strategy, ENV_VAR, KEYS,
@@ -35,6 +36,7 @@ use crate::device::sim::{SimConfig, SimDevice};
 use crate::device::{Device, Stream};
 use crate::error::{Error, Result};
 use crate::trace::TraceWriter;
+use private_pools::PrivatePools;
 
 /// The most devices one facade serves.
 pub const MAX_DEVICES: usize = 64;
@@ -56,6 +58,8 @@ pub struct DeviceStack {
     pub stats: Option<Arc<StatsAdaptor<DynAllocator>>>,
     /// The trace layer, with `trace=PATH`.
     pub trace: Option<Arc<TraceAdaptor<DynAllocator, File>>>,
+    /// Pools apart from the stack, for CUDA graphs and frameworks' memory pools.
+    pub private: PrivatePools,
 }
 
 /// Per-device allocator stacks built from one [`Config`], created on first use of each
@@ -249,6 +253,11 @@ impl Facade {
             Some(p) if std::ptr::addr_eq(Arc::as_ptr(&p), Arc::as_ptr(&a)) => p,
             _ => Arc::new(PointerMap::new(a.clone())),
         };
-        Ok(DeviceStack { device, allocator: a, pointers, stats, trace })
+        let private = PrivatePools::new(
+            device.clone(),
+            BestFitConfig { growth_size: c.growth, ..Default::default() },
+            c.strategy == Strategy::Async,
+        );
+        Ok(DeviceStack { device, allocator: a, pointers, stats, trace, private })
     }
 }

@@ -1,0 +1,314 @@
+//! Private pools: memory a CUDA graph (or a framework's memory pool) allocates lives apart
+//! from the device's main stack, as PyTorch's graph-private pools do.
+//!
+//! A framework says when allocations go to a pool ([`PrivatePools::begin`], with a filter that
+//! picks the allocations by their stream: PyTorch passes one that matches the streams of one
+//! capture, or the calling thread for `torch.cuda.use_mem_pool`), when they stop going there
+//! ([`PrivatePools::end`]) and when it no longer needs the pool ([`PrivatePools::release`]).
+//!
+//! * **Routing.** While any pool is active on a device, each allocation asks the active
+//!   filters, newest first; the first that matches takes it. With none active, the cost is
+//!   one relaxed atomic load.
+//! * **Pools.** Each pool id has a [`StreamSafe`] of its own over plain device chunks, so its
+//!   memory is never handed to work outside the pool: a graph replays over the same addresses
+//!   while eager work runs beside it. Graphs given one pool id share it (the caller promises
+//!   their order, as with PyTorch's `pool=` argument), and blocks freed by one capture serve
+//!   the next. Frees of a pool's allocations, during or after the capture, return there.
+//! * **Captures.** Inside a capture nothing queries an event, trims or synchronizes: the
+//!   pool's [`StreamSafe`] polls no event while its stream captures, and a pool grows with
+//!   `cuMemAlloc` in the relaxed capture mode (see [`crate::device::cuda`]), as PyTorch's
+//!   allocator grows its pools.
+//! * **Driver graph memory.** With `driver_captures` (the `async` strategy), an allocation
+//!   that a filter routes but that is made on a capturing stream goes to the main stack
+//!   instead, where `cuMemAllocFromPoolAsync` becomes a graph memory node: the driver keeps
+//!   that memory for the graph and shares it between graphs.
+//! * **Release.** A pool is used once per [`PrivatePools::begin`] and once less per
+//!   [`PrivatePools::release`]; when no use is left its free memory goes back to the device,
+//!   and the rest as its last allocations are freed, but never while a pool is active
+//!   (freeing device memory during a capture would end it).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::allocation::{PointerAllocator, Stats};
+use crate::allocators::{BestFitConfig, StreamSafe, StreamSafeConfig};
+use crate::device::{CaptureStatus, Device, DevicePtr, Stream};
+use crate::error::Result;
+use crate::Allocator;
+
+/// A pool's id, as PyTorch's `MempoolId_t`: a pair of integers.
+pub type PoolId = (u64, u64);
+
+/// Which allocations go to an active pool, by the stream each is made on.
+pub type StreamFilter = Arc<dyn Fn(Stream) -> bool + Send + Sync>;
+
+/// The private pools of one device; see the [module docs](self).
+pub struct PrivatePools {
+    device: Arc<dyn Device>,
+    /// Growth settings of each pool's chunks.
+    pool: BestFitConfig,
+    /// Whether allocations on capturing streams stay on the main stack (the driver's pool).
+    driver_captures: bool,
+    /// Active filters; allocations look at the pools only when this is not 0.
+    active: AtomicUsize,
+    /// Pools that exist (in use, or with allocations left); frees look at the pools only when
+    /// this is not 0.
+    pools: AtomicUsize,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    /// Active (pool, filter) pairs, oldest first.
+    active: Vec<(PoolId, StreamFilter)>,
+    pools: HashMap<PoolId, Entry>,
+}
+
+struct Entry {
+    alloc: Arc<StreamSafe>,
+    /// `begin` calls not yet matched by `release`.
+    uses: usize,
+}
+
+impl Entry {
+    fn is_dead(&self) -> bool {
+        self.uses == 0 && self.alloc.stats().live_allocations == 0
+    }
+}
+
+impl PrivatePools {
+    /// No pools yet, on `device`; pools grow by `pool`'s chunk sizes (never by expandable
+    /// segments: a capture should not map memory). `driver_captures` leaves allocations on
+    /// capturing streams to the main stack.
+    pub fn new(device: Arc<dyn Device>, pool: BestFitConfig, driver_captures: bool) -> Self {
+        Self {
+            device,
+            pool: BestFitConfig { expandable: false, ..pool },
+            driver_captures,
+            active: AtomicUsize::new(0),
+            pools: AtomicUsize::new(0),
+            state: Mutex::new(State::default()),
+        }
+    }
+
+    /// From now on, allocations that `filter` matches go to pool `id` (made now if it does
+    /// not exist), until [`PrivatePools::end`]; the pool gains a use.
+    pub fn begin(&self, id: PoolId, filter: StreamFilter) -> Result<()> {
+        let mut st = self.state.lock();
+        let entry = match st.pools.entry(id) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                let config =
+                    StreamSafeConfig { pool: self.pool, steal_below_free_percent: 0, ..Default::default() };
+                let alloc = Arc::new(StreamSafe::new(self.device.clone(), config)?);
+                self.pools.fetch_add(1, Ordering::Relaxed);
+                v.insert(Entry { alloc, uses: 0 })
+            }
+        };
+        entry.uses += 1;
+        st.active.push((id, filter));
+        self.active.store(st.active.len(), Ordering::Release);
+        Ok(())
+    }
+
+    /// Allocations stop going to pool `id` (its newest filter is dropped). Pools released
+    /// while this or another pool was active are freed now if none is active any more.
+    pub fn end(&self, id: PoolId) {
+        let (filter, dead) = {
+            let mut st = self.state.lock();
+            let filter = st.active.iter().rposition(|(p, _)| *p == id).map(|i| st.active.remove(i));
+            self.active.store(st.active.len(), Ordering::Release);
+            (filter, self.take_dead(&mut st))
+        };
+        // Dropped unlocked: a framework's filter is foreign code.
+        drop((filter, dead));
+    }
+
+    /// Pool `id` loses a use; with none left its memory returns to the device once its
+    /// allocations are freed and no pool is active. Unknown ids are ignored.
+    pub fn release(&self, id: PoolId) {
+        let dead = {
+            let mut st = self.state.lock();
+            if let Some(e) = st.pools.get_mut(&id) {
+                e.uses = e.uses.saturating_sub(1);
+            }
+            self.take_dead(&mut st)
+        };
+        drop(dead);
+    }
+
+    /// Removes the pools nobody uses any more, unless a pool is active; the caller drops
+    /// them (which frees their device memory) after unlocking.
+    fn take_dead(&self, st: &mut State) -> Vec<Entry> {
+        if !st.active.is_empty() {
+            return Vec::new();
+        }
+        let ids: Vec<PoolId> = st.pools.iter().filter(|(_, e)| e.is_dead()).map(|(id, _)| *id).collect();
+        let dead: Vec<Entry> = ids.iter().filter_map(|id| st.pools.remove(id)).collect();
+        self.pools.fetch_sub(dead.len(), Ordering::Relaxed);
+        dead
+    }
+
+    /// Allocates `size` bytes on `stream` from the active pool whose filter matches, if one
+    /// does; `None` leaves the allocation to the main stack.
+    pub fn allocate(&self, size: usize, stream: Stream) -> Option<Result<DevicePtr>> {
+        if self.active.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let active: Vec<(PoolId, StreamFilter)> = self.state.lock().active.clone();
+        // Filters run unlocked: a framework's filter may call the driver.
+        let id = active.iter().rev().find(|(_, f)| f(stream)).map(|(id, _)| *id)?;
+        if self.driver_captures {
+            match self.device.capture_status(stream) {
+                Ok(CaptureStatus::None) => {}
+                Ok(_) => return None,
+                Err(e) => return Some(Err(e)),
+            }
+        }
+        let alloc = self.state.lock().pools.get(&id).map(|e| e.alloc.clone())?;
+        Some(alloc.allocate_ptr(size, stream))
+    }
+
+    /// Frees `ptr` if a pool made it; whether one did.
+    pub fn free(&self, ptr: DevicePtr, owner: Stream) -> bool {
+        if self.pools.load(Ordering::Relaxed) == 0 {
+            return false;
+        }
+        let allocs: Vec<(PoolId, Arc<StreamSafe>)> =
+            self.state.lock().pools.iter().map(|(id, e)| (*id, e.alloc.clone())).collect();
+        let Some(id) = allocs.iter().find(|(_, a)| a.free_ptr(ptr, owner)).map(|(id, _)| *id) else {
+            return false;
+        };
+        drop(allocs);
+        let dead = {
+            let mut st = self.state.lock();
+            match st.pools.get(&id) {
+                Some(e) if e.is_dead() => self.take_dead(&mut st),
+                _ => Vec::new(),
+            }
+        };
+        drop(dead);
+        true
+    }
+
+    /// `record_stream` for `ptr` if a pool made it; whether one did.
+    pub fn record_stream(&self, ptr: DevicePtr, stream: Stream) -> bool {
+        if self.pools.load(Ordering::Relaxed) == 0 {
+            return false;
+        }
+        let allocs: Vec<Arc<StreamSafe>> =
+            self.state.lock().pools.values().map(|e| e.alloc.clone()).collect();
+        allocs.iter().any(|a| a.record_stream_ptr(ptr, stream))
+    }
+
+    /// Statistics summed over the pools.
+    pub fn stats(&self) -> Stats {
+        self.state.lock().pools.values().map(|e| e.alloc.stats()).sum()
+    }
+
+    /// Whether a pool is active (a capture or a `use_mem_pool` block is under way).
+    pub fn is_active(&self) -> bool {
+        self.active.load(Ordering::Acquire) != 0
+    }
+
+    /// The number of pools that exist.
+    pub fn len(&self) -> usize {
+        self.pools.load(Ordering::Relaxed)
+    }
+
+    /// Whether no pool exists.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::sim::{SimConfig, SimDevice};
+
+    fn pools(sim: &Arc<SimDevice>) -> PrivatePools {
+        PrivatePools::new(sim.clone(), BestFitConfig::default(), false)
+    }
+
+    #[test]
+    fn routed_allocations_live_in_the_pool_until_it_is_released() {
+        let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+        let p = pools(&sim);
+        let s = sim.create_stream().unwrap();
+        assert!(p.allocate(1 << 20, s).is_none(), "nothing is active");
+        p.begin((0, 1), Arc::new(move |x| x == s)).unwrap();
+        assert!(p.allocate(1 << 20, Stream(0xdead)).is_none(), "the filter does not match");
+        let a = p.allocate(1 << 20, s).unwrap().unwrap();
+        let b = p.allocate(1 << 20, s).unwrap().unwrap();
+        assert!(p.free(a, s));
+        p.end((0, 1));
+        assert!(p.allocate(1 << 20, s).is_none(), "ended");
+        let reserved = sim.mem_info().unwrap().used();
+        p.release((0, 1));
+        assert_eq!(p.len(), 1, "b is still live");
+        assert_eq!(sim.mem_info().unwrap().used(), reserved);
+        assert!(p.free(b, s));
+        assert_eq!(p.len(), 0);
+        assert_eq!(sim.mem_info().unwrap().used(), 0, "the pool's chunks went back");
+        assert!(!p.free(b, s), "freed twice");
+    }
+
+    #[test]
+    fn graphs_sharing_a_pool_reuse_its_blocks_and_private_ones_do_not() {
+        let sim = SimDevice::new(SimConfig::with_capacity(1 << 34));
+        let p = pools(&sim);
+        let s = sim.create_stream().unwrap();
+        let capture = |id: PoolId| {
+            p.begin(id, Arc::new(|_| true)).unwrap();
+            let x = p.allocate(256 << 20, s).unwrap().unwrap();
+            assert!(p.free(x, s));
+            p.end(id);
+            x
+        };
+        let first = capture((0, 7));
+        assert_eq!(capture((0, 7)), first, "a shared pool serves the next capture");
+        assert_ne!(capture((0, 8)), first, "another pool has memory of its own");
+        assert_eq!(p.len(), 2);
+        for id in [(0, 7), (0, 7), (0, 8)] {
+            p.release(id);
+        }
+        assert_eq!((p.len(), sim.mem_info().unwrap().used()), (0, 0));
+    }
+
+    #[test]
+    fn nothing_is_freed_while_a_pool_is_active() {
+        let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+        let p = pools(&sim);
+        let s = sim.create_stream().unwrap();
+        p.begin((0, 1), Arc::new(|_| true)).unwrap();
+        let a = p.allocate(1 << 20, s).unwrap().unwrap();
+        p.end((0, 1));
+        p.begin((0, 2), Arc::new(|_| true)).unwrap();
+        assert!(p.free(a, s));
+        p.release((0, 1));
+        assert_eq!(p.len(), 2, "pool 1 is dead but another capture is under way");
+        p.end((0, 2));
+        assert_eq!(p.len(), 1, "freed at the end of the capture");
+        p.release((0, 2));
+        assert_eq!(p.len(), 0);
+    }
+
+    #[test]
+    fn the_newest_matching_filter_wins() {
+        let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+        let p = pools(&sim);
+        let (s1, s2) = (sim.create_stream().unwrap(), sim.create_stream().unwrap());
+        p.begin((1, 0), Arc::new(|_| true)).unwrap();
+        p.begin((0, 2), Arc::new(move |x| x == s2)).unwrap();
+        let a = p.allocate(4096, s1).unwrap().unwrap();
+        let b = p.allocate(4096, s2).unwrap().unwrap();
+        let st = p.state.lock();
+        let owner =
+            |ptr| st.pools.iter().find(|(_, e)| e.alloc.record_stream_ptr(ptr, Stream(0))).map(|(id, _)| *id);
+        assert_eq!((owner(a), owner(b)), (Some((1, 0)), Some((0, 2))));
+    }
+}
