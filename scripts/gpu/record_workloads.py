@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Records allocation traces (RMM's logging CSV) of PyTorch workloads whose shapes vary.
 
-    python3 scripts/gpu/record_workloads.py --out DIR [--rows 26000] [WORKLOAD...]
-    python3 scripts/gpu/record_workloads.py --one WORKLOAD --trace PATH [--rows 26000]
+    python3 scripts/gpu/record_workloads.py --out DIR [--rows 36000] [WORKLOAD...]
+    python3 scripts/gpu/record_workloads.py --one WORKLOAD --trace PATH [--rows 36000]
 
 The first form records every workload (or those named), each in its own process, into
 DIR/WORKLOAD.csv, then prints one JSON line per trace and a markdown table (rows, peak live
@@ -16,11 +16,11 @@ How the traces were recorded (for traces/README.md):
     allocation (the file is written at process exit), by scripts/gpu/record_workloads.py.
     Models are built from torch.nn with random weights (seed 0); shapes come from
     random.Random(0). Each workload stops starting new steps (and a decode stops early)
-    once the trace holds ROWS rows (26,000 by default, about 2 MB). `Size` is the bytes
+    once the trace holds ROWS rows (36,000 by default, under 2 MB). `Size` is the bytes
     PyTorch asked for and `Stream` the CUDA stream's handle (one stream per trace).
 
     llm_decode.csv     variable-length LLM inference with a growing KV cache: a GPT-like
-                       decoder (4 layers, d=1024, 16 heads, vocabulary 16384, bf16,
+                       decoder (2 layers, d=1024, 16 heads, vocabulary 16384, bf16,
                        inference mode); batches of 1-8 prompts padded to the longest of
                        32-512 tokens, a prefill, then 64-256 new tokens decoded one at a
                        time, each layer's keys and values grown by torch.cat
@@ -48,7 +48,7 @@ import sys
 
 def llm_decode(torch, rng, more):
     nn, F = torch.nn, torch.nn.functional
-    d, heads, layers, vocab = 1024, 16, 4, 16384
+    d, heads, layers, vocab = 1024, 16, 2, 16384
 
     class Block(nn.Module):
         def __init__(self):
@@ -234,7 +234,7 @@ def main():
     parser.add_argument("--out", help="folder for the traces (records every workload named)")
     parser.add_argument("--one", metavar="WORKLOAD", help="record one workload in this process")
     parser.add_argument("--trace", help="with --one: the trace file")
-    parser.add_argument("--rows", type=int, default=26000, help="rows after which a workload stops")
+    parser.add_argument("--rows", type=int, default=36000, help="rows after which a workload stops")
     args = parser.parse_args()
     unknown = [w for w in [*args.workloads, *([args.one] if args.one else [])] if w not in WORKLOADS]
     if unknown:
