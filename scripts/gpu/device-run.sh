@@ -22,7 +22,8 @@
 #   torch    the Python front ends' GPU tests (python/tests/gpu: PyTorch's record_stream,
 #            CUDA graphs, MemPool, IPC, empty_cache, memory fraction and stats, CuPy on
 #            non-blocking streams; every strategy, each case in its own process) with pytest;
-#            $OUT/torch-tests.log and $OUT/torch-summary.txt. PYTEST_ARGS (shell words)
+#            $OUT/torch-tests.log, and $OUT/torch-summary.txt (outcomes and each case's
+#            RESULT line). PYTEST_ARGS (shell words)
 #            replaces the default arguments, python/tests/gpu: e.g.
 #            PYTEST_ARGS='python/tests/gpu -k "record_stream or graph"'
 #   graphmem device memory held by 8 captured graphs of 1 GiB temporaries each, per strategy
@@ -106,8 +107,8 @@ for part in "$@"; do
         PYTHONPATH=/tmp/sa-site python3 -m pytest -q -rA -p no:cacheprovider --durations=10 \
           "${pytest_args[@]}" > "$OUT/torch-tests.log" 2>&1
         rc=$?
-        grep -E '^(PASSED|FAILED|ERROR) | in [0-9.]+s( |$)' "$OUT/torch-tests.log" \
-          | tee "$OUT/torch-summary.txt" | grep -vE '^PASSED '
+        grep -E '^(PASSED|FAILED|ERROR|RESULT) | in [0-9.]+s( |$)' "$OUT/torch-tests.log" \
+          | tee "$OUT/torch-summary.txt" | grep -vE '^(PASSED|RESULT) '
         (exit $rc)
       } ;;
     graphmem) install_wheel && PYTHONPATH=/tmp/sa-site python3 scripts/gpu/graph_memory.py | tee "$OUT/graph_memory.md" ;;
