@@ -19,6 +19,19 @@
 #            (scripts/gpu/async_same_run.cpp; ROUNDS, SUBJECTS and EXTRA override)
 #   speed    StreamSafe through the C ABI against the fast anchors (PyTorch native and
 #            expandable, RMM pool and binning), three rounds (scripts/gpu/speed_table.py)
+#   torch    the Python front ends' GPU tests (python/tests/gpu: PyTorch's record_stream,
+#            CUDA graphs, MemPool, IPC, empty_cache, memory fraction and stats, CuPy on
+#            non-blocking streams; every strategy, each case in its own process) with pytest;
+#            $OUT/torch-tests.log, and $OUT/torch-summary.txt (outcomes and each case's
+#            RESULT line). PYTEST_ARGS (shell words)
+#            replaces the default arguments, python/tests/gpu: e.g.
+#            PYTEST_ARGS='python/tests/gpu -k "record_stream or graph"'
+#   graphmem device memory held by 8 captured graphs of 1 GiB temporaries each, per strategy
+#            and pool mode, against PyTorch native and backend:cudaMallocAsync
+#            (scripts/gpu/graph_memory.py) into $OUT/graph_memory.md
+#   record   RMM-format traces of four PyTorch workloads with varying shapes
+#            (scripts/gpu/record_workloads.py), packed into $OUT/recorded.tar.gz, the table
+#            into $OUT/record.md
 # Results go to $OUT (or /tmp/streamalloc-gpu). Exits non-zero if any part failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -30,6 +43,10 @@ lscpu | grep -E '^(Model name|CPU\(s\)|Thread|Core|Socket)' | tee "$OUT/cpu.txt"
 build_anchors() {
   [ -x /tmp/anchor-bin/replay_core ] || bash .anchors/build.sh .anchors/wheels
 }
+# The wheel from dist/ installed afresh into /tmp/sa-site (use with PYTHONPATH=/tmp/sa-site).
+install_wheel() {
+  rm -rf /tmp/sa-site && python3 -m pip install -q --no-index --no-deps --target /tmp/sa-site dist/streamalloc-*.whl
+}
 failed=()
 for part in "$@"; do
   echo "===== $part"
@@ -40,8 +57,7 @@ for part in "$@"; do
       --skip the_facade_keeps_a_stack_per_gpu --skip peer_copy_of_pool_memory_needs_access \
       --skip frees_from_a_thread_on_the_other_gpu ;;
     cupy)
-      python3 scripts/gpu/cupy_pool_sharing.py .anchors/libstreamalloc.so &&
-        python3 -m pip install -q --no-index --no-deps --target /tmp/sa-site dist/streamalloc-*.whl &&
+      python3 scripts/gpu/cupy_pool_sharing.py .anchors/libstreamalloc.so && install_wheel &&
         PYTHONPATH=/tmp/sa-site python3 scripts/gpu/cupy_workload.py | tee "$OUT/cupy.md" ;;
     gpt2) bash scripts/gpu/gpt2_compare.sh > "$OUT/gpt2.log" 2>&1; rc=$?; tail -n 30 "$OUT/gpt2.log"; (exit $rc) ;;
     anchors)
@@ -85,6 +101,21 @@ for part in "$@"; do
         THREADS=$n STREAMALLOC_CONF=strategy=stream_safe /tmp/anchor-bin/replay_core \
           "so:$PWD/.anchors/libstreamalloc.so:streamalloc_malloc:streamalloc_free" ".anchors/traces/$tr.csv"
       done; done; done | tee "$OUT/mt_rounds.jsonl" ;;
+    torch)
+      eval "pytest_args=(${PYTEST_ARGS:-python/tests/gpu})"
+      install_wheel && {
+        PYTHONPATH=/tmp/sa-site python3 -m pytest -q -rA -p no:cacheprovider --durations=10 \
+          "${pytest_args[@]}" > "$OUT/torch-tests.log" 2>&1
+        rc=$?
+        grep -E '^(PASSED|FAILED|ERROR|RESULT) | in [0-9.]+s( |$)' "$OUT/torch-tests.log" \
+          | tee "$OUT/torch-summary.txt" | grep -vE '^(PASSED|RESULT) '
+        (exit $rc)
+      } ;;
+    graphmem) install_wheel && PYTHONPATH=/tmp/sa-site python3 scripts/gpu/graph_memory.py | tee "$OUT/graph_memory.md" ;;
+    record)
+      install_wheel && rm -rf /tmp/traces &&
+        PYTHONPATH=/tmp/sa-site python3 scripts/gpu/record_workloads.py --out /tmp/traces | tee "$OUT/record.md" &&
+        tar czf "$OUT/recorded.tar.gz" -C /tmp traces ;;
     *) echo "unknown part $part"; false ;;
   esac || failed+=("$part")
 done

@@ -1,0 +1,49 @@
+"""What the GPU case workers (torch_cases.py, cupy_cases.py) share: how a case reports.
+
+A worker runs one case in its own process and ends with one line `RESULT {json}` holding
+what identifies the case, `ok`, `failures` (each broken guarantee in words) and the figures
+the case saw. Its exit status is 0 when every guarantee held, 1 when one broke and 2 when
+the case raised (the traceback is printed above the RESULT line). conftest.py reads both.
+"""
+
+import json
+import sys
+import traceback
+
+RESULT_PREFIX = "RESULT "
+"""The start of the line that carries a worker's result."""
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+class Report:
+    """The outcome of one case: `info` (figures seen) and `failures` (guarantees broken)."""
+
+    def __init__(self, **identity):
+        self.identity = identity
+        self.info = {}
+        self.failures = []
+
+    def expect(self, condition, failure):
+        """Records `failure` unless `condition` holds; returns `condition`."""
+        if not condition:
+            self.failures.append(failure)
+        return bool(condition)
+
+    def run(self, case, *args):
+        """Runs `case(self, *args)`, prints the RESULT line and exits with the case's status."""
+        status = 0
+        try:
+            case(self, *args)
+        except Exception as e:  # the case's own error is its result: report it, then fail
+            traceback.print_exc()
+            first_line = str(e).splitlines()[0] if str(e) else ""
+            self.failures.append(f"raised {type(e).__name__}: {first_line}")
+            status = 2
+        if self.failures and status == 0:
+            status = 1
+        result = {**self.identity, "ok": not self.failures, "failures": self.failures, **self.info}
+        sys.stderr.flush()
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+        sys.exit(status)
