@@ -38,6 +38,9 @@ pub fn draw(path: &Path, panels: &[Panel<'_>], columns: usize) -> Result<(), Str
 type Area<'a> = DrawingArea<SVGBackend<'a>, plotters::coord::Shift>;
 type DrawResult = Result<(), DrawingAreaErrorKind<<SVGBackend<'static> as DrawingBackend>::ErrorType>>;
 
+/// Width of the legend beside each chart, in pixels.
+const LEGEND: u32 = 330;
+
 fn draw_panel(area: &Area<'_>, panel: &Panel<'_>) -> DrawResult {
     let drawn: Vec<&ReplayResult> = panel.results.iter().copied().filter(|r| !r.series.is_empty()).collect();
     let max_ops = drawn.iter().map(|r| r.ops).max().unwrap_or(0).max(1) as f64;
@@ -49,22 +52,35 @@ fn draw_panel(area: &Area<'_>, panel: &Panel<'_>) -> DrawResult {
         .unwrap_or(0)
         .max(1);
     let (unit, scale) = unit(max_bytes);
-    let mut chart = ChartBuilder::on(area)
+    let (plot_area, legend_area) = area.split_horizontally(PANEL.0 - LEGEND);
+    let mut chart = ChartBuilder::on(&plot_area)
         .caption(&panel.title, ("sans-serif", 18))
         .margin(12)
         .x_label_area_size(36)
         .y_label_area_size(64)
-        .build_cartesian_2d(0f64..max_ops, 0f64..max_bytes as f64 / scale * 1.15)?;
+        .build_cartesian_2d(0f64..max_ops, 0f64..max_bytes as f64 / scale * 1.12)?;
     chart
         .configure_mesh()
         .x_desc("trace operation")
         .y_desc(format!("bytes ({unit})"))
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_label_formatter(&|y| format!("{y:.1}"))
         .light_line_style(WHITE.mix(0.0))
         .draw()?;
     if drawn.is_empty() {
-        let text = "no series in these results (saved before the series existed?)";
+        let text = if panel.results.is_empty() {
+            "no result for this trace here"
+        } else {
+            "no series in these results (saved before replay kept them?)"
+        };
         chart.draw_series(std::iter::once(Text::new(text, (0.0, 0.5), ("sans-serif", 14))))?;
     }
+    // The legend: one row per line drawn.
+    let mut legend: Vec<(RGBAColor, bool, String)> = Vec::new();
+    // Live bytes alike for every configuration (the usual case) are drawn once, in grey.
+    let alike = drawn.len() > 1 && drawn.windows(2).all(|w| w[0].series.live == w[1].series.live);
+    // Each live series drawn: the series, its legend row, how many results share it.
+    let mut live_drawn: Vec<(&Vec<u64>, usize, usize)> = Vec::new();
     for (i, r) in drawn.iter().enumerate() {
         let colour = Palette99::pick(i).to_rgba();
         let points = |values: &[u64]| -> Vec<(f64, f64)> {
@@ -74,39 +90,49 @@ fn draw_panel(area: &Area<'_>, panel: &Panel<'_>) -> DrawResult {
                 .map(|(p, v)| ((p * r.series.ops_per_point) as f64, *v as f64 / scale))
                 .collect()
         };
-        let reserved = points(&r.series.reserved);
-        let live = points(&r.series.live);
-        chart
-            .draw_series(LineSeries::new(reserved, colour.stroke_width(2)))?
-            .label(format!("{} reserved", r.allocator))
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], colour.stroke_width(2)));
-        chart
-            .draw_series(DashedLineSeries::new(live, 6, 4, colour.stroke_width(1)))?
-            .label(format!("{} live", r.allocator))
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 8, y), (x + 12, y), (x + 20, y)], colour)
-            });
-        for (what, values, below) in [("reserved", &r.series.reserved, false), ("live", &r.series.live, true)]
-        {
+        chart.draw_series(LineSeries::new(points(&r.series.reserved), colour.stroke_width(2)))?;
+        legend.push((colour, true, format!("{} reserved", r.allocator)));
+        let mut peaks = vec![("reserved", &r.series.reserved, -18, colour)];
+        // The same trace gives every configuration the same live bytes: drawn once.
+        match live_drawn.iter_mut().find(|(live, _, _)| **live == r.series.live) {
+            Some((_, _, shared)) => *shared += 1,
+            None => {
+                let colour = if alike { BLACK.mix(0.55) } else { colour };
+                chart.draw_series(DashedLineSeries::new(
+                    points(&r.series.live),
+                    6,
+                    4,
+                    colour.stroke_width(1),
+                ))?;
+                live_drawn.push((&r.series.live, legend.len(), 1));
+                legend.push((colour, false, format!("{} live", r.allocator)));
+                peaks.push(("live", &r.series.live, 6, colour));
+            }
+        }
+        for (what, values, offset, colour) in peaks {
             let (x, y) = peak(&r.series, values);
-            let (x, y) = (x as f64, y as f64 / scale);
-            let label = format!("peak {what} {:.2} {unit}", y);
-            let offset = if below { 6 } else { -18 };
+            let y = y as f64 / scale;
             chart.draw_series(std::iter::once(
-                EmptyElement::at((x, y))
+                EmptyElement::at((x as f64, y))
                     + Circle::new((0, 0), 4, colour.filled())
-                    + Text::new(label, (6, offset), ("sans-serif", 12)),
+                    + Text::new(format!("peak {what} {y:.2} {unit}"), (6, offset), ("sans-serif", 12)),
             ))?;
         }
     }
-    if !drawn.is_empty() {
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK.mix(0.4))
-            .label_font(("sans-serif", 13))
-            .draw()?;
+    for &(_, row, shared) in live_drawn.iter().filter(|(_, _, shared)| *shared > 1) {
+        legend[row].2 = format!("live (alike for {shared} configurations)");
+    }
+    for (row, (colour, solid, label)) in legend.iter().enumerate() {
+        let y = 48 + 20 * row as i32;
+        let style = if *solid { colour.stroke_width(2) } else { colour.stroke_width(1) };
+        if *solid {
+            legend_area.draw(&PathElement::new(vec![(4, y), (28, y)], style))?;
+        } else {
+            for x in [4, 14, 24] {
+                legend_area.draw(&PathElement::new(vec![(x, y), (x + 5, y)], style))?;
+            }
+        }
+        legend_area.draw(&Text::new(label.as_str(), (36, y - 7), ("sans-serif", 13)))?;
     }
     Ok(())
 }

@@ -507,3 +507,36 @@ fn record_names_a_failing_program() {
     let out = streamalloc(&["record", "-o", "/tmp/streamalloc-no-trace-2.csv", "--", "false"]);
     assert_fails_with(&out, &["`false` failed", "exit status: 1", "wrote no trace"]);
 }
+
+/// GPU: replays on the GPU start from the same state too (the default pool `async` uses is
+/// the device's, shared by every replay in the process). Fails without a GPU.
+#[test]
+#[ignore = "needs a GPU"]
+fn gpu_repeated_replays_start_from_the_same_state() {
+    let a = TempFile::new("gpu-same-a.csv", &workload(6, 3 << 20));
+    let out = streamalloc(&[
+        "replay",
+        a.path(),
+        a.path(),
+        "-a",
+        "async",
+        "-a",
+        "stream_safe",
+        "--device",
+        "cuda",
+        "--json",
+        "--passes",
+        "1",
+    ]);
+    let rows = json_rows(&out);
+    assert_eq!(rows.len(), 4);
+    for (first, second) in [(0, 2), (1, 3)] {
+        assert_eq!(rows[first]["allocator"], rows[second]["allocator"]);
+        assert!(rows[first]["footprint_ratio"].as_f64().unwrap() >= 1.0, "{}", rows[first]);
+        let (x, y) = (
+            rows[first]["footprint_ratio"].as_f64().unwrap(),
+            rows[second]["footprint_ratio"].as_f64().unwrap(),
+        );
+        assert!((x - y).abs() < 0.01 * x, "{} then {}", rows[first], rows[second]);
+    }
+}
