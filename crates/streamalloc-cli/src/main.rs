@@ -49,7 +49,7 @@ enum Command {
     /// samples device memory after every operation (footprint, and the series --plot
     /// draws); then --passes timed passes give the best ns/op. The configurations are the
     /// --allocator presets and --conf strings given, else STREAMALLOC_CONF when set, else
-    /// every preset. A trace that cannot be read is reported and the others replay; the
+    /// every preset (the variable's `trace` key does not apply). A trace that cannot be read is reported and the others replay; the
     /// exit status is 1 if any failed. With --json the output is one JSON array of result
     /// objects (the fields of `streamalloc::replay::ReplayResult` plus `device` and
     /// `config`), which `compare` and `plot` read.
@@ -197,7 +197,9 @@ fn configurations(presets: &[String], confs: &[String]) -> Result<Vec<(String, C
     if configs.is_empty() {
         match Config::env_text().map_err(|e| e.to_string())? {
             Some(text) => {
-                configs.push((text.clone(), Config::parse(&text).map_err(|e| format!("{ENV_VAR}: {e}"))?))
+                let config = Config::parse(&text).map_err(|e| format!("{ENV_VAR}: {e}"))?;
+                // A trace the variable asks for is the program's, not the replay's to overwrite.
+                configs.push((text, Config { trace: None, ..config }));
             }
             None => configs.extend(Config::presets().into_iter().map(|p| (p.name.to_owned(), p.config))),
         }
@@ -210,7 +212,11 @@ fn configurations(presets: &[String], confs: &[String]) -> Result<Vec<(String, C
 fn record(output: &Path, command: &[String]) -> Result<(), String> {
     let mut config = Config::from_env().map_err(|e| e.to_string())?;
     config.trace = Some(output.to_path_buf());
-    let _ = std::fs::remove_file(output);
+    // The library creates the file at the program's first allocation; a path it cannot
+    // write is said now, not as an allocation failure inside the program.
+    std::fs::File::create(output)
+        .map_err(|e| format!("cannot write the trace to {}: {e}", output.display()))?;
+    std::fs::remove_file(output).map_err(|e| format!("{}: {e}", output.display()))?;
     let status = std::process::Command::new(&command[0])
         .args(&command[1..])
         .env(ENV_VAR, config.to_string())

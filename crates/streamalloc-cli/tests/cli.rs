@@ -281,6 +281,14 @@ fn streamalloc_conf_is_the_default_configuration() {
     let rows = json_rows(&out);
     assert_eq!(rows.len(), 1, "{rows:?}");
     assert_eq!(rows[0]["allocator"], "strategy=best_fit,growth=8MiB");
+    // Its trace key is the program's: the replay does not write (over) it.
+    let out = Command::new(env!("CARGO_BIN_EXE_streamalloc"))
+        .args(["replay", t.path(), "--device", "sim", "--json"])
+        .env("STREAMALLOC_CONF", format!("strategy=plain,trace={}", t.path()))
+        .output()
+        .unwrap();
+    assert_eq!(json_rows(&out).len(), 1);
+    assert_eq!(std::fs::read_to_string(&t.0).unwrap(), workload(2, 1 << 20), "the trace is untouched");
 
     let info = Command::new(env!("CARGO_BIN_EXE_streamalloc"))
         .arg("info")
@@ -539,4 +547,12 @@ fn gpu_repeated_replays_start_from_the_same_state() {
         );
         assert!((x - y).abs() < 0.01 * x, "{} then {}", rows[first], rows[second]);
     }
+}
+
+/// `record` says when the trace cannot be written, before running the program (it would
+/// fail inside the library instead, or write nothing).
+#[test]
+fn record_names_an_unwritable_trace_path() {
+    let out = streamalloc(&["record", "-o", "/nonexistent/dir/t.csv", "--", "true"]);
+    assert_fails_with(&out, &["cannot write the trace to /nonexistent/dir/t.csv", "No such file"]);
 }

@@ -232,12 +232,14 @@ impl Shared<'_> {
         self.streams.get(index).copied().unwrap_or(Stream::DEFAULT)
     }
 
-    /// Allocates `size` bytes on recorded stream `stream`; the allocation, or `None` after
-    /// counting the failure.
-    fn allocate(&self, size: usize, stream: usize) -> Option<Allocation> {
+    /// Allocates `size` bytes on recorded stream `stream`, counting them live when
+    /// `sample`; the allocation, or `None` after counting the failure.
+    fn allocate(&self, size: usize, stream: usize, sample: bool) -> Option<Allocation> {
         match self.target.allocate(size, self.stream(stream)) {
             Ok(a) => {
-                self.live.fetch_add(size, Ordering::Relaxed);
+                if sample {
+                    self.live.fetch_add(size, Ordering::Relaxed);
+                }
                 Some(a)
             }
             Err(e) => {
@@ -248,10 +250,14 @@ impl Shared<'_> {
         }
     }
 
-    fn freed(&self, a: Option<Allocation>, size: usize) {
+    /// Frees `a` (if the allocation succeeded), counting `size` bytes no longer live when
+    /// `sample`.
+    fn freed(&self, a: Option<Allocation>, size: usize, sample: bool) {
         if a.is_some() {
             drop(a);
-            self.live.fetch_sub(size, Ordering::Relaxed);
+            if sample {
+                self.live.fetch_sub(size, Ordering::Relaxed);
+            }
         }
     }
 
@@ -290,8 +296,8 @@ impl Shared<'_> {
         let start = Instant::now();
         for (i, op) in self.trace.ops.iter().enumerate() {
             match *op {
-                Op::Allocate { slot, size, stream, .. } => slots[slot] = self.allocate(size, stream),
-                Op::Free { slot, .. } => self.freed(slots[slot].take(), self.trace.slot_sizes[slot]),
+                Op::Allocate { slot, size, stream, .. } => slots[slot] = self.allocate(size, stream, sample),
+                Op::Free { slot, .. } => self.freed(slots[slot].take(), self.trace.slot_sizes[slot], sample),
             }
             if sample {
                 self.sample(i)?;
@@ -362,7 +368,7 @@ impl Shared<'_> {
         for (done, &i) in ops.iter().enumerate() {
             match self.trace.ops[i] {
                 Op::Allocate { slot, size, stream, .. } => {
-                    *plan.slots[slot].lock() = self.allocate(size, stream);
+                    *plan.slots[slot].lock() = self.allocate(size, stream, sample);
                     plan.done[slot].store(pass + 1, Ordering::Release);
                 }
                 Op::Free { slot, thread, .. } => {
@@ -374,7 +380,7 @@ impl Shared<'_> {
                         })?;
                     }
                     let a = plan.slots[slot].lock().take();
-                    self.freed(a, self.trace.slot_sizes[slot]);
+                    self.freed(a, self.trace.slot_sizes[slot], sample);
                 }
             }
             if sample {
