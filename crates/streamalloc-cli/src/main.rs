@@ -25,7 +25,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
-use streamalloc::facade::{build_stack, Config, ENV_VAR};
+use streamalloc::facade::{Config, Facade, ENV_VAR};
 use streamalloc::replay::{check_start, replay, settle, ReplayOptions, ReplayResult, ReplayTarget};
 use streamalloc::trace::{ParseOptions, Trace};
 
@@ -383,7 +383,8 @@ fn replay_one(
     let device = opened.device.as_ref();
     check_start(device, idle, opened.start_slack, &format!("replaying {} through {label}", trace.name))
         .map_err(|e| e.to_string())?;
-    let stack = build_stack(config, opened.device.clone()).map_err(|e| format!("building the stack: {e}"))?;
+    let stack =
+        Facade::build_stack(config, opened.device.clone()).map_err(|e| format!("building the stack: {e}"))?;
     replay(trace, label, &ReplayTarget::Streams(stack.allocator.clone()), device, options)
         .map_err(|e| e.to_string())
 }

@@ -52,8 +52,8 @@ pub enum ReplayTarget {
     /// An allocator without a stream API: every operation runs on the allocator's own
     /// stream, and the trace's stream indices are ignored.
     Single(Arc<dyn Allocator>),
-    /// A stream-aware allocator: the replay creates one stream per recorded stream and
-    /// allocates on the stream each operation names.
+    /// A stream-aware allocator: each operation allocates on the stream of its recorded
+    /// stream (the default stream for the recorded stream 0, else one the replay creates).
     Streams(Arc<dyn StreamAllocator>),
 }
 

@@ -174,86 +174,91 @@ impl Facade {
     }
 
     fn build(&self, ordinal: usize) -> Result<DeviceStack> {
-        build_stack(&self.config, self.open_device(ordinal)?)
+        Self::build_stack(&self.config, self.open_device(ordinal)?)
     }
-}
 
-/// Builds the stack `config` describes on `device` (the `device` and `sim_capacity` keys do
-/// not apply: the device is given). What [`Facade`] builds for each device it serves; also
-/// for a caller that builds stacks one after another on a device it opened once, such as
-/// a trace replay comparing configurations.
-pub fn build_stack(config: &Config, device: Arc<dyn Device>) -> Result<DeviceStack> {
-    let c = config;
-    let ordinal = device.ordinal();
-    // The strategy's own pointer bookkeeping, where it has some.
-    let mut native: Option<Arc<dyn PointerAllocator>> = None;
-    let mut a: DynAllocator = match c.strategy {
-        Strategy::Plain => Arc::new(SingleStream::new(
-            Plain::new(device.clone(), Stream::DEFAULT),
-            device.clone(),
-            Stream::DEFAULT,
-        )),
-        Strategy::BestFit => {
-            let pool = BestFit::new(
+    /// Builds the stack `config` describes on `device` (the `device` and `sim_capacity`
+    /// keys do not apply: the device is given). What a facade builds for each device it
+    /// serves; also for a caller that builds stacks one after another on a device it opened
+    /// once, such as a trace replay comparing configurations.
+    pub fn build_stack(config: &Config, device: Arc<dyn Device>) -> Result<DeviceStack> {
+        let c = config;
+        let ordinal = device.ordinal();
+        // The strategy's own pointer bookkeeping, where it has some.
+        let mut native: Option<Arc<dyn PointerAllocator>> = None;
+        let mut a: DynAllocator = match c.strategy {
+            Strategy::Plain => Arc::new(SingleStream::new(
+                Plain::new(device.clone(), Stream::DEFAULT),
                 device.clone(),
-                BestFitConfig { growth_size: c.growth, expandable: c.expandable, ..Default::default() },
-            )?;
-            Arc::new(SingleStream::new(pool, device.clone(), Stream::DEFAULT))
-        }
-        Strategy::StreamSafe => {
-            let pool =
-                BestFitConfig { growth_size: c.growth, expandable: c.expandable, ..Default::default() };
-            let ss =
-                Arc::new(StreamSafe::new(device.clone(), StreamSafeConfig { pool, ..Default::default() })?);
-            native = Some(ss.clone());
-            ss
-        }
-        Strategy::Async => {
-            let mode = match c.pool {
-                PoolChoice::Default => PoolMode::DefaultPool {
-                    release_threshold: Some(usize::try_from(c.release_threshold).unwrap_or(usize::MAX)),
-                },
-                PoolChoice::Owned => PoolMode::Owned {
-                    release_threshold: usize::try_from(c.release_threshold).unwrap_or(usize::MAX),
-                    reuse: ReuseFlags::default(),
-                    max_size: 0,
-                },
+                Stream::DEFAULT,
+            )),
+            Strategy::BestFit => {
+                let pool = BestFit::new(
+                    device.clone(),
+                    BestFitConfig { growth_size: c.growth, expandable: c.expandable, ..Default::default() },
+                )?;
+                Arc::new(SingleStream::new(pool, device.clone(), Stream::DEFAULT))
+            }
+            Strategy::StreamSafe => {
+                let pool =
+                    BestFitConfig { growth_size: c.growth, expandable: c.expandable, ..Default::default() };
+                let ss = Arc::new(StreamSafe::new(
+                    device.clone(),
+                    StreamSafeConfig { pool, ..Default::default() },
+                )?);
+                native = Some(ss.clone());
+                ss
+            }
+            Strategy::Async => {
+                let mode = match c.pool {
+                    PoolChoice::Default => PoolMode::DefaultPool {
+                        release_threshold: Some(usize::try_from(c.release_threshold).unwrap_or(usize::MAX)),
+                    },
+                    PoolChoice::Owned => PoolMode::Owned {
+                        release_threshold: usize::try_from(c.release_threshold).unwrap_or(usize::MAX),
+                        reuse: ReuseFlags::default(),
+                        max_size: 0,
+                    },
+                };
+                let config = AsyncPoolConfig {
+                    mode,
+                    throttle_ratio: c.throttle,
+                    trim_floor: c.trim_floor,
+                    ..Default::default()
+                };
+                let pool = Arc::new(AsyncPool::new(device.clone(), config));
+                native = Some(pool.clone());
+                pool
+            }
+        };
+        let mut trace = None;
+        if let Some(path) = &c.trace {
+            let path = if ordinal == 0 {
+                path.clone()
+            } else {
+                PathBuf::from(format!("{}.{ordinal}", path.display()))
             };
-            let config = AsyncPoolConfig {
-                mode,
-                throttle_ratio: c.throttle,
-                trim_floor: c.trim_floor,
-                ..Default::default()
-            };
-            let pool = Arc::new(AsyncPool::new(device.clone(), config));
-            native = Some(pool.clone());
-            pool
+            let t = Arc::new(TraceAdaptor::new(a, TraceWriter::create(path)?));
+            trace = Some(t.clone());
+            a = t;
         }
-    };
-    let mut trace = None;
-    if let Some(path) = &c.trace {
-        let path =
-            if ordinal == 0 { path.clone() } else { PathBuf::from(format!("{}.{ordinal}", path.display())) };
-        let t = Arc::new(TraceAdaptor::new(a, TraceWriter::create(path)?));
-        trace = Some(t.clone());
-        a = t;
+        let mut stats = None;
+        if c.stats {
+            let s = Arc::new(StatsAdaptor::new(a));
+            stats = Some(s.clone());
+            a = s;
+        }
+        if let Some(timeout) = c.retry_timeout {
+            a = Arc::new(Retry::new(a, timeout));
+        }
+        if let Some(limit) = c.limit {
+            a = Arc::new(Limit::new(a, limit.bytes(device.mem_info()?.total)));
+        }
+        let pointers = match native {
+            // Only while no adaptor layer wraps the strategy.
+            Some(p) if std::ptr::addr_eq(Arc::as_ptr(&p), Arc::as_ptr(&a)) => p,
+            _ => Arc::new(PointerMap::new(a.clone())),
+        };
+        Ok(DeviceStack { device, allocator: a, pointers, stats, trace })
     }
-    let mut stats = None;
-    if c.stats {
-        let s = Arc::new(StatsAdaptor::new(a));
-        stats = Some(s.clone());
-        a = s;
-    }
-    if let Some(timeout) = c.retry_timeout {
-        a = Arc::new(Retry::new(a, timeout));
-    }
-    if let Some(limit) = c.limit {
-        a = Arc::new(Limit::new(a, limit.bytes(device.mem_info()?.total)));
-    }
-    let pointers = match native {
-        // Only while no adaptor layer wraps the strategy.
-        Some(p) if std::ptr::addr_eq(Arc::as_ptr(&p), Arc::as_ptr(&a)) => p,
-        _ => Arc::new(PointerMap::new(a.clone())),
-    };
-    Ok(DeviceStack { device, allocator: a, pointers, stats, trace })
 }
