@@ -154,7 +154,8 @@ enum streamalloc_status_t streamalloc_stats(int device, struct streamalloc_stats
 
 // Configures the library with a `STREAMALLOC_CONF`-style string (e.g.
 // `strategy=async,release_threshold=8GiB`), which then takes the place of the environment
-// variable. Call it before any other function: once the library is in use (configured, or
+// variable, except for its `trace` key, kept when `conf` has none (so `streamalloc record`
+// traces a program that configures the library itself). Call it before any other function: once the library is in use (configured, or
 // configured from the environment at a first call), only an equal configuration succeeds and
 // any other is `STREAMALLOC_CONFIG_ERROR`.
 //

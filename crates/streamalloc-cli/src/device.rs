@@ -22,6 +22,10 @@ pub struct Opened {
     pub device: Arc<dyn Device>,
     /// What it is, for the first line of the output.
     pub description: String,
+    /// Bytes of device memory use a replay may find above the idle device's at its start
+    /// without being refused: 0 on the simulator; on a GPU, what the driver's own use
+    /// (streams, events, modules loaded lazily) moves by between replays.
+    pub start_slack: usize,
 }
 
 /// Opens GPU 0 through the CUDA driver, or says why it cannot.
@@ -29,7 +33,7 @@ pub fn open_cuda() -> Result<Opened, String> {
     let device = CudaDevice::new(0).map_err(|e| e.to_string())?;
     let memory = device.mem_info().map_err(|e| e.to_string())?;
     let description = format!("CUDA device 0 ({} MiB, {} MiB free)", memory.total >> 20, memory.free >> 20);
-    Ok(Opened { device, description })
+    Ok(Opened { device, description, start_slack: 32 << 20 })
 }
 
 /// One line per CUDA device: memory and whether it offers stream-ordered pools. The
@@ -80,7 +84,7 @@ pub fn open(choice: Option<DeviceChoice>) -> Result<Opened, String> {
         let config = simulator_config();
         let description = describe_simulator(&config);
         let device: Arc<dyn Device> = SimDevice::new(config);
-        Opened { device, description }
+        Opened { device, description, start_slack: 0 }
     };
     match choice {
         Some(DeviceChoice::Sim) => Ok(simulator()),

@@ -1,32 +1,37 @@
 //! `streamalloc`: replays real allocation traces through streamalloc's allocators and
-//! compares the results.
+//! configurations, and compares and draws the results.
 //!
 //! ```text
-//! streamalloc replay TRACE... [--allocator NAME]... [--device sim|cuda] [--json] [--passes N]
+//! streamalloc replay TRACE... [--conf CONF]... [--allocator PRESET]... [--device sim|cuda]
+//!                    [--json] [--plot OUT.svg] [--passes N] [--threads] [--lenient]
 //! streamalloc compare A.json B.json
+//! streamalloc plot A.json [B.json...] -o OUT.svg
+//! streamalloc import SNAPSHOT.pickle -o TRACE.csv [--gpu N]
+//! streamalloc record [-o TRACE.csv] -- COMMAND...
 //! streamalloc info
 //! ```
 //!
-//! Errors go to stderr as one `error: ...` line, with exit status 1 (2 for a command line
-//! clap cannot parse).
+//! Errors go to stderr as `error: ...` lines, with exit status 1 (2 for a command line clap
+//! cannot parse). Output into a closed pipe ends the command quietly.
 
-mod allocators;
 mod device;
+mod import;
+mod plot;
 
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
-use streamalloc::facade::{Config, ENV_VAR};
-use streamalloc::replay::{replay, ReplayOptions, ReplayResult};
+use streamalloc::facade::{Config, Facade, ENV_VAR};
+use streamalloc::replay::{check_start, replay, settle, ReplayOptions, ReplayResult, ReplayTarget};
 use streamalloc::trace::{ParseOptions, Trace};
 
 use crate::device::DeviceChoice;
 
-/// Stream-ordered GPU memory allocators: trace replay and comparison.
+/// Stream-ordered GPU memory allocators: trace replay, comparison and pictures.
 #[derive(Parser)]
 #[command(name = "streamalloc", version)]
 struct Cli {
@@ -36,28 +41,48 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Replays traces (RMM logging CSV) through allocators and reports footprint and speed.
+    /// Replays traces (RMM logging CSV) through configurations and reports footprint and speed.
     ///
-    /// Each (trace, allocator) pair gets a fresh allocator. Pass 0 samples device memory
-    /// after every operation (footprint); then --passes timed passes give the best ns/op.
-    /// With --json the output is one JSON array of result objects (the fields of
-    /// `streamalloc::replay::ReplayResult` plus `device`), which `compare` reads.
+    /// Each (trace, configuration) pair gets a fresh allocator stack, built by the facade as
+    /// libstreamalloc.so builds it, and starts from the same state: the device's default
+    /// pool is trimmed first, and the replay is refused if memory is still in use. Pass 0
+    /// samples device memory after every operation (footprint, and the series --plot
+    /// draws); then --passes timed passes give the best ns/op. The configurations are the
+    /// --allocator presets and --conf strings given, else STREAMALLOC_CONF when set, else
+    /// every preset (the variable's `trace` key does not apply). A trace that cannot be read is reported and the others replay; the
+    /// exit status is 1 if any failed. With --json the output is one JSON array of result
+    /// objects (the fields of `streamalloc::replay::ReplayResult` plus `device` and
+    /// `config`), which `compare` and `plot` read.
     Replay {
         /// Trace files (CSV: Thread,Time,Action,Pointer,Size,Stream).
         #[arg(required = true)]
         traces: Vec<PathBuf>,
-        /// Allocator to replay through (repeatable; default: all known allocators).
-        #[arg(long = "allocator", short = 'a', value_name = "NAME")]
-        allocators: Vec<String>,
+        /// A configuration, as STREAMALLOC_CONF takes it (e.g.
+        /// 'strategy=stream_safe,expandable=true,growth=16MiB'); repeatable, each row is
+        /// labelled by its string. Its `device` and `sim_capacity` keys do not apply:
+        /// --device chooses the device.
+        #[arg(long = "conf", short = 'c', value_name = "CONF")]
+        confs: Vec<String>,
+        /// A preset configuration by name (repeatable): plain, best_fit, stream_safe,
+        /// stream_safe_expandable, async.
+        #[arg(long = "allocator", short = 'a', value_name = "PRESET")]
+        presets: Vec<String>,
         /// Device to replay on (default: cuda when a GPU is found, else sim).
         #[arg(long, value_enum)]
         device: Option<DeviceChoice>,
         /// Print a JSON array of results instead of a table.
         #[arg(long)]
         json: bool,
+        /// Draw bytes live and reserved over each trace, per configuration, into this SVG file.
+        #[arg(long, value_name = "OUT.svg")]
+        plot: Option<PathBuf>,
         /// Timed passes after the measuring pass.
         #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
         passes: u32,
+        /// Replay each recorded thread (the Thread column) on a thread of its own; a free of
+        /// memory allocated on another thread waits for that allocation.
+        #[arg(long)]
+        threads: bool,
         /// Skip (and count) frees of pointers the trace never allocated, instead of failing.
         #[arg(long)]
         lenient: bool,
@@ -69,11 +94,35 @@ enum Command {
         /// The result compared with it.
         b: PathBuf,
     },
-    /// Describes the device: the GPU when CUDA finds one, else the simulator.
+    /// Draws saved `replay --json` outputs side by side (one column per file, one row per
+    /// trace) into an SVG file.
+    Plot {
+        /// `replay --json` outputs.
+        #[arg(required = true)]
+        results: Vec<PathBuf>,
+        /// The SVG file to write.
+        #[arg(long, short, value_name = "OUT.svg")]
+        output: PathBuf,
+    },
+    /// Converts a PyTorch memory snapshot (`torch.cuda.memory._dump_snapshot`, after
+    /// `_record_memory_history`) into a trace `replay` takes, streams kept.
+    Import {
+        /// The snapshot (a pickle).
+        snapshot: PathBuf,
+        /// The trace to write (RMM logging CSV).
+        #[arg(long, short, value_name = "TRACE.csv")]
+        output: PathBuf,
+        /// The snapshot's device to convert (default: the only one with allocations).
+        #[arg(long, value_name = "N")]
+        gpu: Option<usize>,
+    },
+    /// Describes the device (the GPU when CUDA finds one, else the simulator), the presets,
+    /// and what STREAMALLOC_CONF does here.
     Info,
     /// Runs a program whose GPU allocations go through libstreamalloc.so (e.g. PyTorch after
     /// `streamalloc.torch.enable()`, CuPy after `streamalloc.cupy.enable()`, or a C program
-    /// linked to it) with the Trace layer on, and summarizes the trace it wrote.
+    /// linked to it) with the Trace layer on, and summarizes the trace it wrote. The trace
+    /// is written whatever configuration the program passes to the library.
     Record {
         /// Where to write the trace (RMM logging CSV).
         #[arg(long, short, default_value = "streamalloc-trace.csv")]
@@ -90,6 +139,9 @@ struct JsonResult {
     /// The device description of the run.
     #[serde(default)]
     device: String,
+    /// The whole configuration replayed, as `Config::parse` reads it.
+    #[serde(default)]
+    config: String,
     #[serde(flatten)]
     result: ReplayResult,
 }
@@ -97,84 +149,141 @@ struct JsonResult {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let outcome = match cli.command {
-        Command::Replay { traces, allocators, device, json, passes, lenient } => {
-            run_replay(&traces, &allocators, device, json, passes as usize, lenient)
+        Command::Replay { traces, confs, presets, device, json, plot, passes, threads, lenient } => {
+            let options = RunOptions { device, json, plot, passes: passes as usize, threads, lenient };
+            configurations(&presets, &confs).and_then(|configs| run_replay(&traces, &configs, &options))
         }
         Command::Compare { a, b } => compare(&a, &b),
-        Command::Info => {
-            info();
-            Ok(())
-        }
+        Command::Plot { results, output } => plot_saved(&results, &output),
+        Command::Import { snapshot, output, gpu } => import_snapshot(&snapshot, &output, gpu),
+        Command::Info => info(),
         Command::Record { output, command } => record(&output, &command),
     };
     match outcome {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {
-            eprintln!("error: {message}");
+            let _ = writeln!(std::io::stderr(), "error: {message}");
             ExitCode::FAILURE
         }
     }
 }
 
+/// Writes `text` to stdout. A closed stdout (`... | head -1`) is no error: the rest of the
+/// output is not wanted.
+fn emit(text: &str) -> Result<(), String> {
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(format!("writing the output: {e}")),
+        _ => Ok(()),
+    }
+}
+
+/// Writes `text` to stderr, ignoring a closed stderr.
+fn warn(text: &str) {
+    let _ = writeln!(std::io::stderr(), "{text}");
+}
+
+/// The configurations to replay, labelled: the presets named, then the `--conf` strings;
+/// with neither, `STREAMALLOC_CONF` when set, else every preset.
+fn configurations(presets: &[String], confs: &[String]) -> Result<Vec<(String, Config)>, String> {
+    let mut configs = Vec::new();
+    for name in presets {
+        configs.push((name.clone(), Config::preset(name).map_err(|e| format!("--allocator: {e}"))?));
+    }
+    for conf in confs {
+        let config = Config::parse(conf).map_err(|e| format!("--conf '{conf}': {e}"))?;
+        configs.push((conf.trim().to_owned(), config));
+    }
+    if configs.is_empty() {
+        match Config::env_text().map_err(|e| e.to_string())? {
+            Some(text) => {
+                let config = Config::parse(&text).map_err(|e| format!("{ENV_VAR}: {e}"))?;
+                // A trace the variable asks for is the program's, not the replay's to overwrite.
+                configs.push((text, Config { trace: None, ..config }));
+            }
+            None => configs.extend(Config::presets().into_iter().map(|p| (p.name.to_owned(), p.config))),
+        }
+    }
+    Ok(configs)
+}
+
 /// Runs `command` with `trace=output` added to the configuration in force, then reads the
-/// trace back.
+/// trace back. The library keeps that trace key whatever configuration the program passes.
 fn record(output: &Path, command: &[String]) -> Result<(), String> {
     let mut config = Config::from_env().map_err(|e| e.to_string())?;
     config.trace = Some(output.to_path_buf());
-    let _ = std::fs::remove_file(output);
+    // The library creates the file at the program's first allocation; a path it cannot
+    // write is said now, not as an allocation failure inside the program.
+    std::fs::File::create(output)
+        .map_err(|e| format!("cannot write the trace to {}: {e}", output.display()))?;
+    std::fs::remove_file(output).map_err(|e| format!("{}: {e}", output.display()))?;
     let status = std::process::Command::new(&command[0])
         .args(&command[1..])
         .env(ENV_VAR, config.to_string())
         .status()
         .map_err(|e| format!("cannot run `{}`: {e}", command[0]))?;
+    let program = command.join(" ");
     if !output.exists() {
-        return Err(format!(
-            "`{}` wrote no trace to {}: did it load libstreamalloc.so (e.g. streamalloc.torch.enable())?",
-            command.join(" "),
-            output.display()
-        ));
+        return Err(if status.success() {
+            format!(
+                "`{program}` wrote no trace to {}: it made no GPU allocation through libstreamalloc.so \
+                 (it did not load it, e.g. no streamalloc.torch.enable() before the first CUDA \
+                 allocation, or allocated nothing)",
+                output.display()
+            )
+        } else {
+            format!("`{program}` failed ({status}) and wrote no trace to {}", output.display())
+        });
     }
     let trace = Trace::from_path_with(output, ParseOptions { skip_unknown_frees: true })
         .map_err(|e| e.to_string())?;
-    println!(
-        "{}: {} operations, peak live {} bytes, {} streams ({})",
+    emit(&format!(
+        "{}: {} operations, peak live {} bytes, {} streams ({})\n",
         output.display(),
         trace.len(),
         trace.peak_live,
         trace.streams.len(),
         status
-    );
+    ))?;
     if status.success() {
         Ok(())
     } else {
-        Err(format!("`{}` failed: {status}", command.join(" ")))
+        Err(format!("`{program}` failed ({status}); the trace it wrote so far is kept"))
     }
 }
 
-fn run_replay(
-    paths: &[PathBuf],
-    names: &[String],
+/// How `replay` runs, from its flags.
+struct RunOptions {
     device: Option<DeviceChoice>,
     json: bool,
+    plot: Option<PathBuf>,
     passes: usize,
+    threads: bool,
     lenient: bool,
-) -> Result<(), String> {
-    let names: Vec<String> = if names.is_empty() {
-        allocators::names().into_iter().map(String::from).collect()
-    } else {
-        names.to_vec()
-    };
-    let makers = names.iter().map(|n| allocators::lookup(n)).collect::<Result<Vec<_>, _>>()?;
-    let options = ParseOptions { skip_unknown_frees: lenient };
-    let traces = paths.iter().map(|p| load(p, options)).collect::<Result<Vec<_>, _>>()?;
-    let opened = device::open(device)?;
-    if !json {
-        println!("device: {}", opened.description);
+}
+
+fn run_replay(paths: &[PathBuf], configs: &[(String, Config)], o: &RunOptions) -> Result<(), String> {
+    let parse = ParseOptions { skip_unknown_frees: o.lenient };
+    let mut traces = Vec::new();
+    let mut bad_traces = 0;
+    for path in paths {
+        match load(path, parse) {
+            Ok(trace) => traces.push(trace),
+            Err(message) => {
+                bad_traces += 1;
+                warn(&format!("error: {message}"));
+            }
+        }
+    }
+    let opened = device::open(o.device)?;
+    let idle = settle(opened.device.as_ref()).map_err(|e| format!("measuring the idle device: {e}"))?;
+    if !o.json {
+        emit(&format!("device: {}\n", opened.description))?;
     }
 
     let total: u64 =
-        traces.iter().map(|t| t.len() as u64).sum::<u64>() * (passes as u64 + 1) * names.len() as u64;
-    let bar = if json || !std::io::stderr().is_terminal() {
+        traces.iter().map(|t| t.len() as u64).sum::<u64>() * (o.passes as u64 + 1) * configs.len() as u64;
+    let bar = if o.json || !std::io::stderr().is_terminal() {
         ProgressBar::hidden()
     } else {
         ProgressBar::new(total)
@@ -186,46 +295,103 @@ fn run_replay(
     );
     let progress = |n: u64| bar.inc(n);
 
-    let mut results = Vec::new();
+    let mut rows = Vec::new();
+    let mut failed_runs = 0;
     for trace in &traces {
-        for (name, make) in names.iter().zip(&makers) {
-            bar.set_message(format!("{} / {name}", trace.name));
-            let target =
-                make(opened.device.clone()).map_err(|e| format!("creating allocator {name}: {e}"))?;
-            let replay_options = ReplayOptions { passes, progress: Some(&progress) };
-            let result = replay(trace, name, &target, opened.device.as_ref(), &replay_options)
-                .map_err(|e| format!("replaying {} through {name}: {e}", trace.name))?;
-            results.push(result);
+        for (label, config) in configs {
+            bar.set_message(format!("{} / {label}", trace.name));
+            let options = ReplayOptions {
+                passes: o.passes,
+                progress: Some(&progress),
+                threads: o.threads,
+                ..Default::default()
+            };
+            match replay_one(trace, label, config, &opened, idle, &options) {
+                Ok(result) => rows.push(JsonResult {
+                    device: opened.description.clone(),
+                    config: config.to_string(),
+                    result,
+                }),
+                Err(message) => {
+                    failed_runs += 1;
+                    bar.suspend(|| {
+                        warn(&format!("error: replaying {} through {label}: {message}", trace.name))
+                    });
+                }
+            }
         }
     }
     bar.finish_and_clear();
 
-    if json {
-        let rows: Vec<JsonResult> = results
-            .into_iter()
-            .map(|result| JsonResult { device: opened.description.clone(), result })
-            .collect();
-        println!("{}", serde_json::to_string_pretty(&rows).map_err(|e| e.to_string())?);
+    if o.json {
+        emit(&format!("{}\n", serde_json::to_string_pretty(&rows).map_err(|e| e.to_string())?))?;
     } else {
-        print_table(&results);
+        let results: Vec<&ReplayResult> = rows.iter().map(|r| &r.result).collect();
+        let mut text = table(&results);
         for trace in &traces {
             if trace.recorded_failures + trace.skipped_frees > 0 {
-                println!(
-                    "{}: {} `allocate failure` rows not replayed, {} frees of unknown pointers skipped",
+                text.push_str(&format!(
+                    "{}: {} `allocate failure` rows not replayed, {} frees of unknown pointers skipped\n",
                     trace.name, trace.recorded_failures, trace.skipped_frees
-                );
+                ));
             }
         }
         for r in results.iter().filter(|r| r.failures > 0) {
-            println!(
-                "{} on {}: first failure: {}",
+            text.push_str(&format!(
+                "{} on {}: first failure: {}\n",
                 r.allocator,
                 r.trace,
                 r.first_failure.as_deref().unwrap_or("?")
-            );
+            ));
         }
+        emit(&text)?;
     }
-    Ok(())
+    if let Some(path) = &o.plot {
+        let panels: Vec<plot::Panel<'_>> = traces
+            .iter()
+            .map(|t| plot::Panel {
+                title: format!("{} on the {}", t.name, short_device(&opened.description)),
+                results: rows.iter().map(|r| &r.result).filter(|r| r.trace == t.name).collect(),
+            })
+            .collect();
+        plot::draw(path, &panels, 1)?;
+    }
+    let mut failures = Vec::new();
+    if bad_traces > 0 {
+        failures.push(format!("{bad_traces} of {} traces failed to load", paths.len()));
+    }
+    if failed_runs > 0 {
+        failures.push(format!("{failed_runs} of {} replays failed", traces.len() * configs.len()));
+    }
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(failures.join("; "))
+    }
+}
+
+/// Replays `trace` through a fresh stack of `config` on the opened device, from the idle
+/// state; the stack is dropped after it (what a default pool keeps, the next start trims).
+fn replay_one(
+    trace: &Trace,
+    label: &str,
+    config: &Config,
+    opened: &device::Opened,
+    idle: usize,
+    options: &ReplayOptions<'_>,
+) -> Result<ReplayResult, String> {
+    let device = opened.device.as_ref();
+    check_start(device, idle, opened.start_slack, &format!("replaying {} through {label}", trace.name))
+        .map_err(|e| e.to_string())?;
+    let stack =
+        Facade::build_stack(config, opened.device.clone()).map_err(|e| format!("building the stack: {e}"))?;
+    replay(trace, label, &ReplayTarget::Streams(stack.allocator.clone()), device, options)
+        .map_err(|e| e.to_string())
+}
+
+/// The first words of a device description, for a title.
+fn short_device(description: &str) -> &str {
+    description.split(['(', ';']).next().unwrap_or(description).trim()
 }
 
 /// Parses the trace at `path`; errors name the file.
@@ -252,8 +418,8 @@ fn bytes(n: usize) -> String {
     }
 }
 
-/// Prints rows under a header, columns padded to their widest cell (first two left-aligned).
-fn print_columns(header: &[&str], rows: &[Vec<String>]) {
+/// Rows under a header, columns padded to their widest cell (first two left-aligned).
+fn columns(header: &[&str], rows: &[Vec<String>]) -> String {
     let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
     for row in rows {
         for (w, cell) in widths.iter_mut().zip(row) {
@@ -267,17 +433,18 @@ fn print_columns(header: &[&str], rows: &[Vec<String>]) {
             .enumerate()
             .map(|(i, (c, w))| if i < 2 { format!("{c:<w$}") } else { format!("{c:>w$}") })
             .collect();
-        println!("{}", text.join("  ").trim_end());
+        format!("{}\n", text.join("  ").trim_end())
     };
-    line(header.to_vec());
+    let mut text = line(header.to_vec());
     for row in rows {
-        line(row.iter().map(String::as_str).collect());
+        text.push_str(&line(row.iter().map(String::as_str).collect()));
     }
+    text
 }
 
-fn print_table(results: &[ReplayResult]) {
+fn table(results: &[&ReplayResult]) -> String {
     let header = [
-        "allocator",
+        "configuration",
         "trace",
         "ops",
         "peak live",
@@ -303,7 +470,7 @@ fn print_table(results: &[ReplayResult]) {
             ]
         })
         .collect();
-    print_columns(&header, &rows);
+    columns(&header, &rows)
 }
 
 /// Reads a `replay --json` output.
@@ -325,10 +492,15 @@ fn ratio(a: f64, b: f64) -> String {
 fn compare(a_path: &Path, b_path: &Path) -> Result<(), String> {
     let a = read_results(a_path)?;
     let b = read_results(b_path)?;
-    println!("A: {} ({})", a_path.display(), a.first().map_or("empty", |r| r.device.as_str()));
-    println!("B: {} ({})", b_path.display(), b.first().map_or("empty", |r| r.device.as_str()));
+    let mut text =
+        format!("A: {} ({})\n", a_path.display(), a.first().map_or("empty", |r| r.device.as_str()));
+    text.push_str(&format!(
+        "B: {} ({})\n",
+        b_path.display(),
+        b.first().map_or("empty", |r| r.device.as_str())
+    ));
     let header = [
-        "allocator",
+        "configuration",
         "trace",
         "footprint A",
         "footprint B",
@@ -348,7 +520,7 @@ fn compare(a_path: &Path, b_path: &Path) -> Result<(), String> {
     for x in &a {
         let (x, key) = (&x.result, (&x.result.allocator, &x.result.trace));
         let Some(y) = b.iter().map(|y| &y.result).find(|y| (&y.allocator, &y.trace) == key) else {
-            unmatched.push(format!("only in A: {} on {}", x.allocator, x.trace));
+            unmatched.push(format!("only in A: {} on {}\n", x.allocator, x.trace));
             continue;
         };
         rows.push(vec![
@@ -371,33 +543,108 @@ fn compare(a_path: &Path, b_path: &Path) -> Result<(), String> {
     for y in &b {
         let y = &y.result;
         if !a.iter().any(|x| x.result.allocator == y.allocator && x.result.trace == y.trace) {
-            unmatched.push(format!("only in B: {} on {}", y.allocator, y.trace));
+            unmatched.push(format!("only in B: {} on {}\n", y.allocator, y.trace));
         }
     }
-    print_columns(&header, &rows);
-    for line in unmatched {
-        println!("{line}");
-    }
-    Ok(())
+    text.push_str(&columns(&header, &rows));
+    text.extend(unmatched);
+    emit(&text)
 }
 
-fn info() {
+/// Draws saved results: one column per file, one row per trace (in order of appearance).
+fn plot_saved(paths: &[PathBuf], output: &Path) -> Result<(), String> {
+    let files = paths.iter().map(|p| read_results(p)).collect::<Result<Vec<_>, _>>()?;
+    let mut traces: Vec<&str> = Vec::new();
+    for r in files.iter().flatten() {
+        if !traces.contains(&r.result.trace.as_str()) {
+            traces.push(&r.result.trace);
+        }
+    }
+    let mut panels = Vec::new();
+    for trace in &traces {
+        for (path, rows) in paths.iter().zip(&files) {
+            let device = rows.first().map_or("", |r| short_device(&r.device));
+            panels.push(plot::Panel {
+                title: format!("{}: {trace} on the {device}", path.display()),
+                results: rows.iter().map(|r| &r.result).filter(|r| r.trace == *trace).collect(),
+            });
+        }
+    }
+    if panels.is_empty() {
+        return Err("the result files hold no results".into());
+    }
+    plot::draw(output, &panels, paths.len())?;
+    emit(&format!("{}: {} traces x {} result files\n", output.display(), traces.len(), paths.len()))
+}
+
+fn import_snapshot(snapshot: &Path, output: &Path, gpu: Option<usize>) -> Result<(), String> {
+    let s = import::import(snapshot, output, gpu)?;
+    if s.unknown_frees > 0 {
+        warn(&format!(
+            "warning: {} frees of blocks allocated before recording began were skipped (raise \
+             _record_memory_history(max_entries=...) to record them)",
+            s.unknown_frees
+        ));
+    }
+    if s.missed_frees > 0 {
+        warn(&format!(
+            "warning: {} allocations reused the address of a block whose free was not recorded; a free \
+             was written before each",
+            s.missed_frees
+        ));
+    }
+    if s.untimed > 0 {
+        warn(&format!(
+            "note: {} entries had no `time_us` (older torch): their time is their index",
+            s.untimed
+        ));
+    }
+    emit(&format!(
+        "{}: device {} of {}: {} allocations, {} frees, {} streams\n{} allocations still live at the end \
+         (allocated and not freed by the dump)\n",
+        output.display(),
+        s.device,
+        snapshot.display(),
+        s.allocations,
+        s.frees,
+        s.streams,
+        s.live_at_end
+    ))
+}
+
+fn info() -> Result<(), String> {
+    let mut text = String::new();
     match device::open_cuda() {
-        Ok(_) => device::describe_gpus().iter().for_each(|line| println!("{line}")),
+        Ok(_) => device::describe_gpus().iter().for_each(|line| text.push_str(&format!("{line}\n"))),
         Err(why) => {
-            println!("no GPU: {why}");
-            println!("replays run on the {}", device::describe_simulator(&device::simulator_config()));
-            println!(
+            text.push_str(&format!("no GPU: {why}\n"));
+            text.push_str(&format!(
+                "replays run on the {}\n",
+                device::describe_simulator(&device::simulator_config())
+            ));
+            text.push_str(
                 "the simulator has no backing memory: it models an address space, in-order streams, events, \
                  the driver's stream-ordered pools, graph capture, and checks that no memory is reused \
-                 while work on another stream could still touch it"
+                 while work on another stream could still touch it\n",
             );
         }
     }
-    println!("allocators: {}", allocators::names().join(", "));
-    // What the C ABI (libstreamalloc.so) would build in this environment.
-    match Config::from_env() {
-        Ok(config) => println!("{ENV_VAR} in force: {config}"),
-        Err(e) => println!("{ENV_VAR} is not valid: {e}"),
+    let presets: Vec<&str> = Config::presets().iter().map(|p| p.name).collect();
+    text.push_str(&format!("presets (replay --allocator NAME): {}\n", presets.join(", ")));
+    // What replay and the C ABI (libstreamalloc.so) do with the environment here.
+    match Config::env_text() {
+        Ok(None) => text.push_str(&format!(
+            "{ENV_VAR} is not set: replay runs every preset unless given --conf or --allocator; \
+             libstreamalloc.so uses the defaults\n"
+        )),
+        Ok(Some(conf)) => match Config::parse(&conf) {
+            Ok(config) => text.push_str(&format!(
+                "{ENV_VAR}={conf}: replay runs it when given no --conf or --allocator; libstreamalloc.so \
+                 builds `{config}` unless the program configures it\n"
+            )),
+            Err(e) => text.push_str(&format!("{ENV_VAR}={conf} is not valid: {e}\n")),
+        },
+        Err(e) => text.push_str(&format!("{e}\n")),
     }
+    emit(&text)
 }

@@ -10,18 +10,25 @@
 //!
 //! Parsing is strict by default: a malformed row, an allocation of a pointer that is still
 //! live, and a free of a pointer that is not live are errors ([`Error::Trace`]) naming the
-//! line and its content. [`ParseOptions::skip_unknown_frees`] turns the last into a count
+//! line and quoting at most [`EXCERPT`] bytes of it. A line longer than [`MAX_LINE`] bytes
+//! is an error after reading at most that much of it. [`ParseOptions::skip_unknown_frees`] turns the last into a count
 //! ([`Trace::skipped_frees`]) for traces whose recording started mid-run.
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::io::{BufRead, BufReader, BufWriter, Read, Write};
 use std::path::Path;
 
 use crate::error::{Error, Result};
 
 /// The header line of the format.
 pub const HEADER: &str = "Thread,Time,Action,Pointer,Size,Stream";
+
+/// The longest line the parser reads, in bytes (a row of six 64-bit numbers is under 130).
+pub const MAX_LINE: usize = 4096;
+
+/// The most bytes of a line an error quotes.
+pub const EXCERPT: usize = 120;
 
 /// One operation of a trace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,6 +41,8 @@ pub enum Op {
         size: usize,
         /// Dense index of the recorded stream.
         stream: usize,
+        /// Dense index of the recorded thread.
+        thread: usize,
     },
     /// Free what `slot` holds, on stream index `stream`.
     Free {
@@ -41,6 +50,8 @@ pub enum Op {
         slot: usize,
         /// Dense index of the recorded stream of the `free` row.
         stream: usize,
+        /// Dense index of the recorded thread of the `free` row.
+        thread: usize,
     },
 }
 
@@ -65,6 +76,8 @@ pub struct Trace {
     pub slot_sizes: Vec<usize>,
     /// Recorded stream values, indexed by stream index.
     pub streams: Vec<u64>,
+    /// Recorded thread values, indexed by thread index.
+    pub threads: Vec<u64>,
     /// Most bytes allocated and not yet freed at any point: the floor of any allocator's
     /// footprint on this trace.
     pub peak_live: usize,
@@ -107,20 +120,36 @@ impl Trace {
         // Recorded pointer -> live slot; recorded stream value -> stream index.
         let mut live: HashMap<u64, usize> = HashMap::new();
         let mut stream_index: HashMap<u64, usize> = HashMap::new();
+        let mut thread_index: HashMap<u64, usize> = HashMap::new();
         let mut current = 0usize;
-        let mut line = String::new();
+        let mut line = Vec::new();
         let mut number = 0usize;
         loop {
             line.clear();
-            let read = reader
-                .read_line(&mut line)
+            let read = (&mut reader)
+                .take(MAX_LINE as u64 + 1)
+                .read_until(b'\n', &mut line)
                 .map_err(|e| Error::Io(format!("reading line {}: {e}", number + 1)))?;
             if read == 0 {
                 break;
             }
             number += 1;
-            let text = line.trim_end_matches(['\n', '\r']);
-            let fail = |reason: String| Error::Trace { line: number, content: text.to_owned(), reason };
+            if line.len() > MAX_LINE && line.last() != Some(&b'\n') {
+                return Err(Error::Trace {
+                    line: number,
+                    content: excerpt(&String::from_utf8_lossy(&line)),
+                    reason: format!("the line is longer than {MAX_LINE} bytes (not a trace row)"),
+                });
+            }
+            let Ok(text) = std::str::from_utf8(&line) else {
+                return Err(Error::Trace {
+                    line: number,
+                    content: excerpt(&String::from_utf8_lossy(&line)),
+                    reason: "the line is not UTF-8 text".into(),
+                });
+            };
+            let text = text.trim_end_matches(['\n', '\r']);
+            let fail = |reason: String| Error::Trace { line: number, content: excerpt(text), reason };
             if number == 1 {
                 if text.trim() != HEADER {
                     return Err(fail(format!("expected the header `{HEADER}`")));
@@ -136,7 +165,9 @@ impl Trace {
                     let ptr = parse_pointer(row.pointer).map_err(fail)?;
                     let size = parse_size(row.size).map_err(fail)?;
                     let stream =
-                        intern_stream(&mut stream_index, &mut trace.streams, row.stream).map_err(fail)?;
+                        intern(&mut stream_index, &mut trace.streams, "stream", row.stream).map_err(fail)?;
+                    let thread =
+                        intern(&mut thread_index, &mut trace.threads, "thread", row.thread).map_err(fail)?;
                     let slot = trace.slots;
                     if live.insert(ptr, slot).is_some() {
                         return Err(fail(format!("pointer {:#x} is allocated again while still live", ptr)));
@@ -144,19 +175,21 @@ impl Trace {
                     trace.slots += 1;
                     trace.slot_sizes.push(size);
                     trace.allocations += 1;
-                    trace.ops.push(Op::Allocate { slot, size, stream });
+                    trace.ops.push(Op::Allocate { slot, size, stream, thread });
                     current = current.saturating_add(size);
                     trace.peak_live = trace.peak_live.max(current);
                 }
                 "free" => {
                     let ptr = parse_pointer(row.pointer).map_err(fail)?;
                     let stream =
-                        intern_stream(&mut stream_index, &mut trace.streams, row.stream).map_err(fail)?;
+                        intern(&mut stream_index, &mut trace.streams, "stream", row.stream).map_err(fail)?;
+                    let thread =
+                        intern(&mut thread_index, &mut trace.threads, "thread", row.thread).map_err(fail)?;
                     match live.remove(&ptr) {
                         Some(slot) => {
                             current = current.saturating_sub(trace.slot_sizes[slot]);
                             trace.frees += 1;
-                            trace.ops.push(Op::Free { slot, stream });
+                            trace.ops.push(Op::Free { slot, stream, thread });
                         }
                         None if options.skip_unknown_frees => trace.skipped_frees += 1,
                         None => {
@@ -197,8 +230,9 @@ impl Trace {
     }
 }
 
-/// The fields of one data row (Thread and Time are checked for presence only).
+/// The fields of one data row (Time is checked for presence only).
 struct Row<'a> {
+    thread: &'a str,
     action: &'a str,
     pointer: &'a str,
     size: &'a str,
@@ -214,9 +248,10 @@ impl<'a> Row<'a> {
                 .map(str::trim)
                 .ok_or_else(|| format!("missing field {what} (expected 6 fields: {HEADER})"))
         };
-        let _thread = next("Thread")?;
+        let thread = next("Thread")?;
         let _time = next("Time")?;
         let row = Row {
+            thread,
             action: next("Action")?,
             pointer: next("Pointer")?,
             size: next("Size")?,
@@ -245,17 +280,32 @@ fn parse_size(text: &str) -> std::result::Result<usize, String> {
     text.parse().map_err(|_| format!("bad size `{text}` (expected a decimal byte count)"))
 }
 
-fn intern_stream(
+/// The dense index of the `what` (stream or thread) written `text`, added to `values` at
+/// its first appearance.
+fn intern(
     index: &mut HashMap<u64, usize>,
-    streams: &mut Vec<u64>,
+    values: &mut Vec<u64>,
+    what: &str,
     text: &str,
 ) -> std::result::Result<usize, String> {
     let value = parse_int(text)
-        .ok_or_else(|| format!("bad stream `{text}` (expected an integer or 0x... handle)"))?;
+        .ok_or_else(|| format!("bad {what} `{text}` (expected an integer or 0x... handle)"))?;
     Ok(*index.entry(value).or_insert_with(|| {
-        streams.push(value);
-        streams.len() - 1
+        values.push(value);
+        values.len() - 1
     }))
+}
+
+/// At most [`EXCERPT`] bytes of `text` (cut at a character boundary), with `...` when cut.
+fn excerpt(text: &str) -> String {
+    if text.len() <= EXCERPT {
+        return text.to_owned();
+    }
+    let mut end = EXCERPT;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}... ({} bytes in all)", &text[..end], text.len())
 }
 
 /// What a trace row records.
@@ -376,11 +426,11 @@ mod tests {
         assert_eq!(
             trace.ops,
             vec![
-                Op::Allocate { slot: 0, size: 10, stream: 0 },
-                Op::Allocate { slot: 1, size: 20, stream: 1 },
-                Op::Free { slot: 0, stream: 0 },
-                Op::Allocate { slot: 2, size: 5, stream: 1 },
-                Op::Free { slot: 1, stream: 1 },
+                Op::Allocate { slot: 0, size: 10, stream: 0, thread: 0 },
+                Op::Allocate { slot: 1, size: 20, stream: 1, thread: 0 },
+                Op::Free { slot: 0, stream: 0, thread: 0 },
+                Op::Allocate { slot: 2, size: 5, stream: 1, thread: 0 },
+                Op::Free { slot: 1, stream: 1, thread: 0 },
             ]
         );
         assert_eq!(trace.streams, vec![0, 7]);
@@ -420,7 +470,7 @@ mod tests {
         let options = ParseOptions { skip_unknown_frees: true };
         let trace = Trace::parse_with(text.as_bytes(), "t", options).unwrap();
         assert_eq!(trace.skipped_frees, 1);
-        assert_eq!(trace.ops, vec![Op::Allocate { slot: 0, size: 4, stream: 0 }]);
+        assert_eq!(trace.ops, vec![Op::Allocate { slot: 0, size: 4, stream: 0, thread: 0 }]);
     }
 
     #[test]
@@ -457,13 +507,37 @@ mod tests {
         assert_eq!(
             trace.ops,
             vec![
-                Op::Allocate { slot: 0, size: 512, stream: 0 },
-                Op::Allocate { slot: 1, size: 256, stream: 1 },
-                Op::Free { slot: 0, stream: 0 },
+                Op::Allocate { slot: 0, size: 512, stream: 0, thread: 0 },
+                Op::Allocate { slot: 1, size: 256, stream: 1, thread: 1 },
+                Op::Free { slot: 0, stream: 0, thread: 0 },
             ]
         );
         assert_eq!(trace.recorded_failures, 1);
         assert_eq!(trace.streams, vec![0, 3]);
+        assert_eq!(trace.threads, vec![1, 2]);
+    }
+
+    /// Issue 18: a 1 MiB line used to be read whole and quoted whole in the error.
+    #[test]
+    fn long_lines_are_refused_after_a_bounded_read_with_a_bounded_excerpt() {
+        let long = format!("{HEADER}\n0,1,allocate,0x10,{},0\n", "9".repeat(1 << 20));
+        let mut reader = std::io::Cursor::new(long.as_bytes());
+        match Trace::parse(&mut reader, "t") {
+            Err(Error::Trace { line: 2, content, reason }) => {
+                assert!(reason.contains("longer than 4096 bytes"), "{reason}");
+                assert!(content.len() < EXCERPT + 40, "{} bytes quoted", content.len());
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(reader.position() < 2 * MAX_LINE as u64, "read {} bytes", reader.position());
+        // A long bad row (under the bound) is quoted in part too.
+        let bad = format!("{HEADER}\n0,1,allocate,0x10,{},0\n", "x".repeat(3000));
+        match parse(&bad) {
+            Err(Error::Trace { content, .. }) => {
+                assert!(content.len() < EXCERPT + 40 && content.ends_with("in all)"))
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -119,7 +119,7 @@ fn a_written_trace_replays_to_identical_statistics() {
         "stream_safe",
         &target,
         stack.device.as_ref(),
-        &ReplayOptions { passes: 1, progress: None },
+        &ReplayOptions { passes: 1, ..Default::default() },
     )
     .unwrap();
     let replayed = stack.allocator.stats();

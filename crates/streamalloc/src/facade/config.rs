@@ -226,11 +226,21 @@ impl Config {
     }
 
     /// The configuration from the environment variable [`ENV_VAR`] (the defaults when it is
-    /// unset or empty). The only place in the crate that reads the environment.
+    /// unset or empty).
     pub fn from_env() -> Result<Self> {
+        match Self::env_text()? {
+            Some(s) => Self::parse(&s).map_err(|e| Error::Config(format!("{ENV_VAR}: {e}"))),
+            None => Ok(Self::default()),
+        }
+    }
+
+    /// The text of the environment variable [`ENV_VAR`], trimmed; `None` when it is unset or
+    /// blank. The only place in the crate that reads the environment.
+    pub fn env_text() -> Result<Option<String>> {
         match std::env::var(ENV_VAR) {
-            Ok(s) => Self::parse(&s).map_err(|e| Error::Config(format!("{ENV_VAR}: {e}"))),
-            Err(std::env::VarError::NotPresent) => Ok(Self::default()),
+            Ok(s) if s.trim().is_empty() => Ok(None),
+            Ok(s) => Ok(Some(s.trim().to_owned())),
+            Err(std::env::VarError::NotPresent) => Ok(None),
             Err(e) => Err(Error::Config(format!("{ENV_VAR}: {e}"))),
         }
     }

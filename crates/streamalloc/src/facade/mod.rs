@@ -13,11 +13,13 @@
 //! a [`StreamAllocator`].
 
 mod config;
+mod presets;
 pub mod private_pools;
 
 pub use config::{
     parse_duration, parse_size, Config, DeviceKind, LimitSpec, PoolChoice, Strategy, ENV_VAR, KEYS,
 };
+pub use presets::Preset;
 
 use std::fs::File;
 use std::path::PathBuf;
@@ -176,8 +178,16 @@ impl Facade {
     }
 
     fn build(&self, ordinal: usize) -> Result<DeviceStack> {
-        let c = &self.config;
-        let device = self.open_device(ordinal)?;
+        Self::build_stack(&self.config, self.open_device(ordinal)?)
+    }
+
+    /// Builds the stack `config` describes on `device` (the `device` and `sim_capacity`
+    /// keys do not apply: the device is given). What a facade builds for each device it
+    /// serves; also for a caller that builds stacks one after another on a device it opened
+    /// once, such as a trace replay comparing configurations.
+    pub fn build_stack(config: &Config, device: Arc<dyn Device>) -> Result<DeviceStack> {
+        let c = config;
+        let ordinal = device.ordinal();
         // The strategy's own pointer bookkeeping, where it has some.
         let mut native: Option<Arc<dyn PointerAllocator>> = None;
         let mut a: DynAllocator = match c.strategy {

@@ -1,0 +1,60 @@
+//! Named configurations: the ones worth comparing first, which `streamalloc replay` runs
+//! when it is given none.
+
+use super::{Config, Strategy};
+
+/// A named [`Config`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Preset {
+    /// The name, e.g. `stream_safe_expandable`.
+    pub name: &'static str,
+    /// The configuration (the defaults, except what the name says).
+    pub config: Config,
+}
+
+impl Config {
+    /// One preset per [`Strategy`] with its defaults, named after it, and `stream_safe`
+    /// over expandable segments (`stream_safe_expandable`), in that order.
+    pub fn presets() -> Vec<Preset> {
+        let strategy = |strategy| Config { strategy, ..Config::default() };
+        vec![
+            Preset { name: Strategy::Plain.name(), config: strategy(Strategy::Plain) },
+            Preset { name: Strategy::BestFit.name(), config: strategy(Strategy::BestFit) },
+            Preset { name: Strategy::StreamSafe.name(), config: strategy(Strategy::StreamSafe) },
+            Preset {
+                name: "stream_safe_expandable",
+                config: Config { expandable: true, ..strategy(Strategy::StreamSafe) },
+            },
+            Preset { name: Strategy::Async.name(), config: strategy(Strategy::Async) },
+        ]
+    }
+
+    /// The preset called `name`, or an error listing them all.
+    pub fn preset(name: &str) -> crate::Result<Config> {
+        let presets = Self::presets();
+        presets.iter().find(|p| p.name == name).map(|p| p.config.clone()).ok_or_else(|| {
+            let names: Vec<&str> = presets.iter().map(|p| p.name).collect();
+            crate::Error::Config(format!("unknown preset `{name}`; presets: {}", names.join(", ")))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_strategy_has_a_preset_and_names_parse_back() {
+        let presets = Config::presets();
+        for p in &presets {
+            assert_eq!(Config::preset(p.name).unwrap(), p.config);
+            assert_eq!(Config::parse(&p.config.to_string()).unwrap(), p.config);
+        }
+        for strategy in [Strategy::Plain, Strategy::BestFit, Strategy::StreamSafe, Strategy::Async] {
+            assert!(presets.iter().any(|p| p.name == strategy.name() && p.config.strategy == strategy));
+        }
+        assert!(Config::preset("stream_safe_expandable").unwrap().expandable);
+        let err = Config::preset("fast").unwrap_err().to_string();
+        assert!(err.contains("unknown preset `fast`; presets: plain, best_fit, stream_safe"), "{err}");
+    }
+}
