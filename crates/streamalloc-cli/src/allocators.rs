@@ -3,7 +3,8 @@
 use std::sync::Arc;
 
 use streamalloc::allocators::{
-    AsyncPool, AsyncPoolConfig, BestFit, BestFitConfig, Plain, PoolMode, StreamSafe, StreamSafeConfig,
+    AsyncPool, AsyncPoolConfig, BackingKind, BestFit, BestFitConfig, Plain, PoolMode, StreamSafe,
+    StreamSafeConfig,
 };
 use streamalloc::replay::ReplayTarget;
 use streamalloc::{Device, Result, Stream};
@@ -21,7 +22,7 @@ const ALLOCATORS: &[(&str, Make)] = &[
         Ok(ReplayTarget::Streams(Arc::new(StreamSafe::new(device, StreamSafeConfig::default())?)))
     }),
     ("stream_safe_expandable", |device| {
-        let pool = BestFitConfig { expandable: true, ..Default::default() };
+        let pool = BestFitConfig { backing: BackingKind::Segments, ..Default::default() };
         Ok(ReplayTarget::Streams(Arc::new(StreamSafe::new(
             device,
             StreamSafeConfig { pool, ..Default::default() },

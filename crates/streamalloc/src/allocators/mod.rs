@@ -3,13 +3,13 @@
 
 pub mod async_pool;
 mod best_fit;
-mod chunk_source;
+pub mod backing;
 mod plain;
 mod stream_safe;
 
 pub use async_pool::{AsyncPool, AsyncPoolConfig, Capture, CapturedGraph, PoolMode, ReuseFlags};
 pub use best_fit::{BestFit, BestFitConfig, FreeChunk};
-pub use chunk_source::{ChunkSource, DeviceChunks};
+pub use backing::{Backing, BackingKind, ChunkSource, DeviceChunks, Ledger, Want};
 pub use plain::Plain;
 pub use stream_safe::{StreamSafe, StreamSafeConfig};
 
