@@ -163,6 +163,7 @@ impl BestFit {
         let classes = Classes {
             small_chunk: config.small_chunk_size as u64,
             large_chunk: config.growth_size as u64,
+            split_large_slivers: backing.grows_into_free_tails(),
             ..Classes::default()
         };
         classes.validate()?;

@@ -61,11 +61,16 @@ pub struct Classes {
     pub small_chunk: u64,
     /// Size of the chunks large requests up to this size are served from, in bytes.
     pub large_chunk: u64,
+    /// Whether a large block is split however small the remainder (any multiple of
+    /// [`ALIGNMENT`]), not only when the remainder is over `small_max`. For backings whose
+    /// free tails grow into the next request (stitched ranges), where a remainder left
+    /// inside a block is lost until the block is freed.
+    pub split_large_slivers: bool,
 }
 
 impl Default for Classes {
     fn default() -> Self {
-        Self { small_max: 1 << 20, small_chunk: 2 << 20, large_chunk: 32 << 20 }
+        Self { small_max: 1 << 20, small_chunk: 2 << 20, large_chunk: 32 << 20, split_large_slivers: false }
     }
 }
 
@@ -425,6 +430,7 @@ impl BestFitPolicy {
     fn min_split(&self, class: Class) -> u64 {
         match class {
             Class::Small => ALIGNMENT as u64,
+            Class::Large if self.classes.split_large_slivers => ALIGNMENT as u64,
             Class::Large => self.classes.small_max + 1,
         }
     }

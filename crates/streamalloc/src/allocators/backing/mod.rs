@@ -76,6 +76,12 @@ pub trait Backing: Send + Sync {
     /// Gives the pool's free memory back to the device: the bytes given back, or the first
     /// error met after trying everything.
     fn release(&self, ledger: &dyn Ledger) -> Result<usize>;
+    /// Whether a growth maps what a request lacks past a free block, so that a remainder
+    /// split off a large block is used by the next growth and should be split however small
+    /// ([`Classes::split_large_slivers`](crate::policy::best_fit::Classes::split_large_slivers)).
+    fn grows_into_free_tails(&self) -> bool {
+        false
+    }
     /// Gives back every chunk the pool holds (`(addr, size)`), when the pool is dropped.
     /// Errors only leak memory: nothing is left to report them to.
     fn teardown(&mut self, chunks: Vec<(u64, u64)>);
