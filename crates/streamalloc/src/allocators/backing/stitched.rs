@@ -162,17 +162,6 @@ impl Backing for Stitched {
         self.device.map(pl.at, pl.len as usize)?;
         take_hole(&mut st.holes, pl.at, pl.len);
         st.mapped += pl.len;
-        if st.mapped > st.high_water && std::env::var("STITCH_DEBUG").is_ok() {
-            let g = st.granularity;
-            let _ = ledger.update(&mut |p| {
-                let f = p.figures();
-                let carvable: u64 = p.free_blocks().map(|(_, a, s)| ((a + s) / g * g).saturating_sub(a.div_ceil(g) * g)).sum();
-                let nfree = p.free_blocks().count();
-                let small: u64 = p.free_blocks().filter(|b| b.0 == Class::Small).map(|b| b.2).sum();
-                eprintln!("HW mapped={} alloc={} cached={} carvable={} nfree={} small_free={} want={:?} pl={:?}", st.mapped>>20, f.allocated>>20, f.cached>>20, carvable>>20, nfree, small>>20, want.rounded, pl);
-                Ok(())
-            });
-        }
         st.high_water = st.high_water.max(st.mapped);
         let added = ledger.update(&mut |p| add_and_join(p, want.class, pl.at, pl.len));
         if added.is_err() && self.device.unmap(pl.at, pl.len as usize).is_ok() {
@@ -250,7 +239,7 @@ fn carve_free_granules(p: &mut BestFitPolicy, g: u64, bytes: u64, keep: Option<P
         .filter(|&(_, a, s)| !kept(a, s))
         .filter_map(|(class, a, s)| {
             let (lo, hi) = (a.div_ceil(g) * g, (a + s) / g * g);
-            (hi > lo).then_some((hi - lo, lo, class))
+            (hi > lo).then(|| (hi - lo, lo, class))
         })
         .collect();
     candidates.sort_unstable_by_key(|&(len, lo, _)| (len, lo));
