@@ -19,10 +19,16 @@ use streamalloc::{Allocation, Allocator, Device, PointerAllocator, Stream, Strea
 fn traces() -> Vec<Trace> {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../traces");
     // Two synthetic traces whose shapes change every step (`traces/synthetic/README.md`).
-    ["gpt2_train", "resnet50_train", "gpt2_generate", "synthetic/bert_varlen_infer", "synthetic/multiscale_train"]
-        .iter()
-        .map(|n| Trace::from_path(format!("{dir}/{n}.csv")).expect("sample trace"))
-        .collect()
+    [
+        "gpt2_train",
+        "resnet50_train",
+        "gpt2_generate",
+        "synthetic/bert_varlen_infer",
+        "synthetic/multiscale_train",
+    ]
+    .iter()
+    .map(|n| Trace::from_path(format!("{dir}/{n}.csv")).expect("sample trace"))
+    .collect()
 }
 
 /// One pass of `trace` through the bare policy; chunks come from a bump counter.

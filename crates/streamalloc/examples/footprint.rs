@@ -13,7 +13,11 @@ use streamalloc::replay::{replay, ReplayOptions, ReplayTarget};
 use streamalloc::trace::Trace;
 
 fn main() -> streamalloc::Result<()> {
-    let backings = [("chunks", BackingKind::Chunks), ("segments", BackingKind::Segments), ("stitched", BackingKind::Stitched)];
+    let backings = [
+        ("chunks", BackingKind::Chunks),
+        ("segments", BackingKind::Segments),
+        ("stitched", BackingKind::Stitched),
+    ];
     println!("| trace | peak live MiB | {} |", backings.map(|(n, _)| n).join(" | "));
     println!("| --- | --- |{}", " --- |".repeat(backings.len()));
     for path in std::env::args().skip(1) {
@@ -25,7 +29,8 @@ fn main() -> streamalloc::Result<()> {
             let pool = BestFitConfig { backing, ..Default::default() };
             let alloc = StreamSafe::new(sim.clone(), StreamSafeConfig { pool, ..Default::default() })?;
             let target = ReplayTarget::Streams(Arc::new(alloc));
-            let r = replay(&trace, name, &target, sim.as_ref(), &ReplayOptions { passes: 1, progress: None })?;
+            let r =
+                replay(&trace, name, &target, sim.as_ref(), &ReplayOptions { passes: 1, progress: None })?;
             live = r.peak_live;
             cells.push(format!(
                 "{:.3} ({} calls, {:.0} ns{})",

@@ -4,8 +4,8 @@
 mod conformance;
 
 use conformance::{
-    async_pool, async_pool_by_pointer, best_fit, best_fit_expandable, best_fit_stitched, plain,
-    stream_safe, stream_safe_by_pointer, stream_safe_expandable, stream_safe_stitched,
+    async_pool, async_pool_by_pointer, best_fit, best_fit_expandable, best_fit_stitched, plain, stream_safe,
+    stream_safe_by_pointer, stream_safe_expandable, stream_safe_stitched,
 };
 
 conformance_tests!(gpu plain_on_gpu, plain);

@@ -26,7 +26,8 @@ fn footprint(trace: &str, backing: BackingKind) -> f64 {
     let trace = Trace::from_path(path).expect("trace");
     let sim = SimDevice::new(SimConfig::h200());
     let pool = BestFitConfig { backing, ..Default::default() };
-    let alloc = StreamSafe::new(sim.clone(), StreamSafeConfig { pool, ..Default::default() }).expect("allocator");
+    let alloc =
+        StreamSafe::new(sim.clone(), StreamSafeConfig { pool, ..Default::default() }).expect("allocator");
     let target = ReplayTarget::Streams(Arc::new(alloc));
     let r = replay(&trace, "stitched", &target, sim.as_ref(), &ReplayOptions { passes: 1, progress: None })
         .expect("replay");
@@ -96,7 +97,8 @@ fn out_of_memory_stitches_every_free_granule_then_reports() {
     let pool = BestFit::new(sim.clone(), stitched()).unwrap();
     let xs: Vec<Allocation> = (0..6).map(|_| pool.allocate(8 * MIB).unwrap()).collect();
     // Free every other block: 24 MiB free in three holes of 8 MiB, 16 MiB of the device left.
-    let kept: Vec<Allocation> = xs.into_iter().enumerate().filter(|(i, _)| i % 2 == 0).map(|(_, x)| x).collect();
+    let kept: Vec<Allocation> =
+        xs.into_iter().enumerate().filter(|(i, _)| i % 2 == 0).map(|(_, x)| x).collect();
     let big = pool.allocate(40 * MIB).unwrap();
     assert_eq!(pool.stats().allocated, 64 * MIB);
     let err = pool.allocate(4 * MIB).unwrap_err();
@@ -142,7 +144,10 @@ fn run(program: &[Action], on_one_pool: bool) -> usize {
             sim.clone(),
             streams[0],
         )),
-        false => Arc::new(StreamSafe::new(sim.clone(), StreamSafeConfig { pool: stitched(), ..Default::default() }).unwrap()),
+        false => Arc::new(
+            StreamSafe::new(sim.clone(), StreamSafeConfig { pool: stitched(), ..Default::default() })
+                .unwrap(),
+        ),
     };
     let mut live: Vec<Allocation> = Vec::new();
     for action in program {

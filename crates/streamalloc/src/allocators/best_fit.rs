@@ -7,7 +7,9 @@ use std::sync::Arc;
 use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
 
-use super::backing::{Backing, BackingKind, ChunkSource, Chunks, DeviceChunks, Ledger, Segments, Stitched, Want};
+use super::backing::{
+    Backing, BackingKind, ChunkSource, Chunks, DeviceChunks, Ledger, Segments, Stitched, Want,
+};
 use crate::allocation::{record_user, Allocation, Allocator, Block, BlockOwner, Stats};
 use crate::device::{Device, DevicePtr, Event, EventPool, Stream};
 use crate::error::{Error, OutOfMemory, Result};
@@ -46,7 +48,12 @@ pub struct BestFitConfig {
 
 impl Default for BestFitConfig {
     fn default() -> Self {
-        Self { growth_size: 32 << 20, small_chunk_size: 2 << 20, stream: Stream::DEFAULT, backing: BackingKind::Chunks }
+        Self {
+            growth_size: 32 << 20,
+            small_chunk_size: 2 << 20,
+            stream: Stream::DEFAULT,
+            backing: BackingKind::Chunks,
+        }
     }
 }
 
@@ -405,13 +412,15 @@ impl Ledger for PoolLedger<'_> {
     fn update(&self, f: &mut dyn FnMut(&mut BestFitPolicy) -> Result<()>) -> Result<Option<Grant>> {
         let mut st = self.inner.state.lock();
         st.unpark();
-        let before = st.policy.figures().reserved;
+        let before = st.policy.figures();
         let done = f(&mut st.policy);
-        let after = st.policy.figures().reserved;
-        if after > before {
-            st.stats.on_reserve((after - before) as usize);
-        } else if after < before {
-            st.stats.on_unreserve((before - after) as usize);
+        let after = st.policy.figures();
+        if after.reserved > before.reserved {
+            st.stats.on_reserve((after.reserved - before.reserved) as usize);
+        } else if after.reserved < before.reserved {
+            st.stats.on_unreserve((before.reserved - after.reserved) as usize);
+            // One device call per chunk given back whole.
+            st.stats.device_frees += before.chunks.saturating_sub(after.chunks).max(1) as u64 - 1;
         }
         done?;
         Ok(self.request.and_then(|(rounded, size)| st.allocate(rounded, size)))
@@ -717,7 +726,12 @@ mod tests {
     fn expandable_pool(on_own_stream: bool) -> (Arc<SimDevice>, BestFit, Stream) {
         let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
         let stream = if on_own_stream { sim.create_stream().unwrap() } else { Stream::DEFAULT };
-        let config = BestFitConfig { growth_size: 20 * MIB, stream, backing: BackingKind::Segments, ..Default::default() };
+        let config = BestFitConfig {
+            growth_size: 20 * MIB,
+            stream,
+            backing: BackingKind::Segments,
+            ..Default::default()
+        };
         let pool = BestFit::new(sim.clone(), config).unwrap();
         (sim, pool, stream)
     }

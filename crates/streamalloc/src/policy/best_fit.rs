@@ -728,8 +728,17 @@ impl BestFitPolicy {
         self.free_list(b.class).remove(b.size, b.addr);
         // The right part: a new chunk from `end` to the old chunk's end.
         let right_first = if b.addr + b.size > end {
-            let r = Slot { addr: end, size: b.addr + b.size - end, prev: NIL, next: b.next, state: State::Free, class: b.class };
-            let r_idx = self.new_slot(r).ok_or_else(|| Error::InvalidArgument("too many blocks (2^32 - 1)".into()))?;
+            let r = Slot {
+                addr: end,
+                size: b.addr + b.size - end,
+                prev: NIL,
+                next: b.next,
+                state: State::Free,
+                class: b.class,
+            };
+            let r_idx = self
+                .new_slot(r)
+                .ok_or_else(|| Error::InvalidArgument("too many blocks (2^32 - 1)".into()))?;
             if let Some(n) = self.slot_mut(b.next) {
                 n.prev = r_idx;
             }
@@ -762,7 +771,10 @@ impl BestFitPolicy {
             self.chunks.remove(&start);
         }
         if right_first != NIL {
-            self.chunks.insert(end, Chunk { size: start + chunk.size - end, first: right_first, segment: chunk.segment });
+            self.chunks.insert(
+                end,
+                Chunk { size: start + chunk.size - end, first: right_first, segment: chunk.segment },
+            );
         }
         self.reserved -= size;
         self.cached -= size;
@@ -773,7 +785,8 @@ impl BestFitPolicy {
     /// blocks merge across them (a virtual-memory backing mapped the two back to back).
     /// Fails, changing nothing, if there are not two such chunks of one class.
     pub fn join(&mut self, addr: u64) -> Result<()> {
-        let bad = || Error::InvalidArgument(format!("no two chunks of one class meet at the end of {addr:#x}"));
+        let bad =
+            || Error::InvalidArgument(format!("no two chunks of one class meet at the end of {addr:#x}"));
         let left = *self.chunks.get(&addr).ok_or_else(bad)?;
         let right_at = addr + left.size;
         let right = *self.chunks.get(&right_at).ok_or_else(bad)?;
@@ -1184,6 +1197,27 @@ mod tests {
             4 => any::<usize>().prop_map(Op::Free),
             1 => Just(Op::Release),
         ]
+    }
+
+    #[test]
+    fn carve_splits_a_chunk_and_join_merges_it_back() {
+        let mut p = BestFitPolicy::new(classes());
+        p.add_segment(Class::Large, 64 * MIB, 12 * MIB).unwrap();
+        let a = p.allocate(4 * MIB).unwrap();
+        p.carve(68 * MIB, 2 * MIB).unwrap();
+        p.check();
+        assert_eq!(p.chunks().collect::<Vec<_>>(), [(64 * MIB, 4 * MIB), (70 * MIB, 6 * MIB)]);
+        assert!(p.carve(64 * MIB, 2 * MIB).is_err(), "not free");
+        assert!(p.carve(69 * MIB, 2 * MIB).is_err(), "not mapped");
+        assert_eq!(p.chunk_ending_at(68 * MIB), Some((64 * MIB, Class::Large, 0)));
+        assert_eq!(p.chunk_at(70 * MIB), Some((6 * MIB, Class::Large, 6 * MIB)));
+        p.add_segment(Class::Large, 68 * MIB, 2 * MIB).unwrap();
+        p.join(68 * MIB).unwrap();
+        p.join(64 * MIB).unwrap();
+        p.check();
+        p.free(a.token, a.addr).unwrap();
+        p.check();
+        assert_eq!(p.figures().largest_free, 12 * MIB, "one free block again");
     }
 
     proptest! {

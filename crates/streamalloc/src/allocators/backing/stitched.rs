@@ -94,7 +94,13 @@ impl Stitched {
     /// returns how many bytes it unmapped; blocks that end at `keep.0` or start at
     /// `keep.0 + keep.1` (those a placement counts on) stay. Waits for the pool's stream
     /// first. A range that cannot be unmapped goes back to the pool.
-    fn reclaim(&self, st: &mut State, ledger: &dyn Ledger, bytes: u64, keep: Option<Placement>) -> Result<u64> {
+    fn reclaim(
+        &self,
+        st: &mut State,
+        ledger: &dyn Ledger,
+        bytes: u64,
+        keep: Option<Placement>,
+    ) -> Result<u64> {
         let g = st.granularity;
         let mut carved = Vec::new();
         ledger.update(&mut |p| {
@@ -205,11 +211,18 @@ impl Backing for Stitched {
 /// fewest bytes (the smallest unmapped run among equals), counting the free block of
 /// `class` at the end of the mapped range before a run and at the start of the one after
 /// it; `None` if no run is large enough.
-fn place(p: &BestFitPolicy, holes: &BTreeMap<u64, u64>, g: u64, class: Class, rounded: u64) -> Option<Placement> {
+fn place(
+    p: &BestFitPolicy,
+    holes: &BTreeMap<u64, u64>,
+    g: u64,
+    class: Class,
+    rounded: u64,
+) -> Option<Placement> {
     let round = |n: u64| n.div_ceil(g) * g;
     let mut best: Option<(u64, u64, Placement)> = None;
     for (&start, &run) in holes {
-        let free_of = |c: Option<(u64, Class, u64)>| c.filter(|&(_, k, _)| k == class).map_or(0, |(_, _, f)| f);
+        let free_of =
+            |c: Option<(u64, Class, u64)>| c.filter(|&(_, k, _)| k == class).map_or(0, |(_, _, f)| f);
         let before = free_of(p.chunk_ending_at(start));
         let after = free_of(p.chunk_at(start + run));
         let after_len = round(rounded.saturating_sub(after));
@@ -232,7 +245,12 @@ fn place(p: &BestFitPolicy, holes: &BTreeMap<u64, u64>, g: u64, class: Class, ro
 
 /// Takes up to `bytes` of whole free granules out of `p` (those of the smallest free blocks
 /// first, each block's from its end), except from blocks next to `keep`; the ranges taken.
-fn carve_free_granules(p: &mut BestFitPolicy, g: u64, bytes: u64, keep: Option<Placement>) -> Vec<(Class, u64, u64)> {
+fn carve_free_granules(
+    p: &mut BestFitPolicy,
+    g: u64,
+    bytes: u64,
+    keep: Option<Placement>,
+) -> Vec<(Class, u64, u64)> {
     let kept = |addr: u64, size: u64| keep.is_some_and(|k| addr + size == k.at || addr == k.at + k.len);
     let mut candidates: Vec<(u64, u64, Class)> = p
         .free_blocks()
