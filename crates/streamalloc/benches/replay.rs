@@ -1,7 +1,8 @@
 //! CPU cost per operation of the caching policy and allocators, replaying the sample traces
 //! (`traces/`) on the simulator: the policy alone (no device at all), BestFit, StreamSafe
 //! on one stream (its overhead over BestFit is what the stream-safe layer costs), and
-//! StreamSafe by pointer (the C ABI's path: no handles, allocations kept in the pools).
+//! StreamSafe by pointer (the C ABI's path: no handles, allocations kept in the pools), and
+//! StreamSafe over stitched virtual-memory ranges both ways.
 //!
 //! Each iteration is one warm pass over a trace (everything freed at its end); throughput is
 //! in trace operations. Run: `cargo bench -p streamalloc --bench replay`.
@@ -9,7 +10,7 @@
 use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use streamalloc::allocators::{BestFit, BestFitConfig, StreamSafe, StreamSafeConfig};
+use streamalloc::allocators::{BackingKind, BestFit, BestFitConfig, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice};
 use streamalloc::policy::best_fit::{BestFitPolicy, Classes};
 use streamalloc::trace::{Op, Trace};
@@ -17,10 +18,17 @@ use streamalloc::{Allocation, Allocator, Device, PointerAllocator, Stream, Strea
 
 fn traces() -> Vec<Trace> {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../traces");
-    ["gpt2_train", "resnet50_train", "gpt2_generate"]
-        .iter()
-        .map(|n| Trace::from_path(format!("{dir}/{n}.csv")).expect("sample trace"))
-        .collect()
+    // Two synthetic traces whose shapes change every step (`traces/synthetic/README.md`).
+    [
+        "gpt2_train",
+        "resnet50_train",
+        "gpt2_generate",
+        "synthetic/bert_varlen_infer",
+        "synthetic/multiscale_train",
+    ]
+    .iter()
+    .map(|n| Trace::from_path(format!("{dir}/{n}.csv")).expect("sample trace"))
+    .collect()
 }
 
 /// One pass of `trace` through the bare policy; chunks come from a bump counter.
@@ -105,6 +113,17 @@ fn bench(c: &mut Criterion) {
         let mut ptrs = vec![0; trace.slots];
         group.bench_function("stream_safe_by_pointer", |b| {
             b.iter(|| pointer_pass(&trace, &mut ptrs, stream_safe.as_ref(), s))
+        });
+        // The same on stitched virtual-memory ranges (the facade's default backing).
+        let pool = BestFitConfig { backing: BackingKind::Stitched, ..Default::default() };
+        let stitched = Arc::new(
+            StreamSafe::new(sim.clone(), StreamSafeConfig { pool, ..Default::default() }).expect("allocator"),
+        );
+        group.bench_function("stream_safe_stitched", |b| {
+            b.iter(|| allocator_pass(&trace, &mut live, &|n| stitched.allocate_on(n, s).expect("allocation")))
+        });
+        group.bench_function("stream_safe_stitched_by_pointer", |b| {
+            b.iter(|| pointer_pass(&trace, &mut ptrs, stitched.as_ref(), s))
         });
         group.finish();
     }

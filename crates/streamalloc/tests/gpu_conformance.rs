@@ -4,8 +4,8 @@
 mod conformance;
 
 use conformance::{
-    async_pool, async_pool_by_pointer, best_fit, best_fit_expandable, plain, stream_safe,
-    stream_safe_by_pointer, stream_safe_expandable,
+    async_pool, async_pool_by_pointer, best_fit, best_fit_expandable, best_fit_stitched, plain, stream_safe,
+    stream_safe_by_pointer, stream_safe_expandable, stream_safe_stitched,
 };
 
 conformance_tests!(gpu plain_on_gpu, plain);
@@ -13,6 +13,8 @@ conformance_tests!(gpu best_fit_on_gpu, best_fit);
 conformance_tests!(gpu stream_safe_on_gpu, stream_safe);
 conformance_tests!(gpu best_fit_expandable_on_gpu, best_fit_expandable);
 conformance_tests!(gpu stream_safe_expandable_on_gpu, stream_safe_expandable);
+conformance_tests!(gpu best_fit_stitched_on_gpu, best_fit_stitched);
+conformance_tests!(gpu stream_safe_stitched_on_gpu, stream_safe_stitched);
 conformance_tests!(gpu async_pool_on_gpu, async_pool);
 conformance_tests!(gpu stream_safe_by_pointer_on_gpu, stream_safe_by_pointer);
 conformance_tests!(gpu async_pool_by_pointer_on_gpu, async_pool_by_pointer);

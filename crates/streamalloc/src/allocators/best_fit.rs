@@ -7,7 +7,9 @@ use std::sync::Arc;
 use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
 
-use super::chunk_source::{ChunkSource, DeviceChunks};
+use super::backing::{
+    Backing, BackingKind, ChunkSource, Chunks, DeviceChunks, Ledger, Segments, Stitched, Want,
+};
 use crate::allocation::{record_user, Allocation, Allocator, Block, BlockOwner, Stats};
 use crate::device::{Device, DevicePtr, Event, EventPool, Stream};
 use crate::error::{Error, OutOfMemory, Result};
@@ -37,42 +39,39 @@ pub struct BestFitConfig {
     pub small_chunk_size: usize,
     /// The stream every allocation belongs to. Default [`Stream::DEFAULT`].
     pub stream: Stream,
-    /// Expandable segments: instead of chunks from the source, each class (small, large) has
-    /// one segment, a device address reservation mapped from its start as needed
-    /// ([`Device::map`]), grown at a miss by what the request lacks past the segment's free
-    /// end, rounded up to the mapping granularity (PyTorch's `expandable_segments`). Blocks
-    /// merge across growths, so the pool holds about what is live at its peak. Requests
-    /// larger than `growth_size` still get chunks of their own from the source: in the
-    /// segment, such a block left a hole when freed that smaller requests split (on the
-    /// simulator, peak reserved over peak live 1.078 instead of 1.051 on GPT-2 training).
-    /// A segment goes back to the device when wholly free, and is never given to another
-    /// pool. Its memory is mapped for this device alone: another GPU cannot reach it through
-    /// peer access, and CUDA IPC does not apply to it. Default off.
-    pub expandable: bool,
+    /// What the pool's blocks are backed with ([`backing`](super::backing)): chunks of plain
+    /// allocations, expandable segments or stitched virtual-memory ranges. The memory of the
+    /// last two is mapped for this device alone: CUDA IPC does not apply to it. Default
+    /// [`BackingKind::Chunks`].
+    pub backing: BackingKind,
 }
 
 impl Default for BestFitConfig {
     fn default() -> Self {
-        Self { growth_size: 32 << 20, small_chunk_size: 2 << 20, stream: Stream::DEFAULT, expandable: false }
+        Self {
+            growth_size: 32 << 20,
+            small_chunk_size: 2 << 20,
+            stream: Stream::DEFAULT,
+            backing: BackingKind::Chunks,
+        }
     }
 }
 
-/// A caching pool: memory obtained from a [`ChunkSource`] in chunks, carved into blocks by
-/// best fit, split and coalesced, and kept after free for reuse. The policy (size classes,
-/// rounding, splitting) is [`policy::best_fit`](crate::policy::best_fit).
+/// A caching pool: memory obtained from a [`Backing`] (chunks, expandable segments or
+/// stitched ranges: [`BestFitConfig::backing`]), carved into blocks by best fit, split and
+/// coalesced, and kept after free for reuse. The policy (size classes, rounding, splitting)
+/// is [`policy::best_fit`](crate::policy::best_fit).
 ///
-/// * **Growth.** When no cached block fits, the pool grows by one chunk (see
-///   [`BestFitConfig`]). If the source is out of memory, the pool returns its wholly free
-///   chunks and tries once more before failing with [`Error::OutOfMemory`].
-/// * **Release.** [`Allocator::release`] returns every wholly free chunk to the source.
-///   Dropping the pool (and every allocation) returns all chunks.
-/// * **Expandable segments** ([`BestFitConfig::expandable`]) replace the chunks of requests up
-///   to the growth size: one address reservation per class, mapped from its start as the
-///   pool grows. On the H200 (anchors harness, run 29 in `bench/results`) StreamSafe over
-///   them held 1.121 / 1.051 / 1.028 times the peak live bytes of GPT-2 generation, GPT-2
-///   training and ResNet-50 training, against 1.109 / 1.049 / 1.178 with chunks and
-///   1.128 / 1.076 / 1.104 for cudaMallocAsync. A released segment is unmapped after the
-///   pool's stream is synchronized, since an unmap does not wait for the device.
+/// * **Growth.** When no cached block fits, the backing adds memory (see
+///   [`backing`](super::backing)). If the device is out of memory, the pool releases what the
+///   backing can give back and tries once more before failing with [`Error::OutOfMemory`].
+/// * **Release.** [`Allocator::release`] gives free memory back through the backing (wholly
+///   free chunks and segments; every free granule of stitched ranges). Dropping the pool
+///   (and every allocation) returns all memory.
+/// * **Backings compared.** On the H200 (anchors harness, run 29 in `bench/results`)
+///   StreamSafe over expandable segments held 1.121 / 1.051 / 1.028 times the peak live
+///   bytes of GPT-2 generation, GPT-2 training and ResNet-50 training, against 1.109 /
+///   1.049 / 1.178 with chunks and 1.128 / 1.076 / 1.104 for cudaMallocAsync.
 /// * **Recorded streams.** The pool is not stream-aware: all its allocations belong to one
 ///   stream. A freed block whose allocation recorded other streams is kept out of the free
 ///   lists: at free, an event (from an [`EventPool`]) is recorded on each recorded stream, and
@@ -103,28 +102,14 @@ pub struct BestFit {
 struct Inner {
     /// Mirrors `!state.pending.is_empty()`, readable without the lock.
     has_pending: AtomicBool,
-    source: Arc<dyn ChunkSource>,
+    backing: Box<dyn Backing>,
+    device: Arc<dyn Device>,
     events: EventPool,
     stream: Stream,
     ordinal: usize,
+    /// The pool's books. The backing locks its own state before this one where it holds
+    /// both; the pool never calls the backing with this one locked.
     state: Mutex<State>,
-    /// With [`BestFitConfig::expandable`]: the segments, locked before `state` where both are.
-    segments: Option<Mutex<Segments>>,
-}
-
-/// The address reservations of an expandable pool, one per class, each made at the first
-/// growth of its class.
-#[derive(Default)]
-struct Segments {
-    /// The device's mapping granularity (0 until the first growth).
-    granularity: u64,
-    /// Start of each class's reservation, by [`Class::index`].
-    base: [Option<u64>; 2],
-    /// Bytes mapped from each reservation's start: the size of the class's segment in the
-    /// policy, 0 while it has none.
-    mapped: [u64; 2],
-    /// Size of every reservation: the device's memory, rounded up to the granularity.
-    reservation: u64,
 }
 
 struct State {
@@ -161,22 +146,35 @@ struct Pending {
 }
 
 impl BestFit {
-    /// A pool over plain allocations of `device`.
+    /// A pool on `device`, backed as [`BestFitConfig::backing`] says.
     pub fn new(device: Arc<dyn Device>, config: BestFitConfig) -> Result<Self> {
         Self::with_source(Arc::new(DeviceChunks::new(device)), config)
     }
 
-    /// A pool over chunks from `source`. Fails if the configured sizes are not multiples of
-    /// [`ALIGNMENT`](crate::ALIGNMENT), the small chunk is under 1 MiB or the growth size is
-    /// not above 1 MiB.
+    /// A pool whose chunks (those of requests larger than the growth size, with expandable
+    /// segments) come from `source`, backed as [`BestFitConfig::backing`] says. Fails if the
+    /// configured sizes are not multiples of [`ALIGNMENT`](crate::ALIGNMENT), the small chunk
+    /// is under 1 MiB or the growth size is not above 1 MiB.
     pub fn with_source(source: Arc<dyn ChunkSource>, config: BestFitConfig) -> Result<Self> {
+        let backing: Box<dyn Backing> = match config.backing {
+            BackingKind::Chunks => Box::new(Chunks::new(source)),
+            BackingKind::Segments => Box::new(Segments::new(Chunks::new(source), config.stream)),
+            BackingKind::Stitched => Box::new(Stitched::new(source.device().clone(), config.stream)),
+        };
+        Self::with_backing(backing, config)
+    }
+
+    /// A pool over `backing` ([`BestFitConfig::backing`] is not read). Fails as
+    /// [`BestFit::with_source`] does.
+    pub fn with_backing(backing: Box<dyn Backing>, config: BestFitConfig) -> Result<Self> {
         let classes = Classes {
             small_chunk: config.small_chunk_size as u64,
             large_chunk: config.growth_size as u64,
+            split_large_slivers: backing.grows_into_free_tails(),
             ..Classes::default()
         };
         classes.validate()?;
-        let device = source.device().clone();
+        let device = backing.device().clone();
         let state = State {
             policy: BestFitPolicy::new(classes),
             parked: Parked::default(),
@@ -191,11 +189,11 @@ impl BestFit {
         let inner = Inner {
             has_pending: AtomicBool::new(false),
             ordinal: device.ordinal(),
-            events: EventPool::new(device),
-            source,
+            events: EventPool::new(device.clone()),
+            backing,
+            device,
             stream: config.stream,
             state: Mutex::new(state),
-            segments: config.expandable.then(|| Mutex::new(Segments::default())),
         };
         Ok(Self { inner: Arc::new(inner) })
     }
@@ -363,160 +361,69 @@ impl BestFit {
         }
     }
 
-    /// The slow path: obtain a chunk (releasing free chunks and retrying once on
-    /// out-of-memory), add it and allocate from it.
+    /// The slow path: the backing adds memory and the request is served from it (releasing
+    /// what the backing can give back and retrying once on out-of-memory).
     fn grow_and_allocate(&self, size: usize, rounded: u64, growth: Growth, poll: bool) -> Result<Block> {
-        match &self.inner.segments {
-            Some(segments) if !growth.own => {
-                return self.grow_segment(&mut segments.lock(), size, rounded, growth.class, poll)
-            }
-            _ => {}
-        }
         let inner = &self.inner;
-        let chunk = usize::try_from(growth.size)
-            .map_err(|_| Error::InvalidArgument(format!("allocation size {size} overflows")))?;
-        let addr = match inner.source.grow(chunk) {
-            Ok(addr) => addr,
-            Err(e) if e.is_out_of_memory() => {
-                // Memory freed meanwhile (by other threads or completed events) may fit now;
-                // otherwise give back what is free and try the source once more.
-                if poll {
-                    inner.poll_pending();
+        let class = inner.state.lock().policy.class_of(rounded);
+        let want = Want { class, rounded, chunk: growth.size, own: growth.own };
+        let ledger = PoolLedger { inner, request: Some((rounded, size)) };
+        let mut released = false;
+        // Memory added is served under the lock that adds it, so only a bug in a backing
+        // makes a round serve nothing; the bound keeps such a bug from spinning.
+        for _ in 0..GROWTH_ROUNDS {
+            match inner.backing.grow(&ledger, &want) {
+                Ok(Some(grant)) => return Ok(self.handout(grant, size)),
+                Ok(None) => {}
+                Err(e) if e.is_out_of_memory() && !released => {
+                    // Memory freed meanwhile (by other threads or completed events) may fit
+                    // now; otherwise give back what is free and try the backing once more.
+                    if poll {
+                        inner.poll_pending();
+                    }
+                    if let Some(grant) = inner.state.lock().allocate(rounded, size) {
+                        return Ok(self.handout(grant, size));
+                    }
+                    // A failure to give memory back shows in the out-of-memory figures.
+                    let _ = inner.backing.release(&PoolLedger { inner, request: None });
+                    released = true;
                 }
-                let retried = inner.state.lock().allocate(rounded, size);
-                if let Some(grant) = retried {
-                    return Ok(self.handout(grant, size));
-                }
-                // A failure to give a chunk back shows in the out-of-memory figures.
-                let _ = inner.release_free_chunks();
-                match inner.source.grow(chunk) {
-                    Ok(addr) => addr,
-                    Err(e) => return Err(inner.failure(e, size, chunk)),
-                }
-            }
-            Err(e) => return Err(inner.failure(e, size, chunk)),
-        };
-        let mut st = inner.state.lock();
-        st.stats.on_reserve(chunk);
-        let added = st.policy.add_chunk(growth.class, addr, growth.size);
-        let grant = added.and_then(|()| {
-            st.allocate(rounded, size).ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "a new chunk of {chunk} bytes does not fit {size} bytes: this is a bug in BestFit"
-                ))
-            })
-        });
-        match grant {
-            Ok(grant) => {
-                drop(st);
-                Ok(self.handout(grant, size))
-            }
-            Err(e) => {
-                st.stats.failures += 1;
-                drop(st);
-                if inner.source.shrink(addr, chunk).is_ok() {
-                    inner.state.lock().stats.on_unreserve(chunk);
-                }
-                Err(e)
+                Err(e) => return Err(inner.failure(e, size, growth.size as usize)),
             }
         }
+        inner.state.lock().stats.failures += 1;
+        Err(Error::InvalidArgument(format!(
+            "the backing grew the pool {GROWTH_ROUNDS} times and {size} bytes still did not fit: a bug in the backing"
+        )))
     }
+}
 
-    /// The slow path of an expandable pool: map what the request lacks at the end of its
-    /// class's segment (releasing wholly free segments and chunks and retrying once on
-    /// out-of-memory), and allocate from it.
-    fn grow_segment(
-        &self,
-        sg: &mut Segments,
-        size: usize,
-        rounded: u64,
-        class: Class,
-        poll: bool,
-    ) -> Result<Block> {
-        let inner = &self.inner;
-        let device = inner.source.device().clone();
-        if sg.granularity == 0 {
-            let granularity = device.map_granularity()? as u64;
-            let total = device.mem_info()?.total as u64;
-            sg.reservation = total.div_ceil(granularity) * granularity;
-            sg.granularity = granularity;
+/// Rounds of growth [`BestFit::grow_and_allocate`] tries.
+const GROWTH_ROUNDS: usize = 8;
+
+/// The pool's books as its backing sees them: a [`Ledger`] over the pool's state, serving
+/// `request` (rounded size, size asked for) if there is one.
+struct PoolLedger<'a> {
+    inner: &'a Inner,
+    request: Option<(u64, usize)>,
+}
+
+impl Ledger for PoolLedger<'_> {
+    fn update(&self, f: &mut dyn FnMut(&mut BestFitPolicy) -> Result<()>) -> Result<Option<Grant>> {
+        let mut st = self.inner.state.lock();
+        st.unpark();
+        let before = st.policy.figures();
+        let done = f(&mut st.policy);
+        let after = st.policy.figures();
+        if after.reserved > before.reserved {
+            st.stats.on_reserve((after.reserved - before.reserved) as usize);
+        } else if after.reserved < before.reserved {
+            st.stats.on_unreserve((before.reserved - after.reserved) as usize);
+            // One device call per chunk given back whole.
+            st.stats.device_frees += before.chunks.saturating_sub(after.chunks).max(1) as u64 - 1;
         }
-        let c = class.index();
-        let base = match sg.base[c] {
-            Some(base) => base,
-            None => {
-                let base = device.reserve_address(sg.reservation as usize)?;
-                sg.base[c] = Some(base);
-                base
-            }
-        };
-        let tail = {
-            let mut st = inner.state.lock();
-            // Another thread may have grown the segment while this one waited for it.
-            if let Some(grant) = st.allocate(rounded, size) {
-                drop(st);
-                return Ok(self.handout(grant, size));
-            }
-            st.policy.segment_tail_free(base).unwrap_or(0)
-        };
-        let mut need = (rounded - tail.min(rounded)).div_ceil(sg.granularity) * sg.granularity;
-        if sg.mapped[c] + need > sg.reservation {
-            let full = Error::oom(OutOfMemory {
-                device: inner.ordinal,
-                requested: size,
-                hint: format!("the segment's reservation of {} bytes is full", sg.reservation),
-                ..OutOfMemory::default()
-            });
-            return Err(inner.failure(full, size, need as usize));
-        }
-        if let Err(e) = device.map(base + sg.mapped[c], need as usize) {
-            if !e.is_out_of_memory() {
-                return Err(inner.failure(e, size, need as usize));
-            }
-            if poll {
-                inner.poll_pending();
-            }
-            let retried = inner.state.lock().allocate(rounded, size);
-            if let Some(grant) = retried {
-                return Ok(self.handout(grant, size));
-            }
-            // A failure to give memory back shows in the out-of-memory figures.
-            let _ = inner.release_free(sg);
-            // The release may have taken this class's segment: grow it anew.
-            if sg.mapped[c] == 0 {
-                need = rounded.div_ceil(sg.granularity) * sg.granularity;
-            }
-            if let Err(e) = device.map(base + sg.mapped[c], need as usize) {
-                return Err(inner.failure(e, size, need as usize));
-            }
-        }
-        // The `need` bytes just mapped join the segment's end, and the request is served there.
-        let mut st = inner.state.lock();
-        let added = match sg.mapped[c] {
-            0 => st.policy.add_segment(class, base, need),
-            _ => st.policy.extend_segment(base, need),
-        };
-        if let Err(e) = added {
-            st.stats.failures += 1;
-            drop(st);
-            // A bug: the policy refused memory that is mapped; give it back.
-            let _ = device.unmap(base + sg.mapped[c], need as usize);
-            return Err(e);
-        }
-        sg.mapped[c] += need;
-        st.stats.on_reserve(need as usize);
-        match st.allocate(rounded, size) {
-            Some(grant) => {
-                drop(st);
-                Ok(self.handout(grant, size))
-            }
-            None => {
-                st.stats.failures += 1;
-                Err(Error::InvalidArgument(format!(
-                    "a segment grown by {need} bytes does not fit {size} bytes: this is a bug in BestFit"
-                )))
-            }
-        }
+        done?;
+        Ok(self.request.and_then(|(rounded, size)| st.allocate(rounded, size)))
     }
 }
 
@@ -627,7 +534,7 @@ impl Inner {
         };
         let mut query_error = None;
         for p in &mut batch {
-            p.events.retain(|&e| match self.source.device().query_event(e) {
+            p.events.retain(|&e| match self.device.query_event(e) {
                 Ok(true) => {
                     self.events.put(e);
                     false
@@ -659,68 +566,10 @@ impl Inner {
         }
     }
 
-    /// Returns every wholly free chunk to the source; the bytes returned, or the first error
-    /// met (after trying every chunk).
-    fn release_free_chunks(&self) -> Result<usize> {
-        match &self.segments {
-            Some(segments) => self.release_free(&mut segments.lock()),
-            None => self.release_free(&mut Segments::default()),
-        }
-    }
-
-    /// [`Inner::release_free_chunks`] with the segments `sg` locked by the caller.
-    fn release_free(&self, sg: &mut Segments) -> Result<usize> {
-        let chunks = {
-            let mut st = self.state.lock();
-            st.unpark();
-            st.policy.release_free_chunks()
-        };
-        let mut released = Vec::with_capacity(chunks.len());
-        let mut first_error = None;
-        let mut synchronized = false;
-        let device = self.source.device();
-        for (addr, size) in chunks {
-            let result = match sg.base.iter().position(|&b| b == Some(addr)) {
-                None => self.source.shrink(addr, size as usize),
-                Some(c) => {
-                    // A free block's last use is ordered on the pool's stream (blocks freed
-                    // with recorded streams join the free lists after their events), and an
-                    // unmap does not wait for it as a `cuMemFree` does.
-                    let waited = match synchronized {
-                        true => Ok(()),
-                        false => device.synchronize_stream(self.stream),
-                    };
-                    synchronized = waited.is_ok();
-                    let unmapped = waited.and_then(|()| device.unmap(addr, size as usize));
-                    match unmapped {
-                        Ok(()) => sg.mapped[c] = 0,
-                        // Still mapped: the segment stays in the pool, wholly free.
-                        Err(_) => {
-                            let class = if c == Class::Small.index() { Class::Small } else { Class::Large };
-                            let mut st = self.state.lock();
-                            if let Err(e) = st.policy.add_segment(class, addr, size) {
-                                st.error.get_or_insert(e);
-                            }
-                        }
-                    }
-                    unmapped
-                }
-            };
-            match result {
-                Ok(()) => released.push(size as usize),
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                }
-            }
-        }
-        let mut st = self.state.lock();
-        for &size in &released {
-            st.stats.on_unreserve(size);
-        }
-        match first_error {
-            Some(e) => Err(e),
-            None => Ok(released.iter().sum()),
-        }
+    /// Gives free memory back through the backing; the bytes given back, or the first error
+    /// met (after trying everything).
+    fn release_free(&self) -> Result<usize> {
+        self.backing.release(&PoolLedger { inner: self, request: None })
     }
 
     /// Counts a failed allocation and, for out-of-memory, fills in the pool's figures.
@@ -729,7 +578,7 @@ impl Inner {
             self.state.lock().stats.failures += 1;
             return error;
         };
-        let mem = self.source.device().mem_info().unwrap_or_default();
+        let mem = self.device.mem_info().unwrap_or_default();
         let mut st = self.state.lock();
         st.stats.failures += 1;
         let figures = st.policy.figures();
@@ -756,7 +605,7 @@ impl Inner {
 
     /// The slow part of a free: record an event on each recorded stream and park the block.
     fn free_recorded(&self, block: Block) {
-        let device = self.source.device();
+        let device = &self.device;
         let mut events = Vec::with_capacity(block.recorded.len());
         let mut failed = None;
         for &stream in &block.recorded {
@@ -803,7 +652,7 @@ impl Allocator for BestFit {
             return Err(e);
         }
         self.inner.poll_pending();
-        self.inner.release_free_chunks()
+        self.inner.release_free()
     }
 
     fn stats(&self) -> Stats {
@@ -839,36 +688,17 @@ impl BlockOwner for Inner {
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        let segments = self.segments.as_mut().map(|m| std::mem::take(m.get_mut()));
         let st = self.state.get_mut();
-        let device = self.source.device();
         for p in st.pending.drain(..) {
             for event in p.events {
                 // The memory goes back to the device below: let the recorded streams' work
                 // finish first. A failure here leaves only the device's own ordering.
-                let _ = device.synchronize_event(event);
+                let _ = self.device.synchronize_event(event);
                 self.events.put(event);
             }
         }
-        let segments = segments.unwrap_or_default();
-        for (addr, size) in st.policy.chunks() {
-            // Nothing to report to at teardown: a failing free only leaks the chunk.
-            if !segments.base.contains(&Some(addr)) {
-                let _ = self.source.shrink(addr, size as usize);
-            }
-        }
-        if segments.mapped.iter().any(|&m| m > 0) {
-            // As in `release_free`: an unmap does not wait for the last uses.
-            let _ = device.synchronize_stream(self.stream);
-        }
-        for (base, mapped) in segments.base.iter().zip(segments.mapped) {
-            if let Some(base) = *base {
-                if mapped > 0 {
-                    let _ = device.unmap(base, mapped as usize);
-                }
-                let _ = device.free_address(base, segments.reservation as usize);
-            }
-        }
+        let chunks = st.policy.chunks().collect();
+        self.backing.teardown(chunks);
     }
 }
 
@@ -896,7 +726,12 @@ mod tests {
     fn expandable_pool(on_own_stream: bool) -> (Arc<SimDevice>, BestFit, Stream) {
         let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
         let stream = if on_own_stream { sim.create_stream().unwrap() } else { Stream::DEFAULT };
-        let config = BestFitConfig { growth_size: 20 * MIB, stream, expandable: true, ..Default::default() };
+        let config = BestFitConfig {
+            growth_size: 20 * MIB,
+            stream,
+            backing: BackingKind::Segments,
+            ..Default::default()
+        };
         let pool = BestFit::new(sim.clone(), config).unwrap();
         (sim, pool, stream)
     }

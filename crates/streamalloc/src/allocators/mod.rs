@@ -2,14 +2,14 @@
 //! ones [`StreamAllocator`](crate::StreamAllocator).
 
 pub mod async_pool;
+pub mod backing;
 mod best_fit;
-mod chunk_source;
 mod plain;
 mod stream_safe;
 
 pub use async_pool::{AsyncPool, AsyncPoolConfig, Capture, CapturedGraph, PoolMode, ReuseFlags};
+pub use backing::{Backing, BackingKind, ChunkSource, DeviceChunks, Ledger, Want};
 pub use best_fit::{BestFit, BestFitConfig, FreeChunk};
-pub use chunk_source::{ChunkSource, DeviceChunks};
 pub use plain::Plain;
 pub use stream_safe::{StreamSafe, StreamSafeConfig};
 

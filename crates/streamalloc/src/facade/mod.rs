@@ -30,7 +30,7 @@ use parking_lot::Mutex;
 use crate::adaptors::{Limit, PointerMap, Retry, SingleStream, StatsAdaptor, StreamStats, TraceAdaptor};
 use crate::allocation::{Allocation, PointerAllocator, Stats, StreamAllocator};
 use crate::allocators::{
-    AsyncPool, AsyncPoolConfig, BestFit, BestFitConfig, Plain, PoolMode, ReuseFlags, StreamSafe,
+    AsyncPool, AsyncPoolConfig, BackingKind, BestFit, BestFitConfig, Plain, PoolMode, ReuseFlags, StreamSafe,
     StreamSafeConfig,
 };
 use crate::device::cuda::CudaDevice;
@@ -42,6 +42,12 @@ use private_pools::PrivatePools;
 
 /// The most devices one facade serves.
 pub const MAX_DEVICES: usize = 64;
+
+/// The settings of the caching pools of `config`'s `best_fit` and `stream_safe` strategies.
+fn pool_config(config: &Config) -> BestFitConfig {
+    let backing = if config.expandable { BackingKind::Stitched } else { BackingKind::Chunks };
+    BestFitConfig { growth_size: config.growth, backing, ..Default::default() }
+}
 
 /// A device's allocator stack.
 pub type DynAllocator = Arc<dyn StreamAllocator>;
@@ -197,15 +203,11 @@ impl Facade {
                 Stream::DEFAULT,
             )),
             Strategy::BestFit => {
-                let pool = BestFit::new(
-                    device.clone(),
-                    BestFitConfig { growth_size: c.growth, expandable: c.expandable, ..Default::default() },
-                )?;
+                let pool = BestFit::new(device.clone(), pool_config(c))?;
                 Arc::new(SingleStream::new(pool, device.clone(), Stream::DEFAULT))
             }
             Strategy::StreamSafe => {
-                let pool =
-                    BestFitConfig { growth_size: c.growth, expandable: c.expandable, ..Default::default() };
+                let pool = pool_config(c);
                 let ss = Arc::new(StreamSafe::new(
                     device.clone(),
                     StreamSafeConfig { pool, ..Default::default() },

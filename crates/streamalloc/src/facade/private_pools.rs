@@ -34,7 +34,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use crate::allocation::{PointerAllocator, Stats};
-use crate::allocators::{BestFitConfig, StreamSafe, StreamSafeConfig};
+use crate::allocators::{BackingKind, BestFitConfig, StreamSafe, StreamSafeConfig};
 use crate::device::{CaptureStatus, Device, DevicePtr, Stream};
 use crate::error::Result;
 use crate::Allocator;
@@ -86,7 +86,7 @@ impl PrivatePools {
     pub fn new(device: Arc<dyn Device>, pool: BestFitConfig, driver_captures: bool) -> Self {
         Self {
             device,
-            pool: BestFitConfig { expandable: false, ..pool },
+            pool: BestFitConfig { backing: BackingKind::Chunks, ..pool },
             driver_captures,
             active: AtomicUsize::new(0),
             pools: AtomicUsize::new(0),

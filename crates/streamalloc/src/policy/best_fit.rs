@@ -61,11 +61,16 @@ pub struct Classes {
     pub small_chunk: u64,
     /// Size of the chunks large requests up to this size are served from, in bytes.
     pub large_chunk: u64,
+    /// Whether a large block is split however small the remainder (any multiple of
+    /// [`ALIGNMENT`]), not only when the remainder is over `small_max`. For backings whose
+    /// free tails grow into the next request (stitched ranges), where a remainder left
+    /// inside a block is lost until the block is freed.
+    pub split_large_slivers: bool,
 }
 
 impl Default for Classes {
     fn default() -> Self {
-        Self { small_max: 1 << 20, small_chunk: 2 << 20, large_chunk: 32 << 20 }
+        Self { small_max: 1 << 20, small_chunk: 2 << 20, large_chunk: 32 << 20, split_large_slivers: false }
     }
 }
 
@@ -425,6 +430,7 @@ impl BestFitPolicy {
     fn min_split(&self, class: Class) -> u64 {
         match class {
             Class::Small => ALIGNMENT as u64,
+            Class::Large if self.classes.split_large_slivers => ALIGNMENT as u64,
             Class::Large => self.classes.small_max + 1,
         }
     }
@@ -668,6 +674,153 @@ impl BestFitPolicy {
         *reserved -= block_size;
         *cached -= block_size;
         Some((class, addr, block_size))
+    }
+
+    /// Every free block, as `(class, addr, size)`, in no particular order.
+    pub fn free_blocks(&self) -> impl Iterator<Item = (Class, u64, u64)> + '_ {
+        self.free
+            .iter()
+            .zip([Class::Small, Class::Large])
+            .flat_map(|(list, class)| list.bins.iter().flatten().map(move |&(s, a, _)| (class, a, s)))
+    }
+
+    /// The chunk that ends at `end`, if any: its start, class and the free bytes at its end.
+    pub fn chunk_ending_at(&self, end: u64) -> Option<(u64, Class, u64)> {
+        let (&addr, chunk) = self.chunks.range(..end).next_back().filter(|(&a, c)| a + c.size == end)?;
+        let tail = self.slot(self.last_block(chunk.first));
+        Some((addr, tail.class, if tail.state == State::Free { tail.size } else { 0 }))
+    }
+
+    /// The chunk that starts at `addr`, if any: its size, class and the free bytes at its start.
+    pub fn chunk_at(&self, addr: u64) -> Option<(u64, Class, u64)> {
+        let chunk = self.chunks.get(&addr)?;
+        let head = self.slot(chunk.first);
+        Some((chunk.size, head.class, if head.state == State::Free { head.size } else { 0 }))
+    }
+
+    /// Takes `[addr, addr + size)`, which must lie inside one free block, out of the pool:
+    /// its chunk ends at `addr` and a new chunk (a segment if the old one was) starts at
+    /// `addr + size`, each only if not empty. The caller gives the range back to its source
+    /// (a virtual-memory backing unmaps it). Fails, changing nothing, if the range is empty,
+    /// unaligned or not inside one free block.
+    pub fn carve(&mut self, addr: u64, size: u64) -> Result<()> {
+        let end = addr.checked_add(size).unwrap_or(0);
+        let bad = || Error::InvalidArgument(format!("{addr:#x}+{size} is not inside one free block"));
+        if size == 0 || end <= addr || addr % ALIGNMENT as u64 != 0 || size % ALIGNMENT as u64 != 0 {
+            return Err(bad());
+        }
+        let (&start, &chunk) =
+            self.chunks.range(..=addr).next_back().filter(|(&a, c)| a + c.size > addr).ok_or_else(bad)?;
+        let mut idx = chunk.first;
+        let b = loop {
+            let s = self.slot(idx);
+            if s.state == State::Vacant {
+                return Err(bad());
+            }
+            if s.addr + s.size > addr {
+                break s;
+            }
+            idx = s.next;
+        };
+        if b.state != State::Free || b.addr + b.size < end {
+            return Err(bad());
+        }
+        self.free_list(b.class).remove(b.size, b.addr);
+        // The right part: a new chunk from `end` to the old chunk's end.
+        let right_first = if b.addr + b.size > end {
+            let r = Slot {
+                addr: end,
+                size: b.addr + b.size - end,
+                prev: NIL,
+                next: b.next,
+                state: State::Free,
+                class: b.class,
+            };
+            let r_idx = self
+                .new_slot(r)
+                .ok_or_else(|| Error::InvalidArgument("too many blocks (2^32 - 1)".into()))?;
+            if let Some(n) = self.slot_mut(b.next) {
+                n.prev = r_idx;
+            }
+            self.free_list(b.class).insert(r.size, r.addr, r_idx);
+            r_idx
+        } else {
+            if let Some(n) = self.slot_mut(b.next) {
+                n.prev = NIL;
+            }
+            b.next
+        };
+        // The left part: the old chunk, ending at `addr`.
+        if b.addr < addr {
+            if let Some(s) = self.slot_mut(idx) {
+                s.size = addr - b.addr;
+                s.next = NIL;
+            }
+            self.free_list(b.class).insert(addr - b.addr, b.addr, idx);
+        } else {
+            if let Some(p) = self.slot_mut(b.prev) {
+                p.next = NIL;
+            }
+            self.vacate(idx);
+        }
+        if addr > start {
+            if let Some(c) = self.chunks.get_mut(&start) {
+                c.size = addr - start;
+            }
+        } else {
+            self.chunks.remove(&start);
+        }
+        if right_first != NIL {
+            self.chunks.insert(
+                end,
+                Chunk { size: start + chunk.size - end, first: right_first, segment: chunk.segment },
+            );
+        }
+        self.reserved -= size;
+        self.cached -= size;
+        Ok(())
+    }
+
+    /// Joins the chunk that starts at `addr` with the chunk that starts at its end, so that
+    /// blocks merge across them (a virtual-memory backing mapped the two back to back).
+    /// Fails, changing nothing, if there are not two such chunks of one class.
+    pub fn join(&mut self, addr: u64) -> Result<()> {
+        let bad =
+            || Error::InvalidArgument(format!("no two chunks of one class meet at the end of {addr:#x}"));
+        let left = *self.chunks.get(&addr).ok_or_else(bad)?;
+        let right_at = addr + left.size;
+        let right = *self.chunks.get(&right_at).ok_or_else(bad)?;
+        let last = self.last_block(left.first);
+        let (l, r) = (self.slot(last), self.slot(right.first));
+        if l.class != r.class {
+            return Err(bad());
+        }
+        self.chunks.remove(&right_at);
+        if let Some(c) = self.chunks.get_mut(&addr) {
+            c.size += right.size;
+        }
+        if l.state == State::Free && r.state == State::Free {
+            let list = self.free_list(l.class);
+            list.remove(l.size, l.addr);
+            list.remove(r.size, r.addr);
+            list.insert(l.size + r.size, l.addr, last);
+            if let Some(n) = self.slot_mut(r.next) {
+                n.prev = last;
+            }
+            if let Some(s) = self.slot_mut(last) {
+                s.size += r.size;
+                s.next = r.next;
+            }
+            self.vacate(right.first);
+        } else {
+            if let Some(s) = self.slot_mut(last) {
+                s.next = right.first;
+            }
+            if let Some(s) = self.slot_mut(right.first) {
+                s.prev = last;
+            }
+        }
+        Ok(())
     }
 
     /// Every chunk held, as `(addr, size)`, whether free or not.
@@ -1044,6 +1197,27 @@ mod tests {
             4 => any::<usize>().prop_map(Op::Free),
             1 => Just(Op::Release),
         ]
+    }
+
+    #[test]
+    fn carve_splits_a_chunk_and_join_merges_it_back() {
+        let mut p = BestFitPolicy::new(classes());
+        p.add_segment(Class::Large, 64 * MIB, 12 * MIB).unwrap();
+        let a = p.allocate(4 * MIB).unwrap();
+        p.carve(68 * MIB, 2 * MIB).unwrap();
+        p.check();
+        assert_eq!(p.chunks().collect::<Vec<_>>(), [(64 * MIB, 4 * MIB), (70 * MIB, 6 * MIB)]);
+        assert!(p.carve(64 * MIB, 2 * MIB).is_err(), "not free");
+        assert!(p.carve(69 * MIB, 2 * MIB).is_err(), "not mapped");
+        assert_eq!(p.chunk_ending_at(68 * MIB), Some((64 * MIB, Class::Large, 0)));
+        assert_eq!(p.chunk_at(70 * MIB), Some((6 * MIB, Class::Large, 6 * MIB)));
+        p.add_segment(Class::Large, 68 * MIB, 2 * MIB).unwrap();
+        p.join(68 * MIB).unwrap();
+        p.join(64 * MIB).unwrap();
+        p.check();
+        p.free(a.token, a.addr).unwrap();
+        p.check();
+        assert_eq!(p.figures().largest_free, 12 * MIB, "one free block again");
     }
 
     proptest! {

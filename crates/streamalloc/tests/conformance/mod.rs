@@ -11,7 +11,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use proptest::prelude::*;
 use streamalloc::allocators::{
-    AsyncPool, AsyncPoolConfig, BestFit, BestFitConfig, Plain, StreamSafe, StreamSafeConfig,
+    AsyncPool, AsyncPoolConfig, BackingKind, BestFit, BestFitConfig, Plain, StreamSafe, StreamSafeConfig,
 };
 use streamalloc::device::cuda::CudaDevice;
 use streamalloc::device::sim::{SimConfig, SimDevice};
@@ -350,17 +350,26 @@ pub fn stream_safe(device: Arc<dyn Device>) -> Made {
     Made::Streams(Arc::new(StreamSafe::new(device, StreamSafeConfig::default()).expect("allocator")))
 }
 
-/// BestFit's settings with expandable segments.
-fn expandable() -> BestFitConfig {
-    BestFitConfig { expandable: true, ..BestFitConfig::default() }
+/// BestFit's settings with `backing`.
+fn backed(backing: BackingKind) -> BestFitConfig {
+    BestFitConfig { backing, ..BestFitConfig::default() }
 }
 
 pub fn best_fit_expandable(device: Arc<dyn Device>) -> Made {
-    Made::Plain(Arc::new(BestFit::new(device, expandable()).expect("pool")))
+    Made::Plain(Arc::new(BestFit::new(device, backed(BackingKind::Segments)).expect("pool")))
 }
 
 pub fn stream_safe_expandable(device: Arc<dyn Device>) -> Made {
-    let config = StreamSafeConfig { pool: expandable(), ..StreamSafeConfig::default() };
+    let config = StreamSafeConfig { pool: backed(BackingKind::Segments), ..StreamSafeConfig::default() };
+    Made::Streams(Arc::new(StreamSafe::new(device, config).expect("allocator")))
+}
+
+pub fn best_fit_stitched(device: Arc<dyn Device>) -> Made {
+    Made::Plain(Arc::new(BestFit::new(device, backed(BackingKind::Stitched)).expect("pool")))
+}
+
+pub fn stream_safe_stitched(device: Arc<dyn Device>) -> Made {
+    let config = StreamSafeConfig { pool: backed(BackingKind::Stitched), ..StreamSafeConfig::default() };
     Made::Streams(Arc::new(StreamSafe::new(device, config).expect("allocator")))
 }
 

@@ -1,0 +1,110 @@
+//! Chunks from a [`ChunkSource`], each given back whole.
+
+use std::sync::Arc;
+
+use super::{Backing, Ledger, Want};
+use crate::device::{Device, DevicePtr};
+use crate::error::Result;
+use crate::policy::best_fit::Grant;
+
+/// A source of chunks of device address space for a caching pool such as
+/// [`BestFit`](crate::allocators::BestFit), which the [`Chunks`] backing draws on. Today's
+/// implementation is [`DeviceChunks`] (plain device allocations).
+pub trait ChunkSource: Send + Sync {
+    /// Obtains a chunk of `size` bytes, aligned to [`ALIGNMENT`](crate::ALIGNMENT).
+    fn grow(&self, size: usize) -> Result<DevicePtr>;
+    /// Gives back a chunk obtained with [`ChunkSource::grow`], whole.
+    fn shrink(&self, addr: DevicePtr, size: usize) -> Result<()>;
+    /// The device the chunks live on (for events, memory information and its ordinal).
+    fn device(&self) -> &Arc<dyn Device>;
+}
+
+/// Chunks from the device's plain allocation calls (`cuMemAlloc` / `cuMemFree`). Giving a
+/// chunk back synchronizes the device, as `cuMemFree` does.
+pub struct DeviceChunks {
+    device: Arc<dyn Device>,
+}
+
+impl DeviceChunks {
+    /// A source of plain allocations on `device`.
+    pub fn new(device: Arc<dyn Device>) -> Self {
+        Self { device }
+    }
+}
+
+impl ChunkSource for DeviceChunks {
+    fn grow(&self, size: usize) -> Result<DevicePtr> {
+        self.device.alloc(size)
+    }
+
+    fn shrink(&self, addr: DevicePtr, _size: usize) -> Result<()> {
+        self.device.free(addr)
+    }
+
+    fn device(&self) -> &Arc<dyn Device> {
+        &self.device
+    }
+}
+
+/// The backing of chunks: a miss grows the pool by one chunk of the size the policy asks
+/// for ([`Want::chunk`]); a release gives back every wholly free chunk.
+pub struct Chunks {
+    source: Arc<dyn ChunkSource>,
+}
+
+impl Chunks {
+    /// Chunks from `source`.
+    pub fn new(source: Arc<dyn ChunkSource>) -> Self {
+        Self { source }
+    }
+
+    /// Gives back the chunk `[addr, addr + size)`, obtained from this backing's source.
+    pub(super) fn shrink(&self, addr: u64, size: u64) -> Result<()> {
+        self.source.shrink(addr, size as usize)
+    }
+}
+
+impl Backing for Chunks {
+    fn device(&self) -> &Arc<dyn Device> {
+        self.source.device()
+    }
+
+    fn grow(&self, ledger: &dyn Ledger, want: &Want) -> Result<Option<Grant>> {
+        let size = usize::try_from(want.chunk)
+            .map_err(|_| crate::Error::InvalidArgument(format!("a chunk of {} bytes", want.chunk)))?;
+        let addr = self.source.grow(size)?;
+        match ledger.update(&mut |p| p.add_chunk(want.class, addr, want.chunk)) {
+            Ok(grant) => Ok(grant),
+            Err(e) => {
+                // A bug: the policy refused a chunk just obtained; give it back.
+                let _ = self.source.shrink(addr, size);
+                Err(e)
+            }
+        }
+    }
+
+    fn release(&self, ledger: &dyn Ledger) -> Result<usize> {
+        let mut chunks = Vec::new();
+        ledger.update(&mut |p| {
+            chunks = p.release_free_chunks();
+            Ok(())
+        })?;
+        let (mut released, mut first_error) = (0, None);
+        for (addr, size) in chunks {
+            match self.shrink(addr, size) {
+                Ok(()) => released += size as usize,
+                // The chunk is out of the pool; the device keeps it (a leak the error reports).
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        first_error.map_or(Ok(released), Err)
+    }
+
+    fn teardown(&mut self, chunks: Vec<(u64, u64)>) {
+        for (addr, size) in chunks {
+            let _ = self.shrink(addr, size);
+        }
+    }
+}
