@@ -105,5 +105,5 @@ chmod +x .gpu/run.sh
 
 echo "Packed $(wc -l < .gpu/tests.tsv) test executables ($(du -sh .gpu | cut -f1)) into .gpu/."
 [ "$(du -sm .gpu | cut -f1)" -lt 64 ] || echo "WARNING: .gpu/ is over the device tool's 64 MiB carry limit"
-echo 'Run them on the GPU machine with the device tool:'
-echo '  run(command="bash .gpu/run.sh", carry=[".gpu"], kind="nvidia-h200", timeout_s=600)'
+echo 'Run them on a CUDA machine, in this repository with .gpu/ (README: GPU tests):'
+echo '  bash .gpu/run.sh'

@@ -19,6 +19,27 @@ const SLICE: Duration = Duration::from_millis(5);
 /// `timeout` has passed. The final error is the last out-of-memory error, its hint saying
 /// how long it waited. Other errors pass through at once. A zero timeout still makes the
 /// one release-and-retry.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use streamalloc::adaptors::Retry;
+/// use streamalloc::allocators::{BestFit, BestFitConfig};
+/// use streamalloc::device::sim::{SimConfig, SimDevice};
+/// use streamalloc::{Allocator, Error};
+///
+/// let sim = SimDevice::new(SimConfig::with_capacity(64 << 20));
+/// let pool = Retry::new(BestFit::new(sim, BestFitConfig::default())?, Duration::from_millis(50));
+/// drop(pool.allocate(40 << 20)?); // cached by the pool: 40 MiB of the 64 stay reserved
+/// // Does not fit beside the cache: Retry releases the cache and tries again.
+/// let big = pool.allocate(48 << 20)?;
+/// // Out of memory even after waiting 50 ms for frees: the error carries the figures.
+/// let err = pool.allocate(32 << 20).unwrap_err();
+/// assert!(matches!(err, Error::OutOfMemory(_)), "{err}");
+/// # drop(big);
+/// # Ok::<(), streamalloc::Error>(())
+/// ```
 pub struct Retry<A> {
     inner: A,
     shared: Arc<Shared>,
