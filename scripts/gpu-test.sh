@@ -2,7 +2,7 @@
 # Packs the workspace's tests for a GPU machine that has libcuda but no Rust toolchain.
 #
 # Here (no GPU needed): builds every release test executable of the workspace, copies them into
-# the git-ignored folder .gpu/ with a runner, .gpu/run.sh, and prints the device-tool command.
+# the git-ignored folder .gpu/ with a runner, .gpu/run.sh, and prints how to run them.
 # There: .gpu/run.sh runs each executable with --include-ignored --test-threads=1 (the normal
 # tests plus the #[ignore]d GPU tests), prints one line per executable and a total, keeps logs in
 # .gpu/logs (copied to $OUT when set), and exits non-zero on any failure. New tests/gpu_*.rs
