@@ -25,19 +25,22 @@ const SLICE: Duration = Duration::from_millis(5);
 /// ```
 /// use std::time::Duration;
 /// use streamalloc::adaptors::Retry;
-/// use streamalloc::allocators::{BestFit, BestFitConfig};
+/// use streamalloc::allocators::Plain;
 /// use streamalloc::device::sim::{SimConfig, SimDevice};
-/// use streamalloc::{Allocator, Error};
+/// use streamalloc::{Allocator, Stream};
 ///
 /// let sim = SimDevice::new(SimConfig::with_capacity(64 << 20));
-/// let pool = Retry::new(BestFit::new(sim, BestFitConfig::default())?, Duration::from_millis(50));
-/// drop(pool.allocate(40 << 20)?); // cached by the pool: 40 MiB of the 64 stay reserved
-/// // Does not fit beside the cache: Retry releases the cache and tries again.
-/// let big = pool.allocate(48 << 20)?;
-/// // Out of memory even after waiting 50 ms for frees: the error carries the figures.
-/// let err = pool.allocate(32 << 20).unwrap_err();
-/// assert!(matches!(err, Error::OutOfMemory(_)), "{err}");
-/// # drop(big);
+/// let pool = Retry::new(Plain::new(sim, Stream::DEFAULT), Duration::from_secs(10));
+/// let first = pool.allocate(48 << 20)?;
+/// let freer = std::thread::spawn(move || {
+///     std::thread::sleep(Duration::from_millis(20));
+///     drop(first);
+/// });
+/// // 48 MiB more do not fit in 64 until `first` is freed: this waits for that free
+/// // (at most 10 s, then the out-of-memory error says how long it waited).
+/// let second = pool.allocate(48 << 20)?;
+/// freer.join().unwrap();
+/// # drop(second);
 /// # Ok::<(), streamalloc::Error>(())
 /// ```
 pub struct Retry<A> {
