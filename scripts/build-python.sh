@@ -1,15 +1,53 @@
 #!/usr/bin/env bash
-# Builds the Python wheel dist/streamalloc-<version>-py3-none-any.whl: the release
-# libstreamalloc.so (x86-64 Linux; it loads libcuda at run time) bundled into the pure-Python
-# package in python/. The wheel is built here (pip fetches setuptools for the build) and
-# installs on any x86-64 Linux Python >= 3.8 without a registry:
-#   python3 -m pip install --no-index --no-deps dist/streamalloc-*.whl
+# Builds the Python wheels into dist/: the pure-Python package in python/ with the release
+# libstreamalloc.so bundled (it loads libcuda at run time), tagged
+# py3-none-manylinux_2_N_<arch>, where 2.N is the newest glibc symbol version the library
+# references (read from its ELF version needs), so pip installs a wheel only on its
+# architecture with glibc >= 2.N. The version is Cargo's (python/setup.py reads Cargo.toml).
+#   bash scripts/build-python.sh            # the wheel of this machine (x86-64)
+#   bash scripts/build-python.sh aarch64    # and an aarch64 wheel, cross-compiled; needs
+#       rustup target add aarch64-unknown-linux-gnu
+#       apt-get install gcc-aarch64-linux-gnu g++-aarch64-linux-gnu   (the library has a C++ shim)
+# pip fetches setuptools for the build. A wheel installs without a registry:
+#   python3 -m pip install --no-index --no-deps dist/streamalloc-*x86_64.whl
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# manylinux tag of a shared library: its architecture and the newest GLIBC_2.N it needs.
+platform_tag() {
+  local lib=$1 arch glibc
+  case "$(readelf -h "$lib" | sed -n 's/^ *Machine: *//p')" in
+    *X86-64*) arch=x86_64 ;;
+    *AArch64*) arch=aarch64 ;;
+    *) echo "build-python.sh: unknown architecture of $lib" >&2; return 1 ;;
+  esac
+  glibc=$(readelf -V --wide "$lib" | grep -o 'GLIBC_2\.[0-9]*' | cut -d. -f2 | sort -n | tail -1)
+  # The oldest manylinux of each architecture: glibc 2.5 (x86-64), 2.17 (aarch64).
+  local floor=5; [ "$arch" = aarch64 ] && floor=17
+  echo "manylinux_2_$(( glibc > floor ? glibc : floor ))_$arch"
+}
+
+# wheel LIB STRIP: strips LIB into the package and builds its wheel into dist/.
+wheel() {
+  local lib=$1 strip=$2 tag
+  "$strip" --strip-debug -o python/streamalloc/libstreamalloc.so "$lib" # symbols kept, debug info not
+  tag=$(platform_tag python/streamalloc/libstreamalloc.so)
+  rm -rf python/build python/streamalloc.egg-info
+  python3 -m pip wheel -q --no-deps -w dist --config-settings=--build-option=--plat-name="$tag" python/
+  rm -rf python/build python/streamalloc.egg-info
+}
+
+rm -f dist/streamalloc-*.whl
+for arch in "$@"; do
+  case "$arch" in
+    aarch64)
+      CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
+        cargo build --release -p streamalloc-capi --target aarch64-unknown-linux-gnu
+      wheel target/aarch64-unknown-linux-gnu/release/libstreamalloc.so aarch64-linux-gnu-strip ;;
+    *) echo "build-python.sh: unknown architecture '$arch' (aarch64 is the one cross-built)" >&2; exit 2 ;;
+  esac
+done
+# This machine's wheel last, so python/streamalloc/ keeps this machine's library.
 cargo build --release -p streamalloc-capi
-# Debug info stays in target/release; the wheel keeps the symbols only.
-strip --strip-debug -o python/streamalloc/libstreamalloc.so target/release/libstreamalloc.so
-rm -rf python/build python/streamalloc.egg-info
-python3 -m pip wheel --no-deps -w dist python/
-rm -rf python/build python/streamalloc.egg-info
+wheel target/release/libstreamalloc.so strip
 ls -l dist/streamalloc-*.whl

@@ -2,7 +2,7 @@
 # Packs the workspace's tests for a GPU machine that has libcuda but no Rust toolchain.
 #
 # Here (no GPU needed): builds every release test executable of the workspace, copies them into
-# the git-ignored folder .gpu/ with a runner, .gpu/run.sh, and prints the device-tool command.
+# the git-ignored folder .gpu/ with a runner, .gpu/run.sh, and prints how to run them.
 # There: .gpu/run.sh runs each executable with --include-ignored --test-threads=1 (the normal
 # tests plus the #[ignore]d GPU tests), prints one line per executable and a total, keeps logs in
 # .gpu/logs (copied to $OUT when set), and exits non-zero on any failure. New tests/gpu_*.rs
@@ -105,5 +105,5 @@ chmod +x .gpu/run.sh
 
 echo "Packed $(wc -l < .gpu/tests.tsv) test executables ($(du -sh .gpu | cut -f1)) into .gpu/."
 [ "$(du -sm .gpu | cut -f1)" -lt 64 ] || echo "WARNING: .gpu/ is over the device tool's 64 MiB carry limit"
-echo 'Run them on the GPU machine with the device tool:'
-echo '  run(command="bash .gpu/run.sh", carry=[".gpu"], kind="nvidia-h200", timeout_s=600)'
+echo 'Run them on a CUDA machine, in this repository with .gpu/ (README: GPU tests):'
+echo '  bash .gpu/run.sh'

@@ -5,10 +5,17 @@
 """
 
 import ctypes
+import importlib.metadata
 import pathlib
 import threading
 
-__all__ = ["StreamallocError", "library_path", "load", "configure", "stats", "release"]
+__all__ = ["__version__", "StreamallocError", "library_path", "load", "configure", "stats", "release"]
+
+try:
+    __version__ = importlib.metadata.version(__name__)
+    """The installed distribution's version, which the wheel build takes from Cargo.toml."""
+except importlib.metadata.PackageNotFoundError:  # imported from a source checkout
+    __version__ = "0+unknown"
 
 STATUS_NAMES = (
     "OK",

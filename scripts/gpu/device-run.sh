@@ -19,7 +19,7 @@
 #            (scripts/gpu/async_same_run.cpp; ROUNDS, SUBJECTS and EXTRA override)
 #   speed    StreamSafe through the C ABI against the fast anchors (PyTorch native and
 #            expandable, RMM pool and binning), three rounds (scripts/gpu/speed_table.py)
-#            (WHEEL overrides the wheel the Python parts install, default dist/streamalloc-*.whl)
+#            (WHEEL overrides the wheel the Python parts install, default dist/streamalloc-*x86_64.whl)
 #   torch    the Python front ends' GPU tests (python/tests/gpu: PyTorch's record_stream,
 #            CUDA graphs, MemPool, IPC, empty_cache, memory fraction and stats, CuPy on
 #            non-blocking streams; every strategy, each case in its own process) with pytest;
@@ -46,7 +46,7 @@ build_anchors() {
 }
 # The wheel from dist/ installed afresh into /tmp/sa-site (use with PYTHONPATH=/tmp/sa-site).
 install_wheel() {
-  rm -rf /tmp/sa-site && python3 -m pip install -q --no-index --no-deps --target /tmp/sa-site ${WHEEL:-dist/streamalloc-*.whl}
+  rm -rf /tmp/sa-site && python3 -m pip install -q --no-index --no-deps --target /tmp/sa-site ${WHEEL:-dist/streamalloc-*x86_64.whl}
 }
 failed=()
 for part in "$@"; do

@@ -14,7 +14,7 @@ cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/gpt2_compare}
 mkdir -p "$out"
 
-wheel=$(ls dist/streamalloc-*.whl 2>/dev/null | tail -n 1 || true)
+wheel=$(ls dist/streamalloc-*x86_64.whl 2>/dev/null | tail -n 1 || true)
 if [ -n "$wheel" ]; then
   site=$(mktemp -d)
   python3 -m pip install --quiet --no-index --no-deps --target "$site" "$wheel" || exit 1

@@ -73,6 +73,24 @@ pub trait BlockOwner: Send + Sync {
 ///
 /// A zero-size allocation has a null pointer, touches no device memory and frees for
 /// nothing, as in PyTorch's allocator.
+///
+/// # Examples
+///
+/// ```
+/// use streamalloc::allocators::{StreamSafe, StreamSafeConfig};
+/// use streamalloc::device::sim::{SimConfig, SimDevice};
+/// use streamalloc::{Device, StreamAllocator};
+///
+/// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+/// let alloc = StreamSafe::new(sim.clone(), StreamSafeConfig::default())?;
+/// let (compute, copy) = (sim.create_stream()?, sim.create_stream()?);
+/// let mut a = alloc.allocate_on(1 << 20, compute)?;
+/// assert_eq!((a.size(), a.owning_stream()), (1 << 20, compute));
+/// a.record_stream(copy); // `copy` uses it too: reuse waits for `copy`'s work
+/// assert_eq!(a.recorded_streams(), &[copy]);
+/// drop(a); // freed, stream-ordered
+/// # Ok::<(), streamalloc::Error>(())
+/// ```
 pub struct Allocation {
     block: Block,
     owner: Option<Arc<dyn BlockOwner>>,

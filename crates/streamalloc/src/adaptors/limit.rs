@@ -10,6 +10,24 @@ use crate::error::{Error, Result};
 
 /// Fails allocations that would take the bytes handed out (as asked for) past a limit, with
 /// [`Error::LimitExceeded`] naming it.
+///
+/// # Examples
+///
+/// ```
+/// use streamalloc::adaptors::Limit;
+/// use streamalloc::allocators::Plain;
+/// use streamalloc::device::sim::{SimConfig, SimDevice};
+/// use streamalloc::{Allocator, Error, Stream};
+///
+/// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+/// let limited = Limit::new(Plain::new(sim, Stream::DEFAULT), 8 << 20);
+/// let a = limited.allocate(6 << 20)?;
+/// assert!(matches!(limited.allocate(4 << 20), Err(Error::LimitExceeded { .. })));
+/// drop(a);
+/// let b = limited.allocate(4 << 20)?; // fits once `a` is freed
+/// # drop(b);
+/// # Ok::<(), streamalloc::Error>(())
+/// ```
 pub struct Limit<A> {
     inner: A,
     shared: Arc<Shared>,

@@ -19,6 +19,30 @@ const SLICE: Duration = Duration::from_millis(5);
 /// `timeout` has passed. The final error is the last out-of-memory error, its hint saying
 /// how long it waited. Other errors pass through at once. A zero timeout still makes the
 /// one release-and-retry.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use streamalloc::adaptors::Retry;
+/// use streamalloc::allocators::Plain;
+/// use streamalloc::device::sim::{SimConfig, SimDevice};
+/// use streamalloc::{Allocator, Stream};
+///
+/// let sim = SimDevice::new(SimConfig::with_capacity(64 << 20));
+/// let pool = Retry::new(Plain::new(sim, Stream::DEFAULT), Duration::from_secs(10));
+/// let first = pool.allocate(48 << 20)?;
+/// let freer = std::thread::spawn(move || {
+///     std::thread::sleep(Duration::from_millis(20));
+///     drop(first);
+/// });
+/// // 48 MiB more do not fit in 64 until `first` is freed: this waits for that free
+/// // (at most 10 s, then the out-of-memory error says how long it waited).
+/// let second = pool.allocate(48 << 20)?;
+/// freer.join().unwrap();
+/// # drop(second);
+/// # Ok::<(), streamalloc::Error>(())
+/// ```
 pub struct Retry<A> {
     inner: A,
     shared: Arc<Shared>,

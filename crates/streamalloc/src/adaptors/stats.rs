@@ -42,6 +42,26 @@ impl StreamStats {
 
 /// Counts bytes and operations per owning stream and in all, on top of the wrapped
 /// allocator's own [`Stats`] (which [`Allocator::stats`] still returns).
+///
+/// # Examples
+///
+/// ```
+/// use streamalloc::adaptors::StatsAdaptor;
+/// use streamalloc::allocators::{StreamSafe, StreamSafeConfig};
+/// use streamalloc::device::sim::{SimConfig, SimDevice};
+/// use streamalloc::{Device, StreamAllocator};
+///
+/// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+/// let stats = StatsAdaptor::new(StreamSafe::new(sim.clone(), StreamSafeConfig::default())?);
+/// let (s1, s2) = (sim.create_stream()?, sim.create_stream()?);
+/// let a = stats.allocate_on(1 << 20, s1)?;
+/// drop(stats.allocate_on(2 << 20, s2)?);
+/// assert_eq!(stats.totals().current, 1 << 20);
+/// assert_eq!(stats.totals().peak, 3 << 20);
+/// assert_eq!(stats.per_stream().len(), 2); // s1 and s2, each with its own figures
+/// # drop(a);
+/// # Ok::<(), streamalloc::Error>(())
+/// ```
 pub struct StatsAdaptor<A> {
     inner: A,
     shared: Arc<Shared>,

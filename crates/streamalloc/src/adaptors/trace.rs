@@ -17,6 +17,26 @@ use crate::trace::{Action, Record, TraceWriter};
 /// [`TraceAdaptor::flush`] and when the adaptor and its last allocation are dropped). Safe
 /// from many threads: rows are written under one lock. A write error is kept and returned by
 /// the next [`TraceAdaptor::flush`]. Streams are written as their handle values.
+///
+/// # Examples
+///
+/// ```
+/// use streamalloc::adaptors::TraceAdaptor;
+/// use streamalloc::allocators::Plain;
+/// use streamalloc::device::sim::{SimConfig, SimDevice};
+/// use streamalloc::trace::TraceWriter;
+/// use streamalloc::{Allocator, Stream};
+///
+/// let path = std::env::temp_dir().join(format!("streamalloc-doc-{}.csv", std::process::id()));
+/// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+/// let traced = TraceAdaptor::new(Plain::new(sim, Stream::DEFAULT), TraceWriter::create(&path)?);
+/// drop(traced.allocate(1 << 20)?);
+/// traced.flush()?;
+/// let csv = std::fs::read_to_string(&path).unwrap();
+/// assert_eq!(csv.lines().count(), 3); // the header, the allocation, the free
+/// # std::fs::remove_file(&path).unwrap();
+/// # Ok::<(), streamalloc::Error>(())
+/// ```
 pub struct TraceAdaptor<A, W: Write + Send + 'static> {
     inner: A,
     shared: Arc<Shared<W>>,

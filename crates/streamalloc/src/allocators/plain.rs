@@ -13,6 +13,22 @@ use crate::error::{Error, Result};
 ///
 /// Recorded streams need no handling: a device free synchronizes the device, so work on
 /// every stream that could use the memory has completed before it can be handed out again.
+///
+/// # Examples
+///
+/// ```
+/// use streamalloc::allocators::Plain;
+/// use streamalloc::device::sim::{SimConfig, SimDevice};
+/// use streamalloc::{Allocator, Stream};
+///
+/// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+/// let plain = Plain::new(sim, Stream::DEFAULT);
+/// let a = plain.allocate(1 << 20)?; // one device allocation
+/// assert_eq!(plain.stats().device_allocs, 1);
+/// drop(a); // one device free
+/// assert_eq!(plain.stats().reserved, 0);
+/// # Ok::<(), streamalloc::Error>(())
+/// ```
 pub struct Plain {
     inner: Arc<Inner>,
 }

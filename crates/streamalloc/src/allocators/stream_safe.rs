@@ -90,6 +90,23 @@ const RETRY_PAUSE: Duration = Duration::from_millis(1);
 /// * **Concurrency.** Finding a stream's pool takes no lock (the default stream's pool and
 ///   the first 256 streams' pools are found by reading atomics, writing none); allocating
 ///   and freeing take the one lock of the stream's pool.
+///
+/// # Examples
+///
+/// ```
+/// use streamalloc::allocators::{StreamSafe, StreamSafeConfig};
+/// use streamalloc::device::sim::{SimConfig, SimDevice};
+/// use streamalloc::{Allocator, Device, StreamAllocator};
+///
+/// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+/// let alloc = StreamSafe::new(sim.clone(), StreamSafeConfig::default())?;
+/// let stream = sim.create_stream()?;
+/// let a = alloc.allocate_on(1 << 20, stream)?; // from `stream`'s own pool
+/// assert_eq!(a.owning_stream(), stream);
+/// drop(a); // back to that pool, reusable at once on `stream`
+/// assert_eq!(alloc.stats().allocated, 0);
+/// # Ok::<(), streamalloc::Error>(())
+/// ```
 pub struct StreamSafe {
     device: Arc<dyn Device>,
     config: StreamSafeConfig,

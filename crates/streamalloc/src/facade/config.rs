@@ -90,6 +90,18 @@ impl LimitSpec {
 
 /// Everything the facade needs to build an allocator stack. Built in code, or parsed from a
 /// `key=value,key=value` string (see [`Config::parse`] and the README's table of keys).
+///
+/// # Examples
+///
+/// ```
+/// use streamalloc::facade::{Config, Strategy};
+///
+/// let config = Config::parse("strategy=async,device=sim,limit=0.9")?;
+/// assert_eq!(config.strategy, Strategy::Async);
+/// // Unknown keys are errors that name the key.
+/// assert!(Config::parse("stratgy=async").unwrap_err().to_string().contains("stratgy"));
+/// # Ok::<(), streamalloc::Error>(())
+/// ```
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
     /// `strategy`: which allocator serves each device. Default `stream_safe`.

@@ -72,6 +72,20 @@ pub struct DeviceStack {
 
 /// Per-device allocator stacks built from one [`Config`], created on first use of each
 /// device, thread-safely. The constructor makes no driver call.
+///
+/// # Examples
+///
+/// ```
+/// use streamalloc::facade::{Config, Facade};
+/// use streamalloc::Stream;
+///
+/// let facade = Facade::new(Config::parse("device=sim,sim_capacity=1GiB,strategy=best_fit")?);
+/// let a = facade.allocate(4 << 20, 0, Stream::DEFAULT)?; // 4 MiB on device 0's stack
+/// assert_eq!(facade.stats(0).allocated, 4 << 20);
+/// drop(a);
+/// assert_eq!(facade.stats(0).allocated, 0);
+/// # Ok::<(), streamalloc::Error>(())
+/// ```
 pub struct Facade {
     config: Config,
     stacks: Box<[OnceLock<DeviceStack>]>,

@@ -150,6 +150,23 @@ impl Default for AsyncPoolConfig {
 }
 
 /// The driver's stream-ordered pool as a [`StreamAllocator`]; see the [module docs](self).
+///
+/// # Examples
+///
+/// ```
+/// use streamalloc::allocators::{AsyncPool, AsyncPoolConfig};
+/// use streamalloc::device::sim::{SimConfig, SimDevice};
+/// use streamalloc::{Allocator, Device, StreamAllocator};
+///
+/// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+/// let pool = AsyncPool::new(sim.clone(), AsyncPoolConfig::default()); // the device's default pool
+/// let stream = sim.create_stream()?;
+/// let a = pool.allocate_on(8 << 20, stream)?; // ordered on `stream`, like cudaMallocAsync
+/// assert_eq!(pool.stats().allocated, 8 << 20);
+/// drop(a); // freed on `stream`, like cudaFreeAsync
+/// assert_eq!(pool.stats().allocated, 0);
+/// # Ok::<(), streamalloc::Error>(())
+/// ```
 pub struct AsyncPool {
     inner: Arc<Inner>,
 }

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Tests the wheels scripts/build-python.sh built (CI runs it after that script): each wheel's
+# platform tag is the one auditwheel derives from its library (auditwheel is fetched from PyPI
+# into a scratch environment); pip takes this machine's wheel for its own platform and refuses
+# it for an older glibc and for another architecture; installed into a fresh virtual
+# environment, it has the version of Cargo.toml, and its library loads and allocates on the
+# simulator.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+passed=0
+ok() { passed=$((passed + 1)); echo "ok: $*"; }
+version=$(sed -n '/^\[workspace.package\]/,/^\[/s/^version *= *"\(.*\)"/\1/p' Cargo.toml)
+shopt -s nullglob
+wheels=(dist/streamalloc-*.whl)
+native=(dist/streamalloc-"$version"-py3-none-manylinux_2_*_"$(uname -m)".whl)
+[ "${#native[@]}" = 1 ] || { echo "want one wheel of version $version for $(uname -m) in dist/, found: ${wheels[*]}" >&2; exit 1; }
+wheel=${native[0]}
+
+python3 -m venv "$tmp/audit"
+"$tmp/audit/bin/pip" install -q --disable-pip-version-check auditwheel
+for w in "${wheels[@]}"; do
+  tag=${w##*-}; tag=${tag%.whl}
+  shown=$("$tmp/audit/bin/auditwheel" show "$w" | tr -s "\n " "  ") # joins its wrapped lines
+  grep -q "consistent with the following platform tag: \"$tag\"" <<<"$shown" \
+    || { echo "$w: auditwheel disagrees with its tag $tag:" >&2; echo "$shown" >&2; exit 1; }
+  ok "$w: auditwheel confirms $tag"
+done
+
+# pip's own platform check, offline: the wheel's tag and nothing older or foreign.
+tag=${wheel##*-}; tag=${tag%.whl}
+glibc=$(cut -d_ -f3 <<<"$tag")
+pick() { python3 -m pip download -q --disable-pip-version-check --no-index --find-links dist \
+  --only-binary=:all: --python-version 3.8 --platform "$1" -d "$tmp/pick-$1" streamalloc >/dev/null 2>&1; }
+pick "$tag" || { echo "pip does not pick $wheel for $tag" >&2; exit 1; }
+! pick "manylinux_2_$((glibc - 1))_$(uname -m)" || { echo "pip picks $wheel for glibc 2.$((glibc - 1))" >&2; exit 1; }
+! pick "manylinux_2_${glibc}_riscv64" || { echo "pip picks $wheel for riscv64" >&2; exit 1; }
+ok "pip picks $wheel for $tag only (not glibc 2.$((glibc - 1)), not another architecture)"
+
+python3 -m venv "$tmp/venv"
+"$tmp/venv/bin/pip" install -q --disable-pip-version-check --no-index --no-deps "$wheel"
+cd "$tmp" # away from python/, so the import finds the installed package only
+STREAMALLOC_CONF= "$tmp/venv/bin/python" - "$version" "$tmp/venv" <<'PY'
+import ctypes, pathlib, sys
+import streamalloc
+
+version, venv = sys.argv[1], pathlib.Path(sys.argv[2]).resolve()
+assert streamalloc.__version__ == version, (streamalloc.__version__, version)
+assert venv in streamalloc.library_path().resolve().parents, streamalloc.library_path()
+print(f"ok: installed streamalloc {streamalloc.__version__} at {streamalloc.library_path().parent}")
+streamalloc.configure("device=sim,strategy=stream_safe,sim_capacity=1GiB")
+lib, ptr = streamalloc.load(), ctypes.c_void_p()
+streamalloc.check(lib.streamalloc_allocate(1 << 20, 0, None, ctypes.byref(ptr)))
+stats = streamalloc.stats(0)
+assert stats["allocated"] == 1 << 20 and stats["live_allocations"] == 1, stats
+streamalloc.check(lib.streamalloc_deallocate(ptr))
+assert streamalloc.stats(0)["allocated"] == 0
+print("ok: its libstreamalloc.so allocates and frees on the simulator")
+PY
+passed=$((passed + 2))
+echo "wheel: $passed passed, 0 failed"
