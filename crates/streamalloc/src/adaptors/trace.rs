@@ -35,7 +35,8 @@ struct Output<W: Write> {
 fn thread_number() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     thread_local!(static ID: u64 = NEXT.fetch_add(1, Ordering::Relaxed));
-    ID.with(|id| *id)
+    // Never panics, also while the thread is torn down (C++ thread_local destructors).
+    ID.try_with(|id| *id).unwrap_or(u64::MAX)
 }
 
 impl<W: Write + Send + 'static> Shared<W> {
