@@ -207,3 +207,21 @@ fn a_pointer_allocated_on_one_thread_is_found_from_another() {
         assert_eq!(streamalloc_deallocate(p as *mut c_void), STREAMALLOC_INVALID_ARGUMENT, "double free");
     }
 }
+
+#[test]
+fn record_stream_on_an_unknown_stream_fails_at_that_call() {
+    setup();
+    let (s, p) = allocate(4096, 6);
+    assert_eq!(s, STREAMALLOC_OK);
+    let bogus = 0x1234 as *mut c_void;
+    assert_eq!(streamalloc_record_stream(p, bogus), STREAMALLOC_INVALID_ARGUMENT);
+    assert!(last_error().contains("stream 0x1234"), "{}", last_error());
+    assert_eq!(streamalloc_deallocate(p), STREAMALLOC_OK);
+    let mut st = StreamallocStats::default();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { streamalloc_stats(6, &mut st) }, STREAMALLOC_OK);
+    assert_eq!((st.allocated, st.pending_release, st.live_allocations), (0, 0, 0), "nothing kept back");
+    let (s, q) = allocate(4096, 6);
+    assert_eq!(s, STREAMALLOC_OK, "the next allocation does not report it: {}", last_error());
+    assert_eq!(streamalloc_deallocate(q), STREAMALLOC_OK);
+}
