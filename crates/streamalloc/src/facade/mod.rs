@@ -15,7 +15,8 @@
 mod config;
 
 pub use config::{
-    parse_duration, parse_size, Config, DeviceKind, LimitSpec, PoolChoice, Strategy, ENV_VAR, KEYS,
+    parse_duration, parse_size, Config, DeviceKind, LimitSpec, PoolChoice, Strategy, DEFAULT_WAIT_TIMEOUT, ENV_VAR,
+    KEYS,
 };
 
 use std::fs::File;
