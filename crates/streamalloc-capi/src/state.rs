@@ -84,13 +84,13 @@ impl State {
         if size > isize::MAX as usize {
             return Err(Error::InvalidArgument(format!("size {size} is larger than any allocation can be")));
         }
-        self.facade.stack(device)?.pointers.allocate_ptr(size, stream)
+        self.facade.stack(device)?.allocator.allocate_ptr(size, stream)
     }
 
     /// Frees the allocation at `ptr` (null: nothing to do). `device` and `owner` are where
     /// the caller says it was made, looked at first.
     pub(crate) fn free(&self, ptr: DevicePtr, device: Option<c_int>, owner: Stream) -> Result<()> {
-        if ptr == 0 || self.stacks_from(device).any(|s| s.pointers.free_ptr(ptr, owner)) {
+        if ptr == 0 || self.stacks_from(device).any(|s| s.allocator.free_ptr(ptr, owner).is_some()) {
             return Ok(());
         }
         Err(not_live(ptr))
@@ -109,7 +109,7 @@ impl State {
         for stack in self.stacks_from(Some(device)) {
             // Recorded before the free, so that nobody can reuse the memory ahead of it.
             self.record_legacy(stack)?;
-            if stack.pointers.free_ptr(ptr, Stream::DEFAULT) {
+            if stack.allocator.free_ptr(ptr, Stream::DEFAULT).is_some() {
                 return Ok(());
             }
         }
@@ -131,12 +131,26 @@ impl State {
         recorded
     }
 
-    /// Marks `stream` as a user of the allocation at `ptr` (null: nothing to do).
+    /// Marks `stream` as a user of the allocation at `ptr` (null: nothing to do). A stream
+    /// that is not a live stream of the allocation's device is an error, and nothing is
+    /// recorded.
     pub(crate) fn record_stream(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
-        if ptr == 0 || self.stacks_from(None).any(|s| s.pointers.record_stream_ptr(ptr, stream)) {
+        if ptr == 0 {
             return Ok(());
         }
-        Err(not_live(ptr))
+        // A stack that does not hold `ptr` may still refuse a stream of another device: the
+        // stack that holds it decides.
+        let mut refused = None;
+        for stack in self.stacks_from(None) {
+            match stack.allocator.record_stream_ptr(ptr, stream) {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(e) => {
+                    refused.get_or_insert(e);
+                }
+            }
+        }
+        Err(refused.unwrap_or_else(|| not_live(ptr)))
     }
 
     /// The stacks built so far, that of `device` (if it is one in use) first.

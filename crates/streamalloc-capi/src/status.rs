@@ -51,6 +51,7 @@ impl StreamallocStatus {
             Error::Unsupported(_) => Self::STREAMALLOC_UNSUPPORTED,
             Error::Config(_) => Self::STREAMALLOC_CONFIG_ERROR,
             Error::Trace { .. } | Error::Io(_) => Self::STREAMALLOC_IO_ERROR,
+            Error::HeldBack { first, .. } => Self::of(first),
         }
     }
 }

@@ -96,11 +96,40 @@ fn failures_are_counted_once_per_failed_allocation() {
         for layers in ["", ",retry_timeout=5ms", ",stats=true", ",limit=128MiB", ",trace=/dev/null"] {
             let conf = format!("device=sim,sim_capacity=256MiB,strategy={strategy}{layers}");
             let f = Facade::new(Config::parse(&conf).unwrap());
-            f.allocate(200 * MIB, 0, Stream::DEFAULT).unwrap_err();
+            f.allocate(300 * MIB, 0, Stream::DEFAULT).unwrap_err();
             assert_eq!(f.stats(0).failures, 1, "{conf}");
-            let pointers = &f.stack(0).unwrap().pointers;
-            pointers.allocate_ptr(200 * MIB, Stream::DEFAULT).unwrap_err();
+            let pointers = &f.stack(0).unwrap().allocator;
+            pointers.allocate_ptr(300 * MIB, Stream::DEFAULT).unwrap_err();
             assert_eq!(f.stats(0).failures, 2, "{conf}, by pointer");
+        }
+    }
+}
+
+/// Dropping a stack frees what it still keeps by pointer, whatever its layers: the simulated
+/// device's memory is all back.
+#[test]
+fn dropping_any_stack_frees_what_it_keeps_by_pointer() {
+    for strategy in ["plain", "best_fit", "stream_safe", "async"] {
+        for layers in ["", ",expandable=true", ",retry_timeout=5ms,stats=true,limit=0.5,trace=/dev/null"] {
+            if strategy == "plain" || strategy == "async" {
+                if layers.contains("expandable") {
+                    continue;
+                }
+            }
+            let conf = format!("device=sim,sim_capacity=1GiB,strategy={strategy}{layers}");
+            let f = Facade::new(Config::parse(&conf).unwrap());
+            let stack = f.stack(0).unwrap();
+            let sim = stack.sim.clone().expect("a simulated device");
+            let side = sim.create_stream().unwrap();
+            for (i, size) in [4096, 3 * MIB, 40 * MIB].into_iter().enumerate() {
+                let p = stack.allocator.allocate_ptr(size, if i == 1 { side } else { Stream::DEFAULT }).unwrap();
+                assert!(stack.allocator.record_stream_ptr(p, side).unwrap(), "{conf}");
+            }
+            assert_eq!(f.stats(0).live_allocations, 3, "{conf}");
+            drop(f);
+            sim.synchronize_stream(side).unwrap();
+            sim.trim_pool(sim.default_pool().unwrap(), 0).unwrap();
+            assert_eq!(sim.mem_info().unwrap().used(), 0, "{conf}: memory left after the stack was dropped");
         }
     }
 }

@@ -25,7 +25,7 @@ use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
-use crate::adaptors::{Limit, PointerMap, Retry, SingleStream, StatsAdaptor, StreamStats, TraceAdaptor};
+use crate::adaptors::{Limit, Retry, SingleStream, StatsAdaptor, StreamStats, TraceAdaptor};
 use crate::allocation::{Allocation, PointerAllocator, Stats, StreamAllocator};
 use crate::allocators::{
     AsyncPool, AsyncPoolConfig, BestFit, BestFitConfig, Plain, PoolMode, ReuseFlags, StreamSafe,
@@ -40,19 +40,25 @@ use crate::trace::TraceWriter;
 /// The most devices one facade serves.
 pub const MAX_DEVICES: usize = 64;
 
+/// An allocator stack: allocations by handle on any stream ([`StreamAllocator`]) and by
+/// pointer ([`PointerAllocator`], for front ends that hand raw pointers out), through the
+/// same layers.
+pub trait StackAllocator: StreamAllocator + PointerAllocator {}
+
+impl<T: StreamAllocator + PointerAllocator + ?Sized> StackAllocator for T {}
+
 /// A device's allocator stack.
-pub type DynAllocator = Arc<dyn StreamAllocator>;
+pub type DynAllocator = Arc<dyn StackAllocator>;
 
 /// What the facade keeps for one device.
 pub struct DeviceStack {
     /// The device.
     pub device: Arc<dyn Device>,
-    /// The outermost layer of its stack.
+    /// The simulated device behind [`DeviceStack::device`], with `device=sim`.
+    pub sim: Option<Arc<SimDevice>>,
+    /// The outermost layer of its stack. By pointer, every layer hands the call on to the
+    /// strategy, which keeps its live allocations in one table by pointer.
     pub allocator: DynAllocator,
-    /// The same stack by pointer, for front ends that hand raw pointers out: the strategy
-    /// itself where it keeps its allocations by pointer (`stream_safe` and `async` with no
-    /// adaptor layer), else a [`PointerMap`] over [`DeviceStack::allocator`].
-    pub pointers: Arc<dyn PointerAllocator>,
     /// The per-stream statistics layer, with `stats=true`.
     pub stats: Option<Arc<StatsAdaptor<DynAllocator>>>,
     /// The trace layer, with `trace=PATH`.
@@ -163,20 +169,27 @@ impl Facade {
         first_error.map_or(Ok(()), Err)
     }
 
-    fn open_device(&self, ordinal: usize) -> Result<Arc<dyn Device>> {
+    /// The device, and the simulator behind it with `device=sim`.
+    fn open_device(&self, ordinal: usize) -> Result<(Arc<dyn Device>, Option<Arc<SimDevice>>)> {
         Ok(match self.config.device {
-            DeviceKind::Cuda => CudaDevice::new(ordinal)?,
+            DeviceKind::Cuda => (CudaDevice::new(ordinal)?, None),
             DeviceKind::Sim => {
-                SimDevice::new(SimConfig { ordinal, ..SimConfig::with_capacity(self.config.sim_capacity) })
+                let sim =
+                    SimDevice::new(SimConfig { ordinal, ..SimConfig::with_capacity(self.config.sim_capacity) });
+                (sim.clone(), Some(sim))
             }
         })
     }
 
     fn build(&self, ordinal: usize) -> Result<DeviceStack> {
         let c = &self.config;
-        let device = self.open_device(ordinal)?;
-        // The strategy's own pointer bookkeeping, where it has some.
-        let mut native: Option<Arc<dyn PointerAllocator>> = None;
+        let (device, sim) = self.open_device(ordinal)?;
+        let pool = BestFitConfig {
+            growth_size: c.growth,
+            expandable: c.expandable,
+            wait_timeout: c.wait_timeout,
+            ..Default::default()
+        };
         let mut a: DynAllocator = match c.strategy {
             Strategy::Plain => Arc::new(SingleStream::new(
                 Plain::new(device.clone(), Stream::DEFAULT),
@@ -184,21 +197,10 @@ impl Facade {
                 Stream::DEFAULT,
             )),
             Strategy::BestFit => {
-                let pool = BestFit::new(
-                    device.clone(),
-                    BestFitConfig { growth_size: c.growth, expandable: c.expandable, ..Default::default() },
-                )?;
-                Arc::new(SingleStream::new(pool, device.clone(), Stream::DEFAULT))
+                Arc::new(SingleStream::new(BestFit::new(device.clone(), pool)?, device.clone(), Stream::DEFAULT))
             }
             Strategy::StreamSafe => {
-                let pool =
-                    BestFitConfig { growth_size: c.growth, expandable: c.expandable, ..Default::default() };
-                let ss = Arc::new(StreamSafe::new(
-                    device.clone(),
-                    StreamSafeConfig { pool, ..Default::default() },
-                )?);
-                native = Some(ss.clone());
-                ss
+                Arc::new(StreamSafe::new(device.clone(), StreamSafeConfig { pool, ..Default::default() })?)
             }
             Strategy::Async => {
                 let mode = match c.pool {
@@ -217,9 +219,7 @@ impl Facade {
                     trim_floor: c.trim_floor,
                     ..Default::default()
                 };
-                let pool = Arc::new(AsyncPool::new(device.clone(), config));
-                native = Some(pool.clone());
-                pool
+                Arc::new(AsyncPool::new(device.clone(), config))
             }
         };
         let mut trace = None;
@@ -245,11 +245,6 @@ impl Facade {
         if let Some(limit) = c.limit {
             a = Arc::new(Limit::new(a, limit.bytes(device.mem_info()?.total)));
         }
-        let pointers = match native {
-            // Only while no adaptor layer wraps the strategy.
-            Some(p) if std::ptr::addr_eq(Arc::as_ptr(&p), Arc::as_ptr(&a)) => p,
-            _ => Arc::new(PointerMap::new(a.clone())),
-        };
-        Ok(DeviceStack { device, allocator: a, pointers, stats, trace })
+        Ok(DeviceStack { device, sim, allocator: a, stats, trace })
     }
 }
