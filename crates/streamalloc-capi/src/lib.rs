@@ -20,6 +20,7 @@
 //! streamalloc-capi` fails when it is out of date, and regenerates it with
 //! `STREAMALLOC_BLESS=1`.
 
+mod sim;
 mod state;
 mod status;
 
@@ -28,19 +29,20 @@ use std::os::raw::{c_char, c_int, c_void};
 use std::ptr;
 
 use core_alloc::facade::Config;
-use core_alloc::{Error, Stream};
+use core_alloc::Error;
 use libc::ssize_t;
 
+pub use sim::{
+    streamalloc_sim_advance, streamalloc_sim_create_stream, streamalloc_sim_destroy_stream,
+    streamalloc_sim_synchronize, streamalloc_sim_use, streamalloc_sim_violations,
+};
 use state::State;
 pub use status::{StreamallocStats, StreamallocStatus};
 
 /// A CUDA stream: `cudaStream_t`, the same value as the driver's `CUstream`. Null is the
-/// legacy default stream.
+/// legacy default stream. With `device=sim`, NULL or a handle from
+/// [`streamalloc_sim_create_stream`].
 pub type CudaStream = *mut c_void;
-
-fn stream(s: CudaStream) -> Stream {
-    Stream(s as u64)
-}
 
 /// PyTorch `CUDAPluggableAllocator` allocation: `size` bytes on `device`, owned by `stream`.
 /// Returns NULL for size 0 (PyTorch's convention) and on failure (the reason goes to the last
@@ -50,7 +52,7 @@ pub extern "C" fn streamalloc_malloc(size: ssize_t, device: c_int, stream: CudaS
     status::abi("streamalloc_malloc", ptr::null_mut(), || {
         let size =
             usize::try_from(size).map_err(|_| Error::InvalidArgument(format!("negative size {size}")))?;
-        Ok(State::get()?.allocate(size, device, self::stream(stream))? as *mut c_void)
+        Ok(State::get()?.allocate(size, device, stream as u64)? as *mut c_void)
     })
 }
 
@@ -62,7 +64,7 @@ pub extern "C" fn streamalloc_malloc(size: ssize_t, device: c_int, stream: CudaS
 pub extern "C" fn streamalloc_free(ptr: *mut c_void, size: ssize_t, device: c_int, stream: CudaStream) {
     let _ = size;
     status::abi("streamalloc_free", (), || {
-        State::get()?.free(ptr as u64, Some(device), self::stream(stream))
+        State::get()?.free(ptr as u64, Some(device), stream as u64)
     });
 }
 
@@ -74,7 +76,7 @@ pub extern "C" fn streamalloc_free(ptr: *mut c_void, size: ssize_t, device: c_in
 pub extern "C" fn streamalloc_cupy_malloc(param: *mut c_void, size: usize, device: c_int) -> *mut c_void {
     let _ = param;
     status::abi("streamalloc_cupy_malloc", ptr::null_mut(), || {
-        Ok(State::get()?.allocate(size, device, Stream::DEFAULT)? as *mut c_void)
+        Ok(State::get()?.allocate(size, device, 0)? as *mut c_void)
     })
 }
 
@@ -105,7 +107,7 @@ pub unsafe extern "C" fn streamalloc_allocate(
         if out.is_null() {
             return Err(Error::InvalidArgument("out is null".into()));
         }
-        let result = State::get().and_then(|s| s.allocate(size, device, self::stream(stream)));
+        let result = State::get().and_then(|s| s.allocate(size, device, stream as u64));
         // SAFETY: `out` is non-null and, by the caller's contract, valid for writes.
         unsafe { out.write(result.as_ref().map_or(ptr::null_mut(), |p| *p as *mut c_void)) };
         result.map(drop)
@@ -117,14 +119,14 @@ pub unsafe extern "C" fn streamalloc_allocate(
 /// unknown pointer (double free) is `STREAMALLOC_INVALID_ARGUMENT`.
 #[no_mangle]
 pub extern "C" fn streamalloc_deallocate(ptr: *mut c_void) -> StreamallocStatus {
-    status::status(|| State::get()?.free(ptr as u64, None, Stream::DEFAULT))
+    status::status(|| State::get()?.free(ptr as u64, None, 0))
 }
 
 /// Says that work on `stream`, enqueued until the allocation at `ptr` is freed, uses it: the
 /// memory is not reused before that work completes. NULL (a zero-size allocation) succeeds.
 #[no_mangle]
 pub extern "C" fn streamalloc_record_stream(ptr: *mut c_void, stream: CudaStream) -> StreamallocStatus {
-    status::status(|| State::get()?.record_stream(ptr as u64, self::stream(stream)))
+    status::status(|| State::get()?.record_stream(ptr as u64, stream as u64))
 }
 
 /// Returns the cached memory of `device` that no allocation uses to the driver, and writes the
@@ -159,6 +161,14 @@ pub unsafe extern "C" fn streamalloc_stats(device: c_int, out: *mut StreamallocS
         unsafe { out.write(stats.into()) };
         Ok(())
     })
+}
+
+/// Restarts the peak figures of `device` (`allocated_peak`, `reserved_peak`) from the
+/// current ones, as PyTorch's `reset_peak_memory_stats` does. A device not used yet has
+/// nothing to reset.
+#[no_mangle]
+pub extern "C" fn streamalloc_reset_peak_stats(device: c_int) -> StreamallocStatus {
+    status::status(|| State::get()?.reset_peak_stats(device))
 }
 
 /// Configures the library with a `STREAMALLOC_CONF`-style string (e.g.

@@ -5,14 +5,18 @@ use std::os::raw::c_int;
 use std::sync::OnceLock;
 
 use core_alloc::device::EventPool;
-use core_alloc::facade::{Config, DeviceStack, Facade, MAX_DEVICES};
-use core_alloc::{DevicePtr, Error, Result, Stats, Stream};
+use core_alloc::facade::{Config, DeviceKind, DeviceStack, Facade, MAX_DEVICES};
+use core_alloc::{DevicePtr, Error, PointerAllocator, Result, Stats, Stream};
+
+use crate::sim::SimStreams;
 
 /// Everything the exported functions share.
 pub(crate) struct State {
     facade: Facade,
     /// Per device, events recorded on the legacy default stream by [`State::free_legacy`].
     legacy_events: Box<[OnceLock<EventPool>]>,
+    /// With `device=sim`, the simulated streams C holds, by handle.
+    sim_streams: SimStreams,
 }
 
 extern "C" {
@@ -45,6 +49,7 @@ impl State {
         Self {
             facade: Facade::new(config),
             legacy_events: (0..MAX_DEVICES).map(|_| OnceLock::new()).collect(),
+            sim_streams: SimStreams::default(),
         }
     }
 
@@ -75,8 +80,39 @@ impl State {
         }
     }
 
-    /// Allocates `size` bytes owned by `stream`; 0 (null) for size 0.
-    pub(crate) fn allocate(&self, size: usize, device: c_int, stream: Stream) -> Result<DevicePtr> {
+    /// The configuration in force.
+    pub(crate) fn config(&self) -> &Config {
+        self.facade.config()
+    }
+
+    /// The stack of `device`, built on first use.
+    pub(crate) fn stack(&self, device: c_int) -> Result<&DeviceStack> {
+        self.facade.stack(ordinal(device)?)
+    }
+
+    /// The simulated streams C holds.
+    pub(crate) fn sim_streams(&self) -> &SimStreams {
+        &self.sim_streams
+    }
+
+    /// The stream a C handle stands for on `device` (`None`: any): itself on CUDA; with
+    /// `device=sim`, NULL or a handle of [`SimStreams`], anything else an error.
+    fn stream(&self, handle: u64, device: Option<usize>) -> Result<Stream> {
+        if self.config().device != DeviceKind::Sim {
+            return Ok(Stream(handle));
+        }
+        let (owner, stream) = self.sim_streams.get(handle)?;
+        match (owner, device) {
+            (Some(o), Some(d)) if o != d => {
+                Err(Error::InvalidArgument(format!("stream {handle:#x} is not a stream of device {d}")))
+            }
+            _ => Ok(stream),
+        }
+    }
+
+    /// Allocates `size` bytes owned by the stream of C handle `stream`; 0 (null) for size 0.
+    /// With `device=sim`, the ordering checker sees every handout.
+    pub(crate) fn allocate(&self, size: usize, device: c_int, stream: u64) -> Result<DevicePtr> {
         let device = ordinal(device)?;
         if size == 0 {
             return Ok(0);
@@ -84,12 +120,20 @@ impl State {
         if size > isize::MAX as usize {
             return Err(Error::InvalidArgument(format!("size {size} is larger than any allocation can be")));
         }
-        self.facade.stack(device)?.allocator.allocate_ptr(size, stream)
+        let stream = self.stream(stream, Some(device))?;
+        let stack = self.facade.stack(device)?;
+        let ptr = stack.allocator.allocate_ptr(size, stream)?;
+        if let Some(sim) = &stack.sim {
+            sim.check_handout(ptr, size, stack.allocator.owning_stream(stream));
+        }
+        Ok(ptr)
     }
 
-    /// Frees the allocation at `ptr` (null: nothing to do). `device` and `owner` are where
-    /// the caller says it was made, looked at first.
-    pub(crate) fn free(&self, ptr: DevicePtr, device: Option<c_int>, owner: Stream) -> Result<()> {
+    /// Frees the allocation at `ptr` (null: nothing to do). `device` and `owner` (a C handle)
+    /// are where the caller says it was made, looked at first.
+    pub(crate) fn free(&self, ptr: DevicePtr, device: Option<c_int>, owner: u64) -> Result<()> {
+        // Only a hint: one that stands for no stream is no reason to keep the memory.
+        let owner = self.stream(owner, None).unwrap_or(Stream::DEFAULT);
         if ptr == 0 || self.stacks_from(device).any(|s| s.allocator.free_ptr(ptr, owner).is_some()) {
             return Ok(());
         }
@@ -134,10 +178,11 @@ impl State {
     /// Marks `stream` as a user of the allocation at `ptr` (null: nothing to do). A stream
     /// that is not a live stream of the allocation's device is an error, and nothing is
     /// recorded.
-    pub(crate) fn record_stream(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
+    pub(crate) fn record_stream(&self, ptr: DevicePtr, stream: u64) -> Result<()> {
         if ptr == 0 {
             return Ok(());
         }
+        let stream = self.stream(stream, None)?;
         // A stack that does not hold `ptr` may still refuse a stream of another device: the
         // stack that holds it decides.
         let mut refused = None;
@@ -167,13 +212,21 @@ impl State {
         self.facade.built(device).map_or(Ok(0), |s| s.allocator.release())
     }
 
+    /// Restarts the peaks of `device`'s statistics (nothing to do for a device not used yet).
+    pub(crate) fn reset_peak_stats(&self, device: c_int) -> Result<()> {
+        if let Some(stack) = self.facade.built(ordinal(device)?) {
+            stack.allocator.reset_peak_stats();
+        }
+        Ok(())
+    }
+
     /// Statistics of `device` (zeros for a device not used yet).
     pub(crate) fn stats(&self, device: c_int) -> Result<Stats> {
         Ok(self.facade.stats(ordinal(device)?))
     }
 }
 
-fn ordinal(device: c_int) -> Result<usize> {
+pub(crate) fn ordinal(device: c_int) -> Result<usize> {
     usize::try_from(device).ok().filter(|d| *d < MAX_DEVICES).ok_or_else(|| {
         Error::InvalidArgument(format!("device {device} is not a device ordinal in 0..{MAX_DEVICES}"))
     })

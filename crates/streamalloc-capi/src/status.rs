@@ -85,8 +85,11 @@ pub struct StreamallocStats {
     pub device_allocs: u64,
     /// Calls that returned memory to the device.
     pub device_frees: u64,
-    /// Allocations that failed.
+    /// Allocations that failed, each counted once (refusals under `limit` included).
     pub failures: u64,
+    /// Allocations that succeeded only after the allocator released cached memory, waited
+    /// or tried again.
+    pub retries: u64,
 }
 
 impl From<Stats> for StreamallocStats {
@@ -105,6 +108,7 @@ impl From<Stats> for StreamallocStats {
             device_allocs: s.device_allocs,
             device_frees: s.device_frees,
             failures: s.failures,
+            retries: s.retries,
         }
     }
 }
