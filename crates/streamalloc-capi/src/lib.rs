@@ -4,15 +4,16 @@
 //! * CuPy's `CFunctionAllocator` ABI: [`streamalloc_cupy_malloc`] and
 //!   [`streamalloc_cupy_free`].
 //! * A C API with status codes and a thread-local last-error string: `streamalloc_allocate`,
-//!   `_deallocate`, `_record_stream`, `_release`, `_stats`, `_configure`, `_last_error`.
+//!   `_deallocate`, `_record_stream`, `_release`, `_stats`, `_reset_peak_stats`, `_configure`,
+//!   `_last_error`; and with `device=sim`, the simulator (`streamalloc_sim_*`, see [`sim`]).
 //!
 //! All three share one process-wide facade (per-device allocator stacks), configured by
 //! [`streamalloc_configure`] or else, at the first call, from `STREAMALLOC_CONF` (e.g.
 //! `device=sim,strategy=plain`). Each device's stack keeps its live allocations by pointer
-//! (a [`PointerAllocator`](core_alloc::PointerAllocator): `stream_safe` in its per-stream
-//! pools and `async` beside its counters, under the lock each takes anyway; stacks with
-//! adaptor layers in a map of handles), so a pointer
-//! from any face can be freed by the free of any other. No call unwinds into C or aborts: errors and
+//! (a [`PointerAllocator`](core_alloc::PointerAllocator)): the strategy in one table under
+//! the lock it takes anyway (`stream_safe` one per stream's pool), every adaptor layer handing
+//! the call on, and no state per thread; so a pointer from any face can be freed by the free
+//! of any other, from any thread. No call unwinds into C or aborts: errors and
 //! panics become a status (or a null pointer) and the thread's last error. Zero-size requests
 //! give a null pointer (PyTorch's convention), and freeing null does nothing.
 //!
@@ -63,9 +64,7 @@ pub extern "C" fn streamalloc_malloc(size: ssize_t, device: c_int, stream: CudaS
 #[no_mangle]
 pub extern "C" fn streamalloc_free(ptr: *mut c_void, size: ssize_t, device: c_int, stream: CudaStream) {
     let _ = size;
-    status::abi("streamalloc_free", (), || {
-        State::get()?.free(ptr as u64, Some(device), stream as u64)
-    });
+    status::abi("streamalloc_free", (), || State::get()?.free(ptr as u64, Some(device), stream as u64));
 }
 
 /// CuPy `CFunctionAllocator` allocation: `size` bytes on `device`, on the legacy default

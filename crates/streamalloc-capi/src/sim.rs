@@ -86,7 +86,10 @@ fn sim_stream(state: &State, device: c_int, handle: CudaStream) -> Result<(Arc<S
     let sim = simulator(state, device)?;
     let (owner, stream) = state.sim_streams().get(handle as u64)?;
     if owner.is_some_and(|d| d != ordinal(device).unwrap_or(usize::MAX)) {
-        return Err(Error::InvalidArgument(format!("stream {:#x} is not a stream of device {device}", handle as u64)));
+        return Err(Error::InvalidArgument(format!(
+            "stream {:#x} is not a stream of device {device}",
+            handle as u64
+        )));
     }
     Ok((sim, stream))
 }
@@ -96,7 +99,10 @@ fn sim_stream(state: &State, device: c_int, handle: CudaStream) -> Result<(Arc<S
 /// # Safety
 /// `out` is null (an error) or valid for writing a `cudaStream_t`.
 #[no_mangle]
-pub unsafe extern "C" fn streamalloc_sim_create_stream(device: c_int, out: *mut CudaStream) -> StreamallocStatus {
+pub unsafe extern "C" fn streamalloc_sim_create_stream(
+    device: c_int,
+    out: *mut CudaStream,
+) -> StreamallocStatus {
     status::status(|| {
         if out.is_null() {
             return Err(Error::InvalidArgument("out is null".into()));

@@ -124,7 +124,9 @@ const TORN_DOWN: &CStr = c"(the last error is not kept during thread or process 
 /// The calling thread's last error message (empty if none). The pointer stays valid until
 /// the next failing call on this thread. Never panics: the slot is reached with `try_with`.
 pub(crate) fn last_error() -> *const c_char {
-    LAST_ERROR.try_with(|e| e.try_borrow().map_or(TORN_DOWN.as_ptr(), |e| e.as_ptr())).unwrap_or(TORN_DOWN.as_ptr())
+    LAST_ERROR
+        .try_with(|e| e.try_borrow().map_or(TORN_DOWN.as_ptr(), |e| e.as_ptr()))
+        .unwrap_or(TORN_DOWN.as_ptr())
 }
 
 /// Keeps `message` as the thread's last error, unless the slot is gone (thread teardown), when

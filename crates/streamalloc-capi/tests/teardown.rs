@@ -30,7 +30,12 @@ fn failing_calls_at_thread_and_process_teardown_do_not_abort() {
         let out = Command::new(&exe).env("STREAMALLOC_CONF", &conf).output().expect("run the program");
         let stdout = String::from_utf8_lossy(&out.stdout);
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(0), "{conf}: exit {:?}\nstdout:\n{stdout}\nstderr:\n{stderr}", out.status);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{conf}: exit {:?}\nstdout:\n{stdout}\nstderr:\n{stderr}",
+            out.status
+        );
         for stage in ["thread body", "thread_local destructor", "main", "global destructor"] {
             assert!(stdout.contains(&format!("{stage}: done")), "{conf}: {stage} not reached\n{stdout}");
         }

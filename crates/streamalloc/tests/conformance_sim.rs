@@ -143,7 +143,8 @@ conformance_tests!(async_pool_on_sim, async_pool);
 fn stack_by_pointer(device: Arc<dyn Device>) -> Made {
     let inner = StreamSafe::new(device, StreamSafeConfig::default()).expect("allocator");
     let traced = TraceAdaptor::new(inner, TraceWriter::new(std::io::sink()).expect("writer"));
-    let stack = Arc::new(Limit::new(Retry::new(StatsAdaptor::new(traced), Duration::from_millis(10)), usize::MAX));
+    let stack =
+        Arc::new(Limit::new(Retry::new(StatsAdaptor::new(traced), Duration::from_millis(10)), usize::MAX));
     Made::Streams(Arc::new(ByPointer { pointers: stack.clone(), base: stack }))
 }
 

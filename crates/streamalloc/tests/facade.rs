@@ -150,7 +150,7 @@ fn the_same_stack_from_code_and_from_a_string() {
 }
 
 /// Every stack frees by pointer: `stream_safe` alone through its own bookkeeping, any
-/// stack with a layer through a map of handles, and the layers see the pointer traffic.
+/// stack with layers through the strategy's own table, and the layers see the pointer traffic.
 #[test]
 fn every_stack_allocates_and_frees_by_pointer() {
     for conf in
@@ -162,7 +162,10 @@ fn every_stack_allocates_and_frees_by_pointer() {
         let p = stack.allocator.allocate_ptr(3 * MIB, s).unwrap();
         assert_eq!(f.stats(0).allocated, 3 * MIB, "{conf}");
         assert!(stack.allocator.record_stream_ptr(p, Stream::DEFAULT).unwrap(), "{conf}");
-        assert!(stack.allocator.free_ptr(p, Stream::DEFAULT).is_some(), "{conf}: a wrong hint still finds it");
+        assert!(
+            stack.allocator.free_ptr(p, Stream::DEFAULT).is_some(),
+            "{conf}: a wrong hint still finds it"
+        );
         assert!(stack.allocator.free_ptr(p, s).is_none(), "{conf}: freed twice");
         assert_eq!(f.stats(0).allocated, 0, "{conf}");
         assert_eq!(stack.allocator.allocate_ptr(0, s).unwrap(), 0);

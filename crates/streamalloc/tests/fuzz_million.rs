@@ -77,7 +77,10 @@ fn trace(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
 /// The facade's full stack over BestFit, driven by pointer as the C ABI drives it.
 fn full_stack(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
     let pool = BestFit::new(sim.clone(), BestFitConfig::default()).expect("pool");
-    let traced = TraceAdaptor::new(SingleStream::new(pool, sim, Stream::DEFAULT), TraceWriter::new(std::io::sink()).expect("writer"));
+    let traced = TraceAdaptor::new(
+        SingleStream::new(pool, sim, Stream::DEFAULT),
+        TraceWriter::new(std::io::sink()).expect("writer"),
+    );
     Arc::new(Limit::new(Retry::new(StatsAdaptor::new(traced), Duration::ZERO), 192 * MIB))
 }
 
@@ -116,7 +119,11 @@ fn run(make: Make, ops: u64, seed: u64, by_pointer: bool, record: bool) -> (usiz
             };
             let stream = streams[rng.gen_range(0..STREAMS)];
             let made = if by_pointer {
-                a.allocate_ptr(size, stream).map(|ptr| Live::Pointer { ptr, size, owner: a.owning_stream(stream) })
+                a.allocate_ptr(size, stream).map(|ptr| Live::Pointer {
+                    ptr,
+                    size,
+                    owner: a.owning_stream(stream),
+                })
             } else {
                 a.allocate_on(size, stream).map(Live::Handle)
             };
@@ -132,7 +139,9 @@ fn run(make: Make, ops: u64, seed: u64, by_pointer: bool, record: bool) -> (usiz
         } else if r < 660 {
             match live.swap_remove(rng.gen_range(0..live.len())) {
                 Live::Handle(h) => drop(h),
-                Live::Pointer { ptr, owner, .. } => assert!(a.free_ptr(ptr, owner).is_some(), "{ptr:#x} not live"),
+                Live::Pointer { ptr, owner, .. } => {
+                    assert!(a.free_ptr(ptr, owner).is_some(), "{ptr:#x} not live")
+                }
             }
         } else if r < 960 {
             let i = rng.gen_range(0..live.len());
@@ -171,7 +180,11 @@ fn check(name: &str, make: Make) {
     let ops = ops();
     for (by_pointer, half) in [(false, 0), (true, 1)] {
         let (violations, failed) = run(make, ops / 2, seed() + half, by_pointer, true);
-        eprintln!("{name} ({}): {} ops, {failed} failed allocations, {violations} violations", if by_pointer { "by pointer" } else { "by handle" }, ops / 2);
+        eprintln!(
+            "{name} ({}): {} ops, {failed} failed allocations, {violations} violations",
+            if by_pointer { "by pointer" } else { "by handle" },
+            ops / 2
+        );
         assert_eq!(violations, 0, "{name}: the checker found early reuses");
     }
 }

@@ -39,7 +39,8 @@ fn an_error_held_back_by_a_free_does_not_fail_a_later_allocation() {
 fn an_out_of_memory_on_another_stream_does_not_drop_a_held_back_error() {
     let sim = sim(256 * MIB);
     let ss = StreamSafe::new(sim.clone(), StreamSafeConfig::default()).unwrap();
-    let (a, b, side) = (sim.create_stream().unwrap(), sim.create_stream().unwrap(), sim.create_stream().unwrap());
+    let (a, b, side) =
+        (sim.create_stream().unwrap(), sim.create_stream().unwrap(), sim.create_stream().unwrap());
     let mut x = ss.allocate_on(4096, a).unwrap();
     x.record_stream(side);
     sim.destroy_stream(side).unwrap();
@@ -81,7 +82,8 @@ fn failures_are_counted_once_per_failed_allocation() {
     limited.allocate(2 * MIB).unwrap_err();
     assert_eq!(limited.stats().failures, 1, "a refusal under limit");
 
-    let retried = Retry::new(BestFit::new(dev.clone(), BestFitConfig::default()).unwrap(), Duration::from_millis(20));
+    let retried =
+        Retry::new(BestFit::new(dev.clone(), BestFitConfig::default()).unwrap(), Duration::from_millis(20));
     retried.allocate(1 << 40).unwrap_err();
     assert_eq!(retried.stats().failures, 1, "retry");
 
@@ -111,10 +113,8 @@ fn failures_are_counted_once_per_failed_allocation() {
 fn dropping_any_stack_frees_what_it_keeps_by_pointer() {
     for strategy in ["plain", "best_fit", "stream_safe", "async"] {
         for layers in ["", ",expandable=true", ",retry_timeout=5ms,stats=true,limit=0.5,trace=/dev/null"] {
-            if strategy == "plain" || strategy == "async" {
-                if layers.contains("expandable") {
-                    continue;
-                }
+            if (strategy == "plain" || strategy == "async") && layers.contains("expandable") {
+                continue;
             }
             let conf = format!("device=sim,sim_capacity=1GiB,strategy={strategy}{layers}");
             let f = Facade::new(Config::parse(&conf).unwrap());
@@ -122,7 +122,8 @@ fn dropping_any_stack_frees_what_it_keeps_by_pointer() {
             let sim = stack.sim.clone().expect("a simulated device");
             let side = sim.create_stream().unwrap();
             for (i, size) in [4096, 3 * MIB, 40 * MIB].into_iter().enumerate() {
-                let p = stack.allocator.allocate_ptr(size, if i == 1 { side } else { Stream::DEFAULT }).unwrap();
+                let p =
+                    stack.allocator.allocate_ptr(size, if i == 1 { side } else { Stream::DEFAULT }).unwrap();
                 assert!(stack.allocator.record_stream_ptr(p, side).unwrap(), "{conf}");
             }
             assert_eq!(f.stats(0).live_allocations, 3, "{conf}");
@@ -130,6 +131,64 @@ fn dropping_any_stack_frees_what_it_keeps_by_pointer() {
             sim.synchronize_stream(side).unwrap();
             sim.trim_pool(sim.default_pool().unwrap(), 0).unwrap();
             assert_eq!(sim.mem_info().unwrap().used(), 0, "{conf}: memory left after the stack was dropped");
+        }
+    }
+}
+
+/// `retries` counts the allocations that succeeded only after the allocator gave memory back
+/// and tried again, once each, and such an allocation is no failure.
+#[test]
+fn retries_are_counted_once() {
+    let dev = sim(64 * MIB);
+    let pool = BestFit::new(dev.clone(), BestFitConfig { growth_size: 20 * MIB, ..BestFitConfig::default() })
+        .unwrap();
+    drop(pool.allocate(30 * MIB).unwrap());
+    let _big = pool.allocate(40 * MIB).expect("fits once the free chunk went back");
+    let s = pool.stats();
+    assert_eq!((s.retries, s.failures), (1, 0), "best_fit");
+
+    let dev = sim(64 * MIB);
+    let ss = StreamSafe::new(dev.clone(), StreamSafeConfig::default()).unwrap();
+    let (a, b) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    drop(ss.allocate_on(30 * MIB, a).unwrap());
+    let _big = ss.allocate_on(40 * MIB, b).expect("fits once stream a's pool gave its chunk back");
+    let s = ss.stats();
+    assert_eq!((s.retries, s.failures), (1, 0), "stream_safe");
+
+    let f = Arc::new(Facade::new(
+        Config::parse("device=sim,sim_capacity=64MiB,strategy=plain,retry_timeout=2s").unwrap(),
+    ));
+    let held = f.allocate(40 * MIB, 0, Stream::DEFAULT).unwrap();
+    let freer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(30));
+        drop(held);
+    });
+    let got = f.allocate(40 * MIB, 0, Stream::DEFAULT);
+    freer.join().unwrap();
+    assert!(got.is_ok(), "{got:?}");
+    let s = f.stats(0);
+    assert_eq!((s.retries, s.failures), (1, 0), "plain under retry");
+}
+
+/// `reset_peak_stats` restarts both peaks from the current figures, on every stack.
+#[test]
+fn peaks_reset_on_every_stack() {
+    for strategy in ["plain", "best_fit", "stream_safe", "async"] {
+        for layers in ["", ",expandable=true", ",retry_timeout=5ms,stats=true,limit=0.9,trace=/dev/null"] {
+            let conf = format!("device=sim,sim_capacity=1GiB,strategy={strategy}{layers}");
+            let f = Facade::new(Config::parse(&conf).unwrap());
+            let keep = f.allocate(MIB, 0, Stream::DEFAULT).unwrap();
+            drop(f.allocate(100 * MIB, 0, Stream::DEFAULT).unwrap());
+            f.release_all().unwrap();
+            let s = f.stats(0);
+            assert!(s.allocated_peak > s.allocated && s.reserved_peak > s.reserved, "{conf}: {s:?}");
+            f.allocator(0).unwrap().reset_peak_stats();
+            let s = f.stats(0);
+            assert_eq!((s.allocated_peak, s.reserved_peak), (s.allocated, s.reserved), "{conf}");
+            if let Some(stats) = &f.stack(0).unwrap().stats {
+                assert_eq!(stats.totals().peak, MIB, "{conf}: the stats layer's peak too");
+            }
+            drop(keep);
         }
     }
 }

@@ -4,7 +4,9 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use super::{FreeHook, Owners};
-use crate::allocation::{Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats, StreamAllocator};
+use crate::allocation::{
+    Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats, StreamAllocator,
+};
 use crate::device::{DevicePtr, Stream};
 use crate::error::{Error, Result};
 

@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use super::{FreeHook, Owners};
-use crate::allocation::{Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats, StreamAllocator};
+use crate::allocation::{
+    Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats, StreamAllocator,
+};
 use crate::device::{DevicePtr, Stream};
 use crate::error::{Error, HeldErrors, Result};
 
@@ -66,11 +68,10 @@ impl<A: Allocator> Retry<A> {
         let start = Instant::now();
         let mut failed = 1;
         let mut last = loop {
-            match self.inner.release() {
-                Err(e @ Error::HeldBack { .. }) => s.held.lock().hold(e),
-                // A release that cannot give memory back (e.g. a wait that ran out) leaves the
-                // out-of-memory error, which says so, to the caller.
-                Err(_) | Ok(_) => {}
+            // A release that cannot give memory back (e.g. a wait that ran out) leaves the
+            // out-of-memory error, which says so, to the caller; errors held back are kept.
+            if let Err(e @ Error::HeldBack { .. }) = self.inner.release() {
+                s.held.lock().hold(e);
             }
             let e = match make() {
                 Err(e) if e.is_out_of_memory() => e,

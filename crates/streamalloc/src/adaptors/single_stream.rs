@@ -95,7 +95,8 @@ impl<A: Allocator + PointerAllocator> PointerAllocator for SingleStream<A> {
     fn allocate_ptr(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
         let ptr = self.inner.allocate_ptr(size, self.own)?;
         if stream != self.own && ptr != 0 {
-            let ordered = self.order(stream).and_then(|()| self.inner.record_stream_ptr(ptr, stream).map(drop));
+            let ordered =
+                self.order(stream).and_then(|()| self.inner.record_stream_ptr(ptr, stream).map(drop));
             if let Err(e) = ordered {
                 self.inner.free_ptr(ptr, self.own);
                 return Err(e);

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use super::{FreeHook, Owners};
-use crate::allocation::{Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats, StreamAllocator};
+use crate::allocation::{
+    Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats, StreamAllocator,
+};
 use crate::device::{DevicePtr, Stream};
 use crate::error::Result;
 

@@ -8,7 +8,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use parking_lot::Mutex;
 
 use super::{FreeHook, Owners};
-use crate::allocation::{Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats, StreamAllocator};
+use crate::allocation::{
+    Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats, StreamAllocator,
+};
 use crate::device::{DevicePtr, Stream};
 use crate::error::{Error, Result};
 use crate::trace::{Action, Record, TraceWriter};

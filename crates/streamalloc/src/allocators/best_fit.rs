@@ -9,7 +9,9 @@ use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
 
 use super::chunk_source::{ChunkSource, DeviceChunks};
-use crate::allocation::{record_user, Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats};
+use crate::allocation::{
+    record_user, Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats,
+};
 use crate::device::{Device, DevicePtr, Event, EventPool, Stream};
 use crate::error::{Error, HeldErrors, OutOfMemory, Result};
 use crate::policy::best_fit::{BestFitPolicy, Class, Classes, Grant, Growth};
@@ -358,7 +360,12 @@ impl BestFit {
 
     /// The cached path: a hit, or on a miss the growth the pool would need (`None` if the
     /// size is too large to grow for).
-    fn cached_or_growth(&self, size: usize, rounded: u64, poll: bool) -> std::result::Result<Block, Option<Growth>> {
+    fn cached_or_growth(
+        &self,
+        size: usize,
+        rounded: u64,
+        poll: bool,
+    ) -> std::result::Result<Block, Option<Growth>> {
         let mut st = self.lock_polled(poll);
         if let Some(grant) = st.allocate(rounded, size) {
             drop(st);
@@ -393,7 +400,13 @@ impl BestFit {
     /// The slow path: obtain a chunk (releasing free chunks and retrying once on
     /// out-of-memory), add it and allocate from it; the block, and whether it came only after
     /// that retry.
-    fn grow_and_allocate(&self, size: usize, rounded: u64, growth: Growth, poll: bool) -> Result<(Block, bool)> {
+    fn grow_and_allocate(
+        &self,
+        size: usize,
+        rounded: u64,
+        growth: Growth,
+        poll: bool,
+    ) -> Result<(Block, bool)> {
         match &self.inner.segments {
             Some(segments) if !growth.own => {
                 return self.grow_segment(&mut segments.lock(), size, rounded, growth.class, poll)

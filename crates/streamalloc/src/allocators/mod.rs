@@ -66,9 +66,9 @@ pub(crate) fn wait_for_streams(
 /// The line an out-of-memory error gets when the release before its last attempt failed.
 pub(crate) fn release_failed(error: &Error) -> String {
     match error {
-        Error::Timeout { waited_for, after } => format!(
-            "waited {after:?} (wait_timeout) for {waited_for}; nothing was given back meanwhile"
-        ),
+        Error::Timeout { waited_for, after } => {
+            format!("waited {after:?} (wait_timeout) for {waited_for}; nothing was given back meanwhile")
+        }
         other => format!("giving cached memory back failed: {other}"),
     }
 }

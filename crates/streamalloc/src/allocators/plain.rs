@@ -78,8 +78,14 @@ impl Allocator for Plain {
             return Ok(Allocation::empty(device, self.inner.stream));
         }
         let (ptr, rounded) = self.allocate_device(size)?;
-        let block =
-            Block { ptr, size, stream: self.inner.stream, device, token: rounded as u64, recorded: Vec::new() };
+        let block = Block {
+            ptr,
+            size,
+            stream: self.inner.stream,
+            device,
+            token: rounded as u64,
+            recorded: Vec::new(),
+        };
         Ok(Allocation::new(block, self.inner.clone()))
     }
 

@@ -538,9 +538,9 @@ impl PointerAllocator for StreamSafe {
     fn free_ptr(&self, ptr: DevicePtr, owner: Stream) -> Option<Freed> {
         let first = self.slot(Self::home(owner)).filter(|p| p.stream == owner);
         let freed = |p: &StreamPool| p.pool.free_kept(ptr).map(|size| Freed { size, stream: p.stream });
-        first.and_then(freed).or_else(|| {
-            self.pools().filter(|p| !first.is_some_and(|f| std::ptr::eq(f, *p))).find_map(freed)
-        })
+        first
+            .and_then(freed)
+            .or_else(|| self.pools().filter(|p| !first.is_some_and(|f| std::ptr::eq(f, *p))).find_map(freed))
     }
 
     fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> Result<bool> {

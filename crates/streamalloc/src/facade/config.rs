@@ -453,7 +453,8 @@ mod tests {
     /// Values that parsed and then made every call fail, or meant something else than written.
     #[test]
     fn traps_are_errors_at_parse_time() {
-        let err = |s: &str| Config::parse(s).map(|c| format!("parsed as {c:?}")).unwrap_or_else(|e| e.to_string());
+        let err =
+            |s: &str| Config::parse(s).map(|c| format!("parsed as {c:?}")).unwrap_or_else(|e| e.to_string());
         assert!(err("limit=1.5").contains("limit=1.5: expected"), "{}", err("limit=1.5"));
         assert!(err("limit=100").contains("limit=100: expected"), "{}", err("limit=100"));
         assert!(err("growth=1").contains("growth=1: expected"), "{}", err("growth=1"));

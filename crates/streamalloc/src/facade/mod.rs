@@ -15,8 +15,8 @@
 mod config;
 
 pub use config::{
-    parse_duration, parse_size, Config, DeviceKind, LimitSpec, PoolChoice, Strategy, DEFAULT_WAIT_TIMEOUT, ENV_VAR,
-    KEYS,
+    parse_duration, parse_size, Config, DeviceKind, LimitSpec, PoolChoice, Strategy, DEFAULT_WAIT_TIMEOUT,
+    ENV_VAR, KEYS,
 };
 
 use std::fs::File;
@@ -36,6 +36,9 @@ use crate::device::sim::{SimConfig, SimDevice};
 use crate::device::{Device, Stream};
 use crate::error::{Error, Result};
 use crate::trace::TraceWriter;
+
+/// A device as opened: the device, and the simulator behind it with `device=sim`.
+type Opened = (Arc<dyn Device>, Option<Arc<SimDevice>>);
 
 /// The most devices one facade serves.
 pub const MAX_DEVICES: usize = 64;
@@ -170,12 +173,14 @@ impl Facade {
     }
 
     /// The device, and the simulator behind it with `device=sim`.
-    fn open_device(&self, ordinal: usize) -> Result<(Arc<dyn Device>, Option<Arc<SimDevice>>)> {
+    fn open_device(&self, ordinal: usize) -> Result<Opened> {
         Ok(match self.config.device {
             DeviceKind::Cuda => (CudaDevice::new(ordinal)?, None),
             DeviceKind::Sim => {
-                let sim =
-                    SimDevice::new(SimConfig { ordinal, ..SimConfig::with_capacity(self.config.sim_capacity) });
+                let sim = SimDevice::new(SimConfig {
+                    ordinal,
+                    ..SimConfig::with_capacity(self.config.sim_capacity)
+                });
                 (sim.clone(), Some(sim))
             }
         })
@@ -196,9 +201,11 @@ impl Facade {
                 device.clone(),
                 Stream::DEFAULT,
             )),
-            Strategy::BestFit => {
-                Arc::new(SingleStream::new(BestFit::new(device.clone(), pool)?, device.clone(), Stream::DEFAULT))
-            }
+            Strategy::BestFit => Arc::new(SingleStream::new(
+                BestFit::new(device.clone(), pool)?,
+                device.clone(),
+                Stream::DEFAULT,
+            )),
             Strategy::StreamSafe => {
                 Arc::new(StreamSafe::new(device.clone(), StreamSafeConfig { pool, ..Default::default() })?)
             }
