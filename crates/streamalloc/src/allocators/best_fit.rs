@@ -723,7 +723,13 @@ impl Inner {
             return Ok(0);
         }
         let device = self.source.device();
-        super::wait_for_streams(device.as_ref(), &self.events, &[self.stream], self.wait)?;
+        // A stream that cannot be waited for (destroyed after StreamSafe::retire_stream, which
+        // waited for it) still lets chunks go back, as a `cuMemFree` orders itself; segments,
+        // whose unmap would not wait, stay.
+        let unwaited = match super::wait_for_streams(device.as_ref(), &self.events, &[self.stream], self.wait) {
+            Err(timeout @ Error::Timeout { .. }) => return Err(timeout),
+            waited => waited.err(),
+        };
         let chunks = {
             let mut st = self.state.lock();
             st.unpark();
@@ -736,7 +742,10 @@ impl Inner {
                 None => self.source.shrink(addr, size as usize),
                 Some(c) => {
                     // The pool's stream was waited for above.
-                    let unmapped = device.unmap(addr, size as usize);
+                    let unmapped = match &unwaited {
+                        Some(e) => Err(e.clone()),
+                        None => device.unmap(addr, size as usize),
+                    };
                     match unmapped {
                         Ok(()) => sg.mapped[c] = 0,
                         // Still mapped: the segment stays in the pool, wholly free.
