@@ -65,6 +65,7 @@ fn an_out_of_memory_does_not_wait_for_a_long_kernel_on_another_stream() {
     let waited = Duration::from_nanos(sim.now() - start);
     assert!(waited <= Duration::from_millis(2100), "the allocation waited {waited:?} (virtual)");
     let e = result.expect_err("the memory is still in use on stream b");
+    eprintln!("{e}");
     assert!(e.is_out_of_memory(), "{e}");
     assert!(e.to_string().contains("waited"), "{e}");
     assert!(sim.violations().is_empty());

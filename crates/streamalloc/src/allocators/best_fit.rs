@@ -726,7 +726,8 @@ impl Inner {
         // A stream that cannot be waited for (destroyed after StreamSafe::retire_stream, which
         // waited for it) still lets chunks go back, as a `cuMemFree` orders itself; segments,
         // whose unmap would not wait, stay.
-        let unwaited = match super::wait_for_streams(device.as_ref(), &self.events, &[self.stream], self.wait) {
+        let unwaited = match super::wait_for_streams(device.as_ref(), &self.events, &[self.stream], self.wait)
+        {
             Err(timeout @ Error::Timeout { .. }) => return Err(timeout),
             waited => waited.err(),
         };

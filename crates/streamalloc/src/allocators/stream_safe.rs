@@ -420,6 +420,7 @@ impl StreamSafe {
             })
             .collect();
         detail.extend(report.detail);
+        let timed_out = release.is_some();
         if let Some(e) = release {
             detail.push(super::release_failed(&e));
         }
@@ -430,10 +431,17 @@ impl StreamSafe {
             pending_release: total.pending_release,
             reserved: total.reserved,
             detail,
-            hint: format!(
-                "every stream's pool released its free chunks and the allocation was retried for {waited:?}; \
-                 free memory, or raise the retry wait if frees are pending on other streams"
-            ),
+            hint: match timed_out {
+                false => format!(
+                    "every stream's pool released its free chunks and the allocation was retried for \
+                     {waited:?}; free memory, or raise the retry wait if frees are pending on other streams"
+                ),
+                true => format!(
+                    "the pools kept their free chunks, as other streams' work still ran at the wait bound \
+                     (see above), and the allocation was retried for {waited:?}; raise wait_timeout if that \
+                     work is expected to take longer, or look for a stream that hangs"
+                ),
+            },
             ..*report
         })
     }
