@@ -35,6 +35,7 @@ fn threads_that_allocated_leave_no_host_memory_behind() {
         let before = rss();
         churn(10_000);
         let grown = rss().saturating_sub(before);
+        eprintln!("{conf}: 10,000 threads grew resident memory by {grown} bytes");
         assert!(grown < 16 << 20, "{conf}: 10,000 short-lived threads grew resident memory by {grown} bytes");
         assert_eq!(f.stats(0).live_allocations, 0);
     }
