@@ -3,16 +3,24 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
 
+<<<<<<< HEAD
 use super::backing::{
     Backing, BackingKind, ChunkSource, Chunks, DeviceChunks, Ledger, Segments, Stitched, Want,
 };
 use crate::allocation::{record_user, Allocation, Allocator, Block, BlockOwner, Stats};
+=======
+use super::chunk_source::{ChunkSource, DeviceChunks};
+use crate::allocation::{
+    record_user, Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats,
+};
+>>>>>>> issue16
 use crate::device::{Device, DevicePtr, Event, EventPool, Stream};
-use crate::error::{Error, OutOfMemory, Result};
+use crate::error::{Error, HeldErrors, OutOfMemory, Result};
 use crate::policy::best_fit::{BestFitPolicy, Class, Classes, Grant, Growth};
 
 /// A wholly free chunk moving from one pool to another (see [`BestFit::take_free_chunk`]).
@@ -39,11 +47,29 @@ pub struct BestFitConfig {
     pub small_chunk_size: usize,
     /// The stream every allocation belongs to. Default [`Stream::DEFAULT`].
     pub stream: Stream,
+<<<<<<< HEAD
     /// What the pool's blocks are backed with ([`backing`](super::backing)): chunks of plain
     /// allocations, expandable segments or stitched virtual-memory ranges. The memory of the
     /// last two is mapped for this device alone: CUDA IPC does not apply to it. Default
     /// [`BackingKind::Chunks`].
     pub backing: BackingKind,
+=======
+    /// Expandable segments: instead of chunks from the source, each class (small, large) has
+    /// one segment, a device address reservation mapped from its start as needed
+    /// ([`Device::map`]), grown at a miss by what the request lacks past the segment's free
+    /// end, rounded up to the mapping granularity (PyTorch's `expandable_segments`). Blocks
+    /// merge across growths, so the pool holds about what is live at its peak. Requests
+    /// larger than `growth_size` still get chunks of their own from the source: in the
+    /// segment, such a block left a hole when freed that smaller requests split (on the
+    /// simulator, peak reserved over peak live 1.078 instead of 1.051 on GPT-2 training).
+    /// A segment goes back to the device when wholly free, and is never given to another
+    /// pool. Its memory is mapped for this device alone: another GPU cannot reach it through
+    /// peer access, and CUDA IPC does not apply to it. Default off.
+    pub expandable: bool,
+    /// The longest the pool waits for its stream's work before returning free memory to the
+    /// device (see [`BestFit`]'s release). Default 2 s.
+    pub wait_timeout: Duration,
+>>>>>>> issue16
 }
 
 impl Default for BestFitConfig {
@@ -52,7 +78,12 @@ impl Default for BestFitConfig {
             growth_size: 32 << 20,
             small_chunk_size: 2 << 20,
             stream: Stream::DEFAULT,
+<<<<<<< HEAD
             backing: BackingKind::Chunks,
+=======
+            expandable: false,
+            wait_timeout: Duration::from_secs(2),
+>>>>>>> issue16
         }
     }
 }
@@ -62,6 +93,7 @@ impl Default for BestFitConfig {
 /// coalesced, and kept after free for reuse. The policy (size classes, rounding, splitting)
 /// is [`policy::best_fit`](crate::policy::best_fit).
 ///
+<<<<<<< HEAD
 /// * **Growth.** When no cached block fits, the backing adds memory (see
 ///   [`backing`](super::backing)). If the device is out of memory, the pool releases what the
 ///   backing can give back and tries once more before failing with [`Error::OutOfMemory`].
@@ -72,13 +104,33 @@ impl Default for BestFitConfig {
 ///   StreamSafe over expandable segments held 1.121 / 1.051 / 1.028 times the peak live
 ///   bytes of GPT-2 generation, GPT-2 training and ResNet-50 training, against 1.109 /
 ///   1.049 / 1.178 with chunks and 1.128 / 1.076 / 1.104 for cudaMallocAsync.
+=======
+/// * **Growth.** When no cached block fits, the pool grows by one chunk (see
+///   [`BestFitConfig`]). If the source is out of memory, the pool returns its wholly free
+///   chunks and tries once more before failing with [`Error::OutOfMemory`].
+/// * **Release.** [`Allocator::release`] returns every wholly free chunk to the source.
+///   Dropping the pool (and every allocation) returns all chunks. Before giving memory back
+///   (on release, and on out-of-memory before the retry) the pool waits for the work enqueued
+///   on its stream, at most [`BestFitConfig::wait_timeout`]: a chunk's `cuMemFree` would wait
+///   for it without a bound, an unmap would not wait at all. Past the bound nothing is given
+///   back, and the error says what was waited for. (`cuMemFree` also waits for streams the
+///   pool does not know; expandable segments, unmapped, do not.)
+/// * **Expandable segments** ([`BestFitConfig::expandable`]) replace the chunks of requests up
+///   to the growth size: one address reservation per class, mapped from its start as the
+///   pool grows. On the H200 (anchors harness, run 29 in `bench/results`) StreamSafe over
+///   them held 1.121 / 1.051 / 1.028 times the peak live bytes of GPT-2 generation, GPT-2
+///   training and ResNet-50 training, against 1.109 / 1.049 / 1.178 with chunks and
+///   1.128 / 1.076 / 1.104 for cudaMallocAsync. A released segment is unmapped after the
+///   pool's stream is synchronized, since an unmap does not wait for the device.
+>>>>>>> issue16
 /// * **Recorded streams.** The pool is not stream-aware: all its allocations belong to one
 ///   stream. A freed block whose allocation recorded other streams is kept out of the free
 ///   lists: at free, an event (from an [`EventPool`]) is recorded on each recorded stream, and
 ///   the block becomes reusable once all its events have completed, which is checked without
 ///   blocking at the next allocation or release. Freeing never blocks and never panics; if
 ///   recording an event fails, the block is never reused (its chunk returns to the device
-///   only when the pool is dropped) and the error is reported by the next call.
+///   only when the pool is dropped) and the error is held back for the next
+///   [`Allocator::release`] (an allocation does not report it).
 /// * **Exact reuse.** A freed small block (1 MiB or less) is first *parked* under its rounded
 ///   size, not merged: the next request of that size takes it back at once (a hash lookup
 ///   instead of a best-fit search, split and merge; training and inference loops repeat their
@@ -107,8 +159,13 @@ struct Inner {
     events: EventPool,
     stream: Stream,
     ordinal: usize,
+<<<<<<< HEAD
     /// The pool's books. The backing locks its own state before this one where it holds
     /// both; the pool never calls the backing with this one locked.
+=======
+    /// [`BestFitConfig::wait_timeout`].
+    wait: Duration,
+>>>>>>> issue16
     state: Mutex<State>,
 }
 
@@ -127,9 +184,8 @@ struct State {
     /// Bytes (as asked for) of blocks never to be reused because an event could not be
     /// recorded.
     stuck_bytes: usize,
-    /// The first error met where it could not be returned (a free), reported by the next
-    /// call.
-    error: Option<Error>,
+    /// Errors met where they could not be returned (frees), reported by the next release.
+    held: HeldErrors,
     /// Allocations kept by pointer ([`BestFit::allocate_kept`]): pointer -> (token, size as
     /// asked for).
     kept: FxHashMap<DevicePtr, (u64, usize)>,
@@ -182,7 +238,7 @@ impl BestFit {
             pending: Vec::new(),
             pending_bytes: 0,
             stuck_bytes: 0,
-            error: None,
+            held: HeldErrors::default(),
             kept: FxHashMap::default(),
             kept_recorded: FxHashMap::default(),
         };
@@ -193,6 +249,7 @@ impl BestFit {
             backing,
             device,
             stream: config.stream,
+            wait: config.wait_timeout,
             state: Mutex::new(state),
         };
         Ok(Self { inner: Arc::new(inner) })
@@ -201,25 +258,42 @@ impl BestFit {
     /// Allocates like [`Allocator::allocate`]; with `poll` false, frees pending on recorded
     /// streams are not checked (no event query: for use while a stream captures a graph).
     pub fn allocate_polling(&self, size: usize, poll: bool) -> Result<Allocation> {
+        let made = self.allocate_uncounted(size, poll);
+        Ok(self.inner.count(made)?.0)
+    }
+
+    /// [`BestFit::allocate_polling`] without counting a failure or a retry in the pool's
+    /// statistics (the caller counts): the allocation, and whether it succeeded only after
+    /// the pool gave memory back or polled pending frees and tried again.
+    pub(crate) fn allocate_uncounted(&self, size: usize, poll: bool) -> Result<(Allocation, bool)> {
         if size == 0 {
-            return Ok(Allocation::empty(self.inner.ordinal, self.inner.stream));
+            return Ok((Allocation::empty(self.inner.ordinal, self.inner.stream), false));
         }
         let rounded = Self::round(size)?;
-        let block = match self.cached_or_growth(size, rounded, poll)? {
-            Ok(b) => b,
+        let (block, retried) = match self.cached_or_growth(size, rounded, poll) {
+            Ok(b) => (b, false),
             Err(Some(growth)) => self.grow_and_allocate(size, rounded, growth, poll)?,
             Err(None) => return Err(Error::InvalidArgument(format!("allocation size {size} overflows"))),
         };
-        Ok(Allocation::new(block, self.inner.clone()))
+        Ok((Allocation::new(block, self.inner.clone()), retried))
+    }
+
+    /// Returns the wholly free chunks to the source after polling pending frees, as
+    /// [`Allocator::release`] does, without reporting the errors held back (the caller is
+    /// another allocation's out-of-memory path, which must not swallow them).
+    pub(crate) fn release_cached(&self) -> Result<usize> {
+        self.inner.poll_pending();
+        self.inner.release_free_chunks()
     }
 
     /// Allocates from cached blocks only: `Ok(None)` when none fits (the pool does not
-    /// grow). `poll` as in [`BestFit::allocate_polling`].
+    /// grow). `poll` as in [`BestFit::allocate_polling`]. Not counted as a failure when it
+    /// fails (the caller, which goes on to another path, counts).
     pub fn allocate_cached(&self, size: usize, poll: bool) -> Result<Option<Allocation>> {
         if size == 0 {
             return Ok(Some(Allocation::empty(self.inner.ordinal, self.inner.stream)));
         }
-        let hit = self.cached_or_growth(size, Self::round(size)?, poll)?.ok();
+        let hit = self.cached_or_growth(size, Self::round(size)?, poll).ok();
         Ok(hit.map(|b| Allocation::new(b, self.inner.clone())))
     }
 
@@ -228,7 +302,7 @@ impl BestFit {
     /// instead of returning a handle: a hit takes the pool's lock once and nothing else.
     pub(crate) fn allocate_kept(&self, size: usize, poll: bool) -> Result<Option<DevicePtr>> {
         let rounded = Self::round(size)?;
-        let mut st = self.lock_polled(poll)?;
+        let mut st = self.lock_polled(poll);
         let Some(grant) = st.allocate(rounded, size) else { return Ok(None) };
         super::insert_roomy(&mut st.kept, grant.addr, (grant.token, size));
         Ok(Some(grant.addr))
@@ -253,12 +327,12 @@ impl BestFit {
         Ok(block.ptr)
     }
 
-    /// Frees the allocation kept at `ptr`, as dropping its handle would; `false` if the pool
-    /// keeps none there.
-    pub(crate) fn free_kept(&self, ptr: DevicePtr) -> bool {
+    /// Frees the allocation kept at `ptr`, as dropping its handle would; the size asked for,
+    /// or `None` if the pool keeps none there.
+    pub(crate) fn free_kept(&self, ptr: DevicePtr) -> Option<usize> {
         let inner = &self.inner;
         let mut st = inner.state.lock();
-        let Some((token, size)) = st.kept.remove(&ptr) else { return false };
+        let (token, size) = st.kept.remove(&ptr)?;
         let recorded = if st.kept_recorded.is_empty() { None } else { st.kept_recorded.remove(&ptr) };
         match recorded {
             None => st.take_back(token, ptr, size),
@@ -268,11 +342,11 @@ impl BestFit {
                 inner.free_recorded(Block { ptr, size, stream, device, token, recorded });
             }
         }
-        true
+        Some(size)
     }
 
     /// [`Allocation::record_stream`] for the allocation kept at `ptr`; `false` if the pool
-    /// keeps none there.
+    /// keeps none there. The caller has checked the stream.
     pub(crate) fn record_kept(&self, ptr: DevicePtr, stream: Stream) -> bool {
         let mut st = self.inner.state.lock();
         if !st.kept.contains_key(&ptr) {
@@ -326,28 +400,25 @@ impl BestFit {
         size: usize,
         rounded: u64,
         poll: bool,
-    ) -> Result<std::result::Result<Block, Option<Growth>>> {
-        let mut st = self.lock_polled(poll)?;
+    ) -> std::result::Result<Block, Option<Growth>> {
+        let mut st = self.lock_polled(poll);
         if let Some(grant) = st.allocate(rounded, size) {
             drop(st);
-            return Ok(Ok(self.handout(grant, size)));
+            return Ok(self.handout(grant, size));
         }
-        Ok(Err(st.policy.growth_for(rounded)))
+        Err(st.policy.growth_for(rounded))
     }
 
-    /// The pool's state, locked, after reporting the error a free could not and, with
-    /// `poll`, moving completed pending frees to the free lists.
-    fn lock_polled(&self, poll: bool) -> Result<MutexGuard<'_, State>> {
+    /// The pool's state, locked, after (with `poll`) moving completed pending frees to the
+    /// free lists.
+    fn lock_polled(&self, poll: bool) -> MutexGuard<'_, State> {
         let mut st = self.inner.state.lock();
-        if let Some(e) = st.error.take() {
-            return Err(e);
-        }
         if poll && !st.pending.is_empty() {
             drop(st);
             self.inner.poll_pending();
             st = self.inner.state.lock();
         }
-        Ok(st)
+        st
     }
 
     fn handout(&self, grant: Grant, size: usize) -> Block {
@@ -361,6 +432,7 @@ impl BestFit {
         }
     }
 
+<<<<<<< HEAD
     /// The slow path: the backing adds memory and the request is served from it (releasing
     /// what the backing can give back and retrying once on out-of-memory).
     fn grow_and_allocate(&self, size: usize, rounded: u64, growth: Growth, poll: bool) -> Result<Block> {
@@ -389,6 +461,70 @@ impl BestFit {
                     released = true;
                 }
                 Err(e) => return Err(inner.failure(e, size, growth.size as usize)),
+=======
+    /// The slow path: obtain a chunk (releasing free chunks and retrying once on
+    /// out-of-memory), add it and allocate from it; the block, and whether it came only after
+    /// that retry.
+    fn grow_and_allocate(
+        &self,
+        size: usize,
+        rounded: u64,
+        growth: Growth,
+        poll: bool,
+    ) -> Result<(Block, bool)> {
+        match &self.inner.segments {
+            Some(segments) if !growth.own => {
+                return self.grow_segment(&mut segments.lock(), size, rounded, growth.class, poll)
+            }
+            _ => {}
+        }
+        let inner = &self.inner;
+        let chunk = usize::try_from(growth.size)
+            .map_err(|_| Error::InvalidArgument(format!("allocation size {size} overflows")))?;
+        let (addr, retried) = match inner.source.grow(chunk) {
+            Ok(addr) => (addr, false),
+            Err(e) if e.is_out_of_memory() => {
+                // Memory freed meanwhile (by other threads or completed events) may fit now;
+                // otherwise give back what is free and try the source once more.
+                if poll {
+                    inner.poll_pending();
+                }
+                let retried = inner.state.lock().allocate(rounded, size);
+                if let Some(grant) = retried {
+                    return Ok((self.handout(grant, size), true));
+                }
+                // A failure to give a chunk back (a bounded wait that ran out) is told in the
+                // out-of-memory error.
+                let released = inner.release_free_chunks();
+                match inner.source.grow(chunk) {
+                    Ok(addr) => (addr, true),
+                    Err(e) => return Err(inner.failure(e, size, chunk, released.err())),
+                }
+            }
+            Err(e) => return Err(inner.failure(e, size, chunk, None)),
+        };
+        let mut st = inner.state.lock();
+        st.stats.on_reserve(chunk);
+        let added = st.policy.add_chunk(growth.class, addr, growth.size);
+        let grant = added.and_then(|()| {
+            st.allocate(rounded, size).ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "a new chunk of {chunk} bytes does not fit {size} bytes: this is a bug in BestFit"
+                ))
+            })
+        });
+        match grant {
+            Ok(grant) => {
+                drop(st);
+                Ok((self.handout(grant, size), retried))
+            }
+            Err(e) => {
+                drop(st);
+                if inner.source.shrink(addr, chunk).is_ok() {
+                    inner.state.lock().stats.on_unreserve(chunk);
+                }
+                Err(e)
+>>>>>>> issue16
             }
         }
         inner.state.lock().stats.failures += 1;
@@ -398,6 +534,7 @@ impl BestFit {
     }
 }
 
+<<<<<<< HEAD
 /// Rounds of growth [`BestFit::grow_and_allocate`] tries.
 const GROWTH_ROUNDS: usize = 8;
 
@@ -421,6 +558,101 @@ impl Ledger for PoolLedger<'_> {
             st.stats.on_unreserve((before.reserved - after.reserved) as usize);
             // One device call per chunk given back whole.
             st.stats.device_frees += before.chunks.saturating_sub(after.chunks).max(1) as u64 - 1;
+=======
+    /// The slow path of an expandable pool: map what the request lacks at the end of its
+    /// class's segment (releasing wholly free segments and chunks and retrying once on
+    /// out-of-memory), and allocate from it.
+    fn grow_segment(
+        &self,
+        sg: &mut Segments,
+        size: usize,
+        rounded: u64,
+        class: Class,
+        poll: bool,
+    ) -> Result<(Block, bool)> {
+        let inner = &self.inner;
+        let device = inner.source.device().clone();
+        if sg.granularity == 0 {
+            let granularity = device.map_granularity()? as u64;
+            let total = device.mem_info()?.total as u64;
+            sg.reservation = total.div_ceil(granularity) * granularity;
+            sg.granularity = granularity;
+        }
+        let c = class.index();
+        let base = match sg.base[c] {
+            Some(base) => base,
+            None => {
+                let base = device.reserve_address(sg.reservation as usize)?;
+                sg.base[c] = Some(base);
+                base
+            }
+        };
+        let tail = {
+            let mut st = inner.state.lock();
+            // Another thread may have grown the segment while this one waited for it.
+            if let Some(grant) = st.allocate(rounded, size) {
+                drop(st);
+                return Ok((self.handout(grant, size), false));
+            }
+            st.policy.segment_tail_free(base).unwrap_or(0)
+        };
+        let mut need = (rounded - tail.min(rounded)).div_ceil(sg.granularity) * sg.granularity;
+        if sg.mapped[c] + need > sg.reservation {
+            let full = Error::oom(OutOfMemory {
+                device: inner.ordinal,
+                requested: size,
+                hint: format!("the segment's reservation of {} bytes is full", sg.reservation),
+                ..OutOfMemory::default()
+            });
+            return Err(inner.failure(full, size, need as usize, None));
+        }
+        let mut retried = false;
+        if let Err(e) = device.map(base + sg.mapped[c], need as usize) {
+            if !e.is_out_of_memory() {
+                return Err(inner.failure(e, size, need as usize, None));
+            }
+            if poll {
+                inner.poll_pending();
+            }
+            let grant = inner.state.lock().allocate(rounded, size);
+            if let Some(grant) = grant {
+                return Ok((self.handout(grant, size), true));
+            }
+            // A failure to give memory back (a bounded wait that ran out) is told in the
+            // out-of-memory error.
+            let released = inner.release_free(sg);
+            // The release may have taken this class's segment: grow it anew.
+            if sg.mapped[c] == 0 {
+                need = rounded.div_ceil(sg.granularity) * sg.granularity;
+            }
+            if let Err(e) = device.map(base + sg.mapped[c], need as usize) {
+                return Err(inner.failure(e, size, need as usize, released.err()));
+            }
+            retried = true;
+        }
+        // The `need` bytes just mapped join the segment's end, and the request is served there.
+        let mut st = inner.state.lock();
+        let added = match sg.mapped[c] {
+            0 => st.policy.add_segment(class, base, need),
+            _ => st.policy.extend_segment(base, need),
+        };
+        if let Err(e) = added {
+            drop(st);
+            // A bug: the policy refused memory that is mapped; give it back.
+            let _ = device.unmap(base + sg.mapped[c], need as usize);
+            return Err(e);
+        }
+        sg.mapped[c] += need;
+        st.stats.on_reserve(need as usize);
+        match st.allocate(rounded, size) {
+            Some(grant) => {
+                drop(st);
+                Ok((self.handout(grant, size), retried))
+            }
+            None => Err(Error::InvalidArgument(format!(
+                "a segment grown by {need} bytes does not fit {size} bytes: this is a bug in BestFit"
+            ))),
+>>>>>>> issue16
         }
         done?;
         Ok(self.request.and_then(|(rounded, size)| st.allocate(rounded, size)))
@@ -482,12 +714,12 @@ impl State {
             let e = Error::InvalidArgument(format!(
                 "free of {ptr:#x} (token {token}), which is not allocated: this is a bug in the caller"
             ));
-            self.error.get_or_insert(e);
+            self.held.hold(e);
             return;
         };
         if self.policy.class_of(rounded) == Class::Large {
             if let Err(e) = self.policy.free(token, ptr) {
-                self.error.get_or_insert(e);
+                self.held.hold(e);
             }
             return;
         }
@@ -503,7 +735,7 @@ impl State {
 
     /// Gives every parked block back to the policy, which coalesces it.
     fn unpark(&mut self) {
-        let State { parked, policy, error, .. } = self;
+        let State { parked, policy, held, .. } = self;
         let Parked { by_size, listed, bytes } = parked;
         if *bytes == 0 {
             return;
@@ -513,7 +745,7 @@ impl State {
             list.listed = false;
             for (token, addr, _) in list.blocks.drain(..) {
                 if let Err(e) = policy.free(token, addr) {
-                    error.get_or_insert(e);
+                    held.hold(e);
                 }
             }
         }
@@ -554,7 +786,7 @@ impl Inner {
             }
             st.pending_bytes -= p.size;
             if let Err(e) = st.policy.free(p.token, p.ptr) {
-                st.error.get_or_insert(e);
+                st.held.hold(e);
             }
             false
         });
@@ -562,10 +794,11 @@ impl Inner {
         st.pending = batch;
         self.has_pending.store(!st.pending.is_empty(), Ordering::Relaxed);
         if let Some(e) = query_error {
-            st.error.get_or_insert(e);
+            st.held.hold(e);
         }
     }
 
+<<<<<<< HEAD
     /// Gives free memory back through the backing; the bytes given back, or the first error
     /// met (after trying everything).
     fn release_free(&self) -> Result<usize> {
@@ -581,8 +814,109 @@ impl Inner {
         let mem = self.device.mem_info().unwrap_or_default();
         let mut st = self.state.lock();
         st.stats.failures += 1;
+=======
+    /// Returns every wholly free chunk to the source; the bytes returned, or the first error
+    /// met (after trying every chunk).
+    fn release_free_chunks(&self) -> Result<usize> {
+        match &self.segments {
+            Some(segments) => self.release_free(&mut segments.lock()),
+            None => self.release_free(&mut Segments::default()),
+        }
+    }
+
+    /// [`Inner::release_free_chunks`] with the segments `sg` locked by the caller. First waits,
+    /// at most [`BestFitConfig::wait_timeout`], for the work enqueued on the pool's stream,
+    /// where every free block's last use is ordered (blocks freed with recorded streams join
+    /// the free lists after their events): a chunk's `cuMemFree` would wait for it without a
+    /// bound, and an unmap would not wait at all. Past the bound nothing is given back and the
+    /// error ([`Error::Timeout`]) says what was waited for.
+    fn release_free(&self, sg: &mut Segments) -> Result<usize> {
+        let nothing_free = {
+            let st = self.state.lock();
+            st.policy.figures().cached == 0 && st.parked.bytes == 0
+        };
+        if nothing_free {
+            return Ok(0);
+        }
+        let device = self.source.device();
+        // A stream that cannot be waited for (destroyed after StreamSafe::retire_stream, which
+        // waited for it) still lets chunks go back, as a `cuMemFree` orders itself; segments,
+        // whose unmap would not wait, stay.
+        let unwaited = match super::wait_for_streams(device.as_ref(), &self.events, &[self.stream], self.wait)
+        {
+            Err(timeout @ Error::Timeout { .. }) => return Err(timeout),
+            waited => waited.err(),
+        };
+        let chunks = {
+            let mut st = self.state.lock();
+            st.unpark();
+            st.policy.release_free_chunks()
+        };
+        let mut released = Vec::with_capacity(chunks.len());
+        let mut first_error = None;
+        for (addr, size) in chunks {
+            let result = match sg.base.iter().position(|&b| b == Some(addr)) {
+                None => self.source.shrink(addr, size as usize),
+                Some(c) => {
+                    // The pool's stream was waited for above.
+                    let unmapped = match &unwaited {
+                        Some(e) => Err(e.clone()),
+                        None => device.unmap(addr, size as usize),
+                    };
+                    match unmapped {
+                        Ok(()) => sg.mapped[c] = 0,
+                        // Still mapped: the segment stays in the pool, wholly free.
+                        Err(_) => {
+                            let class = if c == Class::Small.index() { Class::Small } else { Class::Large };
+                            let mut st = self.state.lock();
+                            if let Err(e) = st.policy.add_segment(class, addr, size) {
+                                st.held.hold(e);
+                            }
+                        }
+                    }
+                    unmapped
+                }
+            };
+            match result {
+                Ok(()) => released.push(size as usize),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        let mut st = self.state.lock();
+        for &size in &released {
+            st.stats.on_unreserve(size);
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(released.iter().sum()),
+        }
+    }
+
+    /// Counts `made` in the statistics: a failure, or a success that came only after a
+    /// retry.
+    fn count<T>(&self, made: Result<(T, bool)>) -> Result<(T, bool)> {
+        match &made {
+            Ok((_, false)) => {}
+            Ok((_, true)) => self.state.lock().stats.retries += 1,
+            Err(_) => self.state.lock().stats.failures += 1,
+        }
+        made
+    }
+
+    /// For out-of-memory, fills in the pool's figures and `release`, the error of the release
+    /// made before the last attempt (a bounded wait that ran out).
+    fn failure(&self, error: Error, size: usize, chunk: usize, release: Option<Error>) -> Error {
+        let Error::OutOfMemory(device_report) = error else { return error };
+        let mem = self.source.device().mem_info().unwrap_or_default();
+        let st = self.state.lock();
+>>>>>>> issue16
         let figures = st.policy.figures();
         let mut detail = device_report.detail;
+        if let Some(e) = release {
+            detail.push(super::release_failed(&e));
+        }
         detail.push(format!(
             "BestFit needed a chunk of {chunk} bytes; its largest free block is {} bytes in {} chunks",
             figures.largest_free, figures.chunks
@@ -632,7 +966,7 @@ impl Inner {
             }
             Some(e) => {
                 st.stuck_bytes += block.size;
-                st.error.get_or_insert(e);
+                st.held.hold(e);
                 drop(st);
                 for event in events {
                     self.events.put(event);
@@ -647,12 +981,20 @@ impl Allocator for BestFit {
         self.allocate_polling(size, true)
     }
 
+    /// Returns the wholly free chunks (after a bounded wait, see [`BestFit`]); then reports
+    /// the errors frees held back, if any.
     fn release(&self) -> Result<usize> {
+<<<<<<< HEAD
         if let Some(e) = self.inner.state.lock().error.take() {
             return Err(e);
         }
         self.inner.poll_pending();
         self.inner.release_free()
+=======
+        let released = self.release_cached();
+        self.inner.state.lock().held.take()?;
+        released
+>>>>>>> issue16
     }
 
     fn stats(&self) -> Stats {
@@ -672,8 +1014,41 @@ impl Allocator for BestFit {
         }
     }
 
+    fn reset_peak_stats(&self) {
+        self.inner.state.lock().stats.reset_peaks();
+    }
+
     fn device(&self) -> usize {
         self.inner.ordinal
+    }
+}
+
+/// Allocations belong to the pool's stream whatever stream is asked for
+/// ([`SingleStream`](crate::adaptors::SingleStream) orders another stream after it); they are
+/// kept in the pool's table by pointer, under its lock.
+impl PointerAllocator for BestFit {
+    fn allocate_ptr(&self, size: usize, _stream: Stream) -> Result<DevicePtr> {
+        if size == 0 {
+            return Ok(0);
+        }
+        let hit = self.inner.count(self.allocate_kept(size, true).map(|h| (h, false)))?.0;
+        match hit {
+            Some(ptr) => Ok(ptr),
+            None => self.keep(self.allocate_polling(size, true)?),
+        }
+    }
+
+    fn free_ptr(&self, ptr: DevicePtr, _owner: Stream) -> Option<Freed> {
+        self.free_kept(ptr).map(|size| Freed { size, stream: self.inner.stream })
+    }
+
+    fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> Result<bool> {
+        self.inner.source.device().check_stream(stream)?;
+        Ok(self.record_kept(ptr, stream))
+    }
+
+    fn owning_stream(&self, _asked: Stream) -> Stream {
+        self.inner.stream
     }
 }
 
