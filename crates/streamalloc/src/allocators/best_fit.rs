@@ -8,17 +8,12 @@ use std::time::Duration;
 use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
 
-<<<<<<< HEAD
 use super::backing::{
     Backing, BackingKind, ChunkSource, Chunks, DeviceChunks, Ledger, Segments, Stitched, Want,
 };
-use crate::allocation::{record_user, Allocation, Allocator, Block, BlockOwner, Stats};
-=======
-use super::chunk_source::{ChunkSource, DeviceChunks};
 use crate::allocation::{
     record_user, Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats,
 };
->>>>>>> issue16
 use crate::device::{Device, DevicePtr, Event, EventPool, Stream};
 use crate::error::{Error, HeldErrors, OutOfMemory, Result};
 use crate::policy::best_fit::{BestFitPolicy, Class, Classes, Grant, Growth};
@@ -47,29 +42,14 @@ pub struct BestFitConfig {
     pub small_chunk_size: usize,
     /// The stream every allocation belongs to. Default [`Stream::DEFAULT`].
     pub stream: Stream,
-<<<<<<< HEAD
     /// What the pool's blocks are backed with ([`backing`](super::backing)): chunks of plain
     /// allocations, expandable segments or stitched virtual-memory ranges. The memory of the
     /// last two is mapped for this device alone: CUDA IPC does not apply to it. Default
     /// [`BackingKind::Chunks`].
     pub backing: BackingKind,
-=======
-    /// Expandable segments: instead of chunks from the source, each class (small, large) has
-    /// one segment, a device address reservation mapped from its start as needed
-    /// ([`Device::map`]), grown at a miss by what the request lacks past the segment's free
-    /// end, rounded up to the mapping granularity (PyTorch's `expandable_segments`). Blocks
-    /// merge across growths, so the pool holds about what is live at its peak. Requests
-    /// larger than `growth_size` still get chunks of their own from the source: in the
-    /// segment, such a block left a hole when freed that smaller requests split (on the
-    /// simulator, peak reserved over peak live 1.078 instead of 1.051 on GPT-2 training).
-    /// A segment goes back to the device when wholly free, and is never given to another
-    /// pool. Its memory is mapped for this device alone: another GPU cannot reach it through
-    /// peer access, and CUDA IPC does not apply to it. Default off.
-    pub expandable: bool,
-    /// The longest the pool waits for its stream's work before returning free memory to the
+    /// The longest the pool waits for its stream's work before giving memory back to the
     /// device (see [`BestFit`]'s release). Default 2 s.
     pub wait_timeout: Duration,
->>>>>>> issue16
 }
 
 impl Default for BestFitConfig {
@@ -78,12 +58,8 @@ impl Default for BestFitConfig {
             growth_size: 32 << 20,
             small_chunk_size: 2 << 20,
             stream: Stream::DEFAULT,
-<<<<<<< HEAD
             backing: BackingKind::Chunks,
-=======
-            expandable: false,
             wait_timeout: Duration::from_secs(2),
->>>>>>> issue16
         }
     }
 }
@@ -93,36 +69,22 @@ impl Default for BestFitConfig {
 /// coalesced, and kept after free for reuse. The policy (size classes, rounding, splitting)
 /// is [`policy::best_fit`](crate::policy::best_fit).
 ///
-<<<<<<< HEAD
 /// * **Growth.** When no cached block fits, the backing adds memory (see
 ///   [`backing`](super::backing)). If the device is out of memory, the pool releases what the
 ///   backing can give back and tries once more before failing with [`Error::OutOfMemory`].
 /// * **Release.** [`Allocator::release`] gives free memory back through the backing (wholly
 ///   free chunks and segments; every free granule of stitched ranges). Dropping the pool
-///   (and every allocation) returns all memory.
+///   (and every allocation) returns all memory. Before giving memory back (on release, and
+///   on out-of-memory before the retry) the pool waits for the work enqueued on its stream,
+///   at most [`BestFitConfig::wait_timeout`]: a chunk's `cuMemFree` would wait for it
+///   without a bound, an unmap would not wait at all. Past the bound nothing is given back,
+///   and the error says what was waited for. (`cuMemFree` also waits for streams the pool
+///   does not know; unmapped segments and stitched ranges do not.) A stitched pool that
+///   unmaps free granules to pay for a growth waits the same way.
 /// * **Backings compared.** On the H200 (anchors harness, run 29 in `bench/results`)
 ///   StreamSafe over expandable segments held 1.121 / 1.051 / 1.028 times the peak live
 ///   bytes of GPT-2 generation, GPT-2 training and ResNet-50 training, against 1.109 /
 ///   1.049 / 1.178 with chunks and 1.128 / 1.076 / 1.104 for cudaMallocAsync.
-=======
-/// * **Growth.** When no cached block fits, the pool grows by one chunk (see
-///   [`BestFitConfig`]). If the source is out of memory, the pool returns its wholly free
-///   chunks and tries once more before failing with [`Error::OutOfMemory`].
-/// * **Release.** [`Allocator::release`] returns every wholly free chunk to the source.
-///   Dropping the pool (and every allocation) returns all chunks. Before giving memory back
-///   (on release, and on out-of-memory before the retry) the pool waits for the work enqueued
-///   on its stream, at most [`BestFitConfig::wait_timeout`]: a chunk's `cuMemFree` would wait
-///   for it without a bound, an unmap would not wait at all. Past the bound nothing is given
-///   back, and the error says what was waited for. (`cuMemFree` also waits for streams the
-///   pool does not know; expandable segments, unmapped, do not.)
-/// * **Expandable segments** ([`BestFitConfig::expandable`]) replace the chunks of requests up
-///   to the growth size: one address reservation per class, mapped from its start as the
-///   pool grows. On the H200 (anchors harness, run 29 in `bench/results`) StreamSafe over
-///   them held 1.121 / 1.051 / 1.028 times the peak live bytes of GPT-2 generation, GPT-2
-///   training and ResNet-50 training, against 1.109 / 1.049 / 1.178 with chunks and
-///   1.128 / 1.076 / 1.104 for cudaMallocAsync. A released segment is unmapped after the
-///   pool's stream is synchronized, since an unmap does not wait for the device.
->>>>>>> issue16
 /// * **Recorded streams.** The pool is not stream-aware: all its allocations belong to one
 ///   stream. A freed block whose allocation recorded other streams is kept out of the free
 ///   lists: at free, an event (from an [`EventPool`]) is recorded on each recorded stream, and
@@ -159,13 +121,10 @@ struct Inner {
     events: EventPool,
     stream: Stream,
     ordinal: usize,
-<<<<<<< HEAD
-    /// The pool's books. The backing locks its own state before this one where it holds
-    /// both; the pool never calls the backing with this one locked.
-=======
     /// [`BestFitConfig::wait_timeout`].
     wait: Duration,
->>>>>>> issue16
+    /// The pool's books. The backing locks its own state before this one where it holds
+    /// both; the pool never calls the backing with this one locked.
     state: Mutex<State>,
 }
 
@@ -278,12 +237,13 @@ impl BestFit {
         Ok((Allocation::new(block, self.inner.clone()), retried))
     }
 
-    /// Returns the wholly free chunks to the source after polling pending frees, as
-    /// [`Allocator::release`] does, without reporting the errors held back (the caller is
-    /// another allocation's out-of-memory path, which must not swallow them).
+    /// Gives free memory back through the backing after polling pending frees (and a
+    /// bounded wait, see [`BestFit`]), as [`Allocator::release`] does, without reporting the
+    /// errors held back (the caller is another allocation's out-of-memory path, which must
+    /// not swallow them).
     pub(crate) fn release_cached(&self) -> Result<usize> {
         self.inner.poll_pending();
-        self.inner.release_free_chunks()
+        self.inner.release_free()
     }
 
     /// Allocates from cached blocks only: `Ok(None)` when none fits (the pool does not
@@ -432,39 +392,9 @@ impl BestFit {
         }
     }
 
-<<<<<<< HEAD
     /// The slow path: the backing adds memory and the request is served from it (releasing
-    /// what the backing can give back and retrying once on out-of-memory).
-    fn grow_and_allocate(&self, size: usize, rounded: u64, growth: Growth, poll: bool) -> Result<Block> {
-        let inner = &self.inner;
-        let class = inner.state.lock().policy.class_of(rounded);
-        let want = Want { class, rounded, chunk: growth.size, own: growth.own };
-        let ledger = PoolLedger { inner, request: Some((rounded, size)) };
-        let mut released = false;
-        // Memory added is served under the lock that adds it, so only a bug in a backing
-        // makes a round serve nothing; the bound keeps such a bug from spinning.
-        for _ in 0..GROWTH_ROUNDS {
-            match inner.backing.grow(&ledger, &want) {
-                Ok(Some(grant)) => return Ok(self.handout(grant, size)),
-                Ok(None) => {}
-                Err(e) if e.is_out_of_memory() && !released => {
-                    // Memory freed meanwhile (by other threads or completed events) may fit
-                    // now; otherwise give back what is free and try the backing once more.
-                    if poll {
-                        inner.poll_pending();
-                    }
-                    if let Some(grant) = inner.state.lock().allocate(rounded, size) {
-                        return Ok(self.handout(grant, size));
-                    }
-                    // A failure to give memory back shows in the out-of-memory figures.
-                    let _ = inner.backing.release(&PoolLedger { inner, request: None });
-                    released = true;
-                }
-                Err(e) => return Err(inner.failure(e, size, growth.size as usize)),
-=======
-    /// The slow path: obtain a chunk (releasing free chunks and retrying once on
-    /// out-of-memory), add it and allocate from it; the block, and whether it came only after
-    /// that retry.
+    /// what the backing can give back and retrying once on out-of-memory); the block, and
+    /// whether it came only after that retry.
     fn grow_and_allocate(
         &self,
         size: usize,
@@ -472,69 +402,42 @@ impl BestFit {
         growth: Growth,
         poll: bool,
     ) -> Result<(Block, bool)> {
-        match &self.inner.segments {
-            Some(segments) if !growth.own => {
-                return self.grow_segment(&mut segments.lock(), size, rounded, growth.class, poll)
-            }
-            _ => {}
-        }
         let inner = &self.inner;
-        let chunk = usize::try_from(growth.size)
-            .map_err(|_| Error::InvalidArgument(format!("allocation size {size} overflows")))?;
-        let (addr, retried) = match inner.source.grow(chunk) {
-            Ok(addr) => (addr, false),
-            Err(e) if e.is_out_of_memory() => {
-                // Memory freed meanwhile (by other threads or completed events) may fit now;
-                // otherwise give back what is free and try the source once more.
-                if poll {
-                    inner.poll_pending();
+        let class = inner.state.lock().policy.class_of(rounded);
+        let want = Want { class, rounded, chunk: growth.size, own: growth.own };
+        let ledger = PoolLedger { inner, request: Some((rounded, size)) };
+        // The error of the release made before the retry (a bounded wait that ran out), told
+        // in the out-of-memory error; `Some(Ok(_))` once released.
+        let mut released: Option<Result<usize>> = None;
+        // Memory added is served under the lock that adds it, so only a bug in a backing
+        // makes a round serve nothing; the bound keeps such a bug from spinning.
+        for _ in 0..GROWTH_ROUNDS {
+            match inner.backing.grow(&ledger, &want) {
+                Ok(Some(grant)) => return Ok((self.handout(grant, size), released.is_some())),
+                Ok(None) => {}
+                Err(e) if e.is_out_of_memory() && released.is_none() => {
+                    // Memory freed meanwhile (by other threads or completed events) may fit
+                    // now; otherwise give back what is free and try the backing once more.
+                    if poll {
+                        inner.poll_pending();
+                    }
+                    if let Some(grant) = inner.state.lock().allocate(rounded, size) {
+                        return Ok((self.handout(grant, size), true));
+                    }
+                    released = Some(inner.release_free());
                 }
-                let retried = inner.state.lock().allocate(rounded, size);
-                if let Some(grant) = retried {
-                    return Ok((self.handout(grant, size), true));
+                Err(e) => {
+                    let release = released.and_then(|r| r.err());
+                    return Err(inner.failure(e, size, growth.size as usize, release));
                 }
-                // A failure to give a chunk back (a bounded wait that ran out) is told in the
-                // out-of-memory error.
-                let released = inner.release_free_chunks();
-                match inner.source.grow(chunk) {
-                    Ok(addr) => (addr, true),
-                    Err(e) => return Err(inner.failure(e, size, chunk, released.err())),
-                }
-            }
-            Err(e) => return Err(inner.failure(e, size, chunk, None)),
-        };
-        let mut st = inner.state.lock();
-        st.stats.on_reserve(chunk);
-        let added = st.policy.add_chunk(growth.class, addr, growth.size);
-        let grant = added.and_then(|()| {
-            st.allocate(rounded, size).ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "a new chunk of {chunk} bytes does not fit {size} bytes: this is a bug in BestFit"
-                ))
-            })
-        });
-        match grant {
-            Ok(grant) => {
-                drop(st);
-                Ok((self.handout(grant, size), retried))
-            }
-            Err(e) => {
-                drop(st);
-                if inner.source.shrink(addr, chunk).is_ok() {
-                    inner.state.lock().stats.on_unreserve(chunk);
-                }
-                Err(e)
->>>>>>> issue16
             }
         }
-        inner.state.lock().stats.failures += 1;
         Err(Error::InvalidArgument(format!(
             "the backing grew the pool {GROWTH_ROUNDS} times and {size} bytes still did not fit: a bug in the backing"
         )))
     }
 }
 
-<<<<<<< HEAD
 /// Rounds of growth [`BestFit::grow_and_allocate`] tries.
 const GROWTH_ROUNDS: usize = 8;
 
@@ -546,6 +449,11 @@ struct PoolLedger<'a> {
 }
 
 impl Ledger for PoolLedger<'_> {
+    fn wait_for_stream(&self) -> Result<()> {
+        let inner = self.inner;
+        super::wait_for_streams(inner.device.as_ref(), &inner.events, &[inner.stream], inner.wait)
+    }
+
     fn update(&self, f: &mut dyn FnMut(&mut BestFitPolicy) -> Result<()>) -> Result<Option<Grant>> {
         let mut st = self.inner.state.lock();
         st.unpark();
@@ -558,101 +466,6 @@ impl Ledger for PoolLedger<'_> {
             st.stats.on_unreserve((before.reserved - after.reserved) as usize);
             // One device call per chunk given back whole.
             st.stats.device_frees += before.chunks.saturating_sub(after.chunks).max(1) as u64 - 1;
-=======
-    /// The slow path of an expandable pool: map what the request lacks at the end of its
-    /// class's segment (releasing wholly free segments and chunks and retrying once on
-    /// out-of-memory), and allocate from it.
-    fn grow_segment(
-        &self,
-        sg: &mut Segments,
-        size: usize,
-        rounded: u64,
-        class: Class,
-        poll: bool,
-    ) -> Result<(Block, bool)> {
-        let inner = &self.inner;
-        let device = inner.source.device().clone();
-        if sg.granularity == 0 {
-            let granularity = device.map_granularity()? as u64;
-            let total = device.mem_info()?.total as u64;
-            sg.reservation = total.div_ceil(granularity) * granularity;
-            sg.granularity = granularity;
-        }
-        let c = class.index();
-        let base = match sg.base[c] {
-            Some(base) => base,
-            None => {
-                let base = device.reserve_address(sg.reservation as usize)?;
-                sg.base[c] = Some(base);
-                base
-            }
-        };
-        let tail = {
-            let mut st = inner.state.lock();
-            // Another thread may have grown the segment while this one waited for it.
-            if let Some(grant) = st.allocate(rounded, size) {
-                drop(st);
-                return Ok((self.handout(grant, size), false));
-            }
-            st.policy.segment_tail_free(base).unwrap_or(0)
-        };
-        let mut need = (rounded - tail.min(rounded)).div_ceil(sg.granularity) * sg.granularity;
-        if sg.mapped[c] + need > sg.reservation {
-            let full = Error::oom(OutOfMemory {
-                device: inner.ordinal,
-                requested: size,
-                hint: format!("the segment's reservation of {} bytes is full", sg.reservation),
-                ..OutOfMemory::default()
-            });
-            return Err(inner.failure(full, size, need as usize, None));
-        }
-        let mut retried = false;
-        if let Err(e) = device.map(base + sg.mapped[c], need as usize) {
-            if !e.is_out_of_memory() {
-                return Err(inner.failure(e, size, need as usize, None));
-            }
-            if poll {
-                inner.poll_pending();
-            }
-            let grant = inner.state.lock().allocate(rounded, size);
-            if let Some(grant) = grant {
-                return Ok((self.handout(grant, size), true));
-            }
-            // A failure to give memory back (a bounded wait that ran out) is told in the
-            // out-of-memory error.
-            let released = inner.release_free(sg);
-            // The release may have taken this class's segment: grow it anew.
-            if sg.mapped[c] == 0 {
-                need = rounded.div_ceil(sg.granularity) * sg.granularity;
-            }
-            if let Err(e) = device.map(base + sg.mapped[c], need as usize) {
-                return Err(inner.failure(e, size, need as usize, released.err()));
-            }
-            retried = true;
-        }
-        // The `need` bytes just mapped join the segment's end, and the request is served there.
-        let mut st = inner.state.lock();
-        let added = match sg.mapped[c] {
-            0 => st.policy.add_segment(class, base, need),
-            _ => st.policy.extend_segment(base, need),
-        };
-        if let Err(e) = added {
-            drop(st);
-            // A bug: the policy refused memory that is mapped; give it back.
-            let _ = device.unmap(base + sg.mapped[c], need as usize);
-            return Err(e);
-        }
-        sg.mapped[c] += need;
-        st.stats.on_reserve(need as usize);
-        match st.allocate(rounded, size) {
-            Some(grant) => {
-                drop(st);
-                Ok((self.handout(grant, size), retried))
-            }
-            None => Err(Error::InvalidArgument(format!(
-                "a segment grown by {need} bytes does not fit {size} bytes: this is a bug in BestFit"
-            ))),
->>>>>>> issue16
         }
         done?;
         Ok(self.request.and_then(|(rounded, size)| st.allocate(rounded, size)))
@@ -706,7 +519,7 @@ impl State {
 
     /// Takes back the block of `token` at `ptr`, freed by an allocation of `size` bytes:
     /// parked for exact reuse if small, else merged at once. A block not handed out is a bug
-    /// in the caller, kept as the error the next call reports.
+    /// in the caller, held back as the error the next release reports.
     fn take_back(&mut self, token: u64, ptr: u64, size: usize) {
         self.stats.on_free(size);
         let rounded = BestFitPolicy::round(size as u64);
@@ -798,39 +611,14 @@ impl Inner {
         }
     }
 
-<<<<<<< HEAD
     /// Gives free memory back through the backing; the bytes given back, or the first error
-    /// met (after trying everything).
+    /// met (after trying everything). First waits, at most [`BestFitConfig::wait_timeout`],
+    /// for the work enqueued on the pool's stream, where every free block's last use is
+    /// ordered (blocks freed with recorded streams join the free lists after their events):
+    /// a chunk's `cuMemFree` would wait for it without a bound, and an unmap would not wait
+    /// at all. Past the bound nothing is given back and the error ([`Error::Timeout`]) says
+    /// what was waited for.
     fn release_free(&self) -> Result<usize> {
-        self.backing.release(&PoolLedger { inner: self, request: None })
-    }
-
-    /// Counts a failed allocation and, for out-of-memory, fills in the pool's figures.
-    fn failure(&self, error: Error, size: usize, chunk: usize) -> Error {
-        let Error::OutOfMemory(device_report) = error else {
-            self.state.lock().stats.failures += 1;
-            return error;
-        };
-        let mem = self.device.mem_info().unwrap_or_default();
-        let mut st = self.state.lock();
-        st.stats.failures += 1;
-=======
-    /// Returns every wholly free chunk to the source; the bytes returned, or the first error
-    /// met (after trying every chunk).
-    fn release_free_chunks(&self) -> Result<usize> {
-        match &self.segments {
-            Some(segments) => self.release_free(&mut segments.lock()),
-            None => self.release_free(&mut Segments::default()),
-        }
-    }
-
-    /// [`Inner::release_free_chunks`] with the segments `sg` locked by the caller. First waits,
-    /// at most [`BestFitConfig::wait_timeout`], for the work enqueued on the pool's stream,
-    /// where every free block's last use is ordered (blocks freed with recorded streams join
-    /// the free lists after their events): a chunk's `cuMemFree` would wait for it without a
-    /// bound, and an unmap would not wait at all. Past the bound nothing is given back and the
-    /// error ([`Error::Timeout`]) says what was waited for.
-    fn release_free(&self, sg: &mut Segments) -> Result<usize> {
         let nothing_free = {
             let st = self.state.lock();
             st.policy.figures().cached == 0 && st.parked.bytes == 0
@@ -838,60 +626,15 @@ impl Inner {
         if nothing_free {
             return Ok(0);
         }
-        let device = self.source.device();
+        let ledger = PoolLedger { inner: self, request: None };
         // A stream that cannot be waited for (destroyed after StreamSafe::retire_stream, which
-        // waited for it) still lets chunks go back, as a `cuMemFree` orders itself; segments,
-        // whose unmap would not wait, stay.
-        let unwaited = match super::wait_for_streams(device.as_ref(), &self.events, &[self.stream], self.wait)
-        {
+        // waited for it) still lets chunks go back, as a `cuMemFree` orders itself; mapped
+        // memory, whose unmap would not wait, stays.
+        let unwaited = match ledger.wait_for_stream() {
             Err(timeout @ Error::Timeout { .. }) => return Err(timeout),
             waited => waited.err(),
         };
-        let chunks = {
-            let mut st = self.state.lock();
-            st.unpark();
-            st.policy.release_free_chunks()
-        };
-        let mut released = Vec::with_capacity(chunks.len());
-        let mut first_error = None;
-        for (addr, size) in chunks {
-            let result = match sg.base.iter().position(|&b| b == Some(addr)) {
-                None => self.source.shrink(addr, size as usize),
-                Some(c) => {
-                    // The pool's stream was waited for above.
-                    let unmapped = match &unwaited {
-                        Some(e) => Err(e.clone()),
-                        None => device.unmap(addr, size as usize),
-                    };
-                    match unmapped {
-                        Ok(()) => sg.mapped[c] = 0,
-                        // Still mapped: the segment stays in the pool, wholly free.
-                        Err(_) => {
-                            let class = if c == Class::Small.index() { Class::Small } else { Class::Large };
-                            let mut st = self.state.lock();
-                            if let Err(e) = st.policy.add_segment(class, addr, size) {
-                                st.held.hold(e);
-                            }
-                        }
-                    }
-                    unmapped
-                }
-            };
-            match result {
-                Ok(()) => released.push(size as usize),
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                }
-            }
-        }
-        let mut st = self.state.lock();
-        for &size in &released {
-            st.stats.on_unreserve(size);
-        }
-        match first_error {
-            Some(e) => Err(e),
-            None => Ok(released.iter().sum()),
-        }
+        self.backing.release(&ledger, unwaited.as_ref())
     }
 
     /// Counts `made` in the statistics: a failure, or a success that came only after a
@@ -909,9 +652,8 @@ impl Inner {
     /// made before the last attempt (a bounded wait that ran out).
     fn failure(&self, error: Error, size: usize, chunk: usize, release: Option<Error>) -> Error {
         let Error::OutOfMemory(device_report) = error else { return error };
-        let mem = self.source.device().mem_info().unwrap_or_default();
+        let mem = self.device.mem_info().unwrap_or_default();
         let st = self.state.lock();
->>>>>>> issue16
         let figures = st.policy.figures();
         let mut detail = device_report.detail;
         if let Some(e) = release {
@@ -981,20 +723,12 @@ impl Allocator for BestFit {
         self.allocate_polling(size, true)
     }
 
-    /// Returns the wholly free chunks (after a bounded wait, see [`BestFit`]); then reports
-    /// the errors frees held back, if any.
+    /// Gives free memory back (after a bounded wait, see [`BestFit`]); then reports the
+    /// errors frees held back, if any.
     fn release(&self) -> Result<usize> {
-<<<<<<< HEAD
-        if let Some(e) = self.inner.state.lock().error.take() {
-            return Err(e);
-        }
-        self.inner.poll_pending();
-        self.inner.release_free()
-=======
         let released = self.release_cached();
         self.inner.state.lock().held.take()?;
         released
->>>>>>> issue16
     }
 
     fn stats(&self) -> Stats {
@@ -1043,7 +777,7 @@ impl PointerAllocator for BestFit {
     }
 
     fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> Result<bool> {
-        self.inner.source.device().check_stream(stream)?;
+        self.inner.device.check_stream(stream)?;
         Ok(self.record_kept(ptr, stream))
     }
 
