@@ -32,7 +32,7 @@ use std::ptr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use core_alloc::facade::Config;
-use core_alloc::Error;
+use core_alloc::{Error, Stream};
 use libc::ssize_t;
 
 pub use sim::{
@@ -135,7 +135,7 @@ pub extern "C" fn streamalloc_cupy_free(param: *mut c_void, ptr: *mut c_void, de
         let state = State::get()?;
         match CUPY_STREAM_SOURCE.load(Ordering::Relaxed) {
             0 => state.free_legacy(ptr as u64, device),
-            _ => state.free(ptr as u64, Some(device), Stream::DEFAULT),
+            _ => state.free(ptr as u64, Some(device), 0),
         }
     });
 }

@@ -67,8 +67,15 @@ impl State {
     }
 
     /// Builds the state from `config`; if it is already built, succeeds only when it was built
-    /// from an equal configuration.
-    pub(crate) fn configure(config: Config) -> Result<()> {
+    /// from an equal configuration. A `trace` key in `STREAMALLOC_CONF` is kept when `config`
+    /// has none: a trace asked for from outside (as `streamalloc record` does) is written
+    /// whatever configuration the program passes.
+    pub(crate) fn configure(mut config: Config) -> Result<()> {
+        if config.trace.is_none() {
+            if let Ok(Config { trace: Some(path), .. }) = Config::from_env() {
+                config.trace = Some(path);
+            }
+        }
         let mut built_here = false;
         let state = STATE.get_or_init(|| {
             built_here = true;

@@ -12,7 +12,8 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use streamalloc::adaptors::{Limit, Retry, SingleStream, StatsAdaptor, TraceAdaptor};
 use streamalloc::allocators::{
-    AsyncPool, AsyncPoolConfig, BestFit, BestFitConfig, Plain, StreamSafe, StreamSafeConfig,
+    AsyncPool, AsyncPoolConfig, BackingKind, BestFit, BestFitConfig, Plain, StreamSafe,
+    StreamSafeConfig,
 };
 use streamalloc::device::sim::{SimConfig, SimDevice};
 use streamalloc::facade::StackAllocator;
@@ -37,8 +38,9 @@ fn stream_safe(sim: Arc<SimDevice>) -> StreamSafe {
     StreamSafe::new(sim, StreamSafeConfig::default()).expect("allocator")
 }
 
-fn expandable() -> BestFitConfig {
-    BestFitConfig { expandable: true, growth_size: 8 * MIB, ..BestFitConfig::default() }
+/// A pool over `backing` (expandable segments or stitched ranges) that grows by 8 MiB.
+fn backed(backing: BackingKind) -> BestFitConfig {
+    BestFitConfig { backing, growth_size: 8 * MIB, ..BestFitConfig::default() }
 }
 
 fn plain(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
@@ -49,14 +51,22 @@ fn best_fit(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
     Arc::new(SingleStream::new(pool, sim, Stream::DEFAULT))
 }
 fn best_fit_expandable(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
-    let pool = BestFit::new(sim.clone(), expandable()).expect("pool");
+    let pool = BestFit::new(sim.clone(), backed(BackingKind::Segments)).expect("pool");
+    Arc::new(SingleStream::new(pool, sim, Stream::DEFAULT))
+}
+fn best_fit_stitched(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
+    let pool = BestFit::new(sim.clone(), backed(BackingKind::Stitched)).expect("pool");
     Arc::new(SingleStream::new(pool, sim, Stream::DEFAULT))
 }
 fn stream_safe_plain(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
     Arc::new(stream_safe(sim))
 }
 fn stream_safe_expandable(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
-    let config = StreamSafeConfig { pool: expandable(), ..StreamSafeConfig::default() };
+    let config = StreamSafeConfig { pool: backed(BackingKind::Segments), ..StreamSafeConfig::default() };
+    Arc::new(StreamSafe::new(sim, config).expect("allocator"))
+}
+fn stream_safe_stitched(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
+    let config = StreamSafeConfig { pool: backed(BackingKind::Stitched), ..StreamSafeConfig::default() };
     Arc::new(StreamSafe::new(sim, config).expect("allocator"))
 }
 fn async_pool(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
@@ -202,12 +212,20 @@ fn best_fit_expandable_million() {
     check("best_fit expandable", best_fit_expandable);
 }
 #[test]
+fn best_fit_stitched_million() {
+    check("best_fit stitched", best_fit_stitched);
+}
+#[test]
 fn stream_safe_million() {
     check("stream_safe", stream_safe_plain);
 }
 #[test]
 fn stream_safe_expandable_million() {
     check("stream_safe expandable", stream_safe_expandable);
+}
+#[test]
+fn stream_safe_stitched_million() {
+    check("stream_safe stitched", stream_safe_stitched);
 }
 #[test]
 fn async_million() {
