@@ -175,7 +175,38 @@ enum streamalloc_status_t streamalloc_configure(const char *conf);
 // string belongs to the library and stays valid until the next call on this thread.
 const char *streamalloc_last_error(void);
 
-<<<<<<< HEAD
+// Creates a simulated stream on `device` (`device=sim` only) and writes its handle to `*out`.
+//
+// # Safety
+// `out` is null (an error) or valid for writing a `cudaStream_t`.
+enum streamalloc_status_t streamalloc_sim_create_stream(int device, cudaStream_t *out);
+
+// Destroys a simulated stream made by [`streamalloc_sim_create_stream`]; its handle is no
+// longer accepted. Work already enqueued on it still completes.
+enum streamalloc_status_t streamalloc_sim_destroy_stream(int device, cudaStream_t stream);
+
+// Enqueues a simulated kernel on `stream` that uses `len` bytes at `ptr` for `duration_ns`
+// (virtual time), for the ordering checker to compare later handouts with.
+enum streamalloc_status_t streamalloc_sim_use(int device,
+                                              void *ptr,
+                                              size_t len,
+                                              cudaStream_t stream,
+                                              uint64_t duration_ns);
+
+// Blocks (in virtual time) until the work enqueued on `stream` has completed.
+enum streamalloc_status_t streamalloc_sim_synchronize(int device, cudaStream_t stream);
+
+// Lets `ns` of virtual host time pass on `device`.
+enum streamalloc_status_t streamalloc_sim_advance(int device, uint64_t ns);
+
+// Writes to `*out` how many early reuses the ordering checker of `device` has found: memory
+// handed out (by any allocation function, each checked as it returns) while a kernel on
+// another stream could still be using it.
+//
+// # Safety
+// `out` is null (an error) or valid for writing a `uint64_t`.
+enum streamalloc_status_t streamalloc_sim_violations(int device, uint64_t *out);
+
 extern void *streamalloc_shim_take_filter(void *by_value);
 
 extern bool streamalloc_shim_call_filter(void *filter, cudaStream_t stream);
@@ -257,39 +288,6 @@ void streamalloc_torch_set_memory_fraction(double fraction, int device);
 // PyTorch's init hook: builds the library's state (reporting a bad configuration now rather
 // than at the first allocation).
 void streamalloc_torch_init(int device_count);
-=======
-// Creates a simulated stream on `device` (`device=sim` only) and writes its handle to `*out`.
-//
-// # Safety
-// `out` is null (an error) or valid for writing a `cudaStream_t`.
-enum streamalloc_status_t streamalloc_sim_create_stream(int device, cudaStream_t *out);
-
-// Destroys a simulated stream made by [`streamalloc_sim_create_stream`]; its handle is no
-// longer accepted. Work already enqueued on it still completes.
-enum streamalloc_status_t streamalloc_sim_destroy_stream(int device, cudaStream_t stream);
-
-// Enqueues a simulated kernel on `stream` that uses `len` bytes at `ptr` for `duration_ns`
-// (virtual time), for the ordering checker to compare later handouts with.
-enum streamalloc_status_t streamalloc_sim_use(int device,
-                                              void *ptr,
-                                              size_t len,
-                                              cudaStream_t stream,
-                                              uint64_t duration_ns);
-
-// Blocks (in virtual time) until the work enqueued on `stream` has completed.
-enum streamalloc_status_t streamalloc_sim_synchronize(int device, cudaStream_t stream);
-
-// Lets `ns` of virtual host time pass on `device`.
-enum streamalloc_status_t streamalloc_sim_advance(int device, uint64_t ns);
-
-// Writes to `*out` how many early reuses the ordering checker of `device` has found: memory
-// handed out (by any allocation function, each checked as it returns) while a kernel on
-// another stream could still be using it.
-//
-// # Safety
-// `out` is null (an error) or valid for writing a `uint64_t`.
-enum streamalloc_status_t streamalloc_sim_violations(int device, uint64_t *out);
->>>>>>> issue16
 
 #ifdef __cplusplus
 }  // extern "C"
