@@ -5,10 +5,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use streamalloc::adaptors::{Limit, Retry, SingleStream};
-use streamalloc::allocators::{BestFit, BestFitConfig, Plain, StreamSafe, StreamSafeConfig};
+use streamalloc::allocators::{
+    BackingKind, BestFit, BestFitConfig, Plain, StreamSafe, StreamSafeConfig,
+};
 use streamalloc::device::sim::{SimConfig, SimDevice};
 use streamalloc::facade::{Config, Facade};
-use streamalloc::{Allocator, Device, Stream, StreamAllocator};
+use streamalloc::{Allocator, Device, Error, Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
 
@@ -192,4 +194,89 @@ fn peaks_reset_on_every_stack() {
             drop(keep);
         }
     }
+}
+
+const BACKINGS: [BackingKind; 3] = [BackingKind::Chunks, BackingKind::Segments, BackingKind::Stitched];
+
+/// A pool over `backing` on a stream of its own of `sim`, waiting at most 100 ms.
+fn pool_on_own_stream(sim: &Arc<SimDevice>, backing: BackingKind) -> (BestFit, Stream) {
+    let stream = sim.create_stream().unwrap();
+    let config = BestFitConfig {
+        growth_size: 20 * MIB,
+        stream,
+        backing,
+        wait_timeout: Duration::from_millis(100),
+        ..BestFitConfig::default()
+    };
+    (BestFit::new(sim.clone(), config).unwrap(), stream)
+}
+
+/// Virtual time that passes on `sim` during `f`.
+fn timed<T>(sim: &SimDevice, f: impl FnOnce() -> T) -> (T, Duration) {
+    let start = sim.now();
+    let out = f();
+    (out, Duration::from_nanos(sim.now() - start))
+}
+
+/// Every backing's release waits for the pool's stream at most `wait_timeout`: past it,
+/// nothing goes back and the error says what was waited for; once the work is done, the
+/// memory goes back.
+#[test]
+fn a_release_waits_with_a_bound_on_every_backing() {
+    for backing in BACKINGS {
+        let sim = sim(1 << 30);
+        let (pool, s) = pool_on_own_stream(&sim, backing);
+        let a = pool.allocate(6 * MIB).unwrap();
+        sim.use_range(a.ptr(), a.size(), s, 10_000_000_000).unwrap();
+        drop(a);
+        let free = sim.mem_info().unwrap().free;
+        let (released, waited) = timed(&sim, || pool.release());
+        assert!(waited <= Duration::from_millis(100), "{backing:?}: the release waited {waited:?}");
+        let e = released.expect_err("the pool's stream still uses the memory");
+        assert!(matches!(e, Error::Timeout { .. }), "{backing:?}: {e}");
+        assert!(e.to_string().contains(&format!("{:#x}", s.0)), "{backing:?}: {e}");
+        assert_eq!(sim.mem_info().unwrap().free, free, "{backing:?}: nothing went back");
+        sim.advance(10_000_000_000);
+        assert!(pool.release().unwrap() > 0, "{backing:?}");
+        assert!(sim.mem_info().unwrap().free > free, "{backing:?}");
+        assert!(sim.violations().is_empty(), "{backing:?}");
+    }
+}
+
+/// On every backing, an out-of-memory while the pool's stream still uses its free memory
+/// returns within a few wait bounds (not after the kernel), saying what it waited for.
+#[test]
+fn an_out_of_memory_waits_with_a_bound_on_every_backing() {
+    for backing in BACKINGS {
+        let sim = sim(256 * MIB);
+        let (pool, s) = pool_on_own_stream(&sim, backing);
+        let x = pool.allocate(200 * MIB).unwrap();
+        let _y = pool.allocate(4 * MIB).unwrap();
+        sim.use_range(x.ptr(), x.size(), s, 10_000_000_000).unwrap();
+        drop(x);
+        let (made, waited) = timed(&sim, || pool.allocate(240 * MIB));
+        assert!(waited < Duration::from_secs(1), "{backing:?}: the allocation waited {waited:?}");
+        let e = made.expect_err("the memory is still in use on the pool's stream");
+        assert!(e.is_out_of_memory(), "{backing:?}: {e}");
+        assert!(e.to_string().contains("waited"), "{backing:?}: {e}");
+        assert_eq!(pool.stats().failures, 1, "{backing:?}");
+        assert!(sim.violations().is_empty(), "{backing:?}");
+    }
+}
+
+/// A stitched pool unmaps free granules to pay for a growth only after its stream's work:
+/// it waits for that at most `wait_timeout`, and past the bound grows without stitching.
+#[test]
+fn stitching_waits_with_a_bound() {
+    let sim = sim(1 << 30);
+    let (pool, s) = pool_on_own_stream(&sim, BackingKind::Stitched);
+    let a = pool.allocate(64 * MIB).unwrap();
+    let _b = pool.allocate(4 * MIB).unwrap();
+    sim.use_range(a.ptr(), a.size(), s, 10_000_000_000).unwrap();
+    drop(a);
+    let (d, waited) = timed(&sim, || pool.allocate(100 * MIB));
+    assert!(waited <= Duration::from_millis(100), "the growth waited {waited:?}");
+    let _d = d.expect("the growth maps fresh memory");
+    assert_eq!(pool.stats().reserved, 168 * MIB, "nothing stitched: `a`'s granules are in use");
+    assert!(sim.violations().is_empty());
 }
