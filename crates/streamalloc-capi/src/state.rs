@@ -151,9 +151,19 @@ impl State {
     /// PyTorch's allocator applies it: a request that would take the bytes allocated over the
     /// limit fails; one that takes the device memory held over it releases the cache and, if
     /// that is not enough, fails.
-    fn allocate_limited(&self, stack: &DeviceStack, size: usize, stream: Stream, limit: usize) -> Result<DevicePtr> {
-        let exceeded =
-            |in_use: usize| Error::LimitExceeded { device: stack.device.ordinal(), requested: size, in_use, limit };
+    fn allocate_limited(
+        &self,
+        stack: &DeviceStack,
+        size: usize,
+        stream: Stream,
+        limit: usize,
+    ) -> Result<DevicePtr> {
+        let exceeded = |in_use: usize| Error::LimitExceeded {
+            device: stack.device.ordinal(),
+            requested: size,
+            in_use,
+            limit,
+        };
         let before = stack.allocator.stats();
         if before.allocated.saturating_add(size) > limit {
             return Err(exceeded(before.allocated));
@@ -253,7 +263,9 @@ impl State {
         for stack in self.stacks_from(Some(device)) {
             // Recorded before the free, so that nobody can reuse the memory ahead of it.
             self.record_legacy(stack)?;
-            if stack.allocator.free_ptr(ptr, Stream::DEFAULT).is_some() || stack.private.free(ptr, Stream::DEFAULT) {
+            if stack.allocator.free_ptr(ptr, Stream::DEFAULT).is_some()
+                || stack.private.free(ptr, Stream::DEFAULT)
+            {
                 return Ok(());
             }
         }

@@ -12,8 +12,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use streamalloc::adaptors::{Limit, Retry, SingleStream, StatsAdaptor, TraceAdaptor};
 use streamalloc::allocators::{
-    AsyncPool, AsyncPoolConfig, BackingKind, BestFit, BestFitConfig, Plain, StreamSafe,
-    StreamSafeConfig,
+    AsyncPool, AsyncPoolConfig, BackingKind, BestFit, BestFitConfig, Plain, StreamSafe, StreamSafeConfig,
 };
 use streamalloc::device::sim::{SimConfig, SimDevice};
 use streamalloc::facade::StackAllocator;

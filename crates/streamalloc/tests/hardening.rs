@@ -5,9 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use streamalloc::adaptors::{Limit, Retry, SingleStream};
-use streamalloc::allocators::{
-    BackingKind, BestFit, BestFitConfig, Plain, StreamSafe, StreamSafeConfig,
-};
+use streamalloc::allocators::{BackingKind, BestFit, BestFitConfig, Plain, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice};
 use streamalloc::facade::{Config, Facade};
 use streamalloc::{Allocator, Device, Error, Stream, StreamAllocator};
