@@ -1,7 +1,9 @@
 """streamalloc: stream-ordered GPU memory allocators, through the bundled libstreamalloc.so.
 
-`stats` and `release` work whichever framework allocates; `streamalloc.torch.enable` and
-`streamalloc.cupy.enable` plug the library into PyTorch and CuPy.
+`stats`, `reset_peak_stats` and `release` work whichever framework allocates;
+`streamalloc.torch.enable` and `streamalloc.cupy.enable` plug the library into PyTorch and
+CuPy. `allocate`, `deallocate` and `record_stream` are the C API itself, and `streamalloc.sim`
+drives the simulator (`device=sim`) and its ordering checker through it.
 """
 
 import ctypes
@@ -9,7 +11,8 @@ import importlib.metadata
 import pathlib
 import threading
 
-__all__ = ["__version__", "StreamallocError", "library_path", "load", "configure", "stats", "release"]
+__all__ = ["__version__", "StreamallocError", "library_path", "load", "configure", "stats", "release",
+           "reset_peak_stats", "allocate", "deallocate", "record_stream", "sim"]
 
 try:
     __version__ = importlib.metadata.version(__name__)
@@ -61,6 +64,7 @@ class Stats(ctypes.Structure):
         ("device_allocs", ctypes.c_uint64),
         ("device_frees", ctypes.c_uint64),
         ("failures", ctypes.c_uint64),
+        ("retries", ctypes.c_uint64),
     ]
 
 
@@ -100,6 +104,19 @@ def load():
             lib.streamalloc_cupy_free.restype = None
             lib.streamalloc_cupy_set_stream_source.argtypes = [ctypes.c_void_p]
             lib.streamalloc_cupy_set_stream_source.restype = None
+            lib.streamalloc_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+            lib.streamalloc_record_stream.restype = status
+            lib.streamalloc_reset_peak_stats.argtypes = [ctypes.c_int]
+            lib.streamalloc_reset_peak_stats.restype = status
+            lib.streamalloc_sim_create_stream.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]
+            lib.streamalloc_sim_destroy_stream.argtypes = [ctypes.c_int, ctypes.c_void_p]
+            lib.streamalloc_sim_use.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+                                                ctypes.c_uint64]
+            lib.streamalloc_sim_synchronize.argtypes = [ctypes.c_int, ctypes.c_void_p]
+            lib.streamalloc_sim_advance.argtypes = [ctypes.c_int, ctypes.c_uint64]
+            lib.streamalloc_sim_violations.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint64)]
+            for name in ("create_stream", "destroy_stream", "use", "synchronize", "advance", "violations"):
+                getattr(lib, f"streamalloc_sim_{name}").restype = status
             _lib = lib
         return _lib
 
@@ -128,3 +145,63 @@ def release(device=0):
     released = ctypes.c_size_t(0)
     check(load().streamalloc_release(device, ctypes.byref(released)))
     return released.value
+
+
+def reset_peak_stats(device=0):
+    """Restarts `device`'s peak figures (allocated_peak, reserved_peak) from the current ones."""
+    check(load().streamalloc_reset_peak_stats(device))
+
+
+def allocate(size, device=0, stream=None):
+    """Allocates `size` bytes on `device`, owned by `stream` (None: the legacy default stream);
+    the pointer as an int (0 for size 0)."""
+    out = ctypes.c_void_p()
+    check(load().streamalloc_allocate(size, device, stream, ctypes.byref(out)))
+    return out.value or 0
+
+
+def deallocate(ptr):
+    """Frees an allocation made by any of the library's allocation functions."""
+    check(load().streamalloc_deallocate(ptr))
+
+
+def record_stream(ptr, stream):
+    """Marks `stream` as a user of the allocation at `ptr` until it is freed."""
+    check(load().streamalloc_record_stream(ptr, stream))
+
+
+class _Sim:
+    """The simulator behind `device=sim`: streams, simulated kernels and the ordering checker,
+    which sees every allocation the library hands out."""
+
+    def create_stream(self, device=0):
+        """A new simulated stream of `device`: an opaque handle for the `stream` arguments."""
+        out = ctypes.c_void_p()
+        check(load().streamalloc_sim_create_stream(device, ctypes.byref(out)))
+        return out.value
+
+    def destroy_stream(self, stream, device=0):
+        """Destroys a stream made by `create_stream`."""
+        check(load().streamalloc_sim_destroy_stream(device, stream))
+
+    def use(self, ptr, size, stream, ns, device=0):
+        """Enqueues a simulated kernel on `stream` that uses `size` bytes at `ptr` for `ns`."""
+        check(load().streamalloc_sim_use(device, ptr, size, stream, ns))
+
+    def synchronize(self, stream=None, device=0):
+        """Waits (in virtual time) for the work enqueued on `stream`."""
+        check(load().streamalloc_sim_synchronize(device, stream))
+
+    def advance(self, ns, device=0):
+        """Lets `ns` of virtual host time pass."""
+        check(load().streamalloc_sim_advance(device, ns))
+
+    def violations(self, device=0):
+        """How many early reuses the ordering checker has found on `device`."""
+        out = ctypes.c_uint64()
+        check(load().streamalloc_sim_violations(device, ctypes.byref(out)))
+        return out.value
+
+
+sim = _Sim()
+"""The simulator helpers (`device=sim` only; other devices raise UNSUPPORTED)."""

@@ -201,6 +201,36 @@ def test_stats_struct_matches_header():
     assert [(n, ctype[t]) for t, n in fields] == streamalloc.Stats._fields_, fields
 
 
+def test_reset_peak_stats_and_retries():
+    streamalloc.configure(CONF)
+    p = streamalloc.allocate(3 << 20, 4)
+    streamalloc.deallocate(p)
+    s = streamalloc.stats(4)
+    assert (s["allocated"], s["allocated_peak"], s["retries"]) == (0, 3 << 20, 0), s
+    streamalloc.reset_peak_stats(4)
+    s = streamalloc.stats(4)
+    assert (s["allocated_peak"], s["reserved_peak"]) == (s["allocated"], s["reserved"]), s
+
+
+def test_sim_streams():
+    streamalloc.configure(CONF)
+    sim = streamalloc.sim
+    s = sim.create_stream(5)
+    p = streamalloc.allocate(4096, 5, s)
+    sim.use(p, 4096, None, 1_000_000, device=5)
+    streamalloc.record_stream(p, None)
+    streamalloc.deallocate(p)
+    sim.advance(10, device=5)
+    sim.synchronize(s, device=5)
+    assert sim.violations(5) == 0
+    sim.destroy_stream(s, device=5)
+    try:
+        streamalloc.allocate(4096, 5, s)
+        raise AssertionError("a destroyed stream's handle was accepted")
+    except streamalloc.StreamallocError as e:
+        assert e.status == "INVALID_ARGUMENT", e
+
+
 def main():
     tests = [(name, f) for name, f in sorted(globals().items()) if name.startswith("test_")]
     failed = 0

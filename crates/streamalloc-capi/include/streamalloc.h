@@ -68,8 +68,11 @@ typedef struct streamalloc_stats_t {
   uint64_t device_allocs;
   // Calls that returned memory to the device.
   uint64_t device_frees;
-  // Allocations that failed.
+  // Allocations that failed, each counted once (refusals under `limit` included).
   uint64_t failures;
+  // Allocations that succeeded only after the allocator released cached memory, waited
+  // or tried again.
+  uint64_t retries;
 } streamalloc_stats_t;
 
 // Decides whether an allocation on a stream goes to a private pool (see
@@ -152,6 +155,11 @@ enum streamalloc_status_t streamalloc_release(int device, size_t *released);
 // `out` is null (an error) or valid for writing a `streamalloc_stats_t`.
 enum streamalloc_status_t streamalloc_stats(int device, struct streamalloc_stats_t *out);
 
+// Restarts the peak figures of `device` (`allocated_peak`, `reserved_peak`) from the
+// current ones, as PyTorch's `reset_peak_memory_stats` does. A device not used yet has
+// nothing to reset.
+enum streamalloc_status_t streamalloc_reset_peak_stats(int device);
+
 // Configures the library with a `STREAMALLOC_CONF`-style string (e.g.
 // `strategy=async,release_threshold=8GiB`), which then takes the place of the environment
 // variable, except for its `trace` key, kept when `conf` has none (so `streamalloc record`
@@ -166,6 +174,38 @@ enum streamalloc_status_t streamalloc_configure(const char *conf);
 // The message of the last failed call on the calling thread (an empty string if none). The
 // string belongs to the library and stays valid until the next call on this thread.
 const char *streamalloc_last_error(void);
+
+// Creates a simulated stream on `device` (`device=sim` only) and writes its handle to `*out`.
+//
+// # Safety
+// `out` is null (an error) or valid for writing a `cudaStream_t`.
+enum streamalloc_status_t streamalloc_sim_create_stream(int device, cudaStream_t *out);
+
+// Destroys a simulated stream made by [`streamalloc_sim_create_stream`]; its handle is no
+// longer accepted. Work already enqueued on it still completes.
+enum streamalloc_status_t streamalloc_sim_destroy_stream(int device, cudaStream_t stream);
+
+// Enqueues a simulated kernel on `stream` that uses `len` bytes at `ptr` for `duration_ns`
+// (virtual time), for the ordering checker to compare later handouts with.
+enum streamalloc_status_t streamalloc_sim_use(int device,
+                                              void *ptr,
+                                              size_t len,
+                                              cudaStream_t stream,
+                                              uint64_t duration_ns);
+
+// Blocks (in virtual time) until the work enqueued on `stream` has completed.
+enum streamalloc_status_t streamalloc_sim_synchronize(int device, cudaStream_t stream);
+
+// Lets `ns` of virtual host time pass on `device`.
+enum streamalloc_status_t streamalloc_sim_advance(int device, uint64_t ns);
+
+// Writes to `*out` how many early reuses the ordering checker of `device` has found: memory
+// handed out (by any allocation function, each checked as it returns) while a kernel on
+// another stream could still be using it.
+//
+// # Safety
+// `out` is null (an error) or valid for writing a `uint64_t`.
+enum streamalloc_status_t streamalloc_sim_violations(int device, uint64_t *out);
 
 extern void *streamalloc_shim_take_filter(void *by_value);
 

@@ -4,15 +4,16 @@
 //! * CuPy's `CFunctionAllocator` ABI: [`streamalloc_cupy_malloc`] and
 //!   [`streamalloc_cupy_free`].
 //! * A C API with status codes and a thread-local last-error string: `streamalloc_allocate`,
-//!   `_deallocate`, `_record_stream`, `_release`, `_stats`, `_configure`, `_last_error`.
+//!   `_deallocate`, `_record_stream`, `_release`, `_stats`, `_reset_peak_stats`, `_configure`,
+//!   `_last_error`; and with `device=sim`, the simulator (`streamalloc_sim_*`, see [`sim`]).
 //!
 //! All three share one process-wide facade (per-device allocator stacks), configured by
 //! [`streamalloc_configure`] or else, at the first call, from `STREAMALLOC_CONF` (e.g.
 //! `device=sim,strategy=plain`). Each device's stack keeps its live allocations by pointer
-//! (a [`PointerAllocator`](core_alloc::PointerAllocator): `stream_safe` in its per-stream
-//! pools and `async` beside its counters, under the lock each takes anyway; stacks with
-//! adaptor layers in a map of handles), so a pointer
-//! from any face can be freed by the free of any other. No call unwinds into C or aborts: errors and
+//! (a [`PointerAllocator`](core_alloc::PointerAllocator)): the strategy in one table under
+//! the lock it takes anyway (`stream_safe` one per stream's pool), every adaptor layer handing
+//! the call on, and no state per thread; so a pointer from any face can be freed by the free
+//! of any other, from any thread. No call unwinds into C or aborts: errors and
 //! panics become a status (or a null pointer) and the thread's last error. Zero-size requests
 //! give a null pointer (PyTorch's convention), and freeing null does nothing.
 //!
@@ -20,6 +21,7 @@
 //! streamalloc-capi` fails when it is out of date, and regenerates it with
 //! `STREAMALLOC_BLESS=1`.
 
+mod sim;
 mod state;
 mod status;
 mod torch;
@@ -33,17 +35,18 @@ use core_alloc::facade::Config;
 use core_alloc::{Error, Stream};
 use libc::ssize_t;
 
+pub use sim::{
+    streamalloc_sim_advance, streamalloc_sim_create_stream, streamalloc_sim_destroy_stream,
+    streamalloc_sim_synchronize, streamalloc_sim_use, streamalloc_sim_violations,
+};
 use state::State;
 pub use status::{StreamallocStats, StreamallocStatus};
 pub use torch::*;
 
 /// A CUDA stream: `cudaStream_t`, the same value as the driver's `CUstream`. Null is the
-/// legacy default stream.
+/// legacy default stream. With `device=sim`, NULL or a handle from
+/// [`streamalloc_sim_create_stream`].
 pub type CudaStream = *mut c_void;
-
-fn stream(s: CudaStream) -> Stream {
-    Stream(s as u64)
-}
 
 /// PyTorch `CUDAPluggableAllocator` allocation: `size` bytes on `device`, owned by `stream`.
 /// Returns NULL for size 0 (PyTorch's convention) and on failure (the reason goes to the last
@@ -56,7 +59,7 @@ pub extern "C" fn streamalloc_malloc(size: ssize_t, device: c_int, stream: CudaS
 /// The allocation of the PyTorch ABI, errors returned.
 fn malloc(size: ssize_t, device: c_int, stream: CudaStream) -> Result<*mut c_void, Error> {
     let size = usize::try_from(size).map_err(|_| Error::InvalidArgument(format!("negative size {size}")))?;
-    Ok(State::get()?.allocate(size, device, self::stream(stream))? as *mut c_void)
+    Ok(State::get()?.allocate(size, device, stream as u64)? as *mut c_void)
 }
 
 /// PyTorch `CUDAPluggableAllocator` free. `size` is ignored; `device` and `stream` (those the
@@ -66,9 +69,7 @@ fn malloc(size: ssize_t, device: c_int, stream: CudaStream) -> Result<*mut c_voi
 #[no_mangle]
 pub extern "C" fn streamalloc_free(ptr: *mut c_void, size: ssize_t, device: c_int, stream: CudaStream) {
     let _ = size;
-    status::abi("streamalloc_free", (), || {
-        State::get()?.free(ptr as u64, Some(device), self::stream(stream))
-    });
+    status::abi("streamalloc_free", (), || State::get()?.free(ptr as u64, Some(device), stream as u64));
 }
 
 /// Where the CuPy functions learn CuPy's current stream (see
@@ -117,7 +118,7 @@ pub extern "C" fn streamalloc_cupy_malloc(param: *mut c_void, size: usize, devic
     let _ = param;
     status::abi("streamalloc_cupy_malloc", ptr::null_mut(), || {
         let stream = cupy_stream().unwrap_or(Stream::DEFAULT);
-        Ok(State::get()?.allocate(size, device, stream)? as *mut c_void)
+        Ok(State::get()?.allocate(size, device, stream.0)? as *mut c_void)
     })
 }
 
@@ -134,7 +135,7 @@ pub extern "C" fn streamalloc_cupy_free(param: *mut c_void, ptr: *mut c_void, de
         let state = State::get()?;
         match CUPY_STREAM_SOURCE.load(Ordering::Relaxed) {
             0 => state.free_legacy(ptr as u64, device),
-            _ => state.free(ptr as u64, Some(device), Stream::DEFAULT),
+            _ => state.free(ptr as u64, Some(device), 0),
         }
     });
 }
@@ -155,7 +156,7 @@ pub unsafe extern "C" fn streamalloc_allocate(
         if out.is_null() {
             return Err(Error::InvalidArgument("out is null".into()));
         }
-        let result = State::get().and_then(|s| s.allocate(size, device, self::stream(stream)));
+        let result = State::get().and_then(|s| s.allocate(size, device, stream as u64));
         // SAFETY: `out` is non-null and, by the caller's contract, valid for writes.
         unsafe { out.write(result.as_ref().map_or(ptr::null_mut(), |p| *p as *mut c_void)) };
         result.map(drop)
@@ -167,14 +168,14 @@ pub unsafe extern "C" fn streamalloc_allocate(
 /// unknown pointer (double free) is `STREAMALLOC_INVALID_ARGUMENT`.
 #[no_mangle]
 pub extern "C" fn streamalloc_deallocate(ptr: *mut c_void) -> StreamallocStatus {
-    status::status(|| State::get()?.free(ptr as u64, None, Stream::DEFAULT))
+    status::status(|| State::get()?.free(ptr as u64, None, 0))
 }
 
 /// Says that work on `stream`, enqueued until the allocation at `ptr` is freed, uses it: the
 /// memory is not reused before that work completes. NULL (a zero-size allocation) succeeds.
 #[no_mangle]
 pub extern "C" fn streamalloc_record_stream(ptr: *mut c_void, stream: CudaStream) -> StreamallocStatus {
-    status::status(|| State::get()?.record_stream(ptr as u64, self::stream(stream)))
+    status::status(|| State::get()?.record_stream(ptr as u64, stream as u64))
 }
 
 /// Returns the cached memory of `device` that no allocation uses to the driver, and writes the
@@ -209,6 +210,14 @@ pub unsafe extern "C" fn streamalloc_stats(device: c_int, out: *mut StreamallocS
         unsafe { out.write(stats.into()) };
         Ok(())
     })
+}
+
+/// Restarts the peak figures of `device` (`allocated_peak`, `reserved_peak`) from the
+/// current ones, as PyTorch's `reset_peak_memory_stats` does. A device not used yet has
+/// nothing to reset.
+#[no_mangle]
+pub extern "C" fn streamalloc_reset_peak_stats(device: c_int) -> StreamallocStatus {
+    status::status(|| State::get()?.reset_peak_stats(device))
 }
 
 /// Configures the library with a `STREAMALLOC_CONF`-style string (e.g.

@@ -7,14 +7,18 @@ use std::sync::OnceLock;
 
 use core_alloc::device::EventPool;
 use core_alloc::facade::private_pools::{PoolId, StreamFilter};
-use core_alloc::facade::{Config, DeviceStack, Facade, MAX_DEVICES};
-use core_alloc::{DevicePtr, Error, Result, Stats, Stream};
+use core_alloc::facade::{Config, DeviceKind, DeviceStack, Facade, MAX_DEVICES};
+use core_alloc::{DevicePtr, Error, PointerAllocator, Result, Stats, Stream};
+
+use crate::sim::SimStreams;
 
 /// Everything the exported functions share.
 pub(crate) struct State {
     facade: Facade,
     /// Per device, events recorded on the legacy default stream by [`State::free_legacy`].
     legacy_events: Box<[OnceLock<EventPool>]>,
+    /// With `device=sim`, the simulated streams C holds, by handle.
+    sim_streams: SimStreams,
     /// Per device, the bytes [`State::set_memory_fraction`] allows (0: no limit).
     fraction_limits: Box<[AtomicUsize]>,
 }
@@ -49,6 +53,7 @@ impl State {
         Self {
             facade: Facade::new(config),
             legacy_events: (0..MAX_DEVICES).map(|_| OnceLock::new()).collect(),
+            sim_streams: SimStreams::default(),
             fraction_limits: (0..MAX_DEVICES).map(|_| AtomicUsize::new(0)).collect(),
         }
     }
@@ -87,8 +92,39 @@ impl State {
         }
     }
 
-    /// Allocates `size` bytes owned by `stream`; 0 (null) for size 0.
-    pub(crate) fn allocate(&self, size: usize, device: c_int, stream: Stream) -> Result<DevicePtr> {
+    /// The configuration in force.
+    pub(crate) fn config(&self) -> &Config {
+        self.facade.config()
+    }
+
+    /// The stack of `device`, built on first use.
+    pub(crate) fn stack(&self, device: c_int) -> Result<&DeviceStack> {
+        self.facade.stack(ordinal(device)?)
+    }
+
+    /// The simulated streams C holds.
+    pub(crate) fn sim_streams(&self) -> &SimStreams {
+        &self.sim_streams
+    }
+
+    /// The stream a C handle stands for on `device` (`None`: any): itself on CUDA; with
+    /// `device=sim`, NULL or a handle of [`SimStreams`], anything else an error.
+    fn stream(&self, handle: u64, device: Option<usize>) -> Result<Stream> {
+        if self.config().device != DeviceKind::Sim {
+            return Ok(Stream(handle));
+        }
+        let (owner, stream) = self.sim_streams.get(handle)?;
+        match (owner, device) {
+            (Some(o), Some(d)) if o != d => {
+                Err(Error::InvalidArgument(format!("stream {handle:#x} is not a stream of device {d}")))
+            }
+            _ => Ok(stream),
+        }
+    }
+
+    /// Allocates `size` bytes owned by the stream of C handle `stream`; 0 (null) for size 0.
+    /// With `device=sim`, the ordering checker sees every handout.
+    pub(crate) fn allocate(&self, size: usize, device: c_int, stream: u64) -> Result<DevicePtr> {
         let device = ordinal(device)?;
         if size == 0 {
             return Ok(0);
@@ -96,14 +132,19 @@ impl State {
         if size > isize::MAX as usize {
             return Err(Error::InvalidArgument(format!("size {size} is larger than any allocation can be")));
         }
+        let stream = self.stream(stream, Some(device))?;
         let stack = self.facade.stack(device)?;
-        if let Some(routed) = stack.private.allocate(size, stream) {
-            return routed;
+        let ptr = match stack.private.allocate(size, stream) {
+            Some(routed) => routed?,
+            None => match self.fraction_limits[device].load(Ordering::Relaxed) {
+                0 => stack.allocator.allocate_ptr(size, stream)?,
+                limit => self.allocate_limited(stack, size, stream, limit)?,
+            },
+        };
+        if let Some(sim) = &stack.sim {
+            sim.check_handout(ptr, size, stack.allocator.owning_stream(stream));
         }
-        match self.fraction_limits[device].load(Ordering::Relaxed) {
-            0 => stack.pointers.allocate_ptr(size, stream),
-            limit => self.allocate_limited(stack, size, stream, limit),
-        }
+        Ok(ptr)
     }
 
     /// Allocates under the limit of [`State::set_memory_fraction`], on reserved memory as
@@ -127,7 +168,7 @@ impl State {
         if before.allocated.saturating_add(size) > limit {
             return Err(exceeded(before.allocated));
         }
-        let ptr = stack.pointers.allocate_ptr(size, stream)?;
+        let ptr = stack.allocator.allocate_ptr(size, stream)?;
         if stack.allocator.stats().reserved <= limit {
             return Ok(ptr);
         }
@@ -136,7 +177,7 @@ impl State {
         if held <= limit {
             return Ok(ptr);
         }
-        stack.pointers.free_ptr(ptr, stream);
+        stack.allocator.free_ptr(ptr, stream);
         Err(exceeded(held))
     }
 
@@ -195,11 +236,13 @@ impl State {
         self.facade.release_all()
     }
 
-    /// Frees the allocation at `ptr` (null: nothing to do). `device` and `owner` are where
-    /// the caller says it was made, looked at first.
-    pub(crate) fn free(&self, ptr: DevicePtr, device: Option<c_int>, owner: Stream) -> Result<()> {
+    /// Frees the allocation at `ptr` (null: nothing to do). `device` and `owner` (a C handle)
+    /// are where the caller says it was made, looked at first.
+    pub(crate) fn free(&self, ptr: DevicePtr, device: Option<c_int>, owner: u64) -> Result<()> {
+        // Only a hint: one that stands for no stream is no reason to keep the memory.
+        let owner = self.stream(owner, None).unwrap_or(Stream::DEFAULT);
         if ptr == 0
-            || self.stacks_from(device).any(|s| s.pointers.free_ptr(ptr, owner))
+            || self.stacks_from(device).any(|s| s.allocator.free_ptr(ptr, owner).is_some())
             || self.stacks_from(device).any(|s| s.private.free(ptr, owner))
         {
             return Ok(());
@@ -220,7 +263,9 @@ impl State {
         for stack in self.stacks_from(Some(device)) {
             // Recorded before the free, so that nobody can reuse the memory ahead of it.
             self.record_legacy(stack)?;
-            if stack.pointers.free_ptr(ptr, Stream::DEFAULT) || stack.private.free(ptr, Stream::DEFAULT) {
+            if stack.allocator.free_ptr(ptr, Stream::DEFAULT).is_some()
+                || stack.private.free(ptr, Stream::DEFAULT)
+            {
                 return Ok(());
             }
         }
@@ -242,15 +287,29 @@ impl State {
         recorded
     }
 
-    /// Marks `stream` as a user of the allocation at `ptr` (null: nothing to do).
-    pub(crate) fn record_stream(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
-        if ptr == 0
-            || self.stacks_from(None).any(|s| s.pointers.record_stream_ptr(ptr, stream))
-            || self.stacks_from(None).any(|s| s.private.record_stream(ptr, stream))
-        {
+    /// Marks `stream` as a user of the allocation at `ptr` (null: nothing to do). A stream
+    /// that is not a live stream of the allocation's device is an error, and nothing is
+    /// recorded.
+    pub(crate) fn record_stream(&self, ptr: DevicePtr, stream: u64) -> Result<()> {
+        if ptr == 0 {
             return Ok(());
         }
-        Err(not_live(ptr))
+        let stream = self.stream(stream, None)?;
+        // A stack that does not hold `ptr` may still refuse a stream of another device: the
+        // stack that holds it decides.
+        let mut refused = None;
+        let stacks = self.stacks_from(None).map(|s| s.allocator.record_stream_ptr(ptr, stream));
+        let pools = self.stacks_from(None).map(|s| s.private.record_stream(ptr, stream));
+        for found in stacks.chain(pools) {
+            match found {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(e) => {
+                    refused.get_or_insert(e);
+                }
+            }
+        }
+        Err(refused.unwrap_or_else(|| not_live(ptr)))
     }
 
     /// The stacks built so far, that of `device` (if it is one in use) first.
@@ -267,7 +326,17 @@ impl State {
         self.facade.built(device).map_or(Ok(0), |s| s.allocator.release())
     }
 
-    /// Statistics of `device` (zeros for a device not used yet).
+    /// Restarts the peaks of `device`'s statistics (nothing to do for a device not used yet).
+    pub(crate) fn reset_peak_stats(&self, device: c_int) -> Result<()> {
+        if let Some(stack) = self.facade.built(ordinal(device)?) {
+            stack.allocator.reset_peak_stats();
+            stack.private.reset_peak_stats();
+        }
+        Ok(())
+    }
+
+    /// Statistics of `device`, its private pools included (zeros for a device not used
+    /// yet).
     pub(crate) fn stats(&self, device: c_int) -> Result<Stats> {
         let ordinal = ordinal(device)?;
         let private = self.facade.built(ordinal).map(|s| s.private.stats()).unwrap_or_default();
@@ -275,7 +344,7 @@ impl State {
     }
 }
 
-fn ordinal(device: c_int) -> Result<usize> {
+pub(crate) fn ordinal(device: c_int) -> Result<usize> {
     usize::try_from(device).ok().filter(|d| *d < MAX_DEVICES).ok_or_else(|| {
         Error::InvalidArgument(format!("device {device} is not a device ordinal in 0..{MAX_DEVICES}"))
     })

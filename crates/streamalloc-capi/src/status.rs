@@ -2,7 +2,7 @@
 //! errors and panics from crossing the C boundary.
 
 use std::cell::RefCell;
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::io::Write;
 use std::os::raw::c_char;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -51,6 +51,7 @@ impl StreamallocStatus {
             Error::Unsupported(_) => Self::STREAMALLOC_UNSUPPORTED,
             Error::Config(_) => Self::STREAMALLOC_CONFIG_ERROR,
             Error::Trace { .. } | Error::Io(_) => Self::STREAMALLOC_IO_ERROR,
+            Error::HeldBack { first, .. } => Self::of(first),
         }
     }
 }
@@ -84,8 +85,11 @@ pub struct StreamallocStats {
     pub device_allocs: u64,
     /// Calls that returned memory to the device.
     pub device_frees: u64,
-    /// Allocations that failed.
+    /// Allocations that failed, each counted once (refusals under `limit` included).
     pub failures: u64,
+    /// Allocations that succeeded only after the allocator released cached memory, waited
+    /// or tried again.
+    pub retries: u64,
 }
 
 impl From<Stats> for StreamallocStats {
@@ -104,6 +108,7 @@ impl From<Stats> for StreamallocStats {
             device_allocs: s.device_allocs,
             device_frees: s.device_frees,
             failures: s.failures,
+            retries: s.retries,
         }
     }
 }
@@ -112,15 +117,27 @@ thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
 }
 
+/// What [`last_error`] returns while the thread's slot is gone (during or after the thread's
+/// teardown, e.g. from a C++ `thread_local` destructor or a global destructor after `main`).
+const TORN_DOWN: &CStr = c"(the last error is not kept during thread or process teardown)";
+
 /// The calling thread's last error message (empty if none). The pointer stays valid until
-/// the next failing call on this thread.
+/// the next failing call on this thread. Never panics: the slot is reached with `try_with`.
 pub(crate) fn last_error() -> *const c_char {
-    LAST_ERROR.with(|e| e.borrow().as_ptr())
+    LAST_ERROR
+        .try_with(|e| e.try_borrow().map_or(TORN_DOWN.as_ptr(), |e| e.as_ptr()))
+        .unwrap_or(TORN_DOWN.as_ptr())
 }
 
+/// Keeps `message` as the thread's last error, unless the slot is gone (thread teardown), when
+/// only stderr (written by the framework ABIs) has it. Never panics.
 fn set_last_error(message: String) {
     let message = CString::new(message.replace('\0', " ")).unwrap_or_default();
-    LAST_ERROR.with(|e| *e.borrow_mut() = message);
+    let _ = LAST_ERROR.try_with(|e| {
+        if let Ok(mut slot) = e.try_borrow_mut() {
+            *slot = message;
+        }
+    });
 }
 
 fn panic_error(payload: &(dyn std::any::Any + Send)) -> String {
@@ -135,7 +152,13 @@ fn panic_error(payload: &(dyn std::any::Any + Send)) -> String {
 /// Runs a C API call: an error or a panic becomes its status, with the message kept as the
 /// thread's last error.
 pub(crate) fn status(f: impl FnOnce() -> Result<()>) -> StreamallocStatus {
-    match catch_unwind(AssertUnwindSafe(f)) {
+    let outcome = catch_unwind(AssertUnwindSafe(f));
+    // Keeping the message cannot panic, but the boundary promises no unwinding whatever happens.
+    catch_unwind(AssertUnwindSafe(|| report(outcome))).unwrap_or(StreamallocStatus::STREAMALLOC_INTERNAL)
+}
+
+fn report(outcome: std::thread::Result<Result<()>>) -> StreamallocStatus {
+    match outcome {
         Ok(Ok(())) => StreamallocStatus::STREAMALLOC_OK,
         Ok(Err(e)) => {
             let s = StreamallocStatus::of(&e);
@@ -158,8 +181,10 @@ pub(crate) fn abi<T>(call: &str, fail: T, f: impl FnOnce() -> Result<T>) -> T {
         Ok(Err(e)) => e.to_string(),
         Err(payload) => panic_error(&*payload),
     };
-    // Nothing better to do if stderr is closed.
-    let _ = writeln!(std::io::stderr(), "streamalloc: {call}: {message}");
-    set_last_error(message);
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        // Nothing better to do if stderr is closed.
+        let _ = writeln!(std::io::stderr(), "streamalloc: {call}: {message}");
+        set_last_error(message);
+    }));
     fail
 }

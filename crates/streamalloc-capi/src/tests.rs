@@ -207,3 +207,80 @@ fn a_pointer_allocated_on_one_thread_is_found_from_another() {
         assert_eq!(streamalloc_deallocate(p as *mut c_void), STREAMALLOC_INVALID_ARGUMENT, "double free");
     }
 }
+
+#[test]
+fn record_stream_on_an_unknown_stream_fails_at_that_call() {
+    setup();
+    let (s, p) = allocate(4096, 6);
+    assert_eq!(s, STREAMALLOC_OK);
+    let bogus = 0x1234 as *mut c_void;
+    assert_eq!(streamalloc_record_stream(p, bogus), STREAMALLOC_INVALID_ARGUMENT);
+    assert!(last_error().contains("stream 0x1234"), "{}", last_error());
+    assert_eq!(streamalloc_deallocate(p), STREAMALLOC_OK);
+    let mut st = StreamallocStats::default();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { streamalloc_stats(6, &mut st) }, STREAMALLOC_OK);
+    assert_eq!((st.allocated, st.pending_release, st.live_allocations), (0, 0, 0), "nothing kept back");
+    let (s, q) = allocate(4096, 6);
+    assert_eq!(s, STREAMALLOC_OK, "the next allocation does not report it: {}", last_error());
+    assert_eq!(streamalloc_deallocate(q), STREAMALLOC_OK);
+}
+
+#[test]
+fn a_guessed_stream_id_reaches_no_stream_on_the_simulator() {
+    setup();
+    for guess in [1usize, 2, 3, 4, 0x10] {
+        assert!(streamalloc_malloc(256, 0, guess as *mut c_void).is_null(), "stream {guess}");
+        assert!(last_error().contains("is not a simulated stream"), "{}", last_error());
+    }
+}
+
+#[test]
+fn simulated_streams_through_c() {
+    setup();
+    let device = 7;
+    let mut s = ptr::null_mut();
+    // SAFETY: valid out-pointers.
+    unsafe {
+        assert_eq!(streamalloc_sim_create_stream(device, &mut s), STREAMALLOC_OK, "{}", last_error());
+        assert_eq!(streamalloc_sim_create_stream(device, ptr::null_mut()), STREAMALLOC_INVALID_ARGUMENT);
+    }
+    assert!(s as usize > 0xffff, "a handle, not a small id: {s:?}");
+    let p = streamalloc_malloc(4096, device, s);
+    assert!(!p.is_null(), "{}", last_error());
+    assert_eq!(streamalloc_sim_use(device, p, 4096, ptr::null_mut(), 1_000_000), STREAMALLOC_OK);
+    assert_eq!(streamalloc_record_stream(p, ptr::null_mut()), STREAMALLOC_OK);
+    streamalloc_free(p, 4096, device, s);
+    assert_eq!(streamalloc_sim_advance(device, 10), STREAMALLOC_OK);
+    assert_eq!(streamalloc_sim_synchronize(device, s), STREAMALLOC_OK);
+    let q = streamalloc_malloc(4096, device, s);
+    assert!(!q.is_null());
+    streamalloc_free(q, 4096, device, s);
+    let mut violations = u64::MAX;
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { streamalloc_sim_violations(device, &mut violations) }, STREAMALLOC_OK);
+    assert_eq!(violations, 0);
+    assert_eq!(streamalloc_sim_destroy_stream(device, s), STREAMALLOC_OK);
+    assert!(streamalloc_malloc(4096, device, s).is_null(), "a destroyed stream's handle is refused");
+    assert_eq!(streamalloc_sim_destroy_stream(device, s), STREAMALLOC_INVALID_ARGUMENT);
+    assert_eq!(streamalloc_sim_use(device, q, 1, 0x1234 as *mut c_void, 1), STREAMALLOC_INVALID_ARGUMENT);
+}
+
+#[test]
+fn peaks_reset_and_retries_are_reported() {
+    setup();
+    let device = 8;
+    let (_, p) = allocate(3 << 20, device);
+    assert_eq!(streamalloc_deallocate(p), STREAMALLOC_OK);
+    let mut s = StreamallocStats { retries: u64::MAX, ..StreamallocStats::default() };
+    // SAFETY: valid out-pointers.
+    unsafe {
+        assert_eq!(streamalloc_stats(device, &mut s), STREAMALLOC_OK);
+        assert_eq!((s.allocated, s.allocated_peak, s.retries), (0, 3 << 20, 0));
+        assert_eq!(streamalloc_reset_peak_stats(device), STREAMALLOC_OK);
+        assert_eq!(streamalloc_stats(device, &mut s), STREAMALLOC_OK);
+    }
+    assert_eq!((s.allocated_peak, s.reserved_peak), (s.allocated, s.reserved));
+    assert_eq!(streamalloc_reset_peak_stats(-1), STREAMALLOC_INVALID_ARGUMENT);
+    assert_eq!(streamalloc_reset_peak_stats(20), STREAMALLOC_OK, "a device not used yet");
+}

@@ -40,7 +40,7 @@ use libc::ssize_t;
 
 use crate::state::State;
 use crate::status::{self, StreamallocStatus};
-use crate::{stream, CudaStream};
+use crate::CudaStream;
 
 extern "C" {
     fn streamalloc_shim_take_filter(by_value: *mut c_void) -> *mut c_void;
@@ -178,7 +178,7 @@ pub extern "C-unwind" fn streamalloc_torch_malloc(
 /// PyTorch's record_stream hook: [`crate::streamalloc_record_stream`]; an error goes to stderr.
 #[no_mangle]
 pub extern "C" fn streamalloc_torch_record_stream(ptr: *mut c_void, s: CudaStream) {
-    status::abi("record_stream", (), || State::get()?.record_stream(ptr as u64, stream(s)));
+    status::abi("record_stream", (), || State::get()?.record_stream(ptr as u64, s as u64));
 }
 
 /// PyTorch's begin_allocate_to_pool hook, of type `void(int, MempoolId_t,

@@ -103,7 +103,7 @@ fn replay(
             trace,
             &mut ptrs,
             |n| by_pointer.allocate_ptr(n, s),
-            |p| match p == 0 || by_pointer.free_ptr(p, s) {
+            |p| match p == 0 || by_pointer.free_ptr(p, s).is_some() {
                 true => Ok(()),
                 false => Err(Error::InvalidArgument(format!("{p:#x} not live"))),
             },

@@ -200,8 +200,12 @@ pub struct Stats {
     pub device_allocs: u64,
     /// Calls that returned memory to the device.
     pub device_frees: u64,
-    /// Allocations that failed.
+    /// Allocations that failed, each counted once by the allocator or adaptor the caller
+    /// called (refusals under a limit included).
     pub failures: u64,
+    /// Allocations that succeeded only after the allocator released cached memory, waited
+    /// for pending frees or tried again.
+    pub retries: u64,
 }
 
 impl Stats {
@@ -242,6 +246,12 @@ impl Stats {
         self.reserved = self.reserved.saturating_sub(bytes);
         self.device_frees += 1;
     }
+
+    /// Restarts the peaks from the current figures ([`Allocator::reset_peak_stats`]).
+    pub fn reset_peaks(&mut self) {
+        self.allocated_peak = self.allocated;
+        self.reserved_peak = self.reserved;
+    }
 }
 
 /// Adds up the figures of several allocators (or pools): byte and count figures add, so a
@@ -263,6 +273,7 @@ impl std::iter::Sum for Stats {
             device_allocs: a.device_allocs + b.device_allocs,
             device_frees: a.device_frees + b.device_frees,
             failures: a.failures + b.failures,
+            retries: a.retries + b.retries,
         })
     }
 }
@@ -276,6 +287,9 @@ pub trait Allocator: Send + Sync {
     fn release(&self) -> Result<usize>;
     /// A snapshot of the allocator's statistics.
     fn stats(&self) -> Stats;
+    /// Restarts `allocated_peak` and `reserved_peak` from the current figures (PyTorch's
+    /// `reset_peak_memory_stats`).
+    fn reset_peak_stats(&self);
     /// The device ordinal this allocator serves.
     fn device(&self) -> usize;
 }
@@ -296,23 +310,53 @@ pub trait StreamAllocator: Allocator {
 /// and the front end keeps no map of its own. The [ordering contract](self) is the same as
 /// for handles: a free is ordered on the owning stream and after every recorded stream.
 ///
-/// Dropping the allocator frees the allocations it still keeps (their pointers must not be
-/// used after that). [`StreamSafe`](crate::allocators::StreamSafe) keeps them in its pools
-/// and [`AsyncPool`](crate::allocators::AsyncPool) beside its counters, under the lock a
-/// free takes anyway; [`PointerMap`](crate::adaptors::PointerMap) gives any
-/// [`StreamAllocator`] this interface by keeping its handles in a map.
+/// Every allocator keeps its live allocations in one table by pointer, under the lock it
+/// takes anyway ([`StreamSafe`](crate::allocators::StreamSafe) one per stream's pool), with
+/// no state per thread; every adaptor does its own work and hands the call on to the
+/// allocator it wraps. Dropping the allocator frees the allocations it still keeps (their
+/// pointers must not be used after that).
 pub trait PointerAllocator: Send + Sync {
     /// Allocates `size` bytes owned by `stream` and keeps the allocation until
     /// [`PointerAllocator::free_ptr`]; the pointer. Size 0 gives the null pointer and keeps
     /// nothing.
     fn allocate_ptr(&self, size: usize, stream: Stream) -> Result<DevicePtr>;
-    /// Frees the allocation at `ptr`. `owner` is the owning stream as the caller knows it, a
-    /// hint looked at first (any stream is correct, a wrong one only slower). `false` if no
-    /// allocation of this allocator lives at `ptr`.
-    fn free_ptr(&self, ptr: DevicePtr, owner: Stream) -> bool;
-    /// [`Allocation::record_stream`] for the allocation at `ptr`; `false` if no allocation of
-    /// this allocator lives there.
-    fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> bool;
+    /// Frees the allocation at `ptr`; what was freed, or `None` if no allocation of this
+    /// allocator lives at `ptr`. `owner` is the owning stream as the caller knows it, a hint
+    /// looked at first (any stream is correct, a wrong one only slower).
+    fn free_ptr(&self, ptr: DevicePtr, owner: Stream) -> Option<Freed>;
+    /// [`Allocation::record_stream`] for the allocation at `ptr`; `Ok(false)` if no
+    /// allocation of this allocator lives there. Fails, recording nothing, when `stream` is
+    /// not a live stream of the device (an event could not be recorded on it at the free).
+    fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> Result<bool>;
+    /// The stream that owns an allocation asked for on `asked`: `asked` itself for
+    /// stream-aware allocators, the allocator's own stream for one that allocates on its own
+    /// stream only (which [`SingleStream`](crate::adaptors::SingleStream) orders `asked`
+    /// after).
+    fn owning_stream(&self, asked: Stream) -> Stream;
+}
+
+/// What [`PointerAllocator::free_ptr`] freed, for the adaptors' bookkeeping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Freed {
+    /// The size asked for, in bytes.
+    pub size: usize,
+    /// The owning stream.
+    pub stream: Stream,
+}
+
+impl<A: PointerAllocator + ?Sized> PointerAllocator for Arc<A> {
+    fn allocate_ptr(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
+        (**self).allocate_ptr(size, stream)
+    }
+    fn free_ptr(&self, ptr: DevicePtr, owner: Stream) -> Option<Freed> {
+        (**self).free_ptr(ptr, owner)
+    }
+    fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> Result<bool> {
+        (**self).record_stream_ptr(ptr, stream)
+    }
+    fn owning_stream(&self, asked: Stream) -> Stream {
+        (**self).owning_stream(asked)
+    }
 }
 
 impl<A: Allocator + ?Sized> Allocator for Arc<A> {
@@ -324,6 +368,9 @@ impl<A: Allocator + ?Sized> Allocator for Arc<A> {
     }
     fn stats(&self) -> Stats {
         (**self).stats()
+    }
+    fn reset_peak_stats(&self) {
+        (**self).reset_peak_stats()
     }
     fn device(&self) -> usize {
         (**self).device()

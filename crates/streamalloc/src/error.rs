@@ -70,6 +70,52 @@ pub enum Error {
     /// Reading or writing a file failed (the message names the file).
     #[error("I/O error: {0}")]
     Io(String),
+    /// Errors met where they could not be returned (in frees, which return nothing), held back
+    /// and reported once by the next [`Allocator::release`](crate::Allocator::release).
+    #[error("{count} error(s) met by earlier frees, held back until this release; the first: {first}")]
+    HeldBack {
+        /// How many errors were met.
+        count: u64,
+        /// The first of them.
+        first: Box<Error>,
+    },
+}
+
+/// Errors held back by an allocator: met where they could not be returned (a free), kept
+/// until the next [`Allocator::release`](crate::Allocator::release) reports them as one
+/// [`Error::HeldBack`]. Allocations never report them: they were not caused by the
+/// allocation.
+#[derive(Debug, Default)]
+pub struct HeldErrors {
+    first: Option<Error>,
+    count: u64,
+}
+
+impl HeldErrors {
+    /// Holds `error` back; the errors of an [`Error::HeldBack`] (another allocator's, met by
+    /// an adaptor's release) join these.
+    pub fn hold(&mut self, error: Error) {
+        let (count, error) = match error {
+            Error::HeldBack { count, first } => (count, *first),
+            other => (1, other),
+        };
+        self.count += count;
+        self.first.get_or_insert(error);
+    }
+
+    /// Reports the errors held back (once: they are cleared).
+    pub fn take(&mut self) -> Result<()> {
+        let count = std::mem::take(&mut self.count);
+        match self.first.take() {
+            Some(first) => Err(Error::HeldBack { count, first: Box::new(first) }),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether any error is held back.
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
 }
 
 /// Figures attached to an out-of-memory error.

@@ -27,10 +27,10 @@ pub mod replay;
 pub mod trace;
 
 pub use allocation::{
-    Allocation, Allocator, Block, BlockOwner, PointerAllocator, Stats, StreamAllocator, ALIGNMENT,
+    Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats, StreamAllocator, ALIGNMENT,
 };
 pub use device::{Device, DevicePtr, Stream};
-pub use error::{Error, OutOfMemory, Result};
+pub use error::{Error, HeldErrors, OutOfMemory, Result};
 
 /// The README's examples, compiled and run as doctests.
 #[doc = include_str!("../../../README.md")]

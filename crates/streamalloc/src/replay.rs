@@ -708,6 +708,9 @@ mod tests {
         fn stats(&self) -> crate::Stats {
             self.inner.stats()
         }
+        fn reset_peak_stats(&self) {
+            self.inner.reset_peak_stats();
+        }
         fn device(&self) -> usize {
             self.inner.device()
         }

@@ -12,8 +12,8 @@ use conformance::{
 use parking_lot::Mutex;
 use std::time::Duration;
 
-use streamalloc::adaptors::{Limit, PointerMap, Retry, SingleStream, StatsAdaptor, TraceAdaptor};
-use streamalloc::allocators::{BestFit, BestFitConfig, StreamSafe, StreamSafeConfig};
+use streamalloc::adaptors::{Limit, Retry, SingleStream, StatsAdaptor, TraceAdaptor};
+use streamalloc::allocators::{BestFit, BestFitConfig, Plain, StreamSafe, StreamSafeConfig};
 use streamalloc::trace::TraceWriter;
 use streamalloc::{Allocation, Allocator, Block, BlockOwner, Device, Error, Stats, Stream, StreamAllocator};
 
@@ -44,6 +44,7 @@ impl Allocator for ReuseAtOnce {
     fn stats(&self) -> Stats {
         Stats::default()
     }
+    fn reset_peak_stats(&self) {}
     fn device(&self) -> usize {
         0
     }
@@ -139,13 +140,33 @@ conformance_tests!(trace_on_sim, traced);
 
 conformance_tests!(async_pool_on_sim, async_pool);
 
-/// A PointerMap over the adaptor stack (what the C ABI uses when adaptors are configured).
-fn pointer_map(device: Arc<dyn Device>) -> Made {
-    let Made::Streams(base) = adaptor_stack(device) else { unreachable!("the stack is stream-aware") };
-    Made::Streams(Arc::new(ByPointer { pointers: Arc::new(PointerMap::new(base.clone())), base }))
+/// The adaptor stack by pointer (the C ABI's path when adaptors are configured): every layer
+/// hands the call on to StreamSafe's own tables.
+fn stack_by_pointer(device: Arc<dyn Device>) -> Made {
+    let inner = StreamSafe::new(device, StreamSafeConfig::default()).expect("allocator");
+    let traced = TraceAdaptor::new(inner, TraceWriter::new(std::io::sink()).expect("writer"));
+    let stack =
+        Arc::new(Limit::new(Retry::new(StatsAdaptor::new(traced), Duration::from_millis(10)), usize::MAX));
+    Made::Streams(Arc::new(ByPointer { pointers: stack.clone(), base: stack }))
+}
+
+/// Plain by pointer on any stream (the C ABI's path with `strategy=plain,stats=true`).
+fn plain_by_pointer(device: Arc<dyn Device>) -> Made {
+    let plain = Plain::new(device.clone(), Stream::DEFAULT);
+    let stack = Arc::new(StatsAdaptor::new(SingleStream::new(plain, device, Stream::DEFAULT)));
+    Made::Streams(Arc::new(ByPointer { pointers: stack.clone(), base: stack }))
+}
+
+/// BestFit by pointer on any stream (the C ABI's path with `strategy=best_fit`).
+fn best_fit_by_pointer(device: Arc<dyn Device>) -> Made {
+    let pool = BestFit::new(device.clone(), BestFitConfig::default()).expect("pool");
+    let stack = Arc::new(SingleStream::new(pool, device, Stream::DEFAULT));
+    Made::Streams(Arc::new(ByPointer { pointers: stack.clone(), base: stack }))
 }
 
 conformance_tests!(stream_safe_by_pointer_on_sim, stream_safe_by_pointer);
-conformance_tests!(pointer_map_on_sim, pointer_map);
+conformance_tests!(stack_by_pointer_on_sim, stack_by_pointer);
+conformance_tests!(plain_by_pointer_on_sim, plain_by_pointer);
+conformance_tests!(best_fit_by_pointer_on_sim, best_fit_by_pointer);
 
 conformance_tests!(async_pool_by_pointer_on_sim, async_pool_by_pointer);

@@ -10,8 +10,11 @@ use streamalloc::{Allocator, Error, Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
 
+/// A facade on a simulated device of 1 GiB unless `conf` gives the capacity (a key is given
+/// once).
 fn sim(conf: &str) -> Facade {
-    Facade::new(Config::parse(&format!("device=sim,sim_capacity=1GiB,{conf}")).unwrap())
+    let capacity = if conf.contains("sim_capacity") { "" } else { "sim_capacity=1GiB," };
+    Facade::new(Config::parse(&format!("device=sim,{capacity}{conf}")).unwrap())
 }
 
 #[test]
@@ -147,7 +150,7 @@ fn the_same_stack_from_code_and_from_a_string() {
 }
 
 /// Every stack frees by pointer: `stream_safe` alone through its own bookkeeping, any
-/// stack with a layer through a map of handles, and the layers see the pointer traffic.
+/// stack with layers through the strategy's own table, and the layers see the pointer traffic.
 #[test]
 fn every_stack_allocates_and_frees_by_pointer() {
     for conf in
@@ -156,18 +159,22 @@ fn every_stack_allocates_and_frees_by_pointer() {
         let f = sim(conf);
         let stack = f.stack(0).unwrap();
         let s = stack.device.create_stream().unwrap();
-        let p = stack.pointers.allocate_ptr(3 * MIB, s).unwrap();
+        let p = stack.allocator.allocate_ptr(3 * MIB, s).unwrap();
         assert_eq!(f.stats(0).allocated, 3 * MIB, "{conf}");
-        assert!(stack.pointers.record_stream_ptr(p, Stream::DEFAULT), "{conf}");
-        assert!(stack.pointers.free_ptr(p, Stream::DEFAULT), "{conf}: a wrong hint still finds it");
-        assert!(!stack.pointers.free_ptr(p, s), "{conf}: freed twice");
+        assert!(stack.allocator.record_stream_ptr(p, Stream::DEFAULT).unwrap(), "{conf}");
+        assert!(
+            stack.allocator.free_ptr(p, Stream::DEFAULT).is_some(),
+            "{conf}: a wrong hint still finds it"
+        );
+        assert!(stack.allocator.free_ptr(p, s).is_none(), "{conf}: freed twice");
         assert_eq!(f.stats(0).allocated, 0, "{conf}");
-        assert_eq!(stack.pointers.allocate_ptr(0, s).unwrap(), 0);
+        assert_eq!(stack.allocator.allocate_ptr(0, s).unwrap(), 0);
     }
     let f = sim("strategy=stream_safe,stats=true");
     let stack = f.stack(0).unwrap();
-    let p = stack.pointers.allocate_ptr(MIB, Stream::DEFAULT).unwrap();
+    let p = stack.allocator.allocate_ptr(MIB, Stream::DEFAULT).unwrap();
     let per_stream = f.stream_stats(0).unwrap();
     assert_eq!(per_stream.len(), 1, "the stats layer saw the allocation made by pointer");
-    assert!(stack.pointers.free_ptr(p, Stream::DEFAULT));
+    assert!(stack.allocator.free_ptr(p, Stream::DEFAULT).is_some());
+    assert_eq!(f.stream_stats(0).unwrap()[0].1.current, 0, "and its free");
 }

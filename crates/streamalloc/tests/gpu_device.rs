@@ -472,3 +472,30 @@ fn auto_free_graph_relaunches_with_memory_left_allocated() {
     dev.destroy_graph(graph).unwrap();
     dev.destroy_stream(s).unwrap();
 }
+
+/// A stream held by a gate: a bounded wait for an event behind it gives up at its bound and
+/// says so; once the gate opens the event is waited for. `check_stream` accepts live streams
+/// and refuses a destroyed one.
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-test.sh"]
+fn bounded_event_wait_and_stream_check() {
+    let dev = device();
+    let s = dev.create_stream().unwrap();
+    let gate = Gate::default();
+    gate.hold(&dev, s);
+    gate.wait_entered();
+    let e = dev.create_event().unwrap();
+    dev.record_event(e, s).unwrap();
+    let start = Instant::now();
+    assert!(!dev.wait_event(e, Duration::from_millis(50)).unwrap(), "the gate still holds the stream");
+    let waited = start.elapsed();
+    assert!(waited >= Duration::from_millis(50) && waited < Duration::from_secs(2), "waited {waited:?}");
+    gate.open();
+    assert!(dev.wait_event(e, POLL_LIMIT).unwrap());
+    dev.check_stream(s).expect("a live stream");
+    dev.check_stream(Stream::DEFAULT).expect("the legacy default stream");
+    dev.destroy_event(e).unwrap();
+    dev.destroy_stream(s).unwrap();
+    let refused = dev.check_stream(s).expect_err("a destroyed stream");
+    assert!(matches!(refused, Error::InvalidArgument(_)), "{refused}");
+}

@@ -103,3 +103,33 @@ fn single_stream_best_fit_record_stream_prevents_early_reuse() {
     let (_, bytes) = delayed_user_then_reuse(&alloc, &device, true);
     assert!(all(&bytes, 0xCC), "B's delayed write landed in A's new allocation");
 }
+
+/// An out-of-memory on stream A while blocked stream B still has work on memory B's pool
+/// keeps: the release waits at most the pools' `wait_timeout` (a `cuMemFree` would wait for
+/// B, up to [`gpu_common::BLOCK_LIMIT`]) and the error says what it waited for; once B's work
+/// is done the same allocation succeeds.
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-test.sh"]
+fn out_of_memory_waits_for_another_stream_within_the_bound() {
+    use std::time::{Duration, Instant};
+    let device = gpu();
+    let pool = BestFitConfig { wait_timeout: Duration::from_millis(500), ..BestFitConfig::default() };
+    let ss =
+        StreamSafe::new(device.clone(), StreamSafeConfig { pool, ..StreamSafeConfig::default() }).unwrap();
+    let (a, b) = (device.create_stream().unwrap(), device.create_stream().unwrap());
+    let free = device.mem_info().unwrap().free;
+    let big = (free / 2 + free / 8) & !(2 * MIB - 1);
+    let x = ss.allocate_on(big, b).unwrap();
+    let go = block_stream(&device, b);
+    device.memset_async(x.ptr(), 0, big, b).unwrap();
+    drop(x);
+    let start = Instant::now();
+    let result = ss.allocate_on(big, a);
+    let waited = start.elapsed();
+    go.store(true, Ordering::Release);
+    let e = result.expect_err("stream B still uses the memory");
+    assert!(waited < Duration::from_secs(3), "the allocation waited {waited:?}");
+    assert!(e.is_out_of_memory() && e.to_string().contains("waited"), "{e}");
+    device.synchronize_stream(b).unwrap();
+    ss.allocate_on(big, a).expect("fits once B's work is done");
+}

@@ -1,15 +1,17 @@
 //! `Limit`: a hard byte limit over any allocator.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use super::{FreeHook, Owners};
-use crate::allocation::{Allocation, Allocator, Block, BlockOwner, Stats, StreamAllocator};
-use crate::device::Stream;
+use crate::allocation::{
+    Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats, StreamAllocator,
+};
+use crate::device::{DevicePtr, Stream};
 use crate::error::{Error, Result};
 
 /// Fails allocations that would take the bytes handed out (as asked for) past a limit, with
-/// [`Error::LimitExceeded`] naming it.
+/// [`Error::LimitExceeded`] naming it; each refusal counts as a failure in its [`Stats`].
 ///
 /// # Examples
 ///
@@ -37,19 +39,23 @@ pub struct Limit<A> {
 struct Shared {
     limit: usize,
     in_use: AtomicUsize,
+    refused: AtomicU64,
 }
 
 impl<A: Allocator> Limit<A> {
     /// Wraps `inner` with a limit of `limit` bytes.
     pub fn new(inner: A, limit: usize) -> Self {
-        Self { inner, shared: Arc::new(Shared { limit, in_use: AtomicUsize::new(0) }), owners: Owners::new() }
+        let shared = Shared { limit, in_use: AtomicUsize::new(0), refused: AtomicU64::new(0) };
+        Self { inner, shared: Arc::new(shared), owners: Owners::new() }
     }
 
-    fn wrap(&self, size: usize, make: impl FnOnce() -> Result<Allocation>) -> Result<Allocation> {
+    /// Takes `size` bytes of the limit, or refuses.
+    fn take(&self, size: usize) -> Result<()> {
         let s = &self.shared;
         let before = s.in_use.fetch_add(size, Ordering::Relaxed);
         if before.checked_add(size).is_none_or(|total| total > s.limit) {
             s.in_use.fetch_sub(size, Ordering::Relaxed);
+            s.refused.fetch_add(1, Ordering::Relaxed);
             return Err(Error::LimitExceeded {
                 device: self.inner.device(),
                 requested: size,
@@ -57,13 +63,15 @@ impl<A: Allocator> Limit<A> {
                 limit: s.limit,
             });
         }
-        match make() {
-            Ok(a) => Ok(self.owners.adopt(&self.shared, a, |_| ())),
-            Err(e) => {
-                s.in_use.fetch_sub(size, Ordering::Relaxed);
-                Err(e)
-            }
-        }
+        Ok(())
+    }
+
+    /// Runs `make` within the limit: `size` bytes are taken first and given back if it fails.
+    fn within<T>(&self, size: usize, make: impl FnOnce() -> Result<T>) -> Result<T> {
+        self.take(size)?;
+        make().inspect_err(|_| {
+            self.shared.in_use.fetch_sub(size, Ordering::Relaxed);
+        })
     }
 }
 
@@ -76,14 +84,37 @@ impl FreeHook for Shared {
 
 impl<A: Allocator> Allocator for Limit<A> {
     fn allocate(&self, size: usize) -> Result<Allocation> {
-        self.wrap(size, || self.inner.allocate(size))
+        let a = self.within(size, || self.inner.allocate(size))?;
+        Ok(self.owners.adopt(&self.shared, a, |_| ()))
+    }
+    fn release(&self) -> Result<usize> {
+        self.inner.release()
+    }
+    /// The wrapped allocator's, with the refusals counted as failures.
+    fn stats(&self) -> Stats {
+        let mut stats = self.inner.stats();
+        stats.failures += self.shared.refused.load(Ordering::Relaxed);
+        stats
     }
     pass_through_allocator!();
 }
 
 impl<A: StreamAllocator> StreamAllocator for Limit<A> {
     fn allocate_on(&self, size: usize, stream: Stream) -> Result<Allocation> {
-        self.wrap(size, || self.inner.allocate_on(size, stream))
+        let a = self.within(size, || self.inner.allocate_on(size, stream))?;
+        Ok(self.owners.adopt(&self.shared, a, |_| ()))
     }
     pass_through_default_stream!();
+}
+
+impl<A: Allocator + PointerAllocator> PointerAllocator for Limit<A> {
+    fn allocate_ptr(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
+        self.within(size, || self.inner.allocate_ptr(size, stream))
+    }
+    fn free_ptr(&self, ptr: DevicePtr, owner: Stream) -> Option<Freed> {
+        let freed = self.inner.free_ptr(ptr, owner)?;
+        self.shared.in_use.fetch_sub(freed.size, Ordering::Relaxed);
+        Some(freed)
+    }
+    pass_through_pointers!();
 }

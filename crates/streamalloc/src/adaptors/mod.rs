@@ -9,18 +9,17 @@
 //!   and nested scopes.
 //! * [`TraceAdaptor`]: writes every allocation and free as RMM's logging CSV.
 //! * [`SingleStream`]: makes an allocator without stream methods usable on any stream.
-//! * [`PointerMap`]: frees by pointer alone (a [`PointerAllocator`](crate::PointerAllocator)),
-//!   for front ends that hand raw pointers to C.
+//!
+//! Each adaptor is also a [`PointerAllocator`](crate::PointerAllocator) when what it wraps is
+//! one: it does its work and hands the call on, so a stack frees by pointer through the
+//! table of live allocations its allocator keeps.
 
 /// The [`Allocator`](crate::Allocator) methods an adaptor passes to the allocator it wraps
-/// (`self.inner`).
+/// (`self.inner`) unchanged: the device, and the reset of the peaks.
 macro_rules! pass_through_allocator {
     () => {
-        fn release(&self) -> Result<usize> {
-            self.inner.release()
-        }
-        fn stats(&self) -> Stats {
-            self.inner.stats()
+        fn reset_peak_stats(&self) {
+            self.inner.reset_peak_stats()
         }
         fn device(&self) -> usize {
             self.inner.device()
@@ -41,15 +40,26 @@ macro_rules! pass_through_default_stream {
     };
 }
 
+/// The [`PointerAllocator`](crate::PointerAllocator) methods an adaptor passes to the
+/// allocator it wraps (`self.inner`) unchanged.
+macro_rules! pass_through_pointers {
+    () => {
+        fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> Result<bool> {
+            self.inner.record_stream_ptr(ptr, stream)
+        }
+        fn owning_stream(&self, asked: Stream) -> Stream {
+            self.inner.owning_stream(asked)
+        }
+    };
+}
+
 mod limit;
-mod pointer_map;
 mod retry;
 mod single_stream;
 mod stats;
 mod trace;
 
 pub use limit::Limit;
-pub use pointer_map::PointerMap;
 pub use retry::Retry;
 pub use single_stream::SingleStream;
 pub use stats::{Scope, StatsAdaptor, StreamStats};

@@ -1,14 +1,17 @@
 //! `Retry`: on out-of-memory, release caches, wait (bounded) for frees, and try again.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
 use super::{FreeHook, Owners};
-use crate::allocation::{Allocation, Allocator, Block, BlockOwner, Stats, StreamAllocator};
-use crate::device::Stream;
-use crate::error::{Error, Result};
+use crate::allocation::{
+    Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats, StreamAllocator,
+};
+use crate::device::{DevicePtr, Stream};
+use crate::error::{Error, HeldErrors, Result};
 
 /// Longest single wait between two attempts: frees that complete on the device (pending
 /// releases) do not notify the host, so the adaptor looks again at least this often.
@@ -19,6 +22,11 @@ const SLICE: Duration = Duration::from_millis(5);
 /// `timeout` has passed. The final error is the last out-of-memory error, its hint saying
 /// how long it waited. Other errors pass through at once. A zero timeout still makes the
 /// one release-and-retry.
+///
+/// In its [`Stats`], an allocation counts once: a failure if the last attempt failed (the
+/// wrapped allocator's failed attempts before it are not counted), a retry if an attempt
+/// after the first succeeded. Errors the wrapped allocator's release reports as held back
+/// ([`Error::HeldBack`]) are kept for this adaptor's own [`Allocator::release`].
 ///
 /// # Examples
 ///
@@ -53,36 +61,62 @@ struct Shared {
     timeout: Duration,
     frees: Mutex<u64>,
     freed: Condvar,
+    /// Failed attempts of the wrapped allocator that were not the allocation's last.
+    absorbed: AtomicU64,
+    /// Allocations that succeeded after a failed attempt.
+    retries: AtomicU64,
+    /// What the wrapped allocator's releases reported as held back.
+    held: Mutex<HeldErrors>,
 }
 
 impl<A: Allocator> Retry<A> {
     /// Wraps `inner`, waiting at most `timeout` for memory.
     pub fn new(inner: A, timeout: Duration) -> Self {
-        let shared = Shared { timeout, frees: Mutex::new(0), freed: Condvar::new() };
+        let shared = Shared {
+            timeout,
+            frees: Mutex::new(0),
+            freed: Condvar::new(),
+            absorbed: AtomicU64::new(0),
+            retries: AtomicU64::new(0),
+            held: Mutex::default(),
+        };
         Self { inner, shared: Arc::new(shared), owners: Owners::new() }
     }
 
-    fn retry(&self, make: impl Fn() -> Result<Allocation>) -> Result<Allocation> {
+    fn retry<T>(&self, make: impl Fn() -> Result<T>) -> Result<T> {
         match make() {
             Err(e) if e.is_out_of_memory() => {}
-            other => return self.adopt(other?),
+            other => return other,
         }
+        let s = &self.shared;
         let start = Instant::now();
+        let mut failed = 1;
         let mut last = loop {
-            // A failing release must not hide the out-of-memory error the caller needs.
-            let _ = self.inner.release();
+            // A release that cannot give memory back (e.g. a wait that ran out) leaves the
+            // out-of-memory error, which says so, to the caller; errors held back are kept.
+            if let Err(e @ Error::HeldBack { .. }) = self.inner.release() {
+                s.held.lock().hold(e);
+            }
             let e = match make() {
                 Err(e) if e.is_out_of_memory() => e,
-                other => return self.adopt(other?),
+                other => {
+                    s.absorbed.fetch_add(failed, Ordering::Relaxed);
+                    if other.is_ok() {
+                        s.retries.fetch_add(1, Ordering::Relaxed);
+                    }
+                    return other;
+                }
             };
-            let left = self.shared.timeout.saturating_sub(start.elapsed());
+            failed += 1;
+            let left = s.timeout.saturating_sub(start.elapsed());
             if left.is_zero() {
                 break e;
             }
-            let mut frees = self.shared.frees.lock();
+            let mut frees = s.frees.lock();
             let seen = *frees;
-            self.shared.freed.wait_while_for(&mut frees, |n| *n == seen, left.min(SLICE));
+            s.freed.wait_while_for(&mut frees, |n| *n == seen, left.min(SLICE));
         };
+        s.absorbed.fetch_add(failed - 1, Ordering::Relaxed);
         if let Error::OutOfMemory(report) = &mut last {
             let waited = format!("retried after releasing caches and waited {:?} for frees", start.elapsed());
             report.hint = if report.hint.is_empty() { waited } else { format!("{}; {waited}", report.hint) };
@@ -90,29 +124,61 @@ impl<A: Allocator> Retry<A> {
         Err(last)
     }
 
-    fn adopt(&self, a: Allocation) -> Result<Allocation> {
-        Ok(self.owners.adopt(&self.shared, a, |_| ()))
+    fn adopt(&self, a: Allocation) -> Allocation {
+        self.owners.adopt(&self.shared, a, |_| ())
+    }
+}
+
+impl Shared {
+    fn notify(&self) {
+        *self.frees.lock() += 1;
+        self.freed.notify_all();
     }
 }
 
 impl FreeHook for Shared {
     fn free(&self, block: Block, inner: &dyn BlockOwner) {
         inner.free(block);
-        *self.frees.lock() += 1;
-        self.freed.notify_all();
+        self.notify();
     }
 }
 
 impl<A: Allocator> Allocator for Retry<A> {
     fn allocate(&self, size: usize) -> Result<Allocation> {
-        self.retry(|| self.inner.allocate(size))
+        Ok(self.adopt(self.retry(|| self.inner.allocate(size))?))
+    }
+    /// The wrapped allocator's release; then the errors held back that its releases made
+    /// during retries reported.
+    fn release(&self) -> Result<usize> {
+        let released = self.inner.release();
+        self.shared.held.lock().take()?;
+        released
+    }
+    /// The wrapped allocator's, each allocation counted once (see [`Retry`]).
+    fn stats(&self) -> Stats {
+        let mut stats = self.inner.stats();
+        stats.failures = stats.failures.saturating_sub(self.shared.absorbed.load(Ordering::Relaxed));
+        stats.retries += self.shared.retries.load(Ordering::Relaxed);
+        stats
     }
     pass_through_allocator!();
 }
 
 impl<A: StreamAllocator> StreamAllocator for Retry<A> {
     fn allocate_on(&self, size: usize, stream: Stream) -> Result<Allocation> {
-        self.retry(|| self.inner.allocate_on(size, stream))
+        Ok(self.adopt(self.retry(|| self.inner.allocate_on(size, stream))?))
     }
     pass_through_default_stream!();
+}
+
+impl<A: Allocator + PointerAllocator> PointerAllocator for Retry<A> {
+    fn allocate_ptr(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
+        self.retry(|| self.inner.allocate_ptr(size, stream))
+    }
+    fn free_ptr(&self, ptr: DevicePtr, owner: Stream) -> Option<Freed> {
+        let freed = self.inner.free_ptr(ptr, owner)?;
+        self.shared.notify();
+        Some(freed)
+    }
+    pass_through_pointers!();
 }

@@ -1,11 +1,12 @@
 //! `SingleStream`: an allocator without stream methods, usable on any stream.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::allocation::{Allocation, Allocator, Stats, StreamAllocator};
-use crate::device::{Device, EventPool, Stream};
+use crate::allocation::{Allocation, Allocator, Freed, PointerAllocator, Stats, StreamAllocator};
+use crate::device::{Device, DevicePtr, EventPool, Stream};
 use crate::error::Result;
 
 /// Makes an [`Allocator`] without stream methods (e.g. [`BestFit`](crate::allocators::BestFit)
@@ -17,26 +18,57 @@ use crate::error::Result;
 /// of the own stream is done, and the allocation records the asking stream so that the
 /// wrapped allocator's free waits for its work (see the [ordering contract](crate::allocation)).
 /// Correct on any stream at the cost of two driver calls per allocation off the own
-/// stream; a stream-aware allocator avoids both.
+/// stream; a stream-aware allocator avoids both. If that ordering fails (e.g. the asking
+/// stream is gone), the memory goes back and the allocation fails, counted once in the
+/// [`Stats`].
 pub struct SingleStream<A> {
     inner: A,
     device: Arc<dyn Device>,
     events: EventPool,
     own: Stream,
     default: Mutex<Stream>,
+    /// Allocations that failed in the ordering step (the wrapped allocator counted them as
+    /// made and freed).
+    failures: AtomicU64,
 }
 
 impl<A: Allocator> SingleStream<A> {
     /// Wraps `inner`, whose allocations belong to `own`, on `device`.
     pub fn new(inner: A, device: Arc<dyn Device>, own: Stream) -> Self {
         let events = EventPool::new(device.clone());
-        Self { inner, device, events, own, default: Mutex::new(own) }
+        Self { inner, device, events, own, default: Mutex::new(own), failures: AtomicU64::new(0) }
+    }
+
+    /// Makes `stream` wait for the work enqueued so far on the own stream; counts a failure.
+    fn order(&self, stream: Stream) -> Result<()> {
+        let ordered = self.events.get().and_then(|event| {
+            let ordered = self
+                .device
+                .record_event(event, self.own)
+                .and_then(|()| self.device.stream_wait_event(stream, event));
+            // The wait captured the event's state; the event can be reused at once.
+            self.events.put(event);
+            ordered
+        });
+        if ordered.is_err() {
+            self.failures.fetch_add(1, Ordering::Relaxed);
+        }
+        ordered
     }
 }
 
 impl<A: Allocator> Allocator for SingleStream<A> {
     fn allocate(&self, size: usize) -> Result<Allocation> {
         self.allocate_on(size, self.default_stream())
+    }
+    fn release(&self) -> Result<usize> {
+        self.inner.release()
+    }
+    /// The wrapped allocator's, with the failures of the ordering step.
+    fn stats(&self) -> Stats {
+        let mut stats = self.inner.stats();
+        stats.failures += self.failures.load(Ordering::Relaxed);
+        stats
     }
     pass_through_allocator!();
 }
@@ -45,14 +77,8 @@ impl<A: Allocator> StreamAllocator for SingleStream<A> {
     fn allocate_on(&self, size: usize, stream: Stream) -> Result<Allocation> {
         let mut a = self.inner.allocate(size)?;
         if stream != self.own && a.size() != 0 {
-            let event = self.events.get()?;
-            let ordered = self
-                .device
-                .record_event(event, self.own)
-                .and_then(|()| self.device.stream_wait_event(stream, event));
-            // The wait captured the event's state; the event can be reused at once.
-            self.events.put(event);
-            ordered?;
+            // On failure `a` is dropped: the memory goes back.
+            self.order(stream)?;
             a.record_stream(stream);
         }
         Ok(a)
@@ -62,5 +88,29 @@ impl<A: Allocator> StreamAllocator for SingleStream<A> {
     }
     fn set_default_stream(&self, stream: Stream) {
         *self.default.lock() = stream;
+    }
+}
+
+impl<A: Allocator + PointerAllocator> PointerAllocator for SingleStream<A> {
+    fn allocate_ptr(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
+        let ptr = self.inner.allocate_ptr(size, self.own)?;
+        if stream != self.own && ptr != 0 {
+            let ordered =
+                self.order(stream).and_then(|()| self.inner.record_stream_ptr(ptr, stream).map(drop));
+            if let Err(e) = ordered {
+                self.inner.free_ptr(ptr, self.own);
+                return Err(e);
+            }
+        }
+        Ok(ptr)
+    }
+    fn free_ptr(&self, ptr: DevicePtr, _owner: Stream) -> Option<Freed> {
+        self.inner.free_ptr(ptr, self.own)
+    }
+    fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> Result<bool> {
+        self.inner.record_stream_ptr(ptr, stream)
+    }
+    fn owning_stream(&self, _asked: Stream) -> Stream {
+        self.own
     }
 }

@@ -6,8 +6,10 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use super::{FreeHook, Owners};
-use crate::allocation::{Allocation, Allocator, Block, BlockOwner, Stats, StreamAllocator};
-use crate::device::Stream;
+use crate::allocation::{
+    Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats, StreamAllocator,
+};
+use crate::device::{DevicePtr, Stream};
 use crate::error::Result;
 
 /// Figures for one stream, for all streams, or for one scope.
@@ -138,28 +140,35 @@ impl<A: Allocator> StatsAdaptor<A> {
     }
 
     fn adopt(&self, a: Allocation) -> Allocation {
-        self.owners.adopt(&self.shared, a, |block| {
-            let mut state = self.shared.state.lock();
-            state.all.on_allocate(block.size);
-            state.per_stream.entry(block.stream).or_default().on_allocate(block.size);
-            for (_, s) in &mut state.scopes {
-                s.on_allocate(block.size);
-            }
-        })
+        self.owners.adopt(&self.shared, a, |block| self.shared.on_allocate(block.size, block.stream))
+    }
+}
+
+impl Shared {
+    fn on_allocate(&self, size: usize, stream: Stream) {
+        let mut state = self.state.lock();
+        state.all.on_allocate(size);
+        state.per_stream.entry(stream).or_default().on_allocate(size);
+        for (_, s) in &mut state.scopes {
+            s.on_allocate(size);
+        }
+    }
+
+    fn on_free(&self, size: usize, stream: Stream) {
+        let mut state = self.state.lock();
+        state.all.on_free(size);
+        if let Some(s) = state.per_stream.get_mut(&stream) {
+            s.on_free(size);
+        }
+        for (_, s) in &mut state.scopes {
+            s.on_free(size);
+        }
     }
 }
 
 impl FreeHook for Shared {
     fn free(&self, block: Block, inner: &dyn BlockOwner) {
-        let mut state = self.state.lock();
-        state.all.on_free(block.size);
-        if let Some(s) = state.per_stream.get_mut(&block.stream) {
-            s.on_free(block.size);
-        }
-        for (_, s) in &mut state.scopes {
-            s.on_free(block.size);
-        }
-        drop(state);
+        self.on_free(block.size, block.stream);
         inner.free(block);
     }
 }
@@ -168,7 +177,20 @@ impl<A: Allocator> Allocator for StatsAdaptor<A> {
     fn allocate(&self, size: usize) -> Result<Allocation> {
         Ok(self.adopt(self.inner.allocate(size)?))
     }
-    pass_through_allocator!();
+    fn release(&self) -> Result<usize> {
+        self.inner.release()
+    }
+    fn stats(&self) -> Stats {
+        self.inner.stats()
+    }
+    /// The wrapped allocator's peaks, and this adaptor's ([`StatsAdaptor::reset_peaks`]).
+    fn reset_peak_stats(&self) {
+        self.inner.reset_peak_stats();
+        self.reset_peaks();
+    }
+    fn device(&self) -> usize {
+        self.inner.device()
+    }
 }
 
 impl<A: StreamAllocator> StreamAllocator for StatsAdaptor<A> {
@@ -176,6 +198,22 @@ impl<A: StreamAllocator> StreamAllocator for StatsAdaptor<A> {
         Ok(self.adopt(self.inner.allocate_on(size, stream)?))
     }
     pass_through_default_stream!();
+}
+
+impl<A: Allocator + PointerAllocator> PointerAllocator for StatsAdaptor<A> {
+    fn allocate_ptr(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
+        let ptr = self.inner.allocate_ptr(size, stream)?;
+        if ptr != 0 {
+            self.shared.on_allocate(size, self.inner.owning_stream(stream));
+        }
+        Ok(ptr)
+    }
+    fn free_ptr(&self, ptr: DevicePtr, owner: Stream) -> Option<Freed> {
+        let freed = self.inner.free_ptr(ptr, owner)?;
+        self.shared.on_free(freed.size, freed.stream);
+        Some(freed)
+    }
+    pass_through_pointers!();
 }
 
 #[cfg(test)]

@@ -8,8 +8,10 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use parking_lot::Mutex;
 
 use super::{FreeHook, Owners};
-use crate::allocation::{Allocation, Allocator, Block, BlockOwner, Stats, StreamAllocator};
-use crate::device::Stream;
+use crate::allocation::{
+    Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats, StreamAllocator,
+};
+use crate::device::{DevicePtr, Stream};
 use crate::error::{Error, Result};
 use crate::trace::{Action, Record, TraceWriter};
 
@@ -55,15 +57,19 @@ struct Output<W: Write> {
 fn thread_number() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     thread_local!(static ID: u64 = NEXT.fetch_add(1, Ordering::Relaxed));
-    ID.with(|id| *id)
+    // Never panics, also while the thread is torn down (C++ thread_local destructors).
+    ID.try_with(|id| *id).unwrap_or(u64::MAX)
 }
 
 impl<W: Write + Send + 'static> Shared<W> {
     fn log(&self, action: Action, ptr: u64, size: usize, stream: Stream) {
+        Self::write(&mut self.out.lock(), action, ptr, size, stream);
+    }
+
+    fn write(out: &mut Output<W>, action: Action, ptr: u64, size: usize, stream: Stream) {
         let time_us = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64);
         let record = Record { thread: thread_number(), time_us, action, ptr, size, stream: stream.0 };
-        let mut out = self.out.lock();
-        let Output { writer, error } = &mut *out;
+        let Output { writer, error } = out;
         if let Some(w) = writer {
             if let Err(e) = w.write(&record) {
                 error.get_or_insert(e);
@@ -118,6 +124,12 @@ impl<A: Allocator, W: Write + Send + 'static> Allocator for TraceAdaptor<A, W> {
         let stream = Stream::DEFAULT;
         self.logged(size, stream, self.inner.allocate(size))
     }
+    fn release(&self) -> Result<usize> {
+        self.inner.release()
+    }
+    fn stats(&self) -> Stats {
+        self.inner.stats()
+    }
     pass_through_allocator!();
 }
 
@@ -126,4 +138,25 @@ impl<A: StreamAllocator, W: Write + Send + 'static> StreamAllocator for TraceAda
         self.logged(size, stream, self.inner.allocate_on(size, stream))
     }
     pass_through_default_stream!();
+}
+
+impl<A: Allocator + PointerAllocator, W: Write + Send + 'static> PointerAllocator for TraceAdaptor<A, W> {
+    fn allocate_ptr(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
+        let made = self.inner.allocate_ptr(size, stream);
+        match &made {
+            Ok(0) => {}
+            Ok(ptr) => self.shared.log(Action::Allocate, *ptr, size, self.inner.owning_stream(stream)),
+            Err(_) => self.shared.log(Action::AllocateFailure, 0, size, stream),
+        }
+        made
+    }
+    /// The free is made under the trace's lock, so that its row comes before the row of
+    /// whoever gets the memory next.
+    fn free_ptr(&self, ptr: DevicePtr, owner: Stream) -> Option<Freed> {
+        let mut out = self.shared.out.lock();
+        let freed = self.inner.free_ptr(ptr, owner)?;
+        Shared::write(&mut out, Action::Free, ptr, freed.size, freed.stream);
+        Some(freed)
+    }
+    pass_through_pointers!();
 }

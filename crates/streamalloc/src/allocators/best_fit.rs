@@ -3,6 +3,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
@@ -10,9 +11,11 @@ use rustc_hash::FxHashMap;
 use super::backing::{
     Backing, BackingKind, ChunkSource, Chunks, DeviceChunks, Ledger, Segments, Stitched, Want,
 };
-use crate::allocation::{record_user, Allocation, Allocator, Block, BlockOwner, Stats};
+use crate::allocation::{
+    record_user, Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats,
+};
 use crate::device::{Device, DevicePtr, Event, EventPool, Stream};
-use crate::error::{Error, OutOfMemory, Result};
+use crate::error::{Error, HeldErrors, OutOfMemory, Result};
 use crate::policy::best_fit::{BestFitPolicy, Class, Classes, Grant, Growth};
 
 /// A wholly free chunk moving from one pool to another (see [`BestFit::take_free_chunk`]).
@@ -44,6 +47,9 @@ pub struct BestFitConfig {
     /// last two is mapped for this device alone: CUDA IPC does not apply to it. Default
     /// [`BackingKind::Chunks`].
     pub backing: BackingKind,
+    /// The longest the pool waits for its stream's work before giving memory back to the
+    /// device (see [`BestFit`]'s release). Default 2 s.
+    pub wait_timeout: Duration,
 }
 
 impl Default for BestFitConfig {
@@ -53,6 +59,7 @@ impl Default for BestFitConfig {
             small_chunk_size: 2 << 20,
             stream: Stream::DEFAULT,
             backing: BackingKind::Chunks,
+            wait_timeout: Duration::from_secs(2),
         }
     }
 }
@@ -67,7 +74,13 @@ impl Default for BestFitConfig {
 ///   backing can give back and tries once more before failing with [`Error::OutOfMemory`].
 /// * **Release.** [`Allocator::release`] gives free memory back through the backing (wholly
 ///   free chunks and segments; every free granule of stitched ranges). Dropping the pool
-///   (and every allocation) returns all memory.
+///   (and every allocation) returns all memory. Before giving memory back (on release, and
+///   on out-of-memory before the retry) the pool waits for the work enqueued on its stream,
+///   at most [`BestFitConfig::wait_timeout`]: a chunk's `cuMemFree` would wait for it
+///   without a bound, an unmap would not wait at all. Past the bound nothing is given back,
+///   and the error says what was waited for. (`cuMemFree` also waits for streams the pool
+///   does not know; unmapped segments and stitched ranges do not.) A stitched pool that
+///   unmaps free granules to pay for a growth waits the same way.
 /// * **Backings compared.** On the H200 (anchors harness, run 29 in `bench/results`)
 ///   StreamSafe over expandable segments held 1.121 / 1.051 / 1.028 times the peak live
 ///   bytes of GPT-2 generation, GPT-2 training and ResNet-50 training, against 1.109 /
@@ -78,7 +91,8 @@ impl Default for BestFitConfig {
 ///   the block becomes reusable once all its events have completed, which is checked without
 ///   blocking at the next allocation or release. Freeing never blocks and never panics; if
 ///   recording an event fails, the block is never reused (its chunk returns to the device
-///   only when the pool is dropped) and the error is reported by the next call.
+///   only when the pool is dropped) and the error is held back for the next
+///   [`Allocator::release`] (an allocation does not report it).
 /// * **Exact reuse.** A freed small block (1 MiB or less) is first *parked* under its rounded
 ///   size, not merged: the next request of that size takes it back at once (a hash lookup
 ///   instead of a best-fit search, split and merge; training and inference loops repeat their
@@ -126,6 +140,8 @@ struct Inner {
     events: EventPool,
     stream: Stream,
     ordinal: usize,
+    /// [`BestFitConfig::wait_timeout`].
+    wait: Duration,
     /// The pool's books. The backing locks its own state before this one where it holds
     /// both; the pool never calls the backing with this one locked.
     state: Mutex<State>,
@@ -146,9 +162,8 @@ struct State {
     /// Bytes (as asked for) of blocks never to be reused because an event could not be
     /// recorded.
     stuck_bytes: usize,
-    /// The first error met where it could not be returned (a free), reported by the next
-    /// call.
-    error: Option<Error>,
+    /// Errors met where they could not be returned (frees), reported by the next release.
+    held: HeldErrors,
     /// Allocations kept by pointer ([`BestFit::allocate_kept`]): pointer -> (token, size as
     /// asked for).
     kept: FxHashMap<DevicePtr, (u64, usize)>,
@@ -201,7 +216,7 @@ impl BestFit {
             pending: Vec::new(),
             pending_bytes: 0,
             stuck_bytes: 0,
-            error: None,
+            held: HeldErrors::default(),
             kept: FxHashMap::default(),
             kept_recorded: FxHashMap::default(),
         };
@@ -212,6 +227,7 @@ impl BestFit {
             backing,
             device,
             stream: config.stream,
+            wait: config.wait_timeout,
             state: Mutex::new(state),
         };
         Ok(Self { inner: Arc::new(inner) })
@@ -220,25 +236,43 @@ impl BestFit {
     /// Allocates like [`Allocator::allocate`]; with `poll` false, frees pending on recorded
     /// streams are not checked (no event query: for use while a stream captures a graph).
     pub fn allocate_polling(&self, size: usize, poll: bool) -> Result<Allocation> {
+        let made = self.allocate_uncounted(size, poll);
+        Ok(self.inner.count(made)?.0)
+    }
+
+    /// [`BestFit::allocate_polling`] without counting a failure or a retry in the pool's
+    /// statistics (the caller counts): the allocation, and whether it succeeded only after
+    /// the pool gave memory back or polled pending frees and tried again.
+    pub(crate) fn allocate_uncounted(&self, size: usize, poll: bool) -> Result<(Allocation, bool)> {
         if size == 0 {
-            return Ok(Allocation::empty(self.inner.ordinal, self.inner.stream));
+            return Ok((Allocation::empty(self.inner.ordinal, self.inner.stream), false));
         }
         let rounded = Self::round(size)?;
-        let block = match self.cached_or_growth(size, rounded, poll)? {
-            Ok(b) => b,
+        let (block, retried) = match self.cached_or_growth(size, rounded, poll) {
+            Ok(b) => (b, false),
             Err(Some(growth)) => self.grow_and_allocate(size, rounded, growth, poll)?,
             Err(None) => return Err(Error::InvalidArgument(format!("allocation size {size} overflows"))),
         };
-        Ok(Allocation::new(block, self.inner.clone()))
+        Ok((Allocation::new(block, self.inner.clone()), retried))
+    }
+
+    /// Gives free memory back through the backing after polling pending frees (and a
+    /// bounded wait, see [`BestFit`]), as [`Allocator::release`] does, without reporting the
+    /// errors held back (the caller is another allocation's out-of-memory path, which must
+    /// not swallow them).
+    pub(crate) fn release_cached(&self) -> Result<usize> {
+        self.inner.poll_pending();
+        self.inner.release_free()
     }
 
     /// Allocates from cached blocks only: `Ok(None)` when none fits (the pool does not
-    /// grow). `poll` as in [`BestFit::allocate_polling`].
+    /// grow). `poll` as in [`BestFit::allocate_polling`]. Not counted as a failure when it
+    /// fails (the caller, which goes on to another path, counts).
     pub fn allocate_cached(&self, size: usize, poll: bool) -> Result<Option<Allocation>> {
         if size == 0 {
             return Ok(Some(Allocation::empty(self.inner.ordinal, self.inner.stream)));
         }
-        let hit = self.cached_or_growth(size, Self::round(size)?, poll)?.ok();
+        let hit = self.cached_or_growth(size, Self::round(size)?, poll).ok();
         Ok(hit.map(|b| Allocation::new(b, self.inner.clone())))
     }
 
@@ -247,7 +281,7 @@ impl BestFit {
     /// instead of returning a handle: a hit takes the pool's lock once and nothing else.
     pub(crate) fn allocate_kept(&self, size: usize, poll: bool) -> Result<Option<DevicePtr>> {
         let rounded = Self::round(size)?;
-        let mut st = self.lock_polled(poll)?;
+        let mut st = self.lock_polled(poll);
         let Some(grant) = st.allocate(rounded, size) else { return Ok(None) };
         super::insert_roomy(&mut st.kept, grant.addr, (grant.token, size));
         Ok(Some(grant.addr))
@@ -272,12 +306,12 @@ impl BestFit {
         Ok(block.ptr)
     }
 
-    /// Frees the allocation kept at `ptr`, as dropping its handle would; `false` if the pool
-    /// keeps none there.
-    pub(crate) fn free_kept(&self, ptr: DevicePtr) -> bool {
+    /// Frees the allocation kept at `ptr`, as dropping its handle would; the size asked for,
+    /// or `None` if the pool keeps none there.
+    pub(crate) fn free_kept(&self, ptr: DevicePtr) -> Option<usize> {
         let inner = &self.inner;
         let mut st = inner.state.lock();
-        let Some((token, size)) = st.kept.remove(&ptr) else { return false };
+        let (token, size) = st.kept.remove(&ptr)?;
         let recorded = if st.kept_recorded.is_empty() { None } else { st.kept_recorded.remove(&ptr) };
         match recorded {
             None => st.take_back(token, ptr, size),
@@ -287,11 +321,11 @@ impl BestFit {
                 inner.free_recorded(Block { ptr, size, stream, device, token, recorded });
             }
         }
-        true
+        Some(size)
     }
 
     /// [`Allocation::record_stream`] for the allocation kept at `ptr`; `false` if the pool
-    /// keeps none there.
+    /// keeps none there. The caller has checked the stream.
     pub(crate) fn record_kept(&self, ptr: DevicePtr, stream: Stream) -> bool {
         let mut st = self.inner.state.lock();
         if !st.kept.contains_key(&ptr) {
@@ -345,28 +379,25 @@ impl BestFit {
         size: usize,
         rounded: u64,
         poll: bool,
-    ) -> Result<std::result::Result<Block, Option<Growth>>> {
-        let mut st = self.lock_polled(poll)?;
+    ) -> std::result::Result<Block, Option<Growth>> {
+        let mut st = self.lock_polled(poll);
         if let Some(grant) = st.allocate(rounded, size) {
             drop(st);
-            return Ok(Ok(self.handout(grant, size)));
+            return Ok(self.handout(grant, size));
         }
-        Ok(Err(st.policy.growth_for(rounded)))
+        Err(st.policy.growth_for(rounded))
     }
 
-    /// The pool's state, locked, after reporting the error a free could not and, with
-    /// `poll`, moving completed pending frees to the free lists.
-    fn lock_polled(&self, poll: bool) -> Result<MutexGuard<'_, State>> {
+    /// The pool's state, locked, after (with `poll`) moving completed pending frees to the
+    /// free lists.
+    fn lock_polled(&self, poll: bool) -> MutexGuard<'_, State> {
         let mut st = self.inner.state.lock();
-        if let Some(e) = st.error.take() {
-            return Err(e);
-        }
         if poll && !st.pending.is_empty() {
             drop(st);
             self.inner.poll_pending();
             st = self.inner.state.lock();
         }
-        Ok(st)
+        st
     }
 
     fn handout(&self, grant: Grant, size: usize) -> Block {
@@ -381,36 +412,45 @@ impl BestFit {
     }
 
     /// The slow path: the backing adds memory and the request is served from it (releasing
-    /// what the backing can give back and retrying once on out-of-memory).
-    fn grow_and_allocate(&self, size: usize, rounded: u64, growth: Growth, poll: bool) -> Result<Block> {
+    /// what the backing can give back and retrying once on out-of-memory); the block, and
+    /// whether it came only after that retry.
+    fn grow_and_allocate(
+        &self,
+        size: usize,
+        rounded: u64,
+        growth: Growth,
+        poll: bool,
+    ) -> Result<(Block, bool)> {
         let inner = &self.inner;
         let class = inner.state.lock().policy.class_of(rounded);
         let want = Want { class, rounded, chunk: growth.size, own: growth.own };
         let ledger = PoolLedger { inner, request: Some((rounded, size)) };
-        let mut released = false;
+        // The error of the release made before the retry (a bounded wait that ran out), told
+        // in the out-of-memory error; `Some(Ok(_))` once released.
+        let mut released: Option<Result<usize>> = None;
         // Memory added is served under the lock that adds it, so only a bug in a backing
         // makes a round serve nothing; the bound keeps such a bug from spinning.
         for _ in 0..GROWTH_ROUNDS {
             match inner.backing.grow(&ledger, &want) {
-                Ok(Some(grant)) => return Ok(self.handout(grant, size)),
+                Ok(Some(grant)) => return Ok((self.handout(grant, size), released.is_some())),
                 Ok(None) => {}
-                Err(e) if e.is_out_of_memory() && !released => {
+                Err(e) if e.is_out_of_memory() && released.is_none() => {
                     // Memory freed meanwhile (by other threads or completed events) may fit
                     // now; otherwise give back what is free and try the backing once more.
                     if poll {
                         inner.poll_pending();
                     }
                     if let Some(grant) = inner.state.lock().allocate(rounded, size) {
-                        return Ok(self.handout(grant, size));
+                        return Ok((self.handout(grant, size), true));
                     }
-                    // A failure to give memory back shows in the out-of-memory figures.
-                    let _ = inner.backing.release(&PoolLedger { inner, request: None });
-                    released = true;
+                    released = Some(inner.release_free());
                 }
-                Err(e) => return Err(inner.failure(e, size, growth.size as usize)),
+                Err(e) => {
+                    let release = released.and_then(|r| r.err());
+                    return Err(inner.failure(e, size, growth.size as usize, release));
+                }
             }
         }
-        inner.state.lock().stats.failures += 1;
         Err(Error::InvalidArgument(format!(
             "the backing grew the pool {GROWTH_ROUNDS} times and {size} bytes still did not fit: a bug in the backing"
         )))
@@ -428,6 +468,11 @@ struct PoolLedger<'a> {
 }
 
 impl Ledger for PoolLedger<'_> {
+    fn wait_for_stream(&self) -> Result<()> {
+        let inner = self.inner;
+        super::wait_for_streams(inner.device.as_ref(), &inner.events, &[inner.stream], inner.wait)
+    }
+
     fn update(&self, f: &mut dyn FnMut(&mut BestFitPolicy) -> Result<()>) -> Result<Option<Grant>> {
         let mut st = self.inner.state.lock();
         st.unpark();
@@ -493,7 +538,7 @@ impl State {
 
     /// Takes back the block of `token` at `ptr`, freed by an allocation of `size` bytes:
     /// parked for exact reuse if small, else merged at once. A block not handed out is a bug
-    /// in the caller, kept as the error the next call reports.
+    /// in the caller, held back as the error the next release reports.
     fn take_back(&mut self, token: u64, ptr: u64, size: usize) {
         self.stats.on_free(size);
         let rounded = BestFitPolicy::round(size as u64);
@@ -501,12 +546,12 @@ impl State {
             let e = Error::InvalidArgument(format!(
                 "free of {ptr:#x} (token {token}), which is not allocated: this is a bug in the caller"
             ));
-            self.error.get_or_insert(e);
+            self.held.hold(e);
             return;
         };
         if self.policy.class_of(rounded) == Class::Large {
             if let Err(e) = self.policy.free(token, ptr) {
-                self.error.get_or_insert(e);
+                self.held.hold(e);
             }
             return;
         }
@@ -522,7 +567,7 @@ impl State {
 
     /// Gives every parked block back to the policy, which coalesces it.
     fn unpark(&mut self) {
-        let State { parked, policy, error, .. } = self;
+        let State { parked, policy, held, .. } = self;
         let Parked { by_size, listed, bytes } = parked;
         if *bytes == 0 {
             return;
@@ -532,7 +577,7 @@ impl State {
             list.listed = false;
             for (token, addr, _) in list.blocks.drain(..) {
                 if let Err(e) = policy.free(token, addr) {
-                    error.get_or_insert(e);
+                    held.hold(e);
                 }
             }
         }
@@ -573,7 +618,7 @@ impl Inner {
             }
             st.pending_bytes -= p.size;
             if let Err(e) = st.policy.free(p.token, p.ptr) {
-                st.error.get_or_insert(e);
+                st.held.hold(e);
             }
             false
         });
@@ -581,27 +626,58 @@ impl Inner {
         st.pending = batch;
         self.has_pending.store(!st.pending.is_empty(), Ordering::Relaxed);
         if let Some(e) = query_error {
-            st.error.get_or_insert(e);
+            st.held.hold(e);
         }
     }
 
     /// Gives free memory back through the backing; the bytes given back, or the first error
-    /// met (after trying everything).
+    /// met (after trying everything). First waits, at most [`BestFitConfig::wait_timeout`],
+    /// for the work enqueued on the pool's stream, where every free block's last use is
+    /// ordered (blocks freed with recorded streams join the free lists after their events):
+    /// a chunk's `cuMemFree` would wait for it without a bound, and an unmap would not wait
+    /// at all. Past the bound nothing is given back and the error ([`Error::Timeout`]) says
+    /// what was waited for.
     fn release_free(&self) -> Result<usize> {
-        self.backing.release(&PoolLedger { inner: self, request: None })
+        let nothing_free = {
+            let st = self.state.lock();
+            st.policy.figures().cached == 0 && st.parked.bytes == 0
+        };
+        if nothing_free {
+            return Ok(0);
+        }
+        let ledger = PoolLedger { inner: self, request: None };
+        // A stream that cannot be waited for (destroyed after StreamSafe::retire_stream, which
+        // waited for it) still lets chunks go back, as a `cuMemFree` orders itself; mapped
+        // memory, whose unmap would not wait, stays.
+        let unwaited = match ledger.wait_for_stream() {
+            Err(timeout @ Error::Timeout { .. }) => return Err(timeout),
+            waited => waited.err(),
+        };
+        self.backing.release(&ledger, unwaited.as_ref())
     }
 
-    /// Counts a failed allocation and, for out-of-memory, fills in the pool's figures.
-    fn failure(&self, error: Error, size: usize, chunk: usize) -> Error {
-        let Error::OutOfMemory(device_report) = error else {
-            self.state.lock().stats.failures += 1;
-            return error;
-        };
+    /// Counts `made` in the statistics: a failure, or a success that came only after a
+    /// retry.
+    fn count<T>(&self, made: Result<(T, bool)>) -> Result<(T, bool)> {
+        match &made {
+            Ok((_, false)) => {}
+            Ok((_, true)) => self.state.lock().stats.retries += 1,
+            Err(_) => self.state.lock().stats.failures += 1,
+        }
+        made
+    }
+
+    /// For out-of-memory, fills in the pool's figures and `release`, the error of the release
+    /// made before the last attempt (a bounded wait that ran out).
+    fn failure(&self, error: Error, size: usize, chunk: usize, release: Option<Error>) -> Error {
+        let Error::OutOfMemory(device_report) = error else { return error };
         let mem = self.device.mem_info().unwrap_or_default();
-        let mut st = self.state.lock();
-        st.stats.failures += 1;
+        let st = self.state.lock();
         let figures = st.policy.figures();
         let mut detail = device_report.detail;
+        if let Some(e) = release {
+            detail.push(super::release_failed(&e));
+        }
         detail.push(format!(
             "BestFit needed a chunk of {chunk} bytes; its largest free block is {} bytes in {} chunks",
             figures.largest_free, figures.chunks
@@ -651,7 +727,7 @@ impl Inner {
             }
             Some(e) => {
                 st.stuck_bytes += block.size;
-                st.error.get_or_insert(e);
+                st.held.hold(e);
                 drop(st);
                 for event in events {
                     self.events.put(event);
@@ -666,12 +742,12 @@ impl Allocator for BestFit {
         self.allocate_polling(size, true)
     }
 
+    /// Gives free memory back (after a bounded wait, see [`BestFit`]); then reports the
+    /// errors frees held back, if any.
     fn release(&self) -> Result<usize> {
-        if let Some(e) = self.inner.state.lock().error.take() {
-            return Err(e);
-        }
-        self.inner.poll_pending();
-        self.inner.release_free()
+        let released = self.release_cached();
+        self.inner.state.lock().held.take()?;
+        released
     }
 
     fn stats(&self) -> Stats {
@@ -691,8 +767,41 @@ impl Allocator for BestFit {
         }
     }
 
+    fn reset_peak_stats(&self) {
+        self.inner.state.lock().stats.reset_peaks();
+    }
+
     fn device(&self) -> usize {
         self.inner.ordinal
+    }
+}
+
+/// Allocations belong to the pool's stream whatever stream is asked for
+/// ([`SingleStream`](crate::adaptors::SingleStream) orders another stream after it); they are
+/// kept in the pool's table by pointer, under its lock.
+impl PointerAllocator for BestFit {
+    fn allocate_ptr(&self, size: usize, _stream: Stream) -> Result<DevicePtr> {
+        if size == 0 {
+            return Ok(0);
+        }
+        let hit = self.inner.count(self.allocate_kept(size, true).map(|h| (h, false)))?.0;
+        match hit {
+            Some(ptr) => Ok(ptr),
+            None => self.keep(self.allocate_polling(size, true)?),
+        }
+    }
+
+    fn free_ptr(&self, ptr: DevicePtr, _owner: Stream) -> Option<Freed> {
+        self.free_kept(ptr).map(|size| Freed { size, stream: self.inner.stream })
+    }
+
+    fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> Result<bool> {
+        self.inner.device.check_stream(stream)?;
+        Ok(self.record_kept(ptr, stream))
+    }
+
+    fn owning_stream(&self, _asked: Stream) -> Stream {
+        self.inner.stream
     }
 }
 

@@ -14,8 +14,12 @@ pub use plain::Plain;
 pub use stream_safe::{StreamSafe, StreamSafeConfig};
 
 use std::hash::Hash;
+use std::time::{Duration, Instant};
 
 use rustc_hash::FxHashMap;
+
+use crate::device::{Device, EventPool, Stream};
+use crate::error::{Error, Result};
 
 /// Inserts into a map of live allocations by pointer, first growing it to at most half full.
 /// Such a map churns (every key is removed again soon), and near hashbrown's maximum load the
@@ -27,4 +31,44 @@ pub(crate) fn insert_roomy<K: Hash + Eq, V>(map: &mut FxHashMap<K, V>, key: K, v
         map.reserve(map.len().max(64));
     }
     map.insert(key, value)
+}
+
+/// Waits, at most `timeout` in all, for the work enqueued so far on each of `streams` (an
+/// event recorded on each, waited for with the time left). On a timeout, an
+/// [`Error::Timeout`] naming the stream still at work.
+pub(crate) fn wait_for_streams(
+    device: &dyn Device,
+    events: &EventPool,
+    streams: &[Stream],
+    timeout: Duration,
+) -> Result<()> {
+    let start = Instant::now();
+    for &stream in streams {
+        let event = events.get()?;
+        let done = device
+            .record_event(event, stream)
+            .and_then(|()| device.wait_event(event, timeout.saturating_sub(start.elapsed())));
+        events.put(event);
+        if !done? {
+            return Err(Error::Timeout {
+                waited_for: format!(
+                    "the work enqueued on stream {:#x} (it uses cached memory, which could not go back \
+                     to the device before it completes)",
+                    stream.0
+                ),
+                after: timeout,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The line an out-of-memory error gets when the release before its last attempt failed.
+pub(crate) fn release_failed(error: &Error) -> String {
+    match error {
+        Error::Timeout { waited_for, after } => {
+            format!("waited {after:?} (wait_timeout) for {waited_for}; nothing was given back meanwhile")
+        }
+        other => format!("giving cached memory back failed: {other}"),
+    }
 }

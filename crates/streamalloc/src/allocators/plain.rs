@@ -3,16 +3,20 @@
 use std::sync::Arc;
 
 use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
 
-use crate::allocation::{align_up, Allocation, Allocator, Block, BlockOwner, Stats};
-use crate::device::{Device, Stream};
-use crate::error::{Error, Result};
+use crate::allocation::{align_up, Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats};
+use crate::device::{Device, DevicePtr, Stream};
+use crate::error::{Error, HeldErrors, Result};
 
 /// No caching: every allocation is a device allocation (`cuMemAlloc`) and every free a
 /// device free (`cuMemFree`).
 ///
 /// Recorded streams need no handling: a device free synchronizes the device, so work on
 /// every stream that could use the memory has completed before it can be handed out again.
+///
+/// Allocations made by pointer ([`PointerAllocator`]) are kept in one table under the lock
+/// the statistics take anyway, and freed when the allocator is dropped.
 ///
 /// # Examples
 ///
@@ -42,8 +46,10 @@ struct Inner {
 #[derive(Default)]
 struct State {
     stats: Stats,
-    /// The first error a free met, reported by the next call.
-    free_error: Option<Error>,
+    /// Errors frees met, reported by the next [`Allocator::release`].
+    held: HeldErrors,
+    /// Allocations kept by pointer: pointer -> (bytes allocated, size asked for).
+    kept: FxHashMap<DevicePtr, (usize, usize)>,
 }
 
 impl Plain {
@@ -52,29 +58,22 @@ impl Plain {
         Self { inner: Arc::new(Inner { device, stream, state: Mutex::new(State::default()) }) }
     }
 
-    fn take_free_error(&self) -> Result<()> {
-        match self.inner.state.lock().free_error.take() {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
-    }
-}
-
-impl Allocator for Plain {
-    fn allocate(&self, size: usize) -> Result<Allocation> {
-        self.take_free_error()?;
-        let device = self.inner.device.ordinal();
-        if size == 0 {
-            return Ok(Allocation::empty(device, self.inner.stream));
-        }
-        let rounded = align_up(size)
-            .ok_or_else(|| Error::InvalidArgument(format!("allocation size {size} overflows")))?;
-        let ptr = match self.inner.device.alloc(rounded) {
-            Ok(ptr) => ptr,
+    /// A device allocation of `size` bytes (not zero), counted: the pointer and the bytes
+    /// allocated. A failure counts once.
+    fn allocate_device(&self, size: usize) -> Result<(DevicePtr, usize)> {
+        let made = align_up(size)
+            .ok_or_else(|| Error::InvalidArgument(format!("allocation size {size} overflows")))
+            .and_then(|rounded| Ok((self.inner.device.alloc(rounded)?, rounded)));
+        let mut state = self.inner.state.lock();
+        match made {
+            Ok((ptr, rounded)) => {
+                state.stats.on_allocate(size);
+                state.stats.on_reserve(rounded);
+                Ok((ptr, rounded))
+            }
             Err(e) => {
-                let mut state = self.inner.state.lock();
                 state.stats.failures += 1;
-                return Err(match e {
+                Err(match e {
                     Error::OutOfMemory(mut report) => {
                         report.requested = size;
                         report.allocated = state.stats.allocated;
@@ -83,13 +82,19 @@ impl Allocator for Plain {
                         Error::OutOfMemory(report)
                     }
                     other => other,
-                });
+                })
             }
-        };
-        let mut state = self.inner.state.lock();
-        state.stats.on_allocate(size);
-        state.stats.on_reserve(rounded);
-        drop(state);
+        }
+    }
+}
+
+impl Allocator for Plain {
+    fn allocate(&self, size: usize) -> Result<Allocation> {
+        let device = self.inner.device.ordinal();
+        if size == 0 {
+            return Ok(Allocation::empty(device, self.inner.stream));
+        }
+        let (ptr, rounded) = self.allocate_device(size)?;
         let block = Block {
             ptr,
             size,
@@ -101,8 +106,9 @@ impl Allocator for Plain {
         Ok(Allocation::new(block, self.inner.clone()))
     }
 
+    /// Caches nothing: returns 0, or the errors frees met since the last call.
     fn release(&self) -> Result<usize> {
-        self.take_free_error()?;
+        self.inner.state.lock().held.take()?;
         Ok(0)
     }
 
@@ -110,19 +116,67 @@ impl Allocator for Plain {
         self.inner.state.lock().stats
     }
 
+    fn reset_peak_stats(&self) {
+        self.inner.state.lock().stats.reset_peaks();
+    }
+
     fn device(&self) -> usize {
         self.inner.device.ordinal()
     }
 }
 
+/// Allocations belong to the allocator's stream whatever stream is asked for
+/// ([`SingleStream`](crate::adaptors::SingleStream) orders another stream after it).
+impl PointerAllocator for Plain {
+    fn allocate_ptr(&self, size: usize, _stream: Stream) -> Result<DevicePtr> {
+        if size == 0 {
+            return Ok(0);
+        }
+        let (ptr, rounded) = self.allocate_device(size)?;
+        super::insert_roomy(&mut self.inner.state.lock().kept, ptr, (rounded, size));
+        Ok(ptr)
+    }
+
+    fn free_ptr(&self, ptr: DevicePtr, _owner: Stream) -> Option<Freed> {
+        let (rounded, size) = self.inner.state.lock().kept.remove(&ptr)?;
+        self.inner.free_device(ptr, size, rounded);
+        Some(Freed { size, stream: self.inner.stream })
+    }
+
+    /// Checks the stream; nothing to record, as a device free waits for every stream.
+    fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> Result<bool> {
+        self.inner.device.check_stream(stream)?;
+        Ok(self.inner.state.lock().kept.contains_key(&ptr))
+    }
+
+    fn owning_stream(&self, _asked: Stream) -> Stream {
+        self.inner.stream
+    }
+}
+
+impl Inner {
+    fn free_device(&self, ptr: DevicePtr, size: usize, rounded: usize) {
+        let result = self.device.free(ptr);
+        let mut state = self.state.lock();
+        state.stats.on_free(size);
+        state.stats.on_unreserve(rounded);
+        if let Err(e) = result {
+            state.held.hold(e);
+        }
+    }
+}
+
 impl BlockOwner for Inner {
     fn free(&self, block: Block) {
-        let result = self.device.free(block.ptr);
-        let mut state = self.state.lock();
-        state.stats.on_free(block.size);
-        state.stats.on_unreserve(block.token as usize);
-        if let Err(e) = result {
-            state.free_error.get_or_insert(e);
+        self.free_device(block.ptr, block.size, block.token as usize);
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        for (ptr, _) in self.state.get_mut().kept.drain() {
+            // Nothing to report to at teardown: a failing free only leaks the allocation.
+            let _ = self.device.free(ptr);
         }
     }
 }

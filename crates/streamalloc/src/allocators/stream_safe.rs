@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::best_fit::{BestFit, BestFitConfig};
-use crate::allocation::{Allocation, Allocator, PointerAllocator, Stats, StreamAllocator};
+use crate::allocation::{Allocation, Allocator, Freed, PointerAllocator, Stats, StreamAllocator};
 use crate::device::{CaptureStatus, Device, DevicePtr, EventPool, Stream};
 use crate::error::{Error, OutOfMemory, Result};
 
@@ -78,12 +78,17 @@ const RETRY_PAUSE: Duration = Duration::from_millis(1);
 /// * **Out of memory.** Each pool first returns its own free chunks and retries once; then
 ///   every stream's pool releases its free chunks and the allocation is retried, then
 ///   retried again every millisecond for up to [`StreamSafeConfig::retry_wait`] while
-///   pending frees complete. The final error lists every stream's pool.
+///   pending frees complete. Before the pools give memory back, the allocation waits for the
+///   work enqueued on every stream with a pool, at most the pools'
+///   [`wait_timeout`](BestFitConfig::wait_timeout) in all (a `cuMemFree` waits for all the
+///   device's work): past it nothing is given back, and the error says which stream it
+///   waited for and how long. The final error lists every stream's pool.
 /// * **Streams destroyed before their allocations.** Freeing memory owned by a destroyed
 ///   stream makes no call on that stream, so it is safe. A stream recorded with
 ///   `record_stream` must still exist when the allocation is freed (an event is recorded on
-///   it); if it does not, the block is never reused and the next call on that stream's pool
-///   reports the driver's error, but nothing crashes. Before destroying a stream, call
+///   it; [`PointerAllocator::record_stream_ptr`] checks it when recording); if it does not,
+///   the block is never reused and the next [`Allocator::release`] reports the driver's
+///   error, but nothing crashes. Before destroying a stream, call
 ///   [`StreamSafe::retire_stream`]: its pool is retired (a new stream that the driver gives
 ///   the same handle starts afresh), its free chunks return to the device, and the rest
 ///   returns at a later [`Allocator::release`] once its allocations are freed.
@@ -121,6 +126,10 @@ pub struct StreamSafe {
     registry: Registry,
     /// Serializes the creation and replacement of pools.
     creating: Mutex<()>,
+    /// Failed allocations, counted once each here (the pools count none of StreamSafe's).
+    failures: AtomicU64,
+    /// Allocations that succeeded only after a release, a wait or another attempt.
+    retries: AtomicU64,
 }
 
 struct StreamPool {
@@ -190,12 +199,31 @@ impl StreamSafe {
             overflow: Mutex::new(Vec::new()),
             registry: Registry::new(),
             creating: Mutex::new(()),
+            failures: AtomicU64::new(0),
+            retries: AtomicU64::new(0),
         })
     }
 
-    /// Retires `stream`'s pool; call before destroying the stream. Synchronizes the stream,
-    /// then returns the pool's free chunks to the device; chunks still in use return at a
-    /// later [`Allocator::release`] once freed.
+    /// Counts `made`: a failure, or a success that came only after a retry.
+    fn count<T>(&self, made: Result<(T, bool)>) -> Result<T> {
+        match made {
+            Ok((value, retried)) => {
+                if retried {
+                    self.retries.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(value)
+            }
+            Err(e) => {
+                self.failures.fetch_add(1, Ordering::Relaxed);
+                Err(e)
+            }
+        }
+    }
+
+    /// Retires `stream`'s pool; call before destroying the stream. Returns the pool's free
+    /// chunks to the device once the stream's work is done (waiting at most the pool's
+    /// [`wait_timeout`](BestFitConfig::wait_timeout); past it they return at a later
+    /// release); chunks still in use return at a later [`Allocator::release`] once freed.
     pub fn retire_stream(&self, stream: Stream) -> Result<()> {
         let _creating = self.creating.lock();
         let old = match self.find_slot(stream) {
@@ -210,7 +238,6 @@ impl StreamSafe {
         match old.and_then(|i| self.registry.get(i)) {
             Some(p) => {
                 p.retired.store(true, Ordering::Relaxed);
-                self.device.synchronize_stream(stream)?;
                 p.pool.release().map(|_| ())
             }
             None => Ok(()),
@@ -346,36 +373,53 @@ impl StreamSafe {
         Ok(false)
     }
 
-    fn allocate_slow(&self, pool: &StreamPool, size: usize, stream: Stream) -> Result<Allocation> {
+    /// The slow path, not counted: the allocation, and whether it came only after a retry.
+    fn allocate_slow(&self, pool: &StreamPool, size: usize, stream: Stream) -> Result<(Allocation, bool)> {
         let poll = !self.capturing(stream)?;
         if self.memory_is_short()? && self.steal(pool, size)? {
             if let Some(a) = pool.pool.allocate_cached(size, poll)? {
-                return Ok(a);
+                return Ok((a, false));
             }
         }
-        match pool.pool.allocate_polling(size, poll) {
+        match pool.pool.allocate_uncounted(size, poll) {
             Err(e) if e.is_out_of_memory() && poll => {}
             other => return other,
         }
         let start = Instant::now();
+        let mut release_error = None;
         let last = loop {
-            for p in self.pools() {
-                // A pool that cannot release now still lets the others try.
-                let _ = p.pool.release();
+            match self.wait_for_pools() {
+                Ok(()) => {
+                    for p in self.pools() {
+                        // A pool that cannot release now still lets the others try; the
+                        // errors its frees held back stay held for its next release.
+                        let _ = p.pool.release_cached();
+                    }
+                }
+                Err(e) => release_error = Some(e),
             }
-            let e = match pool.pool.allocate_polling(size, true) {
+            let e = match pool.pool.allocate_uncounted(size, true) {
                 Err(e) if e.is_out_of_memory() => e,
-                other => return other,
+                Ok((a, _)) => return Ok((a, true)),
+                Err(other) => return Err(other),
             };
-            if start.elapsed() >= self.config.retry_wait {
+            if release_error.is_some() || start.elapsed() >= self.config.retry_wait {
                 break e;
             }
             std::thread::sleep(RETRY_PAUSE.min(self.config.retry_wait));
         };
-        Err(self.out_of_memory(last, size, start.elapsed()))
+        Err(self.out_of_memory(last, size, start.elapsed(), release_error))
     }
 
-    fn out_of_memory(&self, error: Error, size: usize, waited: Duration) -> Error {
+    /// Waits, at most the pools' `wait_timeout` in all, for the work enqueued on every stream
+    /// with a pool in use: a `cuMemFree` of any pool's chunk would wait for all of it.
+    fn wait_for_pools(&self) -> Result<()> {
+        let streams: Vec<Stream> =
+            self.pools().filter(|p| !p.retired.load(Ordering::Relaxed)).map(|p| p.stream).collect();
+        super::wait_for_streams(self.device.as_ref(), &self.events, &streams, self.config.pool.wait_timeout)
+    }
+
+    fn out_of_memory(&self, error: Error, size: usize, waited: Duration, release: Option<Error>) -> Error {
         let Error::OutOfMemory(report) = error else { return error };
         let pools = self.pools();
         let mut total = Stats::default();
@@ -393,6 +437,10 @@ impl StreamSafe {
             })
             .collect();
         detail.extend(report.detail);
+        let timed_out = release.is_some();
+        if let Some(e) = release {
+            detail.push(super::release_failed(&e));
+        }
         Error::oom(OutOfMemory {
             requested: size,
             allocated: total.allocated,
@@ -400,10 +448,17 @@ impl StreamSafe {
             pending_release: total.pending_release,
             reserved: total.reserved,
             detail,
-            hint: format!(
-                "every stream's pool released its free chunks and the allocation was retried for {waited:?}; \
-                 free memory, or raise the retry wait if frees are pending on other streams"
-            ),
+            hint: match timed_out {
+                false => format!(
+                    "every stream's pool released its free chunks and the allocation was retried for \
+                     {waited:?}; free memory, or raise the retry wait if frees are pending on other streams"
+                ),
+                true => format!(
+                    "the pools kept their free chunks, as other streams' work still ran at the wait bound \
+                     (see above), and the allocation was retried for {waited:?}; raise wait_timeout if that \
+                     work is expected to take longer, or look for a stream that hangs"
+                ),
+            },
             ..*report
         })
     }
@@ -418,7 +473,8 @@ impl Allocator for StreamSafe {
     /// nothing is released (that would synchronize the device) and 0 is returned.
     fn release(&self) -> Result<usize> {
         for p in self.pools().filter(|p| !p.retired.load(Ordering::Relaxed)) {
-            if self.capturing(p.stream)? {
+            // A stream that cannot be asked (destroyed without retire_stream) captures nothing.
+            if self.capturing(p.stream).unwrap_or(false) {
                 return Ok(0);
             }
         }
@@ -435,13 +491,44 @@ impl Allocator for StreamSafe {
         first_error.map_or(Ok(total), Err)
     }
 
-    /// The sum over every stream's pool (peaks are sums of each pool's peak).
+    /// The sum over every stream's pool (peaks are sums of each pool's peak), with the
+    /// failures and retries StreamSafe counts.
     fn stats(&self) -> Stats {
-        self.pools().map(|p| p.pool.stats()).sum()
+        let mut stats: Stats = self.pools().map(|p| p.pool.stats()).sum();
+        stats.failures += self.failures.load(Ordering::Relaxed);
+        stats.retries += self.retries.load(Ordering::Relaxed);
+        stats
+    }
+
+    fn reset_peak_stats(&self) {
+        for p in self.pools() {
+            p.pool.reset_peak_stats();
+        }
     }
 
     fn device(&self) -> usize {
         self.device.ordinal()
+    }
+}
+
+impl StreamSafe {
+    fn allocate_uncounted(&self, size: usize, stream: Stream) -> Result<(Allocation, bool)> {
+        let pool = self.pool_of(stream)?;
+        match pool.pool.allocate_cached(size, self.polls(pool, stream)?)? {
+            Some(a) => Ok((a, false)),
+            None => self.allocate_slow(pool, size, stream),
+        }
+    }
+
+    fn allocate_ptr_uncounted(&self, size: usize, stream: Stream) -> Result<(DevicePtr, bool)> {
+        let pool = self.pool_of(stream)?;
+        match pool.pool.allocate_kept(size, self.polls(pool, stream)?)? {
+            Some(ptr) => Ok((ptr, false)),
+            None => {
+                let (a, retried) = self.allocate_slow(pool, size, stream)?;
+                Ok((pool.pool.keep(a)?, retried))
+            }
+        }
     }
 }
 
@@ -450,11 +537,7 @@ impl StreamAllocator for StreamSafe {
         if size == 0 {
             return Ok(Allocation::empty(self.device.ordinal(), stream));
         }
-        let pool = self.pool_of(stream)?;
-        match pool.pool.allocate_cached(size, self.polls(pool, stream)?)? {
-            Some(a) => Ok(a),
-            None => self.allocate_slow(pool, size, stream),
-        }
+        self.count(self.allocate_uncounted(size, stream))
     }
 
     fn default_stream(&self) -> Stream {
@@ -475,23 +558,23 @@ impl PointerAllocator for StreamSafe {
         if size == 0 {
             return Ok(0);
         }
-        let pool = self.pool_of(stream)?;
-        match pool.pool.allocate_kept(size, self.polls(pool, stream)?)? {
-            Some(ptr) => Ok(ptr),
-            None => pool.pool.keep(self.allocate_slow(pool, size, stream)?),
-        }
+        self.count(self.allocate_ptr_uncounted(size, stream))
     }
 
-    fn free_ptr(&self, ptr: DevicePtr, owner: Stream) -> bool {
+    fn free_ptr(&self, ptr: DevicePtr, owner: Stream) -> Option<Freed> {
         let first = self.slot(Self::home(owner)).filter(|p| p.stream == owner);
-        first.is_some_and(|p| p.pool.free_kept(ptr))
-            || self
-                .pools()
-                .filter(|p| !first.is_some_and(|f| std::ptr::eq(f, *p)))
-                .any(|p| p.pool.free_kept(ptr))
+        let freed = |p: &StreamPool| p.pool.free_kept(ptr).map(|size| Freed { size, stream: p.stream });
+        first
+            .and_then(freed)
+            .or_else(|| self.pools().filter(|p| !first.is_some_and(|f| std::ptr::eq(f, *p))).find_map(freed))
     }
 
-    fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> bool {
-        self.pools().any(|p| p.pool.record_kept(ptr, stream))
+    fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> Result<bool> {
+        self.device.check_stream(stream)?;
+        Ok(self.pools().any(|p| p.pool.record_kept(ptr, stream)))
+    }
+
+    fn owning_stream(&self, asked: Stream) -> Stream {
+        asked
     }
 }

@@ -83,6 +83,7 @@ const SYMBOLS: &[&str] = &[
     "cuStreamSynchronize",
     "cuStreamWaitEvent",
     "cuStreamIsCapturing",
+    "cuStreamGetFlags",
     "cuLaunchHostFunc",
     "cuEventCreate",
     "cuEventDestroy_v2",
@@ -822,6 +823,17 @@ impl Device for CudaDevice {
             sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
             res => check(res, "cuEventQuery").map(|()| false),
         }
+    }
+
+    fn check_stream(&self, s: Stream) -> Result<()> {
+        let mut flags: std::ffi::c_uint = 0;
+        let flags_ptr: *mut std::ffi::c_uint = &mut flags;
+        // SAFETY: `flags_ptr` points to `flags`, alive across the call; the driver validates
+        // the stream (cuStreamGetFlags, unlike cuStreamQuery, does not disturb a capture).
+        let res = self.on_stream(s, || unsafe { sys::cuStreamGetFlags(stream(s), flags_ptr) })?;
+        check(res, "cuStreamGetFlags").map_err(|e| {
+            Error::InvalidArgument(format!("stream {:#x} is not a live stream of this device: {e}", s.0))
+        })
     }
 
     fn synchronize_event(&self, e: Event) -> Result<()> {

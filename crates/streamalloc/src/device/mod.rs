@@ -14,6 +14,8 @@ pub mod sim;
 
 pub use event_pool::EventPool;
 
+use std::time::{Duration, Instant};
+
 use crate::error::{Error, Result};
 
 /// A device address.
@@ -187,6 +189,27 @@ pub trait Device: Send + Sync {
     fn query_event(&self, event: Event) -> Result<bool>;
     /// Blocks the host until `event` has completed.
     fn synchronize_event(&self, event: Event) -> Result<()>;
+    /// Waits at most `timeout` for `event` to complete; whether it did. Polls
+    /// [`Device::query_event`], sleeping between looks (from 20 us, doubling up to 1 ms).
+    fn wait_event(&self, event: Event, timeout: Duration) -> Result<bool> {
+        let deadline = Instant::now() + timeout;
+        let mut pause = Duration::from_micros(20);
+        loop {
+            if self.query_event(event)? {
+                return Ok(true);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(false);
+            }
+            std::thread::sleep(pause.min(deadline - now));
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+    }
+    /// Fails with [`Error::InvalidArgument`] naming `stream` unless it is a live stream of
+    /// this device (the legacy default stream always is). Makes no change to the stream and
+    /// is allowed while it captures a graph.
+    fn check_stream(&self, stream: Stream) -> Result<()>;
 
     /// Fills `len` bytes at `ptr` with `value`, in the order of `stream` (a real use of the
     /// memory, for tests and benchmarks).

@@ -52,6 +52,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
+use std::time::Duration;
 
 use parking_lot::Mutex;
 use rand::rngs::SmallRng;
@@ -1099,6 +1100,27 @@ impl Device for SimDevice {
             }
             Ok(())
         })
+    }
+
+    /// In virtual time: the host clock moves to the event's completion if that comes within
+    /// `timeout`, else by `timeout`.
+    fn wait_event(&self, event: Event, timeout: Duration) -> Result<bool> {
+        self.call(|st| {
+            let at = st
+                .events
+                .get(&event)
+                .ok_or_else(|| Error::InvalidArgument(format!("unknown event {:#x}", event.0)))?;
+            let Some(t) = *at else { return Ok(true) };
+            let deadline = st.now.saturating_add(u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX));
+            let done = t <= deadline;
+            st.now = if done { st.now.max(t) } else { deadline };
+            st.apply_thresholds();
+            Ok(done)
+        })
+    }
+
+    fn check_stream(&self, stream: Stream) -> Result<()> {
+        self.call(|st| st.stream_mut(stream).map(|_| ()))
     }
 
     fn memset_async(&self, ptr: DevicePtr, _value: u8, len: usize, stream: Stream) -> Result<()> {

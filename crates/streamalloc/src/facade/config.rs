@@ -6,6 +6,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
+use crate::policy::best_fit::Classes;
 
 /// The environment variable [`Config::from_env`] reads.
 pub const ENV_VAR: &str = "STREAMALLOC_CONF";
@@ -136,6 +137,12 @@ pub struct Config {
     /// (`500ms`, `2s`); adds the Retry layer. Default none (allocators still make their own
     /// one release-and-retry).
     pub retry_timeout: Option<Duration>,
+    /// `wait_timeout`: the longest an allocation waits for work on the device (other streams'
+    /// kernels still using cached memory) before the caches it returns can go back to the
+    /// driver; past it, the allocation fails with an out-of-memory error saying what it waited
+    /// for. Default 2 s: far longer than any kernel of a healthy step, short enough that a hung
+    /// stream shows as an error instead of a hang.
+    pub wait_timeout: Duration,
     /// `stats`: `true` adds per-stream statistics. Default `false`.
     pub stats: bool,
     /// `trace`: write every allocation and free to this CSV file (device N > 0 writes to
@@ -157,25 +164,30 @@ impl Default for Config {
             trim_floor: 0,
             limit: None,
             retry_timeout: None,
+            wait_timeout: DEFAULT_WAIT_TIMEOUT,
             stats: false,
             trace: None,
         }
     }
 }
 
+/// The default [`Config::wait_timeout`].
+pub const DEFAULT_WAIT_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// The keys [`Config::parse`] accepts, with what each takes.
 pub const KEYS: &[(&str, &str)] = &[
     ("strategy", "plain | best_fit | stream_safe | async"),
     ("device", "cuda | sim"),
-    ("sim_capacity", "a size, e.g. 80GiB"),
-    ("growth", "a size, e.g. 20MiB"),
+    ("sim_capacity", "a size of at least 64MiB, e.g. 80GiB"),
+    ("growth", "a size above 1MiB that is a multiple of 256 bytes, e.g. 20MiB"),
     ("expandable", "true | false"),
     ("pool", "default | owned"),
     ("release_threshold", "a size, or max"),
     ("throttle", "a ratio in (0, 1], or 1 to turn it off"),
     ("trim_floor", "a size"),
-    ("limit", "a size (40GiB) or a fraction of device memory (0.9)"),
+    ("limit", "a size with a unit (40GiB), a plain byte count of at least 1MiB (1048576), or a fraction of device memory in (0, 1] written with a point (0.9, 1.0)"),
     ("retry_timeout", "a duration: 500ms, 2s, 0"),
+    ("wait_timeout", "a duration: 500ms, 2s, 0"),
     ("stats", "true | false"),
     ("trace", "a file path"),
 ];
@@ -186,6 +198,7 @@ impl Config {
     /// it accepts.
     pub fn parse(s: &str) -> Result<Self> {
         let mut c = Config::default();
+        let mut seen: Vec<&str> = Vec::new();
         for pair in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let (key, value) = pair
                 .split_once('=')
@@ -195,6 +208,10 @@ impl Config {
                 let known: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();
                 Error::Config(format!("unknown key `{key}`; known keys: {}", known.join(", ")))
             })?;
+            if seen.contains(&key) {
+                return Err(Error::Config(format!("`{key}` is given twice; give each key once")));
+            }
+            seen.push(key);
             let bad = || Error::Config(format!("{key}={value}: expected {accepted}"));
             match key {
                 "strategy" => c.strategy = value.parse()?,
@@ -205,8 +222,14 @@ impl Config {
                         _ => return Err(bad()),
                     }
                 }
-                "sim_capacity" => c.sim_capacity = parse_size(value).ok_or_else(bad)?,
-                "growth" => c.growth = parse_size(value).filter(|n| *n > 0).ok_or_else(bad)?,
+                "sim_capacity" => {
+                    c.sim_capacity = parse_size(value).filter(|n| *n >= MIN_SIM_CAPACITY).ok_or_else(bad)?
+                }
+                "growth" => {
+                    // What BestFit accepts as its chunk size for large requests.
+                    let classes = |n: usize| Classes { large_chunk: n as u64, ..Classes::default() };
+                    c.growth = parse_size(value).filter(|n| classes(*n).validate().is_ok()).ok_or_else(bad)?
+                }
                 "pool" => {
                     c.pool = match value {
                         "default" => PoolChoice::Default,
@@ -223,13 +246,9 @@ impl Config {
                         value.parse::<f64>().ok().filter(|r| *r > 0.0 && *r <= 1.0).ok_or_else(bad)?
                 }
                 "trim_floor" => c.trim_floor = parse_size(value).ok_or_else(bad)?,
-                "limit" => {
-                    c.limit = Some(match value.parse::<f64>() {
-                        Ok(f) if f > 0.0 && f <= 1.0 && value.contains('.') => LimitSpec::Fraction(f),
-                        _ => LimitSpec::Bytes(parse_size(value).filter(|n| *n > 0).ok_or_else(bad)?),
-                    })
-                }
+                "limit" => c.limit = Some(parse_limit(value).ok_or_else(bad)?),
                 "retry_timeout" => c.retry_timeout = Some(parse_duration(value).ok_or_else(bad)?),
+                "wait_timeout" => c.wait_timeout = parse_duration(value).ok_or_else(bad)?,
                 "stats" => c.stats = value.parse().map_err(|_| bad())?,
                 "expandable" => c.expandable = value.parse().map_err(|_| bad())?,
                 "trace" if !value.is_empty() => c.trace = Some(PathBuf::from(value)),
@@ -271,7 +290,7 @@ impl fmt::Display for Config {
         write!(
             f,
             "strategy={},device={},sim_capacity={},growth={},expandable={},pool={},release_threshold={threshold},\
-             throttle={},trim_floor={},stats={}",
+             throttle={},trim_floor={},wait_timeout={}ms,stats={}",
             self.strategy.name(),
             match self.device {
                 DeviceKind::Cuda => "cuda",
@@ -286,10 +305,11 @@ impl fmt::Display for Config {
             },
             self.throttle,
             self.trim_floor,
+            self.wait_timeout.as_millis(),
             self.stats,
         )?;
         match self.limit {
-            Some(LimitSpec::Bytes(n)) => write!(f, ",limit={n}")?,
+            Some(LimitSpec::Bytes(n)) => write!(f, ",limit={n}B")?,
             Some(LimitSpec::Fraction(x)) => write!(f, ",limit={x:?}")?,
             None => {}
         }
@@ -301,6 +321,25 @@ impl fmt::Display for Config {
         }
         Ok(())
     }
+}
+
+/// The smallest `sim_capacity`: a simulated device smaller than this fails every chunked
+/// allocation.
+const MIN_SIM_CAPACITY: usize = 64 << 20;
+
+/// The smallest plain byte count (no unit) `limit` accepts: a smaller plain number is more
+/// likely a mistyped fraction (`limit=1` for all of the memory) than a limit in bytes.
+const MIN_PLAIN_LIMIT: usize = 1 << 20;
+
+/// Parses a `limit`: a number with a point is a fraction of device memory in (0, 1]; a size
+/// with a unit is bytes; a plain integer is bytes and must be at least [`MIN_PLAIN_LIMIT`].
+fn parse_limit(value: &str) -> Option<LimitSpec> {
+    if value.contains('.') && value.chars().all(|ch| ch.is_ascii_digit() || ch == '.') {
+        return value.parse::<f64>().ok().filter(|f| *f > 0.0 && *f <= 1.0).map(LimitSpec::Fraction);
+    }
+    let bytes = parse_size(value).filter(|n| *n > 0)?;
+    let plain = value.chars().all(|ch| ch.is_ascii_digit());
+    (!plain || bytes >= MIN_PLAIN_LIMIT).then_some(LimitSpec::Bytes(bytes))
 }
 
 /// Parses a size: a number with an optional unit, `B`, `KB`/`MB`/`GB`/`TB` (powers of 1000)
@@ -382,7 +421,7 @@ mod tests {
         let c = Config::parse(
             "strategy=async, device=sim, sim_capacity=8GiB, growth=2MiB, expandable=true, pool=owned, \
              release_threshold=1GiB, throttle=0.5, trim_floor=64MiB, limit=40GiB, retry_timeout=250ms, \
-             stats=true, trace=/tmp/t.csv",
+             wait_timeout=100ms, stats=true, trace=/tmp/t.csv",
         )
         .unwrap();
         assert_eq!(c.strategy, Strategy::Async);
@@ -396,10 +435,11 @@ mod tests {
         assert_eq!(c.trim_floor, 64 << 20);
         assert_eq!(c.limit, Some(LimitSpec::Bytes(40 << 30)));
         assert_eq!(c.retry_timeout, Some(Duration::from_millis(250)));
+        assert_eq!(c.wait_timeout, Duration::from_millis(100));
         assert!(c.stats);
         assert_eq!(c.trace, Some(PathBuf::from("/tmp/t.csv")));
         // Every key in KEYS is covered above.
-        assert_eq!(KEYS.len(), 13);
+        assert_eq!(KEYS.len(), 14);
         // Display writes back what parse reads.
         assert_eq!(Config::parse(&c.to_string()).unwrap(), c);
         for s in ["plain", "best_fit", "stream_safe", "async"] {
@@ -432,5 +472,19 @@ mod tests {
         assert!(err("sim_capacity=x").contains("sim_capacity"));
         assert!(err("trim_floor=x").contains("trim_floor"));
         assert!(err("strategy").contains("not key=value"));
+    }
+
+    /// Values that parsed and then made every call fail, or meant something else than written.
+    #[test]
+    fn traps_are_errors_at_parse_time() {
+        let err =
+            |s: &str| Config::parse(s).map(|c| format!("parsed as {c:?}")).unwrap_or_else(|e| e.to_string());
+        assert!(err("limit=1.5").contains("limit=1.5: expected"), "{}", err("limit=1.5"));
+        assert!(err("limit=100").contains("limit=100: expected"), "{}", err("limit=100"));
+        assert!(err("growth=1").contains("growth=1: expected"), "{}", err("growth=1"));
+        assert!(err("growth=1MiB").contains("growth=1MiB: expected"), "{}", err("growth=1MiB"));
+        assert!(err("sim_capacity=1").contains("sim_capacity=1: expected"), "{}", err("sim_capacity=1"));
+        let twice = err("strategy=plain,stats=true,strategy=async");
+        assert!(twice.contains("`strategy` is given twice"), "{twice}");
     }
 }

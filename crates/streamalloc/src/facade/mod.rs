@@ -17,7 +17,8 @@ mod presets;
 pub mod private_pools;
 
 pub use config::{
-    parse_duration, parse_size, Config, DeviceKind, LimitSpec, PoolChoice, Strategy, ENV_VAR, KEYS,
+    parse_duration, parse_size, Config, DeviceKind, LimitSpec, PoolChoice, Strategy, DEFAULT_WAIT_TIMEOUT,
+    ENV_VAR, KEYS,
 };
 pub use presets::Preset;
 
@@ -27,7 +28,7 @@ use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
-use crate::adaptors::{Limit, PointerMap, Retry, SingleStream, StatsAdaptor, StreamStats, TraceAdaptor};
+use crate::adaptors::{Limit, Retry, SingleStream, StatsAdaptor, StreamStats, TraceAdaptor};
 use crate::allocation::{Allocation, PointerAllocator, Stats, StreamAllocator};
 use crate::allocators::{
     AsyncPool, AsyncPoolConfig, BackingKind, BestFit, BestFitConfig, Plain, PoolMode, ReuseFlags, StreamSafe,
@@ -40,28 +41,42 @@ use crate::error::{Error, Result};
 use crate::trace::TraceWriter;
 use private_pools::PrivatePools;
 
+/// A device as opened: the device, and the simulator behind it with `device=sim`.
+type Opened = (Arc<dyn Device>, Option<Arc<SimDevice>>);
+
 /// The most devices one facade serves.
 pub const MAX_DEVICES: usize = 64;
 
 /// The settings of the caching pools of `config`'s `best_fit` and `stream_safe` strategies.
 fn pool_config(config: &Config) -> BestFitConfig {
     let backing = if config.expandable { BackingKind::Stitched } else { BackingKind::Chunks };
-    BestFitConfig { growth_size: config.growth, backing, ..Default::default() }
+    BestFitConfig {
+        growth_size: config.growth,
+        backing,
+        wait_timeout: config.wait_timeout,
+        ..Default::default()
+    }
 }
 
+/// An allocator stack: allocations by handle on any stream ([`StreamAllocator`]) and by
+/// pointer ([`PointerAllocator`], for front ends that hand raw pointers out), through the
+/// same layers.
+pub trait StackAllocator: StreamAllocator + PointerAllocator {}
+
+impl<T: StreamAllocator + PointerAllocator + ?Sized> StackAllocator for T {}
+
 /// A device's allocator stack.
-pub type DynAllocator = Arc<dyn StreamAllocator>;
+pub type DynAllocator = Arc<dyn StackAllocator>;
 
 /// What the facade keeps for one device.
 pub struct DeviceStack {
     /// The device.
     pub device: Arc<dyn Device>,
-    /// The outermost layer of its stack.
+    /// The simulated device behind [`DeviceStack::device`], with `device=sim`.
+    pub sim: Option<Arc<SimDevice>>,
+    /// The outermost layer of its stack. By pointer, every layer hands the call on to the
+    /// strategy, which keeps its live allocations in one table by pointer.
     pub allocator: DynAllocator,
-    /// The same stack by pointer, for front ends that hand raw pointers out: the strategy
-    /// itself where it keeps its allocations by pointer (`stream_safe` and `async` with no
-    /// adaptor layer), else a [`PointerMap`] over [`DeviceStack::allocator`].
-    pub pointers: Arc<dyn PointerAllocator>,
     /// The per-stream statistics layer, with `stats=true`.
     pub stats: Option<Arc<StatsAdaptor<DynAllocator>>>,
     /// The trace layer, with `trace=PATH`.
@@ -188,46 +203,48 @@ impl Facade {
         first_error.map_or(Ok(()), Err)
     }
 
-    fn open_device(&self, ordinal: usize) -> Result<Arc<dyn Device>> {
+    /// The device, and the simulator behind it with `device=sim`.
+    fn open_device(&self, ordinal: usize) -> Result<Opened> {
         Ok(match self.config.device {
-            DeviceKind::Cuda => CudaDevice::new(ordinal)?,
+            DeviceKind::Cuda => (CudaDevice::new(ordinal)?, None),
             DeviceKind::Sim => {
-                SimDevice::new(SimConfig { ordinal, ..SimConfig::with_capacity(self.config.sim_capacity) })
+                let sim = SimDevice::new(SimConfig {
+                    ordinal,
+                    ..SimConfig::with_capacity(self.config.sim_capacity)
+                });
+                (sim.clone(), Some(sim))
             }
         })
     }
 
     fn build(&self, ordinal: usize) -> Result<DeviceStack> {
-        Self::build_stack(&self.config, self.open_device(ordinal)?)
+        let (device, sim) = self.open_device(ordinal)?;
+        let mut stack = Self::build_stack(&self.config, device)?;
+        stack.sim = sim;
+        Ok(stack)
     }
 
     /// Builds the stack `config` describes on `device` (the `device` and `sim_capacity`
     /// keys do not apply: the device is given). What a facade builds for each device it
     /// serves; also for a caller that builds stacks one after another on a device it opened
-    /// once, such as a trace replay comparing configurations.
+    /// once, such as a trace replay comparing configurations. The stack's `sim` is `None`.
     pub fn build_stack(config: &Config, device: Arc<dyn Device>) -> Result<DeviceStack> {
         let c = config;
         let ordinal = device.ordinal();
-        // The strategy's own pointer bookkeeping, where it has some.
-        let mut native: Option<Arc<dyn PointerAllocator>> = None;
+        let pool = pool_config(c);
         let mut a: DynAllocator = match c.strategy {
             Strategy::Plain => Arc::new(SingleStream::new(
                 Plain::new(device.clone(), Stream::DEFAULT),
                 device.clone(),
                 Stream::DEFAULT,
             )),
-            Strategy::BestFit => {
-                let pool = BestFit::new(device.clone(), pool_config(c))?;
-                Arc::new(SingleStream::new(pool, device.clone(), Stream::DEFAULT))
-            }
+            Strategy::BestFit => Arc::new(SingleStream::new(
+                BestFit::new(device.clone(), pool)?,
+                device.clone(),
+                Stream::DEFAULT,
+            )),
             Strategy::StreamSafe => {
-                let pool = pool_config(c);
-                let ss = Arc::new(StreamSafe::new(
-                    device.clone(),
-                    StreamSafeConfig { pool, ..Default::default() },
-                )?);
-                native = Some(ss.clone());
-                ss
+                Arc::new(StreamSafe::new(device.clone(), StreamSafeConfig { pool, ..Default::default() })?)
             }
             Strategy::Async => {
                 let mode = match c.pool {
@@ -246,9 +263,7 @@ impl Facade {
                     trim_floor: c.trim_floor,
                     ..Default::default()
                 };
-                let pool = Arc::new(AsyncPool::new(device.clone(), config));
-                native = Some(pool.clone());
-                pool
+                Arc::new(AsyncPool::new(device.clone(), config))
             }
         };
         let mut trace = None;
@@ -274,16 +289,7 @@ impl Facade {
         if let Some(limit) = c.limit {
             a = Arc::new(Limit::new(a, limit.bytes(device.mem_info()?.total)));
         }
-        let pointers = match native {
-            // Only while no adaptor layer wraps the strategy.
-            Some(p) if std::ptr::addr_eq(Arc::as_ptr(&p), Arc::as_ptr(&a)) => p,
-            _ => Arc::new(PointerMap::new(a.clone())),
-        };
-        let private = PrivatePools::new(
-            device.clone(),
-            BestFitConfig { growth_size: c.growth, ..Default::default() },
-            c.strategy == Strategy::Async,
-        );
-        Ok(DeviceStack { device, allocator: a, pointers, stats, trace, private })
+        let private = PrivatePools::new(device.clone(), pool_config(c), c.strategy == Strategy::Async);
+        Ok(DeviceStack { device, sim: None, allocator: a, stats, trace, private })
     }
 }

@@ -179,7 +179,8 @@ impl PrivatePools {
         }
         let allocs: Vec<(PoolId, Arc<StreamSafe>)> =
             self.state.lock().pools.iter().map(|(id, e)| (*id, e.alloc.clone())).collect();
-        let Some(id) = allocs.iter().find(|(_, a)| a.free_ptr(ptr, owner)).map(|(id, _)| *id) else {
+        let Some(id) = allocs.iter().find(|(_, a)| a.free_ptr(ptr, owner).is_some()).map(|(id, _)| *id)
+        else {
             return false;
         };
         drop(allocs);
@@ -194,14 +195,27 @@ impl PrivatePools {
         true
     }
 
-    /// `record_stream` for `ptr` if a pool made it; whether one did.
-    pub fn record_stream(&self, ptr: DevicePtr, stream: Stream) -> bool {
+    /// `record_stream` for `ptr` if a pool made it; whether one did. Fails, recording
+    /// nothing, when `stream` is not a live stream of the device.
+    pub fn record_stream(&self, ptr: DevicePtr, stream: Stream) -> Result<bool> {
         if self.pools.load(Ordering::Relaxed) == 0 {
-            return false;
+            return Ok(false);
         }
         let allocs: Vec<Arc<StreamSafe>> =
             self.state.lock().pools.values().map(|e| e.alloc.clone()).collect();
-        allocs.iter().any(|a| a.record_stream_ptr(ptr, stream))
+        for a in allocs {
+            if a.record_stream_ptr(ptr, stream)? {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// Restarts the peaks of every pool's statistics.
+    pub fn reset_peak_stats(&self) {
+        for e in self.state.lock().pools.values() {
+            e.alloc.reset_peak_stats();
+        }
     }
 
     /// Statistics summed over the pools.
@@ -307,8 +321,12 @@ mod tests {
         let a = p.allocate(4096, s1).unwrap().unwrap();
         let b = p.allocate(4096, s2).unwrap().unwrap();
         let st = p.state.lock();
-        let owner =
-            |ptr| st.pools.iter().find(|(_, e)| e.alloc.record_stream_ptr(ptr, Stream(0))).map(|(id, _)| *id);
+        let owner = |ptr| {
+            st.pools
+                .iter()
+                .find(|(_, e)| e.alloc.record_stream_ptr(ptr, Stream(0)).unwrap())
+                .map(|(id, _)| *id)
+        };
         assert_eq!((owner(a), owner(b)), (Some((1, 0)), Some((0, 2))));
     }
 }

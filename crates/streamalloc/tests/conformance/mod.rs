@@ -59,9 +59,10 @@ struct FreeByPointer(Arc<dyn PointerAllocator>);
 impl BlockOwner for FreeByPointer {
     fn free(&self, block: Block) {
         for &s in &block.recorded {
-            assert!(self.0.record_stream_ptr(block.ptr, s), "{:#x} not live at record_stream_ptr", block.ptr);
+            let recorded = self.0.record_stream_ptr(block.ptr, s).expect("a live stream");
+            assert!(recorded, "{:#x} not live at record_stream_ptr", block.ptr);
         }
-        assert!(self.0.free_ptr(block.ptr, block.stream), "{:#x} not live at free_ptr", block.ptr);
+        assert!(self.0.free_ptr(block.ptr, block.stream).is_some(), "{:#x} not live at free_ptr", block.ptr);
     }
 }
 
@@ -74,6 +75,9 @@ impl Allocator for ByPointer {
     }
     fn stats(&self) -> Stats {
         self.base.stats()
+    }
+    fn reset_peak_stats(&self) {
+        self.base.reset_peak_stats()
     }
     fn device(&self) -> usize {
         self.base.device()

@@ -73,10 +73,11 @@ pub use graph::{Capture, CapturedGraph};
 use graph::{CaptureOwner, GraphShared};
 
 use crate::allocation::{
-    align_up, record_user, Allocation, Allocator, Block, BlockOwner, PointerAllocator, Stats, StreamAllocator,
+    align_up, record_user, Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats,
+    StreamAllocator,
 };
 use crate::device::{CaptureStatus, Device, DevicePtr, EventPool, Pool, PoolAttr, PoolProps, Stream};
-use crate::error::{Error, OutOfMemory, Result};
+use crate::error::{Error, HeldErrors, OutOfMemory, Result};
 
 /// Which stream-ordered pool an [`AsyncPool`] allocates from.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -183,8 +184,8 @@ struct Counters {
     pending: usize,
     /// Allocated plus pending bytes past which the throttle applies (set at first use).
     throttle_limit: usize,
-    /// The first error a free met, reported by the next call.
-    free_error: Option<Error>,
+    /// Errors frees met, reported by the next [`Allocator::release`].
+    held: HeldErrors,
     /// Allocations kept by pointer ([`PointerAllocator`]).
     kept: FxHashMap<DevicePtr, Kept>,
 }
@@ -195,7 +196,7 @@ impl Default for Counters {
             stats: Stats::default(),
             pending: 0,
             throttle_limit: usize::MAX,
-            free_error: None,
+            held: HeldErrors::default(),
             kept: FxHashMap::default(),
         }
     }
@@ -252,8 +253,6 @@ struct Inner {
     counters: Mutex<Counters>,
     /// Mirrors [`Counters::throttled`], read without the lock.
     throttled: AtomicBool,
-    /// Mirrors `counters.free_error.is_some()`, read without the lock.
-    failed: AtomicBool,
     /// Captures begun through this allocator, by capturing stream.
     captures: Mutex<HashMap<Stream, Arc<GraphShared>>>,
     /// Mirrors `captures.len()`, read without the lock: while it is 0 no stream is asked
@@ -280,7 +279,6 @@ impl AsyncPool {
             init_lock: Mutex::new(()),
             counters: Mutex::new(Counters::default()),
             throttled: AtomicBool::new(false),
-            failed: AtomicBool::new(false),
             captures: Mutex::new(HashMap::new()),
             capturing: AtomicUsize::new(0),
         };
@@ -330,11 +328,9 @@ impl AsyncPool {
         Ok(Capture::new(self.inner.clone(), shared, stream))
     }
 
-    fn take_free_error(&self) -> Result<()> {
-        match self.inner.counted(|c| c.free_error.take()) {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+    /// Counts `made` once: a failure, or nothing (a retry is counted where it happens).
+    fn count<T>(&self, made: Result<T>) -> Result<T> {
+        made.inspect_err(|_| self.inner.counted(|c| c.stats.failures += 1))
     }
 
     /// The device side of an allocation of `size` bytes (not zero) on `stream`, not yet
@@ -344,21 +340,15 @@ impl AsyncPool {
         let rounded = align_up(size)
             .ok_or_else(|| Error::InvalidArgument(format!("allocation size {size} overflows")))?;
         let ready = inner.ready()?;
-        if inner.failed.load(Ordering::Relaxed) {
-            self.take_free_error()?;
-        }
         let throttled = inner.throttled.load(Ordering::Relaxed);
         inner.allocate_device(ready, size, rounded, stream, throttled)
     }
 }
 
-impl Allocator for AsyncPool {
-    fn allocate(&self, size: usize) -> Result<Allocation> {
-        self.allocate_on(size, self.default_stream())
-    }
-
-    fn release(&self) -> Result<usize> {
-        self.take_free_error()?;
+impl AsyncPool {
+    /// Trims the pool to [`AsyncPoolConfig::trim_floor`]; the bytes returned. Nothing while a
+    /// capture of this allocator's is active.
+    fn trim(&self) -> Result<usize> {
         let Some(ready) = self.inner.ready.get() else { return Ok(0) };
         if !self.inner.captures.lock().is_empty() {
             return Ok(0);
@@ -367,6 +357,19 @@ impl Allocator for AsyncPool {
         let before = reserved()?;
         self.inner.device.trim_pool(ready.pool, self.inner.config.trim_floor)?;
         Ok(before.saturating_sub(reserved()?) as usize)
+    }
+}
+
+impl Allocator for AsyncPool {
+    fn allocate(&self, size: usize) -> Result<Allocation> {
+        self.allocate_on(size, self.default_stream())
+    }
+
+    /// Trims the pool to the configured floor; then reports the errors frees held back.
+    fn release(&self) -> Result<usize> {
+        let released = self.trim();
+        self.inner.counted(|c| c.held.take())?;
+        released
     }
 
     fn stats(&self) -> Stats {
@@ -387,6 +390,18 @@ impl Allocator for AsyncPool {
         stats
     }
 
+    /// Restarts the allocator's peak and the pool's high-water marks (on the device's default
+    /// pool, for every user of it, as PyTorch's cudaMallocAsync backend does).
+    fn reset_peak_stats(&self) {
+        self.inner.counted(|c| c.stats.reset_peaks());
+        if let Some(ready) = self.inner.ready.get() {
+            for attr in [PoolAttr::ReservedMemHigh, PoolAttr::UsedMemHigh] {
+                // A pool whose marks cannot be reset keeps its old peaks: nothing to report to.
+                let _ = self.inner.device.set_pool_attr(ready.pool, attr, 0);
+            }
+        }
+    }
+
     fn device(&self) -> usize {
         self.inner.ordinal
     }
@@ -399,7 +414,7 @@ impl StreamAllocator for AsyncPool {
         if size == 0 {
             return Ok(Allocation::empty(device, stream));
         }
-        let (ptr, owner) = self.allocate_uncounted(size, stream)?;
+        let (ptr, owner) = self.count(self.allocate_uncounted(size, stream))?;
         inner.counted(|c| c.count_allocation(size));
         let owner: Arc<dyn BlockOwner> = match owner {
             Owner::Pool => inner.clone(),
@@ -424,7 +439,6 @@ impl Inner {
         let mut c = self.counters.lock();
         let r = f(&mut c);
         self.throttled.store(c.throttled(), Ordering::Relaxed);
-        self.failed.store(c.free_error.is_some(), Ordering::Relaxed);
         r
     }
 
@@ -457,9 +471,7 @@ impl Inner {
                         stream.0
                     )));
                 };
-                let ptr = self.device.alloc_async(rounded, ready.pool, stream).inspect_err(|_| {
-                    self.counters.lock().stats.failures += 1;
-                })?;
+                let ptr = self.device.alloc_async(rounded, ready.pool, stream)?;
                 (ptr, Owner::Capture(shared))
             }
             CaptureStatus::Invalidated => {
@@ -562,13 +574,16 @@ impl Inner {
                     self.order_after(stream, [ready.free_stream])?;
                 }
                 self.device.trim_pool(ready.pool, 0)?;
-                self.device.alloc_async(rounded, ready.pool, stream)
+                let retried = self.device.alloc_async(rounded, ready.pool, stream);
+                if retried.is_ok() {
+                    self.counted(|c| c.stats.retries += 1);
+                }
+                retried
             }
             other => other,
         };
         first.map_err(|e| {
-            let mut c = self.counters.lock();
-            c.stats.failures += 1;
+            let c = self.counters.lock();
             if !is_oom(&e) {
                 return e;
             }
@@ -653,7 +668,7 @@ impl Inner {
     fn keep_error(&self, result: Result<()>) {
         if let Err(e) = result {
             self.counted(|c| {
-                c.free_error.get_or_insert(e);
+                c.held.hold(e);
             });
         }
     }
@@ -670,7 +685,7 @@ impl BlockOwner for Inner {
                 Ok(true) => c.stats.device_frees += 1,
                 Ok(false) => {}
                 Err(e) => {
-                    c.free_error.get_or_insert(e);
+                    c.held.hold(e);
                 }
             }
         });
@@ -704,7 +719,7 @@ impl PointerAllocator for AsyncPool {
         if size == 0 {
             return Ok(0);
         }
-        let (ptr, owner) = self.allocate_uncounted(size, stream)?;
+        let (ptr, owner) = self.count(self.allocate_uncounted(size, stream))?;
         let capture = match owner {
             Owner::Pool => None,
             Owner::Capture(shared) => Some(shared),
@@ -717,7 +732,7 @@ impl PointerAllocator for AsyncPool {
         Ok(ptr)
     }
 
-    fn free_ptr(&self, ptr: DevicePtr, _owner: Stream) -> bool {
+    fn free_ptr(&self, ptr: DevicePtr, _owner: Stream) -> Option<Freed> {
         let inner = &self.inner;
         // Counted as a device free at once; taken back in the rare case that it is not one.
         let kept = inner.counted(|c| {
@@ -728,7 +743,7 @@ impl PointerAllocator for AsyncPool {
             }
             Some(kept)
         });
-        let Some(Kept { size, stream, more }) = kept else { return false };
+        let Kept { size, stream, more } = kept?;
         let KeptMore { recorded, capture } = more.map(|m| *m).unwrap_or_default();
         let block = Block { ptr, size, stream, device: inner.ordinal, token: 0, recorded };
         match capture {
@@ -739,21 +754,27 @@ impl PointerAllocator for AsyncPool {
                 Ok(false) => inner.counted(|c| c.stats.device_frees -= 1),
                 Err(e) => inner.counted(|c| {
                     c.stats.device_frees -= 1;
-                    c.free_error.get_or_insert(e);
+                    c.held.hold(e);
                 }),
             },
         }
-        true
+        Some(Freed { size, stream })
     }
 
-    fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> bool {
-        self.inner
+    fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> Result<bool> {
+        self.inner.device.check_stream(stream)?;
+        Ok(self
+            .inner
             .counted(|c| {
                 let kept = c.kept.get_mut(&ptr)?;
                 let more = kept.more.get_or_insert_with(Box::default);
                 record_user(&mut more.recorded, kept.stream, stream);
                 Some(())
             })
-            .is_some()
+            .is_some())
+    }
+
+    fn owning_stream(&self, asked: Stream) -> Stream {
+        asked
     }
 }

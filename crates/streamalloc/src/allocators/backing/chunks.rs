@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use super::{Backing, Ledger, Want};
 use crate::device::{Device, DevicePtr};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::policy::best_fit::Grant;
 
 /// A source of chunks of device address space for a caching pool such as
@@ -71,7 +71,7 @@ impl Backing for Chunks {
 
     fn grow(&self, ledger: &dyn Ledger, want: &Want) -> Result<Option<Grant>> {
         let size = usize::try_from(want.chunk)
-            .map_err(|_| crate::Error::InvalidArgument(format!("a chunk of {} bytes", want.chunk)))?;
+            .map_err(|_| Error::InvalidArgument(format!("a chunk of {} bytes", want.chunk)))?;
         let addr = self.source.grow(size)?;
         match ledger.update(&mut |p| p.add_chunk(want.class, addr, want.chunk)) {
             Ok(grant) => Ok(grant),
@@ -83,7 +83,9 @@ impl Backing for Chunks {
         }
     }
 
-    fn release(&self, ledger: &dyn Ledger) -> Result<usize> {
+    /// A `cuMemFree` orders itself after the device's work: chunks go back even when the
+    /// pool could not wait for its stream.
+    fn release(&self, ledger: &dyn Ledger, _unwaited: Option<&Error>) -> Result<usize> {
         let mut chunks = Vec::new();
         ledger.update(&mut |p| {
             chunks = p.release_free_chunks();

@@ -21,7 +21,7 @@ pub use stitched::Stitched;
 use std::sync::Arc;
 
 use crate::device::Device;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::policy::best_fit::{BestFitPolicy, Class, Grant};
 
 /// Which [`Backing`] a pool built from a [`BestFitConfig`](super::BestFitConfig) gets.
@@ -57,6 +57,10 @@ pub trait Ledger {
     /// block fits it (`None` when none does, or when no request is being grown for). The
     /// pool's reserved bytes follow the policy's.
     fn update(&self, f: &mut dyn FnMut(&mut BestFitPolicy) -> Result<()>) -> Result<Option<Grant>>;
+    /// Waits, at most the pool's [`wait_timeout`](super::BestFitConfig::wait_timeout), for the
+    /// work enqueued so far on the pool's stream; past the bound, an
+    /// [`Error::Timeout`] that says what was waited for.
+    fn wait_for_stream(&self) -> Result<()>;
 }
 
 /// Where a [`BestFit`](super::BestFit) pool's memory comes from and goes back to.
@@ -64,8 +68,10 @@ pub trait Ledger {
 /// A backing adds memory to the pool and takes it away only through the [`Ledger`] the
 /// pool passes in, and makes its device calls outside the pool's lock. Memory in a free
 /// block was last used in the order of the pool's stream (blocks freed with recorded
-/// streams become free only once those streams' events completed), so a backing that
-/// unmaps free memory first waits for the pool's stream.
+/// streams become free only once those streams' events completed), so free memory may be
+/// unmapped only after the pool's stream's work: the pool waits for it (with a bound) before
+/// a release, and a backing that unmaps free memory while growing first waits through
+/// [`Ledger::wait_for_stream`]. No backing waits without a bound (but at teardown).
 pub trait Backing: Send + Sync {
     /// The device the memory lives on.
     fn device(&self) -> &Arc<dyn Device>;
@@ -74,8 +80,11 @@ pub trait Backing: Send + Sync {
     /// Out-of-memory errors are the device's; the pool releases and retries once.
     fn grow(&self, ledger: &dyn Ledger, want: &Want) -> Result<Option<Grant>>;
     /// Gives the pool's free memory back to the device: the bytes given back, or the first
-    /// error met after trying everything.
-    fn release(&self, ledger: &dyn Ledger) -> Result<usize>;
+    /// error met after trying everything. The pool has waited for its stream's work, unless
+    /// `unwaited` is the error that kept it from doing so: memory whose giving back does not
+    /// wait for the device itself (an unmap) then stays in the pool, and that error is
+    /// returned.
+    fn release(&self, ledger: &dyn Ledger, unwaited: Option<&Error>) -> Result<usize>;
     /// Whether a growth maps what a request lacks past a free block, so that a remainder
     /// split off a large block is used by the next growth and should be split however small
     /// ([`Classes::split_large_slivers`](crate::policy::best_fit::Classes::split_large_slivers)).

@@ -17,8 +17,8 @@ use crate::policy::best_fit::{Class, Grant};
 /// ([`Want::own`]) get chunks of their own from a [`Chunks`] backing: in the segment, such a
 /// block left a hole when freed that smaller requests split (on the simulator, peak reserved
 /// over peak live 1.078 instead of 1.051 on GPT-2 training). A wholly free segment is
-/// unmapped at a release, after the pool's stream is synchronized (an unmap does not wait
-/// for the device as `cuMemFree` does). Its memory is mapped for this device alone.
+/// unmapped at a release, which the pool makes after waiting for its stream (an unmap does
+/// not wait for the device as `cuMemFree` does). Its memory is mapped for this device alone.
 pub struct Segments {
     device: Arc<dyn Device>,
     chunks: Chunks,
@@ -109,26 +109,24 @@ impl Backing for Segments {
         added
     }
 
-    fn release(&self, ledger: &dyn Ledger) -> Result<usize> {
+    fn release(&self, ledger: &dyn Ledger, unwaited: Option<&Error>) -> Result<usize> {
         let mut sg = self.state.lock();
         let mut chunks = Vec::new();
         ledger.update(&mut |p| {
             chunks = p.release_free_chunks();
             Ok(())
         })?;
-        let (mut released, mut first_error, mut synchronized) = (0, None, false);
+        let (mut released, mut first_error) = (0, None);
         for (addr, size) in chunks {
             let result = match sg.base.iter().position(|&b| b == Some(addr)) {
                 None => self.chunks.shrink(addr, size),
                 Some(c) => {
-                    // A free block's last use is ordered on the pool's stream, and an unmap
-                    // does not wait for it as a `cuMemFree` does.
-                    let waited = match synchronized {
-                        true => Ok(()),
-                        false => self.device.synchronize_stream(self.stream),
+                    // A free block's last use is ordered on the pool's stream, which the pool
+                    // waited for (an unmap does not wait for it as a `cuMemFree` does).
+                    let unmapped = match unwaited {
+                        Some(e) => Err(e.clone()),
+                        None => self.device.unmap(addr, size as usize),
                     };
-                    synchronized = waited.is_ok();
-                    let unmapped = waited.and_then(|()| self.device.unmap(addr, size as usize));
                     match unmapped {
                         Ok(()) => sg.mapped[c] = 0,
                         // Still mapped: the segment stays in the pool, wholly free.

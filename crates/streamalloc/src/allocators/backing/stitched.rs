@@ -30,15 +30,18 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Grant};
 ///   reservation: a freed block of a large request leaves a hole whose granules are stitched
 ///   into the next growth.
 /// * **Ordering.** Unmapping does not wait for the device as `cuMemFree` does, and a free
-///   block's last use is ordered on the pool's stream: before unmapping, the pool's stream
-///   is synchronized. That wait is for work already enqueued on the pool's own stream,
-///   which completes unless a kernel never ends.
+///   block's last use is ordered on the pool's stream: before unmapping, the work enqueued
+///   on the pool's stream is waited for, at most the pool's
+///   [`wait_timeout`](crate::allocators::BestFitConfig::wait_timeout) (by the pool before a
+///   release, through [`Ledger::wait_for_stream`] before stitching). Past the bound nothing
+///   is unmapped: a release fails with the error that says so, a growth maps without
+///   stitching (the peak rises).
 /// * **Release** unmaps every free granule of the pool (PyTorch's `empty_cache` over
 ///   expandable segments).
 ///
 /// GMLake maps a physical granule at a second address without unmapping it; here
 /// ([`Device::map`] creates the memory it maps) the granule is unmapped and a fresh one
-/// mapped, which costs a synchronization of the pool's stream per stitching.
+/// mapped, which costs a wait for the pool's stream per stitching.
 pub struct Stitched {
     device: Arc<dyn Device>,
     stream: Stream,
@@ -92,14 +95,16 @@ impl Stitched {
 
     /// Takes `bytes` of free granules out of the pool through `ledger`, unmaps them and
     /// returns how many bytes it unmapped; blocks that end at `keep.0` or start at
-    /// `keep.0 + keep.1` (those a placement counts on) stay. Waits for the pool's stream
-    /// first. A range that cannot be unmapped goes back to the pool.
+    /// `keep.0 + keep.1` (those a placement counts on) stay. Calls `wait` (which waits for the
+    /// pool's stream, or tells why it could not) before unmapping anything. A range that
+    /// cannot be unmapped goes back to the pool.
     fn reclaim(
         &self,
         st: &mut State,
         ledger: &dyn Ledger,
         bytes: u64,
         keep: Option<Placement>,
+        wait: &dyn Fn() -> Result<()>,
     ) -> Result<u64> {
         let g = st.granularity;
         let mut carved = Vec::new();
@@ -110,7 +115,7 @@ impl Stitched {
         if carved.is_empty() {
             return Ok(0);
         }
-        let mut first_error = self.device.synchronize_stream(self.stream).err();
+        let mut first_error = wait().err();
         let mut unmapped = 0;
         for (class, addr, len) in carved {
             let result = match first_error {
@@ -163,7 +168,12 @@ impl Backing for Stitched {
         };
         let excess = (st.mapped + pl.len).saturating_sub(st.high_water);
         if excess > 0 {
-            self.reclaim(&mut st, ledger, excess, Some(pl))?;
+            match self.reclaim(&mut st, ledger, excess, Some(pl), &|| ledger.wait_for_stream()) {
+                // The pool's stream still uses the free granules past the wait bound: grow
+                // without stitching (the peak rises) rather than wait longer or fail.
+                Ok(_) | Err(Error::Timeout { .. }) => {}
+                Err(e) => return Err(e),
+            }
         }
         self.device.map(pl.at, pl.len as usize)?;
         take_hole(&mut st.holes, pl.at, pl.len);
@@ -182,12 +192,14 @@ impl Backing for Stitched {
         true
     }
 
-    fn release(&self, ledger: &dyn Ledger) -> Result<usize> {
+    fn release(&self, ledger: &dyn Ledger, unwaited: Option<&Error>) -> Result<usize> {
         let mut st = self.state.lock();
         if st.base == 0 {
             return Ok(0);
         }
-        let unmapped = self.reclaim(&mut st, ledger, u64::MAX, None)?;
+        // The pool waited for its stream before this release.
+        let waited = || unwaited.map_or(Ok(()), |e| Err(e.clone()));
+        let unmapped = self.reclaim(&mut st, ledger, u64::MAX, None, &waited)?;
         Ok(unmapped as usize)
     }
 
