@@ -3,37 +3,11 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
-
-fn compile_smoke() -> PathBuf {
-    let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let lib = common::library_dir();
-    let exe = Path::new(env!("CARGO_TARGET_TMPDIR")).join("streamalloc-smoke");
-    let output = Command::new("cc")
-        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-pthread", "-I"])
-        .arg(crate_dir.join("include"))
-        .arg(crate_dir.join("tests/c/smoke.c"))
-        .arg("-o")
-        .arg(&exe)
-        .arg("-L")
-        .arg(&lib)
-        .arg(format!("-Wl,-rpath,{}", lib.display()))
-        .arg("-lstreamalloc")
-        .output()
-        .expect("run cc");
-    assert!(
-        output.status.success(),
-        "cc failed:\n{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    exe
-}
 
 #[test]
 fn c_smoke_on_the_simulator() {
-    let exe = compile_smoke();
+    let exe = common::compile("tests/c/smoke.c", "streamalloc-smoke");
     let mut ran = Vec::new();
     for strategy in ["plain", "best_fit", "stream_safe", "async"] {
         let conf = format!("device=sim,strategy={strategy},sim_capacity=64GiB");

@@ -4,27 +4,11 @@
 
 mod common;
 
-use std::path::Path;
 use std::process::Command;
 
 #[test]
 fn failing_calls_at_thread_and_process_teardown_do_not_abort() {
-    let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let lib = common::library_dir();
-    let exe = Path::new(env!("CARGO_TARGET_TMPDIR")).join("streamalloc-teardown");
-    let output = Command::new("c++")
-        .args(["-std=c++17", "-Wall", "-Wextra", "-Werror", "-O1", "-pthread", "-I"])
-        .arg(crate_dir.join("include"))
-        .arg(crate_dir.join("tests/cpp/teardown.cpp"))
-        .arg("-o")
-        .arg(&exe)
-        .arg("-L")
-        .arg(&lib)
-        .arg(format!("-Wl,-rpath,{}", lib.display()))
-        .arg("-lstreamalloc")
-        .output()
-        .expect("run c++");
-    assert!(output.status.success(), "c++ failed:\n{}", String::from_utf8_lossy(&output.stderr));
+    let exe = common::compile("tests/cpp/teardown.cpp", "streamalloc-teardown");
     for strategy in ["plain", "stream_safe"] {
         let conf = format!("device=sim,strategy={strategy},sim_capacity=1GiB");
         let out = Command::new(&exe).env("STREAMALLOC_CONF", &conf).output().expect("run the program");

@@ -13,3 +13,34 @@ pub fn library_dir() -> PathBuf {
         .unwrap_or_else(|| panic!("no libstreamalloc.so next to {}", exe.display()))
         .to_path_buf()
 }
+
+/// Compiles `source` (a path under the crate, C or C++ by its extension) against
+/// `include/streamalloc.h` and the built `libstreamalloc.so` into `CARGO_TARGET_TMPDIR/name`;
+/// the executable's path. Fails the test with the compiler's output if it does not compile.
+#[allow(dead_code)] // each test crate includes this module; not every one compiles C
+pub fn compile(source: &str, name: &str) -> PathBuf {
+    let crate_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let lib = library_dir();
+    let exe = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let (compiler, standard) =
+        if source.ends_with(".c") { ("cc", "-std=c11") } else { ("c++", "-std=c++17") };
+    let output = std::process::Command::new(compiler)
+        .args([standard, "-Wall", "-Wextra", "-Werror", "-O1", "-pthread", "-I"])
+        .arg(crate_dir.join("include"))
+        .arg(crate_dir.join(source))
+        .arg("-o")
+        .arg(&exe)
+        .arg("-L")
+        .arg(&lib)
+        .arg(format!("-Wl,-rpath,{}", lib.display()))
+        .arg("-lstreamalloc")
+        .output()
+        .unwrap_or_else(|e| panic!("run {compiler}: {e}"));
+    assert!(
+        output.status.success(),
+        "{compiler} failed:\n{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    exe
+}
