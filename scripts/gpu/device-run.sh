@@ -22,10 +22,10 @@
 #            (WHEEL overrides the wheel the Python parts install, default dist/streamalloc-*x86_64.whl)
 #   torch    the Python front ends' GPU tests (python/tests/gpu: PyTorch's record_stream,
 #            CUDA graphs, MemPool, IPC, empty_cache, memory fraction and stats, CuPy on
-#            non-blocking streams; every strategy, each case in its own process) with pytest;
+#            non-blocking streams; every strategy, each case in its own process) with pytest
+#            (pytest-xdist), the cases marked serial after the others, alone;
 #            $OUT/torch-tests.log, and $OUT/torch-summary.txt (outcomes and each case's
-#            RESULT line). PYTEST_ARGS (shell words)
-#            replaces the default arguments, python/tests/gpu: e.g.
+#            RESULT line). PYTEST_ARGS (shell words) replaces both runs with one: e.g.
 #            PYTEST_ARGS='python/tests/gpu -k "record_stream or graph"'
 #   graphmem device memory held by 8 captured graphs of 1 GiB temporaries each, per strategy
 #            and pool mode, against PyTorch native and backend:cudaMallocAsync
@@ -103,10 +103,18 @@ for part in "$@"; do
           "so:$PWD/.anchors/libstreamalloc.so:streamalloc_malloc:streamalloc_free" ".anchors/traces/$tr.csv"
       done; done; done | tee "$OUT/mt_rounds.jsonl" ;;
     torch)
-      eval "pytest_args=(${PYTEST_ARGS:-python/tests/gpu})"
       install_wheel && {
-        PYTHONPATH=/tmp/sa-site python3 -m pytest -q -rA -p no:cacheprovider --durations=10 \
-          "${pytest_args[@]}" > "$OUT/torch-tests.log" 2>&1
+        if [ -n "${PYTEST_ARGS:-}" ]; then
+          eval "pytest_args=($PYTEST_ARGS)"
+          PYTHONPATH=/tmp/sa-site python3 -m pytest -q -rA -p no:cacheprovider --durations=10 \
+            "${pytest_args[@]}" > "$OUT/torch-tests.log" 2>&1
+        else # cases in parallel, then those that measure device-wide memory alone
+          PYTHONPATH=/tmp/sa-site python3 -m pytest -q -rA -p no:cacheprovider --durations=10 \
+            -n "$(( $(nproc) > 12 ? 12 : $(nproc) ))" -m "not serial" python/tests/gpu > "$OUT/torch-tests.log" 2>&1
+          parallel_rc=$?
+          PYTHONPATH=/tmp/sa-site python3 -m pytest -q -rA -p no:cacheprovider \
+            -m serial python/tests/gpu >> "$OUT/torch-tests.log" 2>&1 && (exit $parallel_rc)
+        fi
         rc=$?
         grep -E '^(PASSED|FAILED|ERROR|RESULT) | in [0-9.]+s( |$)' "$OUT/torch-tests.log" \
           | tee "$OUT/torch-summary.txt" | grep -vE '^(PASSED|RESULT) '

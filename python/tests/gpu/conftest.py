@@ -39,6 +39,11 @@ CONTROLS = {"native": "native", "cudaMallocAsync": "cudaMallocAsync"}
 the test is wrong."""
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "serial: measures device-wide memory, so must not run beside "
+                            "other cases (deselect it under pytest-xdist: -m 'not serial')")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def gpu():
     """Fails (not skips) every test here unless nvidia-smi lists a GPU."""
@@ -70,10 +75,10 @@ def run_case():
 
 
 def _run_case(worker, *args):
-    """Runs `python3 HERE/worker *args` (its whole process group killed after WORKER_TIMEOUT);
+    """Runs `python3 -X faulthandler HERE/worker *args` (a crash prints each thread's Python stack) (its whole process group killed after WORKER_TIMEOUT);
     fails the test unless it exits 0 with a RESULT line whose `ok` is true. Returns the result."""
     what = " ".join([worker, *args])
-    proc = subprocess.Popen([sys.executable, str(HERE / worker), *args], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", str(HERE / worker), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=WORKER_TIMEOUT)

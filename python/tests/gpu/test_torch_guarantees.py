@@ -41,6 +41,7 @@ def test_ipc_share_with_child(run_case, allocator):
     run_case(WORKER, "ipc", allocator)
 
 
+@pytest.mark.serial
 def test_empty_cache_releases(run_case, allocator):
     run_case(WORKER, "empty_cache", allocator)
 
