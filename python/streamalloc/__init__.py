@@ -104,6 +104,8 @@ def load():
             lib.streamalloc_cupy_free.restype = None
             lib.streamalloc_cupy_set_stream_source.argtypes = [ctypes.c_void_p]
             lib.streamalloc_cupy_set_stream_source.restype = None
+            lib.streamalloc_cupy_set_stream_keeper.argtypes = [ctypes.c_void_p]
+            lib.streamalloc_cupy_set_stream_keeper.restype = None
             lib.streamalloc_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
             lib.streamalloc_record_stream.restype = status
             lib.streamalloc_reset_peak_stats.argtypes = [ctypes.c_int]

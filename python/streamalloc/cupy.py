@@ -23,6 +23,10 @@ def enable(conf=None, checked=False):
     `streamalloc.StreamallocError`) on failure, at the cost of a Python call per allocation
     and free.
 
+    A `cupy.cuda.Stream` is kept alive while memory allocated on it is live (CuPy would
+    otherwise destroy it when its last reference goes, possibly before arrays made on it are
+    freed, and their free is enqueued on it).
+
     Returns the allocator object CuPy holds.
     """
     import cupy
@@ -31,6 +35,7 @@ def enable(conf=None, checked=False):
     if conf is not None:
         streamalloc.configure(conf)
     lib.streamalloc_cupy_set_stream_source(_current_stream_source())
+    lib.streamalloc_cupy_set_stream_keeper(ctypes.cast(_KEEPER, ctypes.c_void_p))
     if checked:
         allocator = cupy.cuda.memory.PythonFunctionAllocator(_checked_malloc, _checked_free)
     else:
@@ -57,19 +62,59 @@ def _current_stream_source():
     return get_pointer(capsule, name)
 
 
+_kept = {}
+"""The streams that own live allocations: handle -> [cupy.cuda.Stream, live allocations]."""
+
+
+def _keep(stream, delta):
+    """`stream` (a handle) gained its first live allocation (`delta` 1) or lost its last (-1):
+    holds its `cupy.cuda.Stream` (CuPy's current stream at the first allocation) in between."""
+    stream &= (1 << 64) - 1  # the handle as an unsigned pointer, as CuPy's `ptr`
+    try:
+        entry = _kept.get(stream)
+        if delta > 0:
+            if entry is not None:
+                entry[1] += 1
+            else:
+                import cupy
+
+                current = cupy.cuda.get_current_stream()
+                if current.ptr == stream:
+                    _kept[stream] = [current, 1]
+        elif entry is not None:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _kept[stream]  # the stream may be destroyed now, after the frees it owned
+    except Exception:  # a ctypes callback must not raise (e.g. at interpreter exit)
+        pass
+
+
+_KEEPER = ctypes.CFUNCTYPE(None, ctypes.c_ssize_t, ctypes.c_int)(_keep)
+"""`_keep` as the C function `streamalloc_cupy_set_stream_keeper` takes (alive as long as the
+module)."""
+
+
 def _checked_malloc(size, device_id):
     import cupy
 
     lib = streamalloc.load()
     out = ctypes.c_void_p()
-    stream = cupy.cuda.get_current_stream().ptr
-    status = lib.streamalloc_allocate(size, device_id, stream, ctypes.byref(out))
+    current = cupy.cuda.get_current_stream()
+    status = lib.streamalloc_allocate(size, device_id, current.ptr, ctypes.byref(out))
     if status == streamalloc.OUT_OF_MEMORY:
         total = streamalloc.stats(device_id)["allocated"]
         raise cupy.cuda.memory.OutOfMemoryError(size, total)
     streamalloc.check(status)
+    if out.value and current.ptr > 2:  # the default streams' handles are never destroyed
+        _checked_streams[out.value] = current
     return out.value or 0
+
+
+_checked_streams = {}
+"""The stream of each live allocation of the checked path on a stream that can be destroyed,
+held until the allocation is freed."""
 
 
 def _checked_free(ptr, device_id):
     streamalloc.load().streamalloc_cupy_free(None, ptr, device_id)
+    _checked_streams.pop(ptr, None)

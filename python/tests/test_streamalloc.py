@@ -59,6 +59,7 @@ def fake_torch():
 def fake_cupy():
     """A stand-in for cupy.cuda that calls the allocator as CuPy's Cython code does."""
     calls = {}
+    default_stream = types.SimpleNamespace(ptr=0)
     malloc_t = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     free_t = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
 
@@ -90,7 +91,7 @@ def fake_cupy():
                                    PythonFunctionAllocator=PythonFunctionAllocator,
                                    OutOfMemoryError=OutOfMemoryError)
     cuda = types.SimpleNamespace(memory=memory, set_allocator=set_allocator,
-                                 get_current_stream=lambda: types.SimpleNamespace(ptr=0))
+                                 get_current_stream=lambda: calls.get("stream", default_stream))
     cupy = types.ModuleType("cupy")
     cupy.cuda = cuda
     # cupy_backends.cuda.stream exports get_current_stream_ptr in its Cython C-API table.
@@ -99,7 +100,7 @@ def fake_cupy():
     @source_t
     def current_stream():
         calls["stream_queries"] = calls.get("stream_queries", 0) + 1
-        return 0
+        return calls.get("stream", default_stream).ptr
 
     name = b"intptr_t (void)"
     new_capsule = ctypes.pythonapi.PyCapsule_New
@@ -192,6 +193,45 @@ def test_cupy_enable():
         for name in modules:
             del sys.modules[name]
         streamalloc.load().streamalloc_cupy_set_stream_source(None)
+        streamalloc.load().streamalloc_cupy_set_stream_keeper(None)
+
+
+def test_cupy_streams_outlive_their_memory():
+    """CuPy destroys a stream when its last reference goes, maybe before the arrays made on it
+    are freed: under both paths the stream is held until its memory was freed."""
+    modules, calls = fake_cupy()
+    sys.modules.update(modules)
+    destroyed = []
+
+    class Stream:
+        """cupy.cuda.Stream: destroyed (here a simulated stream) when the last reference goes."""
+
+        def __init__(self):
+            self.ptr = streamalloc.sim.create_stream(0)
+
+        def __del__(self):
+            streamalloc.sim.destroy_stream(self.ptr, 0)
+            destroyed.append(self.ptr)
+
+    try:
+        for checked in (False, True):
+            streamalloc.cupy.enable(CONF, checked=checked)
+            stream = Stream()
+            handle = stream.ptr
+            calls["stream"] = stream
+            first, free_first = calls["malloc"](4096)
+            second, free_second = calls["malloc"](8192)
+            del calls["stream"], stream  # the program drops the stream before its arrays
+            assert handle not in destroyed, f"checked={checked}: the stream was destroyed with memory live on it"
+            free_first()
+            assert handle not in destroyed, f"checked={checked}: destroyed before its last allocation was freed"
+            free_second()
+            assert handle in destroyed, f"checked={checked}: the stream was kept after its memory was freed"
+    finally:
+        for name in modules:
+            del sys.modules[name]
+        streamalloc.load().streamalloc_cupy_set_stream_source(None)
+        streamalloc.load().streamalloc_cupy_set_stream_keeper(None)
 
 
 def test_stats_struct_matches_header():

@@ -30,6 +30,8 @@
 #   graphmem device memory held by 8 captured graphs of 1 GiB temporaries each, per strategy
 #            and pool mode, against PyTorch native and backend:cudaMallocAsync
 #            (scripts/gpu/graph_memory.py) into $OUT/graph_memory.md
+#   snapshot a small real PyTorch memory snapshot (scripts/gpu/record_snapshot.py), the input
+#            of `streamalloc import`, into $OUT/snapshot.pickle
 #   record   RMM-format traces of four PyTorch workloads with varying shapes
 #            (scripts/gpu/record_workloads.py), packed into $OUT/recorded.tar.gz, the table
 #            into $OUT/record.md
@@ -125,6 +127,8 @@ for part in "$@"; do
       install_wheel && rm -rf /tmp/traces &&
         PYTHONPATH=/tmp/sa-site python3 scripts/gpu/record_workloads.py --out /tmp/traces | tee "$OUT/record.md" &&
         tar czf "$OUT/recorded.tar.gz" -C /tmp traces ;;
+    snapshot) python3 scripts/gpu/record_snapshot.py "$OUT/snapshot.pickle" --steps 4 --max-entries 20000 &&
+      ls -l "$OUT/snapshot.pickle" ;;
     *) echo "unknown part $part"; false ;;
   esac || failed+=("$part")
 done

@@ -37,10 +37,6 @@ typedef enum streamalloc_status_t {
   STREAMALLOC_INTERNAL = 10,
 } streamalloc_status_t;
 
-// A function that returns CuPy's current stream (`cudaStream_t`), such as the
-// `get_current_stream_ptr` CuPy exports from `cupy_backends.cuda.stream`.
-typedef ptrdiff_t (*streamalloc_cupy_stream_source)(void);
-
 // The statistics of one device's allocator stack (mirrors the core crate's `Stats`; figures
 // the strategy does not track stay 0).
 typedef struct streamalloc_stats_t {
@@ -75,6 +71,17 @@ typedef struct streamalloc_stats_t {
   uint64_t retries;
 } streamalloc_stats_t;
 
+// A function that returns CuPy's current stream (`cudaStream_t`), such as the
+// `get_current_stream_ptr` CuPy exports from `cupy_backends.cuda.stream`.
+typedef ptrdiff_t (*streamalloc_cupy_stream_source)(void);
+
+// A function told `(stream, 1)` when the CuPy functions make the first live allocation on
+// `stream`, and `(stream, -1)` after its last one was freed (the free enqueued on it): while
+// it holds a stream between the two calls, the stream cannot be destroyed before its memory
+// is freed. Not called for the legacy and per-thread default streams (handles 0, 1 and 2),
+// which are never destroyed.
+typedef void (*CupyStreamKeeper)(ptrdiff_t stream, int delta);
+
 // Decides whether an allocation on a stream goes to a private pool (see
 // [`streamalloc_pool_begin`]).
 typedef bool (*streamalloc_filter_fn)(void *context, cudaStream_t stream);
@@ -96,32 +103,6 @@ void *streamalloc_malloc(ssize_t size, int device, cudaStream_t stream);
 // first, and any other is correct too. An unknown pointer (double free) is reported on
 // stderr and otherwise ignored.
 void streamalloc_free(void *ptr, ssize_t size, int device, cudaStream_t stream);
-
-// Makes [`streamalloc_cupy_malloc`] allocate on the stream `source` returns (CuPy's current
-// stream), as `cupy.cuda.MemoryPool` does; NULL goes back to the legacy default stream.
-// `streamalloc.cupy.enable()` installs CuPy's own function.
-//
-// # Safety
-// `source`, if not NULL, must be callable from every thread that calls the CuPy functions,
-// in the state CuPy calls its allocator in (CuPy's function reads a Python thread-local, and
-// CuPy allocates and frees with the GIL held).
-void streamalloc_cupy_set_stream_source(streamalloc_cupy_stream_source source);
-
-// CuPy `CFunctionAllocator` allocation: `size` bytes on `device`, owned by CuPy's current
-// stream when [`streamalloc_cupy_set_stream_source`] installed a way to learn it (so the
-// memory is reused on that stream at once and elsewhere only after its work, as with
-// `cupy.cuda.MemoryPool`), else by the legacy default stream (see [`streamalloc_cupy_free`]).
-// `param` is unused. Returns NULL on failure, which CuPy does not check: the reason goes to
-// stderr and the last error (`streamalloc.cupy.enable(checked=True)` raises instead).
-void *streamalloc_cupy_malloc(void *param, size_t size, int device);
-
-// CuPy `CFunctionAllocator` free, in the order of the stream the memory was allocated on.
-// Without a stream source, allocations are on the legacy default stream and an event is
-// recorded there first: that orders the free after all work enqueued so far on every
-// *blocking* stream (CuPy's null stream and `cupy.cuda.Stream()`'s default) and all later
-// work on those streams after it, so the next user of the memory cannot overlap its last
-// one.
-void streamalloc_cupy_free(void *param, void *ptr, int device);
 
 // Allocates `size` bytes on `device`, owned by `stream`, and writes the pointer to `*out`
 // (NULL for size 0, which succeeds, and on failure).
@@ -174,6 +155,41 @@ enum streamalloc_status_t streamalloc_configure(const char *conf);
 // The message of the last failed call on the calling thread (an empty string if none). The
 // string belongs to the library and stays valid until the next call on this thread.
 const char *streamalloc_last_error(void);
+
+// Makes [`streamalloc_cupy_malloc`] allocate on the stream `source` returns (CuPy's current
+// stream), as `cupy.cuda.MemoryPool` does; NULL goes back to the legacy default stream.
+// `streamalloc.cupy.enable()` installs CuPy's own function.
+//
+// # Safety
+// `source`, if not NULL, must be callable from every thread that calls the CuPy functions,
+// in the state CuPy calls its allocator in (CuPy's function reads a Python thread-local, and
+// CuPy allocates and frees with the GIL held).
+void streamalloc_cupy_set_stream_source(streamalloc_cupy_stream_source source);
+
+// Installs `keeper` (see [`CupyStreamKeeper`]), or with NULL removes it; either way the
+// allocations counted so far are forgotten (the old keeper is not told about them).
+// `streamalloc.cupy.enable()` installs one that holds the `cupy.cuda.Stream` object.
+//
+// # Safety
+// `keeper`, if not NULL, must be callable from every thread that calls the CuPy functions,
+// in the state CuPy calls its allocator in, and must not call [`streamalloc_cupy_malloc`].
+void streamalloc_cupy_set_stream_keeper(CupyStreamKeeper keeper);
+
+// CuPy `CFunctionAllocator` allocation: `size` bytes on `device`, owned by CuPy's current
+// stream when [`streamalloc_cupy_set_stream_source`] installed a way to learn it (so the
+// memory is reused on that stream at once and elsewhere only after its work, as with
+// `cupy.cuda.MemoryPool`), else by the legacy default stream (see [`streamalloc_cupy_free`]).
+// `param` is unused. Returns NULL on failure, which CuPy does not check: the reason goes to
+// stderr and the last error (`streamalloc.cupy.enable(checked=True)` raises instead).
+void *streamalloc_cupy_malloc(void *param, size_t size, int device);
+
+// CuPy `CFunctionAllocator` free, in the order of the stream the memory was allocated on.
+// Without a stream source, allocations are on the legacy default stream and an event is
+// recorded there first: that orders the free after all work enqueued so far on every
+// *blocking* stream (CuPy's null stream and `cupy.cuda.Stream()`'s default) and all later
+// work on those streams after it, so the next user of the memory cannot overlap its last
+// one. The stream keeper, if any, is told after the free.
+void streamalloc_cupy_free(void *param, void *ptr, int device);
 
 // Creates a simulated stream on `device` (`device=sim` only) and writes its handle to `*out`.
 //

@@ -21,6 +21,7 @@
 //! streamalloc-capi` fails when it is out of date, and regenerates it with
 //! `STREAMALLOC_BLESS=1`.
 
+mod cupy;
 mod sim;
 mod state;
 mod status;
@@ -29,12 +30,15 @@ mod torch;
 use std::ffi::CStr;
 use std::os::raw::{c_char, c_int, c_void};
 use std::ptr;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use core_alloc::facade::Config;
-use core_alloc::{Error, Stream};
+use core_alloc::Error;
 use libc::ssize_t;
 
+pub use cupy::{
+    streamalloc_cupy_free, streamalloc_cupy_malloc, streamalloc_cupy_set_stream_keeper,
+    streamalloc_cupy_set_stream_source, CupyStreamKeeper, CupyStreamSource,
+};
 pub use sim::{
     streamalloc_sim_advance, streamalloc_sim_create_stream, streamalloc_sim_destroy_stream,
     streamalloc_sim_synchronize, streamalloc_sim_use, streamalloc_sim_violations,
@@ -70,74 +74,6 @@ fn malloc(size: ssize_t, device: c_int, stream: CudaStream) -> Result<*mut c_voi
 pub extern "C" fn streamalloc_free(ptr: *mut c_void, size: ssize_t, device: c_int, stream: CudaStream) {
     let _ = size;
     status::abi("streamalloc_free", (), || State::get()?.free(ptr as u64, Some(device), stream as u64));
-}
-
-/// Where the CuPy functions learn CuPy's current stream (see
-/// [`streamalloc_cupy_set_stream_source`]): a function pointer, 0 for none.
-static CUPY_STREAM_SOURCE: AtomicUsize = AtomicUsize::new(0);
-
-/// A function that returns CuPy's current stream (`cudaStream_t`), such as the
-/// `get_current_stream_ptr` CuPy exports from `cupy_backends.cuda.stream`.
-pub type CupyStreamSource = Option<unsafe extern "C" fn() -> isize>;
-
-/// Makes [`streamalloc_cupy_malloc`] allocate on the stream `source` returns (CuPy's current
-/// stream), as `cupy.cuda.MemoryPool` does; NULL goes back to the legacy default stream.
-/// `streamalloc.cupy.enable()` installs CuPy's own function.
-///
-/// # Safety
-/// `source`, if not NULL, must be callable from every thread that calls the CuPy functions,
-/// in the state CuPy calls its allocator in (CuPy's function reads a Python thread-local, and
-/// CuPy allocates and frees with the GIL held).
-#[no_mangle]
-pub unsafe extern "C" fn streamalloc_cupy_set_stream_source(source: CupyStreamSource) {
-    CUPY_STREAM_SOURCE.store(source.map_or(0, |f| f as usize), Ordering::Release);
-}
-
-/// CuPy's current stream, if a source is installed.
-fn cupy_stream() -> Option<Stream> {
-    match CUPY_STREAM_SOURCE.load(Ordering::Acquire) {
-        0 => None,
-        f => {
-            // SAFETY: a non-zero value is a function of type `CupyStreamSource` stored by
-            // streamalloc_cupy_set_stream_source, whose contract makes it callable here.
-            let source: unsafe extern "C" fn() -> isize = unsafe { std::mem::transmute(f) };
-            // SAFETY: as above.
-            Some(Stream(unsafe { source() } as u64))
-        }
-    }
-}
-
-/// CuPy `CFunctionAllocator` allocation: `size` bytes on `device`, owned by CuPy's current
-/// stream when [`streamalloc_cupy_set_stream_source`] installed a way to learn it (so the
-/// memory is reused on that stream at once and elsewhere only after its work, as with
-/// `cupy.cuda.MemoryPool`), else by the legacy default stream (see [`streamalloc_cupy_free`]).
-/// `param` is unused. Returns NULL on failure, which CuPy does not check: the reason goes to
-/// stderr and the last error (`streamalloc.cupy.enable(checked=True)` raises instead).
-#[no_mangle]
-pub extern "C" fn streamalloc_cupy_malloc(param: *mut c_void, size: usize, device: c_int) -> *mut c_void {
-    let _ = param;
-    status::abi("streamalloc_cupy_malloc", ptr::null_mut(), || {
-        let stream = cupy_stream().unwrap_or(Stream::DEFAULT);
-        Ok(State::get()?.allocate(size, device, stream.0)? as *mut c_void)
-    })
-}
-
-/// CuPy `CFunctionAllocator` free, in the order of the stream the memory was allocated on.
-/// Without a stream source, allocations are on the legacy default stream and an event is
-/// recorded there first: that orders the free after all work enqueued so far on every
-/// *blocking* stream (CuPy's null stream and `cupy.cuda.Stream()`'s default) and all later
-/// work on those streams after it, so the next user of the memory cannot overlap its last
-/// one.
-#[no_mangle]
-pub extern "C" fn streamalloc_cupy_free(param: *mut c_void, ptr: *mut c_void, device: c_int) {
-    let _ = param;
-    status::abi("streamalloc_cupy_free", (), || {
-        let state = State::get()?;
-        match CUPY_STREAM_SOURCE.load(Ordering::Relaxed) {
-            0 => state.free_legacy(ptr as u64, device),
-            _ => state.free(ptr as u64, Some(device), 0),
-        }
-    });
 }
 
 /// Allocates `size` bytes on `device`, owned by `stream`, and writes the pointer to `*out`

@@ -12,7 +12,8 @@ kept busy (a clock64 spin kernel, about a second) and then reads x into y; x is 
 s2 an array of x's size is allocated and filled at once. s1 must still be busy at that
 moment (checked, or the case proves nothing), and once both streams are done y must be
 2 * x: the allocator must not hand x's memory to s2 while s1 still reads it, as
-cupy.cuda.MemoryPool (whose pools are per stream) does not.
+cupy.cuda.MemoryPool (whose pools are per stream) does not. Then the streams are dropped
+before the arrays made on them, which are freed last: that must not crash.
 
 Output and exit status: see casekit.py.
 """
@@ -85,6 +86,13 @@ def case_nonblocking(report, conf, checked):
     report.expect(intact(y, 6.0), "s1 read wrong data: x's memory went to s2 and was overwritten while "
                   "s1 still read it")
     report.expect(intact(z, -1.0), "the array made on s2 does not hold what was written to it")
+    # CuPy destroys a stream when its last reference goes, here before the arrays made on it
+    # are freed: those frees must not use a destroyed stream (under async and best_fit they
+    # are enqueued on it; before streamalloc kept such streams alive, the process crashed).
+    del s1, s2
+    del y, z
+    cupy.cuda.Device().synchronize()
+    report.info["freed_after_streams_dropped"] = True
 
 
 def main():
