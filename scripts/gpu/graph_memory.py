@@ -101,16 +101,18 @@ def one_row(conf, mode, graphs, gib):
                 outputs.append(temporaries(static_in, chunks, chunk))
             captured.append(g)
     row = {"conf": conf, "mode": mode, "graphs": graphs, "gib_each": gib, "held_capture": held(torch, base)}
+    ours = conf not in ("native", "cudaMallocAsync")
+    if ours:  # the library's own figures beside the device's, to tell where memory went
+        import streamalloc
+
+        row["stats_capture"] = streamalloc.stats(0)
     with torch.cuda.stream(s):
         for g in captured:
             g.replay()
     row["held_replay"] = held(torch, base)
-    if conf in ("native", "cudaMallocAsync"):
-        row["reserved"] = torch.cuda.memory_reserved()
-    else:
-        import streamalloc
-
-        row["reserved"] = streamalloc.stats(0)["reserved"]
+    if ours:
+        row["stats_replay"] = streamalloc.stats(0)
+    row["reserved"] = streamalloc.stats(0)["reserved"] if ours else torch.cuda.memory_reserved()
     want = expected * (1 + chunks * (chunks + 1))
     row["replay_ok"] = all(torch.equal(out.cpu(), want) for out in outputs)
     torch.cuda.empty_cache()
