@@ -36,7 +36,8 @@ for line in sys.stdin:
     if m["profile"]["test"]:
         label = os.path.basename(pkg) + "." + t["kind"][0] + "." + t["name"]
         print("test", m["executable"], pkg, label, sep="\t")
-    elif t["kind"] == ["bin"]:  # a binary that tests run through env!("CARGO_BIN_EXE_<name>")
+    elif t["kind"] == ["bin"]:  # tests run it (env!("CARGO_BIN_EXE_<name>")), or a measurement
+                                # program (crates/streamalloc-bench), run as .gpu/bin/<name>
         print("bin", m["executable"], os.path.relpath(m["executable"]), "-", sep="\t")
 for m in cdylibs.values():  # shared libraries that tests load from next to themselves
     for f in m["filenames"]:

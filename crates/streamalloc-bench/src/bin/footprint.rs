@@ -3,14 +3,14 @@
 //! bytes, device calls and ns per operation (one timed pass: CPU figures come from
 //! criterion, not from here).
 //!
-//! Run: `cargo run --release -p streamalloc --example footprint -- traces/*.csv traces/synthetic/*.csv`
+//! Run: `cargo run --release -p streamalloc-bench --bin footprint -- traces/*.csv traces/synthetic/*.csv`
 
 use std::sync::Arc;
 
 use streamalloc::allocators::{BackingKind, BestFitConfig, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice};
-use streamalloc::replay::{replay, ReplayOptions, ReplayTarget};
-use streamalloc::trace::Trace;
+use streamalloc_replay::replay::{replay, ReplayOptions, ReplayTarget};
+use streamalloc_replay::trace::Trace;
 
 fn main() -> streamalloc::Result<()> {
     let backings = [

@@ -5,7 +5,7 @@
 //! StreamSafe over stitched virtual-memory ranges both ways.
 //!
 //! Each iteration is one warm pass over a trace (everything freed at its end); throughput is
-//! in trace operations. Run: `cargo bench -p streamalloc --bench replay`.
+//! in trace operations. Run: `cargo bench -p streamalloc-bench --bench replay`.
 
 use std::sync::Arc;
 
@@ -13,8 +13,8 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use streamalloc::allocators::{BackingKind, BestFit, BestFitConfig, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice};
 use streamalloc::policy::best_fit::{BestFitPolicy, Classes};
-use streamalloc::trace::{Op, Trace};
 use streamalloc::{Allocation, Allocator, Device, PointerAllocator, Stream, StreamAllocator};
+use streamalloc_replay::trace::{Op, Trace};
 
 fn traces() -> Vec<Trace> {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../traces");

@@ -1,7 +1,7 @@
 //! Parsing speed of the largest sample trace (gpt2_generate.csv, 161k rows), from memory.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use streamalloc::trace::Trace;
+use streamalloc_replay::trace::Trace;
 
 fn parse(c: &mut Criterion) {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../traces/gpt2_generate.csv");

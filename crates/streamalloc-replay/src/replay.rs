@@ -1,7 +1,7 @@
 //! Replays a [`Trace`] through an allocator and measures footprint and speed.
 //!
-//! The method is the one of the anchors' replay harness (`anchors/replay_common.h`), so
-//! figures compare with theirs:
+//! The method is the one of the external comparison harness the README's measurements used
+//! (`scripts/gpu-bench.sh`), so figures compare with its figures:
 //!
 //! * **Pass 0** (untimed) runs every operation and samples the device's memory use
 //!   ([`Device::mem_info`]) after each one. Its peak, minus the use measured just before
@@ -42,10 +42,9 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
-use crate::allocation::{Allocation, Allocator, StreamAllocator};
-use crate::device::{Device, PoolAttr, Stream};
-use crate::error::{Error, Result};
 use crate::trace::{Op, Trace};
+use streamalloc::device::{Device, PoolAttr, Stream};
+use streamalloc::{Allocation, Allocator, Error, Result, StreamAllocator};
 
 /// The allocator under replay.
 pub enum ReplayTarget {
@@ -65,7 +64,7 @@ impl ReplayTarget {
         }
     }
 
-    fn stats(&self) -> crate::Stats {
+    fn stats(&self) -> streamalloc::Stats {
         match self {
             ReplayTarget::Single(a) => a.stats(),
             ReplayTarget::Streams(a) => a.stats(),
@@ -113,7 +112,7 @@ impl Series {
     }
 }
 
-/// What a replay measured. Serializes to the anchors' JSON field names.
+/// What a replay measured. Serializes to the comparison harness's JSON field names.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ReplayResult {
     /// Name of the allocator, as the caller gave it.
@@ -128,7 +127,7 @@ pub struct ReplayResult {
     pub peak_device_used: usize,
     /// `peak_device_used / peak_live` (0 for a trace with no live bytes).
     pub footprint_ratio: f64,
-    /// The allocator's peak reserved bytes ([`Stats::reserved_peak`](crate::Stats)) after
+    /// The allocator's peak reserved bytes ([`Stats::reserved_peak`](streamalloc::Stats)) after
     /// all passes.
     pub reserved_peak: usize,
     /// Device allocations plus device frees made during pass 0.
@@ -574,12 +573,11 @@ pub fn replay(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::allocators::Plain;
-    use crate::device::sim::{SimConfig, SimDevice};
-    use crate::Allocation;
+    use streamalloc::allocators::Plain;
+    use streamalloc::device::sim::{SimConfig, SimDevice};
 
     fn trace(text: &str) -> Trace {
-        Trace::parse(format!("{}\n{text}", crate::trace::HEADER).as_bytes(), "t").unwrap()
+        Trace::parse(format!("{}\n{text}", streamalloc::trace::HEADER).as_bytes(), "t").unwrap()
     }
 
     #[test]
@@ -705,7 +703,7 @@ mod tests {
         fn release(&self) -> Result<usize> {
             self.inner.release()
         }
-        fn stats(&self) -> crate::Stats {
+        fn stats(&self) -> streamalloc::Stats {
             self.inner.stats()
         }
         fn reset_peak_stats(&self) {

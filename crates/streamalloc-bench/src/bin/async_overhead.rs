@@ -10,8 +10,8 @@
 //! AsyncPool by pointer (its own bookkeeping: the C ABI's path for `strategy=async`); the
 //! median pass of each, in ns per operation.
 //!
-//! A measurement to read, not a test: `cargo run --release --example async_overhead [TRACE...]`
-//! (on the GPU machine, the packed binary: scripts/gpu/device-run.sh bench).
+//! A measurement to read, not a test: `cargo run --release -p streamalloc-bench --bin async_overhead [TRACE...]`
+//! (on the GPU machine, packed by scripts/gpu-test.sh: scripts/gpu/device-run.sh bench).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -19,8 +19,8 @@ use std::time::Instant;
 use streamalloc::allocators::{AsyncPool, AsyncPoolConfig, PoolMode};
 use streamalloc::device::cuda::CudaDevice;
 use streamalloc::device::{Pool, PoolAttr, Stream};
-use streamalloc::trace::{Op, Trace};
 use streamalloc::{Allocation, Device, Error, PointerAllocator, Result, StreamAllocator};
+use streamalloc_replay::trace::{Op, Trace};
 
 const N: u32 = 20_000;
 

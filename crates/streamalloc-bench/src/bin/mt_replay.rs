@@ -5,8 +5,8 @@
 //! device allocations made during the timed passes. On the simulator the device costs nothing
 //! and no call takes a driver lock, which separates the allocator's own scaling from the
 //! driver's. A measurement to read, not a test:
-//! `cargo run --release --example mt_replay -- traces/resnet50_train.csv [sim|cuda]`
-//! (on the GPU machine, the packed binary: scripts/gpu/device-run.sh bench).
+//! `cargo run --release -p streamalloc-bench --bin mt_replay -- traces/resnet50_train.csv [sim|cuda]`
+//! (on the GPU machine, packed by scripts/gpu-test.sh: scripts/gpu/device-run.sh mtx).
 
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
@@ -14,8 +14,8 @@ use std::time::Instant;
 use streamalloc::allocators::{StreamSafe, StreamSafeConfig};
 use streamalloc::device::cuda::CudaDevice;
 use streamalloc::device::sim::{SimConfig, SimDevice};
-use streamalloc::trace::{Op, Trace};
 use streamalloc::{Allocation, Allocator, Device, Result, StreamAllocator};
+use streamalloc_replay::trace::{Op, Trace};
 
 const PASSES: usize = 4;
 
