@@ -4,7 +4,7 @@
 #              (scripts/gpu-test.sh packs both)
 #   .anchors/  the comparison harness, its traces and wheels, and libstreamalloc.so
 #   dist/      the Python wheel bundling libstreamalloc.so (scripts/build-python.sh)
-# then prints the device-tool calls. On the GPU machine, scripts/gpu/device-run.sh runs the
+# then prints what to run there. On the GPU machine, scripts/gpu/device-run.sh runs the
 # parts (tests, anchors, gpt2, cupy) and writes results under $OUT.
 #
 # Usage: scripts/gpu-bench.sh HARNESS (or HARNESS=... scripts/gpu-bench.sh). HARNESS is an
@@ -26,5 +26,6 @@ cp -r "$harness/anchors/." .anchors/ && cp -r "$harness/traces" .anchors/traces 
 bash .anchors/fetch-wheels.sh .anchors/wheels >/dev/null
 strip --strip-debug -o .anchors/libstreamalloc.so target/release/libstreamalloc.so
 du -sh .gpu .anchors dist | tr '\n' ' '; echo
-echo 'run(command="bash scripts/gpu/device-run.sh tests cupy gpt2", carry=[".gpu", ".anchors", "dist"], timeout_s=600)'
-echo 'run(command="bash scripts/gpu/device-run.sh anchors", carry=[".gpu", ".anchors", "dist"], timeout_s=600)'
+echo 'Copy this repository with .gpu/, .anchors/ and dist/ to the CUDA machine and run there, e.g.:'
+echo '  bash scripts/gpu/device-run.sh tests cupy gpt2'
+echo '  bash scripts/gpu/device-run.sh anchors bench'

@@ -116,9 +116,8 @@ pub struct Config {
     /// `expandable`: `true` backs the caching pools (`best_fit`, `stream_safe`) with
     /// stitched virtual-memory ranges ([`Stitched`](crate::allocators::backing::Stitched):
     /// address space mapped as the pools grow, free granules of holes unmapped to pay for a
-    /// growth that would raise the peak) instead of chunks of plain allocations. On the
-    /// simulator it held 1.001-1.035 of the peak live bytes on the recorded and synthetic
-    /// traces (`traces/`), against 1.015-1.463 with chunks. Default `false`.
+    /// growth that would raise the peak) instead of chunks of plain allocations: a footprint
+    /// closer to the peak live bytes when shapes vary (`bench/results/`). Default `false`.
     pub expandable: bool,
     /// `pool`: `default` or `owned`, for `async`. Default `default`.
     pub pool: PoolChoice,

@@ -30,8 +30,8 @@
 //! While one is active, the allocator asks the driver whether the stream of each allocation and
 //! free is capturing, and refuses an allocation on a stream that captures a graph begun
 //! elsewhere (it could not know which graph owns it). While none is, it asks only before a
-//! throttle wait: on the traces, asking on every allocation and free cost 3-5% of raw
-//! cudaMallocAsync's time on the H200 (all else the allocator adds: 6-8%). A capture begun
+//! throttle wait: asking on every allocation and free was a measurable share of raw
+//! cudaMallocAsync's time per operation (`bench/results/h200-2026-12-02/`, session 4). A capture begun
 //! elsewhere then (`torch.cuda.graph` over the C ABI, a bare `cuStreamBeginCapture`) gets the
 //! driver's captured allocation and free nodes under the driver's rules (memory allocated in a
 //! graph and not freed in it exists once the graph has been launched), as with PyTorch's and
