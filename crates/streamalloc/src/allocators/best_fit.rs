@@ -291,9 +291,7 @@ impl BestFit {
         let Some((block, owner)) = allocation.into_parts() else { return Ok(0) };
         if !std::ptr::addr_eq(Arc::as_ptr(&owner), Arc::as_ptr(&self.inner)) {
             owner.free(block);
-            return Err(Error::InvalidArgument(
-                "BestFit::keep was given another pool's allocation: a bug".into(),
-            ));
+            return Err(Error::Internal("BestFit::keep was given another pool's allocation".into()));
         }
         let mut st = self.inner.state.lock();
         super::insert_roomy(&mut st.kept, block.ptr, (block.token, block.size));
@@ -448,8 +446,8 @@ impl BestFit {
                 }
             }
         }
-        Err(Error::InvalidArgument(format!(
-            "the backing grew the pool {GROWTH_ROUNDS} times and {size} bytes still did not fit: a bug in the backing"
+        Err(Error::Internal(format!(
+            "the backing grew the pool {GROWTH_ROUNDS} times and {size} bytes still did not fit"
         )))
     }
 }

@@ -260,11 +260,6 @@ struct Inner {
     capturing: AtomicUsize,
 }
 
-fn is_oom(e: &Error) -> bool {
-    // CUDA_ERROR_OUT_OF_MEMORY, should a device layer report it as a plain driver error.
-    e.is_out_of_memory() || matches!(e, Error::Driver { code: 2, .. })
-}
-
 impl AsyncPool {
     /// An allocator on `device`. Makes no driver call: the pool and the free stream are set
     /// up at first use.
@@ -568,7 +563,7 @@ impl Inner {
         stream: Stream,
     ) -> Result<DevicePtr> {
         let first = match self.device.alloc_async(rounded, ready.pool, stream) {
-            Err(e) if is_oom(&e) => {
+            Err(e) if e.is_out_of_memory() => {
                 let pending = self.counters.lock().pending > 0;
                 if pending {
                     self.order_after(stream, [ready.free_stream])?;
@@ -584,7 +579,7 @@ impl Inner {
         };
         first.map_err(|e| {
             let c = self.counters.lock();
-            if !is_oom(&e) {
+            if !e.is_out_of_memory() {
                 return e;
             }
             let attr = |a| self.device.pool_attr(ready.pool, a).unwrap_or(0) as usize;
