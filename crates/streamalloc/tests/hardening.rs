@@ -176,6 +176,9 @@ fn retries_are_counted_once() {
 fn peaks_reset_on_every_stack() {
     for strategy in ["plain", "best_fit", "stream_safe", "async"] {
         for layers in ["", ",expandable=true", ",retry_timeout=5ms,stats=true,limit=0.9,trace=/dev/null"] {
+            if layers.contains("expandable") && !["best_fit", "stream_safe"].contains(&strategy) {
+                continue; // a key only the caching pools take
+            }
             let conf = format!("device=sim,sim_capacity=1GiB,strategy={strategy}{layers}");
             let f = Facade::new(Config::parse(&conf).unwrap());
             let keep = f.allocate(MIB, 0, Stream::DEFAULT).unwrap();
