@@ -89,7 +89,7 @@ fn bench(c: &mut Criterion) {
         group.throughput(Throughput::Elements(trace.len() as u64));
         group.sample_size(20);
 
-        let mut policy = BestFitPolicy::new(Classes { large_chunk: 32 << 20, ..Classes::default() });
+        let mut policy = BestFitPolicy::new(Classes { growth: 32 << 20, ..Classes::default() });
         let mut next = 1u64 << 40;
         let mut slots = vec![(0, 0); trace.slots];
         group

@@ -29,12 +29,13 @@ pub struct FreeChunk {
 /// Settings of a [`BestFit`] pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BestFitConfig {
-    /// Size of the chunks large requests (over 1 MiB) are carved from, in bytes; a request
-    /// larger than this gets a chunk of its own, rounded up to 2 MiB. Default 32 MiB, chosen
+    /// `growth` (as in `STREAMALLOC_CONF`): size of the chunks large requests (over 1 MiB) are
+    /// carved from, in bytes; a request larger than this gets a chunk of its own, rounded up
+    /// to 2 MiB. Default 32 MiB, chosen
     /// by replaying the sample traces (`traces/`) with growth sizes from 2 to 64 MiB: it gave
     /// a lower peak reserved than PyTorch's 20 MiB or 2 MiB on each trace, with fewer device
     /// allocations; larger sizes gave no steady gain.
-    pub growth_size: usize,
+    pub growth: usize,
     /// Size of the chunks small requests (1 MiB or less) are carved from. Default 2 MiB.
     pub small_chunk_size: usize,
     /// The stream every allocation belongs to. Default [`Stream::DEFAULT`].
@@ -52,7 +53,7 @@ pub struct BestFitConfig {
 impl Default for BestFitConfig {
     fn default() -> Self {
         Self {
-            growth_size: 32 << 20,
+            growth: 32 << 20,
             small_chunk_size: 2 << 20,
             stream: Stream::DEFAULT,
             backing: BackingKind::Chunks,
@@ -200,7 +201,7 @@ impl BestFit {
     pub fn with_backing(backing: Box<dyn Backing>, config: BestFitConfig) -> Result<Self> {
         let classes = Classes {
             small_chunk: config.small_chunk_size as u64,
-            large_chunk: config.growth_size as u64,
+            growth: config.growth as u64,
             split_large_slivers: backing.grows_into_free_tails(),
             ..Classes::default()
         };
@@ -835,7 +836,7 @@ mod tests {
     fn pool(capacity: usize) -> (Arc<SimDevice>, BestFit) {
         let sim = SimDevice::new(SimConfig::with_capacity(capacity));
         // 20 MiB chunks keep the figures below small; the default is tested on its own.
-        let config = BestFitConfig { growth_size: 20 * MIB, ..Default::default() };
+        let config = BestFitConfig { growth: 20 * MIB, ..Default::default() };
         let pool = BestFit::new(sim.clone(), config).unwrap();
         (sim, pool)
     }
@@ -849,12 +850,8 @@ mod tests {
     fn expandable_pool(on_own_stream: bool) -> (Arc<SimDevice>, BestFit, Stream) {
         let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
         let stream = if on_own_stream { sim.create_stream().unwrap() } else { Stream::DEFAULT };
-        let config = BestFitConfig {
-            growth_size: 20 * MIB,
-            stream,
-            backing: BackingKind::Segments,
-            ..Default::default()
-        };
+        let config =
+            BestFitConfig { growth: 20 * MIB, stream, backing: BackingKind::Segments, ..Default::default() };
         let pool = BestFit::new(sim.clone(), config).unwrap();
         (sim, pool, stream)
     }
@@ -1073,9 +1070,9 @@ mod tests {
     fn rejects_bad_configs_and_sizes() {
         let sim = SimDevice::new(SimConfig::with_capacity(64 * MIB));
         let bad = [
-            BestFitConfig { growth_size: MIB, ..Default::default() },
+            BestFitConfig { growth: MIB, ..Default::default() },
             BestFitConfig { small_chunk_size: MIB / 2, ..Default::default() },
-            BestFitConfig { growth_size: 32 * MIB + 1, ..Default::default() },
+            BestFitConfig { growth: 32 * MIB + 1, ..Default::default() },
         ];
         for config in bad {
             assert!(BestFit::new(sim.clone(), config).is_err(), "{config:?}");

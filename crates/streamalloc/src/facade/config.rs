@@ -255,7 +255,7 @@ impl Config {
                 }
                 "growth" => {
                     // What BestFit accepts as its chunk size for large requests.
-                    let classes = |n: usize| Classes { large_chunk: n as u64, ..Classes::default() };
+                    let classes = |n: usize| Classes { growth: n as u64, ..Classes::default() };
                     c.growth = parse_size(value).filter(|n| classes(*n).validate().is_ok()).ok_or_else(bad)?
                 }
                 "pool" => {

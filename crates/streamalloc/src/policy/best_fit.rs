@@ -10,7 +10,7 @@
 //!   Larger requests are *large* and served only from large chunks, so that small blocks never
 //!   pin or fragment the big chunks (PyTorch's small and large pools).
 //! * Growth ([`BestFitPolicy::growth_for`]): a small request grows by one small chunk; a large
-//!   request of at most [`Classes::large_chunk`] bytes grows by one large chunk; a larger one
+//!   request of at most [`Classes::growth`] bytes grows by one large chunk; a larger one
 //!   gets a chunk of its own, rounded up to [`LARGE_ROUND`] (2 MiB).
 //!
 //! # Splitting
@@ -49,7 +49,7 @@ use std::collections::BTreeMap;
 use crate::allocation::ALIGNMENT;
 use crate::error::{Error, Result};
 
-/// Chunks for requests larger than [`Classes::large_chunk`] are rounded up to this (2 MiB).
+/// Chunks for requests larger than [`Classes::growth`] are rounded up to this (2 MiB).
 pub const LARGE_ROUND: u64 = 2 << 20;
 
 /// The size-class boundaries and chunk sizes of a [`BestFitPolicy`].
@@ -59,8 +59,9 @@ pub struct Classes {
     pub small_max: u64,
     /// Size of the chunks small requests are served from, in bytes.
     pub small_chunk: u64,
-    /// Size of the chunks large requests up to this size are served from, in bytes.
-    pub large_chunk: u64,
+    /// Size of the chunks large requests up to this size are served from, in bytes (the
+    /// `growth` of [`BestFitConfig`](crate::allocators::BestFitConfig) and `STREAMALLOC_CONF`).
+    pub growth: u64,
     /// Whether a large block is split however small the remainder (any multiple of
     /// [`ALIGNMENT`]), not only when the remainder is over `small_max`. For backings whose
     /// free tails grow into the next request (stitched ranges), where a remainder left
@@ -70,7 +71,7 @@ pub struct Classes {
 
 impl Default for Classes {
     fn default() -> Self {
-        Self { small_max: 1 << 20, small_chunk: 2 << 20, large_chunk: 32 << 20, split_large_slivers: false }
+        Self { small_max: 1 << 20, small_chunk: 2 << 20, growth: 32 << 20, split_large_slivers: false }
     }
 }
 
@@ -91,10 +92,10 @@ impl Classes {
                 self.small_chunk, self.small_max
             )));
         }
-        if self.large_chunk <= self.small_max || self.large_chunk % align != 0 {
+        if self.growth <= self.small_max || self.growth % align != 0 {
             return Err(Error::InvalidArgument(format!(
                 "large chunk size {} must be a multiple of {ALIGNMENT} above {}",
-                self.large_chunk, self.small_max
+                self.growth, self.small_max
             )));
         }
         Ok(())
@@ -154,7 +155,7 @@ pub struct Growth {
     pub class: Class,
     /// Bytes to obtain.
     pub size: u64,
-    /// Whether the chunk is the request's own: it is larger than [`Classes::large_chunk`].
+    /// Whether the chunk is the request's own: it is larger than [`Classes::growth`].
     pub own: bool,
 }
 
@@ -416,8 +417,8 @@ impl BestFitPolicy {
         let size = Self::round(size)?;
         Some(match self.class_of(size) {
             Class::Small => Growth { class: Class::Small, size: self.classes.small_chunk, own: false },
-            Class::Large if size <= self.classes.large_chunk => {
-                Growth { class: Class::Large, size: self.classes.large_chunk, own: false }
+            Class::Large if size <= self.classes.growth => {
+                Growth { class: Class::Large, size: self.classes.growth, own: false }
             }
             Class::Large => {
                 let size = size.checked_add(LARGE_ROUND - 1)? & !(LARGE_ROUND - 1);
@@ -966,7 +967,7 @@ mod tests {
     }
 
     #[test]
-    fn growth_sizes() {
+    fn growth_for_each_size() {
         let p = BestFitPolicy::new(classes());
         assert_eq!(p.growth_for(1), Some(Growth { class: Class::Small, size: 2 * MIB, own: false }));
         assert_eq!(p.growth_for(MIB), Some(Growth { class: Class::Small, size: 2 * MIB, own: false }));
@@ -984,9 +985,9 @@ mod tests {
     fn validates_classes() {
         assert!(classes().validate().is_ok());
         assert!(Classes { small_chunk: MIB / 2, ..classes() }.validate().is_err());
-        assert!(Classes { large_chunk: MIB, ..classes() }.validate().is_err());
+        assert!(Classes { growth: MIB, ..classes() }.validate().is_err());
         assert!(Classes { small_max: 0, ..classes() }.validate().is_err());
-        assert!(Classes { large_chunk: 32 * MIB + 1, ..classes() }.validate().is_err());
+        assert!(Classes { growth: 32 * MIB + 1, ..classes() }.validate().is_err());
     }
 
     #[test]
@@ -1225,10 +1226,10 @@ mod tests {
         #[test]
         fn random_sequences_keep_invariants(
             ops in proptest::collection::vec(op(), 1..300),
-            large_chunk in prop_oneof![Just(4 * MIB), Just(20 * MIB)],
+            growth in prop_oneof![Just(4 * MIB), Just(20 * MIB)],
             segments in any::<bool>(),
         ) {
-            let mut p = BestFitPolicy::new(Classes { large_chunk, ..classes() });
+            let mut p = BestFitPolicy::new(Classes { growth, ..classes() });
             let mut live: Vec<(Grant, u64)> = Vec::new();
             let mut next_addr = 1u64 << 32;
             // With `segments`, one segment per class, grown by what a request lacks (as
