@@ -1,22 +1,31 @@
 #!/usr/bin/env bash
 # Prepares everything the GPU machine needs (it has no Rust toolchain and no registry), here:
-#   .gpu/      the test executables (scripts/gpu-test.sh) and the recorded_free_cost,
-#              async_overhead and mt_replay examples
-#   .anchors/  the anchors harness, traces, RMM wheels and libstreamalloc.so
+#   .gpu/      the test executables and the measurement programs of crates/streamalloc-bench
+#              (scripts/gpu-test.sh packs both)
+#   .anchors/  the comparison harness, its traces and wheels, and libstreamalloc.so
 #   dist/      the Python wheel bundling libstreamalloc.so (scripts/build-python.sh)
-# then prints the device-tool calls. On the GPU machine, scripts/gpu/device-run.sh runs the
+# then prints what to run there. On the GPU machine, scripts/gpu/device-run.sh runs the
 # parts (tests, anchors, gpt2, cupy) and writes results under $OUT.
+#
+# Usage: scripts/gpu-bench.sh HARNESS (or HARNESS=... scripts/gpu-bench.sh). HARNESS is an
+# external harness, not part of this repository, that replays traces through reference
+# allocators (cudaMalloc, cudaMallocAsync, PyTorch's and RMM's pools) and through
+# libstreamalloc.so: a folder holding anchors/ (build.sh, run.sh, run_mt.sh, table.py,
+# fetch-wheels.sh) and traces/. The GPU tests alone need only scripts/gpu-test.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-shared=${SHARED:-../shared}
+harness=${1:-${HARNESS:-}}
+if [ -z "$harness" ] || [ ! -d "$harness/anchors" ] || [ ! -d "$harness/traces" ]; then
+  echo "usage: $0 HARNESS: the folder of an external comparison harness, with anchors/ and traces/" >&2
+  exit 2
+fi
 bash scripts/gpu-test.sh >/dev/null
-cargo build --release -p streamalloc --example recorded_free_cost --example async_overhead --example mt_replay
-for e in recorded_free_cost async_overhead mt_replay; do strip --strip-debug -o .gpu/$e target/release/examples/$e; done
 bash scripts/build-python.sh >/dev/null
 rm -rf .anchors && mkdir -p .anchors
-cp -r "$shared/anchors/." .anchors/ && cp -r "$shared/traces" .anchors/traces && chmod -R u+w .anchors
+cp -r "$harness/anchors/." .anchors/ && cp -r "$harness/traces" .anchors/traces && chmod -R u+w .anchors
 bash .anchors/fetch-wheels.sh .anchors/wheels >/dev/null
 strip --strip-debug -o .anchors/libstreamalloc.so target/release/libstreamalloc.so
 du -sh .gpu .anchors dist | tr '\n' ' '; echo
-echo 'run(command="bash scripts/gpu/device-run.sh tests cupy gpt2", carry=[".gpu", ".anchors", "dist"], timeout_s=600)'
-echo 'run(command="bash scripts/gpu/device-run.sh anchors", carry=[".gpu", ".anchors", "dist"], timeout_s=600)'
+echo 'Copy this repository with .gpu/, .anchors/ and dist/ to the CUDA machine and run there, e.g.:'
+echo '  bash scripts/gpu/device-run.sh tests cupy gpt2'
+echo '  bash scripts/gpu/device-run.sh anchors bench'

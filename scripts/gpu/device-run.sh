@@ -5,14 +5,14 @@
 #            CuPy's pool and under streamalloc, results compared
 #   gpt2     GPT-2 small training under PyTorch's allocator and each strategy, losses compared
 #   anchors  the anchors harness (footprint and ns/op tables) and its multi-thread scaling
-#   bench    the cost of a free with a recorded stream (examples/recorded_free_cost.rs) and
+#   bench    the cost of a free with a recorded stream (crates/streamalloc-bench/src/bin/recorded_free_cost.rs) and
 #            what AsyncPool adds to the bare driver calls, per pair and on each trace with
-#            alternating passes in one process (examples/async_overhead.rs)
+#            alternating passes in one process (crates/streamalloc-bench/src/bin/async_overhead.rs)
 #   async    AsyncPool against raw cudaMallocAsync in the anchors harness, alternating, five
 #            rounds
 #   mt       StreamSafe's multi-thread scaling in the anchors harness (1-8 threads, each on
 #            its own stream), three rounds on two traces
-#   mtx      the same scaling without the C ABI (examples/mt_replay.rs), on the simulator and
+#   mtx      the same scaling without the C ABI (crates/streamalloc-bench/src/bin/mt_replay.rs), on the simulator and
 #            on the GPU, with the device allocations made in the timed passes
 #   samerun  AsyncPool through the C ABI against raw cudaMallocAsync and the driver calls it
 #            makes, in one process, passes alternating, 31 rounds per trace
@@ -71,8 +71,8 @@ for part in "$@"; do
         CONFS="strategy=stream_safe strategy=async" \
           bash .anchors/run_mt.sh .anchors/traces/resnet50_train.csv .anchors/libstreamalloc.so \
           | tee "$OUT/anchors_mt.jsonl" ;;
-    bench) .gpu/recorded_free_cost | tee "$OUT/recorded_free_cost.txt" &&
-      .gpu/async_overhead .anchors/traces/*.csv | tee "$OUT/async_overhead.txt" ;;
+    bench) .gpu/bin/recorded_free_cost | tee "$OUT/recorded_free_cost.txt" &&
+      .gpu/bin/async_overhead .anchors/traces/*.csv | tee "$OUT/async_overhead.txt" ;;
     async)
       build_anchors && for round in 1 2 3 4 5; do for tr in .anchors/traces/*.csv; do
         /tmp/anchor-bin/replay_core async "$tr" &&
@@ -81,7 +81,7 @@ for part in "$@"; do
       done; done | tee "$OUT/async_rounds.jsonl" ;;
     mtx)
       for dev in sim cuda; do for tr in resnet50_train gpt2_train; do
-        .gpu/mt_replay ".anchors/traces/$tr.csv" $dev
+        .gpu/bin/mt_replay ".anchors/traces/$tr.csv" $dev
       done; done | tee "$OUT/mt_replay.txt" ;;
     samerun)
       mkdir -p /tmp/anchor-bin &&

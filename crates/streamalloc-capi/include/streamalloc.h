@@ -33,7 +33,7 @@ typedef enum streamalloc_status_t {
   STREAMALLOC_CONFIG_ERROR = 8,
   // Writing the trace file failed.
   STREAMALLOC_IO_ERROR = 9,
-  // A bug in streamalloc (a panic, caught at the boundary).
+  // A bug in streamalloc: one of its invariants broken, or a panic caught at the boundary.
   STREAMALLOC_INTERNAL = 10,
 } streamalloc_status_t;
 

@@ -35,7 +35,7 @@ pub enum StreamallocStatus {
     STREAMALLOC_CONFIG_ERROR = 8,
     /// Writing the trace file failed.
     STREAMALLOC_IO_ERROR = 9,
-    /// A bug in streamalloc (a panic, caught at the boundary).
+    /// A bug in streamalloc: one of its invariants broken, or a panic caught at the boundary.
     STREAMALLOC_INTERNAL = 10,
 }
 
@@ -44,6 +44,7 @@ impl StreamallocStatus {
         match e {
             Error::OutOfMemory(_) => Self::STREAMALLOC_OUT_OF_MEMORY,
             Error::InvalidArgument(_) => Self::STREAMALLOC_INVALID_ARGUMENT,
+            Error::Internal(_) => Self::STREAMALLOC_INTERNAL,
             Error::Driver { .. } => Self::STREAMALLOC_DRIVER_ERROR,
             Error::NoDriver(_) => Self::STREAMALLOC_NO_DRIVER,
             Error::LimitExceeded { .. } => Self::STREAMALLOC_LIMIT_EXCEEDED,

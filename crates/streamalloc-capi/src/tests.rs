@@ -284,3 +284,12 @@ fn peaks_reset_and_retries_are_reported() {
     assert_eq!(streamalloc_reset_peak_stats(-1), STREAMALLOC_INVALID_ARGUMENT);
     assert_eq!(streamalloc_reset_peak_stats(20), STREAMALLOC_OK, "a device not used yet");
 }
+
+/// Issue 19: our own broken invariants reached C as STREAMALLOC_INVALID_ARGUMENT.
+#[test]
+fn internal_errors_are_reported_as_internal_not_as_the_callers_fault() {
+    let e = core_alloc::Error::Internal("StreamSafe lost a pool it made".into());
+    assert_eq!(status(|| Err(e.clone())), STREAMALLOC_INTERNAL);
+    let held = core_alloc::Error::HeldBack { count: 1, first: Box::new(e) };
+    assert_eq!(status(|| Err(held)), STREAMALLOC_INTERNAL);
+}

@@ -26,8 +26,8 @@ use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use streamalloc::facade::{Config, Facade, ENV_VAR};
-use streamalloc::replay::{check_start, replay, settle, ReplayOptions, ReplayResult, ReplayTarget};
-use streamalloc::trace::{ParseOptions, Trace};
+use streamalloc_replay::replay::{check_start, replay, settle, ReplayOptions, ReplayResult, ReplayTarget};
+use streamalloc_replay::trace::{ParseOptions, Trace};
 
 use crate::device::DeviceChoice;
 
@@ -51,7 +51,7 @@ enum Command {
     /// --allocator presets and --conf strings given, else STREAMALLOC_CONF when set, else
     /// every preset (the variable's `trace` key does not apply). A trace that cannot be read is reported and the others replay; the
     /// exit status is 1 if any failed. With --json the output is one JSON array of result
-    /// objects (the fields of `streamalloc::replay::ReplayResult` plus `device` and
+    /// objects (the fields of `streamalloc_replay::replay::ReplayResult` plus `device` and
     /// `config`), which `compare` and `plot` read.
     Replay {
         /// Trace files (CSV: Thread,Time,Action,Pointer,Size,Stream).

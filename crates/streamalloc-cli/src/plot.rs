@@ -8,7 +8,7 @@
 use std::path::Path;
 
 use plotters::prelude::*;
-use streamalloc::replay::{ReplayResult, Series};
+use streamalloc_replay::replay::{ReplayResult, Series};
 
 /// One panel: a title and the results drawn in it.
 pub struct Panel<'a> {

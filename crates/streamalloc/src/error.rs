@@ -29,6 +29,10 @@ pub enum Error {
     /// A caller passed something the allocator cannot accept.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// One of streamalloc's own invariants is broken (e.g. the policy asked to free a block
+    /// that its allocator never got from it): a bug in streamalloc, not in the caller.
+    #[error("internal error (a bug in streamalloc): {0}")]
+    Internal(String),
     /// The device or mode in use does not offer this operation.
     #[error("unsupported: {0}")]
     Unsupported(String),

@@ -10,7 +10,8 @@
 //! * [`adaptors`]: Limit, Retry, statistics, trace, and SingleStream, over any allocator.
 //! * [`facade`]: per-device stacks built from a typed [`Config`](facade::Config), the one
 //!   place that reads `STREAMALLOC_CONF`.
-//! * [`trace`] and [`replay`]: RMM's logging CSV, and replaying it through an allocator.
+//! * [`trace`]: the trace format (RMM's logging CSV) the Trace layer writes; reading and
+//!   replaying traces is the `streamalloc-replay` crate's part.
 //!
 //! The ordering contract every allocator follows is written once, in [`allocation`].
 
@@ -23,7 +24,6 @@ pub mod device;
 pub mod error;
 pub mod facade;
 pub mod policy;
-pub mod replay;
 pub mod trace;
 
 pub use allocation::{

@@ -1,12 +1,10 @@
 //! The facade on the simulator: every strategy, the stack's layers, per-device statistics,
-//! and a trace written by the Trace layer that replays to identical statistics.
+//! (a trace the Trace layer writes replays to identical statistics: streamalloc-replay's tests).
 
 use std::sync::Arc;
 
 use streamalloc::facade::{Config, Facade, Strategy};
-use streamalloc::replay::{replay, ReplayOptions, ReplayTarget};
-use streamalloc::trace::Trace;
-use streamalloc::{Allocator, Error, Stream, StreamAllocator};
+use streamalloc::{Error, Stream};
 
 const MIB: usize = 1 << 20;
 
@@ -93,45 +91,6 @@ fn stats_layer_counts_per_stream() {
     assert_eq!((find(Stream::DEFAULT).current, find(Stream::DEFAULT).peak), (0, 2 * MIB));
     drop(a);
     assert!(sim("strategy=stream_safe").stream_stats(0).is_none());
-}
-
-#[test]
-fn a_written_trace_replays_to_identical_statistics() {
-    let path = std::env::temp_dir().join(format!("streamalloc-facade-{}.csv", std::process::id()));
-    let f = sim(&format!("strategy=stream_safe,trace={}", path.display()));
-    let a = f.allocator(0).unwrap().clone();
-    let mut live = Vec::new();
-    for i in 0..200usize {
-        live.push(a.allocate_on((i * 7919) % (3 * MIB) + 1, Stream::DEFAULT).unwrap());
-        if i % 3 == 0 {
-            live.swap_remove(i % live.len());
-        }
-    }
-    drop(live);
-    let original = a.stats();
-    drop(a);
-    drop(f); // flushes the trace
-    let trace = Trace::from_path(&path).unwrap();
-    std::fs::remove_file(&path).unwrap();
-    assert_eq!(trace.len(), 400);
-    let g = sim("strategy=stream_safe");
-    let stack = g.stack(0).unwrap();
-    let target = ReplayTarget::Streams(stack.allocator.clone());
-    let result = replay(
-        &trace,
-        "stream_safe",
-        &target,
-        stack.device.as_ref(),
-        &ReplayOptions { passes: 1, ..Default::default() },
-    )
-    .unwrap();
-    let replayed = stack.allocator.stats();
-    assert_eq!(result.failures, 0);
-    // Two passes (measuring and timed) of the same operations.
-    assert_eq!(replayed.total_allocations, 2 * original.total_allocations);
-    assert_eq!(replayed.allocated_peak, original.allocated_peak);
-    assert_eq!(replayed.reserved_peak, original.reserved_peak);
-    assert_eq!(result.peak_live, original.allocated_peak);
 }
 
 #[test]

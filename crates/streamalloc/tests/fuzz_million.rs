@@ -39,7 +39,7 @@ fn stream_safe(sim: Arc<SimDevice>) -> StreamSafe {
 
 /// A pool over `backing` (expandable segments or stitched ranges) that grows by 8 MiB.
 fn backed(backing: BackingKind) -> BestFitConfig {
-    BestFitConfig { backing, growth_size: 8 * MIB, ..BestFitConfig::default() }
+    BestFitConfig { backing, growth: 8 * MIB, ..BestFitConfig::default() }
 }
 
 fn plain(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {

@@ -1,13 +1,11 @@
-//! The stitched backing on the simulator: footprint on traces whose shapes vary, stitching
-//! of free granules, and random programs against the ordering checker.
+//! The stitched backing on the simulator: stitching of free granules, and random programs
+//! against the ordering checker (its footprint on traces: streamalloc-replay's tests).
 
 use std::sync::Arc;
 
 use proptest::prelude::*;
 use streamalloc::allocators::{BackingKind, BestFit, BestFitConfig, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice};
-use streamalloc::replay::{replay, ReplayOptions, ReplayTarget};
-use streamalloc::trace::Trace;
 use streamalloc::{Allocation, Allocator, Device, Error, Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
@@ -18,31 +16,6 @@ fn stitched() -> BestFitConfig {
 
 fn used(sim: &SimDevice) -> usize {
     sim.mem_info().expect("mem info").used()
-}
-
-/// Footprint of StreamSafe over `backing` on a trace of `traces/`.
-fn footprint(trace: &str, backing: BackingKind) -> f64 {
-    let path = format!("{}/../../traces/{trace}", env!("CARGO_MANIFEST_DIR"));
-    let trace = Trace::from_path(path).expect("trace");
-    let sim = SimDevice::new(SimConfig::h200());
-    let pool = BestFitConfig { backing, ..Default::default() };
-    let alloc =
-        StreamSafe::new(sim.clone(), StreamSafeConfig { pool, ..Default::default() }).expect("allocator");
-    let target = ReplayTarget::Streams(Arc::new(alloc));
-    let r =
-        replay(&trace, "stitched", &target, sim.as_ref(), &ReplayOptions { passes: 1, ..Default::default() })
-            .expect("replay");
-    assert_eq!(r.failures, 0, "{:?}", r.first_failure);
-    r.footprint_ratio
-}
-
-#[test]
-fn footprint_stays_within_5_percent_when_shapes_change_every_step() {
-    // Expandable segments held 1.454 and 1.169 of the peak live bytes here; chunks 1.463 and 1.235.
-    for trace in ["synthetic/bert_varlen_infer.csv", "synthetic/multiscale_train.csv"] {
-        let f = footprint(trace, BackingKind::Stitched);
-        assert!(f <= 1.05, "{trace}: footprint {f:.3}");
-    }
 }
 
 #[test]

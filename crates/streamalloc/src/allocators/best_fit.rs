@@ -29,15 +29,13 @@ pub struct FreeChunk {
 /// Settings of a [`BestFit`] pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BestFitConfig {
-    /// Size of the chunks large requests (over 1 MiB) are carved from, in bytes; a request
-    /// larger than this gets a chunk of its own, rounded up to 2 MiB. Default 32 MiB, chosen
-    /// by replaying the sample traces (`traces/`) with growth sizes from 2 to 64 MiB: peak
-    /// reserved over peak live bytes was 1.049 / 1.191 / 1.346 (GPT-2 training, ResNet-50
-    /// training, GPT-2 generation) at 32 MiB against 1.052 / 1.192 / 1.442 at PyTorch's
-    /// 20 MiB and 1.054 / 1.197 / 1.493 at 2 MiB, with fewer device allocations (109 / 91 /
-    /// 34 against 135 / 102 / 46 at 20 MiB); 28 to 36 MiB gave about the same, larger sizes
-    /// no steady gain.
-    pub growth_size: usize,
+    /// `growth` (as in `STREAMALLOC_CONF`): size of the chunks large requests (over 1 MiB) are
+    /// carved from, in bytes; a request larger than this gets a chunk of its own, rounded up
+    /// to 2 MiB. Default 32 MiB, chosen
+    /// by replaying the sample traces (`traces/`) with growth sizes from 2 to 64 MiB: it gave
+    /// a lower peak reserved than PyTorch's 20 MiB or 2 MiB on each trace, with fewer device
+    /// allocations; larger sizes gave no steady gain.
+    pub growth: usize,
     /// Size of the chunks small requests (1 MiB or less) are carved from. Default 2 MiB.
     pub small_chunk_size: usize,
     /// The stream every allocation belongs to. Default [`Stream::DEFAULT`].
@@ -55,7 +53,7 @@ pub struct BestFitConfig {
 impl Default for BestFitConfig {
     fn default() -> Self {
         Self {
-            growth_size: 32 << 20,
+            growth: 32 << 20,
             small_chunk_size: 2 << 20,
             stream: Stream::DEFAULT,
             backing: BackingKind::Chunks,
@@ -81,10 +79,10 @@ impl Default for BestFitConfig {
 ///   and the error says what was waited for. (`cuMemFree` also waits for streams the pool
 ///   does not know; unmapped segments and stitched ranges do not.) A stitched pool that
 ///   unmaps free granules to pay for a growth waits the same way.
-/// * **Backings compared.** On the H200 (anchors harness, run 29 in `bench/results`)
-///   StreamSafe over expandable segments held 1.121 / 1.051 / 1.028 times the peak live
-///   bytes of GPT-2 generation, GPT-2 training and ResNet-50 training, against 1.109 /
-///   1.049 / 1.178 with chunks and 1.128 / 1.076 / 1.104 for cudaMallocAsync.
+/// * **Backings compared.** The footprint of each backing on the sample traces, on a GPU and
+///   on the simulator, is in `bench/results/` (`h200-2026-12-02/`, run 29, and
+///   `2026-12-02-issue17-criterion-sim.md`); `streamalloc replay --conf ...` measures it on
+///   any trace.
 /// * **Recorded streams.** The pool is not stream-aware: all its allocations belong to one
 ///   stream. A freed block whose allocation recorded other streams is kept out of the free
 ///   lists: at free, an event (from an [`EventPool`]) is recorded on each recorded stream, and
@@ -100,9 +98,9 @@ impl Default for BestFitConfig {
 ///   releases or gives a chunk away, so parking never raises the footprint by itself. Large
 ///   blocks go back to the policy at once: the sample traces reuse few large blocks at their
 ///   exact size before a request of another size needs them merged (in GPT-2 training, one
-///   large request in four), so parking them cost more than it saved. Measured on the
-///   sample traces (`streamalloc replay --device sim`): the same peak reserved as without
-///   parking (within 0.001 of peak live bytes), and 17-29% less CPU per operation.
+///   large request in four), so parking them cost more than it saved. On the sample traces
+///   (`streamalloc replay --device sim`), parking leaves the peak reserved as it was and
+///   lowers the CPU cost per operation (`bench/results/`).
 /// * **Concurrency.** One lock guards the pool; device calls are made outside it. Reusing a
 ///   cached block takes the lock once and allocates nothing on the heap.
 ///
@@ -203,7 +201,7 @@ impl BestFit {
     pub fn with_backing(backing: Box<dyn Backing>, config: BestFitConfig) -> Result<Self> {
         let classes = Classes {
             small_chunk: config.small_chunk_size as u64,
-            large_chunk: config.growth_size as u64,
+            growth: config.growth as u64,
             split_large_slivers: backing.grows_into_free_tails(),
             ..Classes::default()
         };
@@ -294,9 +292,7 @@ impl BestFit {
         let Some((block, owner)) = allocation.into_parts() else { return Ok(0) };
         if !std::ptr::addr_eq(Arc::as_ptr(&owner), Arc::as_ptr(&self.inner)) {
             owner.free(block);
-            return Err(Error::InvalidArgument(
-                "BestFit::keep was given another pool's allocation: a bug".into(),
-            ));
+            return Err(Error::Internal("BestFit::keep was given another pool's allocation".into()));
         }
         let mut st = self.inner.state.lock();
         super::insert_roomy(&mut st.kept, block.ptr, (block.token, block.size));
@@ -451,8 +447,8 @@ impl BestFit {
                 }
             }
         }
-        Err(Error::InvalidArgument(format!(
-            "the backing grew the pool {GROWTH_ROUNDS} times and {size} bytes still did not fit: a bug in the backing"
+        Err(Error::Internal(format!(
+            "the backing grew the pool {GROWTH_ROUNDS} times and {size} bytes still did not fit"
         )))
     }
 }
@@ -840,7 +836,7 @@ mod tests {
     fn pool(capacity: usize) -> (Arc<SimDevice>, BestFit) {
         let sim = SimDevice::new(SimConfig::with_capacity(capacity));
         // 20 MiB chunks keep the figures below small; the default is tested on its own.
-        let config = BestFitConfig { growth_size: 20 * MIB, ..Default::default() };
+        let config = BestFitConfig { growth: 20 * MIB, ..Default::default() };
         let pool = BestFit::new(sim.clone(), config).unwrap();
         (sim, pool)
     }
@@ -854,12 +850,8 @@ mod tests {
     fn expandable_pool(on_own_stream: bool) -> (Arc<SimDevice>, BestFit, Stream) {
         let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
         let stream = if on_own_stream { sim.create_stream().unwrap() } else { Stream::DEFAULT };
-        let config = BestFitConfig {
-            growth_size: 20 * MIB,
-            stream,
-            backing: BackingKind::Segments,
-            ..Default::default()
-        };
+        let config =
+            BestFitConfig { growth: 20 * MIB, stream, backing: BackingKind::Segments, ..Default::default() };
         let pool = BestFit::new(sim.clone(), config).unwrap();
         (sim, pool, stream)
     }
@@ -1078,9 +1070,9 @@ mod tests {
     fn rejects_bad_configs_and_sizes() {
         let sim = SimDevice::new(SimConfig::with_capacity(64 * MIB));
         let bad = [
-            BestFitConfig { growth_size: MIB, ..Default::default() },
+            BestFitConfig { growth: MIB, ..Default::default() },
             BestFitConfig { small_chunk_size: MIB / 2, ..Default::default() },
-            BestFitConfig { growth_size: 32 * MIB + 1, ..Default::default() },
+            BestFitConfig { growth: 32 * MIB + 1, ..Default::default() },
         ];
         for config in bad {
             assert!(BestFit::new(sim.clone(), config).is_err(), "{config:?}");

@@ -24,8 +24,8 @@ use crate::error::{Error, Result};
 /// Inserts into a map of live allocations by pointer, first growing it to at most half full.
 /// Such a map churns (every key is removed again soon), and near hashbrown's maximum load the
 /// slots left by removals lengthen probes and force rehashes in place: kept at most half
-/// full, StreamSafe's frees by pointer cost 17% less on ResNet-50 training (C ABI replay on
-/// the simulator, 74 -> 62 ns per op). The map's memory is twice the live count at most.
+/// full, frees by pointer cost less (`bench/results/h200-2026-12-02/`, run 17). The map's
+/// memory is twice the live count at most.
 pub(crate) fn insert_roomy<K: Hash + Eq, V>(map: &mut FxHashMap<K, V>, key: K, value: V) -> Option<V> {
     if map.len() * 2 >= map.capacity() {
         map.reserve(map.len().max(64));

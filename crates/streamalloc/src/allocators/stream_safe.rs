@@ -291,9 +291,7 @@ impl StreamSafe {
             Some(i) => self.slots[i].store(index + 1, Ordering::Release),
             None => self.overflow.lock().push(index),
         }
-        self.registry
-            .get(index)
-            .ok_or_else(|| Error::InvalidArgument("StreamSafe lost a pool it made: a bug".into()))
+        self.registry.get(index).ok_or_else(|| Error::Internal("StreamSafe lost a pool it made".into()))
     }
 
     /// Every pool, retired ones included.

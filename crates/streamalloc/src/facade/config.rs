@@ -116,9 +116,8 @@ pub struct Config {
     /// `expandable`: `true` backs the caching pools (`best_fit`, `stream_safe`) with
     /// stitched virtual-memory ranges ([`Stitched`](crate::allocators::backing::Stitched):
     /// address space mapped as the pools grow, free granules of holes unmapped to pay for a
-    /// growth that would raise the peak) instead of chunks of plain allocations. On the
-    /// simulator it held 1.001-1.035 of the peak live bytes on the recorded and synthetic
-    /// traces (`traces/`), against 1.015-1.463 with chunks. Default `false`.
+    /// growth that would raise the peak) instead of chunks of plain allocations: a footprint
+    /// closer to the peak live bytes when shapes vary (`bench/results/`). Default `false`.
     pub expandable: bool,
     /// `pool`: `default` or `owned`, for `async`. Default `default`.
     pub pool: PoolChoice,
@@ -192,10 +191,39 @@ pub const KEYS: &[(&str, &str)] = &[
     ("trace", "a file path"),
 ];
 
+/// The keys only some strategies take, with those strategies; every other key applies to all.
+const STRATEGY_KEYS: &[(&str, &[Strategy])] = &[
+    ("growth", &[Strategy::BestFit, Strategy::StreamSafe]),
+    ("expandable", &[Strategy::BestFit, Strategy::StreamSafe]),
+    ("wait_timeout", &[Strategy::BestFit, Strategy::StreamSafe]),
+    ("pool", &[Strategy::Async]),
+    ("release_threshold", &[Strategy::Async]),
+    ("throttle", &[Strategy::Async]),
+    ("trim_floor", &[Strategy::Async]),
+];
+
+impl Strategy {
+    /// Whether this strategy takes the configuration key `key`.
+    pub fn takes(self, key: &str) -> bool {
+        STRATEGY_KEYS.iter().find(|(k, _)| *k == key).is_none_or(|(_, strategies)| strategies.contains(&self))
+    }
+}
+
 impl Config {
     /// Parses `key=value` pairs separated by commas (whitespace around them is ignored) on
-    /// top of the defaults. Unknown keys and bad values are errors naming the key and what
-    /// it accepts.
+    /// top of the defaults. Unknown keys, bad values and keys the chosen strategy does not
+    /// take (`expandable` under `strategy=async`) are errors naming the key and what it
+    /// accepts or which strategies take it.
+    ///
+    /// ```
+    /// use streamalloc::facade::{Config, Strategy};
+    ///
+    /// let c = Config::parse("strategy=async,release_threshold=8GiB")?;
+    /// assert_eq!(c.strategy, Strategy::Async);
+    /// let e = Config::parse("strategy=async,expandable=true").unwrap_err();
+    /// assert!(e.to_string().contains("taken by best_fit, stream_safe"), "{e}");
+    /// # Ok::<(), streamalloc::Error>(())
+    /// ```
     pub fn parse(s: &str) -> Result<Self> {
         let mut c = Config::default();
         let mut seen: Vec<&str> = Vec::new();
@@ -227,7 +255,7 @@ impl Config {
                 }
                 "growth" => {
                     // What BestFit accepts as its chunk size for large requests.
-                    let classes = |n: usize| Classes { large_chunk: n as u64, ..Classes::default() };
+                    let classes = |n: usize| Classes { growth: n as u64, ..Classes::default() };
                     c.growth = parse_size(value).filter(|n| classes(*n).validate().is_ok()).ok_or_else(bad)?
                 }
                 "pool" => {
@@ -255,6 +283,18 @@ impl Config {
                 _ => return Err(bad()),
             }
         }
+        for key in seen {
+            if let Some((_, strategies)) =
+                STRATEGY_KEYS.iter().find(|(k, _)| *k == key).filter(|_| !c.strategy.takes(key))
+            {
+                let names: Vec<&str> = strategies.iter().map(|s| s.name()).collect();
+                return Err(Error::Config(format!(
+                    "`{key}` does not apply to strategy={}; it is taken by {}",
+                    c.strategy.name(),
+                    names.join(", ")
+                )));
+            }
+        }
         Ok(c)
     }
 
@@ -280,34 +320,40 @@ impl Config {
 }
 
 impl fmt::Display for Config {
-    /// Writes the configuration back as a string [`Config::parse`] reads.
+    /// Writes the configuration back as a string [`Config::parse`] reads: the keys that
+    /// apply to all strategies and those the chosen strategy takes.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let threshold = if self.release_threshold == u64::MAX {
-            "max".to_string()
-        } else {
-            self.release_threshold.to_string()
+        let device = match self.device {
+            DeviceKind::Cuda => "cuda",
+            DeviceKind::Sim => "sim",
         };
-        write!(
-            f,
-            "strategy={},device={},sim_capacity={},growth={},expandable={},pool={},release_threshold={threshold},\
-             throttle={},trim_floor={},wait_timeout={}ms,stats={}",
-            self.strategy.name(),
-            match self.device {
-                DeviceKind::Cuda => "cuda",
-                DeviceKind::Sim => "sim",
-            },
-            self.sim_capacity,
-            self.growth,
-            self.expandable,
-            match self.pool {
+        write!(f, "strategy={},device={device},sim_capacity={}", self.strategy.name(), self.sim_capacity)?;
+        if self.strategy.takes("growth") {
+            write!(
+                f,
+                ",growth={},expandable={},wait_timeout={}ms",
+                self.growth,
+                self.expandable,
+                self.wait_timeout.as_millis()
+            )?;
+        }
+        if self.strategy.takes("pool") {
+            let pool = match self.pool {
                 PoolChoice::Default => "default",
                 PoolChoice::Owned => "owned",
-            },
-            self.throttle,
-            self.trim_floor,
-            self.wait_timeout.as_millis(),
-            self.stats,
-        )?;
+            };
+            let threshold = if self.release_threshold == u64::MAX {
+                "max".to_string()
+            } else {
+                self.release_threshold.to_string()
+            };
+            write!(
+                f,
+                ",pool={pool},release_threshold={threshold},throttle={},trim_floor={}",
+                self.throttle, self.trim_floor
+            )?;
+        }
+        write!(f, ",stats={}", self.stats)?;
         match self.limit {
             Some(LimitSpec::Bytes(n)) => write!(f, ",limit={n}B")?,
             Some(LimitSpec::Fraction(x)) => write!(f, ",limit={x:?}")?,
@@ -418,24 +464,27 @@ mod tests {
 
     #[test]
     fn every_key() {
+        let caching =
+            Config::parse("strategy=stream_safe, growth=2MiB, expandable=true, wait_timeout=100ms").unwrap();
+        assert_eq!(caching.growth, 2 << 20);
+        assert!(caching.expandable);
+        assert_eq!(caching.wait_timeout, Duration::from_millis(100));
+        assert_eq!(Config::parse(&caching.to_string()).unwrap(), caching);
         let c = Config::parse(
-            "strategy=async, device=sim, sim_capacity=8GiB, growth=2MiB, expandable=true, pool=owned, \
+            "strategy=async, device=sim, sim_capacity=8GiB, pool=owned, \
              release_threshold=1GiB, throttle=0.5, trim_floor=64MiB, limit=40GiB, retry_timeout=250ms, \
-             wait_timeout=100ms, stats=true, trace=/tmp/t.csv",
+             stats=true, trace=/tmp/t.csv",
         )
         .unwrap();
         assert_eq!(c.strategy, Strategy::Async);
         assert_eq!(c.device, DeviceKind::Sim);
         assert_eq!(c.sim_capacity, 8 << 30);
-        assert_eq!(c.growth, 2 << 20);
-        assert!(c.expandable);
         assert_eq!(c.pool, PoolChoice::Owned);
         assert_eq!(c.release_threshold, 1 << 30);
         assert_eq!(c.throttle, 0.5);
         assert_eq!(c.trim_floor, 64 << 20);
         assert_eq!(c.limit, Some(LimitSpec::Bytes(40 << 30)));
         assert_eq!(c.retry_timeout, Some(Duration::from_millis(250)));
-        assert_eq!(c.wait_timeout, Duration::from_millis(100));
         assert!(c.stats);
         assert_eq!(c.trace, Some(PathBuf::from("/tmp/t.csv")));
         // Every key in KEYS is covered above.
@@ -446,7 +495,10 @@ mod tests {
             assert_eq!(Config::parse(&format!("strategy={s}")).unwrap().strategy.name(), s);
         }
         assert_eq!(Config::parse("limit=0.9").unwrap().limit, Some(LimitSpec::Fraction(0.9)));
-        assert_eq!(Config::parse("release_threshold=max").unwrap().release_threshold, u64::MAX);
+        assert_eq!(
+            Config::parse("strategy=async,release_threshold=max").unwrap().release_threshold,
+            u64::MAX
+        );
         assert_eq!(Config::parse("").unwrap(), Config::default());
         assert_eq!(Config::parse(&Config::default().to_string()).unwrap(), Config::default());
     }
@@ -486,5 +538,35 @@ mod tests {
         assert!(err("sim_capacity=1").contains("sim_capacity=1: expected"), "{}", err("sim_capacity=1"));
         let twice = err("strategy=plain,stats=true,strategy=async");
         assert!(twice.contains("`strategy` is given twice"), "{twice}");
+    }
+
+    /// Issue 19: a key the chosen strategy does not take was silently ignored.
+    #[test]
+    fn a_key_the_strategy_does_not_take_is_an_error_naming_those_that_do() {
+        let caching = "taken by best_fit, stream_safe";
+        let cases = [
+            ("strategy=async,expandable=true", "`expandable` does not apply to strategy=async", caching),
+            ("expandable=true,strategy=async", "`expandable` does not apply to strategy=async", caching),
+            ("strategy=async,growth=64MiB", "`growth` does not apply to strategy=async", caching),
+            ("strategy=plain,growth=64MiB", "`growth` does not apply to strategy=plain", caching),
+            ("strategy=async,wait_timeout=1s", "`wait_timeout` does not apply to strategy=async", caching),
+            ("pool=owned", "`pool` does not apply to strategy=stream_safe", "taken by async"),
+            (
+                "strategy=best_fit,release_threshold=1GiB",
+                "`release_threshold` does not apply",
+                "taken by async",
+            ),
+            ("strategy=plain,throttle=0.5", "`throttle` does not apply to strategy=plain", "taken by async"),
+            ("strategy=stream_safe,trim_floor=1GiB", "`trim_floor` does not apply", "taken by async"),
+        ];
+        for (conf, what, by) in cases {
+            let e = Config::parse(conf).unwrap_err().to_string();
+            assert!(e.contains(what) && e.contains(by), "{conf}: {e}");
+        }
+        // Keys of every strategy are taken by all.
+        for s in Strategy::NAMES.split(", ") {
+            Config::parse(&format!("strategy={s},limit=1GiB,retry_timeout=1s,stats=true,device=sim"))
+                .unwrap();
+        }
     }
 }

@@ -50,12 +50,7 @@ pub const MAX_DEVICES: usize = 64;
 /// The settings of the caching pools of `config`'s `best_fit` and `stream_safe` strategies.
 fn pool_config(config: &Config) -> BestFitConfig {
     let backing = if config.expandable { BackingKind::Stitched } else { BackingKind::Chunks };
-    BestFitConfig {
-        growth_size: config.growth,
-        backing,
-        wait_timeout: config.wait_timeout,
-        ..Default::default()
-    }
+    BestFitConfig { growth: config.growth, backing, wait_timeout: config.wait_timeout, ..Default::default() }
 }
 
 /// An allocator stack: allocations by handle on any stream ([`StreamAllocator`]) and by

@@ -30,8 +30,8 @@
 //! While one is active, the allocator asks the driver whether the stream of each allocation and
 //! free is capturing, and refuses an allocation on a stream that captures a graph begun
 //! elsewhere (it could not know which graph owns it). While none is, it asks only before a
-//! throttle wait: on the traces, asking on every allocation and free cost 3-5% of raw
-//! cudaMallocAsync's time on the H200 (all else the allocator adds: 6-8%). A capture begun
+//! throttle wait: asking on every allocation and free was a measurable share of raw
+//! cudaMallocAsync's time per operation (`bench/results/h200-2026-12-02/`, session 4). A capture begun
 //! elsewhere then (`torch.cuda.graph` over the C ABI, a bare `cuStreamBeginCapture`) gets the
 //! driver's captured allocation and free nodes under the driver's rules (memory allocated in a
 //! graph and not freed in it exists once the graph has been launched), as with PyTorch's and
@@ -258,11 +258,6 @@ struct Inner {
     /// Mirrors `captures.len()`, read without the lock: while it is 0 no stream is asked
     /// whether it captures (see the [module docs](self#cuda-graph-capture)).
     capturing: AtomicUsize,
-}
-
-fn is_oom(e: &Error) -> bool {
-    // CUDA_ERROR_OUT_OF_MEMORY, should a device layer report it as a plain driver error.
-    e.is_out_of_memory() || matches!(e, Error::Driver { code: 2, .. })
 }
 
 impl AsyncPool {
@@ -568,7 +563,7 @@ impl Inner {
         stream: Stream,
     ) -> Result<DevicePtr> {
         let first = match self.device.alloc_async(rounded, ready.pool, stream) {
-            Err(e) if is_oom(&e) => {
+            Err(e) if e.is_out_of_memory() => {
                 let pending = self.counters.lock().pending > 0;
                 if pending {
                     self.order_after(stream, [ready.free_stream])?;
@@ -584,7 +579,7 @@ impl Inner {
         };
         first.map_err(|e| {
             let c = self.counters.lock();
-            if !is_oom(&e) {
+            if !e.is_out_of_memory() {
                 return e;
             }
             let attr = |a| self.device.pool_attr(ready.pool, a).unwrap_or(0) as usize;
