@@ -2,7 +2,8 @@
 # Prepares everything the GPU machine needs (it has no Rust toolchain and no registry), here:
 #   .gpu/      the test executables and the measurement programs of crates/streamalloc-bench
 #              (scripts/gpu-test.sh packs both)
-#   .anchors/  the comparison harness, its traces and wheels, and libstreamalloc.so
+#   .anchors/  the comparison harness and its wheels, every trace of traces/ (its subfolders
+#              flattened into one folder) and libstreamalloc.so
 #   dist/      the Python wheel bundling libstreamalloc.so (scripts/build-python.sh)
 # then prints what to run there. On the GPU machine, scripts/gpu/device-run.sh runs the
 # parts (tests, anchors, gpt2, cupy) and writes results under $OUT.
@@ -11,18 +12,19 @@
 # external harness, not part of this repository, that replays traces through reference
 # allocators (cudaMalloc, cudaMallocAsync, PyTorch's and RMM's pools) and through
 # libstreamalloc.so: a folder holding anchors/ (build.sh, run.sh, run_mt.sh, table.py,
-# fetch-wheels.sh) and traces/. The GPU tests alone need only scripts/gpu-test.sh.
+# fetch-wheels.sh). The GPU tests alone need only scripts/gpu-test.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 harness=${1:-${HARNESS:-}}
-if [ -z "$harness" ] || [ ! -d "$harness/anchors" ] || [ ! -d "$harness/traces" ]; then
-  echo "usage: $0 HARNESS: the folder of an external comparison harness, with anchors/ and traces/" >&2
+if [ -z "$harness" ] || [ ! -d "$harness/anchors" ]; then
+  echo "usage: $0 HARNESS: the folder of an external comparison harness, with anchors/" >&2
   exit 2
 fi
 bash scripts/gpu-test.sh >/dev/null
 bash scripts/build-python.sh >/dev/null
 rm -rf .anchors && mkdir -p .anchors
-cp -r "$harness/anchors/." .anchors/ && cp -r "$harness/traces" .anchors/traces && chmod -R u+w .anchors
+cp -r "$harness/anchors/." .anchors/ && chmod -R u+w .anchors && mkdir .anchors/traces
+find traces -name '*.csv' -exec cp {} .anchors/traces/ \;
 bash .anchors/fetch-wheels.sh .anchors/wheels >/dev/null
 strip --strip-debug -o .anchors/libstreamalloc.so target/release/libstreamalloc.so
 du -sh .gpu .anchors dist | tr '\n' ' '; echo

@@ -40,6 +40,8 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 export OUT=${OUT:-/tmp/streamalloc-gpu}
 mkdir -p "$OUT"
+# scripts/gpu-test.sh leaves .gpu/ and the same compressed; copy either.
+[ -d .gpu ] || { [ -f .gpu.tar.xz ] && tar xJf .gpu.tar.xz; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 lscpu | grep -E '^(Model name|CPU\(s\)|Thread|Core|Socket)' | tee "$OUT/cpu.txt"
 # The anchors harness's replayers, built once per machine.

@@ -69,7 +69,10 @@ pub struct Summary {
 /// device (default: the only one with entries).
 pub fn import(input: &Path, output: &Path, device: Option<usize>) -> Result<Summary, String> {
     let file = File::open(input).map_err(|e| format!("{}: {e}", input.display()))?;
-    let options = serde_pickle::DeOptions::new().replace_unresolved_globals();
+    // Real snapshots (torch 2.11) refer back to objects still being built through the pickle
+    // memo, which serde-pickle refuses by default; those references (none in the fields read
+    // here) become None.
+    let options = serde_pickle::DeOptions::new().replace_unresolved_globals().replace_recursive_structures();
     let snapshot: Snapshot = serde_pickle::from_reader(BufReader::new(file), options).map_err(|e| {
         format!(
             "{}: not a PyTorch memory snapshot (the pickle torch.cuda.memory._dump_snapshot writes): {e}",

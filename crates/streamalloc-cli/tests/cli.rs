@@ -558,10 +558,8 @@ fn record_names_an_unwritable_trace_path() {
 }
 
 /// Real snapshots (scripts/gpu/record_snapshot.py on a GPU, committed under
-/// traces/snapshots/) import and replay with no failure. Fails while none is committed;
-/// un-ignore it with the first one.
+/// traces/snapshots/) import, keeping their two streams, and replay with no failure.
 #[test]
-#[ignore = "until a snapshot recorded by scripts/gpu/record_snapshot.py is in traces/snapshots/"]
 fn real_snapshots_import_and_replay() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../traces/snapshots");
     let snapshots: Vec<PathBuf> = std::fs::read_dir(&dir)
@@ -575,7 +573,7 @@ fn real_snapshots_import_and_replay() {
         let csv = TempFile::new("real.csv", "");
         let out = streamalloc(&["import", snapshot.to_str().unwrap(), "-o", csv.path()]);
         assert!(out.status.success(), "{}: {}", snapshot.display(), stderr(&out));
-        assert!(stdout(&out).contains(" streams"), "{}", stdout(&out));
+        assert!(stdout(&out).contains(" 2 streams"), "{}", stdout(&out));
         let out = streamalloc(&[
             "replay",
             csv.path(),
