@@ -7,7 +7,9 @@
 //! * [`allocators`]: [`Plain`](allocators::Plain), [`BestFit`](allocators::BestFit),
 //!   [`StreamSafe`](allocators::StreamSafe) and [`AsyncPool`](allocators::AsyncPool), each
 //!   implementing [`Allocator`] and, where stream-aware, [`StreamAllocator`].
-//! * [`adaptors`]: Limit, Retry, statistics, trace, and SingleStream, over any allocator.
+//! * [`adaptors`]: [`Limit`](adaptors::Limit), [`Retry`](adaptors::Retry),
+//!   [`Counted`](adaptors::Counted), [`Trace`](adaptors::Trace) and
+//!   [`SingleStream`](adaptors::SingleStream), over any allocator.
 //! * [`facade`]: per-device stacks built from a typed [`Config`](facade::Config), the one
 //!   place that reads `STREAMALLOC_CONF`.
 //! * [`trace`]: the trace format (RMM's logging CSV) the Trace layer writes; reading and
