@@ -28,6 +28,23 @@ pub struct FreeChunk {
 }
 
 /// Settings of a [`BestFit`] pool.
+///
+/// # Examples
+///
+/// ```
+/// use streamalloc::allocators::{BackingKind, BestFit, BestFitConfig};
+/// use streamalloc::device::sim::{SimConfig, SimDevice};
+/// use streamalloc::Allocator;
+///
+/// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+/// // Expandable segments that grow 16 MiB at a time (`backing=segments,growth=16MiB`).
+/// let config = BestFitConfig { growth: 16 << 20, backing: BackingKind::Segments, ..Default::default() };
+/// let pool = BestFit::new(sim, config)?;
+/// let a = pool.allocate(5 << 20)?;
+/// assert_eq!(pool.stats().allocated, 5 << 20);
+/// # drop(a);
+/// # Ok::<(), streamalloc::Error>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BestFitConfig {
     /// `growth` (as in `STREAMALLOC_CONF`): size of the chunks large requests (over 1 MiB) are

@@ -15,6 +15,26 @@ use crate::device::{CaptureStatus, Device, DevicePtr, EventPool, Stream};
 use crate::error::{Error, OutOfMemory, Result};
 
 /// Settings of a [`StreamSafe`] allocator.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use streamalloc::allocators::{BestFitConfig, StreamSafe, StreamSafeConfig};
+/// use streamalloc::device::sim::{SimConfig, SimDevice};
+/// use streamalloc::{Device, StreamAllocator};
+///
+/// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+/// let config = StreamSafeConfig {
+///     pool: BestFitConfig { growth: 16 << 20, ..Default::default() }, // each stream's pool
+///     retry_wait: Duration::from_millis(100), // on out-of-memory, wait for pending frees
+///     ..Default::default()
+/// };
+/// let alloc = StreamSafe::new(sim.clone(), config)?;
+/// let a = alloc.allocate_on(1 << 20, sim.create_stream()?)?;
+/// # drop(a);
+/// # Ok::<(), streamalloc::Error>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StreamSafeConfig {
     /// Chunk sizes of each stream's pool (its `stream` field is ignored: each pool belongs

@@ -126,6 +126,23 @@ impl Default for ReuseFlags {
 }
 
 /// Settings of an [`AsyncPool`].
+///
+/// # Examples
+///
+/// ```
+/// use streamalloc::allocators::{AsyncPool, AsyncPoolConfig, PoolMode, ReuseFlags};
+/// use streamalloc::device::sim::{SimConfig, SimDevice};
+/// use streamalloc::Allocator;
+///
+/// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+/// // A pool of its own that keeps up to 256 MiB reserved at synchronizations.
+/// let mode = PoolMode::Owned { release_threshold: 256 << 20, reuse: ReuseFlags::default(), max_size: 0 };
+/// let pool = AsyncPool::new(sim, AsyncPoolConfig { mode, throttle_ratio: 0.9, ..Default::default() });
+/// let a = pool.allocate(8 << 20)?;
+/// assert_eq!(pool.stats().allocated, 8 << 20);
+/// # drop(a);
+/// # Ok::<(), streamalloc::Error>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AsyncPoolConfig {
     /// The pool to allocate from (default: the device's default pool).
