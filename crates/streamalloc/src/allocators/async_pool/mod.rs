@@ -574,7 +574,9 @@ impl Inner {
 
     /// One allocation from the pool; on out-of-memory, once (the shared loop with a zero
     /// timeout): `stream` is ordered after the pending frees, the pool trimmed, and the
-    /// allocation tried again.
+    /// allocation tried again. If the ordering or the trim fails, the allocation is still
+    /// tried again (the driver's pool orders its own reuse), and an out-of-memory error
+    /// names that failure.
     fn alloc_with_retry(
         &self,
         ready: &Ready,
