@@ -151,6 +151,11 @@ impl State {
     /// PyTorch's allocator applies it: a request that would take the bytes allocated over the
     /// limit fails; one that takes the device memory held over it releases the cache and, if
     /// that is not enough, fails.
+    ///
+    /// This is not a retry on out-of-memory (the stack's own allocators and `Retry` layer do
+    /// that, through the library's one retry loop): nothing is attempted twice. The allocation
+    /// succeeded and is kept while the cache is released, so the memory it took stays its own
+    /// and only the rest of the cache goes back; allocating again would release and regrow.
     fn allocate_limited(
         &self,
         stack: &DeviceStack,

@@ -63,9 +63,8 @@ enum Command {
         /// --device chooses the device.
         #[arg(long = "conf", short = 'c', value_name = "CONF")]
         confs: Vec<String>,
-        /// A preset configuration by name (repeatable): plain, best_fit, stream_safe,
-        /// stream_safe_expandable, async.
-        #[arg(long = "allocator", short = 'a', value_name = "PRESET")]
+        // The help lists the library's presets (`Config::presets`), the one registry.
+        #[arg(long = "allocator", short = 'a', value_name = "PRESET", help = presets_help())]
         presets: Vec<String>,
         /// Device to replay on (default: cuda when a GPU is found, else sim).
         #[arg(long, value_enum)]
@@ -181,6 +180,12 @@ fn emit(text: &str) -> Result<(), String> {
 /// Writes `text` to stderr, ignoring a closed stderr.
 fn warn(text: &str) {
     let _ = writeln!(std::io::stderr(), "{text}");
+}
+
+/// The help of `replay --allocator`: the names of the library's presets.
+fn presets_help() -> String {
+    let names: Vec<&str> = Config::presets().iter().map(|p| p.name).collect();
+    format!("A preset configuration by name (repeatable): {}", names.join(", "))
 }
 
 /// The configurations to replay, labelled: the presets named, then the `--conf` strings;

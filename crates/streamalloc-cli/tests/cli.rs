@@ -166,6 +166,17 @@ fn record_says_when_the_program_did_not_use_the_library() {
     assert_fails_with(&out, &["wrote no trace", "libstreamalloc.so"]);
 }
 
+/// The CLI keeps no table of its own: `--allocator` takes, and its help lists, the library's
+/// presets.
+#[test]
+fn the_allocator_flag_lists_the_library_presets() {
+    let out = streamalloc(&["replay", "--help"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let names: Vec<&str> = streamalloc::facade::Config::presets().iter().map(|p| p.name).collect();
+    let help = stdout(&out);
+    assert!(help.contains(&format!("(repeatable): {}\n", names.join(", "))), "{help}");
+}
+
 #[test]
 fn info_describes_the_device() {
     let out = streamalloc(&["info"]);

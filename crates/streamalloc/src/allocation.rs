@@ -280,6 +280,30 @@ impl std::iter::Sum for Stats {
 
 /// An allocator of device memory. Allocations are made on the allocator's stream (its
 /// default stream) and belong to it; see the [module docs](self) for the ordering contract.
+///
+/// # Examples
+///
+/// Code written against the trait takes any allocator, or any stack of adaptors over one:
+///
+/// ```
+/// use std::time::Duration;
+/// use streamalloc::adaptors::{Limit, Retry};
+/// use streamalloc::allocators::{BestFit, BestFitConfig, Plain};
+/// use streamalloc::device::sim::{SimConfig, SimDevice};
+/// use streamalloc::{Allocator, Stream};
+///
+/// fn scratch(alloc: &dyn Allocator) -> streamalloc::Result<usize> {
+///     let buffer = alloc.allocate(3 << 20)?;
+///     Ok(buffer.size()) // freed here, on the allocator's stream
+/// }
+///
+/// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+/// assert_eq!(scratch(&Plain::new(sim.clone(), Stream::DEFAULT))?, 3 << 20);
+/// let stack = Limit::new(Retry::new(BestFit::new(sim, BestFitConfig::default())?, Duration::ZERO), 64 << 20);
+/// assert_eq!(scratch(&stack)?, 3 << 20);
+/// assert!(stack.stats().reserved > 0 && stack.release()? > 0);
+/// # Ok::<(), streamalloc::Error>(())
+/// ```
 pub trait Allocator: Send + Sync {
     /// Allocates `size` bytes, aligned to [`ALIGNMENT`].
     fn allocate(&self, size: usize) -> Result<Allocation>;
@@ -296,6 +320,29 @@ pub trait Allocator: Send + Sync {
 
 /// An allocator that allocates on any stream, following the ordering contract of the
 /// [module docs](self).
+///
+/// # Examples
+///
+/// ```
+/// use streamalloc::allocators::{AsyncPool, AsyncPoolConfig, StreamSafe, StreamSafeConfig};
+/// use streamalloc::device::sim::{SimConfig, SimDevice};
+/// use streamalloc::{Device, Stream, StreamAllocator};
+///
+/// /// A buffer on each stream, from whichever stream-aware allocator is given.
+/// fn per_stream(alloc: &dyn StreamAllocator, streams: &[Stream]) -> streamalloc::Result<()> {
+///     for &stream in streams {
+///         let buffer = alloc.allocate_on(4 << 20, stream)?;
+///         assert_eq!(buffer.owning_stream(), stream); // freed in `stream`'s order
+///     }
+///     Ok(())
+/// }
+///
+/// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+/// let streams = [sim.create_stream()?, sim.create_stream()?];
+/// per_stream(&StreamSafe::new(sim.clone(), StreamSafeConfig::default())?, &streams)?;
+/// per_stream(&AsyncPool::new(sim.clone(), AsyncPoolConfig::default()), &streams)?;
+/// # Ok::<(), streamalloc::Error>(())
+/// ```
 pub trait StreamAllocator: Allocator {
     /// Allocates `size` bytes owned by `stream`.
     fn allocate_on(&self, size: usize, stream: Stream) -> Result<Allocation>;

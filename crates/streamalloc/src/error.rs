@@ -7,6 +7,30 @@ use std::time::Duration;
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Everything that can go wrong in streamalloc.
+///
+/// # Examples
+///
+/// Out-of-memory carries the figures needed to see why, and a hint:
+///
+/// ```
+/// use streamalloc::allocators::{BestFit, BestFitConfig};
+/// use streamalloc::device::sim::{SimConfig, SimDevice};
+/// use streamalloc::{Allocator, Error};
+///
+/// let sim = SimDevice::new(SimConfig::with_capacity(64 << 20));
+/// let pool = BestFit::new(sim, BestFitConfig::default())?;
+/// let kept = pool.allocate(48 << 20)?;
+/// match pool.allocate(48 << 20) {
+///     Err(Error::OutOfMemory(report)) => {
+///         assert_eq!((report.requested, report.allocated), (48 << 20, 48 << 20));
+///         assert_eq!(report.device_total, 64 << 20);
+///         assert!(!report.hint.is_empty()); // what to do about it
+///     }
+///     other => panic!("expected out of memory, got {other:?}"),
+/// }
+/// # drop(kept);
+/// # Ok::<(), streamalloc::Error>(())
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Error {
     /// The device (or a pool on it) could not satisfy a request, even after the allocator

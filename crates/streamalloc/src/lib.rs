@@ -7,13 +7,42 @@
 //! * [`allocators`]: [`Plain`](allocators::Plain), [`BestFit`](allocators::BestFit),
 //!   [`StreamSafe`](allocators::StreamSafe) and [`AsyncPool`](allocators::AsyncPool), each
 //!   implementing [`Allocator`] and, where stream-aware, [`StreamAllocator`].
-//! * [`adaptors`]: Limit, Retry, statistics, trace, and SingleStream, over any allocator.
+//! * [`adaptors`]: [`Limit`](adaptors::Limit), [`Retry`](adaptors::Retry),
+//!   [`Counted`](adaptors::Counted), [`Trace`](adaptors::Trace) and
+//!   [`SingleStream`](adaptors::SingleStream), over any allocator.
 //! * [`facade`]: per-device stacks built from a typed [`Config`](facade::Config), the one
 //!   place that reads `STREAMALLOC_CONF`.
 //! * [`trace`]: the trace format (RMM's logging CSV) the Trace layer writes; reading and
 //!   replaying traces is the `streamalloc-replay` crate's part.
 //!
 //! The ordering contract every allocator follows is written once, in [`allocation`].
+//!
+//! # Quick start
+//!
+//! An allocator over a device: the GPU when the CUDA driver finds one, else the simulator
+//! (which runs the same code on the CPU, with an ordering checker). [`facade::Facade`] builds
+//! the same from a configuration string, as `libstreamalloc.so` does.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use streamalloc::allocators::{StreamSafe, StreamSafeConfig};
+//! use streamalloc::device::cuda::CudaDevice;
+//! use streamalloc::device::sim::{SimConfig, SimDevice};
+//! use streamalloc::{Allocator, Device, StreamAllocator};
+//!
+//! let device: Arc<dyn Device> = match CudaDevice::new(0) {
+//!     Ok(gpu) => gpu,
+//!     Err(_) => SimDevice::new(SimConfig::with_capacity(1 << 30)),
+//! };
+//! let alloc = StreamSafe::new(device.clone(), StreamSafeConfig::default())?;
+//! let stream = device.create_stream()?;
+//! let mut a = alloc.allocate_on(64 << 20, stream)?; // belongs to `stream`
+//! a.record_stream(device.create_stream()?); // another stream uses it too
+//! assert_eq!(alloc.stats().allocated, 64 << 20);
+//! drop(a); // reused only after both streams' work
+//! alloc.release()?; // the cache goes back to the device
+//! # Ok::<(), streamalloc::Error>(())
+//! ```
 
 #![warn(missing_docs)]
 
@@ -29,7 +58,34 @@ pub mod trace;
 pub use allocation::{
     Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats, StreamAllocator, ALIGNMENT,
 };
-pub use device::{Device, DevicePtr, Stream};
+/// The stream an allocation belongs to. A stream comes from the device
+/// ([`Device::create_stream`]), or is a handle another library made (cudarc's
+/// `CudaStream::cu_stream()`, PyTorch's `torch.cuda.Stream.cuda_stream`, CuPy's
+/// `Stream.ptr`) wrapped as it is: `Stream(handle as u64)`.
+///
+/// # Examples
+///
+/// ```
+/// use streamalloc::allocators::{StreamSafe, StreamSafeConfig};
+/// use streamalloc::device::sim::{SimConfig, SimDevice};
+/// use streamalloc::{Allocator, Device, Stream, StreamAllocator};
+///
+/// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+/// let alloc = StreamSafe::new(sim.clone(), StreamSafeConfig::default())?;
+/// let side: Stream = sim.create_stream()?;
+/// assert_ne!(side, Stream::DEFAULT);
+/// let a = alloc.allocate_on(1 << 20, side)?; // owned by `side`
+/// let b = alloc.allocate(1 << 20)?; // on the default stream, until `set_default_stream`
+/// assert_eq!((a.owning_stream(), b.owning_stream()), (side, Stream::DEFAULT));
+/// # Ok::<(), streamalloc::Error>(())
+/// ```
+///
+/// # The handle
+///
+// (The definition's own doc comment, in `device`, follows here in the rendered page.)
+#[doc(inline)]
+pub use device::Stream;
+pub use device::{Device, DevicePtr};
 pub use error::{Error, HeldErrors, OutOfMemory, Result};
 
 /// The README's examples, compiled and run as doctests.

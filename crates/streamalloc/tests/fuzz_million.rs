@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use streamalloc::adaptors::{Limit, Retry, SingleStream, StatsAdaptor, TraceAdaptor};
+use streamalloc::adaptors::{Counted, Limit, Retry, SingleStream, Trace};
 use streamalloc::allocators::{
     AsyncPool, AsyncPoolConfig, BackingKind, BestFit, BestFitConfig, Plain, StreamSafe, StreamSafeConfig,
 };
@@ -78,19 +78,19 @@ fn retry(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
     Arc::new(Retry::new(stream_safe(sim), Duration::ZERO))
 }
 fn stats(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
-    Arc::new(StatsAdaptor::new(stream_safe(sim)))
+    Arc::new(Counted::new(stream_safe(sim)))
 }
 fn trace(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
-    Arc::new(TraceAdaptor::new(stream_safe(sim), TraceWriter::new(std::io::sink()).expect("writer")))
+    Arc::new(Trace::new(stream_safe(sim), TraceWriter::new(std::io::sink()).expect("writer")))
 }
 /// The facade's full stack over BestFit, driven by pointer as the C ABI drives it.
 fn full_stack(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
     let pool = BestFit::new(sim.clone(), BestFitConfig::default()).expect("pool");
-    let traced = TraceAdaptor::new(
+    let traced = Trace::new(
         SingleStream::new(pool, sim, Stream::DEFAULT),
         TraceWriter::new(std::io::sink()).expect("writer"),
     );
-    Arc::new(Limit::new(Retry::new(StatsAdaptor::new(traced), Duration::ZERO), 192 * MIB))
+    Arc::new(Limit::new(Retry::new(Counted::new(traced), Duration::ZERO), 192 * MIB))
 }
 
 /// A live allocation of the program: a handle, or a pointer kept by the stack.

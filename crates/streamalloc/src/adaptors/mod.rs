@@ -5,10 +5,14 @@
 //!
 //! * [`Limit`]: a hard byte limit.
 //! * [`Retry`]: on out-of-memory, release caches and wait (bounded) for frees, then retry.
-//! * [`StatsAdaptor`]: current / peak / total bytes and counts, per stream, resettable peaks
+//! * [`Counted`]: current / peak / total bytes and counts, per stream, resettable peaks
 //!   and nested scopes.
-//! * [`TraceAdaptor`]: writes every allocation and free as RMM's logging CSV.
+//! * [`Trace`]: writes every allocation and free as RMM's logging CSV.
 //! * [`SingleStream`]: makes an allocator without stream methods usable on any stream.
+//!
+//! Each is named for what it adds to the allocator it wraps, without a suffix
+//! (`Limit<BestFit>`, `Counted<StreamSafe>`); the figures [`Counted`] keeps are
+//! [`StreamStats`], beside the [`Stats`](crate::Stats) every allocator reports.
 //!
 //! Each adaptor is also a [`PointerAllocator`](crate::PointerAllocator) when what it wraps is
 //! one: it does its work and hands the call on, so a stack frees by pointer through the
@@ -53,17 +57,17 @@ macro_rules! pass_through_pointers {
     };
 }
 
+mod counted;
 mod limit;
 mod retry;
 mod single_stream;
-mod stats;
 mod trace;
 
+pub use counted::{Counted, Scope, StreamStats};
 pub use limit::Limit;
 pub use retry::Retry;
 pub use single_stream::SingleStream;
-pub use stats::{Scope, StatsAdaptor, StreamStats};
-pub use trace::TraceAdaptor;
+pub use trace::Trace;
 
 use std::sync::Arc;
 

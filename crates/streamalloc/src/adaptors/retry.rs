@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
@@ -10,6 +10,7 @@ use super::{FreeHook, Owners};
 use crate::allocation::{
     Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats, StreamAllocator,
 };
+use crate::allocators::retry::on_out_of_memory;
 use crate::device::{DevicePtr, Stream};
 use crate::error::{Error, HeldErrors, Result};
 
@@ -83,45 +84,38 @@ impl<A: Allocator> Retry<A> {
         Self { inner, shared: Arc::new(shared), owners: Owners::new() }
     }
 
+    /// The shared loop ([`on_out_of_memory`]) with this adaptor's release (the wrapped
+    /// allocator's) and wait (for a free through this adaptor, a slice at a time).
     fn retry<T>(&self, make: impl Fn() -> Result<T>) -> Result<T> {
-        match make() {
-            Err(e) if e.is_out_of_memory() => {}
-            other => return other,
-        }
         let s = &self.shared;
-        let start = Instant::now();
-        let mut failed = 1;
-        let mut last = loop {
+        let release = || {
             // A release that cannot give memory back (e.g. a wait that ran out) leaves the
             // out-of-memory error, which says so, to the caller; errors held back are kept.
             if let Err(e @ Error::HeldBack { .. }) = self.inner.release() {
                 s.held.lock().hold(e);
             }
-            let e = match make() {
-                Err(e) if e.is_out_of_memory() => e,
-                other => {
-                    s.absorbed.fetch_add(failed, Ordering::Relaxed);
-                    if other.is_ok() {
-                        s.retries.fetch_add(1, Ordering::Relaxed);
-                    }
-                    return other;
-                }
-            };
-            failed += 1;
-            let left = s.timeout.saturating_sub(start.elapsed());
-            if left.is_zero() {
-                break e;
-            }
+            Ok(None)
+        };
+        let wait = |left: Duration| {
             let mut frees = s.frees.lock();
             let seen = *frees;
             s.freed.wait_while_for(&mut frees, |n| *n == seen, left.min(SLICE));
         };
-        s.absorbed.fetch_add(failed - 1, Ordering::Relaxed);
-        if let Error::OutOfMemory(report) = &mut last {
-            let waited = format!("retried after releasing caches and waited {:?} for frees", start.elapsed());
-            report.hint = if report.hint.is_empty() { waited } else { format!("{}; {waited}", report.hint) };
+        let retried = on_out_of_memory(s.timeout, make, release, wait);
+        // The wrapped allocator counted each failed attempt; only a last one stays a failure.
+        let absorbed = retried.failed - u64::from(retried.out_of_memory());
+        s.absorbed.fetch_add(absorbed, Ordering::Relaxed);
+        if retried.retried() {
+            s.retries.fetch_add(1, Ordering::Relaxed);
         }
-        Err(last)
+        let waited = retried.waited;
+        retried.result.map_err(|mut e| {
+            if let Error::OutOfMemory(report) = &mut e {
+                let line = format!("retried after releasing caches and waited {waited:?} for frees");
+                report.hint = if report.hint.is_empty() { line } else { format!("{}; {line}", report.hint) };
+            }
+            e
+        })
     }
 
     fn adopt(&self, a: Allocation) -> Allocation {

@@ -21,6 +21,24 @@ use crate::error::Result;
 /// stream; a stream-aware allocator avoids both. If that ordering fails (e.g. the asking
 /// stream is gone), the memory goes back and the allocation fails, counted once in the
 /// [`Stats`].
+///
+/// # Examples
+///
+/// ```
+/// use streamalloc::adaptors::SingleStream;
+/// use streamalloc::allocators::{BestFit, BestFitConfig};
+/// use streamalloc::device::sim::{SimConfig, SimDevice};
+/// use streamalloc::{Device, Stream, StreamAllocator};
+///
+/// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+/// let pool = BestFit::new(sim.clone(), BestFitConfig::default())?; // the default stream's
+/// let any = SingleStream::new(pool, sim.clone(), Stream::DEFAULT);
+/// let side = sim.create_stream()?;
+/// // `side` first waits for the default stream's work; the free waits for `side`'s.
+/// let a = any.allocate_on(1 << 20, side)?;
+/// assert_eq!((a.owning_stream(), a.recorded_streams()), (Stream::DEFAULT, &[side][..]));
+/// # Ok::<(), streamalloc::Error>(())
+/// ```
 pub struct SingleStream<A> {
     inner: A,
     device: Arc<dyn Device>,

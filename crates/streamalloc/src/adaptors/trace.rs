@@ -1,4 +1,4 @@
-//! `TraceAdaptor`: writes every allocation and free as RMM's logging CSV.
+//! `Trace`: writes every allocation and free as RMM's logging CSV.
 
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,14 +16,14 @@ use crate::error::{Error, Result};
 use crate::trace::{Action, Record, TraceWriter};
 
 /// Logs each allocation, failure and free to a [`TraceWriter`] (buffered; flushed by
-/// [`TraceAdaptor::flush`] and when the adaptor and its last allocation are dropped). Safe
+/// [`Trace::flush`] and when the adaptor and its last allocation are dropped). Safe
 /// from many threads: rows are written under one lock. A write error is kept and returned by
-/// the next [`TraceAdaptor::flush`]. Streams are written as their handle values.
+/// the next [`Trace::flush`]. Streams are written as their handle values.
 ///
 /// # Examples
 ///
 /// ```
-/// use streamalloc::adaptors::TraceAdaptor;
+/// use streamalloc::adaptors::Trace;
 /// use streamalloc::allocators::Plain;
 /// use streamalloc::device::sim::{SimConfig, SimDevice};
 /// use streamalloc::trace::TraceWriter;
@@ -31,7 +31,7 @@ use crate::trace::{Action, Record, TraceWriter};
 ///
 /// let path = std::env::temp_dir().join(format!("streamalloc-doc-{}.csv", std::process::id()));
 /// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
-/// let traced = TraceAdaptor::new(Plain::new(sim, Stream::DEFAULT), TraceWriter::create(&path)?);
+/// let traced = Trace::new(Plain::new(sim, Stream::DEFAULT), TraceWriter::create(&path)?);
 /// drop(traced.allocate(1 << 20)?);
 /// traced.flush()?;
 /// let csv = std::fs::read_to_string(&path).unwrap();
@@ -39,7 +39,7 @@ use crate::trace::{Action, Record, TraceWriter};
 /// # std::fs::remove_file(&path).unwrap();
 /// # Ok::<(), streamalloc::Error>(())
 /// ```
-pub struct TraceAdaptor<A, W: Write + Send + 'static> {
+pub struct Trace<A, W: Write + Send + 'static> {
     inner: A,
     shared: Arc<Shared<W>>,
     owners: Owners<Shared<W>>,
@@ -78,7 +78,7 @@ impl<W: Write + Send + 'static> Shared<W> {
     }
 }
 
-impl<A: Allocator, W: Write + Send + 'static> TraceAdaptor<A, W> {
+impl<A: Allocator, W: Write + Send + 'static> Trace<A, W> {
     /// Wraps `inner`, writing rows to `writer`.
     pub fn new(inner: A, writer: TraceWriter<W>) -> Self {
         let out = Mutex::new(Output { writer: Some(writer), error: None });
@@ -119,7 +119,7 @@ impl<W: Write + Send + 'static> FreeHook for Shared<W> {
     }
 }
 
-impl<A: Allocator, W: Write + Send + 'static> Allocator for TraceAdaptor<A, W> {
+impl<A: Allocator, W: Write + Send + 'static> Allocator for Trace<A, W> {
     fn allocate(&self, size: usize) -> Result<Allocation> {
         let stream = Stream::DEFAULT;
         self.logged(size, stream, self.inner.allocate(size))
@@ -133,14 +133,14 @@ impl<A: Allocator, W: Write + Send + 'static> Allocator for TraceAdaptor<A, W> {
     pass_through_allocator!();
 }
 
-impl<A: StreamAllocator, W: Write + Send + 'static> StreamAllocator for TraceAdaptor<A, W> {
+impl<A: StreamAllocator, W: Write + Send + 'static> StreamAllocator for Trace<A, W> {
     fn allocate_on(&self, size: usize, stream: Stream) -> Result<Allocation> {
         self.logged(size, stream, self.inner.allocate_on(size, stream))
     }
     pass_through_default_stream!();
 }
 
-impl<A: Allocator + PointerAllocator, W: Write + Send + 'static> PointerAllocator for TraceAdaptor<A, W> {
+impl<A: Allocator + PointerAllocator, W: Write + Send + 'static> PointerAllocator for Trace<A, W> {
     fn allocate_ptr(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
         let made = self.inner.allocate_ptr(size, stream);
         match &made {

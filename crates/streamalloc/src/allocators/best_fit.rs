@@ -11,6 +11,7 @@ use rustc_hash::FxHashMap;
 use super::backing::{
     Backing, BackingKind, ChunkSource, Chunks, DeviceChunks, Ledger, Segments, Stitched, Want,
 };
+use super::retry;
 use crate::allocation::{
     record_user, Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats,
 };
@@ -27,6 +28,23 @@ pub struct FreeChunk {
 }
 
 /// Settings of a [`BestFit`] pool.
+///
+/// # Examples
+///
+/// ```
+/// use streamalloc::allocators::{BackingKind, BestFit, BestFitConfig};
+/// use streamalloc::device::sim::{SimConfig, SimDevice};
+/// use streamalloc::Allocator;
+///
+/// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+/// // Expandable segments that grow 16 MiB at a time (`backing=segments,growth=16MiB`).
+/// let config = BestFitConfig { growth: 16 << 20, backing: BackingKind::Segments, ..Default::default() };
+/// let pool = BestFit::new(sim, config)?;
+/// let a = pool.allocate(5 << 20)?;
+/// assert_eq!(pool.stats().allocated, 5 << 20);
+/// # drop(a);
+/// # Ok::<(), streamalloc::Error>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BestFitConfig {
     /// `growth` (as in `STREAMALLOC_CONF`): size of the chunks large requests (over 1 MiB) are
@@ -407,9 +425,10 @@ impl BestFit {
         }
     }
 
-    /// The slow path: the backing adds memory and the request is served from it (releasing
-    /// what the backing can give back and retrying once on out-of-memory); the block, and
-    /// whether it came only after that retry.
+    /// The slow path: the backing adds memory and the request is served from it; on
+    /// out-of-memory, once (the shared loop with a zero timeout): what was freed meanwhile is
+    /// looked at, then what is free goes back through the backing and the backing is tried
+    /// again. The block, and whether it came only after that retry.
     fn grow_and_allocate(
         &self,
         size: usize,
@@ -421,35 +440,35 @@ impl BestFit {
         let class = inner.state.lock().policy.class_of(rounded);
         let want = Want { class, rounded, chunk: growth.size, own: growth.own };
         let ledger = PoolLedger { inner, request: Some((rounded, size)) };
-        // The error of the release made before the retry (a bounded wait that ran out), told
-        // in the out-of-memory error; `Some(Ok(_))` once released.
-        let mut released: Option<Result<usize>> = None;
         // Memory added is served under the lock that adds it, so only a bug in a backing
         // makes a round serve nothing; the bound keeps such a bug from spinning.
-        for _ in 0..GROWTH_ROUNDS {
-            match inner.backing.grow(&ledger, &want) {
-                Ok(Some(grant)) => return Ok((self.handout(grant, size), released.is_some())),
-                Ok(None) => {}
-                Err(e) if e.is_out_of_memory() && released.is_none() => {
-                    // Memory freed meanwhile (by other threads or completed events) may fit
-                    // now; otherwise give back what is free and try the backing once more.
-                    if poll {
-                        inner.poll_pending();
-                    }
-                    if let Some(grant) = inner.state.lock().allocate(rounded, size) {
-                        return Ok((self.handout(grant, size), true));
-                    }
-                    released = Some(inner.release_free());
-                }
-                Err(e) => {
-                    let release = released.and_then(|r| r.err());
-                    return Err(inner.failure(e, size, growth.size as usize, release));
+        let grow = || {
+            for _ in 0..GROWTH_ROUNDS {
+                if let Some(grant) = inner.backing.grow(&ledger, &want)? {
+                    return Ok(grant);
                 }
             }
+            Err(Error::Internal(format!(
+                "the backing grew the pool {GROWTH_ROUNDS} times and {size} bytes still did not fit"
+            )))
+        };
+        let release = || {
+            // Memory freed meanwhile (by other threads or completed events) may fit now;
+            // otherwise give back what is free.
+            if poll {
+                inner.poll_pending();
+            }
+            if let Some(grant) = inner.state.lock().allocate(rounded, size) {
+                return Ok(Some(grant));
+            }
+            inner.release_free().map(|_| None)
+        };
+        let retried = retry::on_out_of_memory(Duration::ZERO, grow, release, |_| ());
+        let again = retried.retried();
+        match retried.result {
+            Ok(grant) => Ok((self.handout(grant, size), again)),
+            Err(e) => Err(inner.failure(e, size, growth.size as usize, retried.release_error)),
         }
-        Err(Error::Internal(format!(
-            "the backing grew the pool {GROWTH_ROUNDS} times and {size} bytes still did not fit"
-        )))
     }
 }
 

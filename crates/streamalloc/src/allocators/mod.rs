@@ -5,6 +5,7 @@ pub mod async_pool;
 pub mod backing;
 mod best_fit;
 mod plain;
+pub(crate) mod retry;
 mod stream_safe;
 
 pub use async_pool::{AsyncPool, AsyncPoolConfig, Capture, CapturedGraph, PoolMode, ReuseFlags};

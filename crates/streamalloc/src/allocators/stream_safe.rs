@@ -4,16 +4,37 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use parking_lot::Mutex;
 
 use super::best_fit::{BestFit, BestFitConfig};
+use super::retry;
 use crate::allocation::{Allocation, Allocator, Freed, PointerAllocator, Stats, StreamAllocator};
 use crate::device::{CaptureStatus, Device, DevicePtr, EventPool, Stream};
 use crate::error::{Error, OutOfMemory, Result};
 
 /// Settings of a [`StreamSafe`] allocator.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use streamalloc::allocators::{BestFitConfig, StreamSafe, StreamSafeConfig};
+/// use streamalloc::device::sim::{SimConfig, SimDevice};
+/// use streamalloc::{Device, StreamAllocator};
+///
+/// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+/// let config = StreamSafeConfig {
+///     pool: BestFitConfig { growth: 16 << 20, ..Default::default() }, // each stream's pool
+///     retry_wait: Duration::from_millis(100), // on out-of-memory, wait for pending frees
+///     ..Default::default()
+/// };
+/// let alloc = StreamSafe::new(sim.clone(), config)?;
+/// let a = alloc.allocate_on(1 << 20, sim.create_stream()?)?;
+/// # drop(a);
+/// # Ok::<(), streamalloc::Error>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StreamSafeConfig {
     /// Chunk sizes of each stream's pool (its `stream` field is ignored: each pool belongs
@@ -379,34 +400,33 @@ impl StreamSafe {
                 return Ok((a, false));
             }
         }
-        match pool.pool.allocate_uncounted(size, poll) {
-            Err(e) if e.is_out_of_memory() && poll => {}
-            other => return other,
+        if !poll {
+            // Nothing is released or waited for while the stream captures a graph.
+            return pool.pool.allocate_uncounted(size, false);
         }
-        let start = Instant::now();
-        let mut release_error = None;
-        let last = loop {
-            match self.wait_for_pools() {
-                Ok(()) => {
-                    for p in self.pools() {
-                        // A pool that cannot release now still lets the others try; the
-                        // errors its frees held back stay held for its next release.
-                        let _ = p.pool.release_cached();
-                    }
-                }
-                Err(e) => release_error = Some(e),
+        // The release waits (bounded) for every stream's work, then each pool gives back its
+        // free chunks; between attempts the loop sleeps while frees pending on other streams'
+        // events complete (they notify no one).
+        let release = || {
+            self.wait_for_pools()?;
+            for p in self.pools() {
+                // A pool that cannot release now still lets the others try; the errors its
+                // frees held back stay held for its next release.
+                let _ = p.pool.release_cached();
             }
-            let e = match pool.pool.allocate_uncounted(size, true) {
-                Err(e) if e.is_out_of_memory() => e,
-                Ok((a, _)) => return Ok((a, true)),
-                Err(other) => return Err(other),
-            };
-            if release_error.is_some() || start.elapsed() >= self.config.retry_wait {
-                break e;
-            }
-            std::thread::sleep(RETRY_PAUSE.min(self.config.retry_wait));
+            Ok(None)
         };
-        Err(self.out_of_memory(last, size, start.elapsed(), release_error))
+        let retried = retry::on_out_of_memory(
+            self.config.retry_wait,
+            || pool.pool.allocate_uncounted(size, true),
+            release,
+            |left| std::thread::sleep(RETRY_PAUSE.min(left)),
+        );
+        let again = retried.retried();
+        match retried.result {
+            Ok((a, inner)) => Ok((a, inner || again)),
+            Err(e) => Err(self.out_of_memory(e, size, retried.waited, retried.release_error)),
+        }
     }
 
     /// Waits, at most the pools' `wait_timeout` in all, for the work enqueued on every stream

@@ -3,7 +3,7 @@
 //! The stack for each device, outermost first (each layer only when configured):
 //!
 //! ```text
-//! Limit -> Retry -> StatsAdaptor -> TraceAdaptor -> strategy
+//! Limit -> Retry -> Counted -> Trace -> strategy
 //! ```
 //!
 //! Limit comes first so that a request over the limit fails at once, without making Retry
@@ -28,7 +28,7 @@ use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
-use crate::adaptors::{Limit, Retry, SingleStream, StatsAdaptor, StreamStats, TraceAdaptor};
+use crate::adaptors::{Counted, Limit, Retry, SingleStream, StreamStats, Trace};
 use crate::allocation::{Allocation, PointerAllocator, Stats, StreamAllocator};
 use crate::allocators::{
     AsyncPool, AsyncPoolConfig, BackingKind, BestFit, BestFitConfig, Plain, PoolMode, ReuseFlags, StreamSafe,
@@ -73,9 +73,9 @@ pub struct DeviceStack {
     /// strategy, which keeps its live allocations in one table by pointer.
     pub allocator: DynAllocator,
     /// The per-stream statistics layer, with `stats=true`.
-    pub stats: Option<Arc<StatsAdaptor<DynAllocator>>>,
+    pub stats: Option<Arc<Counted<DynAllocator>>>,
     /// The trace layer, with `trace=PATH`.
-    pub trace: Option<Arc<TraceAdaptor<DynAllocator, File>>>,
+    pub trace: Option<Arc<Trace<DynAllocator, File>>>,
     /// Pools apart from the stack, for CUDA graphs and frameworks' memory pools.
     pub private: PrivatePools,
 }
@@ -268,13 +268,13 @@ impl Facade {
             } else {
                 PathBuf::from(format!("{}.{ordinal}", path.display()))
             };
-            let t = Arc::new(TraceAdaptor::new(a, TraceWriter::create(path)?));
+            let t = Arc::new(Trace::new(a, TraceWriter::create(path)?));
             trace = Some(t.clone());
             a = t;
         }
         let mut stats = None;
         if c.stats {
-            let s = Arc::new(StatsAdaptor::new(a));
+            let s = Arc::new(Counted::new(a));
             stats = Some(s.clone());
             a = s;
         }

@@ -65,6 +65,7 @@ mod tests;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
@@ -72,6 +73,7 @@ use rustc_hash::FxHashMap;
 pub use graph::{Capture, CapturedGraph};
 use graph::{CaptureOwner, GraphShared};
 
+use super::retry;
 use crate::allocation::{
     align_up, record_user, Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats,
     StreamAllocator,
@@ -124,6 +126,23 @@ impl Default for ReuseFlags {
 }
 
 /// Settings of an [`AsyncPool`].
+///
+/// # Examples
+///
+/// ```
+/// use streamalloc::allocators::{AsyncPool, AsyncPoolConfig, PoolMode, ReuseFlags};
+/// use streamalloc::device::sim::{SimConfig, SimDevice};
+/// use streamalloc::Allocator;
+///
+/// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+/// // A pool of its own that keeps up to 256 MiB reserved at synchronizations.
+/// let mode = PoolMode::Owned { release_threshold: 256 << 20, reuse: ReuseFlags::default(), max_size: 0 };
+/// let pool = AsyncPool::new(sim, AsyncPoolConfig { mode, throttle_ratio: 0.9, ..Default::default() });
+/// let a = pool.allocate(8 << 20)?;
+/// assert_eq!(pool.stats().allocated, 8 << 20);
+/// # drop(a);
+/// # Ok::<(), streamalloc::Error>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AsyncPoolConfig {
     /// The pool to allocate from (default: the device's default pool).
@@ -553,8 +572,11 @@ impl Inner {
         Ok(())
     }
 
-    /// One allocation from the pool; on out-of-memory, one retry after ordering `stream`
-    /// after the pending frees and trimming the pool.
+    /// One allocation from the pool; on out-of-memory, once (the shared loop with a zero
+    /// timeout): `stream` is ordered after the pending frees, the pool trimmed, and the
+    /// allocation tried again. If the ordering or the trim fails, the allocation is still
+    /// tried again (the driver's pool orders its own reuse), and an out-of-memory error
+    /// names that failure.
     fn alloc_with_retry(
         &self,
         ready: &Ready,
@@ -562,22 +584,25 @@ impl Inner {
         rounded: usize,
         stream: Stream,
     ) -> Result<DevicePtr> {
-        let first = match self.device.alloc_async(rounded, ready.pool, stream) {
-            Err(e) if e.is_out_of_memory() => {
-                let pending = self.counters.lock().pending > 0;
-                if pending {
-                    self.order_after(stream, [ready.free_stream])?;
-                }
-                self.device.trim_pool(ready.pool, 0)?;
-                let retried = self.device.alloc_async(rounded, ready.pool, stream);
-                if retried.is_ok() {
-                    self.counted(|c| c.stats.retries += 1);
-                }
-                retried
+        let release = || {
+            let pending = self.counters.lock().pending > 0;
+            if pending {
+                self.order_after(stream, [ready.free_stream])?;
             }
-            other => other,
+            self.device.trim_pool(ready.pool, 0)?;
+            Ok(None)
         };
-        first.map_err(|e| {
+        let retried = retry::on_out_of_memory(
+            Duration::ZERO,
+            || self.device.alloc_async(rounded, ready.pool, stream),
+            release,
+            |_| (),
+        );
+        if retried.retried() {
+            self.counted(|c| c.stats.retries += 1);
+        }
+        let release_error = retried.release_error;
+        retried.result.map_err(|e| {
             let c = self.counters.lock();
             if !e.is_out_of_memory() {
                 return e;
@@ -602,7 +627,7 @@ impl Inner {
                 reserved,
                 device_free: info.free,
                 device_total: info.total,
-                detail: Vec::new(),
+                detail: release_error.iter().map(super::release_failed).collect(),
                 hint,
             })
         })

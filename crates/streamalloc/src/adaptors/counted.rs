@@ -1,4 +1,4 @@
-//! `StatsAdaptor`: byte and count statistics per stream, with resettable peaks and scopes.
+//! `Counted`: byte and count statistics per stream, with resettable peaks and scopes.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -17,7 +17,7 @@ use crate::error::Result;
 pub struct StreamStats {
     /// Bytes allocated and not yet freed (in a scope: beyond what was live when it opened).
     pub current: usize,
-    /// Peak of `current` since creation, the last [`StatsAdaptor::reset_peaks`], or the
+    /// Peak of `current` since creation, the last [`Counted::reset_peaks`], or the
     /// scope's opening.
     pub peak: usize,
     /// Bytes allocated in all.
@@ -48,13 +48,13 @@ impl StreamStats {
 /// # Examples
 ///
 /// ```
-/// use streamalloc::adaptors::StatsAdaptor;
+/// use streamalloc::adaptors::Counted;
 /// use streamalloc::allocators::{StreamSafe, StreamSafeConfig};
 /// use streamalloc::device::sim::{SimConfig, SimDevice};
 /// use streamalloc::{Device, StreamAllocator};
 ///
 /// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
-/// let stats = StatsAdaptor::new(StreamSafe::new(sim.clone(), StreamSafeConfig::default())?);
+/// let stats = Counted::new(StreamSafe::new(sim.clone(), StreamSafeConfig::default())?);
 /// let (s1, s2) = (sim.create_stream()?, sim.create_stream()?);
 /// let a = stats.allocate_on(1 << 20, s1)?;
 /// drop(stats.allocate_on(2 << 20, s2)?);
@@ -64,7 +64,7 @@ impl StreamStats {
 /// # drop(a);
 /// # Ok::<(), streamalloc::Error>(())
 /// ```
-pub struct StatsAdaptor<A> {
+pub struct Counted<A> {
     inner: A,
     shared: Arc<Shared>,
     owners: Owners<Shared>,
@@ -83,7 +83,7 @@ struct State {
     next_scope: u64,
 }
 
-/// An open measurement scope (see [`StatsAdaptor::scope`]); closes when dropped.
+/// An open measurement scope (see [`Counted::scope`]); closes when dropped.
 pub struct Scope {
     shared: Arc<Shared>,
     id: u64,
@@ -103,7 +103,7 @@ impl Drop for Scope {
     }
 }
 
-impl<A: Allocator> StatsAdaptor<A> {
+impl<A: Allocator> Counted<A> {
     /// Wraps `inner`.
     pub fn new(inner: A) -> Self {
         Self { inner, shared: Arc::new(Shared { state: Mutex::default() }), owners: Owners::new() }
@@ -173,7 +173,7 @@ impl FreeHook for Shared {
     }
 }
 
-impl<A: Allocator> Allocator for StatsAdaptor<A> {
+impl<A: Allocator> Allocator for Counted<A> {
     fn allocate(&self, size: usize) -> Result<Allocation> {
         Ok(self.adopt(self.inner.allocate(size)?))
     }
@@ -183,7 +183,7 @@ impl<A: Allocator> Allocator for StatsAdaptor<A> {
     fn stats(&self) -> Stats {
         self.inner.stats()
     }
-    /// The wrapped allocator's peaks, and this adaptor's ([`StatsAdaptor::reset_peaks`]).
+    /// The wrapped allocator's peaks, and this adaptor's ([`Counted::reset_peaks`]).
     fn reset_peak_stats(&self) {
         self.inner.reset_peak_stats();
         self.reset_peaks();
@@ -193,14 +193,14 @@ impl<A: Allocator> Allocator for StatsAdaptor<A> {
     }
 }
 
-impl<A: StreamAllocator> StreamAllocator for StatsAdaptor<A> {
+impl<A: StreamAllocator> StreamAllocator for Counted<A> {
     fn allocate_on(&self, size: usize, stream: Stream) -> Result<Allocation> {
         Ok(self.adopt(self.inner.allocate_on(size, stream)?))
     }
     pass_through_default_stream!();
 }
 
-impl<A: Allocator + PointerAllocator> PointerAllocator for StatsAdaptor<A> {
+impl<A: Allocator + PointerAllocator> PointerAllocator for Counted<A> {
     fn allocate_ptr(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
         let ptr = self.inner.allocate_ptr(size, stream)?;
         if ptr != 0 {
@@ -225,7 +225,7 @@ mod tests {
     #[test]
     fn peaks_reset_and_scopes_nest() {
         let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
-        let s = StatsAdaptor::new(Plain::new(sim, Stream::DEFAULT));
+        let s = Counted::new(Plain::new(sim, Stream::DEFAULT));
         let a = s.allocate(1000).unwrap();
         let b = s.allocate(3000).unwrap();
         drop(b);
