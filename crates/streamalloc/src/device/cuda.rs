@@ -77,6 +77,7 @@ const SYMBOLS: &[&str] = &[
     "cuMemSetAccess",
     "cuMemUnmap",
     "cuMemRelease",
+    "cuMemRetainAllocationHandle",
     "cuMemFreeAsync",
     "cuStreamCreate",
     "cuStreamDestroy_v2",
@@ -372,6 +373,50 @@ impl CudaDevice {
         Ok(granularity)
     }
 
+    /// Maps `[addr, addr + size)` granule by granule, each with the allocation handle that
+    /// `handle(offset)` creates or retains (one allocation of exactly `granularity` bytes),
+    /// released once mapped, and grants this device read-write access to it. A failure
+    /// unmaps the granules mapped so far (unused yet) and maps nothing. The caller has bound
+    /// the context.
+    fn map_granules(
+        &self,
+        addr: DevicePtr,
+        size: usize,
+        granularity: usize,
+        handle: &dyn Fn(usize) -> Result<sys::CUmemGenericAllocationHandle>,
+    ) -> Result<()> {
+        let access = sys::CUmemAccessDesc {
+            location: device_location(self.device),
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        let mut done = 0;
+        let result = (|| {
+            while done < size {
+                let at = addr + done as u64;
+                let h = handle(done)?;
+                // SAFETY: `h` is an allocation of exactly the mapped size, created or retained
+                // by `handle`; the driver validates that the range is reserved and unmapped.
+                let mapped = check(unsafe { sys::cuMemMap(at, granularity, 0, h, 0) }, "cuMemMap");
+                // SAFETY: `h` is ours (created or retained above, released once here); once
+                // mapped, the mapping keeps the memory alive, and if the map failed this frees
+                // a created allocation or drops the retained reference.
+                let released = check(unsafe { sys::cuMemRelease(h) }, "cuMemRelease");
+                mapped?;
+                done += granularity;
+                released?;
+                // SAFETY: `access` is one fully initialised descriptor, as the count of 1
+                // says; `[at, at + granularity)` is mapped.
+                check(unsafe { sys::cuMemSetAccess(at, granularity, &access, 1) }, "cuMemSetAccess")?;
+            }
+            Ok(())
+        })();
+        if result.is_err() && done > 0 {
+            // A failed map maps nothing; the granules mapped so far are unused.
+            let _ = self.unmap(addr, done);
+        }
+        result
+    }
+
     /// The device handle and primary context of ordinal `peer`: this device's own, or those of
     /// the peer opened at its first use (see the [module docs](self)).
     fn peer(&self, peer: usize) -> Result<(sys::CUdevice, Ctx)> {
@@ -650,60 +695,54 @@ impl Device for CudaDevice {
     }
 
     /// Maps one physical allocation per granule, so that [`Device::unmap`] can take back any
-    /// granule-aligned part (the driver unmaps whole mappings only). Each allocation's
-    /// handle is released once mapped: unmapping then frees the memory.
+    /// granule-aligned part (the driver unmaps whole mappings only) and
+    /// [`Device::map_alias`] can map any granule again. Each allocation's handle is released
+    /// once mapped: unmapping its last mapping then frees the memory.
     fn map(&self, addr: DevicePtr, size: usize) -> Result<()> {
         let _ctx = self.bind_relaxed()?;
         let granularity = self.granularity_of(size, "map")?;
         let prop = allocation_prop(self.device);
-        let access = sys::CUmemAccessDesc {
-            location: device_location(self.device),
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
-        let mut done = 0;
-        let result = (|| {
-            while done < size {
-                let at = addr + done as u64;
-                let mut handle: sys::CUmemGenericAllocationHandle = 0;
-                // SAFETY: `prop` is fully initialised and `handle` a valid out-pointer, both
-                // alive across the call.
-                check(unsafe { sys::cuMemCreate(&mut handle, granularity, &prop, 0) }, "cuMemCreate")?;
-                // SAFETY: `handle` is the allocation just created, of exactly the mapped size;
-                // the driver validates that the range is reserved and unmapped.
-                let mapped = check(unsafe { sys::cuMemMap(at, granularity, 0, handle, 0) }, "cuMemMap");
-                // SAFETY: `handle` is ours; once mapped, the mapping keeps the memory alive,
-                // and if the map failed this frees it.
-                let released = check(unsafe { sys::cuMemRelease(handle) }, "cuMemRelease");
-                mapped?;
-                done += granularity;
-                released?;
-                // SAFETY: `access` is one fully initialised descriptor, as the count of 1
-                // says; `[at, at + granularity)` is mapped.
-                check(unsafe { sys::cuMemSetAccess(at, granularity, &access, 1) }, "cuMemSetAccess")?;
+        self.map_granules(addr, size, granularity, &|_| {
+            let mut handle: sys::CUmemGenericAllocationHandle = 0;
+            // SAFETY: `prop` is fully initialised and `handle` a valid out-pointer, both alive
+            // across the call.
+            check(unsafe { sys::cuMemCreate(&mut handle, granularity, &prop, 0) }, "cuMemCreate")?;
+            Ok(handle)
+        })
+        .map_err(|e| match e {
+            Error::Driver { code, .. } if code == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY as i32 => {
+                self.oom(size)
             }
-            Ok(())
-        })();
-        if let Err(e) = result {
-            // A failed map maps nothing; the granules mapped so far are unused.
-            if done > 0 {
-                let _ = self.unmap(addr, done);
-            }
-            return Err(match e {
-                Error::Driver { code, .. } if code == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY as i32 => {
-                    self.oom(size)
-                }
-                e => e,
-            });
-        }
-        Ok(())
+            e => e,
+        })
+    }
+
+    /// Retains the handle of each granule's allocation at `from` (one per granule, see
+    /// `map`) and maps it at `to`; the handle is released once mapped, so the memory lives as
+    /// long as one of its mappings does.
+    fn map_alias(&self, from: DevicePtr, to: DevicePtr, size: usize) -> Result<()> {
+        let _ctx = self.bind_relaxed()?;
+        let granularity = self.granularity_of(size, "map_alias")?;
+        self.map_granules(to, size, granularity, &|offset| {
+            let mut handle: sys::CUmemGenericAllocationHandle = 0;
+            let src = (from + offset as u64) as usize as *mut c_void;
+            // SAFETY: `handle` is a valid out-pointer alive across the call; the driver
+            // validates that `src` is mapped (and fails otherwise).
+            check(
+                unsafe { sys::cuMemRetainAllocationHandle(&mut handle, src) },
+                "cuMemRetainAllocationHandle",
+            )?;
+            Ok(handle)
+        })
     }
 
     fn unmap(&self, addr: DevicePtr, size: usize) -> Result<()> {
         let _ctx = self.bind_relaxed()?;
         let granularity = self.granularity_of(size, "unmap")?;
         for at in (addr..addr + size as u64).step_by(granularity) {
-            // SAFETY: each granule is one whole mapping of `map`; the caller guarantees that no
-            // work uses the range any more.
+            // SAFETY: each granule is one whole mapping of `map` or `map_alias`; the caller
+            // guarantees that no work uses the range any more (the driver frees the granule's
+            // memory only with its last mapping).
             check(unsafe { sys::cuMemUnmap(at, granularity) }, "cuMemUnmap")?;
         }
         Ok(())

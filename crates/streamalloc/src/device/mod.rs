@@ -154,9 +154,16 @@ pub trait Device: Send + Sync {
     /// Backs `[addr, addr + size)`, inside a reservation and unmapped, with new device memory
     /// that this device may read and write (`cuMemCreate`, `cuMemMap`, `cuMemSetAccess`).
     fn map(&self, addr: DevicePtr, size: usize) -> Result<()>;
-    /// Unmaps `[addr, addr + size)`, all of it mapped, giving its memory back to the device
-    /// (`cuMemUnmap`). No work may use the range any more: unlike `cuMemFree`, this does not
-    /// wait for the device.
+    /// Maps the memory mapped at `[from, from + size)` a second time at `[to, to + size)`,
+    /// inside a reservation and unmapped (`cuMemRetainAllocationHandle`, `cuMemMap`,
+    /// `cuMemSetAccess`), with the same access: bytes written through either range are read
+    /// through the other, and the memory is counted once. Both ranges stay mapped until each
+    /// is unmapped.
+    fn map_alias(&self, from: DevicePtr, to: DevicePtr, size: usize) -> Result<()>;
+    /// Unmaps `[addr, addr + size)`, all of it mapped (`cuMemUnmap`); memory whose last mapping
+    /// this was goes back to the device. No work may use the range any more: unlike
+    /// `cuMemFree`, this does not wait for the device. Work that uses the same memory through
+    /// another of its mappings may go on.
     fn unmap(&self, addr: DevicePtr, size: usize) -> Result<()>;
     /// The base and size of the device allocation (a `cuMemAlloc` chunk, a pool allocation, a
     /// mapping) that contains `ptr` (`cuMemGetAddressRange`).
