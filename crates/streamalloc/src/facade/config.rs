@@ -115,8 +115,8 @@ pub struct Config {
     pub growth: usize,
     /// `expandable`: `true` backs the caching pools (`best_fit`, `stream_safe`) with
     /// stitched virtual-memory ranges ([`Stitched`](crate::allocators::backing::Stitched):
-    /// address space mapped as the pools grow, free granules of holes unmapped to pay for a
-    /// growth that would raise the peak) instead of chunks of plain allocations. On the
+    /// address space mapped as the pools grow, the memory of free granules mapped again to
+    /// pay for a growth that would raise the peak) instead of chunks of plain allocations. On the
     /// simulator it held 1.001-1.035 of the peak live bytes on the recorded and synthetic
     /// traces (`traces/`), against 1.015-1.463 with chunks. Default `false`.
     pub expandable: bool,
