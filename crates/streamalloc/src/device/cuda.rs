@@ -29,7 +29,7 @@
 //!
 //! This is the only module of the crate with `unsafe` code.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::{c_int, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
@@ -275,6 +275,17 @@ pub struct CudaDevice {
     ctx: Ctx,
     /// Peers opened for [`Device::copy_peer`] and pool access, by ordinal.
     peers: Mutex<BTreeMap<usize, Arc<CudaDevice>>>,
+    /// This device's mappings and the peers granted access to them.
+    vmm: Mutex<Vmm>,
+}
+
+/// What a [`CudaDevice`] knows of its mappings, for [`Device::grant_mapped_access`].
+#[derive(Default)]
+struct Vmm {
+    /// Start of every granule mapped by [`Device::map`] or [`Device::map_alias`].
+    granules: BTreeSet<u64>,
+    /// Other devices granted access to every mapping: ordinal and device handle.
+    peers: Vec<(usize, sys::CUdevice)>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -307,7 +318,13 @@ impl CudaDevice {
         // SAFETY: `device` is a valid device handle and `ctx` a valid out-pointer; the retain
         // is balanced by the release in `Drop`.
         check(unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, device) }, "cuDevicePrimaryCtxRetain")?;
-        Ok(Arc::new(CudaDevice { ordinal, device, ctx: Ctx(ctx), peers: Mutex::new(BTreeMap::new()) }))
+        Ok(Arc::new(CudaDevice {
+            ordinal,
+            device,
+            ctx: Ctx(ctx),
+            peers: Mutex::new(BTreeMap::new()),
+            vmm: Mutex::new(Vmm::default()),
+        }))
     }
 
     /// Makes the primary context current on this thread for the duration of the returned
@@ -375,9 +392,9 @@ impl CudaDevice {
 
     /// Maps `[addr, addr + size)` granule by granule, each with the allocation handle that
     /// `handle(offset)` creates or retains (one allocation of exactly `granularity` bytes),
-    /// released once mapped, and grants this device read-write access to it. A failure
-    /// unmaps the granules mapped so far (unused yet) and maps nothing. The caller has bound
-    /// the context.
+    /// released once mapped, and grants this device and the peers of `vmm` read-write access
+    /// to it. A failure unmaps the granules mapped so far (unused yet) and maps nothing. The
+    /// caller has bound the context.
     fn map_granules(
         &self,
         addr: DevicePtr,
@@ -385,10 +402,13 @@ impl CudaDevice {
         granularity: usize,
         handle: &dyn Fn(usize) -> Result<sys::CUmemGenericAllocationHandle>,
     ) -> Result<()> {
-        let access = sys::CUmemAccessDesc {
-            location: device_location(self.device),
+        let mut vmm = self.vmm.lock();
+        let read_write = |device| sys::CUmemAccessDesc {
+            location: device_location(device),
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
+        let access: Vec<sys::CUmemAccessDesc> =
+            std::iter::once(self.device).chain(vmm.peers.iter().map(|&(_, d)| d)).map(read_write).collect();
         let mut done = 0;
         let result = (|| {
             while done < size {
@@ -402,19 +422,36 @@ impl CudaDevice {
                 // a created allocation or drops the retained reference.
                 let released = check(unsafe { sys::cuMemRelease(h) }, "cuMemRelease");
                 mapped?;
+                vmm.granules.insert(at);
                 done += granularity;
                 released?;
-                // SAFETY: `access` is one fully initialised descriptor, as the count of 1
-                // says; `[at, at + granularity)` is mapped.
-                check(unsafe { sys::cuMemSetAccess(at, granularity, &access, 1) }, "cuMemSetAccess")?;
+                // SAFETY: `access` holds `access.len()` fully initialised descriptors and
+                // outlives the call; `[at, at + granularity)` is mapped.
+                check(
+                    unsafe { sys::cuMemSetAccess(at, granularity, access.as_ptr(), access.len()) },
+                    "cuMemSetAccess",
+                )?;
             }
             Ok(())
         })();
         if result.is_err() && done > 0 {
             // A failed map maps nothing; the granules mapped so far are unused.
-            let _ = self.unmap(addr, done);
+            let _ = self.unmap_granules(&mut vmm, addr, done, granularity);
         }
         result
+    }
+
+    /// Unmaps `[addr, addr + size)` granule by granule (see [`Device::unmap`]). The caller
+    /// has bound the context and holds `vmm`'s lock.
+    fn unmap_granules(&self, vmm: &mut Vmm, addr: DevicePtr, size: usize, granularity: usize) -> Result<()> {
+        for at in (addr..addr + size as u64).step_by(granularity) {
+            // SAFETY: each granule is one whole mapping of `map` or `map_alias`; the caller
+            // guarantees that no work uses the range any more (the driver frees the granule's
+            // memory only with its last mapping).
+            check(unsafe { sys::cuMemUnmap(at, granularity) }, "cuMemUnmap")?;
+            vmm.granules.remove(&at);
+        }
+        Ok(())
     }
 
     /// The device handle and primary context of ordinal `peer`: this device's own, or those of
@@ -739,12 +776,32 @@ impl Device for CudaDevice {
     fn unmap(&self, addr: DevicePtr, size: usize) -> Result<()> {
         let _ctx = self.bind_relaxed()?;
         let granularity = self.granularity_of(size, "unmap")?;
-        for at in (addr..addr + size as u64).step_by(granularity) {
-            // SAFETY: each granule is one whole mapping of `map` or `map_alias`; the caller
-            // guarantees that no work uses the range any more (the driver frees the granule's
-            // memory only with its last mapping).
-            check(unsafe { sys::cuMemUnmap(at, granularity) }, "cuMemUnmap")?;
+        self.unmap_granules(&mut self.vmm.lock(), addr, size, granularity)
+    }
+
+    /// Records the peer, under the lock every mapping takes, and grants it access to each
+    /// granule mapped so far; later mappings grant it with this device.
+    fn grant_mapped_access(&self, peer: usize) -> Result<()> {
+        if peer == self.ordinal {
+            return Ok(());
         }
+        let (device, _) = self.peer(peer)?;
+        let _ctx = self.bind_relaxed()?;
+        let granularity = self.map_granularity()?;
+        let mut vmm = self.vmm.lock();
+        if vmm.peers.iter().any(|&(p, _)| p == peer) {
+            return Ok(());
+        }
+        let access = sys::CUmemAccessDesc {
+            location: device_location(device),
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        for &at in &vmm.granules {
+            // SAFETY: `access` is one fully initialised descriptor, as the count of 1 says;
+            // `[at, at + granularity)` is one mapping of this device (the lock keeps it mapped).
+            check(unsafe { sys::cuMemSetAccess(at, granularity, &access, 1) }, "cuMemSetAccess")?;
+        }
+        vmm.peers.push((peer, device));
         Ok(())
     }
 
@@ -911,6 +968,15 @@ impl Device for CudaDevice {
                 if !self.pool_access(p, dst_device)? {
                     return Err(super::no_peer_access(src, self.ordinal, dst_device, p));
                 }
+            }
+            let vmm = self.vmm.lock();
+            let granule = vmm.granules.range(..=src).next_back().copied();
+            let mapped = match granule {
+                Some(g) => src < g + self.map_granularity()? as u64,
+                None => false,
+            };
+            if mapped && !vmm.peers.iter().any(|&(p, _)| p == dst_device) {
+                return Err(super::no_mapped_access(src, self.ordinal, dst_device));
             }
         }
         let _ctx = self.bind()?;

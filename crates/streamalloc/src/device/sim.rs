@@ -23,8 +23,9 @@
 //!   their mappings. Unmapping a range that a stream's work may still use through that
 //!   range is an error (on CUDA it would be a fault or silent corruption).
 //! * **Peers.** Each pool keeps the set of other device ordinals granted access to it
-//!   ([`Device::set_pool_access`]); the owning device always has it. A simulated device knows
-//!   no other device: [`Device::copy_peer`] checks that the source, if it is a pool allocation
+//!   ([`Device::set_pool_access`]); the owning device always has it; mapped memory has the set
+//!   of [`Device::grant_mapped_access`]. A simulated device knows no other device:
+//!   [`Device::copy_peer`] checks that the source, if it is a pool allocation or mapped memory
 //!   of this device, may be read by the destination device, and is otherwise a use of the
 //!   source range on the stream, like a memset. Nothing is written anywhere.
 //! * **Memory contents.** Only mapped granules hold bytes; plain and pool memory reads as 0.
@@ -363,6 +364,8 @@ struct State {
     host_waits: u64,
     /// Successful calls of [`Device::map_alias`].
     aliases: u64,
+    /// Other devices granted access to mapped memory.
+    mapped_peers: BTreeSet<usize>,
 }
 
 impl SimDevice {
@@ -399,6 +402,7 @@ impl SimDevice {
             contents: HashMap::new(),
             host_waits: 0,
             aliases: 0,
+            mapped_peers: BTreeSet::new(),
         };
         Arc::new(Self { config, state: Mutex::new(state) })
     }
@@ -954,6 +958,15 @@ impl Device for SimDevice {
         })
     }
 
+    fn grant_mapped_access(&self, peer: usize) -> Result<()> {
+        self.call(|st| {
+            if peer != self.config.ordinal {
+                st.mapped_peers.insert(peer);
+            }
+            Ok(())
+        })
+    }
+
     fn unmap(&self, addr: DevicePtr, size: usize) -> Result<()> {
         self.call(|st| {
             st.check_reserved(addr, size)?;
@@ -1301,6 +1314,10 @@ impl Device for SimDevice {
             if dst_device != own && !st.pools.get(&pool).is_some_and(|p| p.peers.contains(&dst_device)) {
                 return Err(super::no_peer_access(src, own, dst_device, pool));
             }
+        }
+        let mapped = st.mapped.contains_key(&(src - src % MAP_GRANULE as u64));
+        if mapped && dst_device != own && !st.mapped_peers.contains(&dst_device) {
+            return Err(super::no_mapped_access(src, own, dst_device));
         }
         let ns = self.kernel_ns(&mut st, len);
         // Captured, it is replayed at each launch as a use of the source range.
