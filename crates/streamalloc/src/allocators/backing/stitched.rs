@@ -1,27 +1,6 @@
 //! Stitched virtual-memory ranges (GMLake, ASPLOS'24): one address reservation whose mapped
 //! ranges are placed where they merge with free blocks, and whose free granules are mapped a
 //! second time into a growth that would otherwise raise the pool's peak.
-//!
-//! # Why stitching needs no wait
-//!
-//! A stitch takes whole granules out of free blocks and maps *the same memory* again inside
-//! the growth's new range ([`Device::map_alias`]); nothing is unmapped and nothing is
-//! created for them. The memory's last use before the stitch is ordered on the pool's stream
-//! (blocks freed with recorded streams become free only once those streams' events
-//! completed), and its next user gets a block of the new range, in the order of the same
-//! stream (another stream receives a block of the pool only after waiting for the pool's
-//! stream). The stream alone orders the two, as it orders any reuse of a free block: the host
-//! waits for nothing.
-//!
-//! The granule's old address, an alias of memory now in use elsewhere, must never be handed
-//! out again while it is mapped: it leaves the pool at the stitch (it is in no block of the
-//! policy), and only goes back into the reservation's unmapped runs once unmapped. It cannot
-//! be unmapped at once, since work queued before the stitch may still use it through that
-//! address (an unmap, unlike `cuMemFree`, does not wait). So the stitch records an event on
-//! the pool's stream after carving it, and a later growth or release that finds the event
-//! complete unmaps the old range; unmapping an alias frees no memory while another mapping
-//! of it lives. A release, which waits (with its bound) for the pool's stream, unmaps every
-//! retired range before the free granules, so the memory it gives back is really returned.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -47,7 +26,7 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Grant};
 ///   blocks first) are taken out of the pool, as many as the excess, and their memory is
 ///   mapped again as part of the growth's range; fresh memory is mapped only for the rest.
 ///   Free memory is defragmented without moving live data and without waiting for the
-///   device (see the [module docs](self)), and the pool's peak rises only when the free
+///   device (see below), and the pool's peak rises only when the free
 ///   memory, however scattered, cannot pay for the growth. Below the mark a growth only
 ///   maps, as expandable segments do. A request of any size is served from the reservation:
 ///   a freed block of a large request leaves a hole whose granules are stitched into the
@@ -56,6 +35,27 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Grant};
 /// * **Release** unmaps the old ranges of stitched granules and every free granule of the
 ///   pool (PyTorch's `empty_cache` over expandable segments), after the pool's bounded wait
 ///   for its stream; past the bound nothing is unmapped.
+///
+/// # Why stitching needs no wait
+///
+/// A stitch takes whole granules out of free blocks and maps *the same memory* again inside
+/// the growth's new range ([`Device::map_alias`]); nothing is unmapped and nothing is
+/// created for them. The memory's last use before the stitch is ordered on the pool's stream
+/// (blocks freed with recorded streams become free only once those streams' events
+/// completed), and its next user gets a block of the new range, in the order of the same
+/// stream (another stream receives a block of the pool only after waiting for the pool's
+/// stream). The stream alone orders the two, as it orders any reuse of a free block: the host
+/// waits for nothing.
+///
+/// The granule's old address, an alias of memory now in use elsewhere, must never be handed
+/// out again while it is mapped: it leaves the pool at the stitch (it is in no block of the
+/// policy), and only goes back into the reservation's unmapped runs once unmapped. It cannot
+/// be unmapped at once, since work queued before the stitch may still use it through that
+/// address (an unmap, unlike `cuMemFree`, does not wait). So the stitch records an event on
+/// the pool's stream after carving it, and a later growth or release that finds the event
+/// complete unmaps the old range; unmapping an alias frees no memory while another mapping
+/// of it lives. A release, which waits (with its bound) for the pool's stream, unmaps every
+/// retired range before the free granules, so the memory it gives back is really returned.
 pub struct Stitched {
     device: Arc<dyn Device>,
     stream: Stream,
