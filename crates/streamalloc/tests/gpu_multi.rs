@@ -1,7 +1,8 @@
 //! Two CUDA GPUs: the facade's per-device stacks and statistics, an `AsyncPool` allocation of
 //! GPU 0 copied to GPU 1 (refused before the peer is granted access to the pool, byte-exact
-//! after) and written by GPU 1, and frees from a thread whose current context is the other
-//! GPU, for every strategy. Every test is `#[ignore]`d and fails (never passes) with fewer than
+//! after) and written by GPU 1, memory mapped by `expandable=true` (before and after
+//! `Facade::enable_peer_access`, fresh and stitched) written by GPU 1 and copied to it, and
+//! frees from a thread whose current context is the other GPU, for every strategy. Every test is `#[ignore]`d and fails (never passes) with fewer than
 //! two GPUs: run them on nvidia-h200-x2 with scripts/gpu/multi-gpu.sh. The simulator's version
 //! of these rules: tests/multi_device.rs.
 
