@@ -331,6 +331,11 @@ impl State {
         self.facade.built(device).map_or(Ok(0), |s| s.allocator.release())
     }
 
+    /// Grants device `peer` access to the memory `device`'s stack maps, now and later.
+    pub(crate) fn enable_peer_access(&self, device: c_int, peer: c_int) -> Result<()> {
+        self.facade.enable_peer_access(ordinal(device)?, ordinal(peer)?)
+    }
+
     /// Restarts the peaks of `device`'s statistics (nothing to do for a device not used yet).
     pub(crate) fn reset_peak_stats(&self, device: c_int) -> Result<()> {
         if let Some(stack) = self.facade.built(ordinal(device)?) {

@@ -67,6 +67,16 @@ fn devices() {
 }
 
 #[test]
+fn peer_access() {
+    setup();
+    assert_eq!(streamalloc_enable_peer_access(0, 1), STREAMALLOC_OK, "{}", last_error());
+    assert_eq!(streamalloc_enable_peer_access(0, 0), STREAMALLOC_OK, "{}", last_error());
+    assert_eq!(streamalloc_enable_peer_access(-1, 0), STREAMALLOC_INVALID_ARGUMENT);
+    assert!(last_error().contains("device -1"), "{}", last_error());
+    assert_eq!(streamalloc_enable_peer_access(0, 4096), STREAMALLOC_INVALID_ARGUMENT);
+}
+
+#[test]
 fn pointers() {
     setup();
     // SAFETY: null out-pointers are the bad input under test.

@@ -1,7 +1,8 @@
 //! Two CUDA GPUs: the facade's per-device stacks and statistics, an `AsyncPool` allocation of
 //! GPU 0 copied to GPU 1 (refused before the peer is granted access to the pool, byte-exact
-//! after) and written by GPU 1, and frees from a thread whose current context is the other
-//! GPU, for every strategy. Every test is `#[ignore]`d and fails (never passes) with fewer than
+//! after) and written by GPU 1, memory mapped by `expandable=true` (before and after
+//! `Facade::enable_peer_access`, fresh and stitched) written by GPU 1 and copied to it, and
+//! frees from a thread whose current context is the other GPU, for every strategy. Every test is `#[ignore]`d and fails (never passes) with fewer than
 //! two GPUs: run them on nvidia-h200-x2 with scripts/gpu/multi-gpu.sh. The simulator's version
 //! of these rules: tests/multi_device.rs.
 
@@ -129,6 +130,50 @@ fn peer_copy_of_pool_memory_needs_access() {
     d0.synchronize_stream(s0).unwrap();
     d1.free(dst).unwrap();
     d0.destroy_stream(s0).unwrap();
+    d1.destroy_stream(s1).unwrap();
+}
+
+#[test]
+#[ignore = "needs two CUDA GPUs: run on nvidia-h200-x2 by scripts/gpu/multi-gpu.sh"]
+fn mapped_memory_is_usable_by_a_peer_once_peer_access_is_enabled() {
+    let (_, d1) = two_gpus();
+    let f = Facade::new(Config::parse("device=cuda,strategy=stream_safe,expandable=true").unwrap());
+    let d0 = f.stack(0).unwrap().device.clone();
+    const N: usize = 24 * MIB + 512;
+    let s1 = d1.create_stream().unwrap();
+    let dst = d1.alloc(4 * N).unwrap();
+    // Mapped before the call: refused, GPU 1 not being granted access to it.
+    let before = f.allocate(N, 0, Stream::DEFAULT).unwrap();
+    let err = d0.copy_peer(dst, 1, before.ptr(), N, Stream::DEFAULT).unwrap_err();
+    println!("before the call: {err}");
+    assert!(
+        matches!(&err, Error::InvalidArgument(m) if m.contains("does not grant device 1 access")),
+        "{err:?}"
+    );
+    f.enable_peer_access(0, 1).unwrap();
+    // Mapped after it: a fresh growth, and one stitched from the granules `before` held.
+    let after = f.allocate(8 * MIB, 0, Stream::DEFAULT).unwrap();
+    let keep = f.allocate(N, 0, Stream::DEFAULT).unwrap();
+    let stitched_from = before.ptr();
+    drop(before);
+    let stitched = f.allocate(3 * N, 0, Stream::DEFAULT).unwrap();
+    println!("before at {stitched_from:#x}, stitched block at {:#x}", stitched.ptr());
+    for (name, x) in
+        [("kept (mapped before the call)", &keep), ("mapped after", &after), ("stitched", &stitched)]
+    {
+        // A kernel of GPU 1 (a memset) writes GPU 0's mapped memory; GPU 0 reads it.
+        d1.memset_async(x.ptr(), 0x5A, x.size(), s1).unwrap();
+        d1.synchronize_stream(s1).unwrap();
+        assert!(read(&d0, x.ptr(), x.size()).iter().all(|b| *b == 0x5A), "GPU 1's write to {name} memory");
+        // And GPU 0's bytes copied to GPU 1.
+        let data = pattern(x.size());
+        d0.copy_from_host(x.ptr(), &data, Stream::DEFAULT).unwrap();
+        d0.copy_peer(dst, 1, x.ptr(), x.size(), Stream::DEFAULT).unwrap();
+        d0.synchronize_stream(Stream::DEFAULT).unwrap();
+        assert!(read(&d1, dst, x.size()) == data, "GPU 1 received other bytes than {name} memory held");
+    }
+    drop((after, keep, stitched));
+    d1.free(dst).unwrap();
     d1.destroy_stream(s1).unwrap();
 }
 

@@ -167,3 +167,34 @@ fn frees_from_another_thread_work_for_every_strategy() {
         }
     }
 }
+
+#[test]
+fn mapped_memory_is_copied_to_a_peer_only_once_peer_access_is_enabled() {
+    let f = sim("strategy=stream_safe,expandable=true");
+    let d0 = f.stack(0).unwrap().device.clone();
+    let d1 = f.stack(1).unwrap().device.clone();
+    let dst = d1.alloc(64 * MIB).unwrap();
+    // Mapped before the call.
+    let before = f.allocate(24 * MIB, 0, Stream::DEFAULT).unwrap();
+    let err = d0.copy_peer(dst, 1, before.ptr(), before.size(), Stream::DEFAULT).unwrap_err();
+    assert!(
+        matches!(&err, Error::InvalidArgument(m) if m.contains("does not grant device 1 access")),
+        "{err:?}"
+    );
+    f.enable_peer_access(0, 1).unwrap();
+    f.enable_peer_access(0, 1).unwrap();
+    f.enable_peer_access(0, 0).unwrap();
+    d0.copy_peer(dst, 1, before.ptr(), before.size(), Stream::DEFAULT).unwrap();
+    // Mapped after it: a fresh growth, and one stitched from the granules `before` held.
+    let after = f.allocate(8 * MIB, 0, Stream::DEFAULT).unwrap();
+    drop(before);
+    let stitched = f.allocate(40 * MIB, 0, Stream::DEFAULT).unwrap();
+    for x in [&after, &stitched] {
+        d0.copy_peer(dst, 1, x.ptr(), x.size(), Stream::DEFAULT).unwrap();
+    }
+    // The other direction was not enabled.
+    let back = f.allocate(4 * MIB, 1, Stream::DEFAULT).unwrap();
+    assert!(d1.copy_peer(stitched.ptr(), 0, back.ptr(), back.size(), Stream::DEFAULT).is_err());
+    drop((after, stitched, back));
+    d1.free(dst).unwrap();
+}

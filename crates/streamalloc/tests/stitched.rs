@@ -1,5 +1,8 @@
-//! The stitched backing on the simulator: stitching of free granules, and random programs
-//! against the ordering checker (its footprint on traces: streamalloc-replay's tests).
+//! The stitched backing on the simulator: stitching of free granules without host waits, data
+//! across stitched granules, and random programs against the ordering checker (its footprint
+//! on traces: streamalloc-replay's tests).
+
+mod stitch_data;
 
 use std::sync::Arc;
 
@@ -29,19 +32,64 @@ fn stitching_pays_for_a_growth_with_free_granules_of_both_classes() {
     let a = pool.allocate(6 * MIB).unwrap();
     let b = pool.allocate(6 * MIB).unwrap();
     assert_eq!(used(&sim) - start, 14 * MIB);
-    // The stream still uses `a` when it is freed: its granules are unmapped only after that.
+    // The stream still uses `a` when it is freed.
     sim.use_range(a.ptr(), a.size(), s, 1_000_000).unwrap();
     drop(a);
     drop(small);
-    // 12 MiB fits no free block; the 8 MiB free (6 of `a`, 2 of the small blocks) are
-    // unmapped and 12 MiB mapped in their place: 4 MiB more than the peak, not 12.
+    // 12 MiB fits no free block; the memory of the 8 MiB free (6 of `a`, 2 of the small
+    // blocks) is mapped again inside the 12 MiB range, and 4 MiB of new memory after it: 4 MiB
+    // more than the peak, not 12.
+    let waits = sim.host_waits();
     let c = pool.allocate(12 * MIB).unwrap();
+    assert_eq!(sim.host_waits(), waits, "the stitch waited for the stream");
+    assert!(sim.now() < 1_000_000);
     assert_eq!(used(&sim) - start, 18 * MIB);
     assert_eq!(pool.stats().reserved, 18 * MIB);
+    // `c` holds the memory the stream still uses through `a`'s old address: ordered on the
+    // stream, a handout to another stream now would be an early reuse (the checker sees it).
+    assert_eq!(sim.check_handout(c.ptr(), c.size(), s), 0);
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
-    assert!(sim.now() >= 1_000_000, "the stitch waited for the stream's use of `a`");
+    let other = sim.create_stream().unwrap();
+    assert!(sim.check_handout(c.ptr(), c.size(), other) > 0, "the checker missed the alias");
     drop((b, c));
     assert_eq!(pool.release().unwrap(), 18 * MIB, "release unmaps every free granule");
+    assert_eq!(used(&sim), start);
+}
+
+#[test]
+fn stitching_growths_make_no_host_wait() {
+    let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+    let s = sim.create_stream().unwrap();
+    let pool = BestFit::new(sim.clone(), BestFitConfig { stream: s, ..stitched() }).unwrap();
+    let (waits, aliases) = (sim.host_waits(), sim.aliases());
+    for round in 0..24 {
+        // Blocks the stream uses, every other one freed at once, then a block larger than any
+        // free one: the free granules pay for it while the stream still runs.
+        let size = (3 + round % 5) * MIB;
+        let blocks: Vec<Allocation> = (0..6).map(|_| pool.allocate(size).unwrap()).collect();
+        for x in &blocks {
+            sim.use_range(x.ptr(), x.size(), s, 500_000).unwrap();
+        }
+        let kept: Vec<Allocation> =
+            blocks.into_iter().enumerate().filter(|(i, _)| i % 2 == 0).map(|(_, x)| x).collect();
+        let big = pool.allocate(4 * size).unwrap();
+        sim.use_range(big.ptr(), big.size(), s, 500_000).unwrap();
+        drop((kept, big));
+    }
+    assert_eq!(sim.host_waits(), waits, "stitching growths waited for the device");
+    assert!(sim.aliases() > aliases + 10, "only {} stitches", sim.aliases() - aliases);
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    // The old ranges of stitched granules went back to the reservation as the stream ran on.
+    sim.synchronize_stream(s).unwrap();
+    pool.release().unwrap();
+    assert_eq!(pool.stats().reserved, 0);
+}
+
+#[test]
+fn a_stitched_growth_keeps_data_across_granules() {
+    let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+    let start = used(&sim);
+    stitch_data::stitched_growth_keeps_data(sim.clone(), Stream::DEFAULT);
     assert_eq!(used(&sim), start);
 }
 
@@ -123,14 +171,24 @@ fn run(program: &[Action], on_one_pool: bool) -> usize {
                 .unwrap(),
         ),
     };
-    let mut live: Vec<Allocation> = Vec::new();
+    let mut live: Vec<(Allocation, u8)> = Vec::new();
+    let mut next_value = 0u8;
+    // Every live block still holds the byte its owner wrote into it.
+    let check_data = |live: &[(Allocation, u8)]| {
+        for (x, value) in live {
+            let mut back = vec![0; x.size()];
+            sim.copy_to_host(&mut back, x.ptr(), x.owning_stream()).unwrap();
+            assert!(back == vec![*value; x.size()], "a live block of {} bytes lost its data", x.size());
+        }
+    };
     for action in program {
         match *action {
             Action::Alloc { stream, size } => match alloc.allocate_on(size, streams[stream]) {
                 Ok(x) => {
                     assert_eq!(sim.check_handout(x.ptr(), x.size(), x.owning_stream()), 0);
-                    sim.use_range(x.ptr(), x.size(), x.owning_stream(), 1_000).unwrap();
-                    live.push(x);
+                    next_value = next_value.wrapping_add(1);
+                    sim.memset_async(x.ptr(), next_value, x.size(), x.owning_stream()).unwrap();
+                    live.push((x, next_value));
                 }
                 Err(Error::OutOfMemory(_)) => {}
                 Err(e) => panic!("allocation of {size} bytes: {e}"),
@@ -141,18 +199,20 @@ fn run(program: &[Action], on_one_pool: bool) -> usize {
             }
             Action::Use { idx, stream, ns } if !live.is_empty() => {
                 let n = live.len();
-                let x = &mut live[idx % n];
+                let x = &mut live[idx % n].0;
                 x.record_stream(streams[stream]);
                 sim.use_range(x.ptr(), x.size(), streams[stream], ns).unwrap();
             }
             Action::Advance { ns } => sim.advance(ns),
             Action::Sync { stream } => sim.synchronize_stream(streams[stream]).unwrap(),
             Action::Release => {
+                check_data(&live);
                 alloc.release().unwrap();
             }
             _ => {}
         }
     }
+    check_data(&live);
     drop(live);
     drop(alloc);
     assert_eq!(used(&sim), start, "everything goes back when the allocator is dropped");

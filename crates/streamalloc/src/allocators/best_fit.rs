@@ -483,11 +483,6 @@ struct PoolLedger<'a> {
 }
 
 impl Ledger for PoolLedger<'_> {
-    fn wait_for_stream(&self) -> Result<()> {
-        let inner = self.inner;
-        super::wait_for_streams(inner.device.as_ref(), &inner.events, &[inner.stream], inner.wait)
-    }
-
     fn update(&self, f: &mut dyn FnMut(&mut BestFitPolicy) -> Result<()>) -> Result<Option<Grant>> {
         let mut st = self.inner.state.lock();
         st.unpark();
@@ -664,10 +659,11 @@ impl Inner {
         // A stream that cannot be waited for (destroyed after StreamSafe::retire_stream, which
         // waited for it) still lets chunks go back, as a `cuMemFree` orders itself; mapped
         // memory, whose unmap would not wait, stays.
-        let unwaited = match ledger.wait_for_stream() {
-            Err(timeout @ Error::Timeout { .. }) => return Err(timeout),
-            waited => waited.err(),
-        };
+        let unwaited =
+            match super::wait_for_streams(self.device.as_ref(), &self.events, &[self.stream], self.wait) {
+                Err(timeout @ Error::Timeout { .. }) => return Err(timeout),
+                waited => waited.err(),
+            };
         self.backing.release(&ledger, unwaited.as_ref())
     }
 

@@ -29,7 +29,7 @@
 //!
 //! This is the only module of the crate with `unsafe` code.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::{c_int, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
@@ -77,6 +77,7 @@ const SYMBOLS: &[&str] = &[
     "cuMemSetAccess",
     "cuMemUnmap",
     "cuMemRelease",
+    "cuMemRetainAllocationHandle",
     "cuMemFreeAsync",
     "cuStreamCreate",
     "cuStreamDestroy_v2",
@@ -274,6 +275,17 @@ pub struct CudaDevice {
     ctx: Ctx,
     /// Peers opened for [`Device::copy_peer`] and pool access, by ordinal.
     peers: Mutex<BTreeMap<usize, Arc<CudaDevice>>>,
+    /// This device's mappings and the peers granted access to them.
+    vmm: Mutex<Vmm>,
+}
+
+/// What a [`CudaDevice`] knows of its mappings, for [`Device::grant_mapped_access`].
+#[derive(Default)]
+struct Vmm {
+    /// Start of every granule mapped by [`Device::map`] or [`Device::map_alias`].
+    granules: BTreeSet<u64>,
+    /// Other devices granted access to every mapping: ordinal and device handle.
+    peers: Vec<(usize, sys::CUdevice)>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -306,7 +318,13 @@ impl CudaDevice {
         // SAFETY: `device` is a valid device handle and `ctx` a valid out-pointer; the retain
         // is balanced by the release in `Drop`.
         check(unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, device) }, "cuDevicePrimaryCtxRetain")?;
-        Ok(Arc::new(CudaDevice { ordinal, device, ctx: Ctx(ctx), peers: Mutex::new(BTreeMap::new()) }))
+        Ok(Arc::new(CudaDevice {
+            ordinal,
+            device,
+            ctx: Ctx(ctx),
+            peers: Mutex::new(BTreeMap::new()),
+            vmm: Mutex::new(Vmm::default()),
+        }))
     }
 
     /// Makes the primary context current on this thread for the duration of the returned
@@ -370,6 +388,70 @@ impl CudaDevice {
             )));
         }
         Ok(granularity)
+    }
+
+    /// Maps `[addr, addr + size)` granule by granule, each with the allocation handle that
+    /// `handle(offset)` creates or retains (one allocation of exactly `granularity` bytes),
+    /// released once mapped, and grants this device and the peers of `vmm` read-write access
+    /// to it. A failure unmaps the granules mapped so far (unused yet) and maps nothing. The
+    /// caller has bound the context.
+    fn map_granules(
+        &self,
+        addr: DevicePtr,
+        size: usize,
+        granularity: usize,
+        handle: &dyn Fn(usize) -> Result<sys::CUmemGenericAllocationHandle>,
+    ) -> Result<()> {
+        let mut vmm = self.vmm.lock();
+        let read_write = |device| sys::CUmemAccessDesc {
+            location: device_location(device),
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        let access: Vec<sys::CUmemAccessDesc> =
+            std::iter::once(self.device).chain(vmm.peers.iter().map(|&(_, d)| d)).map(read_write).collect();
+        let mut done = 0;
+        let result = (|| {
+            while done < size {
+                let at = addr + done as u64;
+                let h = handle(done)?;
+                // SAFETY: `h` is an allocation of exactly the mapped size, created or retained
+                // by `handle`; the driver validates that the range is reserved and unmapped.
+                let mapped = check(unsafe { sys::cuMemMap(at, granularity, 0, h, 0) }, "cuMemMap");
+                // SAFETY: `h` is ours (created or retained above, released once here); once
+                // mapped, the mapping keeps the memory alive, and if the map failed this frees
+                // a created allocation or drops the retained reference.
+                let released = check(unsafe { sys::cuMemRelease(h) }, "cuMemRelease");
+                mapped?;
+                vmm.granules.insert(at);
+                done += granularity;
+                released?;
+                // SAFETY: `access` holds `access.len()` fully initialised descriptors and
+                // outlives the call; `[at, at + granularity)` is mapped.
+                check(
+                    unsafe { sys::cuMemSetAccess(at, granularity, access.as_ptr(), access.len()) },
+                    "cuMemSetAccess",
+                )?;
+            }
+            Ok(())
+        })();
+        if result.is_err() && done > 0 {
+            // A failed map maps nothing; the granules mapped so far are unused.
+            let _ = self.unmap_granules(&mut vmm, addr, done, granularity);
+        }
+        result
+    }
+
+    /// Unmaps `[addr, addr + size)` granule by granule (see [`Device::unmap`]). The caller
+    /// has bound the context and holds `vmm`'s lock.
+    fn unmap_granules(&self, vmm: &mut Vmm, addr: DevicePtr, size: usize, granularity: usize) -> Result<()> {
+        for at in (addr..addr + size as u64).step_by(granularity) {
+            // SAFETY: each granule is one whole mapping of `map` or `map_alias`; the caller
+            // guarantees that no work uses the range any more (the driver frees the granule's
+            // memory only with its last mapping).
+            check(unsafe { sys::cuMemUnmap(at, granularity) }, "cuMemUnmap")?;
+            vmm.granules.remove(&at);
+        }
+        Ok(())
     }
 
     /// The device handle and primary context of ordinal `peer`: this device's own, or those of
@@ -650,62 +732,76 @@ impl Device for CudaDevice {
     }
 
     /// Maps one physical allocation per granule, so that [`Device::unmap`] can take back any
-    /// granule-aligned part (the driver unmaps whole mappings only). Each allocation's
-    /// handle is released once mapped: unmapping then frees the memory.
+    /// granule-aligned part (the driver unmaps whole mappings only) and
+    /// [`Device::map_alias`] can map any granule again. Each allocation's handle is released
+    /// once mapped: unmapping its last mapping then frees the memory.
     fn map(&self, addr: DevicePtr, size: usize) -> Result<()> {
         let _ctx = self.bind_relaxed()?;
         let granularity = self.granularity_of(size, "map")?;
         let prop = allocation_prop(self.device);
-        let access = sys::CUmemAccessDesc {
-            location: device_location(self.device),
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
-        let mut done = 0;
-        let result = (|| {
-            while done < size {
-                let at = addr + done as u64;
-                let mut handle: sys::CUmemGenericAllocationHandle = 0;
-                // SAFETY: `prop` is fully initialised and `handle` a valid out-pointer, both
-                // alive across the call.
-                check(unsafe { sys::cuMemCreate(&mut handle, granularity, &prop, 0) }, "cuMemCreate")?;
-                // SAFETY: `handle` is the allocation just created, of exactly the mapped size;
-                // the driver validates that the range is reserved and unmapped.
-                let mapped = check(unsafe { sys::cuMemMap(at, granularity, 0, handle, 0) }, "cuMemMap");
-                // SAFETY: `handle` is ours; once mapped, the mapping keeps the memory alive,
-                // and if the map failed this frees it.
-                let released = check(unsafe { sys::cuMemRelease(handle) }, "cuMemRelease");
-                mapped?;
-                done += granularity;
-                released?;
-                // SAFETY: `access` is one fully initialised descriptor, as the count of 1
-                // says; `[at, at + granularity)` is mapped.
-                check(unsafe { sys::cuMemSetAccess(at, granularity, &access, 1) }, "cuMemSetAccess")?;
+        self.map_granules(addr, size, granularity, &|_| {
+            let mut handle: sys::CUmemGenericAllocationHandle = 0;
+            // SAFETY: `prop` is fully initialised and `handle` a valid out-pointer, both alive
+            // across the call.
+            check(unsafe { sys::cuMemCreate(&mut handle, granularity, &prop, 0) }, "cuMemCreate")?;
+            Ok(handle)
+        })
+        .map_err(|e| match e {
+            Error::Driver { code, .. } if code == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY as i32 => {
+                self.oom(size)
             }
-            Ok(())
-        })();
-        if let Err(e) = result {
-            // A failed map maps nothing; the granules mapped so far are unused.
-            if done > 0 {
-                let _ = self.unmap(addr, done);
-            }
-            return Err(match e {
-                Error::Driver { code, .. } if code == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY as i32 => {
-                    self.oom(size)
-                }
-                e => e,
-            });
-        }
-        Ok(())
+            e => e,
+        })
+    }
+
+    /// Retains the handle of each granule's allocation at `from` (one per granule, see
+    /// `map`) and maps it at `to`; the handle is released once mapped, so the memory lives as
+    /// long as one of its mappings does.
+    fn map_alias(&self, from: DevicePtr, to: DevicePtr, size: usize) -> Result<()> {
+        let _ctx = self.bind_relaxed()?;
+        let granularity = self.granularity_of(size, "map_alias")?;
+        self.map_granules(to, size, granularity, &|offset| {
+            let mut handle: sys::CUmemGenericAllocationHandle = 0;
+            let src = (from + offset as u64) as usize as *mut c_void;
+            // SAFETY: `handle` is a valid out-pointer alive across the call; the driver
+            // validates that `src` is mapped (and fails otherwise).
+            check(
+                unsafe { sys::cuMemRetainAllocationHandle(&mut handle, src) },
+                "cuMemRetainAllocationHandle",
+            )?;
+            Ok(handle)
+        })
     }
 
     fn unmap(&self, addr: DevicePtr, size: usize) -> Result<()> {
         let _ctx = self.bind_relaxed()?;
         let granularity = self.granularity_of(size, "unmap")?;
-        for at in (addr..addr + size as u64).step_by(granularity) {
-            // SAFETY: each granule is one whole mapping of `map`; the caller guarantees that no
-            // work uses the range any more.
-            check(unsafe { sys::cuMemUnmap(at, granularity) }, "cuMemUnmap")?;
+        self.unmap_granules(&mut self.vmm.lock(), addr, size, granularity)
+    }
+
+    /// Records the peer, under the lock every mapping takes, and grants it access to each
+    /// granule mapped so far; later mappings grant it with this device.
+    fn grant_mapped_access(&self, peer: usize) -> Result<()> {
+        if peer == self.ordinal {
+            return Ok(());
         }
+        let (device, _) = self.peer(peer)?;
+        let _ctx = self.bind_relaxed()?;
+        let granularity = self.map_granularity()?;
+        let mut vmm = self.vmm.lock();
+        if vmm.peers.iter().any(|&(p, _)| p == peer) {
+            return Ok(());
+        }
+        let access = sys::CUmemAccessDesc {
+            location: device_location(device),
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        for &at in &vmm.granules {
+            // SAFETY: `access` is one fully initialised descriptor, as the count of 1 says;
+            // `[at, at + granularity)` is one mapping of this device (the lock keeps it mapped).
+            check(unsafe { sys::cuMemSetAccess(at, granularity, &access, 1) }, "cuMemSetAccess")?;
+        }
+        vmm.peers.push((peer, device));
         Ok(())
     }
 
@@ -872,6 +968,15 @@ impl Device for CudaDevice {
                 if !self.pool_access(p, dst_device)? {
                     return Err(super::no_peer_access(src, self.ordinal, dst_device, p));
                 }
+            }
+            let vmm = self.vmm.lock();
+            let granule = vmm.granules.range(..=src).next_back().copied();
+            let mapped = match granule {
+                Some(g) => src < g + self.map_granularity()? as u64,
+                None => false,
+            };
+            if mapped && !vmm.peers.iter().any(|&(p, _)| p == dst_device) {
+                return Err(super::no_mapped_access(src, self.ordinal, dst_device));
             }
         }
         let _ctx = self.bind()?;

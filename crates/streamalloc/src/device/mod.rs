@@ -154,9 +154,21 @@ pub trait Device: Send + Sync {
     /// Backs `[addr, addr + size)`, inside a reservation and unmapped, with new device memory
     /// that this device may read and write (`cuMemCreate`, `cuMemMap`, `cuMemSetAccess`).
     fn map(&self, addr: DevicePtr, size: usize) -> Result<()>;
-    /// Unmaps `[addr, addr + size)`, all of it mapped, giving its memory back to the device
-    /// (`cuMemUnmap`). No work may use the range any more: unlike `cuMemFree`, this does not
-    /// wait for the device.
+    /// Maps the memory mapped at `[from, from + size)` a second time at `[to, to + size)`,
+    /// inside a reservation and unmapped (`cuMemRetainAllocationHandle`, `cuMemMap`,
+    /// `cuMemSetAccess`), with the same access: bytes written through either range are read
+    /// through the other, and the memory is counted once. Both ranges stay mapped until each
+    /// is unmapped.
+    fn map_alias(&self, from: DevicePtr, to: DevicePtr, size: usize) -> Result<()>;
+    /// Grants device `peer` read-write access to every range this device has mapped
+    /// ([`Device::map`], [`Device::map_alias`]) and will map, for as long as the device lives
+    /// (`cuMemSetAccess`). Mapped memory does not follow context-level peer access: without
+    /// this, a peer may not use it. Granting the device itself, or a peer twice, does nothing.
+    fn grant_mapped_access(&self, peer: usize) -> Result<()>;
+    /// Unmaps `[addr, addr + size)`, all of it mapped (`cuMemUnmap`); memory whose last mapping
+    /// this was goes back to the device. No work may use the range any more: unlike
+    /// `cuMemFree`, this does not wait for the device. Work that uses the same memory through
+    /// another of its mappings may go on.
     fn unmap(&self, addr: DevicePtr, size: usize) -> Result<()>;
     /// The base and size of the device allocation (a `cuMemAlloc` chunk, a pool allocation, a
     /// mapping) that contains `ptr` (`cuMemGetAddressRange`).
@@ -217,7 +229,8 @@ pub trait Device: Send + Sync {
     /// Copies `len` bytes from `src` on this device to `dst` on device `dst_device`, in the order
     /// of `stream` (a stream of this device; `cuMemcpyPeerAsync`). Fails with
     /// [`Error::InvalidArgument`] when `src` is pool memory whose
-    /// pool does not grant `dst_device` access ([`Device::set_pool_access`]).
+    /// pool does not grant `dst_device` access ([`Device::set_pool_access`]), or mapped memory
+    /// to which `dst_device` was not granted access ([`Device::grant_mapped_access`]).
     fn copy_peer(
         &self,
         dst: DevicePtr,
@@ -249,6 +262,15 @@ pub trait Device: Send + Sync {
     /// launch allocated and left allocated (`CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH`);
     /// without it, such a graph cannot be launched again until that memory is freed.
     fn instantiate_graph_auto_free(&self, graph: Graph) -> Result<GraphExec>;
+}
+
+/// The error of a [`Device::copy_peer`] whose source is mapped memory of device `from` to which
+/// device `to` was not granted access.
+fn no_mapped_access(src: DevicePtr, from: usize, to: usize) -> Error {
+    Error::InvalidArgument(format!(
+        "peer copy of {src:#x} from device {from} to device {to}: its mapped memory does not grant \
+         device {to} access (Device::grant_mapped_access, streamalloc_enable_peer_access)"
+    ))
 }
 
 /// The error of a [`Device::copy_peer`] whose source is memory of `pool` (on device `from`)

@@ -1,4 +1,4 @@
-//! A simulated device: deterministic, no GPU and no backing memory, with an ordering checker.
+//! A simulated device: deterministic, no GPU, with an ordering checker.
 //!
 //! # Model
 //! * **Time.** A virtual host clock (`now`, in ns) advances by [`SimConfig::tick_ns`] at every
@@ -16,13 +16,22 @@
 //!   release threshold at synchronizations, or on `trim_pool`.
 //! * **Address reservations** ([`Device::reserve_address`]) take no memory; mapping a range
 //!   of one takes 2 MiB granules from the same memory as plain allocations, and unmapping
-//!   gives them back. Unmapping a range that a stream's work may still use is an error (on
-//!   CUDA it would be a fault or silent corruption).
+//!   the last mapping of a granule gives it back. [`Device::map_alias`] maps granules a
+//!   second time, at no cost in memory: the checker sees a use through either address as a
+//!   use of the one granule, and mapped granules hold bytes (written by `memset_async` and
+//!   `copy_from_host`, read by `copy_to_host`; unwritten bytes read as 0), shared by all
+//!   their mappings. Unmapping a range that a stream's work may still use through that
+//!   range is an error (on CUDA it would be a fault or silent corruption).
 //! * **Peers.** Each pool keeps the set of other device ordinals granted access to it
-//!   ([`Device::set_pool_access`]); the owning device always has it. A simulated device knows
-//!   no other device: [`Device::copy_peer`] checks that the source, if it is a pool allocation
+//!   ([`Device::set_pool_access`]); the owning device always has it; mapped memory has the set
+//!   of [`Device::grant_mapped_access`]. A simulated device knows no other device:
+//!   [`Device::copy_peer`] checks that the source, if it is a pool allocation or mapped memory
 //!   of this device, may be read by the destination device, and is otherwise a use of the
 //!   source range on the stream, like a memset. Nothing is written anywhere.
+//! * **Memory contents.** Only mapped granules hold bytes; plain and pool memory reads as 0.
+//! * **Host waits.** [`SimDevice::host_waits`] counts the calls that made the host wait for
+//!   device work (stream and event synchronizations, bounded event waits, the device
+//!   synchronization of a plain free, the waits of host copies).
 //! * **Uses and the ordering checker.** [`SimDevice::use_range`] (and `memset_async`) enqueue
 //!   a simulated kernel that touches an address range for a duration. Whoever hands memory
 //!   out calls [`SimDevice::check_handout`]: if any earlier use of an overlapping range on
@@ -159,9 +168,11 @@ struct StreamState {
 
 #[derive(Clone, Copy)]
 enum Node {
+    /// A use of a range: a memset of `value`, or a read (a peer copy's source) when `None`.
     Memset {
         ptr: DevicePtr,
         len: usize,
+        value: Option<u8>,
     },
     /// A pool allocation; launches wait until `after`, when its previous free completes.
     Alloc {
@@ -198,6 +209,17 @@ struct Use {
     len: usize,
     stream: Stream,
     end: u64,
+    /// The memory behind the range: for mapped granules, where [`State::mapped`] says; for
+    /// anything else, the range itself.
+    memory: Vec<(u64, u64)>,
+}
+
+/// The bytes of a mapped granule that has been written.
+enum Bytes {
+    /// Every byte holds this value.
+    Fill(u8),
+    /// The granule's bytes.
+    Data(Box<[u8]>),
 }
 
 #[derive(Clone, Copy)]
@@ -334,6 +356,16 @@ struct State {
     next_reservation: u64,
     /// Mapped granules of reservations: address -> the memory behind it, taken from `space`.
     mapped: BTreeMap<u64, u64>,
+    /// Mappings of each granule of memory in `mapped`; it goes back to `space` with its last.
+    mappings: HashMap<u64, u32>,
+    /// The bytes of granules of memory in `mapped` that were written.
+    contents: HashMap<u64, Bytes>,
+    /// Calls that made the host wait for device work.
+    host_waits: u64,
+    /// Successful calls of [`Device::map_alias`].
+    aliases: u64,
+    /// Other devices granted access to mapped memory.
+    mapped_peers: BTreeSet<usize>,
 }
 
 impl SimDevice {
@@ -366,6 +398,11 @@ impl SimDevice {
             reservations: BTreeMap::new(),
             next_reservation: RESERVED_BASE + config.ordinal as u64 * RESERVED_STRIDE,
             mapped: BTreeMap::new(),
+            mappings: HashMap::new(),
+            contents: HashMap::new(),
+            host_waits: 0,
+            aliases: 0,
+            mapped_peers: BTreeSet::new(),
         };
         Arc::new(Self { config, state: Mutex::new(state) })
     }
@@ -399,7 +436,8 @@ impl SimDevice {
             if st.uses.len() > 4096 {
                 st.uses.retain(|u| u.end > now);
             }
-            st.uses.push(Use { ptr, len, stream, end });
+            let memory = st.memory_of(ptr, len);
+            st.uses.push(Use { ptr, len, stream, end, memory });
             Ok(())
         })
     }
@@ -412,11 +450,14 @@ impl SimDevice {
         let now = st.now;
         let usable_at = st.streams.get(&stream).map_or(now, |s| s.ready.max(now));
         st.uses.retain(|u| u.end > now);
+        let memory = st.memory_of(ptr, len);
+        let overlaps =
+            |u: &Use| u.memory.iter().any(|&(a, n)| memory.iter().any(|&(b, m)| a < b + m && b < a + n));
         let found: Vec<Violation> = st
             .uses
             .iter()
             .filter(|u| u.stream != stream && u.end > usable_at)
-            .filter(|u| u.ptr < ptr + len as u64 && ptr < u.ptr + u.len as u64)
+            .filter(|u| overlaps(u))
             .map(|u| Violation {
                 ptr,
                 len,
@@ -435,6 +476,16 @@ impl SimDevice {
     /// Every violation the checker has recorded.
     pub fn violations(&self) -> Vec<Violation> {
         self.state.lock().violations.clone()
+    }
+
+    /// How many calls so far made the host wait for device work (see the [module docs](self)).
+    pub fn host_waits(&self) -> u64 {
+        self.state.lock().host_waits
+    }
+
+    /// How many calls of [`Device::map_alias`] so far mapped memory a second time.
+    pub fn aliases(&self) -> u64 {
+        self.state.lock().aliases
     }
 
     /// When all work enqueued so far on `stream` completes (virtual ns).
@@ -506,8 +557,77 @@ impl State {
         std::mem::replace(&mut self.host_fns, later).into_values().collect()
     }
 
+    /// The memory behind `[ptr, ptr + len)`, in pieces: mapped granules of reservations
+    /// translated to their memory, anything else as it is.
+    fn memory_of(&self, ptr: u64, len: usize) -> Vec<(u64, u64)> {
+        let end = ptr + len as u64;
+        if self.mapped.range(ptr.saturating_sub(MAP_GRANULE as u64 - 1)..end).next().is_none() {
+            return vec![(ptr, len as u64)];
+        }
+        let mut pieces: Vec<(u64, u64)> = Vec::new();
+        let mut at = ptr;
+        while at < end {
+            let granule = at - at % MAP_GRANULE as u64;
+            let next = (granule + MAP_GRANULE as u64).min(end);
+            let start = self.mapped.get(&granule).map_or(at, |m| m + (at - granule));
+            match pieces.last_mut() {
+                Some((s, n)) if *s + *n == start => *n += next - at,
+                _ => pieces.push((start, next - at)),
+            }
+            at = next;
+        }
+        pieces
+    }
+
+    /// Calls `f(bytes of the granule, offset in it, offset in the range)` for each mapped
+    /// granule's part of `[ptr, ptr + len)` (unmapped parts are skipped).
+    fn each_mapped_part(&self, ptr: u64, len: usize, mut f: impl FnMut(u64, usize, usize, usize)) {
+        let end = ptr + len as u64;
+        let mut at = ptr;
+        while at < end {
+            let granule = at - at % MAP_GRANULE as u64;
+            let next = (granule + MAP_GRANULE as u64).min(end);
+            if let Some(&memory) = self.mapped.get(&granule) {
+                f(memory, (at - granule) as usize, (at - ptr) as usize, (next - at) as usize);
+            }
+            at = next;
+        }
+    }
+
+    /// Writes `value`, or the bytes of `data`, into the mapped granules of `[ptr, ptr + len)`.
+    fn write(&mut self, ptr: u64, len: usize, value: u8, data: Option<&[u8]>) {
+        let mut parts = Vec::new();
+        self.each_mapped_part(ptr, len, |m, off, from, n| parts.push((m, off, from, n)));
+        for (memory, off, from, n) in parts {
+            if data.is_none() && n == MAP_GRANULE {
+                self.contents.insert(memory, Bytes::Fill(value));
+                continue;
+            }
+            let bytes = self.contents.entry(memory).or_insert(Bytes::Fill(0));
+            if let Bytes::Fill(v) = *bytes {
+                *bytes = Bytes::Data(vec![v; MAP_GRANULE].into_boxed_slice());
+            }
+            let Bytes::Data(b) = bytes else { continue };
+            match data {
+                Some(d) => b[off..off + n].copy_from_slice(&d[from..from + n]),
+                None => b[off..off + n].fill(value),
+            }
+        }
+    }
+
+    /// Reads the mapped granules of `[ptr, ptr + dst.len())` into `dst` (0 elsewhere).
+    fn read(&self, ptr: u64, dst: &mut [u8]) {
+        dst.fill(0);
+        self.each_mapped_part(ptr, dst.len(), |memory, off, from, n| match self.contents.get(&memory) {
+            Some(Bytes::Fill(v)) => dst[from..from + n].fill(*v),
+            Some(Bytes::Data(b)) => dst[from..from + n].copy_from_slice(&b[off..off + n]),
+            None => {}
+        });
+    }
+
     /// Waits for every stream (as `cuCtxSynchronize` would) and applies release thresholds.
     fn sync_device(&mut self) {
+        self.host_waits += 1;
         let latest = self.streams.values().map(|s| s.ready).max().unwrap_or(0);
         self.now = self.now.max(latest);
         self.apply_thresholds();
@@ -812,7 +932,37 @@ impl Device for SimDevice {
                     }
                 }
             }
+            st.mappings.extend(taken.iter().map(|&m| (m, 1)));
             st.mapped.extend((addr..).step_by(MAP_GRANULE).zip(taken));
+            Ok(())
+        })
+    }
+
+    fn map_alias(&self, from: DevicePtr, to: DevicePtr, size: usize) -> Result<()> {
+        self.call(|st| {
+            st.check_reserved(from, size)?;
+            st.check_reserved(to, size)?;
+            let memory: Vec<u64> = st.mapped.range(from..from + size as u64).map(|(_, &m)| m).collect();
+            if memory.len() != size / MAP_GRANULE {
+                return Err(Error::InvalidArgument(format!("{from:#x}+{size} is not all mapped")));
+            }
+            if st.mapped.range(to..to + size as u64).next().is_some() {
+                return Err(Error::InvalidArgument(format!("{to:#x}+{size} is already mapped")));
+            }
+            for &m in &memory {
+                *st.mappings.entry(m).or_default() += 1;
+            }
+            st.mapped.extend((to..).step_by(MAP_GRANULE).zip(memory));
+            st.aliases += 1;
+            Ok(())
+        })
+    }
+
+    fn grant_mapped_access(&self, peer: usize) -> Result<()> {
+        self.call(|st| {
+            if peer != self.config.ordinal {
+                st.mapped_peers.insert(peer);
+            }
             Ok(())
         })
     }
@@ -835,7 +985,15 @@ impl Device for SimDevice {
             }
             let memory: Vec<u64> = st.mapped.range(addr..end).map(|(_, &m)| m).collect();
             for m in memory {
-                st.space.give(m, MAP_GRANULE);
+                let left = st.mappings.get_mut(&m).map(|n| {
+                    *n -= 1;
+                    *n
+                });
+                if left == Some(0) {
+                    st.mappings.remove(&m);
+                    st.contents.remove(&m);
+                    st.space.give(m, MAP_GRANULE);
+                }
             }
             st.mapped.retain(|&g, _| g < addr || g >= end);
             Ok(())
@@ -974,6 +1132,7 @@ impl Device for SimDevice {
     fn synchronize_stream(&self, stream: Stream) -> Result<()> {
         self.call(|st| {
             let ready = st.stream_mut(stream)?.ready;
+            st.host_waits += 1;
             st.now = st.now.max(ready);
             st.apply_thresholds();
             Ok(())
@@ -1094,6 +1253,7 @@ impl Device for SimDevice {
                 .events
                 .get(&event)
                 .ok_or_else(|| Error::InvalidArgument(format!("unknown event {:#x}", event.0)))?;
+            st.host_waits += 1;
             if let Some(t) = *at {
                 st.now = st.now.max(t);
                 st.apply_thresholds();
@@ -1110,6 +1270,7 @@ impl Device for SimDevice {
                 .events
                 .get(&event)
                 .ok_or_else(|| Error::InvalidArgument(format!("unknown event {:#x}", event.0)))?;
+            st.host_waits += 1;
             let Some(t) = *at else { return Ok(true) };
             let deadline = st.now.saturating_add(u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX));
             let done = t <= deadline;
@@ -1123,12 +1284,13 @@ impl Device for SimDevice {
         self.call(|st| st.stream_mut(stream).map(|_| ()))
     }
 
-    fn memset_async(&self, ptr: DevicePtr, _value: u8, len: usize, stream: Stream) -> Result<()> {
+    fn memset_async(&self, ptr: DevicePtr, value: u8, len: usize, stream: Stream) -> Result<()> {
         let mut st = self.state.lock();
         let ns = self.kernel_ns(&mut st, len);
-        if st.capture_node(stream, Node::Memset { ptr, len })? {
+        if st.capture_node(stream, Node::Memset { ptr, len, value: Some(value) })? {
             return Ok(());
         }
+        st.write(ptr, len, value, None);
         drop(st);
         self.use_range(ptr, len, stream, ns)
     }
@@ -1153,9 +1315,13 @@ impl Device for SimDevice {
                 return Err(super::no_peer_access(src, own, dst_device, pool));
             }
         }
+        let mapped = st.mapped.contains_key(&(src - src % MAP_GRANULE as u64));
+        if mapped && dst_device != own && !st.mapped_peers.contains(&dst_device) {
+            return Err(super::no_mapped_access(src, own, dst_device));
+        }
         let ns = self.kernel_ns(&mut st, len);
         // Captured, it is replayed at each launch as a use of the source range.
-        if st.capture_node(stream, Node::Memset { ptr: src, len })? {
+        if st.capture_node(stream, Node::Memset { ptr: src, len, value: None })? {
             return Ok(());
         }
         drop(st);
@@ -1163,15 +1329,19 @@ impl Device for SimDevice {
     }
 
     fn copy_to_host(&self, dst: &mut [u8], src: DevicePtr, stream: Stream) -> Result<()> {
-        // No backing memory: the copy is a use of the range, then a wait for it.
-        dst.fill(0);
+        // The copy is a use of the range, then a wait for it.
+        self.state.lock().read(src, dst);
         let ns = self.kernel_ns(&mut self.state.lock(), dst.len());
         self.use_range(src, dst.len(), stream, ns)?;
         self.synchronize_stream(stream)
     }
 
     fn copy_from_host(&self, dst: DevicePtr, src: &[u8], stream: Stream) -> Result<()> {
-        let ns = self.kernel_ns(&mut self.state.lock(), src.len());
+        let ns = {
+            let mut st = self.state.lock();
+            st.write(dst, src.len(), 0, Some(src));
+            self.kernel_ns(&mut st, src.len())
+        };
         self.use_range(dst, src.len(), stream, ns)?;
         self.synchronize_stream(stream)
     }
@@ -1242,7 +1412,13 @@ impl Device for SimDevice {
             |p: DevicePtr| nodes.iter().any(|n| matches!(n, Node::Alloc { ptr, .. } if *ptr == p));
         for node in &nodes {
             match *node {
-                Node::Memset { ptr, len } => self.memset_async(ptr, 0, len, stream)?,
+                Node::Memset { ptr, len, value: Some(value) } => {
+                    self.memset_async(ptr, value, len, stream)?
+                }
+                Node::Memset { ptr, len, value: None } => {
+                    let ns = self.kernel_ns(&mut self.state.lock(), len);
+                    self.use_range(ptr, len, stream, ns)?
+                }
                 Node::Alloc { after, .. } => self.call(|st| {
                     let s = st.stream_mut(stream)?;
                     s.ready = s.ready.max(after);
@@ -1344,6 +1520,46 @@ mod tests {
         d.free_address(r, 64 * G).unwrap();
         d.free_address(big, 1024 * G).unwrap();
         assert!(d.map(r, G).is_err(), "no reservation any more");
+    }
+
+    #[test]
+    fn aliases_share_bytes_memory_and_uses() {
+        const G: usize = MAP_GRANULE;
+        let d = dev();
+        let (s, t) = (d.create_stream().unwrap(), d.create_stream().unwrap());
+        let r = d.reserve_address(16 * G).unwrap();
+        let (a, b) = (r, r + 8 * G as u64);
+        let free = d.mem_info().unwrap().free;
+        d.map(a, 2 * G).unwrap();
+        let data: Vec<u8> = (0..2 * G).map(|i| (i % 251) as u8).collect();
+        d.copy_from_host(a, &data, s).unwrap();
+        assert!(d.map_alias(a, b, 3 * G).is_err(), "the source is not all mapped");
+        d.map_alias(a, b, 2 * G).unwrap();
+        assert!(d.map_alias(a, b, 2 * G).is_err(), "the target is mapped already");
+        assert_eq!(d.mem_info().unwrap().free, free - 2 * G, "an alias takes no memory");
+        // Bytes written through one mapping are read through the other, across the granules.
+        let mut back = vec![0; 2 * G];
+        d.copy_to_host(&mut back, b, s).unwrap();
+        assert!(back == data);
+        d.memset_async(b + G as u64 - 8, 7, 16, s).unwrap();
+        let mut part = vec![0; 32];
+        d.copy_to_host(&mut part, a + G as u64 - 16, s).unwrap();
+        assert_eq!(&part[..8], &data[G - 16..G - 8]);
+        assert!(part[8..24].iter().all(|&x| x == 7) && part[24..] == data[G + 8..G + 16]);
+        // A use through one address is a use of the memory behind the other.
+        d.use_range(a + G as u64, 4096, s, 1_000_000).unwrap();
+        assert_eq!(d.check_handout(b + G as u64, 4096, t), 1);
+        assert_eq!(d.check_handout(b, 4096, t), 0, "another granule");
+        // The alias may go while the use through the other address runs; the memory stays.
+        d.unmap(b, 2 * G).unwrap();
+        assert_eq!(d.mem_info().unwrap().free, free - 2 * G);
+        assert!(d.unmap(a, 2 * G).is_err(), "still used through `a`");
+        d.synchronize_stream(s).unwrap();
+        d.copy_to_host(&mut back, a, s).unwrap();
+        assert!(back[..G - 8] == data[..G - 8]);
+        d.unmap(a, 2 * G).unwrap();
+        assert_eq!(d.mem_info().unwrap().free, free, "its last mapping gave it back");
+        d.free_address(r, 16 * G).unwrap();
     }
 
     #[test]

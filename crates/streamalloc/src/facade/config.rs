@@ -115,9 +115,10 @@ pub struct Config {
     pub growth: usize,
     /// `expandable`: `true` backs the caching pools (`best_fit`, `stream_safe`) with
     /// stitched virtual-memory ranges ([`Stitched`](crate::allocators::backing::Stitched):
-    /// address space mapped as the pools grow, free granules of holes unmapped to pay for a
-    /// growth that would raise the peak) instead of chunks of plain allocations: a footprint
-    /// closer to the peak live bytes when shapes vary (`bench/results/`). Default `false`.
+    /// address space mapped as the pools grow, the memory of free granules mapped again to
+    /// pay for a growth that would raise the peak) instead of chunks of plain allocations: a
+    /// footprint closer to the peak live bytes when shapes vary (`bench/results/`). Default
+    /// `false`.
     pub expandable: bool,
     /// `pool`: `default` or `owned`, for `async`. Default `default`.
     pub pool: PoolChoice,

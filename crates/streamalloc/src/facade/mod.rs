@@ -139,6 +139,16 @@ impl Facade {
         self.stacks.iter().filter_map(OnceLock::get)
     }
 
+    /// Lets device `peer` read and write the memory that device `ordinal`'s allocators map
+    /// (`expandable=true`), mapped so far and later ([`Device::grant_mapped_access`]); builds
+    /// the stack if needed. Plain allocations (`expandable=false`, private pools) follow the
+    /// context-level peer access the program enables itself (`cudaDeviceEnablePeerAccess`);
+    /// mapped memory does not, and needs this call too. The driver's pools (`strategy=async`)
+    /// are not covered: see [`AsyncPool::grant_peer_access`].
+    pub fn enable_peer_access(&self, ordinal: usize, peer: usize) -> Result<()> {
+        self.stack(ordinal)?.device.grant_mapped_access(peer)
+    }
+
     /// The allocator stack of device `ordinal`.
     pub fn allocator(&self, ordinal: usize) -> Result<&DynAllocator> {
         Ok(&self.stack(ordinal)?.allocator)

@@ -57,10 +57,6 @@ pub trait Ledger {
     /// block fits it (`None` when none does, or when no request is being grown for). The
     /// pool's reserved bytes follow the policy's.
     fn update(&self, f: &mut dyn FnMut(&mut BestFitPolicy) -> Result<()>) -> Result<Option<Grant>>;
-    /// Waits, at most the pool's [`wait_timeout`](super::BestFitConfig::wait_timeout), for the
-    /// work enqueued so far on the pool's stream; past the bound, an
-    /// [`Error::Timeout`] that says what was waited for.
-    fn wait_for_stream(&self) -> Result<()>;
 }
 
 /// Where a [`BestFit`](super::BestFit) pool's memory comes from and goes back to.
@@ -70,8 +66,9 @@ pub trait Ledger {
 /// block was last used in the order of the pool's stream (blocks freed with recorded
 /// streams become free only once those streams' events completed), so free memory may be
 /// unmapped only after the pool's stream's work: the pool waits for it (with a bound) before
-/// a release, and a backing that unmaps free memory while growing first waits through
-/// [`Ledger::wait_for_stream`]. No backing waits without a bound (but at teardown).
+/// a release. A backing that reuses free memory while growing does so in the order of the
+/// pool's stream, without unmapping it ([`Stitched`] maps it a second time). No backing
+/// waits without a bound (but at teardown).
 pub trait Backing: Send + Sync {
     /// The device the memory lives on.
     fn device(&self) -> &Arc<dyn Device>;

@@ -1,6 +1,6 @@
 //! Stitched virtual-memory ranges (GMLake, ASPLOS'24): one address reservation whose mapped
-//! ranges are placed where they merge with free blocks, and whose free granules are unmapped
-//! to pay for a growth that would otherwise raise the pool's peak.
+//! ranges are placed where they merge with free blocks, and whose free granules are mapped a
+//! second time into a growth that would otherwise raise the pool's peak.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -8,7 +8,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use super::{Backing, Ledger, Want};
-use crate::device::{Device, Stream};
+use crate::device::{CaptureStatus, Device, Event, EventPool, Stream};
 use crate::error::{Error, OutOfMemory, Result};
 use crate::policy::best_fit::{BestFitPolicy, Class, Grant};
 
@@ -21,30 +21,45 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Grant};
 ///   the request fits (PyTorch's expandable segments do this at the end of one segment
 ///   only). Filling a run between two free blocks merges all three. Both classes share the
 ///   reservation, so small and large requests reuse each other's unmapped granules.
-/// * **Stitching.** When the growth would raise the bytes mapped above their highest mark
-///   so far, free granules (whole granules inside free blocks, those of the smallest free
-///   blocks first) are first taken out of the pool and unmapped, as many as the excess:
-///   free memory is defragmented without moving live data, and the pool's peak rises only
-///   when the free memory, however scattered, cannot pay for the growth. Below the mark a
-///   growth only maps, as expandable segments do. A request of any size is served from the
-///   reservation: a freed block of a large request leaves a hole whose granules are stitched
-///   into the next growth.
-/// * **Ordering.** Unmapping does not wait for the device as `cuMemFree` does, and a free
-///   block's last use is ordered on the pool's stream: before unmapping, the work enqueued
-///   on the pool's stream is waited for, at most the pool's
-///   [`wait_timeout`](crate::allocators::BestFitConfig::wait_timeout) (by the pool before a
-///   release, through [`Ledger::wait_for_stream`] before stitching). Past the bound nothing
-///   is unmapped: a release fails with the error that says so, a growth maps without
-///   stitching (the peak rises).
-/// * **Release** unmaps every free granule of the pool (PyTorch's `empty_cache` over
-///   expandable segments).
+/// * **Stitching.** When the growth would raise the memory mapped above its highest mark so
+///   far, free granules (whole granules inside free blocks, those of the smallest free
+///   blocks first) are taken out of the pool, as many as the excess, and their memory is
+///   mapped again as part of the growth's range; fresh memory is mapped only for the rest.
+///   Free memory is defragmented without moving live data and without waiting for the
+///   device (see below), and the pool's peak rises only when the free
+///   memory, however scattered, cannot pay for the growth. Below the mark a growth only
+///   maps, as expandable segments do. A request of any size is served from the reservation:
+///   a freed block of a large request leaves a hole whose granules are stitched into the
+///   next growth. While the pool's stream captures a graph nothing is stitched (no event is
+///   recorded in a capture).
+/// * **Release** unmaps the old ranges of stitched granules and every free granule of the
+///   pool (PyTorch's `empty_cache` over expandable segments), after the pool's bounded wait
+///   for its stream; past the bound nothing is unmapped.
 ///
-/// GMLake maps a physical granule at a second address without unmapping it; here
-/// ([`Device::map`] creates the memory it maps) the granule is unmapped and a fresh one
-/// mapped, which costs a wait for the pool's stream per stitching.
+/// # Why stitching needs no wait
+///
+/// A stitch takes whole granules out of free blocks and maps *the same memory* again inside
+/// the growth's new range ([`Device::map_alias`]); nothing is unmapped and nothing is
+/// created for them. The memory's last use before the stitch is ordered on the pool's stream
+/// (blocks freed with recorded streams become free only once those streams' events
+/// completed), and its next user gets a block of the new range, in the order of the same
+/// stream (another stream receives a block of the pool only after waiting for the pool's
+/// stream). The stream alone orders the two, as it orders any reuse of a free block: the host
+/// waits for nothing.
+///
+/// The granule's old address, an alias of memory now in use elsewhere, must never be handed
+/// out again while it is mapped: it leaves the pool at the stitch (it is in no block of the
+/// policy), and only goes back into the reservation's unmapped runs once unmapped. It cannot
+/// be unmapped at once, since work queued before the stitch may still use it through that
+/// address (an unmap, unlike `cuMemFree`, does not wait). So the stitch records an event on
+/// the pool's stream after carving it, and a later growth or release that finds the event
+/// complete unmaps the old range; unmapping an alias frees no memory while another mapping
+/// of it lives. A release, which waits (with its bound) for the pool's stream, unmaps every
+/// retired range before the free granules, so the memory it gives back is really returned.
 pub struct Stitched {
     device: Arc<dyn Device>,
     stream: Stream,
+    events: EventPool,
     state: Mutex<State>,
 }
 
@@ -58,10 +73,20 @@ struct State {
     reservation: u64,
     /// Unmapped runs of the reservation: start -> length, no two adjacent.
     holes: BTreeMap<u64, u64>,
-    /// Bytes mapped now.
+    /// Old ranges of stitched granules, still mapped, out of the pool and out of `holes`.
+    retired: Vec<Retired>,
+    /// Bytes of memory the pool's blocks map now (each granule's memory counted once).
     mapped: u64,
     /// The most bytes mapped at once so far.
     high_water: u64,
+}
+
+/// The old ranges of the granules one stitch mapped again, and the event recorded on the
+/// pool's stream after it: once the event completed no work uses them. `None` when no event
+/// could be recorded: they are unmapped at the next release.
+struct Retired {
+    event: Option<Event>,
+    ranges: Vec<(u64, u64)>,
 }
 
 /// Where to map a growth: `len` bytes at `at`, inside one unmapped run.
@@ -75,7 +100,8 @@ impl Stitched {
     /// A stitched backing on `device` for a pool whose blocks are used in the order of
     /// `stream`.
     pub fn new(device: Arc<dyn Device>, stream: Stream) -> Self {
-        Self { device, stream, state: Mutex::new(State::default()) }
+        let events = EventPool::new(device.clone());
+        Self { device, stream, events, state: Mutex::new(State::default()) }
     }
 
     /// Reserves the address space at the first growth.
@@ -93,51 +119,58 @@ impl Stitched {
         Ok(())
     }
 
-    /// Takes `bytes` of free granules out of the pool through `ledger`, unmaps them and
-    /// returns how many bytes it unmapped; blocks that end at `keep.0` or start at
-    /// `keep.0 + keep.1` (those a placement counts on) stay. Calls `wait` (which waits for the
-    /// pool's stream, or tells why it could not) before unmapping anything. A range that
-    /// cannot be unmapped goes back to the pool.
-    fn reclaim(
-        &self,
-        st: &mut State,
-        ledger: &dyn Ledger,
-        bytes: u64,
-        keep: Option<Placement>,
-        wait: &dyn Fn() -> Result<()>,
-    ) -> Result<u64> {
-        let g = st.granularity;
-        let mut carved = Vec::new();
-        ledger.update(&mut |p| {
-            carved = carve_free_granules(p, g, bytes, keep);
-            Ok(())
-        })?;
-        if carved.is_empty() {
-            return Ok(0);
-        }
-        let mut first_error = wait().err();
-        let mut unmapped = 0;
-        for (class, addr, len) in carved {
-            let result = match first_error {
-                Some(_) => Err(None),
-                None => self.device.unmap(addr, len as usize).map_err(Some),
+    /// Unmaps the retired ranges whose event has completed (all of them when `all`: the
+    /// caller waited for the pool's stream), which become unmapped runs again. A range that
+    /// cannot be unmapped stays retired, without its event, until the next release.
+    fn unmap_retired(&self, st: &mut State, all: bool) {
+        let mut kept = Vec::new();
+        for mut r in std::mem::take(&mut st.retired) {
+            let done = match r.event {
+                Some(e) => all || self.device.query_event(e).unwrap_or(false),
+                None => all,
             };
-            match result {
-                Ok(()) => {
-                    insert_hole(&mut st.holes, addr, len);
-                    st.mapped -= len;
-                    unmapped += len;
-                }
-                Err(e) => {
-                    if let Some(e) = e {
-                        first_error.get_or_insert(e);
-                    }
-                    // Still mapped: back into the pool, where it was.
-                    let _ = ledger.update(&mut |p| add_and_join(p, class, addr, len));
+            if !done {
+                kept.push(r);
+                continue;
+            }
+            if let Some(e) = r.event.take() {
+                self.events.put(e);
+            }
+            let mut left = Vec::new();
+            for (addr, len) in r.ranges {
+                match self.device.unmap(addr, len as usize) {
+                    Ok(()) => insert_hole(&mut st.holes, addr, len),
+                    Err(_) => left.push((addr, len)),
                 }
             }
+            if !left.is_empty() {
+                kept.push(Retired { event: None, ranges: left });
+            }
         }
-        first_error.map_or(Ok(unmapped), Err)
+        st.retired = kept;
+    }
+
+    /// Maps `pl`: the carved ranges' memory again at its start, in order, and fresh memory
+    /// after them. On failure nothing of `pl` is left mapped (the carved ranges stay mapped
+    /// where they were).
+    fn map_stitched(&self, pl: Placement, carved: &[(Class, u64, u64)]) -> Result<()> {
+        let mut at = pl.at;
+        let mut result = Ok(());
+        for &(_, addr, len) in carved {
+            result = self.device.map_alias(addr, at, len as usize);
+            if result.is_err() {
+                break;
+            }
+            at += len;
+        }
+        if result.is_ok() && at < pl.at + pl.len {
+            result = self.device.map(at, (pl.at + pl.len - at) as usize);
+        }
+        if result.is_err() && at > pl.at {
+            // Mapped a moment ago and used by nothing yet.
+            let _ = self.device.unmap(pl.at, (at - pl.at) as usize);
+        }
+        result
     }
 }
 
@@ -149,6 +182,9 @@ impl Backing for Stitched {
     fn grow(&self, ledger: &dyn Ledger, want: &Want) -> Result<Option<Grant>> {
         let mut st = self.state.lock();
         self.reserve(&mut st)?;
+        if !st.retired.is_empty() {
+            self.unmap_retired(&mut st, false);
+        }
         let mut placement = None;
         let served = ledger.update(&mut |p| {
             placement = place(p, &st.holes, st.granularity, want.class, want.rounded);
@@ -167,23 +203,44 @@ impl Backing for Stitched {
             }));
         };
         let excess = (st.mapped + pl.len).saturating_sub(st.high_water);
-        if excess > 0 {
-            match self.reclaim(&mut st, ledger, excess, Some(pl), &|| ledger.wait_for_stream()) {
-                // The pool's stream still uses the free granules past the wait bound: grow
-                // without stitching (the peak rises) rather than wait longer or fail.
-                Ok(_) | Err(Error::Timeout { .. }) => {}
-                Err(e) => return Err(e),
-            }
+        let mut carved = Vec::new();
+        if excess > 0 && self.device.capture_status(self.stream)? == CaptureStatus::None {
+            let g = st.granularity;
+            ledger.update(&mut |p| {
+                carved = carve_free_granules(p, g, excess, Some(pl));
+                Ok(())
+            })?;
         }
-        self.device.map(pl.at, pl.len as usize)?;
-        take_hole(&mut st.holes, pl.at, pl.len);
-        st.mapped += pl.len;
-        st.high_water = st.high_water.max(st.mapped);
+        let put_back = |carved: &[(Class, u64, u64)]| {
+            for &(class, addr, len) in carved {
+                let _ = ledger.update(&mut |p| add_and_join(p, class, addr, len));
+            }
+        };
+        if let Err(e) = self.map_stitched(pl, &carved) {
+            put_back(&carved);
+            return Err(e);
+        }
         let added = ledger.update(&mut |p| add_and_join(p, want.class, pl.at, pl.len));
-        if added.is_err() && self.device.unmap(pl.at, pl.len as usize).is_ok() {
+        if added.is_err() {
             // A bug: the policy refused memory that is mapped; give it back.
-            insert_hole(&mut st.holes, pl.at, pl.len);
-            st.mapped -= pl.len;
+            if self.device.unmap(pl.at, pl.len as usize).is_ok() {
+                put_back(&carved);
+            }
+            return added;
+        }
+        let reused: u64 = carved.iter().map(|&(_, _, len)| len).sum();
+        take_hole(&mut st.holes, pl.at, pl.len);
+        st.mapped += pl.len - reused;
+        st.high_water = st.high_water.max(st.mapped);
+        if !carved.is_empty() {
+            let event = self.events.get().ok().filter(|&e| match self.device.record_event(e, self.stream) {
+                Ok(()) => true,
+                Err(_) => {
+                    self.events.put(e);
+                    false
+                }
+            });
+            st.retired.push(Retired { event, ranges: carved.iter().map(|&(_, a, l)| (a, l)).collect() });
         }
         added
     }
@@ -197,21 +254,45 @@ impl Backing for Stitched {
         if st.base == 0 {
             return Ok(0);
         }
-        // The pool waited for its stream before this release.
-        let waited = || unwaited.map_or(Ok(()), |e| Err(e.clone()));
-        let unmapped = self.reclaim(&mut st, ledger, u64::MAX, None, &waited)?;
-        Ok(unmapped as usize)
+        // The pool waited for its stream before this release, unless `unwaited` says why not.
+        self.unmap_retired(&mut st, unwaited.is_none());
+        if let Some(e) = unwaited {
+            return Err(e.clone());
+        }
+        let g = st.granularity;
+        let mut carved = Vec::new();
+        ledger.update(&mut |p| {
+            carved = carve_free_granules(p, g, u64::MAX, None);
+            Ok(())
+        })?;
+        let (mut unmapped, mut first_error) = (0, None);
+        for (class, addr, len) in carved {
+            match self.device.unmap(addr, len as usize) {
+                Ok(()) => {
+                    insert_hole(&mut st.holes, addr, len);
+                    st.mapped -= len;
+                    unmapped += len;
+                }
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                    // Still mapped: back into the pool, where it was.
+                    let _ = ledger.update(&mut |p| add_and_join(p, class, addr, len));
+                }
+            }
+        }
+        first_error.map_or(Ok(unmapped as usize), Err)
     }
 
     fn teardown(&mut self, chunks: Vec<(u64, u64)>) {
-        let st = std::mem::take(self.state.get_mut());
+        let mut st = std::mem::take(self.state.get_mut());
         if st.base == 0 {
             return;
         }
-        if !chunks.is_empty() {
-            // As in `reclaim`: an unmap does not wait for the last uses.
+        if !chunks.is_empty() || !st.retired.is_empty() {
+            // As in `release`: an unmap does not wait for the last uses.
             let _ = self.device.synchronize_stream(self.stream);
         }
+        self.unmap_retired(&mut st, true);
         for (addr, size) in chunks {
             let _ = self.device.unmap(addr, size as usize);
         }
