@@ -2,8 +2,8 @@
 # Prepares everything the GPU machine needs (it has no Rust toolchain and no registry), here:
 #   .gpu/      the test executables and the measurement programs of crates/streamalloc-bench
 #              (scripts/gpu-test.sh packs both)
-#   .anchors/  the comparison harness and its wheels, every trace of traces/ (its subfolders
-#              flattened into one folder) and libstreamalloc.so
+#   .anchors/  the comparison harness and its wheels, and libstreamalloc.so (device-run.sh
+#              links every trace of traces/ into .anchors/traces/ there)
 #   dist/      the Python wheel bundling libstreamalloc.so (scripts/build-python.sh)
 # then prints what to run there. On the GPU machine, scripts/gpu/device-run.sh runs the
 # parts (tests, anchors, gpt2, cupy) and writes results under $OUT.
@@ -23,8 +23,7 @@ fi
 bash scripts/gpu-test.sh >/dev/null
 bash scripts/build-python.sh >/dev/null
 rm -rf .anchors && mkdir -p .anchors
-cp -r "$harness/anchors/." .anchors/ && chmod -R u+w .anchors && mkdir .anchors/traces
-find traces -name '*.csv' -exec cp {} .anchors/traces/ \;
+cp -r "$harness/anchors/." .anchors/ && chmod -R u+w .anchors
 bash .anchors/fetch-wheels.sh .anchors/wheels >/dev/null
 strip --strip-debug -o .anchors/libstreamalloc.so target/release/libstreamalloc.so
 du -sh .gpu .anchors dist | tr '\n' ' '; echo

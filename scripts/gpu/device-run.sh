@@ -42,6 +42,10 @@ export OUT=${OUT:-/tmp/streamalloc-gpu}
 mkdir -p "$OUT"
 # scripts/gpu-test.sh leaves .gpu/ and the same compressed; copy either.
 [ -d .gpu ] || { [ -f .gpu.tar.xz ] && tar xJf .gpu.tar.xz; }
+# The harness replays every trace of traces/ (subfolders included) from one folder.
+if [ -d .anchors ] && [ ! -d .anchors/traces ]; then
+  mkdir .anchors/traces && find traces -name '*.csv' -exec ln -s "$PWD/{}" .anchors/traces/ \;
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 lscpu | grep -E '^(Model name|CPU\(s\)|Thread|Core|Socket)' | tee "$OUT/cpu.txt"
 # The anchors harness's replayers, built once per machine.
