@@ -496,6 +496,6 @@ fn bounded_event_wait_and_stream_check() {
     dev.check_stream(Stream::DEFAULT).expect("the legacy default stream");
     dev.destroy_event(e).unwrap();
     dev.destroy_stream(s).unwrap();
-    let refused = dev.check_stream(s).expect_err("a destroyed stream");
-    assert!(matches!(refused, Error::InvalidArgument(_)), "{refused}");
+    // A destroyed stream's handle is undefined behaviour in the driver (this check once
+    // crashed the process here); the simulator's tests check that it is refused.
 }

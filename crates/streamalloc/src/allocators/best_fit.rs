@@ -482,8 +482,9 @@ struct PoolLedger<'a> {
     request: Option<(u64, usize)>,
 }
 
-impl Ledger for PoolLedger<'_> {
-    fn update(&self, f: &mut dyn FnMut(&mut BestFitPolicy) -> Result<()>) -> Result<Option<Grant>> {
+impl PoolLedger<'_> {
+    /// Runs `f` under the pool's lock; then, when `serve`, allocates the request if it fits.
+    fn run(&self, f: &mut dyn FnMut(&mut BestFitPolicy) -> Result<()>, serve: bool) -> Result<Option<Grant>> {
         let mut st = self.inner.state.lock();
         st.unpark();
         let before = st.policy.figures();
@@ -497,7 +498,16 @@ impl Ledger for PoolLedger<'_> {
             st.stats.device_frees += before.chunks.saturating_sub(after.chunks).max(1) as u64 - 1;
         }
         done?;
-        Ok(self.request.and_then(|(rounded, size)| st.allocate(rounded, size)))
+        Ok(self.request.filter(|_| serve).and_then(|(rounded, size)| st.allocate(rounded, size)))
+    }
+}
+
+impl Ledger for PoolLedger<'_> {
+    fn update(&self, f: &mut dyn FnMut(&mut BestFitPolicy) -> Result<()>) -> Result<()> {
+        self.run(f, false).map(drop)
+    }
+    fn update_and_serve(&self, f: &mut dyn FnMut(&mut BestFitPolicy) -> Result<()>) -> Result<Option<Grant>> {
+        self.run(f, true)
     }
 }
 

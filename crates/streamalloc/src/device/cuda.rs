@@ -924,8 +924,10 @@ impl Device for CudaDevice {
     fn check_stream(&self, s: Stream) -> Result<()> {
         let mut flags: std::ffi::c_uint = 0;
         let flags_ptr: *mut std::ffi::c_uint = &mut flags;
-        // SAFETY: `flags_ptr` points to `flags`, alive across the call; the driver validates
-        // the stream (cuStreamGetFlags, unlike cuStreamQuery, does not disturb a capture).
+        // SAFETY: `flags_ptr` points to `flags`, alive across the call; the caller passes a
+        // stream that was not destroyed (see Device::check_stream), and the driver refuses
+        // one of another context (cuStreamGetFlags, unlike cuStreamQuery, does not disturb a
+        // capture).
         let res = self.on_stream(s, || unsafe { sys::cuStreamGetFlags(stream(s), flags_ptr) })?;
         check(res, "cuStreamGetFlags").map_err(|e| {
             Error::InvalidArgument(format!("stream {:#x} is not a live stream of this device: {e}", s.0))

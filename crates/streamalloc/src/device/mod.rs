@@ -220,7 +220,10 @@ pub trait Device: Send + Sync {
     }
     /// Fails with [`Error::InvalidArgument`] naming `stream` unless it is a live stream of
     /// this device (the legacy default stream always is). Makes no change to the stream and
-    /// is allowed while it captures a graph.
+    /// is allowed while it captures a graph. The simulator knows every stream it made; the
+    /// CUDA driver refuses a stream of another device or context, but the handle of a
+    /// *destroyed* stream is undefined behaviour there, as in every driver call (on an H200
+    /// it crashed the process): a stream must not be used after it is destroyed.
     fn check_stream(&self, stream: Stream) -> Result<()>;
 
     /// Fills `len` bytes at `ptr` with `value`, in the order of `stream` (a real use of the

@@ -73,7 +73,7 @@ impl Backing for Chunks {
         let size = usize::try_from(want.chunk)
             .map_err(|_| Error::InvalidArgument(format!("a chunk of {} bytes", want.chunk)))?;
         let addr = self.source.grow(size)?;
-        match ledger.update(&mut |p| p.add_chunk(want.class, addr, want.chunk)) {
+        match ledger.update_and_serve(&mut |p| p.add_chunk(want.class, addr, want.chunk)) {
             Ok(grant) => Ok(grant),
             Err(e) => {
                 // A bug: the policy refused a chunk just obtained; give it back.

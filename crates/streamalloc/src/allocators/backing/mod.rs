@@ -53,10 +53,12 @@ pub struct Want {
 /// The pool's books as a backing sees them.
 pub trait Ledger {
     /// Runs `f` on the pool's policy under the pool's lock (blocks parked for exact reuse are
-    /// given back to the policy first), then serves the request being grown for if a free
-    /// block fits it (`None` when none does, or when no request is being grown for). The
-    /// pool's reserved bytes follow the policy's.
-    fn update(&self, f: &mut dyn FnMut(&mut BestFitPolicy) -> Result<()>) -> Result<Option<Grant>>;
+    /// given back to the policy first). The pool's reserved bytes follow the policy's.
+    fn update(&self, f: &mut dyn FnMut(&mut BestFitPolicy) -> Result<()>) -> Result<()>;
+    /// [`Ledger::update`], then, under the same lock, serves the request being grown for if a
+    /// free block fits it (`None` when none does, or when no request is being grown for). The
+    /// grant is an allocation: the caller hands it on (dropping it would leak the block).
+    fn update_and_serve(&self, f: &mut dyn FnMut(&mut BestFitPolicy) -> Result<()>) -> Result<Option<Grant>>;
 }
 
 /// Where a [`BestFit`](super::BestFit) pool's memory comes from and goes back to.

@@ -75,7 +75,7 @@ impl Backing for Segments {
             }
         };
         let mut tail = 0;
-        let served = ledger.update(&mut |p| {
+        let served = ledger.update_and_serve(&mut |p| {
             tail = p.segment_tail_free(base).unwrap_or(0);
             Ok(())
         })?;
@@ -96,7 +96,7 @@ impl Backing for Segments {
         device.map(at, need as usize)?;
         // The `need` bytes just mapped join the segment's end, and the request is served there.
         let first = sg.mapped[c] == 0;
-        let added = ledger.update(&mut |p| match first {
+        let added = ledger.update_and_serve(&mut |p| match first {
             true => p.add_segment(want.class, base, need),
             false => p.extend_segment(base, need),
         });

@@ -186,7 +186,7 @@ impl Backing for Stitched {
             self.unmap_retired(&mut st, false);
         }
         let mut placement = None;
-        let served = ledger.update(&mut |p| {
+        let served = ledger.update_and_serve(&mut |p| {
             placement = place(p, &st.holes, st.granularity, want.class, want.rounded);
             Ok(())
         })?;
@@ -220,7 +220,7 @@ impl Backing for Stitched {
             put_back(&carved);
             return Err(e);
         }
-        let added = ledger.update(&mut |p| add_and_join(p, want.class, pl.at, pl.len));
+        let added = ledger.update_and_serve(&mut |p| add_and_join(p, want.class, pl.at, pl.len));
         if added.is_err() {
             // A bug: the policy refused memory that is mapped; give it back.
             if self.device.unmap(pl.at, pl.len as usize).is_ok() {
