@@ -1356,6 +1356,8 @@ mod test_util {
     use super::*;
 
     impl SimDevice {
+        /// How long a memset or copy of `len` bytes runs: the launch cost, the bytes at the
+        /// configured bandwidth, and up to 25% of jitter.
         pub(super) fn kernel_ns(&self, st: &mut State, len: usize) -> u64 {
             let base = self.config.launch_ns + len as u64 / self.config.bandwidth_bytes_per_ns.max(1);
             base + st.rng.gen_range(0..=base / 4)
@@ -1363,6 +1365,7 @@ mod test_util {
     }
 
     impl State {
+        /// Takes out the host functions whose place in their stream the clock has reached.
         pub(super) fn take_due_host_fns(&mut self) -> Vec<HostFn> {
             let later = self.host_fns.split_off(&(self.now + 1, 0));
             std::mem::replace(&mut self.host_fns, later).into_values().collect()
