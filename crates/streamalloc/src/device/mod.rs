@@ -130,6 +130,7 @@ pub struct PoolProps {
 }
 
 /// What an allocator needs from a GPU. Object-safe: allocators hold an `Arc<dyn Device>`.
+/// What only tests call is `DeviceTestExt`, under the `test-util` feature.
 ///
 /// Every method may be called from any thread. Implementations make whatever driver context
 /// the call needs current themselves.
