@@ -47,7 +47,7 @@ use crate::error::{Error, OutOfMemory, Result};
 /// Every driver entry point this module calls, by the exact symbol name `cudarc` loads. `cudarc`
 /// panics when a symbol is missing at its first call, so [`init_driver`] checks them all up
 /// front and turns a missing one into [`Error::NoDriver`]. Keep in sync with the `sys::` calls
-/// below.
+/// below (those of the `test-util` feature only with it).
 const SYMBOLS: &[&str] = &[
     "cuInit",
     "cuGetErrorName",
@@ -84,14 +84,18 @@ const SYMBOLS: &[&str] = &[
     "cuStreamWaitEvent",
     "cuStreamIsCapturing",
     "cuStreamGetFlags",
+    #[cfg(feature = "test-util")]
     "cuLaunchHostFunc",
     "cuEventCreate",
     "cuEventDestroy_v2",
     "cuEventRecord",
     "cuEventQuery",
     "cuEventSynchronize",
+    #[cfg(feature = "test-util")]
     "cuMemsetD8Async",
+    #[cfg(feature = "test-util")]
     "cuMemcpyDtoHAsync_v2",
+    #[cfg(feature = "test-util")]
     "cuMemcpyHtoDAsync_v2",
     "cuStreamBeginCapture_v2",
     "cuStreamEndCapture",
@@ -100,8 +104,11 @@ const SYMBOLS: &[&str] = &[
     "cuGraphExecDestroy",
     "cuGraphDestroy",
     "cuMemPoolSetAccess",
+    #[cfg(feature = "test-util")]
     "cuMemPoolGetAccess",
+    #[cfg(feature = "test-util")]
     "cuPointerGetAttribute",
+    #[cfg(feature = "test-util")]
     "cuMemcpyPeerAsync",
     "cuThreadExchangeStreamCaptureMode",
     "cuMemGetAddressRange_v2",
@@ -1106,6 +1113,15 @@ mod tests {
     #[test]
     fn symbol_list_covers_every_call() {
         let src = include_str!("cuda.rs");
+        // The names the list holds only with the test-util feature, and where the code that
+        // exists only with it starts.
+        let lines: Vec<&str> = src.lines().collect();
+        let gated: Vec<&str> = lines
+            .windows(2)
+            .filter(|w| w[0].trim() == "#[cfg(feature = \"test-util\")]")
+            .filter_map(|w| w[1].trim().strip_prefix('"')?.strip_suffix("\","))
+            .collect();
+        let test_util_at = src.find("\nmod test_util {").expect("the test-util module");
         let mut rest = src;
         while let Some(i) = rest.find("sys::cu") {
             let tail = &rest[i + 5..];
@@ -1113,6 +1129,11 @@ mod tests {
             let name = &tail[..end];
             if tail[end..].starts_with('(') && name != "culib" {
                 assert!(SYMBOLS.contains(&name), "{name} missing from SYMBOLS");
+                let at = src.len() - tail.len();
+                assert!(
+                    at > test_util_at || !gated.contains(&name),
+                    "{name} is called without the test-util feature but listed only with it"
+                );
             }
             rest = &tail[end..];
         }
