@@ -58,34 +58,7 @@ pub mod trace;
 pub use allocation::{
     Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats, StreamAllocator, ALIGNMENT,
 };
-/// The stream an allocation belongs to. A stream comes from the device
-/// ([`Device::create_stream`]), or is a handle another library made (cudarc's
-/// `CudaStream::cu_stream()`, PyTorch's `torch.cuda.Stream.cuda_stream`, CuPy's
-/// `Stream.ptr`) wrapped as it is: `Stream(handle as u64)`.
-///
-/// # Examples
-///
-/// ```
-/// use streamalloc::allocators::{StreamSafe, StreamSafeConfig};
-/// use streamalloc::device::sim::{SimConfig, SimDevice};
-/// use streamalloc::{Allocator, Device, Stream, StreamAllocator};
-///
-/// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
-/// let alloc = StreamSafe::new(sim.clone(), StreamSafeConfig::default())?;
-/// let side: Stream = sim.create_stream()?;
-/// assert_ne!(side, Stream::DEFAULT);
-/// let a = alloc.allocate_on(1 << 20, side)?; // owned by `side`
-/// let b = alloc.allocate(1 << 20)?; // on the default stream, until `set_default_stream`
-/// assert_eq!((a.owning_stream(), b.owning_stream()), (side, Stream::DEFAULT));
-/// # Ok::<(), streamalloc::Error>(())
-/// ```
-///
-/// # The handle
-///
-// (The definition's own doc comment, in `device`, follows here in the rendered page.)
-#[doc(inline)]
-pub use device::Stream;
-pub use device::{Device, DevicePtr};
+pub use device::{Device, DevicePtr, Stream};
 pub use error::{Error, HeldErrors, OutOfMemory, Result};
 
 /// The README's examples, compiled and run as doctests.

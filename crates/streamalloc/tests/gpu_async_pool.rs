@@ -14,18 +14,19 @@ use std::time::{Duration, Instant};
 use conformance::ByPointer;
 use gpu_common::{all, block_stream, gpu};
 use streamalloc::allocators::{AsyncPool, AsyncPoolConfig, PoolMode, ReuseFlags};
-use streamalloc::{Allocator, Device, DevicePtr, PointerAllocator, Stream, StreamAllocator};
+use streamalloc::device::DeviceTestExt;
+use streamalloc::{Allocator, DevicePtr, PointerAllocator, Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
 
 /// An owned pool that keeps its memory, so that reuse is visible by address.
-fn owned_pool(device: &Arc<dyn Device>) -> AsyncPool {
+fn owned_pool(device: &Arc<dyn DeviceTestExt>) -> AsyncPool {
     let mode = PoolMode::Owned { release_threshold: usize::MAX, reuse: ReuseFlags::default(), max_size: 0 };
     AsyncPool::new(device.clone(), AsyncPoolConfig { mode, ..AsyncPoolConfig::default() })
 }
 
-fn read(device: &Arc<dyn Device>, ptr: DevicePtr, len: usize, stream: Stream) -> Vec<u8> {
+fn read(device: &Arc<dyn DeviceTestExt>, ptr: DevicePtr, len: usize, stream: Stream) -> Vec<u8> {
     let mut host = vec![0u8; len];
     device.copy_to_host(&mut host, ptr, stream).expect("copy to host");
     host
@@ -101,7 +102,7 @@ fn without_record_stream_memory_is_reused_early() {
     }
 }
 
-fn graph_setup() -> (Arc<dyn Device>, AsyncPool, Stream) {
+fn graph_setup() -> (Arc<dyn DeviceTestExt>, AsyncPool, Stream) {
     let device = gpu();
     let pool = owned_pool(&device);
     let s = device.create_stream().unwrap();
@@ -228,7 +229,7 @@ fn graph_case4_both_outside() {
 fn graphs_share_one_pool() {
     let device = gpu();
     let s = device.create_stream().unwrap();
-    let used = |d: &Arc<dyn Device>| {
+    let used = |d: &Arc<dyn DeviceTestExt>| {
         d.synchronize_stream(s).unwrap();
         d.mem_info().unwrap().used()
     };

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use streamalloc::device::cuda::{cuda_available, CudaDevice};
-use streamalloc::device::{CaptureStatus, Device, Event, PoolAttr, PoolProps, Stream};
+use streamalloc::device::{CaptureStatus, Device, DeviceTestExt, Event, PoolAttr, PoolProps, Stream};
 use streamalloc::Error;
 
 /// Longest a test host function keeps its stream blocked.

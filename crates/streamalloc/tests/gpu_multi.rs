@@ -10,19 +10,21 @@ use std::sync::Arc;
 
 use streamalloc::allocators::{AsyncPool, AsyncPoolConfig, PoolMode, ReuseFlags};
 use streamalloc::device::cuda::{device_count, CudaDevice};
+use streamalloc::device::DeviceTestExt;
 use streamalloc::facade::{Config, Facade};
-use streamalloc::{Allocation, Device, DevicePtr, Error, Stream, StreamAllocator};
+use streamalloc::{Allocation, DevicePtr, Error, Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
 const STRATEGIES: [&str; 4] = ["plain", "best_fit", "stream_safe", "async"];
 const WHY: &str = "needs two CUDA GPUs: run on nvidia-h200-x2 by scripts/gpu/multi-gpu.sh";
 
 /// CUDA devices 0 and 1. Fails when there are fewer than two.
-fn two_gpus() -> (Arc<dyn Device>, Arc<dyn Device>) {
+fn two_gpus() -> (Arc<dyn DeviceTestExt>, Arc<dyn DeviceTestExt>) {
     let n = device_count().unwrap_or_else(|e| panic!("{WHY}; no usable CUDA driver here: {e}"));
     assert!(n >= 2, "{WHY}; {n} CUDA device(s) visible");
-    let open =
-        |i| -> Arc<dyn Device> { CudaDevice::new(i).unwrap_or_else(|e| panic!("CUDA device {i}: {e}")) };
+    let open = |i| -> Arc<dyn DeviceTestExt> {
+        CudaDevice::new(i).unwrap_or_else(|e| panic!("CUDA device {i}: {e}"))
+    };
     (open(0), open(1))
 }
 
@@ -31,7 +33,7 @@ fn facade(strategy: &str) -> Facade {
     Facade::new(Config::parse(&format!("device=cuda,strategy={strategy}")).unwrap())
 }
 
-fn read(device: &Arc<dyn Device>, ptr: DevicePtr, len: usize) -> Vec<u8> {
+fn read(device: &Arc<dyn DeviceTestExt>, ptr: DevicePtr, len: usize) -> Vec<u8> {
     let mut host = vec![0u8; len];
     device.copy_to_host(&mut host, ptr, Stream::DEFAULT).expect("copy to host");
     host
@@ -53,8 +55,10 @@ fn print_stats(f: &Facade, strategy: &str) {
 fn the_facade_keeps_a_stack_per_gpu() {
     for strategy in STRATEGIES {
         let f = facade(strategy);
-        let (d0, d1) = (f.stack(0).unwrap().device.clone(), f.stack(1).unwrap().device.clone());
-        assert_eq!((d0.ordinal(), d1.ordinal()), (0, 1));
+        let ordinals = (f.stack(0).unwrap().device.ordinal(), f.stack(1).unwrap().device.ordinal());
+        assert_eq!(ordinals, (0, 1));
+        // The same GPUs, on the same primary contexts, with the test helpers.
+        let (d0, d1) = two_gpus();
         let a = f.allocate(64 * MIB, 0, Stream::DEFAULT).unwrap();
         let b = f.allocate(32 * MIB, 1, Stream::DEFAULT).unwrap();
         let c = f.allocate(MIB + 3, 1, Stream::DEFAULT).unwrap();
@@ -136,27 +140,30 @@ fn peer_copy_of_pool_memory_needs_access() {
 #[test]
 #[ignore = "needs two CUDA GPUs: run on nvidia-h200-x2 by scripts/gpu/multi-gpu.sh"]
 fn mapped_memory_is_usable_by_a_peer_once_peer_access_is_enabled() {
-    let (_, d1) = two_gpus();
-    let f = Facade::new(Config::parse("device=cuda,strategy=stream_safe,expandable=true").unwrap());
-    let d0 = f.stack(0).unwrap().device.clone();
+    let (d0, d1) = two_gpus();
+    // The stack a facade builds for device 0, built on `d0` itself: a device instance knows
+    // the mappings it made, and its peer copies check them.
+    let config = Config::parse("device=cuda,strategy=stream_safe,expandable=true").unwrap();
+    let stack = Facade::build_stack(&config, d0.clone()).unwrap();
+    let allocate = |n| stack.allocator.allocate_on(n, Stream::DEFAULT).unwrap();
     const N: usize = 24 * MIB + 512;
     let s1 = d1.create_stream().unwrap();
     let dst = d1.alloc(4 * N).unwrap();
     // Mapped before the call: refused, GPU 1 not being granted access to it.
-    let before = f.allocate(N, 0, Stream::DEFAULT).unwrap();
+    let before = allocate(N);
     let err = d0.copy_peer(dst, 1, before.ptr(), N, Stream::DEFAULT).unwrap_err();
     println!("before the call: {err}");
     assert!(
         matches!(&err, Error::InvalidArgument(m) if m.contains("does not grant device 1 access")),
         "{err:?}"
     );
-    f.enable_peer_access(0, 1).unwrap();
-    // Mapped after it: a fresh growth, and one stitched from the granules `before` held.
-    let after = f.allocate(8 * MIB, 0, Stream::DEFAULT).unwrap();
-    let keep = f.allocate(N, 0, Stream::DEFAULT).unwrap();
+    stack.device.grant_mapped_access(1).unwrap(); // what Facade::enable_peer_access(0, 1) does
+                                                  // Mapped after it: a fresh growth, and one stitched from the granules `before` held.
+    let after = allocate(8 * MIB);
+    let keep = allocate(N);
     let stitched_from = before.ptr();
     drop(before);
-    let stitched = f.allocate(3 * N, 0, Stream::DEFAULT).unwrap();
+    let stitched = allocate(3 * N);
     println!("before at {stitched_from:#x}, stitched block at {:#x}", stitched.ptr());
     for (name, x) in
         [("kept (mapped before the call)", &keep), ("mapped after", &after), ("stitched", &stitched)]
@@ -196,7 +203,8 @@ fn free_on_thread_of(f: &Arc<Facade>, other: usize, held: Vec<Allocation>) {
 fn frees_from_a_thread_on_the_other_gpu() {
     for strategy in STRATEGIES {
         let f = Arc::new(facade(strategy));
-        let devices: Vec<Arc<dyn Device>> = (0..2).map(|d| f.stack(d).unwrap().device.clone()).collect();
+        // The facade's GPUs, on the same primary contexts, with the test helpers.
+        let devices: Vec<Arc<dyn DeviceTestExt>> = <[_; 2]>::from(two_gpus()).into();
         let streams: Vec<Stream> = devices.iter().map(|d| d.create_stream().unwrap()).collect();
         let mut held: [Vec<Allocation>; 2] = Default::default();
         for (d, dev) in devices.iter().enumerate() {

@@ -14,7 +14,8 @@ use conformance::ByPointer;
 use gpu_common::{all, block_stream, gpu};
 use streamalloc::adaptors::SingleStream;
 use streamalloc::allocators::{BestFit, BestFitConfig, StreamSafe, StreamSafeConfig};
-use streamalloc::{Device, Stream, StreamAllocator};
+use streamalloc::device::DeviceTestExt;
+use streamalloc::{Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
 
@@ -23,7 +24,7 @@ const MIB: usize = 1 << 20;
 /// Returns whether A got the same address, and the new buffer's bytes once all is done.
 fn delayed_user_then_reuse(
     alloc: &dyn StreamAllocator,
-    device: &Arc<dyn Device>,
+    device: &Arc<dyn DeviceTestExt>,
     record: bool,
 ) -> (bool, Vec<u8>) {
     let (a, b) = (device.create_stream().unwrap(), device.create_stream().unwrap());
@@ -53,7 +54,7 @@ fn delayed_user_then_reuse(
     (same, bytes)
 }
 
-fn stream_safe(device: &Arc<dyn Device>) -> StreamSafe {
+fn stream_safe(device: &Arc<dyn DeviceTestExt>) -> StreamSafe {
     StreamSafe::new(device.clone(), StreamSafeConfig::default()).unwrap()
 }
 

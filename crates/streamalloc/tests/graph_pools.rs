@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use streamalloc::allocators::{BestFitConfig, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice};
-use streamalloc::device::{CaptureStatus, Device};
+use streamalloc::device::{CaptureStatus, Device, DeviceTestExt};
 use streamalloc::facade::private_pools::PrivatePools;
 use streamalloc::{PointerAllocator, Stream};
 

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use streamalloc::allocators::{AsyncPool, AsyncPoolConfig, PoolMode, ReuseFlags};
 use streamalloc::device::sim::{SimConfig, SimDevice};
+use streamalloc::device::DeviceTestExt;
 use streamalloc::facade::{Config, Facade};
 use streamalloc::{Allocation, Allocator, Device, Error, Stream};
 
@@ -107,7 +108,7 @@ fn peer_copy_needs_access_to_the_pool() {
 #[test]
 fn the_facade_async_pool_grants_on_the_default_pool() {
     let f = sim("strategy=async");
-    let d0 = f.stack(0).unwrap().device.clone();
+    let d0 = f.stack(0).unwrap().sim.clone().unwrap();
     let pool = AsyncPool::new(d0.clone(), AsyncPoolConfig::default());
     let a = f.allocate(MIB, 0, Stream::DEFAULT).unwrap();
     let on_1 = f.allocate(MIB, 1, Stream::DEFAULT).unwrap();
@@ -171,8 +172,8 @@ fn frees_from_another_thread_work_for_every_strategy() {
 #[test]
 fn mapped_memory_is_copied_to_a_peer_only_once_peer_access_is_enabled() {
     let f = sim("strategy=stream_safe,expandable=true");
-    let d0 = f.stack(0).unwrap().device.clone();
-    let d1 = f.stack(1).unwrap().device.clone();
+    let d0 = f.stack(0).unwrap().sim.clone().unwrap();
+    let d1 = f.stack(1).unwrap().sim.clone().unwrap();
     let dst = d1.alloc(64 * MIB).unwrap();
     // Mapped before the call.
     let before = f.allocate(24 * MIB, 0, Stream::DEFAULT).unwrap();

@@ -18,11 +18,12 @@
 //!   cost 3-5% of raw cudaMallocAsync's time per operation on the traces.
 //! * Handles: a [`Stream`], [`Event`], [`Pool`], [`Graph`] or [`GraphExec`] holds the driver
 //!   handle's pointer value; `Stream(0)` is the legacy default stream.
-//! * Peers: [`Device::copy_peer`] and pool access name another device by ordinal. A device
-//!   opens each peer it is asked about once, as a private [`CudaDevice`] (which retains that
-//!   ordinal's primary context), and keeps it for its own lifetime: the copy needs the peer's
-//!   context, which must outlive the asynchronous copy. Being private, it never forms a
-//!   reference cycle with the caller's own instance for that ordinal.
+//! * Peers: pool access, mapped-memory access and (with the `test-util` feature) peer copies
+//!   name another device by ordinal. A device opens each peer it is asked about once, as a
+//!   private [`CudaDevice`] (which retains that ordinal's primary context), and keeps it for its
+//!   own lifetime: a peer copy needs the peer's context, which must outlive the asynchronous
+//!   copy. Being private, it never forms a reference cycle with the caller's own instance for
+//!   that ordinal.
 //! * Errors: a failing `CUresult` becomes [`Error::Driver`] with the driver's name for it and
 //!   the entry point; `CUDA_ERROR_OUT_OF_MEMORY` from an allocation becomes
 //!   [`Error::OutOfMemory`] with the device's free and total memory.
@@ -31,24 +32,22 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::{c_int, c_void, CStr};
-use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::panic::catch_unwind;
 use std::ptr;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::sys;
 use parking_lot::Mutex;
 
 use super::{
-    CaptureStatus, Device, DevicePtr, Event, Graph, GraphExec, HostFn, MemInfo, Pool, PoolAttr, PoolProps,
-    Stream,
+    CaptureStatus, Device, DevicePtr, Event, Graph, GraphExec, MemInfo, Pool, PoolAttr, PoolProps, Stream,
 };
 use crate::error::{Error, OutOfMemory, Result};
 
 /// Every driver entry point this module calls, by the exact symbol name `cudarc` loads. `cudarc`
 /// panics when a symbol is missing at its first call, so [`init_driver`] checks them all up
 /// front and turns a missing one into [`Error::NoDriver`]. Keep in sync with the `sys::` calls
-/// below.
+/// below (those of the `test-util` feature only with it).
 const SYMBOLS: &[&str] = &[
     "cuInit",
     "cuGetErrorName",
@@ -85,14 +84,18 @@ const SYMBOLS: &[&str] = &[
     "cuStreamWaitEvent",
     "cuStreamIsCapturing",
     "cuStreamGetFlags",
+    #[cfg(feature = "test-util")]
     "cuLaunchHostFunc",
     "cuEventCreate",
     "cuEventDestroy_v2",
     "cuEventRecord",
     "cuEventQuery",
     "cuEventSynchronize",
+    #[cfg(feature = "test-util")]
     "cuMemsetD8Async",
+    #[cfg(feature = "test-util")]
     "cuMemcpyDtoHAsync_v2",
+    #[cfg(feature = "test-util")]
     "cuMemcpyHtoDAsync_v2",
     "cuStreamBeginCapture_v2",
     "cuStreamEndCapture",
@@ -101,8 +104,11 @@ const SYMBOLS: &[&str] = &[
     "cuGraphExecDestroy",
     "cuGraphDestroy",
     "cuMemPoolSetAccess",
+    #[cfg(feature = "test-util")]
     "cuMemPoolGetAccess",
+    #[cfg(feature = "test-util")]
     "cuPointerGetAttribute",
+    #[cfg(feature = "test-util")]
     "cuMemcpyPeerAsync",
     "cuThreadExchangeStreamCaptureMode",
     "cuMemGetAddressRange_v2",
@@ -251,29 +257,12 @@ impl Drop for Relaxed {
     }
 }
 
-/// Closures enqueued by [`CudaDevice::launch_host_func`] that have not run yet, by id. The
-/// driver gets the id, not a pointer: a host function captured into a graph may run several
-/// times or never, and the registry makes both safe (the closure runs at most once; one that
-/// never runs stays here).
-static HOST_FNS: Mutex<BTreeMap<u64, HostFn>> = Mutex::new(BTreeMap::new());
-static NEXT_HOST_FN: AtomicU64 = AtomicU64::new(1);
-
-/// The `CUhostFn` every host function goes through: takes its closure out of [`HOST_FNS`] and
-/// runs it. A panic in the closure is caught: nothing may unwind into the driver.
-extern "C" fn run_host_fn(data: *mut c_void) {
-    let id = data as usize as u64;
-    let f = HOST_FNS.lock().remove(&id);
-    if let Some(f) = f {
-        let _ = catch_unwind(AssertUnwindSafe(f));
-    }
-}
-
 /// One CUDA device, driven through its primary context. See the [module docs](self).
 pub struct CudaDevice {
     ordinal: usize,
     device: sys::CUdevice,
     ctx: Ctx,
-    /// Peers opened for [`Device::copy_peer`] and pool access, by ordinal.
+    /// Peers opened for pool and mapped-memory access and peer copies, by ordinal.
     peers: Mutex<BTreeMap<usize, Arc<CudaDevice>>>,
     /// This device's mappings and the peers granted access to them.
     vmm: Mutex<Vmm>,
@@ -470,20 +459,6 @@ impl CudaDevice {
         Ok(found)
     }
 
-    /// The stream-ordered pool `ptr` was allocated from, if any.
-    fn pool_of(&self, ptr: DevicePtr) -> Result<Option<Pool>> {
-        let _ctx = self.bind()?;
-        let mut p: sys::CUmemoryPool = ptr::null_mut();
-        let attr = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE;
-        // SAFETY: a context is current; this attribute's value is a `CUmemoryPool`, which `p`
-        // is, and the driver writes null for memory that is not from a pool.
-        check(
-            unsafe { sys::cuPointerGetAttribute((&mut p as *mut sys::CUmemoryPool).cast(), attr, ptr) },
-            "cuPointerGetAttribute",
-        )?;
-        Ok((!p.is_null()).then(|| Pool(handle(p))))
-    }
-
     /// The out-of-memory error for a request of `size` bytes, with the device's figures.
     fn oom(&self, size: usize) -> Error {
         let info = self.mem_info().unwrap_or_default();
@@ -507,15 +482,6 @@ impl CudaDevice {
             "cuGraphInstantiateWithFlags",
         )?;
         Ok(GraphExec(handle(x)))
-    }
-
-    /// `Err(Unsupported)` when `s` is capturing: `what` cannot be captured.
-    fn capturing(&self, s: Stream, what: &str) -> Result<()> {
-        if self.capture_status(s)? == CaptureStatus::None {
-            Ok(())
-        } else {
-            Err(Error::Unsupported(format!("{what} on stream {:#x} while it is capturing a graph", s.0)))
-        }
     }
 }
 
@@ -683,17 +649,6 @@ impl Device for CudaDevice {
         // SAFETY: `desc` is one fully initialised descriptor that outlives the call, as the
         // count of 1 says; the driver validates the pool handle and the device.
         check(unsafe { sys::cuMemPoolSetAccess(pool(p), &desc, 1) }, "cuMemPoolSetAccess")
-    }
-
-    fn pool_access(&self, p: Pool, peer: usize) -> Result<bool> {
-        let (device, _) = self.peer(peer)?;
-        let _ctx = self.bind()?;
-        let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
-        let mut location = device_location(device);
-        // SAFETY: both pointers are valid for the call; the driver only writes one of the
-        // access flags (none, read, read-write), all of which the enum has, into `flags`.
-        check(unsafe { sys::cuMemPoolGetAccess(&mut flags, pool(p), &mut location) }, "cuMemPoolGetAccess")?;
-        Ok(flags == sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
     }
 
     fn trim_pool(&self, p: Pool, keep: usize) -> Result<()> {
@@ -874,22 +829,6 @@ impl Device for CudaDevice {
         })
     }
 
-    /// Enqueues `f` on `s`. If `s` is capturing, `f` is captured into the graph and runs at
-    /// the graph's first launch only; if that graph never runs, `f` is never dropped.
-    fn launch_host_func(&self, s: Stream, f: HostFn) -> Result<()> {
-        let _ctx = self.bind()?;
-        let id = NEXT_HOST_FN.fetch_add(1, Ordering::Relaxed);
-        HOST_FNS.lock().insert(id, f);
-        // SAFETY: `run_host_fn` is an `extern "C"` function that never unwinds and treats its
-        // argument as an integer id (it never dereferences it), so any number of calls, or
-        // none, is sound.
-        let res = unsafe { sys::cuLaunchHostFunc(stream(s), Some(run_host_fn), id as usize as *mut c_void) };
-        if res != sys::CUresult::CUDA_SUCCESS {
-            HOST_FNS.lock().remove(&id);
-        }
-        check(res, "cuLaunchHostFunc")
-    }
-
     fn create_event(&self) -> Result<Event> {
         let _ctx = self.bind()?;
         let mut e: sys::CUevent = ptr::null_mut();
@@ -940,92 +879,6 @@ impl Device for CudaDevice {
         check(unsafe { sys::cuEventSynchronize(event(e)) }, "cuEventSynchronize")
     }
 
-    fn memset_async(&self, ptr: DevicePtr, value: u8, len: usize, s: Stream) -> Result<()> {
-        if len == 0 {
-            return Ok(());
-        }
-        let _ctx = self.bind()?;
-        // SAFETY: a context is current; the driver checks that `ptr..ptr + len` is device
-        // memory and the caller owns it.
-        check(unsafe { sys::cuMemsetD8Async(ptr, value, len, stream(s)) }, "cuMemsetD8Async")
-    }
-
-    /// Checks first that a pool allocation's pool grants `dst_device` access, so that a copy
-    /// without access fails at once with [`Error::InvalidArgument`] naming the pool, instead
-    /// of however the driver would treat it (possibly a fault that ruins the context).
-    fn copy_peer(
-        &self,
-        dst: DevicePtr,
-        dst_device: usize,
-        src: DevicePtr,
-        len: usize,
-        s: Stream,
-    ) -> Result<()> {
-        if len == 0 {
-            return Ok(());
-        }
-        let (_, dst_ctx) = self.peer(dst_device)?;
-        if dst_device != self.ordinal {
-            if let Some(p) = self.pool_of(src)? {
-                if !self.pool_access(p, dst_device)? {
-                    return Err(super::no_peer_access(src, self.ordinal, dst_device, p));
-                }
-            }
-            let vmm = self.vmm.lock();
-            let granule = vmm.granules.range(..=src).next_back().copied();
-            let mapped = match granule {
-                Some(g) => src < g + self.map_granularity()? as u64,
-                None => false,
-            };
-            if mapped && !vmm.peers.iter().any(|&(p, _)| p == dst_device) {
-                return Err(super::no_mapped_access(src, self.ordinal, dst_device));
-            }
-        }
-        let _ctx = self.bind()?;
-        // SAFETY: a context is current; both contexts are primary contexts retained by `self`
-        // (its own, or a kept peer's), so they outlive the asynchronous copy; the driver checks
-        // that both ranges are device memory of those contexts, and the caller owns them.
-        check(
-            unsafe { sys::cuMemcpyPeerAsync(dst, dst_ctx.0, src, self.ctx.0, len, stream(s)) },
-            "cuMemcpyPeerAsync",
-        )
-    }
-
-    fn copy_to_host(&self, dst: &mut [u8], src: DevicePtr, s: Stream) -> Result<()> {
-        if dst.is_empty() {
-            return Ok(());
-        }
-        // A captured copy would write into `dst` whenever the graph runs, long after this
-        // borrow ends.
-        self.capturing(s, "copy_to_host")?;
-        let _ctx = self.bind()?;
-        // SAFETY: `dst` is valid for `dst.len()` bytes of writes and stays borrowed until the
-        // stream is synchronized below, so the copy finishes before the borrow ends; the
-        // stream is not capturing (checked above), so the copy is not deferred into a graph.
-        check(
-            unsafe { sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), src, dst.len(), stream(s)) },
-            "cuMemcpyDtoHAsync",
-        )?;
-        // SAFETY: a context is current and the driver validates the handle.
-        check(unsafe { sys::cuStreamSynchronize(stream(s)) }, "cuStreamSynchronize")
-    }
-
-    fn copy_from_host(&self, dst: DevicePtr, src: &[u8], s: Stream) -> Result<()> {
-        if src.is_empty() {
-            return Ok(());
-        }
-        self.capturing(s, "copy_from_host")?;
-        let _ctx = self.bind()?;
-        // SAFETY: `src` is valid for `src.len()` bytes of reads and stays borrowed until the
-        // stream is synchronized below; the stream is not capturing (checked above).
-        check(
-            unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), src.len(), stream(s)) },
-            "cuMemcpyHtoDAsync",
-        )?;
-        // SAFETY: a context is current and the driver validates the handle.
-        check(unsafe { sys::cuStreamSynchronize(stream(s)) }, "cuStreamSynchronize")
-    }
-
     fn begin_capture(&self, s: Stream) -> Result<()> {
         let _ctx = self.bind()?;
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
@@ -1041,10 +894,6 @@ impl Device for CudaDevice {
         // out-pointer.
         check(unsafe { sys::cuStreamEndCapture(stream(s), &mut g) }, "cuStreamEndCapture")?;
         Ok(Graph(handle(g)))
-    }
-
-    fn instantiate_graph(&self, graph: Graph) -> Result<GraphExec> {
-        self.instantiate(graph, 0)
     }
 
     fn instantiate_graph_auto_free(&self, graph: Graph) -> Result<GraphExec> {
@@ -1071,6 +920,182 @@ impl Device for CudaDevice {
     }
 }
 
+/// What only tests and measurement programs call ([`DeviceTestExt`]), with the host-function
+/// registry that exists for [`DeviceTestExt::launch_host_func`].
+#[cfg(feature = "test-util")]
+mod test_util {
+    use std::panic::AssertUnwindSafe;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use super::super::{no_mapped_access, no_peer_access, DeviceTestExt, HostFn};
+    use super::*;
+
+    /// Closures enqueued by [`DeviceTestExt::launch_host_func`] that have not run yet, by id. The
+    /// driver gets the id, not a pointer: a host function captured into a graph may run several
+    /// times or never, and the registry makes both safe (the closure runs at most once; one that
+    /// never runs stays here).
+    static HOST_FNS: Mutex<BTreeMap<u64, HostFn>> = Mutex::new(BTreeMap::new());
+    static NEXT_HOST_FN: AtomicU64 = AtomicU64::new(1);
+
+    /// The `CUhostFn` every host function goes through: takes its closure out of [`HOST_FNS`] and
+    /// runs it. A panic in the closure is caught: nothing may unwind into the driver.
+    extern "C" fn run_host_fn(data: *mut c_void) {
+        let id = data as usize as u64;
+        let f = HOST_FNS.lock().remove(&id);
+        if let Some(f) = f {
+            let _ = catch_unwind(AssertUnwindSafe(f));
+        }
+    }
+
+    impl CudaDevice {
+        /// The stream-ordered pool `ptr` was allocated from, if any.
+        fn pool_of(&self, ptr: DevicePtr) -> Result<Option<Pool>> {
+            let _ctx = self.bind()?;
+            let mut p: sys::CUmemoryPool = ptr::null_mut();
+            let attr = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE;
+            // SAFETY: a context is current; this attribute's value is a `CUmemoryPool`, which `p`
+            // is, and the driver writes null for memory that is not from a pool.
+            check(
+                unsafe { sys::cuPointerGetAttribute((&mut p as *mut sys::CUmemoryPool).cast(), attr, ptr) },
+                "cuPointerGetAttribute",
+            )?;
+            Ok((!p.is_null()).then(|| Pool(handle(p))))
+        }
+
+        /// `Err(Unsupported)` when `s` is capturing: `what` cannot be captured.
+        fn capturing(&self, s: Stream, what: &str) -> Result<()> {
+            if self.capture_status(s)? == CaptureStatus::None {
+                Ok(())
+            } else {
+                Err(Error::Unsupported(format!("{what} on stream {:#x} while it is capturing a graph", s.0)))
+            }
+        }
+    }
+
+    impl DeviceTestExt for CudaDevice {
+        fn pool_access(&self, p: Pool, peer: usize) -> Result<bool> {
+            let (device, _) = self.peer(peer)?;
+            let _ctx = self.bind()?;
+            let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
+            let mut location = device_location(device);
+            // SAFETY: both pointers are valid for the call; the driver only writes one of the
+            // access flags (none, read, read-write), all of which the enum has, into `flags`.
+            check(
+                unsafe { sys::cuMemPoolGetAccess(&mut flags, pool(p), &mut location) },
+                "cuMemPoolGetAccess",
+            )?;
+            Ok(flags == sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+        }
+
+        /// Enqueues `f` on `s`. If `s` is capturing, `f` is captured into the graph and runs at
+        /// the graph's first launch only; if that graph never runs, `f` is never dropped.
+        fn launch_host_func(&self, s: Stream, f: HostFn) -> Result<()> {
+            let _ctx = self.bind()?;
+            let id = NEXT_HOST_FN.fetch_add(1, Ordering::Relaxed);
+            HOST_FNS.lock().insert(id, f);
+            // SAFETY: `run_host_fn` is an `extern "C"` function that never unwinds and treats its
+            // argument as an integer id (it never dereferences it), so any number of calls, or
+            // none, is sound.
+            let res =
+                unsafe { sys::cuLaunchHostFunc(stream(s), Some(run_host_fn), id as usize as *mut c_void) };
+            if res != sys::CUresult::CUDA_SUCCESS {
+                HOST_FNS.lock().remove(&id);
+            }
+            check(res, "cuLaunchHostFunc")
+        }
+
+        fn memset_async(&self, ptr: DevicePtr, value: u8, len: usize, s: Stream) -> Result<()> {
+            if len == 0 {
+                return Ok(());
+            }
+            let _ctx = self.bind()?;
+            // SAFETY: a context is current; the driver checks that `ptr..ptr + len` is device
+            // memory and the caller owns it.
+            check(unsafe { sys::cuMemsetD8Async(ptr, value, len, stream(s)) }, "cuMemsetD8Async")
+        }
+
+        /// Checks first that a pool allocation's pool grants `dst_device` access, so that a copy
+        /// without access fails at once with [`Error::InvalidArgument`] naming the pool, instead
+        /// of however the driver would treat it (possibly a fault that ruins the context).
+        fn copy_peer(
+            &self,
+            dst: DevicePtr,
+            dst_device: usize,
+            src: DevicePtr,
+            len: usize,
+            s: Stream,
+        ) -> Result<()> {
+            if len == 0 {
+                return Ok(());
+            }
+            let (_, dst_ctx) = self.peer(dst_device)?;
+            if dst_device != self.ordinal {
+                if let Some(p) = self.pool_of(src)? {
+                    if !self.pool_access(p, dst_device)? {
+                        return Err(no_peer_access(src, self.ordinal, dst_device, p));
+                    }
+                }
+                let vmm = self.vmm.lock();
+                let granule = vmm.granules.range(..=src).next_back().copied();
+                let mapped = match granule {
+                    Some(g) => src < g + self.map_granularity()? as u64,
+                    None => false,
+                };
+                if mapped && !vmm.peers.iter().any(|&(p, _)| p == dst_device) {
+                    return Err(no_mapped_access(src, self.ordinal, dst_device));
+                }
+            }
+            let _ctx = self.bind()?;
+            // SAFETY: a context is current; both contexts are primary contexts retained by `self`
+            // (its own, or a kept peer's), so they outlive the asynchronous copy; the driver checks
+            // that both ranges are device memory of those contexts, and the caller owns them.
+            check(
+                unsafe { sys::cuMemcpyPeerAsync(dst, dst_ctx.0, src, self.ctx.0, len, stream(s)) },
+                "cuMemcpyPeerAsync",
+            )
+        }
+
+        fn copy_to_host(&self, dst: &mut [u8], src: DevicePtr, s: Stream) -> Result<()> {
+            if dst.is_empty() {
+                return Ok(());
+            }
+            // A captured copy would write into `dst` whenever the graph runs, long after this
+            // borrow ends.
+            self.capturing(s, "copy_to_host")?;
+            let _ctx = self.bind()?;
+            // SAFETY: `dst` is valid for `dst.len()` bytes of writes and stays borrowed until the
+            // stream is synchronized below, so the copy finishes before the borrow ends; the
+            // stream is not capturing (checked above), so the copy is not deferred into a graph.
+            check(
+                unsafe { sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), src, dst.len(), stream(s)) },
+                "cuMemcpyDtoHAsync",
+            )?;
+            // SAFETY: a context is current and the driver validates the handle.
+            check(unsafe { sys::cuStreamSynchronize(stream(s)) }, "cuStreamSynchronize")
+        }
+
+        fn copy_from_host(&self, dst: DevicePtr, src: &[u8], s: Stream) -> Result<()> {
+            if src.is_empty() {
+                return Ok(());
+            }
+            self.capturing(s, "copy_from_host")?;
+            let _ctx = self.bind()?;
+            // SAFETY: `src` is valid for `src.len()` bytes of reads and stays borrowed until the
+            // stream is synchronized below; the stream is not capturing (checked above).
+            check(
+                unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), src.len(), stream(s)) },
+                "cuMemcpyHtoDAsync",
+            )?;
+            // SAFETY: a context is current and the driver validates the handle.
+            check(unsafe { sys::cuStreamSynchronize(stream(s)) }, "cuStreamSynchronize")
+        }
+
+        fn instantiate_graph(&self, graph: Graph) -> Result<GraphExec> {
+            self.instantiate(graph, 0)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1090,6 +1115,15 @@ mod tests {
     #[test]
     fn symbol_list_covers_every_call() {
         let src = include_str!("cuda.rs");
+        // The names the list holds only with the test-util feature, and where the code that
+        // exists only with it starts.
+        let lines: Vec<&str> = src.lines().collect();
+        let gated: Vec<&str> = lines
+            .windows(2)
+            .filter(|w| w[0].trim() == "#[cfg(feature = \"test-util\")]")
+            .filter_map(|w| w[1].trim().strip_prefix('"')?.strip_suffix("\","))
+            .collect();
+        let test_util_at = src.find("\nmod test_util {").expect("the test-util module");
         let mut rest = src;
         while let Some(i) = rest.find("sys::cu") {
             let tail = &rest[i + 5..];
@@ -1097,6 +1131,11 @@ mod tests {
             let name = &tail[..end];
             if tail[end..].starts_with('(') && name != "culib" {
                 assert!(SYMBOLS.contains(&name), "{name} missing from SYMBOLS");
+                let at = src.len() - tail.len();
+                assert!(
+                    at > test_util_at || !gated.contains(&name),
+                    "{name} is called without the test-util feature but listed only with it"
+                );
             }
             rest = &tail[end..];
         }

@@ -2,7 +2,9 @@
 //!
 //! [`Device`] is implemented by [`cuda::CudaDevice`] (the CUDA driver API, loaded at run time)
 //! and by [`sim::SimDevice`] (a deterministic simulator with an ordering checker). All FFI and
-//! all `unsafe` of the crate live under `device::cuda`.
+//! all `unsafe` of the crate live under `device::cuda`. What only tests and measurement
+//! programs need (memsets, host and peer copies, host functions) is the `DeviceTestExt` trait,
+//! which both implement under the crate's `test-util` feature.
 //!
 //! Handles ([`Stream`], [`Event`], [`Pool`], [`Graph`], [`GraphExec`]) are plain integers: on
 //! CUDA they are the driver's handle values (a [`Stream`] is a `CUstream`, which is also a
@@ -16,13 +18,35 @@ pub use event_pool::EventPool;
 
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
+#[cfg(feature = "test-util")]
+use crate::error::Error;
+use crate::error::Result;
 
 /// A device address.
 pub type DevicePtr = u64;
 
-/// A stream handle (`CUstream` / `cudaStream_t` on CUDA). `Stream::DEFAULT` is the legacy
+/// The stream an allocation belongs to: a stream handle (`CUstream` / `cudaStream_t` on CUDA).
+/// A stream comes from the device ([`Device::create_stream`]), or is a handle another library
+/// made (cudarc's `CudaStream::cu_stream()`, PyTorch's `torch.cuda.Stream.cuda_stream`, CuPy's
+/// `Stream.ptr`) wrapped as it is: `Stream(handle as u64)`. [`Stream::DEFAULT`] is the legacy
 /// default stream.
+///
+/// # Examples
+///
+/// ```
+/// use streamalloc::allocators::{StreamSafe, StreamSafeConfig};
+/// use streamalloc::device::sim::{SimConfig, SimDevice};
+/// use streamalloc::{Allocator, Device, Stream, StreamAllocator};
+///
+/// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+/// let alloc = StreamSafe::new(sim.clone(), StreamSafeConfig::default())?;
+/// let side: Stream = sim.create_stream()?;
+/// assert_ne!(side, Stream::DEFAULT);
+/// let a = alloc.allocate_on(1 << 20, side)?; // owned by `side`
+/// let b = alloc.allocate(1 << 20)?; // on the default stream, until `set_default_stream`
+/// assert_eq!((a.owning_stream(), b.owning_stream()), (side, Stream::DEFAULT));
+/// # Ok::<(), streamalloc::Error>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct Stream(pub u64);
 
@@ -105,10 +129,8 @@ pub struct PoolProps {
     pub max_size: usize,
 }
 
-/// A host function enqueued on a stream with [`Device::launch_host_func`].
-pub type HostFn = Box<dyn FnOnce() + Send + 'static>;
-
 /// What an allocator needs from a GPU. Object-safe: allocators hold an `Arc<dyn Device>`.
+/// What only tests call is `DeviceTestExt`, under the `test-util` feature.
 ///
 /// Every method may be called from any thread. Implementations make whatever driver context
 /// the call needs current themselves.
@@ -138,9 +160,6 @@ pub trait Device: Send + Sync {
     /// `peer` (`cuMemPoolSetAccess`). The pool's own device always has access. Pool memory does
     /// not follow context-level peer access: without this, a peer may not use it.
     fn set_pool_access(&self, pool: Pool, peer: usize, enabled: bool) -> Result<()>;
-    /// Whether device `peer` has read-write access to the memory of `pool`
-    /// (`cuMemPoolGetAccess`).
-    fn pool_access(&self, pool: Pool, peer: usize) -> Result<bool>;
     /// Releases unused pool memory until at most `keep` bytes stay reserved.
     fn trim_pool(&self, pool: Pool, keep: usize) -> Result<()>;
     /// Granularity of virtual-memory mappings, in bytes: [`Device::map`] and
@@ -188,8 +207,6 @@ pub trait Device: Send + Sync {
     fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()>;
     /// Whether `stream` is capturing into a graph.
     fn capture_status(&self, stream: Stream) -> Result<CaptureStatus>;
-    /// Enqueues a host function on `stream`; the stream waits until it returns.
-    fn launch_host_func(&self, stream: Stream, f: HostFn) -> Result<()>;
 
     /// Creates an event with timing disabled.
     fn create_event(&self) -> Result<Event>;
@@ -218,16 +235,64 @@ pub trait Device: Send + Sync {
             pause = (pause * 2).min(Duration::from_millis(1));
         }
     }
-    /// Fails with [`Error::InvalidArgument`] naming `stream` unless it is a live stream of
-    /// this device (the legacy default stream always is). Makes no change to the stream and
-    /// is allowed while it captures a graph. The simulator knows every stream it made; the
-    /// CUDA driver refuses a stream of another device or context, but the handle of a
-    /// *destroyed* stream is undefined behaviour there, as in every driver call (on an H200
-    /// it crashed the process): a stream must not be used after it is destroyed.
+    /// Fails with [`InvalidArgument`](crate::Error::InvalidArgument) naming `stream` unless it
+    /// is a live stream of this device (the legacy default stream always is). Makes no change
+    /// to the stream and is allowed while it captures a graph. The simulator knows every
+    /// stream it made; the CUDA driver refuses a stream of another device or context, but the
+    /// handle of a *destroyed* stream is undefined behaviour there, as in every driver call
+    /// (on an H200 it crashed the process): a stream must not be used after it is destroyed.
     fn check_stream(&self, stream: Stream) -> Result<()>;
 
+    /// Starts capturing the work enqueued on `stream` into a graph (relaxed mode).
+    fn begin_capture(&self, stream: Stream) -> Result<()>;
+    /// Ends the capture on `stream` and returns the graph.
+    fn end_capture(&self, stream: Stream) -> Result<Graph>;
+    /// Launches an instantiated graph on `stream`.
+    fn launch_graph(&self, exec: GraphExec, stream: Stream) -> Result<()>;
+    /// Destroys an instantiated graph.
+    fn destroy_graph_exec(&self, exec: GraphExec) -> Result<()>;
+    /// Destroys a captured graph.
+    fn destroy_graph(&self, graph: Graph) -> Result<()>;
+    /// Instantiates a captured graph so that each launch first frees the memory the previous
+    /// launch allocated and left allocated (`CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH`);
+    /// without it, such a graph cannot be launched again until that memory is freed.
+    fn instantiate_graph_auto_free(&self, graph: Graph) -> Result<GraphExec>;
+}
+
+/// A host function enqueued on a stream with [`DeviceTestExt::launch_host_func`].
+#[cfg(feature = "test-util")]
+pub type HostFn = Box<dyn FnOnce() + Send + 'static>;
+
+/// What tests and measurement programs need from a GPU beyond what allocators call: writing,
+/// reading and copying memory, host functions, plain graph instantiation and pool access
+/// queries. Only with the crate's `test-util` feature; the allocators see [`Device`] alone.
+/// Object-safe: `Arc<dyn DeviceTestExt>` coerces to the `Arc<dyn Device>` allocators take.
+///
+/// # Examples
+///
+/// ```
+/// use std::sync::Arc;
+/// use streamalloc::allocators::{StreamSafe, StreamSafeConfig};
+/// use streamalloc::device::sim::{SimConfig, SimDevice};
+/// use streamalloc::device::DeviceTestExt;
+/// use streamalloc::{Allocator, StreamAllocator};
+///
+/// let device: Arc<dyn DeviceTestExt> = SimDevice::new(SimConfig::with_capacity(1 << 30));
+/// let alloc = StreamSafe::new(device.clone(), StreamSafeConfig::default())?;
+/// let stream = device.create_stream()?;
+/// let a = alloc.allocate_on(1 << 20, stream)?;
+/// device.memset_async(a.ptr(), 0xab, a.size(), stream)?; // a use of the memory on `stream`
+/// # Ok::<(), streamalloc::Error>(())
+/// ```
+#[cfg(feature = "test-util")]
+pub trait DeviceTestExt: Device {
+    /// Whether device `peer` has read-write access to the memory of `pool`
+    /// (`cuMemPoolGetAccess`).
+    fn pool_access(&self, pool: Pool, peer: usize) -> Result<bool>;
+    /// Enqueues a host function on `stream`; the stream waits until it returns.
+    fn launch_host_func(&self, stream: Stream, f: HostFn) -> Result<()>;
     /// Fills `len` bytes at `ptr` with `value`, in the order of `stream` (a real use of the
-    /// memory, for tests and benchmarks).
+    /// memory).
     fn memset_async(&self, ptr: DevicePtr, value: u8, len: usize, stream: Stream) -> Result<()>;
     /// Copies `len` bytes from `src` on this device to `dst` on device `dst_device`, in the order
     /// of `stream` (a stream of this device; `cuMemcpyPeerAsync`). Fails with
@@ -248,27 +313,15 @@ pub trait Device: Send + Sync {
     /// Copies `src` to the device in the order of `stream` (the source must stay alive, so
     /// this waits for the copy).
     fn copy_from_host(&self, dst: DevicePtr, src: &[u8], stream: Stream) -> Result<()>;
-
-    /// Starts capturing the work enqueued on `stream` into a graph (relaxed mode).
-    fn begin_capture(&self, stream: Stream) -> Result<()>;
-    /// Ends the capture on `stream` and returns the graph.
-    fn end_capture(&self, stream: Stream) -> Result<Graph>;
-    /// Instantiates a captured graph.
+    /// Instantiates a captured graph (without
+    /// [`Device::instantiate_graph_auto_free`]'s flag: a launch fails while memory the
+    /// previous launch allocated is still allocated).
     fn instantiate_graph(&self, graph: Graph) -> Result<GraphExec>;
-    /// Launches an instantiated graph on `stream`.
-    fn launch_graph(&self, exec: GraphExec, stream: Stream) -> Result<()>;
-    /// Destroys an instantiated graph.
-    fn destroy_graph_exec(&self, exec: GraphExec) -> Result<()>;
-    /// Destroys a captured graph.
-    fn destroy_graph(&self, graph: Graph) -> Result<()>;
-    /// Instantiates a captured graph so that each launch first frees the memory the previous
-    /// launch allocated and left allocated (`CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH`);
-    /// without it, such a graph cannot be launched again until that memory is freed.
-    fn instantiate_graph_auto_free(&self, graph: Graph) -> Result<GraphExec>;
 }
 
-/// The error of a [`Device::copy_peer`] whose source is mapped memory of device `from` to which
-/// device `to` was not granted access.
+/// The error of a [`DeviceTestExt::copy_peer`] whose source is mapped memory of device `from`
+/// to which device `to` was not granted access.
+#[cfg(feature = "test-util")]
 fn no_mapped_access(src: DevicePtr, from: usize, to: usize) -> Error {
     Error::InvalidArgument(format!(
         "peer copy of {src:#x} from device {from} to device {to}: its mapped memory does not grant \
@@ -276,8 +329,9 @@ fn no_mapped_access(src: DevicePtr, from: usize, to: usize) -> Error {
     ))
 }
 
-/// The error of a [`Device::copy_peer`] whose source is memory of `pool` (on device `from`)
-/// and whose pool does not grant device `to` access.
+/// The error of a [`DeviceTestExt::copy_peer`] whose source is memory of `pool` (on device
+/// `from`) and whose pool does not grant device `to` access.
+#[cfg(feature = "test-util")]
 fn no_peer_access(src: DevicePtr, from: usize, to: usize, pool: Pool) -> Error {
     Error::InvalidArgument(format!(
         "peer copy of {src:#x} from device {from} to device {to}: its pool {:#x} does not grant \

@@ -19,13 +19,13 @@
 //!   the last mapping of a granule gives it back. [`Device::map_alias`] maps granules a
 //!   second time, at no cost in memory: the checker sees a use through either address as a
 //!   use of the one granule, and mapped granules hold bytes (written by `memset_async` and
-//!   `copy_from_host`, read by `copy_to_host`; unwritten bytes read as 0), shared by all
-//!   their mappings. Unmapping a range that a stream's work may still use through that
+//!   `copy_from_host`, read by `copy_to_host`, the `DeviceTestExt` methods of the `test-util`
+//!   feature; unwritten bytes read as 0), shared by all their mappings. Unmapping a range that a stream's work may still use through that
 //!   range is an error (on CUDA it would be a fault or silent corruption).
 //! * **Peers.** Each pool keeps the set of other device ordinals granted access to it
 //!   ([`Device::set_pool_access`]); the owning device always has it; mapped memory has the set
 //!   of [`Device::grant_mapped_access`]. A simulated device knows no other device:
-//!   [`Device::copy_peer`] checks that the source, if it is a pool allocation or mapped memory
+//!   `copy_peer` (`test-util`) checks that the source, if it is a pool allocation or mapped memory
 //!   of this device, may be read by the destination device, and is otherwise a use of the
 //!   source range on the stream, like a memset. Nothing is written anywhere.
 //! * **Memory contents.** Only mapped granules hold bytes; plain and pool memory reads as 0.
@@ -37,10 +37,11 @@
 //!   out calls [`SimDevice::check_handout`]: if any earlier use of an overlapping range on
 //!   *another* stream could still be running when work on the receiving stream can start,
 //!   a [`Violation`] is recorded.
-//! * **Host functions** run on the thread whose device call moves the clock past their
+//! * **Host functions** (`launch_host_func`, `test-util`) run on the thread whose device call moves the clock past their
 //!   place in the stream.
-//! * **Graph capture** records memsets, pool allocations and pool frees into a graph instead
-//!   of running them; launching the graph enqueues the memsets as uses.
+//! * **Graph capture** records memsets and peer copies (`test-util`), pool allocations and
+//!   pool frees into a graph instead of running them; launching the graph enqueues the memsets
+//!   and copies as uses.
 //!   - A stream that waits on an event recorded in a capture joins that capture, as on CUDA;
 //!     ending the capture fails (as `CUDA_ERROR_STREAM_CAPTURE_UNJOINED` does) if a joined
 //!     stream has captured work the origin stream never waited for.
@@ -57,20 +58,22 @@
 //!   - Graph memory is tied to the graph, not its executable graphs: destroy the executables
 //!     first. Unlike the driver's graph memory pool, graphs never share physical memory here.
 //!
-//! The only randomness (kernel duration jitter) comes from [`SimConfig::seed`].
+//! The only randomness (the jitter of the durations of memsets and copies) comes from
+//! [`SimConfig::seed`].
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
+#[cfg(feature = "test-util")]
+use rand::{rngs::SmallRng, SeedableRng};
 
 use super::{
-    CaptureStatus, Device, DevicePtr, Event, Graph, GraphExec, HostFn, MemInfo, Pool, PoolAttr, PoolProps,
-    Stream,
+    CaptureStatus, Device, DevicePtr, Event, Graph, GraphExec, MemInfo, Pool, PoolAttr, PoolProps, Stream,
 };
+#[cfg(feature = "test-util")]
+use super::{DeviceTestExt, HostFn};
 use crate::error::{Error, OutOfMemory, Result};
 
 /// Settings of a simulated device.
@@ -82,9 +85,10 @@ pub struct SimConfig {
     pub capacity: usize,
     /// Host time that passes at each device call, in ns.
     pub tick_ns: u64,
-    /// Bytes per ns a memset moves (4.0 TB/s on an H200 is 4000).
+    /// Bytes per ns a memset or copy (`DeviceTestExt`, `test-util`) moves (4.0 TB/s on an H200
+    /// is 4000).
     pub bandwidth_bytes_per_ns: u64,
-    /// Fixed cost of any simulated kernel, in ns.
+    /// Fixed cost of a memset or copy (`DeviceTestExt`, `test-util`), in ns.
     pub launch_ns: u64,
     /// Seed of the kernel-duration jitter (up to +25%).
     pub seed: u64,
@@ -169,6 +173,7 @@ struct StreamState {
 #[derive(Clone, Copy)]
 enum Node {
     /// A use of a range: a memset of `value`, or a read (a peer copy's source) when `None`.
+    #[cfg(feature = "test-util")]
     Memset {
         ptr: DevicePtr,
         len: usize,
@@ -215,6 +220,7 @@ struct Use {
 }
 
 /// The bytes of a mapped granule that has been written.
+#[cfg(feature = "test-util")]
 enum Bytes {
     /// Every byte holds this value.
     Fill(u8),
@@ -328,6 +334,8 @@ impl AddressSpace {
 
 struct State {
     now: u64,
+    /// Kernel-duration jitter.
+    #[cfg(feature = "test-util")]
     rng: SmallRng,
     next_id: u64,
     space: AddressSpace,
@@ -342,6 +350,7 @@ struct State {
     uses: Vec<Use>,
     violations: Vec<Violation>,
     /// Host functions waiting for the clock: (time, sequence) -> function.
+    #[cfg(feature = "test-util")]
     host_fns: BTreeMap<(u64, u64), HostFn>,
     captures: HashMap<u64, CaptureRec>,
     /// Events last recorded in a capture: (capture, stream, nodes captured on that stream).
@@ -359,6 +368,7 @@ struct State {
     /// Mappings of each granule of memory in `mapped`; it goes back to `space` with its last.
     mappings: HashMap<u64, u32>,
     /// The bytes of granules of memory in `mapped` that were written.
+    #[cfg(feature = "test-util")]
     contents: HashMap<u64, Bytes>,
     /// Calls that made the host wait for device work.
     host_waits: u64,
@@ -378,6 +388,7 @@ impl SimDevice {
         pools.insert(default_pool, PoolState::new(0));
         let state = State {
             now: 0,
+            #[cfg(feature = "test-util")]
             rng: SmallRng::seed_from_u64(config.seed),
             next_id: 2,
             space: AddressSpace::new(BASE_ADDRESS + config.ordinal as u64 * DEVICE_STRIDE, config.capacity),
@@ -389,6 +400,7 @@ impl SimDevice {
             async_allocs: HashMap::new(),
             uses: Vec::new(),
             violations: Vec::new(),
+            #[cfg(feature = "test-util")]
             host_fns: BTreeMap::new(),
             captures: HashMap::new(),
             capture_events: HashMap::new(),
@@ -399,6 +411,7 @@ impl SimDevice {
             next_reservation: RESERVED_BASE + config.ordinal as u64 * RESERVED_STRIDE,
             mapped: BTreeMap::new(),
             mappings: HashMap::new(),
+            #[cfg(feature = "test-util")]
             contents: HashMap::new(),
             host_waits: 0,
             aliases: 0,
@@ -499,17 +512,15 @@ impl SimDevice {
         let mut st = self.state.lock();
         st.now += self.config.tick_ns;
         let out = f(&mut st);
-        let due = st.take_due_host_fns();
-        drop(st);
-        for h in due {
-            h();
+        #[cfg(feature = "test-util")]
+        {
+            let due = st.take_due_host_fns();
+            drop(st);
+            for h in due {
+                h();
+            }
         }
         out
-    }
-
-    fn kernel_ns(&self, st: &mut State, len: usize) -> u64 {
-        let base = self.config.launch_ns + len as u64 / self.config.bandwidth_bytes_per_ns.max(1);
-        base + st.rng.gen_range(0..=base / 4)
     }
 
     fn oom(&self, st: &State, requested: usize) -> Error {
@@ -552,11 +563,6 @@ impl State {
             .ok_or_else(|| Error::InvalidArgument(format!("unknown or destroyed stream {:#x}", stream.0)))
     }
 
-    fn take_due_host_fns(&mut self) -> Vec<HostFn> {
-        let later = self.host_fns.split_off(&(self.now + 1, 0));
-        std::mem::replace(&mut self.host_fns, later).into_values().collect()
-    }
-
     /// The memory behind `[ptr, ptr + len)`, in pieces: mapped granules of reservations
     /// translated to their memory, anything else as it is.
     fn memory_of(&self, ptr: u64, len: usize) -> Vec<(u64, u64)> {
@@ -577,52 +583,6 @@ impl State {
             at = next;
         }
         pieces
-    }
-
-    /// Calls `f(bytes of the granule, offset in it, offset in the range)` for each mapped
-    /// granule's part of `[ptr, ptr + len)` (unmapped parts are skipped).
-    fn each_mapped_part(&self, ptr: u64, len: usize, mut f: impl FnMut(u64, usize, usize, usize)) {
-        let end = ptr + len as u64;
-        let mut at = ptr;
-        while at < end {
-            let granule = at - at % MAP_GRANULE as u64;
-            let next = (granule + MAP_GRANULE as u64).min(end);
-            if let Some(&memory) = self.mapped.get(&granule) {
-                f(memory, (at - granule) as usize, (at - ptr) as usize, (next - at) as usize);
-            }
-            at = next;
-        }
-    }
-
-    /// Writes `value`, or the bytes of `data`, into the mapped granules of `[ptr, ptr + len)`.
-    fn write(&mut self, ptr: u64, len: usize, value: u8, data: Option<&[u8]>) {
-        let mut parts = Vec::new();
-        self.each_mapped_part(ptr, len, |m, off, from, n| parts.push((m, off, from, n)));
-        for (memory, off, from, n) in parts {
-            if data.is_none() && n == MAP_GRANULE {
-                self.contents.insert(memory, Bytes::Fill(value));
-                continue;
-            }
-            let bytes = self.contents.entry(memory).or_insert(Bytes::Fill(0));
-            if let Bytes::Fill(v) = *bytes {
-                *bytes = Bytes::Data(vec![v; MAP_GRANULE].into_boxed_slice());
-            }
-            let Bytes::Data(b) = bytes else { continue };
-            match data {
-                Some(d) => b[off..off + n].copy_from_slice(&d[from..from + n]),
-                None => b[off..off + n].fill(value),
-            }
-        }
-    }
-
-    /// Reads the mapped granules of `[ptr, ptr + dst.len())` into `dst` (0 elsewhere).
-    fn read(&self, ptr: u64, dst: &mut [u8]) {
-        dst.fill(0);
-        self.each_mapped_part(ptr, dst.len(), |memory, off, from, n| match self.contents.get(&memory) {
-            Some(Bytes::Fill(v)) => dst[from..from + n].fill(*v),
-            Some(Bytes::Data(b)) => dst[from..from + n].copy_from_slice(&b[off..off + n]),
-            None => {}
-        });
     }
 
     /// Waits for every stream (as `cuCtxSynchronize` would) and applies release thresholds.
@@ -866,14 +826,6 @@ impl Device for SimDevice {
         })
     }
 
-    fn pool_access(&self, pool: Pool, peer: usize) -> Result<bool> {
-        let own = self.config.ordinal;
-        self.call(|st| {
-            let p = st.pools.get(&pool).ok_or_else(|| unknown_pool(pool))?;
-            Ok(peer == own || p.peers.contains(&peer))
-        })
-    }
-
     fn trim_pool(&self, pool: Pool, keep: usize) -> Result<()> {
         self.call(|st| {
             if !st.pools.contains_key(&pool) {
@@ -991,6 +943,7 @@ impl Device for SimDevice {
                 });
                 if left == Some(0) {
                     st.mappings.remove(&m);
+                    #[cfg(feature = "test-util")]
                     st.contents.remove(&m);
                     st.space.give(m, MAP_GRANULE);
                 }
@@ -1188,15 +1141,6 @@ impl Device for SimDevice {
         })
     }
 
-    fn launch_host_func(&self, stream: Stream, f: HostFn) -> Result<()> {
-        self.call(|st| {
-            let at = st.stream_mut(stream)?.ready.max(st.now);
-            let seq = st.id();
-            st.host_fns.insert((at, seq), f);
-            Ok(())
-        })
-    }
-
     fn create_event(&self) -> Result<Event> {
         self.call(|st| {
             let e = Event(st.id());
@@ -1284,68 +1228,6 @@ impl Device for SimDevice {
         self.call(|st| st.stream_mut(stream).map(|_| ()))
     }
 
-    fn memset_async(&self, ptr: DevicePtr, value: u8, len: usize, stream: Stream) -> Result<()> {
-        let mut st = self.state.lock();
-        let ns = self.kernel_ns(&mut st, len);
-        if st.capture_node(stream, Node::Memset { ptr, len, value: Some(value) })? {
-            return Ok(());
-        }
-        st.write(ptr, len, value, None);
-        drop(st);
-        self.use_range(ptr, len, stream, ns)
-    }
-
-    fn copy_peer(
-        &self,
-        _dst: DevicePtr,
-        dst_device: usize,
-        src: DevicePtr,
-        len: usize,
-        stream: Stream,
-    ) -> Result<()> {
-        let own = self.config.ordinal;
-        let mut st = self.state.lock();
-        let source_pool = st
-            .async_allocs
-            .iter()
-            .find(|(start, (_, n))| **start <= src && src < **start + *n as u64)
-            .map(|(_, (pool, _))| *pool);
-        if let Some(pool) = source_pool {
-            if dst_device != own && !st.pools.get(&pool).is_some_and(|p| p.peers.contains(&dst_device)) {
-                return Err(super::no_peer_access(src, own, dst_device, pool));
-            }
-        }
-        let mapped = st.mapped.contains_key(&(src - src % MAP_GRANULE as u64));
-        if mapped && dst_device != own && !st.mapped_peers.contains(&dst_device) {
-            return Err(super::no_mapped_access(src, own, dst_device));
-        }
-        let ns = self.kernel_ns(&mut st, len);
-        // Captured, it is replayed at each launch as a use of the source range.
-        if st.capture_node(stream, Node::Memset { ptr: src, len, value: None })? {
-            return Ok(());
-        }
-        drop(st);
-        self.use_range(src, len, stream, ns)
-    }
-
-    fn copy_to_host(&self, dst: &mut [u8], src: DevicePtr, stream: Stream) -> Result<()> {
-        // The copy is a use of the range, then a wait for it.
-        self.state.lock().read(src, dst);
-        let ns = self.kernel_ns(&mut self.state.lock(), dst.len());
-        self.use_range(src, dst.len(), stream, ns)?;
-        self.synchronize_stream(stream)
-    }
-
-    fn copy_from_host(&self, dst: DevicePtr, src: &[u8], stream: Stream) -> Result<()> {
-        let ns = {
-            let mut st = self.state.lock();
-            st.write(dst, src.len(), 0, Some(src));
-            self.kernel_ns(&mut st, src.len())
-        };
-        self.use_range(dst, src.len(), stream, ns)?;
-        self.synchronize_stream(stream)
-    }
-
     fn begin_capture(&self, stream: Stream) -> Result<()> {
         self.call(|st| {
             let c = st.id();
@@ -1383,10 +1265,6 @@ impl Device for SimDevice {
         })
     }
 
-    fn instantiate_graph(&self, graph: Graph) -> Result<GraphExec> {
-        self.call(|st| st.instantiate(graph, false))
-    }
-
     fn launch_graph(&self, exec: GraphExec, stream: Stream) -> Result<()> {
         let (graph, nodes) = {
             let st = self.state.lock();
@@ -1412,9 +1290,11 @@ impl Device for SimDevice {
             |p: DevicePtr| nodes.iter().any(|n| matches!(n, Node::Alloc { ptr, .. } if *ptr == p));
         for node in &nodes {
             match *node {
+                #[cfg(feature = "test-util")]
                 Node::Memset { ptr, len, value: Some(value) } => {
                     self.memset_async(ptr, value, len, stream)?
                 }
+                #[cfg(feature = "test-util")]
                 Node::Memset { ptr, len, value: None } => {
                     let ns = self.kernel_ns(&mut self.state.lock(), len);
                     self.use_range(ptr, len, stream, ns)?
@@ -1464,6 +1344,164 @@ impl Device for SimDevice {
 /// The error for a pool handle the simulator did not make (or has destroyed).
 fn unknown_pool(pool: Pool) -> Error {
     Error::InvalidArgument(format!("unknown pool {:#x}", pool.0))
+}
+
+/// What only tests and measurement programs call ([`DeviceTestExt`]): memory contents, host
+/// functions, kernel durations.
+#[cfg(feature = "test-util")]
+mod test_util {
+    use rand::Rng;
+
+    use super::super::{no_mapped_access, no_peer_access};
+    use super::*;
+
+    impl SimDevice {
+        /// How long a memset or copy of `len` bytes runs: the launch cost, the bytes at the
+        /// configured bandwidth, and up to 25% of jitter.
+        pub(super) fn kernel_ns(&self, st: &mut State, len: usize) -> u64 {
+            let base = self.config.launch_ns + len as u64 / self.config.bandwidth_bytes_per_ns.max(1);
+            base + st.rng.gen_range(0..=base / 4)
+        }
+    }
+
+    impl State {
+        /// Takes out the host functions whose place in their stream the clock has reached.
+        pub(super) fn take_due_host_fns(&mut self) -> Vec<HostFn> {
+            let later = self.host_fns.split_off(&(self.now + 1, 0));
+            std::mem::replace(&mut self.host_fns, later).into_values().collect()
+        }
+
+        /// Calls `f(bytes of the granule, offset in it, offset in the range)` for each mapped
+        /// granule's part of `[ptr, ptr + len)` (unmapped parts are skipped).
+        fn each_mapped_part(&self, ptr: u64, len: usize, mut f: impl FnMut(u64, usize, usize, usize)) {
+            let end = ptr + len as u64;
+            let mut at = ptr;
+            while at < end {
+                let granule = at - at % MAP_GRANULE as u64;
+                let next = (granule + MAP_GRANULE as u64).min(end);
+                if let Some(&memory) = self.mapped.get(&granule) {
+                    f(memory, (at - granule) as usize, (at - ptr) as usize, (next - at) as usize);
+                }
+                at = next;
+            }
+        }
+
+        /// Writes `value`, or the bytes of `data`, into the mapped granules of `[ptr, ptr + len)`.
+        fn write(&mut self, ptr: u64, len: usize, value: u8, data: Option<&[u8]>) {
+            let mut parts = Vec::new();
+            self.each_mapped_part(ptr, len, |m, off, from, n| parts.push((m, off, from, n)));
+            for (memory, off, from, n) in parts {
+                if data.is_none() && n == MAP_GRANULE {
+                    self.contents.insert(memory, Bytes::Fill(value));
+                    continue;
+                }
+                let bytes = self.contents.entry(memory).or_insert(Bytes::Fill(0));
+                if let Bytes::Fill(v) = *bytes {
+                    *bytes = Bytes::Data(vec![v; MAP_GRANULE].into_boxed_slice());
+                }
+                let Bytes::Data(b) = bytes else { continue };
+                match data {
+                    Some(d) => b[off..off + n].copy_from_slice(&d[from..from + n]),
+                    None => b[off..off + n].fill(value),
+                }
+            }
+        }
+
+        /// Reads the mapped granules of `[ptr, ptr + dst.len())` into `dst` (0 elsewhere).
+        fn read(&self, ptr: u64, dst: &mut [u8]) {
+            dst.fill(0);
+            self.each_mapped_part(ptr, dst.len(), |memory, off, from, n| match self.contents.get(&memory) {
+                Some(Bytes::Fill(v)) => dst[from..from + n].fill(*v),
+                Some(Bytes::Data(b)) => dst[from..from + n].copy_from_slice(&b[off..off + n]),
+                None => {}
+            });
+        }
+    }
+
+    impl DeviceTestExt for SimDevice {
+        fn pool_access(&self, pool: Pool, peer: usize) -> Result<bool> {
+            let own = self.config.ordinal;
+            self.call(|st| {
+                let p = st.pools.get(&pool).ok_or_else(|| unknown_pool(pool))?;
+                Ok(peer == own || p.peers.contains(&peer))
+            })
+        }
+
+        fn launch_host_func(&self, stream: Stream, f: HostFn) -> Result<()> {
+            self.call(|st| {
+                let at = st.stream_mut(stream)?.ready.max(st.now);
+                let seq = st.id();
+                st.host_fns.insert((at, seq), f);
+                Ok(())
+            })
+        }
+
+        fn memset_async(&self, ptr: DevicePtr, value: u8, len: usize, stream: Stream) -> Result<()> {
+            let mut st = self.state.lock();
+            let ns = self.kernel_ns(&mut st, len);
+            if st.capture_node(stream, Node::Memset { ptr, len, value: Some(value) })? {
+                return Ok(());
+            }
+            st.write(ptr, len, value, None);
+            drop(st);
+            self.use_range(ptr, len, stream, ns)
+        }
+
+        fn copy_peer(
+            &self,
+            _dst: DevicePtr,
+            dst_device: usize,
+            src: DevicePtr,
+            len: usize,
+            stream: Stream,
+        ) -> Result<()> {
+            let own = self.config.ordinal;
+            let mut st = self.state.lock();
+            let source_pool = st
+                .async_allocs
+                .iter()
+                .find(|(start, (_, n))| **start <= src && src < **start + *n as u64)
+                .map(|(_, (pool, _))| *pool);
+            if let Some(pool) = source_pool {
+                if dst_device != own && !st.pools.get(&pool).is_some_and(|p| p.peers.contains(&dst_device)) {
+                    return Err(no_peer_access(src, own, dst_device, pool));
+                }
+            }
+            let mapped = st.mapped.contains_key(&(src - src % MAP_GRANULE as u64));
+            if mapped && dst_device != own && !st.mapped_peers.contains(&dst_device) {
+                return Err(no_mapped_access(src, own, dst_device));
+            }
+            let ns = self.kernel_ns(&mut st, len);
+            // Captured, it is replayed at each launch as a use of the source range.
+            if st.capture_node(stream, Node::Memset { ptr: src, len, value: None })? {
+                return Ok(());
+            }
+            drop(st);
+            self.use_range(src, len, stream, ns)
+        }
+
+        fn copy_to_host(&self, dst: &mut [u8], src: DevicePtr, stream: Stream) -> Result<()> {
+            // The copy is a use of the range, then a wait for it.
+            self.state.lock().read(src, dst);
+            let ns = self.kernel_ns(&mut self.state.lock(), dst.len());
+            self.use_range(src, dst.len(), stream, ns)?;
+            self.synchronize_stream(stream)
+        }
+
+        fn copy_from_host(&self, dst: DevicePtr, src: &[u8], stream: Stream) -> Result<()> {
+            let ns = {
+                let mut st = self.state.lock();
+                st.write(dst, src.len(), 0, Some(src));
+                self.kernel_ns(&mut st, src.len())
+            };
+            self.use_range(dst, src.len(), stream, ns)?;
+            self.synchronize_stream(stream)
+        }
+
+        fn instantiate_graph(&self, graph: Graph) -> Result<GraphExec> {
+            self.call(|st| st.instantiate(graph, false))
+        }
+    }
 }
 
 #[cfg(test)]

@@ -6,19 +6,20 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use streamalloc::device::cuda::CudaDevice;
-use streamalloc::{Device, Stream};
+use streamalloc::device::DeviceTestExt;
+use streamalloc::Stream;
 
 /// Longest a host function keeps its stream blocked.
 pub const BLOCK_LIMIT: Duration = Duration::from_secs(5);
 
 /// CUDA device 0. Fails (never skips) when there is none: GPU tests are `#[ignore]`d where no
 /// GPU is expected, and must not pass without one.
-pub fn gpu() -> Arc<dyn Device> {
+pub fn gpu() -> Arc<dyn DeviceTestExt> {
     CudaDevice::new(0).unwrap_or_else(|e| panic!("GPU test run without a usable CUDA device: {e}"))
 }
 
 /// Blocks `stream` with a host function until the returned flag is set (or [`BLOCK_LIMIT`]).
-pub fn block_stream(device: &Arc<dyn Device>, stream: Stream) -> Arc<AtomicBool> {
+pub fn block_stream(device: &Arc<dyn DeviceTestExt>, stream: Stream) -> Arc<AtomicBool> {
     let go = Arc::new(AtomicBool::new(false));
     let flag = go.clone();
     device

@@ -4,20 +4,21 @@
 use std::sync::Arc;
 
 use streamalloc::allocators::{BackingKind, BestFit, BestFitConfig};
-use streamalloc::{Allocation, Allocator, Device, Stream};
+use streamalloc::device::DeviceTestExt;
+use streamalloc::{Allocation, Allocator, Stream};
 
 /// A byte pattern that differs in every 4 KiB page and by `seed`.
 pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(31) ^ ((i >> 12) as u8) ^ seed).collect()
 }
 
-fn write(device: &dyn Device, x: &Allocation, seed: u8, stream: Stream) -> Vec<u8> {
+fn write(device: &dyn DeviceTestExt, x: &Allocation, seed: u8, stream: Stream) -> Vec<u8> {
     let data = pattern(x.size(), seed);
     device.copy_from_host(x.ptr(), &data, stream).expect("copy to device");
     data
 }
 
-fn read(device: &dyn Device, x: &Allocation, stream: Stream) -> Vec<u8> {
+fn read(device: &dyn DeviceTestExt, x: &Allocation, stream: Stream) -> Vec<u8> {
     let mut back = vec![0; x.size()];
     device.copy_to_host(&mut back, x.ptr(), stream).expect("copy to host");
     back
@@ -29,7 +30,7 @@ fn read(device: &dyn Device, x: &Allocation, stream: Stream) -> Vec<u8> {
 /// a freed granule (its memory was mapped again, not replaced), that a pattern written across
 /// all its granules reads back, that the live blocks kept their bytes, and that blocks
 /// straddling granule boundaries after it do too.
-pub fn stitched_growth_keeps_data(device: Arc<dyn Device>, stream: Stream) {
+pub fn stitched_growth_keeps_data(device: Arc<dyn DeviceTestExt>, stream: Stream) {
     let d = device.as_ref();
     let g = device.map_granularity().expect("granularity");
     let config = BestFitConfig { backing: BackingKind::Stitched, stream, ..Default::default() };

@@ -305,7 +305,7 @@ impl AsyncPool {
     }
 
     /// Lets device `peer` read and write this allocator's pool memory (`cuMemPoolSetAccess`),
-    /// e.g. as the source of a [`Device::copy_peer`] to it or in its kernels; sets the
+    /// e.g. as the source of a peer copy (`cuMemcpyPeerAsync`) or in its kernels; sets the
     /// allocator up if this is its first use. Allowed in every [`PoolMode`]: on the default
     /// pool or a [`PoolMode::View`], the access is a property of that pool and so holds for
     /// every user of it in the process, not just this allocator.

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use super::*;
 use crate::device::sim::{SimConfig, SimDevice};
+use crate::device::DeviceTestExt;
 
 const MIB: usize = 1 << 20;
 
