@@ -364,6 +364,8 @@ struct State {
     host_waits: u64,
     /// Successful calls of [`Device::map_alias`].
     aliases: u64,
+    /// Successful calls of [`Device::map`], [`Device::map_alias`] and [`Device::unmap`].
+    mapping_calls: u64,
     /// Other devices granted access to mapped memory.
     mapped_peers: BTreeSet<usize>,
 }
@@ -402,6 +404,7 @@ impl SimDevice {
             contents: HashMap::new(),
             host_waits: 0,
             aliases: 0,
+            mapping_calls: 0,
             mapped_peers: BTreeSet::new(),
         };
         Arc::new(Self { config, state: Mutex::new(state) })
@@ -486,6 +489,12 @@ impl SimDevice {
     /// How many calls of [`Device::map_alias`] so far mapped memory a second time.
     pub fn aliases(&self) -> u64 {
         self.state.lock().aliases
+    }
+
+    /// How many calls of [`Device::map`], [`Device::map_alias`] and [`Device::unmap`] so far
+    /// succeeded: the virtual-memory calls that cost microseconds each on a GPU.
+    pub fn mapping_calls(&self) -> u64 {
+        self.state.lock().mapping_calls
     }
 
     /// When all work enqueued so far on `stream` completes (virtual ns).
@@ -934,6 +943,7 @@ impl Device for SimDevice {
             }
             st.mappings.extend(taken.iter().map(|&m| (m, 1)));
             st.mapped.extend((addr..).step_by(MAP_GRANULE).zip(taken));
+            st.mapping_calls += 1;
             Ok(())
         })
     }
@@ -954,6 +964,7 @@ impl Device for SimDevice {
             }
             st.mapped.extend((to..).step_by(MAP_GRANULE).zip(memory));
             st.aliases += 1;
+            st.mapping_calls += 1;
             Ok(())
         })
     }
@@ -996,6 +1007,7 @@ impl Device for SimDevice {
                 }
             }
             st.mapped.retain(|&g, _| g < addr || g >= end);
+            st.mapping_calls += 1;
             Ok(())
         })
     }
