@@ -2,7 +2,7 @@
 //! ranges are placed where they merge with free blocks, and whose free granules are mapped a
 //! second time into a growth that would otherwise raise the pool's peak.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -73,25 +73,20 @@ struct State {
     reservation: u64,
     /// Unmapped runs of the reservation: start -> length, no two adjacent.
     holes: BTreeMap<u64, u64>,
-    /// Every mapped granule: address -> the granule of memory behind it (an id).
-    memory_at: BTreeMap<u64, u64>,
-    /// Each granule of memory -> its address in the pool (in a block of the policy).
-    active: HashMap<u64, u64>,
-    /// Dormant granules: mapped, out of the pool and out of `holes`, their memory in the
-    /// pool at another address: address -> the epoch they went dormant in.
-    dormant: BTreeMap<u64, u64>,
-    /// Events recorded on the pool's stream, oldest first, with the epoch each closes.
-    recorded: VecDeque<(u64, Event)>,
-    /// The epoch granules going dormant now belong to.
-    epoch: u64,
-    /// Dormant granules of epochs below this one are used by no queued work.
-    settled: u64,
-    /// The id of the next granule of memory mapped fresh.
-    next_memory: u64,
+    /// Old ranges of stitched granules, still mapped, out of the pool and out of `holes`.
+    retired: Vec<Retired>,
     /// Bytes of memory the pool's blocks map now (each granule's memory counted once).
     mapped: u64,
     /// The most bytes mapped at once so far.
     high_water: u64,
+}
+
+/// The old ranges of the granules one stitch mapped again, and the event recorded on the
+/// pool's stream after it: once the event completed no work uses them. `None` when no event
+/// could be recorded: they are unmapped at the next release.
+struct Retired {
+    event: Option<Event>,
+    ranges: Vec<(u64, u64)>,
 }
 
 /// Where to map a growth: `len` bytes at `at`, inside one unmapped run.
@@ -124,49 +119,35 @@ impl Stitched {
         Ok(())
     }
 
-    /// Unmaps the dormant granules no queued work uses (all of them when `all`: the caller
-    /// waited for the pool's stream), which become unmapped runs again; the first error met.
-    /// A granule that cannot be unmapped stays dormant.
-    fn unmap_dormant(&self, st: &mut State, all: bool) -> Result<()> {
-        if all {
-            st.epoch += 1;
-            st.settled = st.epoch;
-        }
-        while let Some(&(epoch, e)) = st.recorded.front() {
-            if epoch >= st.settled && !self.device.query_event(e).unwrap_or(false) {
-                break;
-            }
-            st.settled = st.settled.max(epoch + 1);
-            st.recorded.pop_front();
-            self.events.put(e);
-        }
-        let g = st.granularity;
-        let mut runs: Vec<(u64, u64)> = Vec::new();
-        for (&addr, &epoch) in &st.dormant {
-            if epoch >= st.settled {
+    /// Unmaps the retired ranges whose event has completed (all of them when `all`: the
+    /// caller waited for the pool's stream), which become unmapped runs again. A range that
+    /// cannot be unmapped stays retired, without its event, until the next release.
+    fn unmap_retired(&self, st: &mut State, all: bool) {
+        let mut kept = Vec::new();
+        for mut r in std::mem::take(&mut st.retired) {
+            let done = match r.event {
+                Some(e) => all || self.device.query_event(e).unwrap_or(false),
+                None => all,
+            };
+            if !done {
+                kept.push(r);
                 continue;
             }
-            match runs.last_mut() {
-                Some((start, len)) if *start + *len == addr => *len += g,
-                _ => runs.push((addr, g)),
+            if let Some(e) = r.event.take() {
+                self.events.put(e);
             }
-        }
-        let mut first_error = None;
-        for (addr, len) in runs {
-            match self.device.unmap(addr, len as usize) {
-                Ok(()) => {
-                    for a in (addr..addr + len).step_by(g as usize) {
-                        st.dormant.remove(&a);
-                        st.memory_at.remove(&a);
-                    }
-                    insert_hole(&mut st.holes, addr, len);
-                }
-                Err(e) => {
-                    first_error.get_or_insert(e);
+            let mut left = Vec::new();
+            for (addr, len) in r.ranges {
+                match self.device.unmap(addr, len as usize) {
+                    Ok(()) => insert_hole(&mut st.holes, addr, len),
+                    Err(_) => left.push((addr, len)),
                 }
             }
+            if !left.is_empty() {
+                kept.push(Retired { event: None, ranges: left });
+            }
         }
-        first_error.map_or(Ok(()), Err)
+        st.retired = kept;
     }
 
     /// Maps `pl`: the carved ranges' memory again at its start, in order, and fresh memory
@@ -191,18 +172,6 @@ impl Stitched {
         }
         result
     }
-
-    /// Records an event on the pool's stream that closes the current epoch: once it has
-    /// completed, no queued work uses the granules that went dormant so far.
-    fn close_epoch(&self, st: &mut State) {
-        let Ok(e) = self.events.get() else { return };
-        if self.device.record_event(e, self.stream).is_ok() {
-            st.recorded.push_back((st.epoch, e));
-            st.epoch += 1;
-        } else {
-            self.events.put(e);
-        }
-    }
 }
 
 impl Backing for Stitched {
@@ -213,6 +182,9 @@ impl Backing for Stitched {
     fn grow(&self, ledger: &dyn Ledger, want: &Want) -> Result<Option<Grant>> {
         let mut st = self.state.lock();
         self.reserve(&mut st)?;
+        if !st.retired.is_empty() {
+            self.unmap_retired(&mut st, false);
+        }
         let mut placement = None;
         let served = ledger.update_and_serve(&mut |p| {
             placement = place(p, &st.holes, st.granularity, want.class, want.rounded);
@@ -221,22 +193,6 @@ impl Backing for Stitched {
         // Another thread may have grown the pool while this one waited for it.
         if served.is_some() {
             return Ok(served);
-        }
-        let capturing = self.device.capture_status(self.stream)? != CaptureStatus::None;
-        if !st.dormant.is_empty() && !capturing {
-            // A dormant range whose memory is free in the pool serves without a device call.
-            let served = ledger.update_and_serve(&mut |p| activate(&mut st, p, want.class, want.rounded))?;
-            if served.is_some() {
-                return Ok(served);
-            }
-        }
-        if placement.is_none() && !st.dormant.is_empty() {
-            // The reservation is short of address space: give back what dormant granules hold.
-            let _ = self.unmap_dormant(&mut st, false);
-            ledger.update(&mut |p| {
-                placement = place(p, &st.holes, st.granularity, want.class, want.rounded);
-                Ok(())
-            })?;
         }
         let Some(pl) = placement else {
             return Err(Error::oom(OutOfMemory {
@@ -248,7 +204,7 @@ impl Backing for Stitched {
         };
         let excess = (st.mapped + pl.len).saturating_sub(st.high_water);
         let mut carved = Vec::new();
-        if excess > 0 && !capturing {
+        if excess > 0 && self.device.capture_status(self.stream)? == CaptureStatus::None {
             let g = st.granularity;
             ledger.update(&mut |p| {
                 carved = carve_free_granules(p, g, excess, Some(pl));
@@ -272,30 +228,19 @@ impl Backing for Stitched {
             }
             return added;
         }
+        let reused: u64 = carved.iter().map(|&(_, _, len)| len).sum();
         take_hole(&mut st.holes, pl.at, pl.len);
-        let g = st.granularity;
-        let mut at = pl.at;
-        for &(_, addr, len) in &carved {
-            for old in (addr..addr + len).step_by(g as usize) {
-                let memory = st.memory_at[&old];
-                st.memory_at.insert(at, memory);
-                st.active.insert(memory, at);
-                let epoch = st.epoch;
-                st.dormant.insert(old, epoch);
-                at += g;
-            }
-        }
-        let reused = at - pl.at;
-        for fresh in (at..pl.at + pl.len).step_by(g as usize) {
-            let memory = st.next_memory;
-            st.next_memory += 1;
-            st.memory_at.insert(fresh, memory);
-            st.active.insert(memory, fresh);
-        }
         st.mapped += pl.len - reused;
         st.high_water = st.high_water.max(st.mapped);
         if !carved.is_empty() {
-            self.close_epoch(&mut st);
+            let event = self.events.get().ok().filter(|&e| match self.device.record_event(e, self.stream) {
+                Ok(()) => true,
+                Err(_) => {
+                    self.events.put(e);
+                    false
+                }
+            });
+            st.retired.push(Retired { event, ranges: carved.iter().map(|&(_, a, l)| (a, l)).collect() });
         }
         added
     }
@@ -310,12 +255,10 @@ impl Backing for Stitched {
             return Ok(0);
         }
         // The pool waited for its stream before this release, unless `unwaited` says why not.
-        let dormant = self.unmap_dormant(&mut st, unwaited.is_none());
+        self.unmap_retired(&mut st, unwaited.is_none());
         if let Some(e) = unwaited {
             return Err(e.clone());
         }
-        // A granule's memory is given back only with its last mapping.
-        dormant?;
         let g = st.granularity;
         let mut carved = Vec::new();
         ledger.update(&mut |p| {
@@ -326,11 +269,6 @@ impl Backing for Stitched {
         for (class, addr, len) in carved {
             match self.device.unmap(addr, len as usize) {
                 Ok(()) => {
-                    for a in (addr..addr + len).step_by(g as usize) {
-                        if let Some(memory) = st.memory_at.remove(&a) {
-                            st.active.remove(&memory);
-                        }
-                    }
                     insert_hole(&mut st.holes, addr, len);
                     st.mapped -= len;
                     unmapped += len;
@@ -350,106 +288,16 @@ impl Backing for Stitched {
         if st.base == 0 {
             return;
         }
-        if !chunks.is_empty() || !st.dormant.is_empty() {
+        if !chunks.is_empty() || !st.retired.is_empty() {
             // As in `release`: an unmap does not wait for the last uses.
             let _ = self.device.synchronize_stream(self.stream);
         }
-        let _ = self.unmap_dormant(&mut st, true);
+        self.unmap_retired(&mut st, true);
         for (addr, size) in chunks {
             let _ = self.device.unmap(addr, size as usize);
         }
         let _ = self.device.free_address(st.base, st.reservation as usize);
     }
-}
-
-/// Serves a request of `rounded` bytes of `class` from dormant granules without a device
-/// call: finds the fewest contiguous dormant granules whose memory lies in whole granules of
-/// free blocks and that, with the free blocks of `class` they meet, make a free block the
-/// request fits; takes those granules of memory out of the free blocks (their addresses go
-/// dormant) and puts the dormant range in the pool in their place. Changes nothing when no
-/// such range exists.
-fn activate(st: &mut State, p: &mut BestFitPolicy, class: Class, rounded: u64) -> Result<()> {
-    let g = st.granularity;
-    // Every free block: start -> (end, class).
-    let free: BTreeMap<u64, (u64, Class)> = p.free_blocks().map(|(k, a, size)| (a, (a + size, k))).collect();
-    let block_at = |a: u64| free.range(..=a).next_back().filter(|(_, &(end, _))| end > a).map(|(&s, &e)| (s, e));
-    let whole_free = |a: u64| block_at(a).is_some_and(|(_, (end, _))| end >= a + g);
-    // Windows of contiguous mapped granules whose memory is free: (start, the address each
-    // granule's memory has in the pool).
-    let mut windows: Vec<(u64, Vec<u64>)> = Vec::new();
-    for (&addr, memory) in &st.memory_at {
-        let alias = if st.dormant.contains_key(&addr) { st.active.get(memory).copied() } else { Some(addr) };
-        match (alias.filter(|&a| whole_free(a)), windows.last_mut()) {
-            (Some(a), Some((start, aliases))) if *start + aliases.len() as u64 * g == addr => aliases.push(a),
-            (Some(a), _) => windows.push((addr, vec![a])),
-            (None, _) => windows.push((addr + g, Vec::new())),
-        }
-    }
-    let edge = |b: Option<(u64, (u64, Class))>| b.filter(|&(_, (_, k))| k == class);
-    // The best choice: (granules, dormant granules, start).
-    let mut best: Option<(u64, usize, u64, Vec<u64>)> = None;
-    for (start, aliases) in &windows {
-        let n = aliases.len();
-        for i in 0..n {
-            let lo_addr = start + i as u64 * g;
-            let before = edge(block_at(lo_addr.wrapping_sub(1))).map_or(0, |(s, _)| lo_addr - s);
-            let need = rounded.saturating_sub(before).div_ceil(g).max(1) as usize;
-            for k in [need.saturating_sub(1).max(1), need] {
-                if i + k > n || best.as_ref().is_some_and(|b| (k as u64) >= b.0) {
-                    continue;
-                }
-                let hi_addr = lo_addr + k as u64 * g;
-                let after = edge(block_at(hi_addr)).map_or(0, |(_, (e, _))| e - hi_addr);
-                if before + k as u64 * g + after < rounded {
-                    continue;
-                }
-                let taken = &aliases[i..i + k];
-                let (lo, hi) = (lo_addr - before, hi_addr + after);
-                let moved = taken.iter().enumerate().filter(|&(x, &a)| a != lo_addr + x as u64 * g);
-                if moved.clone().any(|(_, &a)| a < hi && lo < a + g) {
-                    continue;
-                }
-                let dormant = moved.count();
-                best = Some((k as u64, dormant, lo_addr, taken.to_vec()));
-            }
-        }
-    }
-    let Some((k, _, at, aliases)) = best else { return Ok(()) };
-    // Take every granule's memory out of its free block (in place or at its other address),
-    // then put the range in as one segment of the request's class.
-    let mut carved = Vec::with_capacity(aliases.len());
-    let mut in_place = Vec::new();
-    for (x, &a) in aliases.iter().enumerate() {
-        let Some((_, (_, k))) = block_at(a) else { break };
-        if p.carve(a, g).is_err() {
-            break;
-        }
-        carved.push((k, a));
-        if a == at + x as u64 * g {
-            in_place.push(a);
-        }
-    }
-    let joined = if carved.len() == aliases.len() { add_and_join(p, class, at, k * g) } else { Ok(()) };
-    if carved.len() < aliases.len() || joined.is_err() {
-        // Too many blocks for the policy: everything back where it was.
-        for (k, a) in carved {
-            add_and_join(p, k, a, g)?;
-        }
-        return joined;
-    }
-    let epoch = st.epoch;
-    for (x, &a) in aliases.iter().enumerate() {
-        let addr = at + x as u64 * g;
-        if a == addr {
-            continue;
-        }
-        st.dormant.remove(&addr);
-        if let Some(&memory) = st.memory_at.get(&addr) {
-            st.active.insert(memory, addr);
-        }
-        st.dormant.insert(a, epoch);
-    }
-    Ok(())
 }
 
 /// The placement of a growth for a request of `rounded` bytes of `class` that maps the
