@@ -1571,6 +1571,7 @@ mod tests {
         assert!(back[..G - 8] == data[..G - 8]);
         d.unmap(a, 2 * G).unwrap();
         assert_eq!(d.mem_info().unwrap().free, free, "its last mapping gave it back");
+        assert_eq!((d.aliases(), d.mapping_calls()), (1, 4), "map, alias, two unmaps; failures not counted");
         d.free_address(r, 16 * G).unwrap();
     }
 
