@@ -1,11 +1,14 @@
 //! Footprint of StreamSafe over each backing on the simulator: replays every trace given
 //! (RMM logging CSV) and prints a markdown table of peak device memory used over peak live
-//! bytes, device calls and ns per operation (one timed pass: CPU figures come from
-//! criterion, not from here).
+//! bytes, device calls of the measuring pass, the simulator's mapping calls (map, map_alias,
+//! unmap) in each of the four passes over one allocator (the last three are the steady
+//! state of a repeated workload) and ns per operation (best of the three warm passes: CPU
+//! figures come from criterion, not from here).
 //!
 //! Run: `cargo run --release -p streamalloc-bench --bin footprint -- traces/*.csv traces/synthetic/*.csv`
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use streamalloc::allocators::{BackingKind, BestFitConfig, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice};
@@ -29,18 +32,25 @@ fn main() -> streamalloc::Result<()> {
             let pool = BestFitConfig { backing, ..Default::default() };
             let alloc = StreamSafe::new(sim.clone(), StreamSafeConfig { pool, ..Default::default() })?;
             let target = ReplayTarget::Streams(Arc::new(alloc));
-            let r = replay(
-                &trace,
-                name,
-                &target,
-                sim.as_ref(),
-                &ReplayOptions { passes: 1, ..Default::default() },
-            )?;
+            // The simulator's mapping calls at the end of each pass.
+            let (done, ops) = (AtomicU64::new(0), trace.ops.len() as u64);
+            let per_pass = Mutex::new(vec![sim.mapping_calls()]);
+            let progress = |n: u64| {
+                let now = done.fetch_add(n, Ordering::Relaxed) + n;
+                if n > 0 && now % ops.max(1) == 0 {
+                    per_pass.lock().expect("not poisoned").push(sim.mapping_calls());
+                }
+            };
+            let options = ReplayOptions { passes: 3, progress: Some(&progress), ..Default::default() };
+            let r = replay(&trace, name, &target, sim.as_ref(), &options)?;
             live = r.peak_live;
+            let per_pass = per_pass.into_inner().expect("not poisoned");
+            let maps: Vec<String> = per_pass.windows(2).map(|w| (w[1] - w[0]).to_string()).collect();
             cells.push(format!(
-                "{:.3} ({} calls, {:.0} ns{})",
+                "{:.3} ({} calls, maps {}, {:.0} ns{})",
                 r.footprint_ratio,
                 r.device_calls,
+                maps.join("/"),
                 r.ns_per_op_warm,
                 if r.failures > 0 { format!(", {} FAILED", r.failures) } else { String::new() }
             ));

@@ -374,6 +374,8 @@ struct State {
     host_waits: u64,
     /// Successful calls of [`Device::map_alias`].
     aliases: u64,
+    /// Successful calls of [`Device::map`], [`Device::map_alias`] and [`Device::unmap`].
+    mapping_calls: u64,
     /// Other devices granted access to mapped memory.
     mapped_peers: BTreeSet<usize>,
 }
@@ -415,6 +417,7 @@ impl SimDevice {
             contents: HashMap::new(),
             host_waits: 0,
             aliases: 0,
+            mapping_calls: 0,
             mapped_peers: BTreeSet::new(),
         };
         Arc::new(Self { config, state: Mutex::new(state) })
@@ -499,6 +502,12 @@ impl SimDevice {
     /// How many calls of [`Device::map_alias`] so far mapped memory a second time.
     pub fn aliases(&self) -> u64 {
         self.state.lock().aliases
+    }
+
+    /// How many calls of [`Device::map`], [`Device::map_alias`] and [`Device::unmap`] so far
+    /// succeeded: the virtual-memory calls that cost microseconds each on a GPU.
+    pub fn mapping_calls(&self) -> u64 {
+        self.state.lock().mapping_calls
     }
 
     /// When all work enqueued so far on `stream` completes (virtual ns).
@@ -886,6 +895,7 @@ impl Device for SimDevice {
             }
             st.mappings.extend(taken.iter().map(|&m| (m, 1)));
             st.mapped.extend((addr..).step_by(MAP_GRANULE).zip(taken));
+            st.mapping_calls += 1;
             Ok(())
         })
     }
@@ -906,6 +916,7 @@ impl Device for SimDevice {
             }
             st.mapped.extend((to..).step_by(MAP_GRANULE).zip(memory));
             st.aliases += 1;
+            st.mapping_calls += 1;
             Ok(())
         })
     }
@@ -949,6 +960,7 @@ impl Device for SimDevice {
                 }
             }
             st.mapped.retain(|&g, _| g < addr || g >= end);
+            st.mapping_calls += 1;
             Ok(())
         })
     }
@@ -1597,6 +1609,7 @@ mod tests {
         assert!(back[..G - 8] == data[..G - 8]);
         d.unmap(a, 2 * G).unwrap();
         assert_eq!(d.mem_info().unwrap().free, free, "its last mapping gave it back");
+        assert_eq!((d.aliases(), d.mapping_calls()), (1, 4), "map, alias, two unmaps; failures not counted");
         d.free_address(r, 16 * G).unwrap();
     }
 
