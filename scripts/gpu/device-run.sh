@@ -61,7 +61,7 @@ for part in "$@"; do
   echo "===== $part"
   case $part in
     # The header drift check needs cargo; the record test needs the library beside the CLI
-    # (both run in CI); the two-GPU tests run on nvidia-h200-x2 (scripts/gpu/multi-gpu.sh).
+    # (both run in CI); the two-GPU tests run on a two-GPU machine (scripts/gpu/multi-gpu.sh).
     tests) bash .gpu/run.sh --skip header_is_up_to_date --skip record_writes_the_trace \
       --skip record_keeps_the_trace_when_the_program_configures_the_library \
       --skip mapped_memory_is_usable_by_a_peer_once_peer_access_is_enabled \

@@ -8,9 +8,8 @@
 # $OUT/multi-gpu-summary.txt; exits non-zero if any test failed or fewer than two GPUs exist
 # (the tests fail, never skip, then).
 #
-# Here (no GPU): pack the tests, then call the device tool on the two-GPU kind:
-#   bash scripts/gpu-test.sh
-#   run(command="bash scripts/gpu/multi-gpu.sh", carry=[".gpu"], kind="nvidia-h200-x2", timeout_s=600)
+# Pack the tests first (on any x86-64 machine with Rust): `bash scripts/gpu-test.sh`, then,
+# in this repository with .gpu/ on a machine with two GPUs: `bash scripts/gpu/multi-gpu.sh`.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export OUT=${OUT:-/tmp/streamalloc-multi-gpu}
