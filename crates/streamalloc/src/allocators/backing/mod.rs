@@ -7,8 +7,8 @@
 //! * [`Segments`]: PyTorch's expandable segments: one address reservation per size class,
 //!   mapped from its start as the pool grows.
 //! * [`Stitched`]: GMLake's stitching on one address reservation: mapped ranges are placed
-//!   next to free blocks so they merge, and free granules of holes are unmapped to pay for
-//!   a growth that would otherwise raise the pool's peak.
+//!   next to free blocks so they merge, and the memory of free granules is mapped a second
+//!   time into a growth that would otherwise raise the pool's peak.
 
 mod chunks;
 mod segments;
@@ -74,7 +74,8 @@ pub trait Ledger {
 pub trait Backing: Send + Sync {
     /// The device the memory lives on.
     fn device(&self) -> &Arc<dyn Device>;
-    /// Adds memory to the pool so that `want` fits, and serves it ([`Ledger::update`]).
+    /// Adds memory to the pool so that `want` fits, and serves it
+    /// ([`Ledger::update_and_serve`]).
     /// `Ok(None)` when other threads took the memory added meanwhile: the pool asks again.
     /// Out-of-memory errors are the device's; the pool releases and retries once.
     fn grow(&self, ledger: &dyn Ledger, want: &Want) -> Result<Option<Grant>>;
