@@ -31,7 +31,7 @@ static STREAM_SOURCE: AtomicUsize = AtomicUsize::new(0);
 static STREAM_KEEPER: AtomicUsize = AtomicUsize::new(0);
 
 /// The streams of live CuPy allocations, while a keeper is installed.
-static KEPT: Mutex<Kept> = Mutex::new(Kept { owners: None });
+static KEPT: Mutex<Option<Owners>> = Mutex::new(None);
 
 /// A function that returns CuPy's current stream (`cudaStream_t`), such as the
 /// `get_current_stream_ptr` CuPy exports from `cupy_backends.cuda.stream`.
@@ -68,7 +68,7 @@ pub unsafe extern "C" fn streamalloc_cupy_set_stream_source(source: CupyStreamSo
 pub unsafe extern "C" fn streamalloc_cupy_set_stream_keeper(keeper: CupyStreamKeeper) {
     let mut kept = KEPT.lock();
     STREAM_KEEPER.store(keeper.map_or(0, |f| f as usize), Ordering::Release);
-    kept.owners = keeper.map(|_| Owners::default());
+    *kept = keeper.map(|_| Owners::default());
 }
 
 /// CuPy's current stream, if a source is installed.
@@ -109,11 +109,6 @@ struct Owners {
     live: HashMap<u64, usize>,
 }
 
-/// [`Owners`] while a keeper is installed.
-struct Kept {
-    owners: Option<Owners>,
-}
-
 /// Whether `stream` is one that a program can destroy (not a default stream's handle).
 fn destroyable(stream: Stream) -> bool {
     stream.0 > 2
@@ -124,7 +119,7 @@ fn kept_allocation(ptr: u64, stream: Stream) {
     if !destroyable(stream) || STREAM_KEEPER.load(Ordering::Relaxed) == 0 {
         return;
     }
-    let first = match KEPT.lock().owners.as_mut() {
+    let first = match KEPT.lock().as_mut() {
         Some(o) => {
             o.stream_of.insert(ptr, stream.0);
             let live = o.live.entry(stream.0).or_default();
@@ -145,10 +140,10 @@ fn kept_free(ptr: u64) {
     }
     let last = {
         let mut kept = KEPT.lock();
-        let Some(o) = kept.owners.as_mut() else { return };
+        let Some(o) = kept.as_mut() else { return };
         let Some(stream) = o.stream_of.remove(&ptr) else { return };
-        let live = o.live.entry(stream).or_default();
-        *live = live.saturating_sub(1);
+        let Some(live) = o.live.get_mut(&stream) else { return };
+        *live -= 1;
         (*live == 0).then(|| {
             o.live.remove(&stream);
             stream

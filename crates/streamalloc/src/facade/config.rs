@@ -203,10 +203,15 @@ const STRATEGY_KEYS: &[(&str, &[Strategy])] = &[
     ("trim_floor", &[Strategy::Async]),
 ];
 
+/// The strategies that take `key`, if only some do.
+fn strategies_taking(key: &str) -> Option<&'static [Strategy]> {
+    STRATEGY_KEYS.iter().find(|(k, _)| *k == key).map(|&(_, strategies)| strategies)
+}
+
 impl Strategy {
     /// Whether this strategy takes the configuration key `key`.
     pub fn takes(self, key: &str) -> bool {
-        STRATEGY_KEYS.iter().find(|(k, _)| *k == key).is_none_or(|(_, strategies)| strategies.contains(&self))
+        strategies_taking(key).is_none_or(|strategies| strategies.contains(&self))
     }
 }
 
@@ -285,9 +290,7 @@ impl Config {
             }
         }
         for key in seen {
-            if let Some((_, strategies)) =
-                STRATEGY_KEYS.iter().find(|(k, _)| *k == key).filter(|_| !c.strategy.takes(key))
-            {
+            if let Some(strategies) = strategies_taking(key).filter(|s| !s.contains(&c.strategy)) {
                 let names: Vec<&str> = strategies.iter().map(|s| s.name()).collect();
                 return Err(Error::Config(format!(
                     "`{key}` does not apply to strategy={}; it is taken by {}",
