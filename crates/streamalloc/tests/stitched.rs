@@ -87,6 +87,55 @@ fn stitching_growths_make_no_host_wait() {
 }
 
 #[test]
+fn a_repeated_workload_reuses_its_stitched_ranges_without_mapping() {
+    let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+    let s = sim.create_stream().unwrap();
+    let pool = BestFit::new(sim.clone(), BestFitConfig { stream: s, ..stitched() }).unwrap();
+    // One step of a training loop: activations of three sizes, every other one freed, then
+    // a block larger than any free one (stitched from their granules), and small blocks.
+    let step = || {
+        let mut calls = sim.mapping_calls();
+        for size in [3 * MIB, 5 * MIB, 7 * MIB] {
+            let blocks: Vec<Allocation> = (0..6).map(|_| pool.allocate(size).unwrap()).collect();
+            for x in &blocks {
+                sim.use_range(x.ptr(), x.size(), s, 200_000).unwrap();
+            }
+            let kept: Vec<Allocation> =
+                blocks.into_iter().enumerate().filter(|(i, _)| i % 2 == 0).map(|(_, x)| x).collect();
+            let big = pool.allocate(4 * size).unwrap();
+            let small: Vec<Allocation> = (0..4).map(|_| pool.allocate(300 << 10).unwrap()).collect();
+            sim.use_range(big.ptr(), big.size(), s, 200_000).unwrap();
+            drop((kept, big, small));
+        }
+        calls = sim.mapping_calls() - calls;
+        calls
+    };
+    let first = step();
+    let later: Vec<u64> = (0..6).map(|_| step()).collect();
+    assert!(first > 0 && sim.aliases() > 0, "the first step stitched nothing");
+    assert_eq!(later[2..], [0; 4], "steps after the first few still map: {first} then {later:?}");
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    let peak = pool.stats().reserved;
+    sim.synchronize_stream(s).unwrap();
+    assert_eq!(pool.release().unwrap(), peak, "release unmaps the idle ranges and every granule");
+}
+
+#[test]
+fn a_small_request_takes_a_free_large_granule_without_mapping() {
+    let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+    let pool = BestFit::new(sim.clone(), stitched()).unwrap();
+    let a = pool.allocate(8 * MIB).unwrap();
+    let b = pool.allocate(8 * MIB).unwrap();
+    drop(a);
+    // Small blocks live in small chunks; the 8 MiB freed by `a` pays for one.
+    let calls = sim.mapping_calls();
+    let small = pool.allocate(4096).unwrap();
+    assert_eq!(sim.mapping_calls(), calls, "a granule was mapped for a small block");
+    assert_eq!(pool.stats().reserved, 16 * MIB);
+    drop((small, b));
+}
+
+#[test]
 fn a_stitched_growth_keeps_data_across_granules() {
     let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
     let start = used(&sim);

@@ -846,7 +846,8 @@ impl Drop for Inner {
                 self.events.put(event);
             }
         }
-        let chunks = st.policy.chunks().collect();
+        let mut chunks: Vec<(u64, u64)> = st.policy.chunks().collect();
+        chunks.extend(st.policy.take_stitches());
         self.backing.teardown(chunks);
     }
 }

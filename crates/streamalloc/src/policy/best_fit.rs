@@ -49,6 +49,10 @@ use std::collections::BTreeMap;
 use crate::allocation::ALIGNMENT;
 use crate::error::{Error, Result};
 
+mod stitches;
+
+use stitches::Stitches;
+
 /// Chunks for requests larger than [`Classes::growth`] are rounded up to this (2 MiB).
 pub const LARGE_ROUND: u64 = 2 << 20;
 
@@ -375,6 +379,7 @@ pub struct BestFitPolicy {
     reserved: u64,
     allocated: u64,
     cached: u64,
+    stitches: Stitches,
 }
 
 impl BestFitPolicy {
@@ -390,6 +395,7 @@ impl BestFitPolicy {
             reserved: 0,
             allocated: 0,
             cached: 0,
+            stitches: Stitches::default(),
         }
     }
 
@@ -572,6 +578,13 @@ impl BestFitPolicy {
         Some(Grant { addr, size: granted, token: u64::from(slot) })
     }
 
+    /// Whether a free block fits `size` bytes (rounded up): [`BestFitPolicy::allocate`] would
+    /// serve it without growing.
+    pub fn fits(&self, size: u64) -> bool {
+        Self::round(size)
+            .is_some_and(|s| self.free.get(self.class_of(s).index()).is_some_and(|l| l.fit(s).is_some()))
+    }
+
     /// The size of the block of `token` if it is handed out and starts at `addr`.
     pub fn allocated_size(&self, token: u64, addr: u64) -> Option<u64> {
         let s = self.slot(u32::try_from(token).ok()?);
@@ -625,6 +638,10 @@ impl BestFitPolicy {
         match entry {
             Some(i) => self.free_list(class).replace(i, merged.size, merged.addr, keep),
             None => self.free_list(class).insert(merged.size, merged.addr, keep),
+        }
+        if merged.prev == NIL && merged.next == NIL && !self.stitches.is_empty() {
+            // A whole chunk is free: a stitched one gives its memory back home.
+            self.settle_stitched(merged.addr)?;
         }
         Ok(block.size)
     }
@@ -704,26 +721,10 @@ impl BestFitPolicy {
     /// unaligned or not inside one free block.
     pub fn carve(&mut self, addr: u64, size: u64) -> Result<()> {
         let end = addr.checked_add(size).unwrap_or(0);
-        let bad = || Error::Internal(format!("{addr:#x}+{size} is not inside one free block"));
-        if size == 0 || end <= addr || addr % ALIGNMENT as u64 != 0 || size % ALIGNMENT as u64 != 0 {
-            return Err(bad());
-        }
-        let (&start, &chunk) =
-            self.chunks.range(..=addr).next_back().filter(|(&a, c)| a + c.size > addr).ok_or_else(bad)?;
-        let mut idx = chunk.first;
-        let b = loop {
-            let s = self.slot(idx);
-            if s.state == State::Vacant {
-                return Err(bad());
-            }
-            if s.addr + s.size > addr {
-                break s;
-            }
-            idx = s.next;
+        let Some((start, chunk, idx)) = self.free_block_around(addr, size) else {
+            return Err(Error::Internal(format!("{addr:#x}+{size} is not inside one free block")));
         };
-        if b.state != State::Free || b.addr + b.size < end {
-            return Err(bad());
-        }
+        let b = self.slot(idx);
         self.free_list(b.class).remove(b.size, b.addr);
         // The right part: a new chunk from `end` to the old chunk's end.
         let right_first = if b.addr + b.size > end {
@@ -778,6 +779,33 @@ impl BestFitPolicy {
         self.reserved -= size;
         self.cached -= size;
         Ok(())
+    }
+
+    /// Whether `[addr, addr + size)` is non-empty, aligned and inside one free block (so that
+    /// [`BestFitPolicy::carve`] would take it).
+    pub fn is_free(&self, addr: u64, size: u64) -> bool {
+        self.free_block_around(addr, size).is_some()
+    }
+
+    /// The chunk (start and entry) and the slot of the free block that holds
+    /// `[addr, addr + size)`, if that range is non-empty, aligned and inside one free block.
+    fn free_block_around(&self, addr: u64, size: u64) -> Option<(u64, Chunk, u32)> {
+        let end = addr.checked_add(size)?;
+        if size == 0 || addr % ALIGNMENT as u64 != 0 || size % ALIGNMENT as u64 != 0 {
+            return None;
+        }
+        let (&start, &chunk) = self.chunks.range(..=addr).next_back().filter(|(&a, c)| a + c.size > addr)?;
+        let mut idx = chunk.first;
+        loop {
+            let s = self.slot(idx);
+            if s.state == State::Vacant {
+                return None;
+            }
+            if s.addr + s.size > addr {
+                return (s.state == State::Free && s.addr + s.size >= end).then_some((start, chunk, idx));
+            }
+            idx = s.next;
+        }
     }
 
     /// Joins the chunk that starts at `addr` with the chunk that starts at its end, so that

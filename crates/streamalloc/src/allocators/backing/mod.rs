@@ -91,7 +91,8 @@ pub trait Backing: Send + Sync {
     fn grows_into_free_tails(&self) -> bool {
         false
     }
-    /// Gives back every chunk the pool holds (`(addr, size)`), when the pool is dropped.
+    /// Gives back every chunk the pool holds and what its stitched chunks left out of them
+    /// ([`BestFitPolicy::take_stitches`]), as `(addr, size)`, when the pool is dropped.
     /// Errors only leak memory: nothing is left to report them to.
     fn teardown(&mut self, chunks: Vec<(u64, u64)>);
 }

@@ -1,6 +1,8 @@
-//! Stitched virtual-memory ranges (GMLake, ASPLOS'24): one address reservation whose mapped
-//! ranges are placed where they merge with free blocks, and whose free granules are mapped a
-//! second time into a growth that would otherwise raise the pool's peak.
+//! Stitched virtual-memory ranges (GMLake, ASPLOS'24): memory mapped in granules into one
+//! address reservation, placed where it merges with free blocks; when a growth would raise
+//! the pool's peak, free granules, wherever they lie, are mapped a second time, side by side,
+//! into a *stitched range* that serves the request, and stitched ranges are kept to serve
+//! later requests without a device call.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -12,50 +14,49 @@ use crate::device::{CaptureStatus, Device, Event, EventPool, Stream};
 use crate::error::{Error, OutOfMemory, Result};
 use crate::policy::best_fit::{BestFitPolicy, Class, Grant};
 
-/// The stitched backing: one address reservation per pool (twice the device's memory),
-/// mapped in granules ([`Device::map_granularity`]) as the pool grows. Every mapped range
-/// is a segment of the policy, and ranges that meet are joined so that their blocks merge.
+/// The stitched backing. One address reservation per pool, in two areas: the *home* area
+/// (twice the device's memory) where memory is mapped fresh, in granules
+/// ([`Device::map_granularity`]), and the *stitch* area (the device's memory) where free
+/// granules are mapped a second time.
 ///
 /// * **Placement.** A miss maps the fewest granules that, with a free block at the end of a
-///   mapped range before an unmapped run, or at the start of one after it, make a free block
-///   the request fits (PyTorch's expandable segments do this at the end of one segment
+///   mapped home range before an unmapped run, or at the start of one after it, make a free
+///   block the request fits (PyTorch's expandable segments do this at the end of one segment
 ///   only). Filling a run between two free blocks merges all three. Both classes share the
-///   reservation, so small and large requests reuse each other's unmapped granules.
-/// * **Stitching.** When the growth would raise the memory mapped above its highest mark so
-///   far, free granules (whole granules inside free blocks, those of the smallest free
-///   blocks first) are taken out of the pool, as many as the excess, and their memory is
-///   mapped again as part of the growth's range; fresh memory is mapped only for the rest.
-///   Free memory is defragmented without moving live data and without waiting for the
-///   device (see below), and the pool's peak rises only when the free
-///   memory, however scattered, cannot pay for the growth. Below the mark a growth only
-///   maps, as expandable segments do. A request of any size is served from the reservation:
-///   a freed block of a large request leaves a hole whose granules are stitched into the
-///   next growth. While the pool's stream captures a graph nothing is stitched (no event is
-///   recorded in a capture).
-/// * **Release** unmaps the old ranges of stitched granules and every free granule of the
-///   pool (PyTorch's `empty_cache` over expandable segments), after the pool's bounded wait
-///   for its stream; past the bound nothing is unmapped.
+///   area, so small and large requests reuse each other's unmapped granules.
+/// * **Stitching.** When that growth would raise the memory mapped above its highest mark so
+///   far, and the free home granules (whole granules inside free blocks) lack less than it
+///   would add, they pay instead: as many as the request needs are taken out of the pool
+///   (those of the smallest free blocks first; fresh ones are mapped at home first for what
+///   they lack) and their memory is mapped again, side by side, in the stitch area. The
+///   stitched range is a chunk of its own that serves the request. Free memory is thus
+///   defragmented without moving live data and without waiting for the device (below).
+/// * **Reuse.** Once all of a stitched range's blocks are free, at the next miss, its
+///   granules go back to the pool at home and the range is kept mapped, idle. A later miss
+///   that an idle range fits (at most twice the request) whose home granules are all free
+///   takes them again and serves from the range: no device call. A repeated workload (a
+///   training step, a decoding loop) meets the same requests at the same points, so after its
+///   first rounds its misses find their ranges.
+/// * **Eviction.** When the stitch area has no room, the idle ranges are unmapped once an
+///   event recorded on the pool's stream after their last use completed.
+/// * **Release** unmaps every idle stitched range, then every free home granule (PyTorch's
+///   `empty_cache` over expandable segments), after the pool's bounded wait for its stream;
+///   past the bound nothing is unmapped.
 ///
 /// # Why stitching needs no wait
 ///
-/// A stitch takes whole granules out of free blocks and maps *the same memory* again inside
-/// the growth's new range ([`Device::map_alias`]); nothing is unmapped and nothing is
-/// created for them. The memory's last use before the stitch is ordered on the pool's stream
-/// (blocks freed with recorded streams become free only once those streams' events
-/// completed), and its next user gets a block of the new range, in the order of the same
-/// stream (another stream receives a block of the pool only after waiting for the pool's
-/// stream). The stream alone orders the two, as it orders any reuse of a free block: the host
-/// waits for nothing.
-///
-/// The granule's old address, an alias of memory now in use elsewhere, must never be handed
-/// out again while it is mapped: it leaves the pool at the stitch (it is in no block of the
-/// policy), and only goes back into the reservation's unmapped runs once unmapped. It cannot
-/// be unmapped at once, since work queued before the stitch may still use it through that
-/// address (an unmap, unlike `cuMemFree`, does not wait). So the stitch records an event on
-/// the pool's stream after carving it, and a later growth or release that finds the event
-/// complete unmaps the old range; unmapping an alias frees no memory while another mapping
-/// of it lives. A release, which waits (with its bound) for the pool's stream, unmaps every
-/// retired range before the free granules, so the memory it gives back is really returned.
+/// A stitch maps the memory of free granules again ([`Device::map_alias`]); nothing is
+/// unmapped and nothing is created for them. The memory's last use through its home address
+/// is ordered on the pool's stream (blocks freed with recorded streams become free only once
+/// those streams' events completed), and its next user gets a block of the stitched range,
+/// in the order of the same stream (another stream receives a block of the pool only after
+/// waiting for the pool's stream). The stream alone orders the two, as it orders any reuse
+/// of a free block; the same holds when a stitched range's granules go back home and when an
+/// idle range takes them again. While a range is in use its home granules are in no block of
+/// the pool, and while it is idle its address is in none: memory is never reachable through
+/// two blocks at once. An idle range's address is unmapped only after an event that follows
+/// its last use (an unmap, unlike `cuMemFree`, does not wait), and a release unmaps idle
+/// ranges before home granules, so the memory it gives back is really returned.
 pub struct Stitched {
     device: Arc<dyn Device>,
     stream: Stream,
@@ -71,19 +72,26 @@ struct State {
     base: u64,
     /// Size of the reservation.
     reservation: u64,
-    /// Unmapped runs of the reservation: start -> length, no two adjacent.
+    /// Start of the stitch area: home addresses lie below it, stitched ranges above it, with
+    /// one unused granule between so that no home chunk meets a stitched one.
+    stitch_area: u64,
+    /// Unmapped runs of the home area: start -> length, no two adjacent.
     holes: BTreeMap<u64, u64>,
-    /// Old ranges of stitched granules, still mapped, out of the pool and out of `holes`.
+    /// Unused runs of the stitch area, likewise.
+    stitch_holes: BTreeMap<u64, u64>,
+    /// Whether the pool may hold idle stitched ranges (any was made since the last release).
+    stitched: bool,
+    /// Evicted stitched ranges, still mapped, waiting for their event.
     retired: Vec<Retired>,
-    /// Bytes of memory the pool's blocks map now (each granule's memory counted once).
+    /// Bytes of memory mapped at home (the memory the pool holds; stitched ranges alias it).
     mapped: u64,
     /// The most bytes mapped at once so far.
     high_water: u64,
 }
 
-/// The old ranges of the granules one stitch mapped again, and the event recorded on the
-/// pool's stream after it: once the event completed no work uses them. `None` when no event
-/// could be recorded: they are unmapped at the next release.
+/// Evicted stitched ranges and the event recorded on the pool's stream after their last
+/// use: once it completed no work uses them. `None` when no event could be recorded: they
+/// are unmapped at the next release.
 struct Retired {
     event: Option<Event>,
     ranges: Vec<(u64, u64)>,
@@ -94,6 +102,14 @@ struct Retired {
 struct Placement {
     at: u64,
     len: u64,
+}
+
+/// What a miss does, decided under the pool's lock.
+enum Plan {
+    /// Map `Placement` fresh at home.
+    Grow(Placement),
+    /// Stitch the request's granules, after mapping `fresh` bytes at home at `Placement`.
+    Stitch { fresh: Option<Placement> },
 }
 
 impl Stitched {
@@ -109,18 +125,20 @@ impl Stitched {
         if st.base != 0 {
             return Ok(());
         }
-        let granularity = self.device.map_granularity()? as u64;
-        let total = self.device.mem_info()?.total as u64;
-        let reservation = total.div_ceil(granularity) * granularity * 2;
+        let g = self.device.map_granularity()? as u64;
+        let memory = (self.device.mem_info()?.total as u64).div_ceil(g) * g;
+        let reservation = 3 * memory + g;
         st.base = self.device.reserve_address(reservation as usize)?;
-        st.granularity = granularity;
+        st.granularity = g;
         st.reservation = reservation;
-        st.holes.insert(st.base, reservation);
+        st.stitch_area = st.base + 2 * memory + g;
+        st.holes.insert(st.base, 2 * memory);
+        st.stitch_holes.insert(st.stitch_area, memory);
         Ok(())
     }
 
     /// Unmaps the retired ranges whose event has completed (all of them when `all`: the
-    /// caller waited for the pool's stream), which become unmapped runs again. A range that
+    /// caller waited for the pool's stream), which become unused runs again. A range that
     /// cannot be unmapped stays retired, without its event, until the next release.
     fn unmap_retired(&self, st: &mut State, all: bool) {
         let mut kept = Vec::new();
@@ -139,7 +157,7 @@ impl Stitched {
             let mut left = Vec::new();
             for (addr, len) in r.ranges {
                 match self.device.unmap(addr, len as usize) {
-                    Ok(()) => insert_hole(&mut st.holes, addr, len),
+                    Ok(()) => insert_hole(&mut st.stitch_holes, addr, len),
                     Err(_) => left.push((addr, len)),
                 }
             }
@@ -150,27 +168,108 @@ impl Stitched {
         st.retired = kept;
     }
 
-    /// Maps `pl`: the carved ranges' memory again at its start, in order, and fresh memory
-    /// after them. On failure nothing of `pl` is left mapped (the carved ranges stay mapped
-    /// where they were).
-    fn map_stitched(&self, pl: Placement, carved: &[(Class, u64, u64)]) -> Result<()> {
-        let mut at = pl.at;
-        let mut result = Ok(());
-        for &(_, addr, len) in carved {
-            result = self.device.map_alias(addr, at, len as usize);
-            if result.is_err() {
-                break;
+    /// Evicts every idle stitched range: they are unmapped once an event recorded now on the
+    /// pool's stream completed. Nothing is evicted while the stream captures a graph.
+    fn evict_idle(&self, st: &mut State, ledger: &dyn Ledger) -> Result<()> {
+        if self.device.capture_status(self.stream)? != CaptureStatus::None {
+            return Ok(());
+        }
+        let mut ranges = Vec::new();
+        ledger.update(&mut |p| {
+            ranges = p.take_idle_stitched();
+            Ok(())
+        })?;
+        if ranges.is_empty() {
+            return Ok(());
+        }
+        let event = self.events.get().ok().filter(|&e| match self.device.record_event(e, self.stream) {
+            Ok(()) => true,
+            Err(_) => {
+                self.events.put(e);
+                false
             }
-            at += len;
+        });
+        st.retired.push(Retired { event, ranges });
+        Ok(())
+    }
+
+    /// Maps `len` fresh bytes at `at` at home and adds them to the pool as free memory of
+    /// `class`, joined with the free blocks they meet (serving the request when `serve`).
+    fn grow_home(
+        &self,
+        st: &mut State,
+        ledger: &dyn Ledger,
+        class: Class,
+        pl: Placement,
+        serve: bool,
+    ) -> Result<Option<Grant>> {
+        self.device.map(pl.at, pl.len as usize)?;
+        let add = &mut |p: &mut BestFitPolicy| p.add_joined(class, pl.at, pl.len);
+        let added = if serve { ledger.update_and_serve(add) } else { ledger.update(add).map(|()| None) };
+        if added.is_err() {
+            // A bug: the policy refused memory that is mapped; give it back.
+            let _ = self.device.unmap(pl.at, pl.len as usize);
+            return added;
         }
-        if result.is_ok() && at < pl.at + pl.len {
-            result = self.device.map(at, (pl.at + pl.len - at) as usize);
+        take_hole(&mut st.holes, pl.at, pl.len);
+        st.mapped += pl.len;
+        st.high_water = st.high_water.max(st.mapped);
+        added
+    }
+
+    /// Stitches `size` bytes of free home granules into a new range of the stitch area and
+    /// serves the request from it. `Ok(None)` when other threads took the free granules
+    /// meanwhile.
+    fn stitch(&self, st: &mut State, ledger: &dyn Ledger, class: Class, size: u64) -> Result<Option<Grant>> {
+        let at = match smallest_run(&st.stitch_holes, size) {
+            Some(at) => at,
+            None => {
+                self.evict_idle(st, ledger)?;
+                self.unmap_retired(st, false);
+                smallest_run(&st.stitch_holes, size).ok_or_else(|| {
+                    Error::oom(OutOfMemory {
+                        device: self.device.ordinal(),
+                        requested: size as usize,
+                        hint: "no room is left for stitched ranges in the pool's reservation".into(),
+                        ..OutOfMemory::default()
+                    })
+                })?
+            }
+        };
+        let (g, limit) = (st.granularity, st.stitch_area);
+        let mut homes = Vec::new();
+        ledger.update(&mut |p| {
+            homes = carve_free_granules(p, g, size, limit);
+            Ok(())
+        })?;
+        let put_back = |homes: &[(Class, u64, u64)]| {
+            let _ = ledger.update(&mut |p| homes.iter().try_for_each(|&(k, a, l)| p.add_joined(k, a, l)));
+        };
+        if homes.iter().map(|&(_, _, l)| l).sum::<u64>() < size {
+            put_back(&homes);
+            return Ok(None);
         }
-        if result.is_err() && at > pl.at {
-            // Mapped a moment ago and used by nothing yet.
-            let _ = self.device.unmap(pl.at, (at - pl.at) as usize);
+        let mut to = at;
+        for &(_, from, len) in &homes {
+            if let Err(e) = self.device.map_alias(from, to, len as usize) {
+                if to > at {
+                    // Mapped a moment ago and used by nothing yet.
+                    let _ = self.device.unmap(at, (to - at) as usize);
+                }
+                put_back(&homes);
+                return Err(e);
+            }
+            to += len;
         }
-        result
+        let served = ledger.update_and_serve(&mut |p| p.add_stitched(class, at, size, homes.clone()));
+        if served.is_err() {
+            let _ = self.device.unmap(at, size as usize);
+            put_back(&homes);
+            return served;
+        }
+        take_hole(&mut st.stitch_holes, at, size);
+        st.stitched = true;
+        served
     }
 }
 
@@ -185,64 +284,53 @@ impl Backing for Stitched {
         if !st.retired.is_empty() {
             self.unmap_retired(&mut st, false);
         }
-        let mut placement = None;
+        let g = st.granularity;
+        let need = want.rounded.div_ceil(g) * g;
+        let mut plan = None;
+        // Stitched ranges whose blocks are all free give their granules back, and an idle one
+        // that fits the request is taken again if it can be; else the plan, all under one lock.
         let served = ledger.update_and_serve(&mut |p| {
-            placement = place(p, &st.holes, st.granularity, want.class, want.rounded);
+            if st.stitched && p.reuse_stitched(want.rounded, want.rounded.saturating_mul(2))? {
+                return Ok(());
+            }
+            if want.class == Class::Small && reclass_granule(p, g, st.stitch_area)? {
+                return Ok(());
+            }
+            let placement = place(p, &st.holes, g, want.class, want.rounded);
+            let raise = |len: u64| (st.mapped + len).saturating_sub(st.high_water);
+            let grow_raise = placement.map_or(u64::MAX, |pl| raise(pl.len));
+            // Whole granules the free home blocks lack for the request.
+            let lacking = need.saturating_sub(free_granules(p, g, st.stitch_area).sum());
+            plan = match placement {
+                Some(pl) if grow_raise == 0 => Some(Plan::Grow(pl)),
+                _ if raise(lacking) >= grow_raise => placement.map(Plan::Grow),
+                _ if lacking == 0 => Some(Plan::Stitch { fresh: None }),
+                _ => match smallest_run(&st.holes, lacking) {
+                    Some(at) => Some(Plan::Stitch { fresh: Some(Placement { at, len: lacking }) }),
+                    None => placement.map(Plan::Grow),
+                },
+            };
             Ok(())
         })?;
         // Another thread may have grown the pool while this one waited for it.
         if served.is_some() {
             return Ok(served);
         }
-        let Some(pl) = placement else {
-            return Err(Error::oom(OutOfMemory {
+        match plan {
+            Some(Plan::Grow(pl)) => self.grow_home(&mut st, ledger, want.class, pl, true),
+            Some(Plan::Stitch { fresh }) => {
+                if let Some(pl) = fresh {
+                    self.grow_home(&mut st, ledger, want.class, pl, false)?;
+                }
+                self.stitch(&mut st, ledger, want.class, need)
+            }
+            None => Err(Error::oom(OutOfMemory {
                 device: self.device.ordinal(),
                 requested: want.rounded as usize,
                 hint: format!("no run of {} bytes is left unmapped in the pool's reservation", want.rounded),
                 ..OutOfMemory::default()
-            }));
-        };
-        let excess = (st.mapped + pl.len).saturating_sub(st.high_water);
-        let mut carved = Vec::new();
-        if excess > 0 && self.device.capture_status(self.stream)? == CaptureStatus::None {
-            let g = st.granularity;
-            ledger.update(&mut |p| {
-                carved = carve_free_granules(p, g, excess, Some(pl));
-                Ok(())
-            })?;
+            })),
         }
-        let put_back = |carved: &[(Class, u64, u64)]| {
-            for &(class, addr, len) in carved {
-                let _ = ledger.update(&mut |p| add_and_join(p, class, addr, len));
-            }
-        };
-        if let Err(e) = self.map_stitched(pl, &carved) {
-            put_back(&carved);
-            return Err(e);
-        }
-        let added = ledger.update_and_serve(&mut |p| add_and_join(p, want.class, pl.at, pl.len));
-        if added.is_err() {
-            // A bug: the policy refused memory that is mapped; give it back.
-            if self.device.unmap(pl.at, pl.len as usize).is_ok() {
-                put_back(&carved);
-            }
-            return added;
-        }
-        let reused: u64 = carved.iter().map(|&(_, _, len)| len).sum();
-        take_hole(&mut st.holes, pl.at, pl.len);
-        st.mapped += pl.len - reused;
-        st.high_water = st.high_water.max(st.mapped);
-        if !carved.is_empty() {
-            let event = self.events.get().ok().filter(|&e| match self.device.record_event(e, self.stream) {
-                Ok(()) => true,
-                Err(_) => {
-                    self.events.put(e);
-                    false
-                }
-            });
-            st.retired.push(Retired { event, ranges: carved.iter().map(|&(_, a, l)| (a, l)).collect() });
-        }
-        added
     }
 
     fn grows_into_free_tails(&self) -> bool {
@@ -259,13 +347,29 @@ impl Backing for Stitched {
         if let Some(e) = unwaited {
             return Err(e.clone());
         }
-        let g = st.granularity;
-        let mut carved = Vec::new();
+        let (g, limit) = (st.granularity, st.stitch_area);
+        let mut idle = Vec::new();
         ledger.update(&mut |p| {
-            carved = carve_free_granules(p, g, u64::MAX, None);
+            idle = p.take_idle_stitched();
             Ok(())
         })?;
-        let (mut unmapped, mut first_error) = (0, None);
+        st.stitched = false;
+        let mut first_error = None;
+        for (addr, size) in idle {
+            match self.device.unmap(addr, size as usize) {
+                Ok(()) => insert_hole(&mut st.stitch_holes, addr, size),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                    st.retired.push(Retired { event: None, ranges: vec![(addr, size)] });
+                }
+            }
+        }
+        let mut carved = Vec::new();
+        ledger.update(&mut |p| {
+            carved = carve_free_granules(p, g, u64::MAX, limit);
+            Ok(())
+        })?;
+        let mut unmapped = 0;
         for (class, addr, len) in carved {
             match self.device.unmap(addr, len as usize) {
                 Ok(()) => {
@@ -276,7 +380,7 @@ impl Backing for Stitched {
                 Err(e) => {
                     first_error.get_or_insert(e);
                     // Still mapped: back into the pool, where it was.
-                    let _ = ledger.update(&mut |p| add_and_join(p, class, addr, len));
+                    let _ = ledger.update(&mut |p| p.add_joined(class, addr, len));
                 }
             }
         }
@@ -298,6 +402,36 @@ impl Backing for Stitched {
         }
         let _ = self.device.free_address(st.base, st.reservation as usize);
     }
+}
+
+/// Moves one whole granule of the smallest large free home block (below `limit`) that has
+/// one to the small class, at the same address: the memory changes hands without a device
+/// call. Whether there was one.
+fn reclass_granule(p: &mut BestFitPolicy, g: u64, limit: u64) -> Result<bool> {
+    let found = p
+        .free_blocks()
+        .filter(|&(class, a, _)| class == Class::Large && a < limit)
+        .filter_map(|(_, a, s)| {
+            let (lo, hi) = (a.div_ceil(g) * g, (a + s) / g * g);
+            (hi > lo).then_some((s, hi - g))
+        })
+        .min();
+    let Some((_, at)) = found else { return Ok(false) };
+    p.carve(at, g)?;
+    p.add_joined(Class::Small, at, g)?;
+    Ok(true)
+}
+
+/// The start of the smallest run of `runs` of at least `len` bytes.
+fn smallest_run(runs: &BTreeMap<u64, u64>, len: u64) -> Option<u64> {
+    runs.iter().filter(|&(_, &run)| run >= len).min_by_key(|&(&at, &run)| (run, at)).map(|(&at, _)| at)
+}
+
+/// The sizes of the whole granules inside free blocks below `limit` (home blocks).
+fn free_granules(p: &BestFitPolicy, g: u64, limit: u64) -> impl Iterator<Item = u64> + '_ {
+    p.free_blocks()
+        .filter(move |&(_, a, _)| a < limit)
+        .map(move |(_, a, s)| ((a + s) / g * g).saturating_sub(a.div_ceil(g) * g))
 }
 
 /// The placement of a growth for a request of `rounded` bytes of `class` that maps the
@@ -336,18 +470,12 @@ fn place(
     best.map(|(_, _, pl)| pl)
 }
 
-/// Takes up to `bytes` of whole free granules out of `p` (those of the smallest free blocks
-/// first, each block's from its end), except from blocks next to `keep`; the ranges taken.
-fn carve_free_granules(
-    p: &mut BestFitPolicy,
-    g: u64,
-    bytes: u64,
-    keep: Option<Placement>,
-) -> Vec<(Class, u64, u64)> {
-    let kept = |addr: u64, size: u64| keep.is_some_and(|k| addr + size == k.at || addr == k.at + k.len);
+/// Takes up to `bytes` of whole free granules of home blocks (below `limit`) out of `p`,
+/// those of the smallest free blocks first, each block's from its end; the ranges taken.
+fn carve_free_granules(p: &mut BestFitPolicy, g: u64, bytes: u64, limit: u64) -> Vec<(Class, u64, u64)> {
     let mut candidates: Vec<(u64, u64, Class)> = p
         .free_blocks()
-        .filter(|&(_, a, s)| !kept(a, s))
+        .filter(|&(_, a, _)| a < limit)
         .filter_map(|(class, a, s)| {
             let (lo, hi) = (a.div_ceil(g) * g, (a + s) / g * g);
             (hi > lo).then(|| (hi - lo, lo, class))
@@ -368,24 +496,6 @@ fn carve_free_granules(
         }
     }
     carved
-}
-
-/// Adds the mapped range `[addr, addr + len)` to `p` as a segment of `class` and joins it
-/// with the ranges it meets of the same class.
-fn add_and_join(p: &mut BestFitPolicy, class: Class, addr: u64, len: u64) -> Result<()> {
-    p.add_segment(class, addr, len)?;
-    let mut start = addr;
-    if let Some((s, k, _)) = p.chunk_ending_at(addr) {
-        if k == class && p.join(s).is_ok() {
-            start = s;
-        }
-    }
-    if let Some((size, _, _)) = p.chunk_at(start) {
-        if p.chunk_at(start + size).is_some_and(|(_, k, _)| k == class) {
-            let _ = p.join(start);
-        }
-    }
-    Ok(())
 }
 
 /// Adds the unmapped run `[addr, addr + len)` to `holes`, merged with the runs it meets.
