@@ -1,11 +1,12 @@
 //! Footprint of StreamSafe over each backing on the simulator: replays every trace given
 //! (RMM logging CSV) and prints a markdown table of peak device memory used over peak live
 //! bytes, device calls of the measuring pass, the simulator's mapping calls (map, map_alias,
-//! unmap) in each of the four passes over one allocator (the last three are the steady
-//! state of a repeated workload) and ns per operation (best of the three warm passes: CPU
-//! figures come from criterion, not from here).
+//! unmap) in each of the first four passes over one allocator (the last three are the warm
+//! passes the anchors harness times) and, with `--passes N` (N > 3), the mapping calls of the
+//! N - 3 passes after them (a repeated workload's long run), and ns per operation (best of the
+//! warm passes: CPU figures come from criterion, not from here).
 //!
-//! Run: `cargo run --release -p streamalloc-bench --bin footprint -- traces/*.csv traces/synthetic/*.csv`
+//! Run: `cargo run --release -p streamalloc-bench --bin footprint -- [--passes N] traces/*.csv`
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -23,7 +24,17 @@ fn main() -> streamalloc::Result<()> {
     ];
     println!("| trace | peak live MiB | {} |", backings.map(|(n, _)| n).join(" | "));
     println!("| --- | --- |{}", " --- |".repeat(backings.len()));
-    for path in std::env::args().skip(1) {
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let mut passes = 3;
+    if args.first().is_some_and(|a| a == "--passes") {
+        let n = args.get(1).and_then(|n| n.parse().ok()).filter(|&n| n >= 3);
+        let Some(n) = n else {
+            return Err(streamalloc::Error::InvalidArgument("--passes takes a number of at least 3".into()));
+        };
+        passes = n;
+        args.drain(..2);
+    }
+    for path in args {
         let trace = Trace::from_path(&path)?;
         let mut cells = Vec::new();
         let mut live = 0;
@@ -41,13 +52,20 @@ fn main() -> streamalloc::Result<()> {
                     per_pass.lock().expect("not poisoned").push(sim.mapping_calls());
                 }
             };
-            let options = ReplayOptions { passes: 3, progress: Some(&progress), ..Default::default() };
+            let options = ReplayOptions { passes, progress: Some(&progress), ..Default::default() };
             let r = replay(&trace, name, &target, sim.as_ref(), &options)?;
             live = r.peak_live;
             let per_pass = per_pass.into_inner().expect("not poisoned");
-            let maps: Vec<String> = per_pass.windows(2).map(|w| (w[1] - w[0]).to_string()).collect();
+            let maps: Vec<u64> = per_pass.windows(2).map(|w| w[1] - w[0]).collect();
+            let later = match maps.get(4..) {
+                Some(rest) if !rest.is_empty() => {
+                    format!(", then {} in {} passes", rest.iter().sum::<u64>(), rest.len())
+                }
+                _ => String::new(),
+            };
+            let maps: Vec<String> = maps.iter().take(4).map(u64::to_string).collect();
             cells.push(format!(
-                "{:.3} ({} calls, maps {}, {:.0} ns{})",
+                "{:.3} ({} calls, maps {}{later}, {:.0} ns{})",
                 r.footprint_ratio,
                 r.device_calls,
                 maps.join("/"),

@@ -27,6 +27,13 @@
 //! grows at its end instead of being joined by new chunks: what it grows by joins its last
 //! block when that is free.
 //!
+//! # Stitched chunks
+//! A virtual-memory backing may take ranges out of free blocks ([`BestFitPolicy::carve`]),
+//! map their memory again side by side and add the new range as a *stitched* chunk
+//! ([`BestFitPolicy::add_stitched`]). Once all its blocks are free, the carved ranges come
+//! back and the stitched chunk waits, idle, for a request it fits
+//! ([`BestFitPolicy::reuse_stitched`]); see `stitches.rs`.
+//!
 //! # Storage
 //! Blocks live in a slab (`Vec`) indexed by a `u32` *token*, which the caller carries back on
 //! free (it fits [`Block::token`](crate::Block::token)). Vacated slots are recycled through a
@@ -779,12 +786,6 @@ impl BestFitPolicy {
         self.reserved -= size;
         self.cached -= size;
         Ok(())
-    }
-
-    /// Whether `[addr, addr + size)` is non-empty, aligned and inside one free block (so that
-    /// [`BestFitPolicy::carve`] would take it).
-    pub fn is_free(&self, addr: u64, size: u64) -> bool {
-        self.free_block_around(addr, size).is_some()
     }
 
     /// The chunk (start and entry) and the slot of the free block that holds

@@ -8,7 +8,8 @@
 //!   mapped from its start as the pool grows.
 //! * [`Stitched`]: GMLake's stitching on one address reservation: mapped ranges are placed
 //!   next to free blocks so they merge, and the memory of free granules is mapped a second
-//!   time into a growth that would otherwise raise the pool's peak.
+//!   time, side by side, into a range that serves a request which would otherwise raise the
+//!   pool's peak; such ranges are kept and reused without a device call.
 
 mod chunks;
 mod segments;

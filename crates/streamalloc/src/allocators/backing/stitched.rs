@@ -31,12 +31,13 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Grant};
 ///   they lack) and their memory is mapped again, side by side, in the stitch area. The
 ///   stitched range is a chunk of its own that serves the request. Free memory is thus
 ///   defragmented without moving live data and without waiting for the device (below).
-/// * **Reuse.** Once all of a stitched range's blocks are free, at the next miss, its
-///   granules go back to the pool at home and the range is kept mapped, idle. A later miss
-///   that an idle range fits (at most twice the request) whose home granules are all free
-///   takes them again and serves from the range: no device call. A repeated workload (a
-///   training step, a decoding loop) meets the same requests at the same points, so after its
-///   first rounds its misses find their ranges.
+/// * **Reuse.** When the last block of a stitched range is freed, its granules go back to
+///   the pool at home and the range is kept mapped, idle. A later miss that an idle range
+///   fits (at most twice the request) whose home granules are all free takes them again and
+///   serves from the range: no device call. A repeated workload (a training step, a decoding
+///   loop) meets the same requests at the same points, so after its first rounds its misses
+///   find their ranges. A small request that finds no small block takes a whole granule of a
+///   free large block, at its address: the memory changes class without a device call.
 /// * **Eviction.** When the stitch area has no room, the idle ranges are unmapped once an
 ///   event recorded on the pool's stream after their last use completed.
 /// * **Release** unmaps every idle stitched range, then every free home granule (PyTorch's
@@ -79,8 +80,6 @@ struct State {
     holes: BTreeMap<u64, u64>,
     /// Unused runs of the stitch area, likewise.
     stitch_holes: BTreeMap<u64, u64>,
-    /// Whether the pool may hold idle stitched ranges (any was made since the last release).
-    stitched: bool,
     /// Evicted stitched ranges, still mapped, waiting for their event.
     retired: Vec<Retired>,
     /// Bytes of memory mapped at home (the memory the pool holds; stitched ranges alias it).
@@ -96,6 +95,9 @@ struct Retired {
     event: Option<Event>,
     ranges: Vec<(u64, u64)>,
 }
+
+/// Idle stitched ranges kept for reuse; beyond them the least recently used are evicted.
+const IDLE_KEPT: usize = 1024;
 
 /// Where to map a growth: `len` bytes at `at`, inside one unmapped run.
 #[derive(Debug, Clone, Copy)]
@@ -168,15 +170,30 @@ impl Stitched {
         st.retired = kept;
     }
 
-    /// Evicts every idle stitched range: they are unmapped once an event recorded now on the
-    /// pool's stream completed. Nothing is evicted while the stream captures a graph.
-    fn evict_idle(&self, st: &mut State, ledger: &dyn Ledger) -> Result<()> {
+    /// Unmaps the retired ranges whose event has completed, unless the pool's stream
+    /// captures a graph (an event query there would invalidate the capture).
+    fn poll_retired(&self, st: &mut State) -> Result<()> {
+        if !st.retired.is_empty() && self.device.capture_status(self.stream)? == CaptureStatus::None {
+            self.unmap_retired(st, false);
+        }
+        Ok(())
+    }
+
+    /// Evicts the idle stitched ranges `take` takes out of the pool's books: they are
+    /// unmapped once an event recorded now on the pool's stream completed. Nothing is evicted
+    /// while the stream captures a graph.
+    fn evict(
+        &self,
+        st: &mut State,
+        ledger: &dyn Ledger,
+        take: &mut dyn FnMut(&mut BestFitPolicy) -> Vec<(u64, u64)>,
+    ) -> Result<()> {
         if self.device.capture_status(self.stream)? != CaptureStatus::None {
             return Ok(());
         }
         let mut ranges = Vec::new();
         ledger.update(&mut |p| {
-            ranges = p.take_idle_stitched();
+            ranges = take(p);
             Ok(())
         })?;
         if ranges.is_empty() {
@@ -224,8 +241,8 @@ impl Stitched {
         let at = match smallest_run(&st.stitch_holes, size) {
             Some(at) => at,
             None => {
-                self.evict_idle(st, ledger)?;
-                self.unmap_retired(st, false);
+                self.evict(st, ledger, &mut |p| p.take_idle_stitched())?;
+                self.poll_retired(st)?;
                 smallest_run(&st.stitch_holes, size).ok_or_else(|| {
                     Error::oom(OutOfMemory {
                         device: self.device.ordinal(),
@@ -268,7 +285,7 @@ impl Stitched {
             return served;
         }
         take_hole(&mut st.stitch_holes, at, size);
-        st.stitched = true;
+        self.evict(st, ledger, &mut |p| p.take_stale_stitched(0..=u64::MAX, IDLE_KEPT))?;
         served
     }
 }
@@ -281,16 +298,14 @@ impl Backing for Stitched {
     fn grow(&self, ledger: &dyn Ledger, want: &Want) -> Result<Option<Grant>> {
         let mut st = self.state.lock();
         self.reserve(&mut st)?;
-        if !st.retired.is_empty() {
-            self.unmap_retired(&mut st, false);
-        }
+        self.poll_retired(&mut st)?;
         let g = st.granularity;
         let need = want.rounded.div_ceil(g) * g;
         let mut plan = None;
-        // Stitched ranges whose blocks are all free give their granules back, and an idle one
-        // that fits the request is taken again if it can be; else the plan, all under one lock.
+        // An idle stitched range that fits the request is taken again if its home granules are
+        // free, or a small request takes a free large granule; else the plan, under one lock.
         let served = ledger.update_and_serve(&mut |p| {
-            if st.stitched && p.reuse_stitched(want.rounded, want.rounded.saturating_mul(2))? {
+            if p.fits(want.rounded) || p.reuse_stitched(want.rounded, want.rounded.saturating_mul(2))? {
                 return Ok(());
             }
             if want.class == Class::Small && reclass_granule(p, g, st.stitch_area)? {
@@ -353,7 +368,6 @@ impl Backing for Stitched {
             idle = p.take_idle_stitched();
             Ok(())
         })?;
-        st.stitched = false;
         let mut first_error = None;
         for (addr, size) in idle {
             match self.device.unmap(addr, size as usize) {

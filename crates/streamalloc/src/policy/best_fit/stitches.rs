@@ -8,6 +8,7 @@
 //! is in two blocks.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::ops::RangeInclusive;
 
 use super::{BestFitPolicy, Class};
 use crate::error::Result;
@@ -19,6 +20,8 @@ pub(super) struct Stitches {
     ranges: BTreeMap<u64, Stitch>,
     /// The idle ones, as `(size, addr)`.
     idle: BTreeSet<(u64, u64)>,
+    /// Counts additions and reuses, to tell the least recently used.
+    tick: u64,
 }
 
 #[derive(Debug)]
@@ -29,6 +32,8 @@ struct Stitch {
     homes: Vec<(Class, u64, u64)>,
     /// A chunk of the pool, rather than idle.
     active: bool,
+    /// The tick of its addition or last reuse.
+    used: u64,
 }
 
 impl Stitches {
@@ -68,7 +73,9 @@ impl BestFitPolicy {
         homes: Vec<(Class, u64, u64)>,
     ) -> Result<()> {
         self.add_segment(class, addr, size)?;
-        self.stitches.ranges.insert(addr, Stitch { size, class, homes, active: true });
+        let st = &mut self.stitches;
+        st.tick += 1;
+        st.ranges.insert(addr, Stitch { size, class, homes, active: true, used: st.tick });
         Ok(())
     }
 
@@ -91,11 +98,21 @@ impl BestFitPolicy {
     /// Takes back into the pool the smallest idle stitched chunk of `size` to `most` bytes
     /// whose homes are all free (they leave the pool). Whether there was one.
     pub fn reuse_stitched(&mut self, size: u64, most: u64) -> Result<bool> {
-        let Stitches { ranges, idle } = &self.stitches;
-        let found = idle
-            .range((size, 0)..=(most, u64::MAX))
+        let Stitches { ranges, idle, .. } = &self.stitches;
+        let mut candidates = idle.range((size, 0)..=(most, u64::MAX)).peekable();
+        if candidates.peek().is_none() {
+            return Ok(false);
+        }
+        // The free blocks by address (tens of them), so that each home is one binary search.
+        let mut free: Vec<(u64, u64)> = self.free_blocks().map(|(_, a, s)| (a, a + s)).collect();
+        free.sort_unstable();
+        let is_free = |a: u64, len: u64| {
+            let i = free.partition_point(|&(start, _)| start <= a);
+            i > 0 && free.get(i - 1).is_some_and(|&(_, end)| a + len <= end)
+        };
+        let found = candidates
             .find(|(_, addr)| {
-                ranges.get(addr).is_some_and(|s| s.homes.iter().all(|&(_, a, l)| self.is_free(a, l)))
+                ranges.get(addr).is_some_and(|s| s.homes.iter().all(|&(_, a, l)| is_free(a, l)))
             })
             .copied();
         let Some((size, addr)) = found else { return Ok(false) };
@@ -105,9 +122,12 @@ impl BestFitPolicy {
             self.carve(a, len)?;
         }
         self.add_segment(class, addr, size)?;
-        self.stitches.idle.remove(&(size, addr));
-        if let Some(s) = self.stitches.ranges.get_mut(&addr) {
+        let st = &mut self.stitches;
+        st.idle.remove(&(size, addr));
+        st.tick += 1;
+        if let Some(s) = st.ranges.get_mut(&addr) {
             s.active = true;
+            s.used = st.tick;
         }
         Ok(true)
     }
@@ -115,7 +135,7 @@ impl BestFitPolicy {
     /// Forgets every idle stitched chunk and returns them as `(addr, size)`, for the caller to
     /// unmap once nothing uses them.
     pub fn take_idle_stitched(&mut self) -> Vec<(u64, u64)> {
-        let Stitches { ranges, idle } = &mut self.stitches;
+        let Stitches { ranges, idle, .. } = &mut self.stitches;
         let taken: Vec<(u64, u64)> =
             std::mem::take(idle).into_iter().map(|(size, addr)| (addr, size)).collect();
         for (addr, _) in &taken {
@@ -124,14 +144,139 @@ impl BestFitPolicy {
         taken
     }
 
+    /// Forgets the least recently used idle stitched chunks of `sizes` beyond the `keep` most
+    /// recent and returns them as `(addr, size)`, for the caller to unmap once nothing uses
+    /// them.
+    pub fn take_stale_stitched(&mut self, sizes: RangeInclusive<u64>, keep: usize) -> Vec<(u64, u64)> {
+        let Stitches { ranges, idle, .. } = &mut self.stitches;
+        let (lo, hi) = (*sizes.start(), *sizes.end());
+        let mut by_age: Vec<(u64, u64, u64)> = idle
+            .range((lo, 0)..=(hi, u64::MAX))
+            .filter_map(|&(size, addr)| ranges.get(&addr).map(|s| (s.used, addr, size)))
+            .collect();
+        let Some(excess) = by_age.len().checked_sub(keep).filter(|&n| n > 0) else { return Vec::new() };
+        by_age.sort_unstable();
+        let stale: Vec<(u64, u64)> =
+            by_age.into_iter().take(excess).map(|(_, addr, size)| (addr, size)).collect();
+        for &(addr, size) in &stale {
+            idle.remove(&(size, addr));
+            ranges.remove(&addr);
+        }
+        stale
+    }
+
     /// Forgets every stitched chunk and returns, as `(addr, size)`, the idle ones and the
     /// homes of those in use: with [`BestFitPolicy::chunks`], every range the caller mapped
     /// for the pool, to be unmapped when it is dropped.
     pub fn take_stitches(&mut self) -> Vec<(u64, u64)> {
-        let Stitches { ranges, idle } = std::mem::take(&mut self.stitches);
+        let Stitches { ranges, idle, .. } = std::mem::take(&mut self.stitches);
         idle.into_iter()
             .map(|(size, addr)| (addr, size))
             .chain(ranges.into_values().filter(|s| s.active).flat_map(|s| s.homes).map(|(_, a, l)| (a, l)))
             .collect()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
+mod tests {
+    use super::super::Classes;
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    impl BestFitPolicy {
+        /// Whether `[addr, addr + size)` lies inside one free block.
+        fn is_free(&self, addr: u64, size: u64) -> bool {
+            self.free_blocks().any(|(_, a, s)| a <= addr && addr + size <= a + s)
+        }
+    }
+
+    /// Where the stitched chunk lives: far from the home segment.
+    const STITCH: u64 = 1 << 40;
+
+    /// A 16 MiB home segment with four 4 MiB blocks, the second and fourth freed and carved
+    /// out, and a stitched chunk of 8 MiB over them: the policy and the first and third blocks.
+    fn stitched() -> (BestFitPolicy, [u64; 2]) {
+        let mut p = BestFitPolicy::new(Classes::default());
+        p.add_segment(Class::Large, 0, 16 * MIB).unwrap();
+        let blocks: Vec<_> = (0..4).map(|_| p.allocate(4 * MIB).unwrap()).collect();
+        for b in [&blocks[1], &blocks[3]] {
+            p.free(b.token, b.addr).unwrap();
+            p.carve(b.addr, b.size).unwrap();
+        }
+        let homes = vec![(Class::Large, 4 * MIB, 4 * MIB), (Class::Large, 12 * MIB, 4 * MIB)];
+        p.add_stitched(Class::Large, STITCH, 8 * MIB, homes).unwrap();
+        (p, [blocks[0].token, blocks[2].token])
+    }
+
+    #[test]
+    fn the_last_free_of_a_stitched_chunk_gives_its_homes_back() {
+        let (mut p, _) = stitched();
+        assert_eq!(p.figures().reserved, 16 * MIB, "homes out, stitched chunk in");
+        let x = p.allocate(8 * MIB).unwrap();
+        assert_eq!(x.addr, STITCH);
+        assert!(!p.is_free(4 * MIB, 4 * MIB));
+        p.free(x.token, x.addr).unwrap();
+        assert!(p.chunk_at(STITCH).is_none(), "the idle stitched chunk left the pool");
+        assert!(p.is_free(4 * MIB, 4 * MIB) && p.is_free(12 * MIB, 4 * MIB), "homes are free again");
+        assert_eq!(p.figures().reserved, 16 * MIB);
+        assert_eq!(p.figures().allocated, 8 * MIB);
+    }
+
+    #[test]
+    fn an_idle_stitched_chunk_is_reused_only_when_its_homes_are_free() {
+        let (mut p, _) = stitched();
+        let x = p.allocate(8 * MIB).unwrap();
+        p.free(x.token, x.addr).unwrap();
+        // Too small for it, or it is more than twice the request: not taken.
+        assert!(!p.reuse_stitched(9 * MIB, 18 * MIB).unwrap());
+        assert!(!p.reuse_stitched(2 * MIB, 4 * MIB).unwrap());
+        // A home in use keeps it idle.
+        let y = p.allocate(4 * MIB).unwrap();
+        assert_eq!(y.addr, 4 * MIB);
+        assert!(!p.reuse_stitched(8 * MIB, 16 * MIB).unwrap());
+        p.free(y.token, y.addr).unwrap();
+        assert!(p.reuse_stitched(7 * MIB, 14 * MIB).unwrap());
+        assert_eq!(p.chunk_at(STITCH), Some((8 * MIB, Class::Large, 8 * MIB)));
+        assert!(!p.is_free(4 * MIB, 4 * MIB) && !p.is_free(12 * MIB, 4 * MIB), "homes left the pool");
+        assert_eq!(p.allocate(7 * MIB).map(|g| g.addr), Some(STITCH));
+        assert_eq!(p.figures().reserved, 16 * MIB);
+    }
+
+    #[test]
+    fn take_stitches_returns_idle_ranges_and_the_homes_of_those_in_use() {
+        let (mut p, _) = stitched();
+        assert_eq!(p.take_stitches(), vec![(4 * MIB, 4 * MIB), (12 * MIB, 4 * MIB)]);
+        let (mut p, _) = stitched();
+        let x = p.allocate(8 * MIB).unwrap();
+        p.free(x.token, x.addr).unwrap();
+        assert!(p.take_idle_stitched() == vec![(STITCH, 8 * MIB)]);
+        assert!(p.take_stitches().is_empty() && !p.reuse_stitched(8 * MIB, 16 * MIB).unwrap());
+    }
+
+    #[test]
+    fn the_least_recently_used_idle_chunks_go_first() {
+        let mut p = BestFitPolicy::new(Classes::default());
+        p.add_segment(Class::Large, 0, 8 * MIB).unwrap();
+        // Three stitched chunks over the same free home range, each used and freed in turn.
+        for i in 0..3 {
+            p.carve(0, 8 * MIB).unwrap();
+            p.add_stitched(Class::Large, STITCH + i * 16 * MIB, 8 * MIB, vec![(Class::Large, 0, 8 * MIB)])
+                .unwrap();
+            let x = p.allocate(8 * MIB).unwrap();
+            p.free(x.token, x.addr).unwrap();
+        }
+        // The first is reused (the smallest address among equals), so the second is the oldest.
+        assert!(p.reuse_stitched(8 * MIB, 8 * MIB).unwrap());
+        let x = p.allocate(8 * MIB).unwrap();
+        assert_eq!(x.addr, STITCH);
+        p.free(x.token, x.addr).unwrap();
+        assert!(p.take_stale_stitched(0..=u64::MAX, 3).is_empty());
+        assert_eq!(
+            p.take_stale_stitched(8 * MIB..=8 * MIB, 1),
+            vec![(STITCH + 16 * MIB, 8 * MIB), (STITCH + 32 * MIB, 8 * MIB)]
+        );
+        assert_eq!(p.take_idle_stitched(), vec![(STITCH, 8 * MIB)]);
     }
 }
