@@ -510,6 +510,11 @@ impl SimDevice {
         self.state.lock().mapping_calls
     }
 
+    /// Streams created and not yet destroyed (the default stream not counted).
+    pub fn live_streams(&self) -> usize {
+        self.state.lock().streams.len() - 1
+    }
+
     /// When all work enqueued so far on `stream` completes (virtual ns).
     pub fn stream_ready_at(&self, stream: Stream) -> Option<u64> {
         self.state.lock().streams.get(&stream).map(|s| s.ready)

@@ -22,8 +22,8 @@
 //!
 //! # Lazy initialization
 //! [`AsyncPool::new`] makes no driver call, so a process may create allocators and then
-//! fork before CUDA initializes. The pool, the free stream and the device's size are set up
-//! at first use, once, under a lock.
+//! fork before CUDA initializes. The pool and the device's size are set up at first use, once,
+//! under a lock; the free stream at the first free with recorded streams.
 //!
 //! # CUDA graph capture
 //! Captures that allocate from an `AsyncPool` are begun with [`AsyncPool::begin_capture`].
@@ -194,7 +194,9 @@ pub struct AsyncPool {
 /// What is set up at first use.
 struct Ready {
     pool: Pool,
-    free_stream: Stream,
+    /// Made at the first free with recorded streams: a stream is driver state (and, on the
+    /// H200, device memory) that most users of the pool never need.
+    free_stream: OnceLock<Stream>,
 }
 
 struct Counters {
@@ -535,16 +537,20 @@ impl Inner {
                 pool
             }
         };
-        let free_stream = match self.device.create_stream() {
-            Ok(s) => s,
-            Err(e) => {
-                if matches!(self.config.mode, PoolMode::Owned { .. }) {
-                    let _ = self.device.destroy_pool(pool);
-                }
-                return Err(e);
-            }
-        };
-        Ok(self.ready.get_or_init(|| Ready { pool, free_stream }))
+        Ok(self.ready.get_or_init(|| Ready { pool, free_stream: OnceLock::new() }))
+    }
+
+    /// The free stream, made at its first use.
+    fn free_stream(&self, ready: &Ready) -> Result<Stream> {
+        if let Some(&s) = ready.free_stream.get() {
+            return Ok(s);
+        }
+        let made = self.device.create_stream()?;
+        if let Err(made) = ready.free_stream.set(made) {
+            // Another thread made one meanwhile.
+            let _ = self.device.destroy_stream(made);
+        }
+        ready.free_stream.get().copied().ok_or_else(|| Error::Internal("the free stream was not kept".into()))
     }
 
     /// Makes later work on `waiter` wait for the work enqueued so far on each of `streams`.
@@ -566,7 +572,8 @@ impl Inner {
     /// `stream` wait for the pending frees.
     fn throttle(&self, ready: &Ready, stream: Stream, over: bool) -> Result<()> {
         if over {
-            self.order_after(stream, [ready.free_stream])?;
+            // No free stream yet: nothing was freed on it.
+            self.order_after(stream, ready.free_stream.get().copied())?;
             self.counted(|c| c.pending = 0);
         }
         Ok(())
@@ -587,7 +594,7 @@ impl Inner {
         let release = || {
             let pending = self.counters.lock().pending > 0;
             if pending {
-                self.order_after(stream, [ready.free_stream])?;
+                self.order_after(stream, ready.free_stream.get().copied())?;
             }
             self.device.trim_pool(ready.pool, 0)?;
             Ok(None)
@@ -657,12 +664,12 @@ impl Inner {
         if block.recorded.is_empty() {
             self.device.free_async(block.ptr, block.stream)?;
         } else {
-            let ready = self.ready()?;
+            let free_stream = self.free_stream(self.ready()?)?;
             self.order_after(
-                ready.free_stream,
+                free_stream,
                 std::iter::once(block.stream).chain(block.recorded.iter().copied()),
             )?;
-            self.device.free_async(block.ptr, ready.free_stream)?;
+            self.device.free_async(block.ptr, free_stream)?;
             self.counted(|c| c.pending += block.size);
         }
         Ok(true)
@@ -724,7 +731,9 @@ impl Drop for Inner {
         if let Some(ready) = self.ready.get() {
             // Nothing to report to: work already enqueued on the stream still completes, and
             // a pool with outstanding frees is released by the driver once they complete.
-            let _ = self.device.destroy_stream(ready.free_stream);
+            if let Some(&s) = ready.free_stream.get() {
+                let _ = self.device.destroy_stream(s);
+            }
             if matches!(self.config.mode, PoolMode::Owned { .. }) {
                 let _ = self.device.destroy_pool(ready.pool);
             }

@@ -99,6 +99,24 @@ fn constructor_and_idle_calls_make_no_device_call() {
 }
 
 #[test]
+fn the_free_stream_is_made_only_by_a_free_with_recorded_streams() {
+    let d = sim(1 << 30);
+    let pool = AsyncPool::new(d.clone(), AsyncPoolConfig { throttle_ratio: 0.0, ..Default::default() });
+    let s = d.create_stream().unwrap();
+    // Allocations, frees on their own stream and throttled allocations need no stream.
+    for _ in 0..4 {
+        drop(pool.allocate_on(3 * MIB, s).unwrap());
+    }
+    assert_eq!(d.live_streams(), 1, "the pool made a stream nothing used");
+    let mut x = pool.allocate_on(3 * MIB, s).unwrap();
+    x.record_stream(Stream::DEFAULT);
+    drop(x);
+    assert_eq!(d.live_streams(), 2);
+    drop(pool);
+    assert_eq!(d.live_streams(), 1, "the pool's free stream outlived it");
+}
+
+#[test]
 fn first_use_from_many_threads_sets_up_once() {
     let d = sim(1 << 30);
     let mode = PoolMode::Owned { release_threshold: 0, reuse: ReuseFlags::default(), max_size: 0 };
