@@ -42,7 +42,9 @@
 //!    of the capture's own (so the shared free stream is never pulled into a graph), which
 //!    [`Capture::end`] joins back into the capturing stream before ending the capture.
 //!    Recorded streams outside the capture are ignored: graph memory does not exist outside
-//!    the graph's launches.
+//!    the graph's launches. In a capture begun elsewhere, such a free is captured on the
+//!    block's stream after the recorded streams of the capture (the shared free stream stays
+//!    out of the graph; the block's stream then waits for them in the graph).
 //! 2. *Allocated inside, freed outside*: the memory belongs to the graph. The driver creates
 //!    it at each launch, so it only exists once the graph has been launched; freeing it
 //!    before then is invalid. Dropping the [`Allocation`] therefore hands it to the
@@ -663,15 +665,31 @@ impl Inner {
         }
         if block.recorded.is_empty() {
             self.device.free_async(block.ptr, block.stream)?;
-        } else {
-            let free_stream = self.free_stream(self.ready()?)?;
-            self.order_after(
-                free_stream,
-                std::iter::once(block.stream).chain(block.recorded.iter().copied()),
-            )?;
-            self.device.free_async(block.ptr, free_stream)?;
-            self.counted(|c| c.pending += block.size);
+            return Ok(true);
         }
+        // A capture begun elsewhere (`torch.cuda.graph`) may include the block's streams; the
+        // free stream must not be pulled into it (its end would fail, unjoined).
+        let mut capturing = Vec::new();
+        let mut outside = Vec::new();
+        for &s in &block.recorded {
+            match self.device.capture_status(s)? {
+                CaptureStatus::None => outside.push(s),
+                _ => capturing.push(s),
+            }
+        }
+        if self.device.capture_status(block.stream)? != CaptureStatus::None {
+            // A captured free, after the recorded streams of the capture (case 1 of the module
+            // docs; those outside it are ignored).
+            self.order_after(block.stream, capturing)?;
+            self.device.free_async(block.ptr, block.stream)?;
+            return Ok(true);
+        }
+        // Recorded streams that capture are ignored: a graph must not use memory freed during
+        // its capture (case 3).
+        let free_stream = self.free_stream(self.ready()?)?;
+        self.order_after(free_stream, std::iter::once(block.stream).chain(outside))?;
+        self.device.free_async(block.ptr, free_stream)?;
+        self.counted(|c| c.pending += block.size);
         Ok(true)
     }
 

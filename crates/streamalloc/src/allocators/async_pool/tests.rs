@@ -317,6 +317,37 @@ fn capture_begun_elsewhere_gets_the_drivers_captured_nodes_otherwise() {
 }
 
 #[test]
+fn capture_begun_elsewhere_a_recorded_free_inside_keeps_the_capture_joined() {
+    // torch.cuda.graph over the C ABI: the capture is not this allocator's. A tensor made in
+    // it is used by a side stream of the capture, recorded, and freed: the free must not pull
+    // the pool's free stream into the capture (ending it would fail: unjoined work).
+    let (d, pool, s) = capture_setup();
+    let t = d.create_stream().unwrap();
+    drop(pool.allocate_on(MIB, s).unwrap());
+    d.begin_capture(s).unwrap();
+    let fork = d.create_event().unwrap();
+    d.record_event(fork, s).unwrap();
+    d.stream_wait_event(t, fork).unwrap();
+    let mut x = pool.allocate_on(4 * MIB, s).unwrap();
+    d.memset_async(x.ptr(), 2, x.size(), t).unwrap();
+    x.record_stream(t);
+    drop(x);
+    let join = d.create_event().unwrap();
+    d.record_event(join, t).unwrap();
+    d.stream_wait_event(s, join).unwrap();
+    let graph = d.end_capture(s).expect("capture ends joined");
+    let exec = d.instantiate_graph(graph).unwrap();
+    d.launch_graph(exec, s).unwrap();
+    d.launch_graph(exec, s).unwrap();
+    d.synchronize_stream(s).unwrap();
+    d.destroy_graph_exec(exec).unwrap();
+    d.destroy_graph(graph).unwrap();
+    assert_eq!(used(&d, &pool), 0, "the graph freed what it allocated");
+    assert!(d.violations().is_empty(), "{:?}", d.violations());
+    pool.allocate_on(MIB, s).expect("no error was kept");
+}
+
+#[test]
 fn no_trim_or_throttle_during_capture() {
     let (_d, pool, s) = capture_setup();
     drop(pool.allocate_on(MIB, s).unwrap());
