@@ -29,6 +29,10 @@ def test_graph_replayed_on_other_stream(run_case, allocator):
     run_case(WORKER, "graph_other_stream", allocator)
 
 
+def test_graph_record_stream_inside_capture(run_case, allocator):
+    run_case(WORKER, "graph_record_stream", allocator)
+
+
 def test_mempool_with_streamalloc_allocator(run_case, strategy):
     run_case(WORKER, "mempool", strategy)
 

@@ -243,6 +243,32 @@ def case_graph_other_stream(report, conf):
         report.expect(not hit, f"replay {rep} overwrote {len(hit)} eager tensors written during it")
 
 
+def case_graph_record_stream(report, conf):
+    torch = setup(conf)
+    n, reps = 1 << 20, 3
+    s, side = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        static_in = pattern(torch, n, 0).cuda()
+        intact((static_in * 2 + 1) * 3, 0.0)  # loads the kernels outside the capture
+        g = torch.cuda.CUDAGraph()
+        # Inside the capture, a side stream of the capture reads a temporary that is then
+        # recorded on it and freed: the free must stay inside the graph, joined.
+        with torch.cuda.graph(g, stream=s):
+            x = static_in * 2
+            side.wait_stream(s)
+            with torch.cuda.stream(side):
+                y = x + 1
+            x.record_stream(side)
+            del x
+            s.wait_stream(side)
+            out = y * 3
+        for rep in range(reps):
+            p = pattern(torch, n, rep)
+            static_in.copy_(p)
+            g.replay()
+            report.expect(torch.equal(out.cpu(), (p * 2 + 1) * 3), f"replay {rep}: the graph's output is wrong")
+
+
 def pool_tensors(torch):
     """Tensors of several sizes (1 KiB to 64 MiB) holding 1.0, 2.0, ...; and their bytes."""
     counts = [256, 70_000, 3 * MIB // 4, 64 * MIB // 4]
