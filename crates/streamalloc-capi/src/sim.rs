@@ -30,7 +30,7 @@ pub(crate) struct SimStreams {
 
 impl SimStreams {
     /// A new handle for `stream` of `device`: random, never 0 and never one in use.
-    fn insert(&self, device: usize, stream: Stream) -> u64 {
+    pub(crate) fn insert(&self, device: usize, stream: Stream) -> u64 {
         let mut table = self.by_handle.lock();
         let mut n = table.len() as u64;
         loop {

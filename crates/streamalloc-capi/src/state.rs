@@ -136,10 +136,17 @@ impl State {
         let stack = self.facade.stack(device)?;
         let ptr = match stack.private.allocate(size, stream) {
             Some(routed) => routed?,
-            None => match self.fraction_limits[device].load(Ordering::Relaxed) {
-                0 => stack.allocator.allocate_ptr(size, stream)?,
-                limit => self.allocate_limited(stack, size, stream, limit)?,
-            },
+            None => {
+                let ptr = match self.fraction_limits[device].load(Ordering::Relaxed) {
+                    0 => stack.allocator.allocate_ptr(size, stream)?,
+                    limit => self.allocate_limited(stack, size, stream, limit)?,
+                };
+                if let Err(e) = stack.private.allocated_on_main(ptr, stream) {
+                    stack.allocator.free_ptr(ptr, stream);
+                    return Err(e);
+                }
+                ptr
+            }
         };
         if let Some(sim) = &stack.sim {
             sim.check_handout(ptr, size, stack.allocator.owning_stream(stream));
@@ -204,12 +211,17 @@ impl State {
         self.facade.stack(ordinal(device)?)?.private.begin(id, filter)
     }
 
-    /// Allocations stop going to private pool `id` of `device`.
+    /// Allocations stop going to private pool `id` of `device`; frees deferred during the
+    /// captures are done now.
     pub(crate) fn pool_end(&self, device: c_int, id: PoolId) -> Result<()> {
-        if let Some(stack) = self.facade.built(ordinal(device)?) {
-            stack.private.end(id);
+        let Some(stack) = self.facade.built(ordinal(device)?) else { return Ok(()) };
+        let mut first_error = None;
+        for (ptr, owner) in stack.private.end(id) {
+            if let Err(e) = self.free_now(ptr, Some(device), owner) {
+                first_error.get_or_insert(e);
+            }
         }
-        Ok(())
+        first_error.map_or(Ok(()), Err)
     }
 
     /// Private pool `id` of `device` loses a use (see `PrivatePools::release`).
@@ -246,8 +258,23 @@ impl State {
     pub(crate) fn free(&self, ptr: DevicePtr, device: Option<c_int>, owner: u64) -> Result<()> {
         // Only a hint: one that stands for no stream is no reason to keep the memory.
         let owner = self.stream(owner, None).unwrap_or(Stream::DEFAULT);
-        if ptr == 0
-            || self.stacks_from(device).any(|s| s.allocator.free_ptr(ptr, owner).is_some())
+        if ptr == 0 {
+            return Ok(());
+        }
+        // Under `async`, memory from outside a capture freed on its capturing stream waits for
+        // the capture's end (see `PrivatePools::defer_free`).
+        for stack in self.stacks_from(device) {
+            if stack.private.defer_free(ptr, owner)? {
+                return Ok(());
+            }
+        }
+        self.free_now(ptr, device, owner)
+    }
+
+    /// Frees the allocation at `ptr` (not null), of `owner`, from whichever stack or private
+    /// pool made it (`device`'s first).
+    fn free_now(&self, ptr: DevicePtr, device: Option<c_int>, owner: Stream) -> Result<()> {
+        if self.stacks_from(device).any(|s| s.allocator.free_ptr(ptr, owner).is_some())
             || self.stacks_from(device).any(|s| s.private.free(ptr, owner))
         {
             return Ok(());
@@ -364,4 +391,49 @@ fn not_live(ptr: DevicePtr) -> Error {
     Error::InvalidArgument(format!(
         "{ptr:#x} is not a live streamalloc allocation (freed twice, or not made by streamalloc)"
     ))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::sync::Arc;
+
+    use core_alloc::device::{CaptureStatus, Device};
+
+    use super::*;
+
+    /// PyTorch's warm-up then capture on one stream under `async`: the warm-up's output,
+    /// reassigned inside the capture, is freed on the capturing stream. The free waits for the
+    /// capture's end; captured, it would free memory from outside the graph at every replay
+    /// (the simulator fails the second replay's free of an unknown pointer, as the memory may
+    /// meanwhile belong to someone else).
+    #[test]
+    fn under_async_a_free_in_a_capture_of_memory_from_before_it_waits_for_the_end() {
+        let state = State::new(Config::parse("device=sim,strategy=async,sim_capacity=4GiB").unwrap());
+        let stack = state.stack(0).unwrap();
+        let sim = stack.sim.clone().unwrap();
+        let s = sim.create_stream().unwrap();
+        let handle = state.sim_streams().insert(0, s);
+        let warm_up = state.allocate(4 << 20, 0, handle).unwrap();
+        let filter_sim = sim.clone();
+        let filter: StreamFilter =
+            Arc::new(move |x| filter_sim.capture_status(x).is_ok_and(|c| c != CaptureStatus::None));
+        state.pool_begin(0, (0, 1), filter).unwrap();
+        sim.begin_capture(s).unwrap();
+        let out = state.allocate(4 << 20, 0, handle).unwrap();
+        sim.use_range(out, 4 << 20, s, 1_000).unwrap();
+        state.free(warm_up, Some(0), handle).unwrap();
+        let graph = sim.end_capture(s).unwrap();
+        state.pool_end(0, (0, 1)).unwrap();
+        let exec = sim.instantiate_graph_auto_free(graph).unwrap();
+        sim.launch_graph(exec, s).unwrap();
+        sim.launch_graph(exec, s).expect("the second replay frees nothing the graph did not allocate");
+        sim.synchronize_stream(s).unwrap();
+        assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+        assert_eq!(
+            stack.allocator.stats().live_allocations,
+            1,
+            "the graph's output is live, the warm-up's freed"
+        );
+    }
 }

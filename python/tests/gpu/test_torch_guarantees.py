@@ -33,6 +33,10 @@ def test_graph_record_stream_inside_capture(run_case, allocator):
     run_case(WORKER, "graph_record_stream", allocator)
 
 
+def test_graph_frees_warmup_output(run_case, allocator):
+    run_case(WORKER, "graph_frees_warmup_output", allocator)
+
+
 def test_mempool_with_streamalloc_allocator(run_case, strategy):
     run_case(WORKER, "mempool", strategy)
 

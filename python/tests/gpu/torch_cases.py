@@ -269,6 +269,28 @@ def case_graph_record_stream(report, conf):
             report.expect(torch.equal(out.cpu(), (p * 2 + 1) * 3), f"replay {rep}: the graph's output is wrong")
 
 
+def case_graph_frees_warmup_output(report, conf):
+    torch = setup(conf)
+    n, reps = 1 << 20, 3
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        static_in = pattern(torch, n, 0).cuda()
+        out = static_in * 2  # the warm-up's output, made on the capture stream
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            out = static_in * 2  # reassigned: the warm-up's output is freed inside the capture
+        eager = []
+        for rep in range(reps):
+            p = pattern(torch, n, rep)
+            static_in.copy_(p)
+            g.replay()
+            report.expect(torch.equal(out.cpu(), p * 2), f"replay {rep}: the graph's output is wrong")
+            eager.append(torch.full((n,), -5.0, device="cuda"))
+    torch.cuda.synchronize()
+    hit = [i for i, t in enumerate(eager) if not intact(t, -5.0)]
+    report.expect(not hit, f"replays overwrote {len(hit)} eager tensors made between them")
+
+
 def pool_tensors(torch):
     """Tensors of several sizes (1 KiB to 64 MiB) holding 1.0, 2.0, ...; and their bytes."""
     counts = [256, 70_000, 3 * MIB // 4, 64 * MIB // 4]

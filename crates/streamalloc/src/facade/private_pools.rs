@@ -21,13 +21,17 @@
 //! * **Driver graph memory.** With `driver_captures` (the `async` strategy), an allocation
 //!   that a filter routes but that is made on a capturing stream goes to the main stack
 //!   instead, where `cuMemAllocFromPoolAsync` becomes a graph memory node: the driver keeps
-//!   that memory for the graph and shares it between graphs.
+//!   that memory for the graph and shares it between graphs. A free on a capturing stream of
+//!   main-stack memory that was not allocated in a capture (a warm-up's output reassigned
+//!   inside the capture) would become a free node that frees the memory at every launch: it
+//!   is deferred until no pool is active ([`PrivatePools::defer_free`]), as PyTorch's
+//!   cudaMallocAsync backend defers such frees until no capture is under way.
 //! * **Release.** A pool is used once per [`PrivatePools::begin`] and once less per
 //!   [`PrivatePools::release`]; when no use is left its free memory goes back to the device,
 //!   and the rest as its last allocations are freed, but never while a pool is active
 //!   (freeing device memory during a capture would end it).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -65,6 +69,11 @@ struct State {
     /// Active (pool, filter) pairs, oldest first.
     active: Vec<(PoolId, StreamFilter)>,
     pools: HashMap<PoolId, Entry>,
+    /// With `driver_captures`: main-stack memory allocated on a capturing stream while a pool
+    /// was active (graph memory), until it is freed or no pool is active.
+    graphed: HashSet<DevicePtr>,
+    /// With `driver_captures`: frees deferred until no pool is active, as `(ptr, owner)`.
+    deferred: Vec<(DevicePtr, Stream)>,
 }
 
 struct Entry {
@@ -116,15 +125,58 @@ impl PrivatePools {
 
     /// Allocations stop going to pool `id` (its newest filter is dropped). Pools released
     /// while this or another pool was active are freed now if none is active any more.
-    pub fn end(&self, id: PoolId) {
-        let (filter, dead) = {
+    /// Returns the frees [`PrivatePools::defer_free`] deferred, as `(ptr, owner)`, once no pool
+    /// is active: the caller frees them on the main stack now.
+    pub fn end(&self, id: PoolId) -> Vec<(DevicePtr, Stream)> {
+        let (filter, dead, deferred) = {
             let mut st = self.state.lock();
             let filter = st.active.iter().rposition(|(p, _)| *p == id).map(|i| st.active.remove(i));
             self.active.store(st.active.len(), Ordering::Release);
-            (filter, self.take_dead(&mut st))
+            let mut deferred = Vec::new();
+            if st.active.is_empty() {
+                st.graphed.clear();
+                deferred = std::mem::take(&mut st.deferred);
+            }
+            (filter, self.take_dead(&mut st), deferred)
         };
         // Dropped unlocked: a framework's filter is foreign code.
         drop((filter, dead));
+        deferred
+    }
+
+    /// With `driver_captures`, after the main stack allocated `ptr` on `stream`: notes it as
+    /// graph memory if a pool is active and `stream` captures.
+    pub fn allocated_on_main(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
+        if !self.driver_captures || !self.is_active() {
+            return Ok(());
+        }
+        if self.device.capture_status(stream)? != CaptureStatus::None {
+            let mut st = self.state.lock();
+            if !st.active.is_empty() {
+                st.graphed.insert(ptr);
+            }
+        }
+        Ok(())
+    }
+
+    /// With `driver_captures`, whether the free of main-stack memory `ptr` on `owner` waits
+    /// for the end of the captures (it is then returned by [`PrivatePools::end`]): while a
+    /// pool is active, `owner` captures and `ptr` was not allocated in a capture
+    /// ([`PrivatePools::allocated_on_main`]). Such a free, captured, would free memory from
+    /// outside the graph at every launch.
+    pub fn defer_free(&self, ptr: DevicePtr, owner: Stream) -> Result<bool> {
+        if !self.driver_captures || !self.is_active() {
+            return Ok(false);
+        }
+        if self.device.capture_status(owner)? == CaptureStatus::None {
+            return Ok(false);
+        }
+        let mut st = self.state.lock();
+        if st.active.is_empty() || st.graphed.remove(&ptr) {
+            return Ok(false);
+        }
+        st.deferred.push((ptr, owner));
+        Ok(true)
     }
 
     /// Pool `id` loses a use; with none left its memory returns to the device once its
