@@ -30,12 +30,15 @@
 //! While one is active, the allocator asks the driver whether the stream of each allocation and
 //! free is capturing, and refuses an allocation on a stream that captures a graph begun
 //! elsewhere (it could not know which graph owns it). While none is, it asks only before a
-//! throttle wait: asking on every allocation and free was a measurable share of raw
-//! cudaMallocAsync's time per operation (`bench/results/h200-2026-12-02/`, session 4). A capture begun
-//! elsewhere then (`torch.cuda.graph` over the C ABI, a bare `cuStreamBeginCapture`) gets the
-//! driver's captured allocation and free nodes under the driver's rules (memory allocated in a
-//! graph and not freed in it exists once the graph has been launched), as with PyTorch's and
-//! RMM's cudaMallocAsync allocators. No trim, throttle wait or synchronization happens during a
+//! throttle wait and at a free with recorded streams: asking on every allocation and free was
+//! a measurable share of raw cudaMallocAsync's time per operation
+//! (`bench/results/h200-2026-12-02/`, session 4). A capture begun elsewhere then
+//! (`torch.cuda.graph` over the C ABI, a bare `cuStreamBeginCapture`) gets the driver's captured
+//! allocation and free nodes under the driver's rules (memory allocated in a graph and not
+//! freed in it exists once the graph has been launched), as with RMM's cudaMallocAsync
+//! allocator; under PyTorch the facade's private-pool hooks also defer frees of memory from
+//! outside the capture, as PyTorch's own cudaMallocAsync backend does
+//! ([`PrivatePools::defer_free`](crate::facade::private_pools::PrivatePools::defer_free)). No trim, throttle wait or synchronization happens during a
 //! capture of this allocator's. The four cases:
 //! 1. *Allocated and freed inside the capture*: ordinary captured allocation and free nodes.
 //!    A free with recorded streams that take part in the capture goes through a free stream
