@@ -25,8 +25,9 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Grant};
 ///   only). Filling a run between two free blocks merges all three. Both classes share the
 ///   area, so small and large requests reuse each other's unmapped granules.
 /// * **Stitching.** When that growth would raise the memory mapped above its highest mark so
-///   far, and the free home granules (whole granules inside free blocks) lack less than it
-///   would add, they pay instead: as many as the request needs are taken out of the pool
+///   far, and mapping what the free home granules (whole granules inside free blocks) lack
+///   for the request would raise it less, they pay instead: as many as the request needs are
+///   taken out of the pool
 ///   (those of the smallest free blocks first; fresh ones are mapped at home first for what
 ///   they lack) and their memory is mapped again, side by side, in the stitch area. The
 ///   stitched range is a chunk of its own that serves the request. Free memory is thus
@@ -38,8 +39,9 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Grant};
 ///   loop) meets the same requests at the same points, so after its first rounds its misses
 ///   find their ranges. A small request that finds no small block takes a whole granule of a
 ///   free large block, at its address: the memory changes class without a device call.
-/// * **Eviction.** When the stitch area has no room, the idle ranges are unmapped once an
-///   event recorded on the pool's stream after their last use completed.
+/// * **Eviction.** Beyond 1024 idle ranges the least recently used, and all of them when the
+///   stitch area has no room, are unmapped once an event recorded on the pool's stream after
+///   their last use completed.
 /// * **Release** unmaps every idle stitched range, then every free home granule (PyTorch's
 ///   `empty_cache` over expandable segments), after the pool's bounded wait for its stream;
 ///   past the bound nothing is unmapped.
