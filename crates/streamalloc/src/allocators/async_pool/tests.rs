@@ -165,6 +165,14 @@ fn view_pool_is_never_destroyed() {
     d.destroy_pool(theirs).expect("still alive after the view is dropped");
 }
 
+/// Makes `waiter` wait for the work enqueued so far on `stream` (in a capture: forks or joins
+/// `waiter` into it).
+fn order_after(d: &SimDevice, waiter: Stream, stream: Stream) {
+    let event = d.create_event().unwrap();
+    d.record_event(event, stream).unwrap();
+    d.stream_wait_event(waiter, event).unwrap();
+}
+
 fn capture_setup() -> (Arc<SimDevice>, AsyncPool, Stream) {
     let d = sim(1 << 30);
     let pool = AsyncPool::new(d.clone(), AsyncPoolConfig::default());
@@ -199,15 +207,11 @@ fn capture_case1_recorded_stream_in_the_capture_is_joined_back() {
     // Fork t into the capture, let it use x, and free x with t recorded: the free goes to the
     // capture's own free stream, which `end` must join back (the simulator fails an unjoined
     // capture, as the driver does).
-    let fork = d.create_event().unwrap();
-    d.record_event(fork, s).unwrap();
-    d.stream_wait_event(t, fork).unwrap();
+    order_after(&d, t, s);
     d.memset_async(x.ptr(), 2, x.size(), t).unwrap();
     x.record_stream(t);
     drop(x);
-    let join = d.create_event().unwrap();
-    d.record_event(join, t).unwrap();
-    d.stream_wait_event(s, join).unwrap();
+    order_after(&d, s, t);
     let g = cap.end().expect("capture ends joined");
     g.launch(s).unwrap();
     g.destroy().unwrap();
@@ -325,16 +329,12 @@ fn capture_begun_elsewhere_a_recorded_free_inside_keeps_the_capture_joined() {
     let t = d.create_stream().unwrap();
     drop(pool.allocate_on(MIB, s).unwrap());
     d.begin_capture(s).unwrap();
-    let fork = d.create_event().unwrap();
-    d.record_event(fork, s).unwrap();
-    d.stream_wait_event(t, fork).unwrap();
+    order_after(&d, t, s);
     let mut x = pool.allocate_on(4 * MIB, s).unwrap();
     d.memset_async(x.ptr(), 2, x.size(), t).unwrap();
     x.record_stream(t);
     drop(x);
-    let join = d.create_event().unwrap();
-    d.record_event(join, t).unwrap();
-    d.stream_wait_event(s, join).unwrap();
+    order_after(&d, s, t);
     let graph = d.end_capture(s).expect("capture ends joined");
     let exec = d.instantiate_graph(graph).unwrap();
     d.launch_graph(exec, s).unwrap();

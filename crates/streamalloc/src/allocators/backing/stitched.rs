@@ -317,7 +317,9 @@ impl Backing for Stitched {
             let raise = |len: u64| (st.mapped + len).saturating_sub(st.high_water);
             let grow_raise = placement.map_or(u64::MAX, |pl| raise(pl.len));
             // Whole granules the free home blocks lack for the request.
-            let lacking = need.saturating_sub(free_granules(p, g, st.stitch_area).sum());
+            let lacking = need.saturating_sub(
+                whole_granules(p, g, st.stitch_area).map(|(.., lo, hi)| hi - lo).sum::<u64>(),
+            );
             plan = match placement {
                 Some(pl) if grow_raise == 0 => Some(Plan::Grow(pl)),
                 _ if raise(lacking) >= grow_raise => placement.map(Plan::Grow),
@@ -424,13 +426,9 @@ impl Backing for Stitched {
 /// one to the small class, at the same address: the memory changes hands without a device
 /// call. Whether there was one.
 fn reclass_granule(p: &mut BestFitPolicy, g: u64, limit: u64) -> Result<bool> {
-    let found = p
-        .free_blocks()
-        .filter(|&(class, a, _)| class == Class::Large && a < limit)
-        .filter_map(|(_, a, s)| {
-            let (lo, hi) = (a.div_ceil(g) * g, (a + s) / g * g);
-            (hi > lo).then_some((s, hi - g))
-        })
+    let found = whole_granules(p, g, limit)
+        .filter(|&(class, ..)| class == Class::Large)
+        .map(|(_, size, _, hi)| (size, hi - g))
         .min();
     let Some((_, at)) = found else { return Ok(false) };
     p.carve(at, g)?;
@@ -443,11 +441,17 @@ fn smallest_run(runs: &BTreeMap<u64, u64>, len: u64) -> Option<u64> {
     runs.iter().filter(|&(_, &run)| run >= len).min_by_key(|&(&at, &run)| (run, at)).map(|(&at, _)| at)
 }
 
-/// The sizes of the whole granules inside free blocks below `limit` (home blocks).
-fn free_granules(p: &BestFitPolicy, g: u64, limit: u64) -> impl Iterator<Item = u64> + '_ {
-    p.free_blocks()
-        .filter(move |&(_, a, _)| a < limit)
-        .map(move |(_, a, s)| ((a + s) / g * g).saturating_sub(a.div_ceil(g) * g))
+/// The free home blocks (below `limit`) that hold whole granules, as `(class, block size,
+/// lo, hi)`: their whole granules span `[lo, hi)`.
+fn whole_granules(
+    p: &BestFitPolicy,
+    g: u64,
+    limit: u64,
+) -> impl Iterator<Item = (Class, u64, u64, u64)> + '_ {
+    p.free_blocks().filter(move |&(_, a, _)| a < limit).filter_map(move |(class, a, s)| {
+        let (lo, hi) = (a.div_ceil(g) * g, (a + s) / g * g);
+        (hi > lo).then_some((class, s, lo, hi))
+    })
 }
 
 /// The placement of a growth for a request of `rounded` bytes of `class` that maps the
@@ -489,14 +493,8 @@ fn place(
 /// Takes up to `bytes` of whole free granules of home blocks (below `limit`) out of `p`,
 /// those of the smallest free blocks first, each block's from its end; the ranges taken.
 fn carve_free_granules(p: &mut BestFitPolicy, g: u64, bytes: u64, limit: u64) -> Vec<(Class, u64, u64)> {
-    let mut candidates: Vec<(u64, u64, Class)> = p
-        .free_blocks()
-        .filter(|&(_, a, _)| a < limit)
-        .filter_map(|(class, a, s)| {
-            let (lo, hi) = (a.div_ceil(g) * g, (a + s) / g * g);
-            (hi > lo).then(|| (hi - lo, lo, class))
-        })
-        .collect();
+    let mut candidates: Vec<(u64, u64, Class)> =
+        whole_granules(p, g, limit).map(|(class, _, lo, hi)| (hi - lo, lo, class)).collect();
     candidates.sort_unstable_by_key(|&(len, lo, _)| (len, lo));
     let mut carved = Vec::new();
     let mut left = bytes;
