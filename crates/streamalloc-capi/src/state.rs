@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use core_alloc::device::EventPool;
-use core_alloc::facade::private_pools::{PoolId, StreamFilter};
+use core_alloc::facade::private_pools::{PoolId, Routed, StreamFilter};
 use core_alloc::facade::{Config, DeviceKind, DeviceStack, Facade, MAX_DEVICES};
 use core_alloc::{DevicePtr, Error, PointerAllocator, Result, Stats, Stream};
 
@@ -134,16 +134,15 @@ impl State {
         }
         let stream = self.stream(stream, Some(device))?;
         let stack = self.facade.stack(device)?;
-        let ptr = match stack.private.allocate(size, stream) {
-            Some(routed) => routed?,
-            None => {
+        let ptr = match stack.private.allocate(size, stream)? {
+            Routed::Pool(ptr) => ptr,
+            Routed::Main { graphed } => {
                 let ptr = match self.fraction_limits[device].load(Ordering::Relaxed) {
                     0 => stack.allocator.allocate_ptr(size, stream)?,
                     limit => self.allocate_limited(stack, size, stream, limit)?,
                 };
-                if let Err(e) = stack.private.allocated_on_main(ptr, stream) {
-                    stack.allocator.free_ptr(ptr, stream);
-                    return Err(e);
+                if graphed {
+                    stack.private.note_graphed(ptr);
                 }
                 ptr
             }

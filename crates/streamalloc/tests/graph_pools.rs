@@ -9,7 +9,7 @@ use std::sync::Arc;
 use streamalloc::allocators::{BestFitConfig, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice};
 use streamalloc::device::{CaptureStatus, Device, DeviceTestExt};
-use streamalloc::facade::private_pools::PrivatePools;
+use streamalloc::facade::private_pools::{PrivatePools, Routed};
 use streamalloc::{PointerAllocator, Stream};
 
 const TEMP: usize = 256 << 20;
@@ -42,9 +42,9 @@ fn graph_then_eager(s: &Setup, private: bool) -> usize {
     if private {
         s.pools.begin((0, 1), filter).unwrap();
     }
-    let temp = match s.pools.allocate(TEMP, s.capture) {
-        Some(routed) => routed.unwrap(),
-        None => s.main.allocate_ptr(TEMP, s.capture).unwrap(),
+    let temp = match s.pools.allocate(TEMP, s.capture).unwrap() {
+        Routed::Pool(ptr) => ptr,
+        Routed::Main { .. } => s.main.allocate_ptr(TEMP, s.capture).unwrap(),
     };
     s.sim.memset_async(temp, 7, TEMP, s.capture).unwrap();
     assert!(s.pools.free(temp, s.capture) || s.main.free_ptr(temp, s.capture).is_some());

@@ -49,6 +49,20 @@ pub type PoolId = (u64, u64);
 /// Which allocations go to an active pool, by the stream each is made on.
 pub type StreamFilter = Arc<dyn Fn(Stream) -> bool + Send + Sync>;
 
+/// Where [`PrivatePools::allocate`] sent an allocation.
+#[derive(Debug)]
+pub enum Routed {
+    /// A private pool allocated it, here.
+    Pool(DevicePtr),
+    /// The main stack is to allocate it; `graphed`: on a capturing stream while a pool is
+    /// active, under `driver_captures`, so the caller passes the pointer to
+    /// [`PrivatePools::note_graphed`] (graph memory, whose free in the capture is not deferred).
+    Main {
+        /// Whether the allocation is graph memory.
+        graphed: bool,
+    },
+}
+
 /// The private pools of one device; see the [module docs](self).
 pub struct PrivatePools {
     device: Arc<dyn Device>,
@@ -144,25 +158,19 @@ impl PrivatePools {
         deferred
     }
 
-    /// With `driver_captures`, after the main stack allocated `ptr` on `stream`: notes it as
-    /// graph memory if a pool is active and `stream` captures.
-    pub fn allocated_on_main(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
-        if !self.driver_captures || !self.is_active() {
-            return Ok(());
+    /// Notes main-stack memory `ptr` as graph memory (made in a capture while a pool was
+    /// active), as [`Routed::Main`] asked, if a pool is still active.
+    pub fn note_graphed(&self, ptr: DevicePtr) {
+        let mut st = self.state.lock();
+        if !st.active.is_empty() {
+            st.graphed.insert(ptr);
         }
-        if self.device.capture_status(stream)? != CaptureStatus::None {
-            let mut st = self.state.lock();
-            if !st.active.is_empty() {
-                st.graphed.insert(ptr);
-            }
-        }
-        Ok(())
     }
 
     /// With `driver_captures`, whether the free of main-stack memory `ptr` on `owner` waits
     /// for the end of the captures (it is then returned by [`PrivatePools::end`]): while a
     /// pool is active, `owner` captures and `ptr` was not allocated in a capture
-    /// ([`PrivatePools::allocated_on_main`]). Such a free, captured, would free memory from
+    /// ([`PrivatePools::note_graphed`]). Such a free, captured, would free memory from
     /// outside the graph at every launch.
     pub fn defer_free(&self, ptr: DevicePtr, owner: Stream) -> Result<bool> {
         if !self.driver_captures || !self.is_active() {
@@ -205,23 +213,24 @@ impl PrivatePools {
     }
 
     /// Allocates `size` bytes on `stream` from the active pool whose filter matches, if one
-    /// does; `None` leaves the allocation to the main stack.
-    pub fn allocate(&self, size: usize, stream: Stream) -> Option<Result<DevicePtr>> {
+    /// does, and fails if it fails; [`Routed::Main`] leaves the allocation to the main stack. With
+    /// `driver_captures`, an allocation on a capturing stream stays on the main stack (the
+    /// stream's capture is asked once, and only while a pool is active).
+    pub fn allocate(&self, size: usize, stream: Stream) -> Result<Routed> {
         if self.active.load(Ordering::Acquire) == 0 {
-            return None;
+            return Ok(Routed::Main { graphed: false });
+        }
+        if self.driver_captures && self.device.capture_status(stream)? != CaptureStatus::None {
+            return Ok(Routed::Main { graphed: true });
         }
         let active: Vec<(PoolId, StreamFilter)> = self.state.lock().active.clone();
         // Filters run unlocked: a framework's filter may call the driver.
-        let id = active.iter().rev().find(|(_, f)| f(stream)).map(|(id, _)| *id)?;
-        if self.driver_captures {
-            match self.device.capture_status(stream) {
-                Ok(CaptureStatus::None) => {}
-                Ok(_) => return None,
-                Err(e) => return Some(Err(e)),
-            }
+        let id = active.iter().rev().find(|(_, f)| f(stream)).map(|(id, _)| *id);
+        let alloc = id.and_then(|id| self.state.lock().pools.get(&id).map(|e| e.alloc.clone()));
+        match alloc {
+            Some(alloc) => Ok(Routed::Pool(alloc.allocate_ptr(size, stream)?)),
+            None => Ok(Routed::Main { graphed: false }),
         }
-        let alloc = self.state.lock().pools.get(&id).map(|e| e.alloc.clone())?;
-        Some(alloc.allocate_ptr(size, stream))
     }
 
     /// Frees `ptr` if a pool made it; whether one did.
@@ -300,19 +309,27 @@ mod tests {
         PrivatePools::new(sim.clone(), BestFitConfig::default(), false)
     }
 
+    /// What a pool allocated; `None` when the allocation was left to the main stack.
+    fn pooled(p: &PrivatePools, size: usize, stream: Stream) -> Option<DevicePtr> {
+        match p.allocate(size, stream).unwrap() {
+            Routed::Pool(ptr) => Some(ptr),
+            Routed::Main { .. } => None,
+        }
+    }
+
     #[test]
     fn routed_allocations_live_in_the_pool_until_it_is_released() {
         let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
         let p = pools(&sim);
         let s = sim.create_stream().unwrap();
-        assert!(p.allocate(1 << 20, s).is_none(), "nothing is active");
+        assert!(pooled(&p, 1 << 20, s).is_none(), "nothing is active");
         p.begin((0, 1), Arc::new(move |x| x == s)).unwrap();
-        assert!(p.allocate(1 << 20, Stream(0xdead)).is_none(), "the filter does not match");
-        let a = p.allocate(1 << 20, s).unwrap().unwrap();
-        let b = p.allocate(1 << 20, s).unwrap().unwrap();
+        assert!(pooled(&p, 1 << 20, Stream(0xdead)).is_none(), "the filter does not match");
+        let a = pooled(&p, 1 << 20, s).unwrap();
+        let b = pooled(&p, 1 << 20, s).unwrap();
         assert!(p.free(a, s));
         p.end((0, 1));
-        assert!(p.allocate(1 << 20, s).is_none(), "ended");
+        assert!(pooled(&p, 1 << 20, s).is_none(), "ended");
         let reserved = sim.mem_info().unwrap().used();
         p.release((0, 1));
         assert_eq!(p.len(), 1, "b is still live");
@@ -330,7 +347,7 @@ mod tests {
         let s = sim.create_stream().unwrap();
         let capture = |id: PoolId| {
             p.begin(id, Arc::new(|_| true)).unwrap();
-            let x = p.allocate(256 << 20, s).unwrap().unwrap();
+            let x = pooled(&p, 256 << 20, s).unwrap();
             assert!(p.free(x, s));
             p.end(id);
             x
@@ -351,7 +368,7 @@ mod tests {
         let p = pools(&sim);
         let s = sim.create_stream().unwrap();
         p.begin((0, 1), Arc::new(|_| true)).unwrap();
-        let a = p.allocate(1 << 20, s).unwrap().unwrap();
+        let a = pooled(&p, 1 << 20, s).unwrap();
         p.end((0, 1));
         p.begin((0, 2), Arc::new(|_| true)).unwrap();
         assert!(p.free(a, s));
@@ -370,8 +387,8 @@ mod tests {
         let (s1, s2) = (sim.create_stream().unwrap(), sim.create_stream().unwrap());
         p.begin((1, 0), Arc::new(|_| true)).unwrap();
         p.begin((0, 2), Arc::new(move |x| x == s2)).unwrap();
-        let a = p.allocate(4096, s1).unwrap().unwrap();
-        let b = p.allocate(4096, s2).unwrap().unwrap();
+        let a = pooled(&p, 4096, s1).unwrap();
+        let b = pooled(&p, 4096, s2).unwrap();
         let st = p.state.lock();
         let owner = |ptr| {
             st.pools
