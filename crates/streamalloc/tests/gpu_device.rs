@@ -405,6 +405,42 @@ fn capture_status_is_active_during_capture() {
 
 #[test]
 #[ignore = "needs a CUDA GPU: run by scripts/gpu-test.sh"]
+fn checking_a_capturing_stream_keeps_the_capture_valid() {
+    // PyTorch's record_stream on a side stream of torch.cuda.graph: the side stream joined
+    // the capture, and checking it (cuStreamGetFlags before) invalidated the capture.
+    let dev = device();
+    let (s, side) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let (fork, join) = (dev.create_event().unwrap(), dev.create_event().unwrap());
+    let out = dev.alloc(MIB).unwrap();
+    dev.begin_capture(s).unwrap();
+    dev.record_event(fork, s).unwrap();
+    dev.stream_wait_event(side, fork).unwrap();
+    assert_eq!(dev.capture_status(side).unwrap(), CaptureStatus::Active);
+    dev.check_stream(side).expect("a capturing stream is live");
+    dev.check_stream(s).expect("the origin of a capture is live");
+    dev.memset_async(out, 0x3C, MIB, side).unwrap();
+    dev.record_event(join, side).unwrap();
+    dev.stream_wait_event(s, join).unwrap();
+    assert_eq!(dev.capture_status(s).unwrap(), CaptureStatus::Active, "the capture was invalidated");
+    let graph = dev.end_capture(s).expect("the capture ends valid");
+    let exec = dev.instantiate_graph(graph).unwrap();
+    dev.launch_graph(exec, s).unwrap();
+    let mut back = vec![0u8; MIB];
+    dev.copy_to_host(&mut back, out, s).unwrap();
+    assert!(back.iter().all(|&x| x == 0x3C), "the side stream's captured memset did not run");
+    dev.destroy_graph_exec(exec).unwrap();
+    dev.destroy_graph(graph).unwrap();
+    dev.free(out).unwrap();
+    for e in [fork, join] {
+        dev.destroy_event(e).unwrap();
+    }
+    for x in [s, side] {
+        dev.destroy_stream(x).unwrap();
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-test.sh"]
 fn graph_capture_of_memset_and_pool_alloc() {
     let dev = device();
     let s = dev.create_stream().unwrap();

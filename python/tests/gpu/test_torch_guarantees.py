@@ -29,7 +29,10 @@ def test_graph_replayed_on_other_stream(run_case, allocator):
     run_case(WORKER, "graph_other_stream", allocator)
 
 
-def test_graph_record_stream_inside_capture(run_case, allocator):
+def test_graph_record_stream_inside_capture(run_case, allocator, request):
+    if allocator == "cudaMallocAsync":
+        # Seen on an H200 with torch 2.11: the process aborts at capture_end (native passes).
+        request.applymarker(pytest.mark.xfail(strict=True, reason="PyTorch's own backend:cudaMallocAsync aborts"))
     run_case(WORKER, "graph_record_stream", allocator)
 
 

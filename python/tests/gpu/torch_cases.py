@@ -285,9 +285,10 @@ def case_graph_frees_warmup_output(report, conf):
             static_in.copy_(p)
             g.replay()
             report.expect(torch.equal(out.cpu(), p * 2), f"replay {rep}: the graph's output is wrong")
-            eager.append(torch.full((n,), -5.0, device="cuda"))
+            # A value of its own each: a replay that freed memory again lets two share it.
+            eager.append(torch.full((n,), -5.0 - rep, device="cuda"))
     torch.cuda.synchronize()
-    hit = [i for i, t in enumerate(eager) if not intact(t, -5.0)]
+    hit = [i for i, t in enumerate(eager) if not intact(t, -5.0 - i)]
     report.expect(not hit, f"replays overwrote {len(hit)} eager tensors made between them")
 
 

@@ -861,16 +861,22 @@ impl Device for CudaDevice {
     }
 
     fn check_stream(&self, s: Stream) -> Result<()> {
+        let not_live = |e: Error| {
+            Error::InvalidArgument(format!("stream {:#x} is not a live stream of this device: {e}", s.0))
+        };
+        // A capturing stream is live; cuStreamIsCapturing is allowed on it, while
+        // cuStreamGetFlags fails there (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) and invalidates
+        // the capture: PyTorch calls record_stream on the side streams of torch.cuda.graph.
+        if self.capture_status(s).map_err(not_live)? != CaptureStatus::None {
+            return Ok(());
+        }
         let mut flags: std::ffi::c_uint = 0;
         let flags_ptr: *mut std::ffi::c_uint = &mut flags;
         // SAFETY: `flags_ptr` points to `flags`, alive across the call; the caller passes a
         // stream that was not destroyed (see Device::check_stream), and the driver refuses
-        // one of another context (cuStreamGetFlags, unlike cuStreamQuery, does not disturb a
-        // capture).
+        // one of another context.
         let res = self.on_stream(s, || unsafe { sys::cuStreamGetFlags(stream(s), flags_ptr) })?;
-        check(res, "cuStreamGetFlags").map_err(|e| {
-            Error::InvalidArgument(format!("stream {:#x} is not a live stream of this device: {e}", s.0))
-        })
+        check(res, "cuStreamGetFlags").map_err(not_live)
     }
 
     fn synchronize_event(&self, e: Event) -> Result<()> {
