@@ -213,9 +213,9 @@ impl PrivatePools {
     }
 
     /// Allocates `size` bytes on `stream` from the active pool whose filter matches, if one
-    /// does, and fails if it fails; [`Routed::Main`] leaves the allocation to the main stack. With
-    /// `driver_captures`, an allocation on a capturing stream stays on the main stack (the
-    /// stream's capture is asked once, and only while a pool is active).
+    /// does (failing if that pool fails); [`Routed::Main`] leaves the allocation to the main
+    /// stack. With `driver_captures`, an allocation on a capturing stream stays on the main
+    /// stack (whether the stream captures is asked once, and only while a pool is active).
     pub fn allocate(&self, size: usize, stream: Stream) -> Result<Routed> {
         if self.active.load(Ordering::Acquire) == 0 {
             return Ok(Routed::Main { graphed: false });
