@@ -201,8 +201,6 @@ impl Stitched {
         if ranges.is_empty() {
             return Ok(());
         }
-        let g = st.granularity;
-        let ranges = ranges.into_iter().map(|(a, l)| extent(g, a, l)).collect();
         let event = self.events.get().ok().filter(|&e| match self.device.record_event(e, self.stream) {
             Ok(()) => true,
             Err(_) => {
@@ -238,59 +236,40 @@ impl Stitched {
         added
     }
 
-    /// Stitches free home memory for a request of `rounded` bytes into a new range of the
-    /// stitch area and serves the request from it: whole free granules, and where they fall
-    /// short, the free part of a granule at either end of the range ([`carve_stitch`]).
-    /// `Ok(None)` when other threads took the free memory meanwhile.
-    fn stitch(
-        &self,
-        st: &mut State,
-        ledger: &dyn Ledger,
-        class: Class,
-        rounded: u64,
-    ) -> Result<Option<Grant>> {
+    /// Stitches `size` bytes of free home granules into a new range of the stitch area and
+    /// serves the request from it. `Ok(None)` when other threads took the free granules
+    /// meanwhile.
+    fn stitch(&self, st: &mut State, ledger: &dyn Ledger, class: Class, size: u64) -> Result<Option<Grant>> {
+        let at = match smallest_run(&st.stitch_holes, size) {
+            Some(at) => at,
+            None => {
+                self.evict(st, ledger, &mut |p| p.take_idle_stitched())?;
+                self.poll_retired(st)?;
+                smallest_run(&st.stitch_holes, size).ok_or_else(|| {
+                    Error::oom(OutOfMemory {
+                        device: self.device.ordinal(),
+                        requested: size as usize,
+                        hint: "no room is left for stitched ranges in the pool's reservation".into(),
+                        ..OutOfMemory::default()
+                    })
+                })?
+            }
+        };
         let (g, limit) = (st.granularity, st.stitch_area);
         let mut homes = Vec::new();
         ledger.update(&mut |p| {
-            homes = carve_stitch(p, g, rounded, limit);
+            homes = carve_free_granules(p, g, size, limit);
             Ok(())
         })?;
         let put_back = |homes: &[(Class, u64, u64)]| {
             let _ = ledger.update(&mut |p| homes.iter().try_for_each(|&(k, a, l)| p.add_joined(k, a, l)));
         };
-        let size: u64 = homes.iter().map(|&(_, _, l)| l).sum();
-        if size < rounded {
+        if homes.iter().map(|&(_, _, l)| l).sum::<u64>() < size {
             put_back(&homes);
             return Ok(None);
         }
-        // Each home is mapped by the whole granules it lies in; the chunk starts where the
-        // first home does inside its granule.
-        let mapped_len: u64 = homes.iter().map(|&(_, a, l)| extent(g, a, l).1).sum();
-        let at = match smallest_run(&st.stitch_holes, mapped_len) {
-            Some(at) => Some(at),
-            None => {
-                let evicted = self
-                    .evict(st, ledger, &mut |p| p.take_idle_stitched())
-                    .and_then(|()| self.poll_retired(st));
-                if let Err(e) = evicted {
-                    put_back(&homes);
-                    return Err(e);
-                }
-                smallest_run(&st.stitch_holes, mapped_len)
-            }
-        };
-        let Some(at) = at else {
-            put_back(&homes);
-            return Err(Error::oom(OutOfMemory {
-                device: self.device.ordinal(),
-                requested: rounded as usize,
-                hint: "no room is left for stitched ranges in the pool's reservation".into(),
-                ..OutOfMemory::default()
-            }));
-        };
         let mut to = at;
-        for &(_, a, l) in &homes {
-            let (from, len) = extent(g, a, l);
+        for &(_, from, len) in &homes {
             if let Err(e) = self.device.map_alias(from, to, len as usize) {
                 if to > at {
                     // Mapped a moment ago and used by nothing yet.
@@ -301,14 +280,13 @@ impl Stitched {
             }
             to += len;
         }
-        let chunk = at + homes.first().map_or(0, |&(_, a, _)| a - a / g * g);
-        let served = ledger.update_and_serve(&mut |p| p.add_stitched(class, chunk, size, homes.clone()));
+        let served = ledger.update_and_serve(&mut |p| p.add_stitched(class, at, size, homes.clone()));
         if served.is_err() {
-            let _ = self.device.unmap(at, mapped_len as usize);
+            let _ = self.device.unmap(at, size as usize);
             put_back(&homes);
             return served;
         }
-        take_hole(&mut st.stitch_holes, at, mapped_len);
+        take_hole(&mut st.stitch_holes, at, size);
         self.evict(st, ledger, &mut |p| p.take_stale_stitched(0..=u64::MAX, IDLE_KEPT))?;
         served
     }
@@ -338,16 +316,10 @@ impl Backing for Stitched {
             let placement = place(p, &st.holes, g, want.class, want.rounded);
             let raise = |len: u64| (st.mapped + len).saturating_sub(st.high_water);
             let grow_raise = placement.map_or(u64::MAX, |pl| raise(pl.len));
-            // Whole granules the free home memory lacks for the request: its whole granules,
-            // and where they fall short, the free parts of granules at a stitch's two ends.
-            let whole: u64 = whole_granules(p, g, st.stitch_area).map(|(.., lo, hi)| hi - lo).sum();
-            let lacking = if whole >= need || whole == 0 {
-                need - whole.min(need)
-            } else {
-                let (first, last) = partial_ends(p, g, st.stitch_area);
-                let ends = first.map_or(0, |(_, _, l)| l) + last.map_or(0, |(_, _, l)| l);
-                want.rounded.saturating_sub(whole + ends).div_ceil(g) * g
-            };
+            // Whole granules the free home blocks lack for the request.
+            let lacking = need.saturating_sub(
+                whole_granules(p, g, st.stitch_area).map(|(.., lo, hi)| hi - lo).sum::<u64>(),
+            );
             plan = match placement {
                 Some(pl) if grow_raise == 0 => Some(Plan::Grow(pl)),
                 _ if raise(lacking) >= grow_raise => placement.map(Plan::Grow),
@@ -369,7 +341,7 @@ impl Backing for Stitched {
                 if let Some(pl) = fresh {
                     self.grow_home(&mut st, ledger, want.class, pl, false)?;
                 }
-                self.stitch(&mut st, ledger, want.class, want.rounded)
+                self.stitch(&mut st, ledger, want.class, need)
             }
             None => Err(Error::oom(OutOfMemory {
                 device: self.device.ordinal(),
@@ -401,7 +373,7 @@ impl Backing for Stitched {
             Ok(())
         })?;
         let mut first_error = None;
-        for (addr, size) in idle.into_iter().map(|(a, l)| extent(g, a, l)) {
+        for (addr, size) in idle {
             match self.device.unmap(addr, size as usize) {
                 Ok(()) => insert_hole(&mut st.stitch_holes, addr, size),
                 Err(e) => {
@@ -443,19 +415,7 @@ impl Backing for Stitched {
             let _ = self.device.synchronize_stream(self.stream);
         }
         self.unmap_retired(&mut st, true);
-        // Chunks and homes may share a granule (a stitched range's end takes part of one):
-        // each granule is unmapped once.
-        let g = st.granularity;
-        let mut extents: Vec<(u64, u64)> = chunks.into_iter().map(|(a, l)| extent(g, a, l)).collect();
-        extents.sort_unstable();
-        let mut merged: Vec<(u64, u64)> = Vec::new();
-        for (a, l) in extents {
-            match merged.last_mut() {
-                Some((m, ml)) if a <= *m + *ml => *ml = (*ml).max(a + l - *m),
-                _ => merged.push((a, l)),
-            }
-        }
-        for (addr, size) in merged {
+        for (addr, size) in chunks {
             let _ = self.device.unmap(addr, size as usize);
         }
         let _ = self.device.free_address(st.base, st.reservation as usize);
@@ -492,84 +452,6 @@ fn whole_granules(
         let (lo, hi) = (a.div_ceil(g) * g, (a + s) / g * g);
         (hi > lo).then_some((class, s, lo, hi))
     })
-}
-
-/// The granule-aligned range that maps `[addr, addr + len)`: `(start, length)`.
-fn extent(g: u64, addr: u64, len: u64) -> (u64, u64) {
-    let start = addr / g * g;
-    (start, (addr + len).div_ceil(g) * g - start)
-}
-
-/// Part of a free home block, as `(class, addr, len)`.
-type Part = (Class, u64, u64);
-
-/// The largest free parts of granules that a stitched range can begin and end with:
-/// `first`, the free tail of a granule (a free home block that starts
-/// inside the granule and runs at least to its end), `last`, the free head of one (a block
-/// that ends inside the granule and starts at or before its start). The rest of such a
-/// granule belongs to other blocks; the stitched range maps the whole granule but its chunk
-/// leaves that rest out.
-fn partial_ends(p: &BestFitPolicy, g: u64, limit: u64) -> (Option<Part>, Option<Part>) {
-    let (mut first, mut last): (Option<Part>, Option<Part>) = (None, None);
-    for (class, a, s) in p.free_blocks().filter(|&(_, a, _)| a < limit) {
-        let (up, down) = (a.div_ceil(g) * g, (a + s) / g * g);
-        if a % g != 0 && a + s >= up && first.is_none_or(|(_, _, l)| up - a > l) {
-            first = Some((class, a, up - a));
-        }
-        if (a + s) % g != 0 && a <= down && last.is_none_or(|(_, _, l)| a + s - down > l) {
-            last = Some((class, down, a + s - down));
-        }
-    }
-    (first, last)
-}
-
-/// Takes the home memory of a stitched range for a request of `rounded` bytes out of `p`
-/// (below `limit`), in the order the range maps it: whole free granules (up to the
-/// request's granules, those of the smallest free blocks first) and, when there are some
-/// but they fall short, the free tail of a granule before them and the free head of one
-/// after them, as few as make up the request (a range of parts alone would map a granule
-/// again for memory a free block already holds). Less than the request when the free memory does not make it up.
-fn carve_stitch(p: &mut BestFitPolicy, g: u64, rounded: u64, limit: u64) -> Vec<(Class, u64, u64)> {
-    let need = rounded.div_ceil(g) * g;
-    let whole: u64 = whole_granules(p, g, limit).map(|(.., lo, hi)| hi - lo).sum();
-    if whole >= need || whole == 0 {
-        return carve_free_granules(p, g, need, limit);
-    }
-    let short = rounded.saturating_sub(whole);
-    let (first, last) = partial_ends(p, g, limit);
-    let len = |x: Option<Part>| x.map_or(0, |(_, _, l)| l);
-    let (first, last) = if len(first) >= short {
-        (first, None)
-    } else if len(last) >= short {
-        (None, last)
-    } else if len(first) + len(last) >= short {
-        (first, last)
-    } else {
-        (None, None)
-    };
-    let mut homes = Vec::new();
-    if let Some((k, a, l)) = first {
-        if p.carve(a, l).is_err() {
-            return Vec::new();
-        }
-        homes.push((k, a, l));
-    }
-    homes.extend(carve_free_granules(p, g, whole, limit));
-    if let Some((k, a, l)) = last {
-        if p.carve(a, l).is_err() {
-            return put_back(p, &homes);
-        }
-        homes.push((k, a, l));
-    }
-    homes
-}
-
-/// Gives carved home ranges back to `p`; nothing for a stitch.
-fn put_back(p: &mut BestFitPolicy, homes: &[Part]) -> Vec<Part> {
-    for &(k, a, l) in homes {
-        let _ = p.add_joined(k, a, l);
-    }
-    Vec::new()
 }
 
 /// The placement of a growth for a request of `rounded` bytes of `class` that maps the
