@@ -22,6 +22,22 @@ fn used(sim: &SimDevice) -> usize {
     sim.mem_info().expect("mem info").used()
 }
 
+/// Six blocks of `size` that `stream` uses for `ns`, every other one freed at once: the
+/// three kept.
+fn every_other_in_use(
+    pool: &BestFit,
+    sim: &SimDevice,
+    stream: Stream,
+    size: usize,
+    ns: u64,
+) -> Vec<Allocation> {
+    let blocks: Vec<Allocation> = (0..6).map(|_| pool.allocate(size).unwrap()).collect();
+    for x in &blocks {
+        sim.use_range(x.ptr(), x.size(), stream, ns).unwrap();
+    }
+    blocks.into_iter().enumerate().filter(|(i, _)| i % 2 == 0).map(|(_, x)| x).collect()
+}
+
 #[test]
 fn stitching_pays_for_a_growth_with_free_granules_of_both_classes() {
     let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
@@ -67,12 +83,7 @@ fn stitching_growths_make_no_host_wait() {
         // Blocks the stream uses, every other one freed at once, then a block larger than any
         // free one: the free granules pay for it while the stream still runs.
         let size = (3 + round % 5) * MIB;
-        let blocks: Vec<Allocation> = (0..6).map(|_| pool.allocate(size).unwrap()).collect();
-        for x in &blocks {
-            sim.use_range(x.ptr(), x.size(), s, 500_000).unwrap();
-        }
-        let kept: Vec<Allocation> =
-            blocks.into_iter().enumerate().filter(|(i, _)| i % 2 == 0).map(|(_, x)| x).collect();
+        let kept = every_other_in_use(&pool, &sim, s, size, 500_000);
         let big = pool.allocate(4 * size).unwrap();
         sim.use_range(big.ptr(), big.size(), s, 500_000).unwrap();
         drop((kept, big));
@@ -94,21 +105,15 @@ fn a_repeated_workload_reuses_its_stitched_ranges_without_mapping() {
     // One step of a training loop: activations of three sizes, every other one freed, then
     // a block larger than any free one (stitched from their granules), and small blocks.
     let step = || {
-        let mut calls = sim.mapping_calls();
+        let before = sim.mapping_calls();
         for size in [3 * MIB, 5 * MIB, 7 * MIB] {
-            let blocks: Vec<Allocation> = (0..6).map(|_| pool.allocate(size).unwrap()).collect();
-            for x in &blocks {
-                sim.use_range(x.ptr(), x.size(), s, 200_000).unwrap();
-            }
-            let kept: Vec<Allocation> =
-                blocks.into_iter().enumerate().filter(|(i, _)| i % 2 == 0).map(|(_, x)| x).collect();
+            let kept = every_other_in_use(&pool, &sim, s, size, 200_000);
             let big = pool.allocate(4 * size).unwrap();
             let small: Vec<Allocation> = (0..4).map(|_| pool.allocate(300 << 10).unwrap()).collect();
             sim.use_range(big.ptr(), big.size(), s, 200_000).unwrap();
             drop((kept, big, small));
         }
-        calls = sim.mapping_calls() - calls;
-        calls
+        sim.mapping_calls() - before
     };
     let first = step();
     let later: Vec<u64> = (0..6).map(|_| step()).collect();

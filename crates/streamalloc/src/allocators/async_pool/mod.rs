@@ -38,8 +38,9 @@
 //! freed in it exists once the graph has been launched), as with RMM's cudaMallocAsync
 //! allocator; under PyTorch the facade's private-pool hooks also defer frees of memory from
 //! outside the capture, as PyTorch's own cudaMallocAsync backend does
-//! ([`PrivatePools::defer_free`](crate::facade::private_pools::PrivatePools::defer_free)). No trim, throttle wait or synchronization happens during a
-//! capture of this allocator's. The four cases:
+//! ([`PrivatePools::defer_free`](crate::facade::private_pools::PrivatePools::defer_free)).
+//! No trim, throttle wait or synchronization happens during a capture of this allocator's.
+//! The four cases:
 //! 1. *Allocated and freed inside the capture*: ordinary captured allocation and free nodes.
 //!    A free with recorded streams that take part in the capture goes through a free stream
 //!    of the capture's own (so the shared free stream is never pulled into a graph), which
