@@ -126,6 +126,33 @@ fn a_repeated_workload_reuses_its_stitched_ranges_without_mapping() {
 }
 
 #[test]
+fn a_repeated_workload_on_stream_safe_makes_no_device_call_once_warm() {
+    // The facade's stitched configuration: StreamSafe over a stitched pool, as a user gets it.
+    let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+    let s = sim.create_stream().unwrap();
+    let config = StreamSafeConfig { pool: stitched(), ..Default::default() };
+    let alloc = StreamSafe::new(sim.clone(), config).unwrap();
+    // A step: blocks of three sizes, every other one freed, then a block larger than any free
+    // one (stitched from their granules, idle once freed, taken back at the next step).
+    let step = || {
+        let before = sim.calls();
+        for size in [3 * MIB, 5 * MIB, 7 * MIB] {
+            let blocks: Vec<Allocation> = (0..6).map(|_| alloc.allocate_on(size, s).unwrap()).collect();
+            let kept: Vec<Allocation> = blocks.into_iter().step_by(2).collect();
+            let big = alloc.allocate_on(4 * size, s).unwrap();
+            drop((kept, big));
+        }
+        sim.calls() - before
+    };
+    let first = step();
+    let later: Vec<u64> = (0..6).map(|_| step()).collect();
+    assert!(first > 0 && sim.aliases() > 0, "the first step stitched nothing");
+    // Each stitched range is taken back from the pool's books: no capture query, no memory
+    // query, no mapping.
+    assert_eq!(later[2..], [0; 4], "device calls per step: {first} then {later:?}");
+}
+
+#[test]
 fn a_small_request_takes_a_free_large_granule_without_mapping() {
     let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
     let pool = BestFit::new(sim.clone(), stitched()).unwrap();

@@ -535,7 +535,7 @@ struct SizeList {
 
 impl State {
     /// Allocates from the cache and counts it: a parked block of exactly this rounded size,
-    /// else best fit, else best fit again after giving every parked block back.
+    /// else best fit, else [`State::allocate_harder`].
     fn allocate(&mut self, rounded: u64, size: usize) -> Option<Grant> {
         let parked = &mut self.parked;
         let grant = match parked.by_size.get_mut(&rounded).and_then(|list| list.blocks.pop()) {
@@ -545,15 +545,32 @@ impl State {
             }
             None => match self.policy.allocate(rounded) {
                 Some(g) => g,
-                None if self.parked.bytes > 0 => {
-                    self.unpark();
-                    self.policy.allocate(rounded)?
-                }
-                None => return None,
+                None => self.allocate_harder(rounded)?,
             },
         };
         self.stats.on_allocate(size);
         Some(grant)
+    }
+
+    /// What the pool serves without its backing when no free block fits: best fit after
+    /// giving every parked block back, else from an idle stitched chunk of up to twice the
+    /// size whose homes are free ([`BestFitPolicy::reuse_stitched`]: a repeated workload's
+    /// misses on a stitched backing end here, with no device call).
+    fn allocate_harder(&mut self, rounded: u64) -> Option<Grant> {
+        if self.parked.bytes > 0 {
+            self.unpark();
+            if let Some(g) = self.policy.allocate(rounded) {
+                return Some(g);
+            }
+        }
+        match self.policy.reuse_stitched(rounded, rounded.saturating_mul(2)) {
+            Ok(true) => self.policy.allocate(rounded),
+            Ok(false) => None,
+            Err(e) => {
+                self.held.hold(e);
+                None
+            }
+        }
     }
 
     /// Takes back the block of `token` at `ptr`, freed by an allocation of `size` bytes:

@@ -414,14 +414,12 @@ impl CudaDevice {
                 vmm.granules.insert(at);
                 done += granularity;
                 released?;
-                // SAFETY: `access` holds `access.len()` fully initialised descriptors and
-                // outlives the call; `[at, at + granularity)` is mapped.
-                check(
-                    unsafe { sys::cuMemSetAccess(at, granularity, access.as_ptr(), access.len()) },
-                    "cuMemSetAccess",
-                )?;
             }
-            Ok(())
+            // One call for the whole range of whole mappings rather than one per granule, as
+            // PyTorch's expandable segments do.
+            // SAFETY: `access` holds `access.len()` fully initialised descriptors and
+            // outlives the call; `[addr, addr + size)` is mapped, granule by granule.
+            check(unsafe { sys::cuMemSetAccess(addr, size, access.as_ptr(), access.len()) }, "cuMemSetAccess")
         })();
         if result.is_err() && done > 0 {
             // A failed map maps nothing; the granules mapped so far are unused.

@@ -370,6 +370,8 @@ struct State {
     /// The bytes of granules of memory in `mapped` that were written.
     #[cfg(feature = "test-util")]
     contents: HashMap<u64, Bytes>,
+    /// Device calls so far.
+    calls: u64,
     /// Calls that made the host wait for device work.
     host_waits: u64,
     /// Successful calls of [`Device::map_alias`].
@@ -415,6 +417,7 @@ impl SimDevice {
             mappings: HashMap::new(),
             #[cfg(feature = "test-util")]
             contents: HashMap::new(),
+            calls: 0,
             host_waits: 0,
             aliases: 0,
             mapping_calls: 0,
@@ -494,6 +497,11 @@ impl SimDevice {
         self.state.lock().violations.clone()
     }
 
+    /// How many device calls (of any kind, [`SimDevice::use_range`] included) were made so far.
+    pub fn calls(&self) -> u64 {
+        self.state.lock().calls
+    }
+
     /// How many calls so far made the host wait for device work (see the [module docs](self)).
     pub fn host_waits(&self) -> u64 {
         self.state.lock().host_waits
@@ -525,6 +533,7 @@ impl SimDevice {
     fn call<T>(&self, f: impl FnOnce(&mut State) -> Result<T>) -> Result<T> {
         let mut st = self.state.lock();
         st.now += self.config.tick_ns;
+        st.calls += 1;
         let out = f(&mut st);
         #[cfg(feature = "test-util")]
         {

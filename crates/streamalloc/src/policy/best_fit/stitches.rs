@@ -99,20 +99,12 @@ impl BestFitPolicy {
     /// whose homes are all free (they leave the pool). Whether there was one.
     pub fn reuse_stitched(&mut self, size: u64, most: u64) -> Result<bool> {
         let Stitches { ranges, idle, .. } = &self.stitches;
-        let mut candidates = idle.range((size, 0)..=(most, u64::MAX)).peekable();
-        if candidates.peek().is_none() {
-            return Ok(false);
-        }
-        // The free blocks by address (tens of them), so that each home is one binary search.
-        let mut free: Vec<(u64, u64)> = self.free_blocks().map(|(_, a, s)| (a, a + s)).collect();
-        free.sort_unstable();
-        let is_free = |a: u64, len: u64| {
-            let i = free.partition_point(|&(start, _)| start <= a);
-            i > 0 && free.get(i - 1).is_some_and(|&(_, end)| a + len <= end)
-        };
-        let found = candidates
+        let found = idle
+            .range((size, 0)..=(most, u64::MAX))
             .find(|(_, addr)| {
-                ranges.get(addr).is_some_and(|s| s.homes.iter().all(|&(_, a, l)| is_free(a, l)))
+                let homes_free =
+                    |s: &Stitch| s.homes.iter().all(|&(_, a, l)| self.free_block_around(a, l).is_some());
+                ranges.get(addr).is_some_and(homes_free)
             })
             .copied();
         let Some((size, addr)) = found else { return Ok(false) };
