@@ -1,5 +1,5 @@
-//! CPU cost per operation of the caching policy and allocators, replaying the sample traces
-//! (`traces/`) on the simulator: the policy alone (no device at all), BestFit, StreamSafe
+//! CPU cost per operation of the caching policy and allocators, replaying every trace of
+//! `traces/` (its subfolders included) on the simulator: the policy alone (no device at all), BestFit, StreamSafe
 //! on one stream (its overhead over BestFit is what the stream-safe layer costs), and
 //! StreamSafe by pointer (the C ABI's path: no handles, allocations kept in the pools), and
 //! StreamSafe over stitched virtual-memory ranges both ways.
@@ -18,17 +18,16 @@ use streamalloc_replay::trace::{Op, Trace};
 
 fn traces() -> Vec<Trace> {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../traces");
-    // Two synthetic traces whose shapes change every step (`traces/synthetic/README.md`).
-    [
-        "gpt2_train",
-        "resnet50_train",
-        "gpt2_generate",
-        "synthetic/bert_varlen_infer",
-        "synthetic/multiscale_train",
-    ]
-    .iter()
-    .map(|n| Trace::from_path(format!("{dir}/{n}.csv")).expect("sample trace"))
-    .collect()
+    // Every trace: the sample ones, those recorded from PyTorch runs and the synthetic ones
+    // whose shapes change every step.
+    let mut paths: Vec<_> = ["", "/recorded", "/synthetic"]
+        .iter()
+        .flat_map(|sub| std::fs::read_dir(format!("{dir}{sub}")).expect("traces folder"))
+        .map(|e| e.expect("folder entry").path())
+        .filter(|p| p.extension().is_some_and(|x| x == "csv"))
+        .collect();
+    paths.sort();
+    paths.iter().map(|p| Trace::from_path(p).expect("trace")).collect()
 }
 
 /// One pass of `trace` through the bare policy; chunks come from a bump counter.
@@ -114,7 +113,7 @@ fn bench(c: &mut Criterion) {
         group.bench_function("stream_safe_by_pointer", |b| {
             b.iter(|| pointer_pass(&trace, &mut ptrs, stream_safe.as_ref(), s))
         });
-        // The same on stitched virtual-memory ranges (the facade's default backing).
+        // The same on stitched virtual-memory ranges (`expandable=true` in the facade).
         let pool = BestFitConfig { backing: BackingKind::Stitched, ..Default::default() };
         let stitched = Arc::new(
             StreamSafe::new(sim.clone(), StreamSafeConfig { pool, ..Default::default() }).expect("allocator"),

@@ -89,7 +89,8 @@ fn stitching_growths_make_no_host_wait() {
         drop((kept, big));
     }
     assert_eq!(sim.host_waits(), waits, "stitching growths waited for the device");
-    assert!(sim.aliases() > aliases + 10, "only {} stitches", sim.aliases() - aliases);
+    // A stitch for each of the five sizes at least (later rounds may take their ranges back).
+    assert!(sim.aliases() >= aliases + 5, "only {} stitches", sim.aliases() - aliases);
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
     // The old ranges of stitched granules went back to the reservation as the stream ran on.
     sim.synchronize_stream(s).unwrap();

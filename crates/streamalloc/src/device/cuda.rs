@@ -707,15 +707,28 @@ impl Device for CudaDevice {
         })
     }
 
-    /// Retains the handle of each granule's allocation at `from` (one per granule, see
-    /// `map`) and maps it at `to`; the handle is released once mapped, so the memory lives as
-    /// long as one of its mappings does.
-    fn map_alias(&self, from: DevicePtr, to: DevicePtr, size: usize) -> Result<()> {
+    /// Retains the handle of each granule's allocation in the ranges of `from` (one per
+    /// granule, see `map`) and maps them in order from `to`; each handle is released once
+    /// mapped, so the memory lives as long as one of its mappings does.
+    fn map_alias(&self, from: &[(DevicePtr, usize)], to: DevicePtr) -> Result<()> {
         let _ctx = self.bind_relaxed()?;
-        let granularity = self.granularity_of(size, "map_alias")?;
+        // The source of each granule of the target, in order.
+        let mut sources = Vec::new();
+        for &(addr, len) in from {
+            let granularity = self.granularity_of(len, "map_alias")?;
+            sources.extend((addr..addr + len as u64).step_by(granularity));
+        }
+        if sources.is_empty() {
+            return Err(Error::InvalidArgument("map_alias of nothing".into()));
+        }
+        let granularity = self.map_granularity()?;
+        let size = sources.len() * granularity;
         self.map_granules(to, size, granularity, &|offset| {
             let mut handle: sys::CUmemGenericAllocationHandle = 0;
-            let src = (from + offset as u64) as usize as *mut c_void;
+            let Some(&src) = sources.get(offset / granularity) else {
+                return Err(Error::Internal(format!("map_alias: no source for offset {offset}")));
+            };
+            let src = src as usize as *mut c_void;
             // SAFETY: `handle` is a valid out-pointer alive across the call; the driver
             // validates that `src` is mapped (and fails otherwise).
             check(

@@ -173,12 +173,12 @@ pub trait Device: Send + Sync {
     /// Backs `[addr, addr + size)`, inside a reservation and unmapped, with new device memory
     /// that this device may read and write (`cuMemCreate`, `cuMemMap`, `cuMemSetAccess`).
     fn map(&self, addr: DevicePtr, size: usize) -> Result<()>;
-    /// Maps the memory mapped at `[from, from + size)` a second time at `[to, to + size)`,
-    /// inside a reservation and unmapped (`cuMemRetainAllocationHandle`, `cuMemMap`,
-    /// `cuMemSetAccess`), with the same access: bytes written through either range are read
-    /// through the other, and the memory is counted once. Both ranges stay mapped until each
-    /// is unmapped.
-    fn map_alias(&self, from: DevicePtr, to: DevicePtr, size: usize) -> Result<()>;
+    /// Maps the memory mapped at each range `(addr, size)` of `from` a second time, side by
+    /// side from `to`, inside a reservation and unmapped (`cuMemRetainAllocationHandle` and
+    /// `cuMemMap` per granule, one `cuMemSetAccess`), with the same access: bytes written
+    /// through either address are read through the other, and the memory is counted once.
+    /// Both stay mapped until each is unmapped. A failure maps nothing.
+    fn map_alias(&self, from: &[(DevicePtr, usize)], to: DevicePtr) -> Result<()>;
     /// Grants device `peer` read-write access to every range this device has mapped
     /// ([`Device::map`], [`Device::map_alias`]) and will map, for as long as the device lives
     /// (`cuMemSetAccess`). Mapped memory does not follow context-level peer access: without

@@ -914,13 +914,18 @@ impl Device for SimDevice {
         })
     }
 
-    fn map_alias(&self, from: DevicePtr, to: DevicePtr, size: usize) -> Result<()> {
+    fn map_alias(&self, from: &[(DevicePtr, usize)], to: DevicePtr) -> Result<()> {
         self.call(|st| {
-            st.check_reserved(from, size)?;
+            let size: usize = from.iter().map(|&(_, len)| len).sum();
             st.check_reserved(to, size)?;
-            let memory: Vec<u64> = st.mapped.range(from..from + size as u64).map(|(_, &m)| m).collect();
-            if memory.len() != size / MAP_GRANULE {
-                return Err(Error::InvalidArgument(format!("{from:#x}+{size} is not all mapped")));
+            let mut memory = Vec::with_capacity(size / MAP_GRANULE);
+            for &(from, len) in from {
+                st.check_reserved(from, len)?;
+                let before = memory.len();
+                memory.extend(st.mapped.range(from..from + len as u64).map(|(_, &m)| m));
+                if memory.len() - before != len / MAP_GRANULE {
+                    return Err(Error::InvalidArgument(format!("{from:#x}+{len} is not all mapped")));
+                }
             }
             if st.mapped.range(to..to + size as u64).next().is_some() {
                 return Err(Error::InvalidArgument(format!("{to:#x}+{size} is already mapped")));
@@ -1597,9 +1602,11 @@ mod tests {
         d.map(a, 2 * G).unwrap();
         let data: Vec<u8> = (0..2 * G).map(|i| (i % 251) as u8).collect();
         d.copy_from_host(a, &data, s).unwrap();
-        assert!(d.map_alias(a, b, 3 * G).is_err(), "the source is not all mapped");
-        d.map_alias(a, b, 2 * G).unwrap();
-        assert!(d.map_alias(a, b, 2 * G).is_err(), "the target is mapped already");
+        assert!(d.map_alias(&[(a, 3 * G)], b).is_err(), "the source is not all mapped");
+        assert!(d.map_alias(&[(a, G), (a + 2 * G as u64, G)], b).is_err(), "a source is not mapped");
+        // Two sources side by side: the granules in order.
+        d.map_alias(&[(a, G), (a + G as u64, G)], b).unwrap();
+        assert!(d.map_alias(&[(a, 2 * G)], b).is_err(), "the target is mapped already");
         assert_eq!(d.mem_info().unwrap().free, free - 2 * G, "an alias takes no memory");
         // Bytes written through one mapping are read through the other, across the granules.
         let mut back = vec![0; 2 * G];

@@ -268,17 +268,10 @@ impl Stitched {
             put_back(&homes);
             return Ok(None);
         }
-        let mut to = at;
-        for &(_, from, len) in &homes {
-            if let Err(e) = self.device.map_alias(from, to, len as usize) {
-                if to > at {
-                    // Mapped a moment ago and used by nothing yet.
-                    let _ = self.device.unmap(at, (to - at) as usize);
-                }
-                put_back(&homes);
-                return Err(e);
-            }
-            to += len;
+        let from: Vec<(u64, usize)> = homes.iter().map(|&(_, a, len)| (a, len as usize)).collect();
+        if let Err(e) = self.device.map_alias(&from, at) {
+            put_back(&homes);
+            return Err(e);
         }
         let served = ledger.update_and_serve(&mut |p| p.add_stitched(class, at, size, homes.clone()));
         if served.is_err() {
