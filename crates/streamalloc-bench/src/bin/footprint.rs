@@ -1,10 +1,11 @@
 //! Footprint of StreamSafe over each backing on the simulator: replays every trace given
 //! (RMM logging CSV) and prints a markdown table of peak device memory used over peak live
 //! bytes, device calls of the measuring pass, the simulator's mapping calls (map, map_alias,
-//! unmap) in each of the first four passes over one allocator (the last three are the warm
-//! passes the anchors harness times) and, with `--passes N` (N > 3), the mapping calls of the
-//! N - 3 passes after them (a repeated workload's long run), and ns per operation (best of the
-//! warm passes: CPU figures come from criterion, not from here).
+//! unmap) and the granules they mapped or unmapped, as `calls/granules`, in each of the first
+//! four passes over one allocator (the last three are the warm passes the anchors harness
+//! times; on an H200 each granule costs 20-40 microseconds) and, with `--passes N` (N > 3),
+//! in the N - 3 passes after them (a repeated workload's long run), and ns per operation
+//! (best of the warm passes: CPU figures come from criterion, not from here).
 //!
 //! Run: `cargo run --release -p streamalloc-bench --bin footprint -- [--passes N] traces/*.csv`
 
@@ -43,32 +44,37 @@ fn main() -> streamalloc::Result<()> {
             let pool = BestFitConfig { backing, ..Default::default() };
             let alloc = StreamSafe::new(sim.clone(), StreamSafeConfig { pool, ..Default::default() })?;
             let target = ReplayTarget::Streams(Arc::new(alloc));
-            // The simulator's mapping calls at the end of each pass.
+            // The simulator's mapping calls and granules at the end of each pass.
             let (done, ops) = (AtomicU64::new(0), trace.ops.len() as u64);
-            let per_pass = Mutex::new(vec![sim.mapping_calls()]);
+            let per_pass = Mutex::new(vec![(sim.mapping_calls(), sim.mapped_granules())]);
             let progress = |n: u64| {
                 let now = done.fetch_add(n, Ordering::Relaxed) + n;
                 if n > 0 && now % ops.max(1) == 0 {
-                    per_pass.lock().expect("not poisoned").push(sim.mapping_calls());
+                    per_pass.lock().expect("not poisoned").push((sim.mapping_calls(), sim.mapped_granules()));
                 }
             };
             let options = ReplayOptions { passes, progress: Some(&progress), ..Default::default() };
             let r = replay(&trace, name, &target, sim.as_ref(), &options)?;
             live = r.peak_live;
             let per_pass = per_pass.into_inner().expect("not poisoned");
-            let maps: Vec<u64> = per_pass.windows(2).map(|w| w[1] - w[0]).collect();
-            let later = match maps.get(4..) {
+            // Mapping calls and granules per pass: "calls/granules" for each of the first four,
+            // then the sums over the rest.
+            let each: Vec<(u64, u64)> =
+                per_pass.windows(2).map(|w| (w[1].0 - w[0].0, w[1].1 - w[0].1)).collect();
+            let show = |(calls, granules): (u64, u64)| format!("{calls}/{granules}");
+            let later = match each.get(4..) {
                 Some(rest) if !rest.is_empty() => {
-                    format!(", then {} in {} passes", rest.iter().sum::<u64>(), rest.len())
+                    let sum = rest.iter().fold((0, 0), |(c, g), &(dc, dg)| (c + dc, g + dg));
+                    format!(", then {} in {} passes", show(sum), rest.len())
                 }
                 _ => String::new(),
             };
-            let maps: Vec<String> = maps.iter().take(4).map(u64::to_string).collect();
+            let maps: Vec<String> = each.iter().take(4).map(|&x| show(x)).collect();
             cells.push(format!(
                 "{:.3} ({} calls, maps {}{later}, {:.0} ns{})",
                 r.footprint_ratio,
                 r.device_calls,
-                maps.join("/"),
+                maps.join(" "),
                 r.ns_per_op_warm,
                 if r.failures > 0 { format!(", {} FAILED", r.failures) } else { String::new() }
             ));

@@ -378,6 +378,8 @@ struct State {
     aliases: u64,
     /// Successful calls of [`Device::map`], [`Device::map_alias`] and [`Device::unmap`].
     mapping_calls: u64,
+    /// Granules those calls mapped or unmapped.
+    mapped_granules: u64,
     /// Other devices granted access to mapped memory.
     mapped_peers: BTreeSet<usize>,
 }
@@ -421,6 +423,7 @@ impl SimDevice {
             host_waits: 0,
             aliases: 0,
             mapping_calls: 0,
+            mapped_granules: 0,
             mapped_peers: BTreeSet::new(),
         };
         Arc::new(Self { config, state: Mutex::new(state) })
@@ -516,6 +519,12 @@ impl SimDevice {
     /// succeeded: the virtual-memory calls that cost microseconds each on a GPU.
     pub fn mapping_calls(&self) -> u64 {
         self.state.lock().mapping_calls
+    }
+
+    /// How many granules those calls mapped or unmapped so far: on an H200 each costs 20-40
+    /// microseconds of host time whatever the calls (`bench/results/h200-2026-12-03/run10.md`).
+    pub fn mapped_granules(&self) -> u64 {
+        self.state.lock().mapped_granules
     }
 
     /// Streams created and not yet destroyed (the default stream not counted).
@@ -910,6 +919,7 @@ impl Device for SimDevice {
             st.mappings.extend(taken.iter().map(|&m| (m, 1)));
             st.mapped.extend((addr..).step_by(MAP_GRANULE).zip(taken));
             st.mapping_calls += 1;
+            st.mapped_granules += (size / MAP_GRANULE) as u64;
             Ok(())
         })
     }
@@ -933,6 +943,7 @@ impl Device for SimDevice {
             for &m in &memory {
                 *st.mappings.entry(m).or_default() += 1;
             }
+            st.mapped_granules += memory.len() as u64;
             st.mapped.extend((to..).step_by(MAP_GRANULE).zip(memory));
             st.aliases += 1;
             st.mapping_calls += 1;
@@ -980,6 +991,7 @@ impl Device for SimDevice {
             }
             st.mapped.retain(|&g, _| g < addr || g >= end);
             st.mapping_calls += 1;
+            st.mapped_granules += (size / MAP_GRANULE) as u64;
             Ok(())
         })
     }
@@ -1631,6 +1643,7 @@ mod tests {
         d.unmap(a, 2 * G).unwrap();
         assert_eq!(d.mem_info().unwrap().free, free, "its last mapping gave it back");
         assert_eq!((d.aliases(), d.mapping_calls()), (1, 4), "map, alias, two unmaps; failures not counted");
+        assert_eq!(d.mapped_granules(), 8, "two granules each");
         d.free_address(r, 16 * G).unwrap();
     }
 
