@@ -521,8 +521,8 @@ impl SimDevice {
         self.state.lock().mapping_calls
     }
 
-    /// How many granules those calls mapped or unmapped so far: on an H200 each costs 20-40
-    /// microseconds of host time whatever the calls (`bench/results/h200-2026-12-03/run10.md`).
+    /// How many granules those calls mapped or unmapped so far: on a GPU a mapping's host time
+    /// grows with its granules, whatever the calls (`bench/results/h200-2026-12-03/run10.md`).
     pub fn mapped_granules(&self) -> u64 {
         self.state.lock().mapped_granules
     }
