@@ -18,7 +18,8 @@
 #            makes, in one process, passes alternating, 31 rounds per trace
 #            (scripts/gpu/async_same_run.cpp; ROUNDS, SUBJECTS and EXTRA override)
 #   speed    StreamSafe through the C ABI against the fast anchors (PyTorch native and
-#            expandable, RMM pool and binning), three rounds (scripts/gpu/speed_table.py)
+#            expandable, RMM pool and binning), three rounds (scripts/gpu/speed_table.py);
+#            SPEED_CONFS (space-separated STREAMALLOC_CONF strings) replaces strategy=stream_safe
 #            (WHEEL overrides the wheel the Python parts install, default dist/streamalloc-*x86_64.whl)
 #   torch    the Python front ends' GPU tests (python/tests/gpu: PyTorch's record_stream,
 #            CUDA graphs, MemPool, IPC, empty_cache, memory fraction and stats, CuPy on
@@ -103,8 +104,10 @@ for part in "$@"; do
         /tmp/anchor-bin/replay_torch "$tr"
         PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True /tmp/anchor-bin/replay_torch "$tr"
         /tmp/anchor-bin/replay_rmm pool "$tr" && /tmp/anchor-bin/replay_rmm binning "$tr"
-        STREAMALLOC_CONF=strategy=stream_safe /tmp/anchor-bin/replay_core \
-          "so:$PWD/.anchors/libstreamalloc.so:streamalloc_malloc:streamalloc_free" "$tr"
+        for conf in ${SPEED_CONFS:-strategy=stream_safe}; do
+          STREAMALLOC_CONF=$conf /tmp/anchor-bin/replay_core \
+            "so:$PWD/.anchors/libstreamalloc.so:streamalloc_malloc:streamalloc_free" "$tr"
+        done
       done; done > "$OUT/speed_rounds.jsonl" && python3 scripts/gpu/speed_table.py < "$OUT/speed_rounds.jsonl" \
         | tee "$OUT/speed.md" ;;
     mt)

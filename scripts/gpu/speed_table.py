@@ -1,8 +1,8 @@
 """Reads the `speed` part's JSON lines (a {"round": N} line before each round's results) and
-prints, per round and trace, StreamSafe's warm ns/op through the C ABI over the fastest anchor
-of that round (the #3 bar: at most 0.5); then each allocator's best round against the best
-round of the fastest anchor, which reads through the machine's noise (the same binary, run
-back to back on the H200 machine, ranges over 2x)."""
+prints, per round and trace, each of our configurations' warm ns/op through the C ABI over the
+fastest anchor of that round (the bar: at most 0.5); then each configuration's best round
+against the best round of the fastest anchor, which reads through the machine's noise (the
+same binary, run back to back on the H200 machine, ranges over 2x)."""
 import json
 import sys
 from collections import defaultdict
@@ -20,26 +20,32 @@ for line in sys.stdin:
     if "ns_per_op_warm" in r:
         rounds[current][r["trace"].removesuffix(".csv")][r["allocator"]] = r["ns_per_op_warm"]
 
-ours = "streamalloc:strategy=stream_safe"
+ours = sorted({name for traces in rounds.values() for figures in traces.values() for name in figures
+               if name.startswith("streamalloc")})
 
 
 def fastest_anchor(figures):
-    """(name, ns/op) of the fastest allocator that is not streamalloc; None without one or
-    without our own figure."""
+    """(name, ns/op) of the fastest allocator that is not streamalloc; None without one."""
     anchors = {k: v for k, v in figures.items() if not k.startswith("streamalloc")}
-    if not anchors or ours not in figures:
+    if not anchors:
         return None
     return min(anchors.items(), key=lambda kv: kv[1])
 
 
-print("| round | trace | fastest anchor | ns/op | stream_safe ns/op | ratio |")
-print("|---|---|---|---|---|---|")
+def cells(figures, best):
+    """Our configurations' ns/op and ratio to `best`, as table cells ('-' where absent)."""
+    return " | ".join(f"{figures[o]:.0f} ({figures[o] / best:.2f})" if o in figures else "-" for o in ours)
+
+
+header = " | ".join(f"{o.removeprefix('streamalloc:')} ns/op (ratio)" for o in ours)
+print(f"| round | trace | fastest anchor | ns/op | {header} |")
+print("|---|---|---|---|" + "---|" * len(ours))
 for n, traces in sorted(rounds.items()):
     for trace, figures in sorted(traces.items()):
         if not (anchor := fastest_anchor(figures)):
             continue
         name, best = anchor
-        print(f"| {n} | {trace} | {name} | {best:.0f} | {figures[ours]:.0f} | {figures[ours] / best:.2f} |")
+        print(f"| {n} | {trace} | {name} | {best:.0f} | {cells(figures, best)} |")
 
 best = defaultdict(dict)
 for traces in rounds.values():
@@ -47,10 +53,16 @@ for traces in rounds.values():
         for name, ns in figures.items():
             best[trace][name] = min(ns, best[trace].get(name, ns))
 print()
-print("| trace | fastest anchor, best round | ns/op | stream_safe, best round | ratio |")
-print("|---|---|---|---|---|")
+print(f"| trace | fastest anchor, best round | ns/op | {header.replace('ns/op', 'best round')} |")
+print("|---|---|---|" + "---|" * len(ours))
+met = defaultdict(int)
 for trace, figures in sorted(best.items()):
     if not (anchor := fastest_anchor(figures)):
         continue
     name, ns = anchor
-    print(f"| {trace} | {name} | {ns:.0f} | {figures[ours]:.0f} | {figures[ours] / ns:.2f} |")
+    for o in ours:
+        met[o] += o in figures and figures[o] <= ns / 2
+    print(f"| {trace} | {name} | {ns:.0f} | {cells(figures, ns)} |")
+print()
+for o in ours:
+    print(f"{o}: at most half the fastest anchor (best rounds) on {met[o]} of {len(best)} traces")
