@@ -927,6 +927,9 @@ impl Device for SimDevice {
     fn map_alias(&self, from: &[(DevicePtr, usize)], to: DevicePtr) -> Result<()> {
         self.call(|st| {
             let size: usize = from.iter().map(|&(_, len)| len).sum();
+            if size == 0 {
+                return Err(Error::InvalidArgument("map_alias of nothing".into()));
+            }
             st.check_reserved(to, size)?;
             let mut memory = Vec::with_capacity(size / MAP_GRANULE);
             for &(from, len) in from {

@@ -35,9 +35,10 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Grant};
 /// * **Reuse.** When the last block of a stitched range is freed, its granules go back to
 ///   the pool at home and the range is kept mapped, idle. A later miss that an idle range
 ///   fits (at most twice the request) whose home granules are all free takes them again and
-///   serves from the range: no device call. A repeated workload (a training step, a decoding
-///   loop) meets the same requests at the same points, so after its first rounds its misses
-///   find their ranges. A small request that finds no small block takes a whole granule of a
+///   serves from the range: no device call (the pool does this from its books before it
+///   asks the backing, so the miss makes no device query either). A repeated workload (a
+///   training step, a decoding loop) meets the same requests at the same points, so after its
+///   first rounds its misses find their ranges. A small request that finds no small block takes a whole granule of a
 ///   free large block, at its address: the memory changes class without a device call.
 /// * **Eviction.** Beyond 1024 idle ranges the least recently used, and all of them when the
 ///   stitch area has no room, are unmapped once an event recorded on the pool's stream after
@@ -297,8 +298,10 @@ impl Backing for Stitched {
         let g = st.granularity;
         let need = want.rounded.div_ceil(g) * g;
         let mut plan = None;
-        // An idle stitched range that fits the request is taken again if its home granules are
-        // free, or a small request takes a free large granule; else the plan, under one lock.
+        // The pool took no idle stitched range before asking (`BestFit`'s `allocate_harder`),
+        // but other threads may have freed blocks since: a free block or an idle range whose
+        // home granules are free now serves it, or a small request takes a free large
+        // granule; else the plan, under one lock.
         let served = ledger.update_and_serve(&mut |p| {
             if p.fits(want.rounded) || p.reuse_stitched(want.rounded, want.rounded.saturating_mul(2))? {
                 return Ok(());
