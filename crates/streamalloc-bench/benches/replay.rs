@@ -1,8 +1,8 @@
 //! CPU cost per operation of the caching policy and allocators, replaying every trace of
-//! `traces/` (its subfolders included) on the simulator: the policy alone (no device at all), BestFit, StreamSafe
-//! on one stream (its overhead over BestFit is what the stream-safe layer costs), and
-//! StreamSafe by pointer (the C ABI's path: no handles, allocations kept in the pools), and
-//! StreamSafe over stitched virtual-memory ranges both ways.
+//! `traces/` (its subfolders included) on the simulator: the policy alone (no device at
+//! all), BestFit, StreamSafe on one stream (its overhead over BestFit is what the stream-safe
+//! layer costs), and StreamSafe by pointer (the C ABI's path: no handles, allocations kept in
+//! the pools), and StreamSafe over stitched virtual-memory ranges both ways.
 //!
 //! Each iteration is one warm pass over a trace (everything freed at its end); throughput is
 //! in trace operations. Run: `cargo bench -p streamalloc-bench --bench replay`.
