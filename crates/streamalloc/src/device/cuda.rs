@@ -367,15 +367,10 @@ impl CudaDevice {
         Ok(Relaxed { previous: mode, _bound: bound })
     }
 
-    /// The mapping granularity, checked to divide `size`, the size `call` (`map` or `unmap`)
-    /// was given.
+    /// The mapping granularity, checked to divide `size` (see [`whole_granules`]).
     fn granularity_of(&self, size: usize, call: &str) -> Result<usize> {
         let granularity = self.map_granularity()?;
-        if granularity == 0 || size % granularity != 0 {
-            return Err(Error::InvalidArgument(format!(
-                "{call} of {size} bytes: not granules of {granularity}"
-            )));
-        }
+        whole_granules(size, granularity, call)?;
         Ok(granularity)
     }
 
@@ -495,6 +490,15 @@ impl Drop for CudaDevice {
 /// The memory location of device handle `device`.
 fn device_location(device: sys::CUdevice) -> sys::CUmemLocation {
     sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: device }
+}
+
+/// Checks that `size`, the size `call` (`map`, `map_alias` or `unmap`) was given, is whole
+/// granules of `granularity`.
+fn whole_granules(size: usize, granularity: usize, call: &str) -> Result<()> {
+    if granularity == 0 || size % granularity != 0 {
+        return Err(Error::InvalidArgument(format!("{call} of {size} bytes: not granules of {granularity}")));
+    }
+    Ok(())
 }
 
 /// Properties of the physical memory [`Device::map`] creates: pinned memory of `device`.
@@ -712,16 +716,16 @@ impl Device for CudaDevice {
     /// mapped, so the memory lives as long as one of its mappings does.
     fn map_alias(&self, from: &[(DevicePtr, usize)], to: DevicePtr) -> Result<()> {
         let _ctx = self.bind_relaxed()?;
+        let granularity = self.map_granularity()?;
         // The source of each granule of the target, in order.
         let mut sources = Vec::new();
         for &(addr, len) in from {
-            let granularity = self.granularity_of(len, "map_alias")?;
+            whole_granules(len, granularity, "map_alias")?;
             sources.extend((addr..addr + len as u64).step_by(granularity));
         }
         if sources.is_empty() {
             return Err(Error::InvalidArgument("map_alias of nothing".into()));
         }
-        let granularity = self.map_granularity()?;
         let size = sources.len() * granularity;
         self.map_granules(to, size, granularity, &|offset| {
             let mut handle: sys::CUmemGenericAllocationHandle = 0;
