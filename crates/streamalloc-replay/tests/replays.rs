@@ -1,8 +1,9 @@
-//! Replays of whole traces through the library: the stitched backing's footprint on traces
-//! whose shapes vary, and a trace written by the facade's Trace layer replaying to identical
+//! Replays of whole traces through the library: the stitched backing's footprint and mapping
+//! on traces whose shapes vary, and a trace written by the facade's Trace layer replaying to identical
 //! statistics.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use streamalloc::allocators::{BackingKind, BestFitConfig, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice};
@@ -41,6 +42,37 @@ fn footprint_stays_within_5_percent_when_shapes_change_every_step() {
         let f = footprint(trace, BackingKind::Stitched);
         assert!(f <= 1.05, "{trace}: footprint {f:.3}");
     }
+}
+
+#[test]
+fn a_training_loop_whose_shapes_change_every_step_stops_mapping_once_warm() {
+    // Multi-scale training: every step's image size differs. Without headroom the stitched pool
+    // stayed within 1.002 of the peak live bytes but mapped 123-154 granules at every pass
+    // (stitches, 20-40 us each on an H200): 10 times the operations' own cost.
+    let path = format!("{}/../../traces/synthetic/multiscale_train.csv", env!("CARGO_MANIFEST_DIR"));
+    let trace = Trace::from_path(path).expect("trace");
+    let sim = SimDevice::new(SimConfig::h200());
+    let pool = BestFitConfig { backing: BackingKind::Stitched, ..Default::default() };
+    let alloc =
+        StreamSafe::new(sim.clone(), StreamSafeConfig { pool, ..Default::default() }).expect("allocator");
+    let target = ReplayTarget::Streams(Arc::new(alloc));
+    let ops = trace.ops.len() as u64;
+    let (done, granules) = (AtomicU64::new(0), Mutex::new(vec![sim.mapped_granules()]));
+    let progress = |n: u64| {
+        let now = done.fetch_add(n, Ordering::Relaxed) + n;
+        if n > 0 && now % ops == 0 {
+            granules.lock().expect("not poisoned").push(sim.mapped_granules());
+        }
+    };
+    let options = ReplayOptions { passes: 5, progress: Some(&progress), ..Default::default() };
+    let r = replay(&trace, "stitched", &target, sim.as_ref(), &options).expect("replay");
+    assert_eq!(r.failures, 0, "{:?}", r.first_failure);
+    let granules = granules.into_inner().expect("not poisoned");
+    let per_pass: Vec<u64> = granules.windows(2).map(|w| w[1] - w[0]).collect();
+    assert_eq!(per_pass.len(), 6, "{per_pass:?}");
+    assert_eq!(per_pass[2..], [0; 4], "granules mapped or unmapped per pass: {per_pass:?}");
+    // PyTorch's expandable segments held 1.010 of the peak live bytes on the H200.
+    assert!(r.footprint_ratio <= 1.01, "footprint {:.4}", r.footprint_ratio);
 }
 
 #[test]

@@ -71,7 +71,7 @@ fn main() -> streamalloc::Result<()> {
             };
             let maps: Vec<String> = each.iter().take(4).map(|&x| show(x)).collect();
             cells.push(format!(
-                "{:.3} ({} calls, maps {}{later}, {:.0} ns{})",
+                "{:.4} ({} calls, maps {}{later}, {:.0} ns{})",
                 r.footprint_ratio,
                 r.device_calls,
                 maps.join(" "),

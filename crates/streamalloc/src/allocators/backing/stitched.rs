@@ -25,9 +25,10 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Grant};
 ///   only). Filling a run between two free blocks merges all three. Both classes share the
 ///   area, so small and large requests reuse each other's unmapped granules.
 /// * **Stitching.** When that growth would raise the memory mapped above its highest mark so
-///   far, and mapping what the free home granules (whole granules inside free blocks) lack
-///   for the request would raise it less, they pay instead: as many as the request needs are
-///   taken out of the pool
+///   far and above 1/128 over the most the pool's blocks have needed at once (a headroom that
+///   spares a repeated workload whose shapes change a stitch at every step), and mapping what
+///   the free home granules (whole granules inside free blocks) lack for the request would
+///   raise it less, they pay instead: as many as the request needs are taken out of the pool
 ///   (those of the smallest free blocks first; fresh ones are mapped at home first for what
 ///   they lack) and their memory is mapped again, side by side, in the stitch area. The
 ///   stitched range is a chunk of its own that serves the request. Free memory is thus
@@ -89,6 +90,9 @@ struct State {
     mapped: u64,
     /// The most bytes mapped at once so far.
     high_water: u64,
+    /// The most bytes the pool's blocks needed at once at a miss: those handed out and the
+    /// request.
+    peak_need: u64,
 }
 
 /// Evicted stitched ranges and the event recorded on the pool's stream after their last
@@ -101,6 +105,12 @@ struct Retired {
 
 /// Idle stitched ranges kept for reuse; beyond them the least recently used are evicted.
 const IDLE_KEPT: usize = 1024;
+
+/// A miss maps fresh memory rather than stitching while the memory mapped stays within
+/// 1/`HEADROOM` over the most the pool's blocks have needed at once: a little free room
+/// spares a repeated workload whose shapes change a stitch (20-40 us per granule on an
+/// H200) at every step.
+const HEADROOM: u64 = 128;
 
 /// Where to map a growth: `len` bytes at `at`, inside one unmapped run.
 #[derive(Debug, Clone, Copy)]
@@ -298,6 +308,7 @@ impl Backing for Stitched {
         let g = st.granularity;
         let need = want.rounded.div_ceil(g) * g;
         let mut plan = None;
+        let mut peak_need = st.peak_need;
         // The pool took no idle stitched range before asking (`BestFit`'s `allocate_harder`),
         // but other threads may have freed blocks since: a free block or an idle range whose
         // home granules are free now serves it, or a small request takes a free large
@@ -310,7 +321,11 @@ impl Backing for Stitched {
                 return Ok(());
             }
             let placement = place(p, &st.holes, g, want.class, want.rounded);
-            let raise = |len: u64| (st.mapped + len).saturating_sub(st.high_water);
+            // Mapping fresh memory is allowed up to the high-water mark, or up to 1/HEADROOM over
+            // the most the pool's blocks have needed at once, whichever is more.
+            peak_need = peak_need.max(p.figures().allocated + want.rounded);
+            let budget = st.high_water.max((peak_need + peak_need / HEADROOM).div_ceil(g) * g);
+            let raise = |len: u64| (st.mapped + len).saturating_sub(budget);
             let grow_raise = placement.map_or(u64::MAX, |pl| raise(pl.len));
             // Whole granules the free home blocks lack for the request.
             let lacking = need.saturating_sub(
@@ -327,6 +342,7 @@ impl Backing for Stitched {
             };
             Ok(())
         })?;
+        st.peak_need = peak_need;
         // Another thread may have grown the pool while this one waited for it.
         if served.is_some() {
             return Ok(served);
