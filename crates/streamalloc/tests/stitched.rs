@@ -154,6 +154,33 @@ fn a_repeated_workload_on_stream_safe_makes_no_device_call_once_warm() {
 }
 
 #[test]
+fn a_miss_grows_within_the_headroom_only_when_an_idle_range_is_kept_from_serving_it() {
+    let sim = SimDevice::new(SimConfig::with_capacity(4 << 30));
+    let pool = BestFit::new(sim.clone(), stitched()).unwrap();
+    // 1 GiB live in 2 MiB blocks, two holes of one block each.
+    let mut blocks: Vec<Option<Allocation>> =
+        (0..512).map(|_| Some(pool.allocate(2 * MIB).unwrap())).collect();
+    let (start, aliases) = (used(&sim), sim.aliases());
+    for i in [0, 2] {
+        blocks[i] = None;
+    }
+    // A first miss of its size: the holes are stitched, though a growth of 4 MiB would stay
+    // within 1/128 of the pool's need.
+    let a = pool.allocate(4 * MIB).unwrap();
+    assert_eq!((sim.aliases() - aliases, used(&sim)), (1, start), "the first miss did not stitch");
+    // Once freed, the range is idle; a block takes one of its homes back.
+    drop(a);
+    let b = pool.allocate(2 * MIB).unwrap();
+    // The same miss again: its idle range cannot serve it, so it grows by 4 MiB, within the
+    // headroom, rather than stitching again; the next time the layout is the same.
+    let calls = sim.mapping_calls();
+    let c = pool.allocate(4 * MIB).unwrap();
+    assert_eq!(sim.aliases() - aliases, 1, "the repeated miss stitched again");
+    assert_eq!((sim.mapping_calls() - calls, used(&sim) - start), (1, 4 * MIB));
+    drop((b, c, blocks));
+}
+
+#[test]
 fn a_small_request_takes_a_free_large_granule_without_mapping() {
     let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
     let pool = BestFit::new(sim.clone(), stitched()).unwrap();

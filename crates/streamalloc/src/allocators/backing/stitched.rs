@@ -24,13 +24,14 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Grant};
 ///   block the request fits (PyTorch's expandable segments do this at the end of one segment
 ///   only). Filling a run between two free blocks merges all three. Both classes share the
 ///   area, so small and large requests reuse each other's unmapped granules.
-/// * **Stitching.** When that growth would raise the memory mapped above its highest mark so
-///   far and above 1/128 over the most the pool's blocks have needed at once (a headroom that
-///   spares a repeated workload whose shapes change a stitch at every step), and mapping what
-///   the free home granules (whole granules inside free blocks) lack for the request would
-///   raise it less, they pay instead: as many as the request needs are taken out of the pool
-///   (those of the smallest free blocks first; fresh ones are mapped at home first for what
-///   they lack) and their memory is mapped again, side by side, in the stitch area. The
+/// * **Stitching.** When that growth would raise the memory mapped above its highest mark
+///   so far (and, when idle ranges of the request's size exist but their homes are in use,
+///   above 1/128 over the most the pool's blocks have needed at once: a headroom that lets
+///   a repeated workload whose layout drifts settle), and mapping what the free home
+///   granules (whole granules inside free blocks) lack for the request would raise it less,
+///   they pay instead: as many as the request needs are taken out of the pool (those of the
+///   smallest free blocks first; fresh ones are mapped at home first for what they lack)
+///   and their memory is mapped again, side by side, in the stitch area. The
 ///   stitched range is a chunk of its own that serves the request. Free memory is thus
 ///   defragmented without moving live data and without waiting for the device (below).
 /// * **Reuse.** When the last block of a stitched range is freed, its granules go back to
@@ -106,10 +107,11 @@ struct Retired {
 /// Idle stitched ranges kept for reuse; beyond them the least recently used are evicted.
 const IDLE_KEPT: usize = 1024;
 
-/// A miss maps fresh memory rather than stitching while the memory mapped stays within
-/// 1/`HEADROOM` over the most the pool's blocks have needed at once: a little free room
-/// spares a repeated workload whose shapes change a stitch (20-40 us per granule on an
-/// H200) at every step.
+/// A miss that an idle range of its size would have served but for home granules in use maps
+/// fresh memory rather than stitching again while the memory mapped stays within
+/// 1/`HEADROOM` over the most the pool's blocks have needed at once: a little free room lets
+/// the layout of a repeated workload whose shapes change settle, instead of a stitch (20-40
+/// us per granule on an H200) at every step.
 const HEADROOM: u64 = 128;
 
 /// Where to map a growth: `len` bytes at `at`, inside one unmapped run.
@@ -321,10 +323,15 @@ impl Backing for Stitched {
                 return Ok(());
             }
             let placement = place(p, &st.holes, g, want.class, want.rounded);
-            // Mapping fresh memory is allowed up to the high-water mark, or up to 1/HEADROOM over
-            // the most the pool's blocks have needed at once, whichever is more.
+            // Mapping fresh memory is allowed up to the high-water mark; when an idle range of
+            // the request's size is kept from serving it by homes in use (the layout of a
+            // repeated workload drifted), up to 1/HEADROOM over the most the pool's blocks have
+            // needed at once, if that is more.
             peak_need = peak_need.max(p.figures().allocated + want.rounded);
-            let budget = st.high_water.max((peak_need + peak_need / HEADROOM).div_ceil(g) * g);
+            let budget = match p.has_idle_stitched(want.rounded, want.rounded.saturating_mul(2)) {
+                true => st.high_water.max((peak_need + peak_need / HEADROOM).div_ceil(g) * g),
+                false => st.high_water,
+            };
             let raise = |len: u64| (st.mapped + len).saturating_sub(budget);
             let grow_raise = placement.map_or(u64::MAX, |pl| raise(pl.len));
             // Whole granules the free home blocks lack for the request.

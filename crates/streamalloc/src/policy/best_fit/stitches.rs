@@ -124,6 +124,11 @@ impl BestFitPolicy {
         Ok(true)
     }
 
+    /// Whether an idle stitched chunk of `size` to `most` bytes exists.
+    pub fn has_idle_stitched(&self, size: u64, most: u64) -> bool {
+        self.stitches.idle.range((size, 0)..=(most, u64::MAX)).next().is_some()
+    }
+
     /// Forgets every idle stitched chunk and returns them as `(addr, size)`, for the caller to
     /// unmap once nothing uses them.
     pub fn take_idle_stitched(&mut self) -> Vec<(u64, u64)> {
