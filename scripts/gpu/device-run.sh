@@ -21,6 +21,9 @@
 #            expandable, RMM pool and binning), three rounds (scripts/gpu/speed_table.py);
 #            SPEED_CONFS (space-separated STREAMALLOC_CONF strings) replaces strategy=stream_safe
 #            (WHEEL overrides the wheel the Python parts install, default dist/streamalloc-*x86_64.whl)
+#   capi     the C ABI's cost per operation without a harness around it: scripts/capi-replay.sh
+#            over every trace with .anchors/libstreamalloc.so (CAPI_CONFS, default stream_safe
+#            with and without expandable=true), best of 3 passes, into $OUT/capi.txt
 #   torch    the Python front ends' GPU tests (python/tests/gpu: PyTorch's record_stream,
 #            CUDA graphs, MemPool, IPC, empty_cache, memory fraction and stats, CuPy on
 #            non-blocking streams; every strategy, each case in its own process) with pytest
@@ -110,6 +113,9 @@ for part in "$@"; do
         done
       done; done > "$OUT/speed_rounds.jsonl" && python3 scripts/gpu/speed_table.py < "$OUT/speed_rounds.jsonl" \
         | tee "$OUT/speed.md" ;;
+    capi)
+      LIB=.anchors PASSES=3 CONFS="${CAPI_CONFS:-strategy=stream_safe strategy=stream_safe,expandable=true}" \
+        bash scripts/capi-replay.sh | tee "$OUT/capi.txt" ;;
     mt)
       build_anchors && for round in 1 2 3; do for tr in resnet50_train gpt2_train; do for n in 1 2 4 8; do
         THREADS=$n STREAMALLOC_CONF=strategy=stream_safe /tmp/anchor-bin/replay_core \

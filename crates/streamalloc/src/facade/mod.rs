@@ -24,6 +24,7 @@ pub use presets::Preset;
 
 use std::fs::File;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
@@ -99,13 +100,17 @@ pub struct DeviceStack {
 pub struct Facade {
     config: Config,
     stacks: Box<[OnceLock<DeviceStack>]>,
+    /// Bit `i` is set once the stack of device `i` is built: a free looks through the stacks
+    /// in use without touching the other slots.
+    built_mask: AtomicU64,
     building: Mutex<()>,
 }
 
 impl Facade {
     /// A facade for `config`.
     pub fn new(config: Config) -> Self {
-        Self { config, stacks: (0..MAX_DEVICES).map(|_| OnceLock::new()).collect(), building: Mutex::new(()) }
+        let stacks = (0..MAX_DEVICES).map(|_| OnceLock::new()).collect();
+        Self { config, stacks, built_mask: AtomicU64::new(0), building: Mutex::new(()) }
     }
 
     /// The configuration in force.
@@ -126,7 +131,9 @@ impl Facade {
             return Ok(stack);
         }
         let stack = self.build(ordinal)?;
-        Ok(slot.get_or_init(|| stack))
+        let stack = slot.get_or_init(|| stack);
+        self.built_mask.fetch_or(1 << ordinal, Ordering::Release);
+        Ok(stack)
     }
 
     /// The stack of device `ordinal` if it is built (the device is in use).
@@ -136,7 +143,17 @@ impl Facade {
 
     /// The stacks built so far, by device ordinal.
     pub fn built_stacks(&self) -> impl Iterator<Item = &DeviceStack> {
-        self.stacks.iter().filter_map(OnceLock::get)
+        let mut mask = self.built_mask.load(Ordering::Acquire);
+        std::iter::from_fn(move || {
+            while mask != 0 {
+                let i = mask.trailing_zeros() as usize;
+                mask &= mask - 1;
+                if let Some(stack) = self.stacks.get(i).and_then(OnceLock::get) {
+                    return Some(stack);
+                }
+            }
+            None
+        })
     }
 
     /// Lets device `peer` read and write the memory that device `ordinal`'s allocators map
@@ -176,7 +193,7 @@ impl Facade {
 
     /// The ordinals of the devices in use.
     pub fn devices_in_use(&self) -> Vec<usize> {
-        (0..MAX_DEVICES).filter(|i| self.stacks[*i].get().is_some()).collect()
+        (0..MAX_DEVICES).filter(|i| self.built(*i).is_some()).collect()
     }
 
     /// Releases cached memory on every device in use; the bytes returned in all. Every
