@@ -15,7 +15,7 @@ void* streamalloc_malloc(ssize_t size, int device, void* stream);
 void streamalloc_free(void* ptr, ssize_t size, int device, void* stream);
 
 typedef struct {
-  int free;  /* 0: allocate into slot, 1: free slot */
+  int is_free; /* 0: allocate into slot, 1: free slot */
   int slot;
   size_t size;
 } Op;
@@ -26,7 +26,7 @@ typedef struct {
 } Trace;
 
 /* Reads a trace; each allocation gets a slot, a free names its allocation's slot (frees of
- * pointers never allocated in the trace are dropped). */
+ * pointers never allocated in the trace are dropped). Up to 4M distinct pointers. */
 static int load(const char* path, Trace* t) {
   FILE* f = fopen(path, "r");
   if (!f) return -1;
@@ -36,7 +36,10 @@ static int load(const char* path, Trace* t) {
   t->ops = malloc(room * sizeof(Op));
   t->n = t->slots = 0;
   char line[512];
-  if (!fgets(line, sizeof line, f)) return -1; /* header */
+  if (!fgets(line, sizeof line, f)) { /* header */
+    fclose(f);
+    return -1;
+  }
   while (fgets(line, sizeof line, f)) {
     char* p = strchr(line, ',');            /* after Thread */
     if (!p || !(p = strchr(p + 1, ','))) continue; /* after Time */
@@ -82,7 +85,7 @@ int main(int argc, char** argv) {
       clock_gettime(CLOCK_MONOTONIC, &t0);
       for (int i = 0; i < t.n; i++) {
         const Op* o = &t.ops[i];
-        if (!o->free) {
+        if (!o->is_free) {
           live[o->slot] = streamalloc_malloc((ssize_t)o->size, 0, NULL);
           if (!live[o->slot] && o->size) {
             fprintf(stderr, "%s: allocation of %zu bytes failed\n", argv[a], o->size);

@@ -1,6 +1,6 @@
 //! Replays of whole traces through the library: the stitched backing's footprint and mapping
-//! on traces whose shapes vary, and a trace written by the facade's Trace layer replaying to identical
-//! statistics.
+//! on traces whose shapes vary, and a trace written by the facade's Trace layer replaying to
+//! identical statistics.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

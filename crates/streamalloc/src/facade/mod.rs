@@ -47,6 +47,7 @@ type Opened = (Arc<dyn Device>, Option<Arc<SimDevice>>);
 
 /// The most devices one facade serves.
 pub const MAX_DEVICES: usize = 64;
+const _: () = assert!(MAX_DEVICES <= u64::BITS as usize, "Facade::built_mask has a bit per device");
 
 /// The settings of the caching pools of `config`'s `best_fit` and `stream_safe` strategies.
 fn pool_config(config: &Config) -> BestFitConfig {
