@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The C ABI's cost per operation: builds libstreamalloc.so (here) and scripts/capi_replay.c
 # against it, then replays traces through streamalloc_malloc / streamalloc_free, once per
-# configuration, best of PASSES timed passes.
+# configuration: the best and the mean of PASSES timed passes.
 #   CONFS   space-separated STREAMALLOC_CONF strings
 #           (default: "device=sim,strategy=stream_safe device=sim,strategy=stream_safe,expandable=true")
 #   PASSES  timed passes (default 10)

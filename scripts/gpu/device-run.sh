@@ -23,7 +23,7 @@
 #            (WHEEL overrides the wheel the Python parts install, default dist/streamalloc-*x86_64.whl)
 #   capi     the C ABI's cost per operation without a harness around it: scripts/capi-replay.sh
 #            over every trace with .anchors/libstreamalloc.so (CAPI_CONFS, default stream_safe
-#            with and without expandable=true), best of 3 passes, into $OUT/capi.txt
+#            with and without expandable=true), best and mean of 3 passes, into $OUT/capi.txt
 #   torch    the Python front ends' GPU tests (python/tests/gpu: PyTorch's record_stream,
 #            CUDA graphs, MemPool, IPC, empty_cache, memory fraction and stats, CuPy on
 #            non-blocking streams; every strategy, each case in its own process) with pytest
