@@ -4,16 +4,17 @@
  * without a framework. One untimed pass, then PASSES timed ones; prints the best and the mean
  * ns per operation (the mean shows what a long run pays, such as mappings in every pass).
  * The configuration is STREAMALLOC_CONF's (device=sim replays on the simulator, whose
- * ordering checks add their own cost, more for memory mapped twice). Usage:
- * capi_replay PASSES TRACE... (scripts/capi-replay.sh builds and runs it). */
+ * ordering checks add their own cost, more for memory mapped twice). With
+ * CAPI_REPLAY_PASSES=1 it also prints each pass: its ns per operation and what the device-0
+ * stack's statistics counted in it (device allocations and frees, retries, bytes reserved).
+ * Usage: capi_replay PASSES TRACE... (scripts/capi-replay.sh builds and runs it). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/types.h>
 #include <time.h>
 
-void* streamalloc_malloc(ssize_t size, int device, void* stream);
-void streamalloc_free(void* ptr, ssize_t size, int device, void* stream);
+#include "../crates/streamalloc-capi/include/streamalloc.h"
 
 typedef struct {
   int is_free; /* 0: allocate into slot, 1: free slot */
@@ -81,8 +82,11 @@ int main(int argc, char** argv) {
     }
     void** live = calloc(t.slots, sizeof(void*));
     double best = 0, sum = 0;
+    int each = getenv("CAPI_REPLAY_PASSES") && atoi(getenv("CAPI_REPLAY_PASSES"));
+    streamalloc_stats_t before = {0}, after = {0};
     for (int pass = 0; pass <= passes; pass++) {
       struct timespec t0, t1;
+      if (each) streamalloc_stats(0, &before);
       clock_gettime(CLOCK_MONOTONIC, &t0);
       for (int i = 0; i < t.n; i++) {
         const Op* o = &t.ops[i];
@@ -103,6 +107,11 @@ int main(int argc, char** argv) {
       double ns = ((t1.tv_sec - t0.tv_sec) * 1e9 + (t1.tv_nsec - t0.tv_nsec)) / t.n;
       if (pass > 0 && (best == 0 || ns < best)) best = ns;
       if (pass > 0) sum += ns;
+      if (each && streamalloc_stats(0, &after) == STREAMALLOC_OK)
+        printf("  pass %2d %8.1f ns/op, device allocs %llu frees %llu, retries %llu, reserved %zu\n",
+               pass, ns, (unsigned long long)(after.device_allocs - before.device_allocs),
+               (unsigned long long)(after.device_frees - before.device_frees),
+               (unsigned long long)(after.retries - before.retries), after.reserved);
     }
     const char* name = strrchr(argv[a], '/');
     printf("%-28s %8d ops %8.1f ns/op best %8.1f mean\n", name ? name + 1 : argv[a], t.n, best,
