@@ -22,5 +22,9 @@ cc -O2 -o "$out/capi_replay" scripts/capi_replay.c -L"$lib" -lstreamalloc -Wl,-r
 [ $# -gt 0 ] || set -- traces/*.csv traces/recorded/*.csv traces/synthetic/*.csv
 for conf in ${CONFS:-device=sim,strategy=stream_safe device=sim,strategy=stream_safe,expandable=true}; do
   echo "== $conf"
-  STREAMALLOC_CONF=$conf "$out/capi_replay" "${PASSES:-10}" "$@"
+  # One process per trace: the library's stacks live as long as the process, and a trace
+  # replayed after another would start from the pool that one left.
+  for trace in "$@"; do
+    STREAMALLOC_CONF=$conf "$out/capi_replay" "${PASSES:-10}" "$trace"
+  done
 done
