@@ -563,7 +563,7 @@ impl State {
                 return Some(g);
             }
         }
-        match self.policy.reuse_stitched(rounded, rounded.saturating_mul(2)) {
+        match self.policy.reuse_stitched(rounded) {
             Ok(true) => self.policy.allocate(rounded),
             Ok(false) => None,
             Err(e) => {

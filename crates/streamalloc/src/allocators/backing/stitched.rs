@@ -39,9 +39,10 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Grant};
 ///   fits (at most twice the request) whose home granules are all free takes them again and
 ///   serves from the range: no device call (the pool does this from its books before it
 ///   asks the backing, so the miss makes no device query either). A repeated workload (a
-///   training step, a decoding loop) meets the same requests at the same points, so after its
-///   first rounds its misses find their ranges. A small request that finds no small block takes a whole granule of a
-///   free large block, at its address: the memory changes class without a device call.
+///   training step, a decoding loop) meets the same requests at the same points, so after
+///   its first rounds its misses find their ranges. A small request that finds no small
+///   block takes a whole granule of a free large block, at its address: the memory changes
+///   class without a device call.
 /// * **Eviction.** Beyond 1024 idle ranges the least recently used, and all of them when the
 ///   stitch area has no room, are unmapped once an event recorded on the pool's stream after
 ///   their last use completed.
@@ -316,7 +317,7 @@ impl Backing for Stitched {
         // home granules are free now serves it, or a small request takes a free large
         // granule; else the plan, under one lock.
         let served = ledger.update_and_serve(&mut |p| {
-            if p.fits(want.rounded) || p.reuse_stitched(want.rounded, want.rounded.saturating_mul(2))? {
+            if p.fits(want.rounded) || p.reuse_stitched(want.rounded)? {
                 return Ok(());
             }
             if want.class == Class::Small && reclass_granule(p, g, st.stitch_area)? {
@@ -328,7 +329,7 @@ impl Backing for Stitched {
             // repeated workload drifted), up to 1/HEADROOM over the most the pool's blocks have
             // needed at once, if that is more.
             peak_need = peak_need.max(p.figures().allocated + want.rounded);
-            let budget = match p.has_idle_stitched(want.rounded, want.rounded.saturating_mul(2)) {
+            let budget = match p.has_idle_stitched(want.rounded) {
                 true => st.high_water.max((peak_need + peak_need / HEADROOM).div_ceil(g) * g),
                 false => st.high_water,
             };

@@ -42,6 +42,12 @@ impl Stitches {
     }
 }
 
+/// The idle chunks, as `(size, addr)`, that may serve a request of `size` bytes: those of
+/// `size` to twice `size` bytes (a larger one would hold memory the request leaves unused).
+fn fitting(size: u64) -> RangeInclusive<(u64, u64)> {
+    (size, 0)..=(size.saturating_mul(2), u64::MAX)
+}
+
 impl BestFitPolicy {
     /// Adds `[addr, addr + size)` as a segment of `class` and joins it with the chunks of
     /// `class` that end at `addr` or start at its end (a virtual-memory backing mapped them
@@ -95,12 +101,13 @@ impl BestFitPolicy {
         Ok(())
     }
 
-    /// Takes back into the pool the smallest idle stitched chunk of `size` to `most` bytes
-    /// whose homes are all free (they leave the pool). Whether there was one.
-    pub fn reuse_stitched(&mut self, size: u64, most: u64) -> Result<bool> {
+    /// Takes back into the pool, for a request of `size` bytes, the smallest idle stitched
+    /// chunk that fits it (at most twice its size) whose homes are all free (they leave the
+    /// pool). Whether there was one.
+    pub fn reuse_stitched(&mut self, size: u64) -> Result<bool> {
         let Stitches { ranges, idle, .. } = &self.stitches;
         let found = idle
-            .range((size, 0)..=(most, u64::MAX))
+            .range(fitting(size))
             .find(|(_, addr)| {
                 let homes_free =
                     |s: &Stitch| s.homes.iter().all(|&(_, a, l)| self.free_block_around(a, l).is_some());
@@ -124,9 +131,10 @@ impl BestFitPolicy {
         Ok(true)
     }
 
-    /// Whether an idle stitched chunk of `size` to `most` bytes exists.
-    pub fn has_idle_stitched(&self, size: u64, most: u64) -> bool {
-        self.stitches.idle.range((size, 0)..=(most, u64::MAX)).next().is_some()
+    /// Whether an idle stitched chunk fits a request of `size` bytes, as
+    /// [`BestFitPolicy::reuse_stitched`] sees it, whether or not its homes are free.
+    pub fn has_idle_stitched(&self, size: u64) -> bool {
+        self.stitches.idle.range(fitting(size)).next().is_some()
     }
 
     /// Forgets every idle stitched chunk and returns them as `(addr, size)`, for the caller to
@@ -227,14 +235,14 @@ mod tests {
         let x = p.allocate(8 * MIB).unwrap();
         p.free(x.token, x.addr).unwrap();
         // Too small for it, or it is more than twice the request: not taken.
-        assert!(!p.reuse_stitched(9 * MIB, 18 * MIB).unwrap());
-        assert!(!p.reuse_stitched(2 * MIB, 4 * MIB).unwrap());
+        assert!(!p.reuse_stitched(9 * MIB).unwrap());
+        assert!(!p.reuse_stitched(2 * MIB).unwrap());
         // A home in use keeps it idle.
         let y = p.allocate(4 * MIB).unwrap();
         assert_eq!(y.addr, 4 * MIB);
-        assert!(!p.reuse_stitched(8 * MIB, 16 * MIB).unwrap());
+        assert!(!p.reuse_stitched(8 * MIB).unwrap());
         p.free(y.token, y.addr).unwrap();
-        assert!(p.reuse_stitched(7 * MIB, 14 * MIB).unwrap());
+        assert!(p.reuse_stitched(7 * MIB).unwrap());
         assert_eq!(p.chunk_at(STITCH), Some((8 * MIB, Class::Large, 8 * MIB)));
         assert!(!p.is_free(4 * MIB, 4 * MIB) && !p.is_free(12 * MIB, 4 * MIB), "homes left the pool");
         assert_eq!(p.allocate(7 * MIB).map(|g| g.addr), Some(STITCH));
@@ -249,7 +257,7 @@ mod tests {
         let x = p.allocate(8 * MIB).unwrap();
         p.free(x.token, x.addr).unwrap();
         assert!(p.take_idle_stitched() == vec![(STITCH, 8 * MIB)]);
-        assert!(p.take_stitches().is_empty() && !p.reuse_stitched(8 * MIB, 16 * MIB).unwrap());
+        assert!(p.take_stitches().is_empty() && !p.reuse_stitched(8 * MIB).unwrap());
     }
 
     #[test]
@@ -265,7 +273,7 @@ mod tests {
             p.free(x.token, x.addr).unwrap();
         }
         // The first is reused (the smallest address among equals), so the second is the oldest.
-        assert!(p.reuse_stitched(8 * MIB, 8 * MIB).unwrap());
+        assert!(p.reuse_stitched(8 * MIB).unwrap());
         let x = p.allocate(8 * MIB).unwrap();
         assert_eq!(x.addr, STITCH);
         p.free(x.token, x.addr).unwrap();
