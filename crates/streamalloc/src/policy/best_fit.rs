@@ -795,6 +795,13 @@ impl BestFitPolicy {
         if size == 0 || addr % ALIGNMENT as u64 != 0 || size % ALIGNMENT as u64 != 0 {
             return None;
         }
+        let (start, chunk, idx) = self.block_holding(addr)?;
+        let s = self.slot(idx);
+        (s.state == State::Free && s.addr + s.size >= end).then_some((start, chunk, idx))
+    }
+
+    /// The chunk (start and entry) and the slot of the block, free or not, that holds `addr`.
+    fn block_holding(&self, addr: u64) -> Option<(u64, Chunk, u32)> {
         let (&start, &chunk) = self.chunks.range(..=addr).next_back().filter(|(&a, c)| a + c.size > addr)?;
         let mut idx = chunk.first;
         loop {
@@ -803,7 +810,7 @@ impl BestFitPolicy {
                 return None;
             }
             if s.addr + s.size > addr {
-                return (s.state == State::Free && s.addr + s.size >= end).then_some((start, chunk, idx));
+                return Some((start, chunk, idx));
             }
             idx = s.next;
         }

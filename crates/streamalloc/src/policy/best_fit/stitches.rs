@@ -7,10 +7,10 @@
 //! mapping. The policy never holds a home range and its stitched chunk at once, so no memory
 //! is in two blocks.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::ops::RangeInclusive;
 
-use super::{BestFitPolicy, Class};
+use super::{BestFitPolicy, Class, State};
 use crate::error::Result;
 
 /// The stitched chunks of a policy, in use or idle.
@@ -18,8 +18,12 @@ use crate::error::Result;
 pub(super) struct Stitches {
     /// Every stitched chunk, by address.
     ranges: BTreeMap<u64, Stitch>,
-    /// The idle ones, as `(size, addr)`.
-    idle: BTreeSet<(u64, u64)>,
+    /// The idle ones, as `(size, addr)`, each with what kept it from being reused when it was
+    /// last looked at.
+    idle: BTreeMap<(u64, u64), Blocker>,
+    /// The homes of the stitched chunks in use (out of the pool while they are): start ->
+    /// (length, the chunk's address).
+    carved: BTreeMap<u64, (u64, u64)>,
     /// Counts additions and reuses, to tell the least recently used.
     tick: u64,
 }
@@ -36,9 +40,79 @@ struct Stitch {
     used: u64,
 }
 
+/// What kept an idle stitched chunk from being reused when it was last looked at. While it
+/// still holds, which one slot of the policy tells without a search, the chunk is passed over:
+/// a miss looks through many idle chunks, most of them with a home in use.
+#[derive(Debug, Clone, Copy, Default)]
+enum Blocker {
+    /// Nothing known: its homes are looked up.
+    #[default]
+    Unknown,
+    /// A home overlaps the block handed out in `slot`, at `addr`, of `size` bytes.
+    Block { slot: u32, addr: u64, size: u64 },
+    /// A home is memory of the stitched chunk at `addr`, in use, whose first block is in `slot`
+    /// (the slot is vacated when the chunk leaves the pool).
+    Stitch { slot: u32, addr: u64 },
+}
+
+impl Blocker {
+    /// Whether it still keeps the chunk's homes from being free in `p`.
+    fn holds(self, p: &BestFitPolicy) -> bool {
+        match self {
+            Blocker::Unknown => false,
+            Blocker::Block { slot, addr, size } => {
+                let s = p.slot(slot);
+                s.state == State::Allocated && s.addr == addr && s.size == size
+            }
+            Blocker::Stitch { slot, addr } => {
+                let s = p.slot(slot);
+                s.state != State::Vacant && s.addr == addr
+            }
+        }
+    }
+}
+
 impl Stitches {
     pub(super) fn is_empty(&self) -> bool {
         self.ranges.is_empty()
+    }
+
+    /// Forgets what kept idle chunks from reuse that names a stitched chunk: its address may
+    /// be given to another once it is forgotten.
+    fn forget_stitch_blockers(&mut self) {
+        for b in self.idle.values_mut() {
+            if matches!(b, Blocker::Stitch { .. }) {
+                *b = Blocker::Unknown;
+            }
+        }
+    }
+}
+
+impl Stitch {
+    /// Whether every home lies inside one free block of `p`; if not, what keeps the first
+    /// home that does not from it (`carved`: the homes of the stitched chunks in use).
+    fn free_homes(
+        &self,
+        p: &BestFitPolicy,
+        carved: &BTreeMap<u64, (u64, u64)>,
+    ) -> std::result::Result<(), Blocker> {
+        for &(_, a, l) in &self.homes {
+            let Some((_, _, idx)) = p.block_holding(a) else {
+                // Out of the pool: memory of a stitched chunk in use, or being stitched.
+                let by = carved.range(..=a).next_back().filter(|(&h, &(len, _))| h + len > a);
+                let first = by.and_then(|(_, &(_, at))| Some((p.chunks.get(&at)?.first, at)));
+                return Err(first.map_or(Blocker::Unknown, |(slot, addr)| Blocker::Stitch { slot, addr }));
+            };
+            let s = p.slot(idx);
+            if s.state == State::Free && s.addr + s.size >= a + l {
+                continue;
+            }
+            return Err(match s.state {
+                State::Allocated => Blocker::Block { slot: idx, addr: s.addr, size: s.size },
+                _ => Blocker::Unknown,
+            });
+        }
+        Ok(())
     }
 }
 
@@ -81,6 +155,7 @@ impl BestFitPolicy {
         self.add_segment(class, addr, size)?;
         let st = &mut self.stitches;
         st.tick += 1;
+        st.carved.extend(homes.iter().map(|&(_, a, l)| (a, (l, addr))));
         st.ranges.insert(addr, Stitch { size, class, homes, active: true, used: st.tick });
         Ok(())
     }
@@ -91,13 +166,17 @@ impl BestFitPolicy {
         let Some(s) = self.stitches.ranges.get(&addr).filter(|s| s.active) else { return Ok(()) };
         let (size, homes) = (s.size, s.homes.clone());
         self.carve(addr, size)?;
-        for (class, a, len) in homes {
+        for &(class, a, len) in &homes {
             self.add_joined(class, a, len)?;
         }
-        if let Some(s) = self.stitches.ranges.get_mut(&addr) {
+        let st = &mut self.stitches;
+        if let Some(s) = st.ranges.get_mut(&addr) {
             s.active = false;
         }
-        self.stitches.idle.insert((size, addr));
+        for (_, a, _) in &homes {
+            st.carved.remove(a);
+        }
+        st.idle.insert((size, addr), Blocker::Unknown);
         Ok(())
     }
 
@@ -105,15 +184,23 @@ impl BestFitPolicy {
     /// chunk that fits it (at most twice its size) whose homes are all free (they leave the
     /// pool). Whether there was one.
     pub fn reuse_stitched(&mut self, size: u64) -> Result<bool> {
-        let Stitches { ranges, idle, .. } = &self.stitches;
-        let found = idle
-            .range(fitting(size))
-            .find(|(_, addr)| {
-                let homes_free =
-                    |s: &Stitch| s.homes.iter().all(|&(_, a, l)| self.free_block_around(a, l).is_some());
-                ranges.get(addr).is_some_and(homes_free)
-            })
-            .copied();
+        // The stitches leave the policy while it is looked at, so that what kept each idle
+        // chunk from reuse can be noted.
+        let mut stitches = std::mem::take(&mut self.stitches);
+        let Stitches { ranges, idle, carved, .. } = &mut stitches;
+        let found = idle.range_mut(fitting(size)).find_map(|(&key, blocker)| {
+            if blocker.holds(self) {
+                return None;
+            }
+            match ranges.get(&key.1)?.free_homes(self, carved) {
+                Ok(()) => Some(key),
+                Err(b) => {
+                    *blocker = b;
+                    None
+                }
+            }
+        });
+        self.stitches = stitches;
         let Some((size, addr)) = found else { return Ok(false) };
         let Some(s) = self.stitches.ranges.get(&addr) else { return Ok(false) };
         let (class, homes) = (s.class, s.homes.clone());
@@ -123,6 +210,7 @@ impl BestFitPolicy {
         self.add_segment(class, addr, size)?;
         let st = &mut self.stitches;
         st.idle.remove(&(size, addr));
+        st.carved.extend(homes.iter().map(|&(_, a, l)| (a, (l, addr))));
         st.tick += 1;
         if let Some(s) = st.ranges.get_mut(&addr) {
             s.active = true;
@@ -142,7 +230,7 @@ impl BestFitPolicy {
     pub fn take_idle_stitched(&mut self) -> Vec<(u64, u64)> {
         let Stitches { ranges, idle, .. } = &mut self.stitches;
         let taken: Vec<(u64, u64)> =
-            std::mem::take(idle).into_iter().map(|(size, addr)| (addr, size)).collect();
+            std::mem::take(idle).into_keys().map(|(size, addr)| (addr, size)).collect();
         for (addr, _) in &taken {
             ranges.remove(addr);
         }
@@ -157,7 +245,7 @@ impl BestFitPolicy {
         let (lo, hi) = (*sizes.start(), *sizes.end());
         let mut by_age: Vec<(u64, u64, u64)> = idle
             .range((lo, 0)..=(hi, u64::MAX))
-            .filter_map(|&(size, addr)| ranges.get(&addr).map(|s| (s.used, addr, size)))
+            .filter_map(|(&(size, addr), _)| ranges.get(&addr).map(|s| (s.used, addr, size)))
             .collect();
         let Some(excess) = by_age.len().checked_sub(keep).filter(|&n| n > 0) else { return Vec::new() };
         by_age.sort_unstable();
@@ -167,6 +255,7 @@ impl BestFitPolicy {
             idle.remove(&(size, addr));
             ranges.remove(&addr);
         }
+        self.stitches.forget_stitch_blockers();
         stale
     }
 
@@ -175,7 +264,7 @@ impl BestFitPolicy {
     /// for the pool, to be unmapped when it is dropped.
     pub fn take_stitches(&mut self) -> Vec<(u64, u64)> {
         let Stitches { ranges, idle, .. } = std::mem::take(&mut self.stitches);
-        idle.into_iter()
+        idle.into_keys()
             .map(|(size, addr)| (addr, size))
             .chain(ranges.into_values().filter(|s| s.active).flat_map(|s| s.homes).map(|(_, a, l)| (a, l)))
             .collect()
@@ -247,6 +336,55 @@ mod tests {
         assert!(!p.is_free(4 * MIB, 4 * MIB) && !p.is_free(12 * MIB, 4 * MIB), "homes left the pool");
         assert_eq!(p.allocate(7 * MIB).map(|g| g.addr), Some(STITCH));
         assert_eq!(p.figures().reserved, 16 * MIB);
+    }
+
+    /// [`stitched`], its chunk used and freed (idle), then a second stitched chunk of 6 MiB at
+    /// `STITCH + 16 MiB` over the first home and half the second, used and freed (idle).
+    fn two_idle() -> (BestFitPolicy, [u64; 2]) {
+        let (mut p, tokens) = stitched();
+        let x = p.allocate(8 * MIB).unwrap();
+        p.free(x.token, x.addr).unwrap();
+        p.carve(4 * MIB, 4 * MIB).unwrap();
+        p.carve(12 * MIB, 2 * MIB).unwrap();
+        let homes = vec![(Class::Large, 4 * MIB, 4 * MIB), (Class::Large, 12 * MIB, 2 * MIB)];
+        p.add_stitched(Class::Large, STITCH + 16 * MIB, 6 * MIB, homes).unwrap();
+        let i = p.allocate(6 * MIB).unwrap();
+        assert_eq!(i.addr, STITCH + 16 * MIB);
+        p.free(i.token, i.addr).unwrap();
+        (p, tokens)
+    }
+
+    #[test]
+    fn an_idle_chunk_passed_over_for_homes_in_another_chunk_is_taken_once_that_one_is_idle() {
+        let (mut p, _) = two_idle();
+        assert!(p.reuse_stitched(8 * MIB).unwrap(), "the 8 MiB chunk takes the homes");
+        assert!(!p.reuse_stitched(6 * MIB).unwrap(), "its homes are the 8 MiB chunk's");
+        let x = p.allocate(8 * MIB).unwrap();
+        assert_eq!(x.addr, STITCH);
+        p.free(x.token, x.addr).unwrap();
+        assert!(p.reuse_stitched(6 * MIB).unwrap());
+        assert_eq!(p.allocate(6 * MIB).map(|g| g.addr), Some(STITCH + 16 * MIB));
+    }
+
+    #[test]
+    fn a_chunk_forgotten_keeps_no_idle_chunk_from_reuse_when_another_takes_its_address() {
+        let (mut p, [first, _]) = two_idle();
+        assert!(p.reuse_stitched(8 * MIB).unwrap());
+        assert!(!p.reuse_stitched(6 * MIB).unwrap(), "passed over for the 8 MiB chunk");
+        let x = p.allocate(8 * MIB).unwrap();
+        p.free(x.token, x.addr).unwrap();
+        let named = |p: &BestFitPolicy| {
+            p.stitches.idle.values().any(|b| matches!(b, Blocker::Stitch { addr: STITCH, .. }))
+        };
+        assert!(named(&p), "the 6 MiB chunk was passed over for the one at STITCH");
+        assert_eq!(p.take_stale_stitched(8 * MIB..=8 * MIB, 0), vec![(STITCH, 8 * MIB)]);
+        // A slot holding a block at STITCH would no longer say that chunk is in use.
+        assert!(!named(&p));
+        // A new stitched chunk at the forgotten one's address, over other memory.
+        p.free(first, 0).unwrap();
+        p.carve(0, 4 * MIB).unwrap();
+        p.add_stitched(Class::Large, STITCH, 4 * MIB, vec![(Class::Large, 0, 4 * MIB)]).unwrap();
+        assert!(p.reuse_stitched(6 * MIB).unwrap(), "its homes are free");
     }
 
     #[test]
