@@ -165,7 +165,7 @@ fn a_miss_grows_within_the_headroom_only_when_an_idle_range_is_kept_from_serving
         blocks[i] = None;
     }
     // A first miss of its size: the holes are stitched, though a growth of 4 MiB would stay
-    // within 1/128 of the pool's need.
+    // within 1/64 of the pool's need.
     let a = pool.allocate(4 * MIB).unwrap();
     assert_eq!((sim.aliases() - aliases, used(&sim)), (1, start), "the first miss did not stitch");
     // Once freed, the range is idle; a block takes one of its homes back.

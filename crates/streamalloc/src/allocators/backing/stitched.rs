@@ -26,7 +26,7 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Grant};
 ///   area, so small and large requests reuse each other's unmapped granules.
 /// * **Stitching.** When that growth would raise the memory mapped above its highest mark
 ///   so far (and, when idle ranges of the request's size exist but their homes are in use,
-///   above 1/128 over the most the pool's blocks have needed at once: a headroom that lets
+///   above 1/64 over the most the pool's blocks have needed at once: a headroom that lets
 ///   a repeated workload whose layout drifts settle), and mapping what the free home
 ///   granules (whole granules inside free blocks) lack for the request would raise it less,
 ///   they pay instead: as many as the request needs are taken out of the pool (those of the
@@ -113,7 +113,7 @@ const IDLE_KEPT: usize = 1024;
 /// 1/`HEADROOM` over the most the pool's blocks have needed at once: a little free room lets
 /// the layout of a repeated workload whose shapes change settle, instead of a stitch (20-40
 /// us per granule on an H200) at every step.
-const HEADROOM: u64 = 128;
+const HEADROOM: u64 = 64;
 
 /// Where to map a growth: `len` bytes at `at`, inside one unmapped run.
 #[derive(Debug, Clone, Copy)]
