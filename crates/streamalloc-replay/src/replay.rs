@@ -80,6 +80,9 @@ pub struct ReplayOptions<'a> {
     /// Called now and then (from the replaying threads) with the number of operations run
     /// since the last call; the whole replay runs `trace.len() * (passes + 1)` operations.
     pub progress: Option<&'a (dyn Fn(u64) + Sync)>,
+    /// Called after each pass, all its work done, with the pass's number (0: the measuring
+    /// pass), e.g. to read the device's counters pass by pass.
+    pub pass_done: Option<&'a (dyn Fn(usize) + Sync)>,
     /// Replay each recorded thread on a thread of its own (see [Threads](self#threads)).
     pub threads: bool,
     /// The most points of [`ReplayResult::series`] (at least 1).
@@ -88,7 +91,7 @@ pub struct ReplayOptions<'a> {
 
 impl Default for ReplayOptions<'_> {
     fn default() -> Self {
-        Self { passes: 3, progress: None, threads: false, series_points: 512 }
+        Self { passes: 3, progress: None, pass_done: None, threads: false, series_points: 512 }
     }
 }
 
@@ -532,6 +535,9 @@ pub fn replay(
             None => shared.pass(sample)?,
         };
         failures = failures.max(shared.failures.swap(0, Ordering::Relaxed));
+        if let Some(done) = options.pass_done {
+            done(pass);
+        }
         if sample {
             let after = target.stats();
             device_calls = (after.device_allocs + after.device_frees)
@@ -613,7 +619,7 @@ mod tests {
     }
 
     #[test]
-    fn progress_adds_up_and_zero_passes_is_refused() {
+    fn progress_and_pass_ends_add_up_and_zero_passes_is_refused() {
         let device = SimDevice::new(SimConfig::with_capacity(1 << 30));
         let plain = ReplayTarget::Single(Arc::new(Plain::new(device.clone(), Stream::DEFAULT)));
         let rows: String =
@@ -628,6 +634,11 @@ mod tests {
             replay(&t, "plain", &plain, device.as_ref(), &options).unwrap();
             assert_eq!(done.load(Ordering::Relaxed), 5000 * 3, "threads: {threads}");
         }
+        let seen = Mutex::new(Vec::new());
+        let note = |pass: usize| seen.lock().push(pass);
+        let options = ReplayOptions { passes: 2, pass_done: Some(&note), ..Default::default() };
+        replay(&t, "plain", &plain, device.as_ref(), &options).unwrap();
+        assert_eq!(*seen.lock(), [0, 1, 2], "each pass, in order, the measuring one first");
         let zero = ReplayOptions { passes: 0, ..Default::default() };
         assert!(matches!(
             replay(&t, "plain", &plain, device.as_ref(), &zero),

@@ -2,7 +2,6 @@
 //! on traces whose shapes vary, and a trace written by the facade's Trace layer replaying to
 //! identical statistics.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use streamalloc::allocators::{BackingKind, BestFitConfig, StreamSafe, StreamSafeConfig};
@@ -55,15 +54,9 @@ fn stitched_granules_per_pass(trace: &str, passes: usize) -> (Vec<u64>, f64) {
     let alloc =
         StreamSafe::new(sim.clone(), StreamSafeConfig { pool, ..Default::default() }).expect("allocator");
     let target = ReplayTarget::Streams(Arc::new(alloc));
-    let ops = trace.ops.len() as u64;
-    let (done, granules) = (AtomicU64::new(0), Mutex::new(vec![sim.mapped_granules()]));
-    let progress = |n: u64| {
-        let now = done.fetch_add(n, Ordering::Relaxed) + n;
-        if n > 0 && now % ops == 0 {
-            granules.lock().expect("not poisoned").push(sim.mapped_granules());
-        }
-    };
-    let options = ReplayOptions { passes, progress: Some(&progress), ..Default::default() };
+    let granules = Mutex::new(vec![sim.mapped_granules()]);
+    let pass_done = |_| granules.lock().expect("not poisoned").push(sim.mapped_granules());
+    let options = ReplayOptions { passes, pass_done: Some(&pass_done), ..Default::default() };
     let r = replay(&trace, "stitched", &target, sim.as_ref(), &options).expect("replay");
     assert_eq!(r.failures, 0, "{:?}", r.first_failure);
     let granules = granules.into_inner().expect("not poisoned");

@@ -9,7 +9,6 @@
 //!
 //! Run: `cargo run --release -p streamalloc-bench --bin footprint -- [--passes N] traces/*.csv`
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use streamalloc::allocators::{BackingKind, BestFitConfig, StreamSafe, StreamSafeConfig};
@@ -45,15 +44,11 @@ fn main() -> streamalloc::Result<()> {
             let alloc = StreamSafe::new(sim.clone(), StreamSafeConfig { pool, ..Default::default() })?;
             let target = ReplayTarget::Streams(Arc::new(alloc));
             // The simulator's mapping calls and granules at the end of each pass.
-            let (done, ops) = (AtomicU64::new(0), trace.ops.len() as u64);
             let per_pass = Mutex::new(vec![(sim.mapping_calls(), sim.mapped_granules())]);
-            let progress = |n: u64| {
-                let now = done.fetch_add(n, Ordering::Relaxed) + n;
-                if n > 0 && now % ops.max(1) == 0 {
-                    per_pass.lock().expect("not poisoned").push((sim.mapping_calls(), sim.mapped_granules()));
-                }
+            let pass_done = |_| {
+                per_pass.lock().expect("not poisoned").push((sim.mapping_calls(), sim.mapped_granules()));
             };
-            let options = ReplayOptions { passes, progress: Some(&progress), ..Default::default() };
+            let options = ReplayOptions { passes, pass_done: Some(&pass_done), ..Default::default() };
             let r = replay(&trace, name, &target, sim.as_ref(), &options)?;
             live = r.peak_live;
             let per_pass = per_pass.into_inner().expect("not poisoned");
