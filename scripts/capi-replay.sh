@@ -7,6 +7,9 @@
 #   PASSES  timed passes (default 10)
 #   LIB     a folder holding a libstreamalloc.so to use instead of building one (on a GPU
 #           machine: .anchors, which scripts/gpu-bench.sh fills; CONFS without device=sim)
+#   PROCS   processes per trace and configuration (default 1); with more, a line after them
+#           gives the least, the median and the most of their best passes (on the H200 host
+#           one process runs the same work at one of two speeds: bench/results/h200-2026-12-03/run22-23.md)
 # Usage: scripts/capi-replay.sh TRACE...   (default: every trace of traces/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +28,12 @@ for conf in ${CONFS:-device=sim,strategy=stream_safe device=sim,strategy=stream_
   # One process per trace: the library's stacks live as long as the process, and a trace
   # replayed after another would start from the pool that one left.
   for trace in "$@"; do
-    STREAMALLOC_CONF=$conf "$out/capi_replay" "${PASSES:-10}" "$trace"
+    for _ in $(seq "${PROCS:-1}"); do
+      STREAMALLOC_CONF=$conf "$out/capi_replay" "${PASSES:-10}" "$trace"
+    done | tee "$out/runs"
+    if [ "${PROCS:-1}" -gt 1 ]; then
+      awk '/ns\/op best/ { print $4 }' "$out/runs" | sort -g | awk -v t="$(basename "$trace")" \
+        '{ v[NR] = $1 } END { printf "%-28s best pass over %d processes: least %.1f, median %.1f, most %.1f ns/op\n", t, NR, v[1], (v[int((NR + 1) / 2)] + v[int(NR / 2) + 1]) / 2, v[NR] }'
+    fi
   done
 done

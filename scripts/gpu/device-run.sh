@@ -24,6 +24,7 @@
 #   capi     the C ABI's cost per operation without a harness around it: scripts/capi-replay.sh
 #            over every trace with .anchors/libstreamalloc.so (CAPI_CONFS, default stream_safe
 #            with and without expandable=true), best and mean of 3 passes, into $OUT/capi.txt
+#            (PROCS: processes per trace, summarised when more than one)
 #   torch    the Python front ends' GPU tests (python/tests/gpu: PyTorch's record_stream,
 #            CUDA graphs, MemPool, IPC, empty_cache, memory fraction and stats, CuPy on
 #            non-blocking streams; every strategy, each case in its own process) with pytest
