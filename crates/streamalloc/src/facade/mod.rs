@@ -149,7 +149,7 @@ impl Facade {
             while mask != 0 {
                 let i = mask.trailing_zeros() as usize;
                 mask &= mask - 1;
-                if let Some(stack) = self.stacks.get(i).and_then(OnceLock::get) {
+                if let Some(stack) = self.built(i) {
                     return Some(stack);
                 }
             }
