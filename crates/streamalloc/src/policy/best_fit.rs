@@ -58,6 +58,7 @@ use crate::error::{Error, Result};
 
 mod stitches;
 
+pub use stitches::Repair;
 use stitches::Stitches;
 
 /// Chunks for requests larger than [`Classes::growth`] are rounded up to this (2 MiB).
