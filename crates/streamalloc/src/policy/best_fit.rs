@@ -58,7 +58,6 @@ use crate::error::{Error, Result};
 
 mod stitches;
 
-pub use stitches::Repair;
 use stitches::Stitches;
 
 /// Chunks for requests larger than [`Classes::growth`] are rounded up to this (2 MiB).

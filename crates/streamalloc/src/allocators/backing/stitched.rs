@@ -4,7 +4,7 @@
 //! into a *stitched range* that serves the request, and stitched ranges are kept to serve
 //! later requests without a device call.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -12,7 +12,7 @@ use parking_lot::Mutex;
 use super::{Backing, Ledger, Want};
 use crate::device::{CaptureStatus, Device, Event, EventPool, Stream};
 use crate::error::{Error, OutOfMemory, Result};
-use crate::policy::best_fit::{BestFitPolicy, Class, Grant, Repair};
+use crate::policy::best_fit::{BestFitPolicy, Class, Grant};
 
 /// The stitched backing. One address reservation per pool, in two areas: the *home* area
 /// (twice the device's memory) where memory is mapped fresh, in granules
@@ -95,12 +95,6 @@ struct State {
     /// The most bytes the pool's blocks needed at once at a miss: those handed out and the
     /// request.
     peak_need: u64,
-    /// Events recorded on the pool's stream at misses, oldest first, each with the stitches'
-    /// tick ([`BestFitPolicy::stitch_tick`]) then: once one has completed, no work uses a
-    /// stitched range that was idle at its tick.
-    marks: VecDeque<(u64, Event)>,
-    /// The tick of the latest mark seen completed.
-    settled: u64,
 }
 
 /// Evicted stitched ranges and the event recorded on the pool's stream after their last
@@ -121,9 +115,6 @@ const IDLE_KEPT: usize = 1024;
 /// us per granule on an H200) at every step.
 const HEADROOM: u64 = 64;
 
-/// Marks recorded and not yet seen completed, at most.
-const MARKS: usize = 8;
-
 /// Where to map a growth: `len` bytes at `at`, inside one unmapped run.
 #[derive(Debug, Clone, Copy)]
 struct Placement {
@@ -137,8 +128,6 @@ enum Plan {
     Grow(Placement),
     /// Stitch the request's granules, after mapping `fresh` bytes at home at `Placement`.
     Stitch { fresh: Option<Placement> },
-    /// Map the busy granules of an idle stitched range over free ones and serve from it.
-    Repair(Repair),
 }
 
 impl Stitched {
@@ -204,97 +193,6 @@ impl Stitched {
             self.unmap_retired(st, false);
         }
         Ok(())
-    }
-
-    /// Notes the marks that have completed (`settled`) and records one for stitches' tick
-    /// `tick` if none holds it yet, unless the pool's stream captures a graph.
-    fn poll_marks(&self, st: &mut State, tick: Option<u64>) -> Result<()> {
-        if (st.marks.is_empty() && tick.is_none()) || self.device.capture_status(self.stream)? != CaptureStatus::None {
-            return Ok(());
-        }
-        while let Some(&(t, e)) = st.marks.front() {
-            if !self.device.query_event(e).unwrap_or(false) {
-                break;
-            }
-            st.marks.pop_front();
-            self.events.put(e);
-            st.settled = t;
-        }
-        let Some(tick) = tick.filter(|&t| t > st.settled && st.marks.back().is_none_or(|&(m, _)| m < t)) else {
-            return Ok(());
-        };
-        if st.marks.len() < MARKS {
-            if let Ok(e) = self.events.get() {
-                match self.device.record_event(e, self.stream) {
-                    Ok(()) => st.marks.push_back((tick, e)),
-                    Err(_) => self.events.put(e),
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Maps the busy granules of the idle stitched range of `r` (idle since a completed mark)
-    /// over free home granules and serves the request from it. `Ok(None)` when other threads
-    /// took the free granules meanwhile.
-    fn repair(&self, st: &mut State, ledger: &dyn Ledger, r: &Repair) -> Result<Option<Grant>> {
-        let (g, limit) = (st.granularity, st.stitch_area);
-        let want = r.busy.len() as u64 * g;
-        let mut fresh = Vec::new();
-        ledger.update(&mut |p| {
-            p.begin_repair(r, g)?;
-            fresh = carve_free_granules(p, g, want, limit);
-            Ok(())
-        })?;
-        let granules: Vec<(Class, u64)> =
-            fresh.iter().flat_map(|&(k, a, l)| (a..a + l).step_by(g as usize).map(move |x| (k, x))).collect();
-        let put_back = |fresh: &[(Class, u64, u64)]| {
-            let _ = ledger.update(&mut |p| fresh.iter().try_for_each(|&(k, a, l)| p.add_joined(k, a, l)));
-        };
-        if granules.len() < r.busy.len() {
-            put_back(&fresh);
-            ledger.update(&mut |p| p.abandon_repair(r, g))?;
-            return Ok(None);
-        }
-        // Runs of consecutive busy granules: unmapped, then mapped over the fresh ones.
-        let mut unmapped: Vec<(u64, u64)> = Vec::new();
-        let mut done = 0;
-        let mut result = Ok(());
-        while done < r.busy.len() && result.is_ok() {
-            let mut n = 1;
-            while r.busy.get(done + n).is_some_and(|&o| o == r.busy[done] + n as u64 * g) {
-                n += 1;
-            }
-            let at = r.addr + r.busy[done];
-            let from: Vec<(u64, usize)> = granules[done..done + n].iter().map(|&(_, a)| (a, g as usize)).collect();
-            result = self.device.unmap(at, n * g as usize).and_then(|()| {
-                unmapped.push((at, n as u64 * g));
-                self.device.map_alias(&from, at)
-            });
-            if result.is_ok() {
-                unmapped.pop();
-            }
-            done += n;
-        }
-        if let Err(e) = result {
-            put_back(&fresh);
-            let _ = ledger.update(&mut |p| p.abandon_repair(r, g));
-            // What is still mapped of the range: the pieces between its unmapped runs.
-            let mut mapped = Vec::new();
-            let mut at = r.addr;
-            for &(u, len) in &unmapped {
-                if u > at {
-                    mapped.push((at, u - at));
-                }
-                at = u + len;
-            }
-            if r.addr + r.size > at {
-                mapped.push((at, r.addr + r.size - at));
-            }
-            st.retired.push(Retired { event: None, ranges: mapped });
-            return Err(e);
-        }
-        ledger.update_and_serve(&mut |p| p.finish_repair(r, &granules, g))
     }
 
     /// Evicts the idle stitched ranges `take` takes out of the pool's books: they are
@@ -412,10 +310,8 @@ impl Backing for Stitched {
         self.poll_retired(&mut st)?;
         let g = st.granularity;
         let need = want.rounded.div_ceil(g) * g;
-        self.poll_marks(&mut st, None)?;
         let mut plan = None;
         let mut peak_need = st.peak_need;
-        let mut tick = 0;
         // The pool took no idle stitched range before asking (`BestFit`'s `allocate_harder`),
         // but other threads may have freed blocks since: a free block or an idle range whose
         // home granules are free now serves it, or a small request takes a free large
@@ -427,7 +323,6 @@ impl Backing for Stitched {
             if want.class == Class::Small && reclass_granule(p, g, st.stitch_area)? {
                 return Ok(());
             }
-            tick = p.stitch_tick();
             let placement = place(p, &st.holes, g, want.class, want.rounded);
             // Mapping fresh memory is allowed up to the high-water mark; when an idle range of
             // the request's size is kept from serving it by homes in use (the layout of a
@@ -441,17 +336,13 @@ impl Backing for Stitched {
             let raise = |len: u64| (st.mapped + len).saturating_sub(budget);
             let grow_raise = placement.map_or(u64::MAX, |pl| raise(pl.len));
             // Whole granules the free home blocks lack for the request.
-            let free_bytes = whole_granules(p, g, st.stitch_area).map(|(.., lo, hi)| hi - lo).sum::<u64>();
-            let free_granules = free_bytes / g;
-            let lacking = need.saturating_sub(free_bytes);
+            let lacking = need.saturating_sub(
+                whole_granules(p, g, st.stitch_area).map(|(.., lo, hi)| hi - lo).sum::<u64>(),
+            );
             plan = match placement {
                 Some(pl) if grow_raise == 0 => Some(Plan::Grow(pl)),
                 _ if raise(lacking) >= grow_raise => placement.map(Plan::Grow),
-                _ if lacking == 0 => Some(match p.repairable(want.rounded, g, st.settled) {
-                    // Enough free granules outside the range's own homes.
-                    Some(r) if free_granules >= r.size / g => Plan::Repair(r),
-                    _ => Plan::Stitch { fresh: None },
-                }),
+                _ if lacking == 0 => Some(Plan::Stitch { fresh: None }),
                 _ => match smallest_run(&st.holes, lacking) {
                     Some(at) => Some(Plan::Stitch { fresh: Some(Placement { at, len: lacking }) }),
                     None => placement.map(Plan::Grow),
@@ -464,9 +355,6 @@ impl Backing for Stitched {
         if served.is_some() {
             return Ok(served);
         }
-        if matches!(plan, Some(Plan::Stitch { .. } | Plan::Repair(_))) {
-            self.poll_marks(&mut st, Some(tick))?;
-        }
         match plan {
             Some(Plan::Grow(pl)) => self.grow_home(&mut st, ledger, want.class, pl, true),
             Some(Plan::Stitch { fresh }) => {
@@ -475,7 +363,6 @@ impl Backing for Stitched {
                 }
                 self.stitch(&mut st, ledger, want.class, need)
             }
-            Some(Plan::Repair(r)) => self.repair(&mut st, ledger, &r),
             None => Err(Error::oom(OutOfMemory {
                 device: self.device.ordinal(),
                 requested: want.rounded as usize,

@@ -11,7 +11,6 @@ use std::collections::BTreeMap;
 use std::ops::RangeInclusive;
 
 use super::{BestFitPolicy, Class, State};
-use crate::error::Error;
 use crate::error::Result;
 
 /// The stitched chunks of a policy, in use or idle.
@@ -39,22 +38,6 @@ struct Stitch {
     active: bool,
     /// The tick of its addition or last reuse.
     used: u64,
-    /// The tick at which it last became idle.
-    idled: u64,
-    /// Reuses since its addition or last repair.
-    reuses: u32,
-}
-
-/// An idle stitched chunk that can serve a request once its granules whose homes are not free
-/// map free memory instead ([`BestFitPolicy::repairable`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Repair {
-    /// The chunk's address.
-    pub addr: u64,
-    /// The chunk's size.
-    pub size: u64,
-    /// The offsets in the chunk of its granules whose homes are not free, ascending.
-    pub busy: Vec<u64>,
 }
 
 /// What kept an idle stitched chunk from being reused when it was last looked at. While it
@@ -173,7 +156,7 @@ impl BestFitPolicy {
         let st = &mut self.stitches;
         st.tick += 1;
         st.carved.extend(homes.iter().map(|&(_, a, l)| (a, (l, addr))));
-        st.ranges.insert(addr, Stitch { size, class, homes, active: true, used: st.tick, idled: 0, reuses: 0 });
+        st.ranges.insert(addr, Stitch { size, class, homes, active: true, used: st.tick });
         Ok(())
     }
 
@@ -187,10 +170,8 @@ impl BestFitPolicy {
             self.add_joined(class, a, len)?;
         }
         let st = &mut self.stitches;
-        st.tick += 1;
         if let Some(s) = st.ranges.get_mut(&addr) {
             s.active = false;
-            s.idled = st.tick;
         }
         for (_, a, _) in &homes {
             st.carved.remove(a);
@@ -234,125 +215,8 @@ impl BestFitPolicy {
         if let Some(s) = st.ranges.get_mut(&addr) {
             s.active = true;
             s.used = st.tick;
-            s.reuses += 1;
         }
         Ok(true)
-    }
-
-    /// The stitches' clock: it moves at each addition, reuse and chunk becoming idle.
-    pub fn stitch_tick(&self) -> u64 {
-        self.stitches.tick
-    }
-
-    /// Among the idle stitched chunks that fit a request of `size` bytes (as
-    /// [`BestFitPolicy::reuse_stitched`] sees them) and became idle at or before tick
-    /// `settled`, the one with the fewest granules of `g` bytes whose homes are not free, if
-    /// that is at most half of its granules and not none.
-    pub fn repairable(&self, size: u64, g: u64, settled: u64) -> Option<Repair> {
-        let mut best: Option<Repair> = None;
-        for &(size, addr) in self.stitches.idle.range(fitting(size)).map(|(k, _)| k) {
-            let Some(s) = self.stitches.ranges.get(&addr).filter(|s| s.idled <= settled && s.reuses == 0) else { continue };
-            let most = best.as_ref().map_or((size / g / 4) as usize, |b| b.busy.len().saturating_sub(1));
-            let mut busy = Vec::new();
-            let mut offset = 0;
-            for at in s.homes.iter().flat_map(|&(_, a, l)| (a..a + l).step_by(g as usize)) {
-                if self.free_block_around(at, g).is_none() {
-                    busy.push(offset);
-                    if busy.len() > most {
-                        break;
-                    }
-                }
-                offset += g;
-            }
-            if !busy.is_empty() && busy.len() <= most {
-                best = Some(Repair { addr, size, busy });
-            }
-        }
-        best
-    }
-
-    /// Starts the repair `r` (of [`BestFitPolicy::repairable`], granules of `g` bytes): the
-    /// chunk is no longer idle and its homes that are free leave the pool.
-    pub fn begin_repair(&mut self, r: &Repair, g: u64) -> Result<()> {
-        for (_, a, l) in self.kept_homes(r, g) {
-            // Each granule is free, but a run may span blocks of chunks that were not joined.
-            let mut at = a;
-            while at < a + l {
-                let end = self.block_holding(at).map_or(a + l, |(.., idx)| {
-                    let s = self.slot(idx);
-                    (s.addr + s.size).min(a + l)
-                });
-                self.carve(at, end - at)?;
-                at = end;
-            }
-        }
-        self.stitches.idle.remove(&(r.size, r.addr));
-        Ok(())
-    }
-
-    /// The homes of the chunk of `r` but its busy granules, as `(class, addr, len)`.
-    fn kept_homes(&self, r: &Repair, g: u64) -> Vec<(Class, u64, u64)> {
-        let Some(s) = self.stitches.ranges.get(&r.addr) else { return Vec::new() };
-        let mut runs: Vec<(Class, u64, u64)> = Vec::new();
-        let mut busy = r.busy.iter().peekable();
-        let mut offset = 0;
-        for (class, at) in s.homes.iter().flat_map(|&(k, a, l)| (a..a + l).step_by(g as usize).map(move |x| (k, x))) {
-            if busy.next_if_eq(&&offset).is_none() {
-                match runs.last_mut() {
-                    Some((k, a, l)) if *k == class && *a + *l == at => *l += g,
-                    _ => runs.push((class, at, g)),
-                }
-            }
-            offset += g;
-        }
-        runs
-    }
-
-    /// Ends the repair `r` begun with [`BestFitPolicy::begin_repair`]: its busy granules map
-    /// `fresh` now (one granule of `g` bytes each, in order, out of the pool), and the chunk
-    /// is taken back into the pool.
-    pub fn finish_repair(&mut self, r: &Repair, fresh: &[(Class, u64)], g: u64) -> Result<()> {
-        let Some(s) = self.stitches.ranges.get(&r.addr) else {
-            return Err(Error::Internal(format!("no stitched chunk at {:#x}", r.addr)));
-        };
-        let mut homes: Vec<(Class, u64, u64)> = Vec::new();
-        let mut replaced = r.busy.iter().zip(fresh).peekable();
-        let mut offset = 0;
-        for (class, at) in s.homes.iter().flat_map(|&(k, a, l)| (a..a + l).step_by(g as usize).map(move |x| (k, x))) {
-            let (class, at) = match replaced.next_if(|(&o, _)| o == offset) {
-                Some((_, &f)) => f,
-                None => (class, at),
-            };
-            match homes.last_mut() {
-                Some((k, a, l)) if *k == class && *a + *l == at => *l += g,
-                _ => homes.push((class, at, g)),
-            }
-            offset += g;
-        }
-        let class = s.class;
-        self.add_segment(class, r.addr, r.size)?;
-        let st = &mut self.stitches;
-        st.carved.extend(homes.iter().map(|&(_, a, l)| (a, (l, r.addr))));
-        st.tick += 1;
-        if let Some(s) = st.ranges.get_mut(&r.addr) {
-            s.homes = homes;
-            s.reuses = 0;
-            s.active = true;
-            s.used = st.tick;
-        }
-        Ok(())
-    }
-
-    /// Undoes [`BestFitPolicy::begin_repair`] of `r` when its chunk could not be mapped again:
-    /// its homes that were free come back, and the chunk is forgotten (the caller unmaps what
-    /// is left of it).
-    pub fn abandon_repair(&mut self, r: &Repair, g: u64) -> Result<()> {
-        for (class, a, l) in self.kept_homes(r, g) {
-            self.add_joined(class, a, l)?;
-        }
-        self.stitches.ranges.remove(&r.addr);
-        self.stitches.forget_stitch_blockers();
-        Ok(())
     }
 
     /// Whether an idle stitched chunk fits a request of `size` bytes, as
