@@ -18,7 +18,8 @@
 #            makes, in one process, passes alternating, 31 rounds per trace
 #            (scripts/gpu/async_same_run.cpp; ROUNDS, SUBJECTS and EXTRA override)
 #   speed    StreamSafe through the C ABI against the fast anchors (PyTorch native and
-#            expandable, RMM pool and binning), three rounds (scripts/gpu/speed_table.py);
+#            expandable, RMM pool and binning), SPEED_ROUNDS rounds (default 3; each replay
+#            its own process) into $OUT/speed_rounds.jsonl, tables (scripts/gpu/speed_table.py);
 #            SPEED_CONFS (space-separated STREAMALLOC_CONF strings) replaces strategy=stream_safe
 #            (WHEEL overrides the wheel the Python parts install, default dist/streamalloc-*x86_64.whl)
 #   capi     the C ABI's cost per operation without a harness around it: scripts/capi-replay.sh
@@ -104,7 +105,7 @@ for part in "$@"; do
             ${SUBJECTS:-async pool pool_ctx pool_ctx_query} "so:$PWD/.anchors/libstreamalloc.so" ${EXTRA:-} || exit 1
         done) > "$OUT/samerun.jsonl" && grep -E 'summary|probe' "$OUT/samerun.jsonl" ;;
     speed)
-      build_anchors && for round in 1 2 3; do echo "{\"round\":$round}"; for tr in .anchors/traces/*.csv; do
+      build_anchors && for round in $(seq "${SPEED_ROUNDS:-3}"); do echo "{\"round\":$round}"; for tr in .anchors/traces/*.csv; do
         /tmp/anchor-bin/replay_torch "$tr"
         PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True /tmp/anchor-bin/replay_torch "$tr"
         /tmp/anchor-bin/replay_rmm pool "$tr" && /tmp/anchor-bin/replay_rmm binning "$tr"

@@ -2,8 +2,10 @@
 prints, per round and trace, each of our configurations' warm ns/op through the C ABI over the
 fastest anchor of that round (the bar: at most 0.5); then each configuration's best round
 against the best round of the fastest anchor, which reads through the machine's noise (the
-same binary, run back to back on the H200 machine, ranges over 2x)."""
+same binary, run back to back on the H200 machine, ranges over 2x); then the same with the
+median of the rounds, and how many traces met the bar in each round."""
 import json
+import statistics
 import sys
 from collections import defaultdict
 
@@ -47,22 +49,39 @@ for n, traces in sorted(rounds.items()):
         name, best = anchor
         print(f"| {n} | {trace} | {name} | {best:.0f} | {cells(figures, best)} |")
 
-best = defaultdict(dict)
+per_trace = defaultdict(lambda: defaultdict(list))
 for traces in rounds.values():
     for trace, figures in traces.items():
         for name, ns in figures.items():
-            best[trace][name] = min(ns, best[trace].get(name, ns))
-print()
-print(f"| trace | fastest anchor, best round | ns/op | {header.replace('ns/op', 'best round')} |")
-print("|---|---|---|" + "---|" * len(ours))
-met = defaultdict(int)
-for trace, figures in sorted(best.items()):
-    if not (anchor := fastest_anchor(figures)):
-        continue
-    name, ns = anchor
+            per_trace[trace][name].append(ns)
+
+
+def summary(label, pick):
+    """The table of each allocator's rounds reduced by `pick` (min, median), and the count of
+    traces where each configuration of ours is at most half the fastest anchor so reduced."""
+    reduced = {t: {name: pick(v) for name, v in figures.items()} for t, figures in per_trace.items()}
+    print()
+    print(f"| trace | fastest anchor, {label} | ns/op | {header.replace('ns/op', label)} |")
+    print("|---|---|---|" + "---|" * len(ours))
+    met = defaultdict(int)
+    for trace, figures in sorted(reduced.items()):
+        if not (anchor := fastest_anchor(figures)):
+            continue
+        name, ns = anchor
+        for o in ours:
+            met[o] += o in figures and figures[o] <= ns / 2
+        print(f"| {trace} | {name} | {ns:.0f} | {cells(figures, ns)} |")
+    print()
     for o in ours:
-        met[o] += o in figures and figures[o] <= ns / 2
-    print(f"| {trace} | {name} | {ns:.0f} | {cells(figures, ns)} |")
+        print(f"{o}: at most half the fastest anchor ({label}s) on {met[o]} of {len(reduced)} traces")
+
+
+summary("best round", min)
+summary("median round", statistics.median)
 print()
 for o in ours:
-    print(f"{o}: at most half the fastest anchor (best rounds) on {met[o]} of {len(best)} traces")
+    counts = []
+    for n, traces in sorted(rounds.items()):
+        fast = {t: fastest_anchor(f) for t, f in traces.items()}
+        counts.append(sum(1 for t, f in traces.items() if o in f and fast[t] and f[o] <= fast[t][1] / 2))
+    print(f"{o}: traces at most half the fastest anchor, round by round: {counts}")
