@@ -1,6 +1,7 @@
 //! Footprint of StreamSafe over each backing on the simulator: replays every trace given
 //! (RMM logging CSV) and prints a markdown table of peak device memory used over peak live
-//! bytes, device calls of the measuring pass, the simulator's mapping calls (map, map_alias,
+//! bytes in the measuring pass and the pool's peak reserved bytes over them across all passes,
+//! device calls of the measuring pass, the simulator's mapping calls (map, map_alias,
 //! unmap) and the granules they mapped or unmapped, as `calls/granules`, in each of the first
 //! four passes over one allocator (the last three are the warm passes the anchors harness
 //! times; on an H200 each granule costs 20-40 microseconds) and, with `--passes N` (N > 3),
@@ -66,8 +67,9 @@ fn main() -> streamalloc::Result<()> {
             };
             let maps: Vec<String> = each.iter().take(4).map(|&x| show(x)).collect();
             cells.push(format!(
-                "{:.4} ({} calls, maps {}{later}, {:.0} ns{})",
+                "{:.4} (all passes {:.4}, {} calls, maps {}{later}, {:.0} ns{})",
                 r.footprint_ratio,
+                r.reserved_peak as f64 / r.peak_live.max(1) as f64,
                 r.device_calls,
                 maps.join(" "),
                 r.ns_per_op_warm,
