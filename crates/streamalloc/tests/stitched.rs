@@ -181,6 +181,29 @@ fn a_miss_grows_within_the_headroom_only_when_an_idle_range_is_kept_from_serving
 }
 
 #[test]
+fn a_stitch_takes_the_largest_free_blocks_which_best_fit_hands_out_last() {
+    let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+    let pool = BestFit::new(sim.clone(), stitched()).unwrap();
+    // Free blocks of 4, 8 and 8 MiB between blocks kept.
+    let mut blocks: Vec<Option<Allocation>> =
+        [4, 2, 8, 2, 8, 2].map(|n| Some(pool.allocate(n * MIB).unwrap())).into_iter().collect();
+    for i in [0, 2, 4] {
+        blocks[i] = None;
+    }
+    // 12 MiB fits none: stitched from the two 8 MiB blocks, not from the 4 MiB one and an 8.
+    let aliases = sim.aliases();
+    drop(pool.allocate(12 * MIB).unwrap());
+    assert_eq!(sim.aliases() - aliases, 1, "the miss did not stitch");
+    // A 4 MiB block takes the smallest free block that fits: none of the idle range's homes,
+    // which serves the same miss again without mapping.
+    let four = pool.allocate(4 * MIB).unwrap();
+    let calls = sim.mapping_calls();
+    let again = pool.allocate(12 * MIB).unwrap();
+    assert_eq!(sim.mapping_calls(), calls, "the idle range's homes were handed out");
+    drop((four, again, blocks));
+}
+
+#[test]
 fn a_small_request_takes_a_free_large_granule_without_mapping() {
     let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
     let pool = BestFit::new(sim.clone(), stitched()).unwrap();

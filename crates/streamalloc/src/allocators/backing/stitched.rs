@@ -30,8 +30,9 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Grant};
 ///   a repeated workload whose layout drifts settle), and mapping what the free home
 ///   granules (whole granules inside free blocks) lack for the request would raise it less,
 ///   they pay instead: as many as the request needs are taken out of the pool (those of the
-///   smallest free blocks first; fresh ones are mapped at home first for what they lack)
-///   and their memory is mapped again, side by side, in the stitch area. The
+///   largest free blocks first, which best fit hands out last, so that the range's homes are
+///   still free when it is next wanted; fresh ones are mapped at home first for what they
+///   lack) and their memory is mapped again, side by side, in the stitch area. The
 ///   stitched range is a chunk of its own that serves the request. Free memory is thus
 ///   defragmented without moving live data and without waiting for the device (below).
 /// * **Reuse.** When the last block of a stitched range is freed, its granules go back to
@@ -511,11 +512,15 @@ fn place(
 }
 
 /// Takes up to `bytes` of whole free granules of home blocks (below `limit`) out of `p`,
-/// those of the smallest free blocks first, each block's from its end; the ranges taken.
+/// those of the largest free blocks first, each block's from its start; the ranges taken.
+/// Best fit hands the largest free blocks out last, so once the stitched range is idle its
+/// homes are the free memory most likely to be free at its next use: taken from the smallest
+/// blocks, they went to the next small requests and a repeated workload stitched again
+/// (bench/results/2026-12-03-stitch-homes-sim.md).
 fn carve_free_granules(p: &mut BestFitPolicy, g: u64, bytes: u64, limit: u64) -> Vec<(Class, u64, u64)> {
     let mut candidates: Vec<(u64, u64, Class)> =
         whole_granules(p, g, limit).map(|(class, _, lo, hi)| (hi - lo, lo, class)).collect();
-    candidates.sort_unstable_by_key(|&(len, lo, _)| (len, lo));
+    candidates.sort_unstable_by_key(|&(len, lo, _)| (std::cmp::Reverse(len), lo));
     let mut carved = Vec::new();
     let mut left = bytes;
     for (len, lo, class) in candidates {
@@ -523,7 +528,7 @@ fn carve_free_granules(p: &mut BestFitPolicy, g: u64, bytes: u64, limit: u64) ->
             break;
         }
         let take = if left >= len { len } else { left.div_ceil(g) * g };
-        let at = lo + len - take;
+        let at = lo;
         if p.carve(at, take).is_ok() {
             carved.push((class, at, take));
             left = left.saturating_sub(take);
