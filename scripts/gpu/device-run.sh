@@ -39,8 +39,8 @@
 #   snapshot a small real PyTorch memory snapshot (scripts/gpu/record_snapshot.py), the input
 #            of `streamalloc import`, into $OUT/snapshot.pickle
 #   record   RMM-format traces of four PyTorch workloads with varying shapes
-#            (scripts/gpu/record_workloads.py), packed into $OUT/recorded.tar.gz, the table
-#            into $OUT/record.md
+#            (scripts/gpu/record_workloads.py, shapes from RECORD_SEED, default 0: those of
+#            traces/recorded/), packed into $OUT/recorded.tar.gz, the table into $OUT/record.md
 # Results go to $OUT (or /tmp/streamalloc-gpu). Exits non-zero if any part failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -144,7 +144,8 @@ for part in "$@"; do
     graphmem) install_wheel && PYTHONPATH=/tmp/sa-site python3 scripts/gpu/graph_memory.py | tee "$OUT/graph_memory.md" ;;
     record)
       install_wheel && rm -rf /tmp/traces &&
-        PYTHONPATH=/tmp/sa-site python3 scripts/gpu/record_workloads.py --out /tmp/traces | tee "$OUT/record.md" &&
+        PYTHONPATH=/tmp/sa-site python3 scripts/gpu/record_workloads.py --out /tmp/traces \
+          --seed "${RECORD_SEED:-0}" | tee "$OUT/record.md" &&
         tar czf "$OUT/recorded.tar.gz" -C /tmp traces ;;
     snapshot) python3 scripts/gpu/record_snapshot.py "$OUT/snapshot.pickle" --steps 4 --max-entries 20000 &&
       ls -l "$OUT/snapshot.pickle" ;;

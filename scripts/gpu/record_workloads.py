@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Records allocation traces (RMM's logging CSV) of PyTorch workloads whose shapes vary.
 
-    python3 scripts/gpu/record_workloads.py --out DIR [--rows 36000] [WORKLOAD...]
-    python3 scripts/gpu/record_workloads.py --one WORKLOAD --trace PATH [--rows 36000]
+    python3 scripts/gpu/record_workloads.py --out DIR [--rows 36000] [--seed 0] [WORKLOAD...]
+    python3 scripts/gpu/record_workloads.py --one WORKLOAD --trace PATH [--rows 36000] [--seed 0]
 
 The first form records every workload (or those named), each in its own process, into
 DIR/WORKLOAD.csv, then prints one JSON line per trace and a markdown table (rows, peak live
-bytes, file size). `bash scripts/gpu/device-run.sh record` runs it on the GPU machine and
+bytes, file size). `--seed` draws other weights and shapes (the traces of traces/recorded/
+are seed 0; other seeds give workloads of the same kinds to check a change against). `bash scripts/gpu/device-run.sh record` runs it on the GPU machine and
 packs DIR into $OUT/recorded.tar.gz.
 
 How the traces were recorded (for traces/README.md):
@@ -160,21 +161,22 @@ def bert_infer(torch, rng, more):
 WORKLOADS = {f.__name__: f for f in (llm_decode, cnn_multiscale, moe_train, bert_infer)}
 
 
-def record_one(name, trace, rows):
-    """Runs workload `name` in this process with streamalloc tracing into `trace`."""
+def record_one(name, trace, rows, seed):
+    """Runs workload `name` in this process with streamalloc tracing into `trace`, weights and
+    shapes drawn from `seed`."""
     import streamalloc
     import streamalloc.torch
 
     streamalloc.torch.enable(f"strategy=stream_safe,trace={trace}")
     import torch
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
 
     def more():
         s = streamalloc.stats(0)
         return s["total_allocations"] + s["total_frees"] + s["failures"] < rows
 
-    steps = WORKLOADS[name](torch, random.Random(0), more)
+    steps = WORKLOADS[name](torch, random.Random(seed), more)
     torch.cuda.synchronize()
     print(json.dumps({"workload": name, "steps": steps}), flush=True)
 
@@ -198,13 +200,14 @@ def trace_figures(path):
     return rows, peak
 
 
-def drive(names, out, rows):
+def drive(names, out, rows, seed):
     """Records each workload in its own process; prints JSON lines and a table; the exit status."""
     os.makedirs(out, exist_ok=True)
     table, failed = [], 0
     for name in names:
         trace = os.path.join(os.path.abspath(out), f"{name}.csv")
-        cmd = [sys.executable, __file__, "--one", name, "--trace", trace, "--rows", str(rows)]
+        cmd = [sys.executable, __file__, "--one", name, "--trace", trace, "--rows", str(rows),
+               "--seed", str(seed)]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             error = None if done.returncode == 0 else (done.stderr.strip().splitlines() or ["?"])[-1]
@@ -235,6 +238,7 @@ def main():
     parser.add_argument("--one", metavar="WORKLOAD", help="record one workload in this process")
     parser.add_argument("--trace", help="with --one: the trace file")
     parser.add_argument("--rows", type=int, default=36000, help="rows after which a workload stops")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the shapes")
     args = parser.parse_args()
     unknown = [w for w in [*args.workloads, *([args.one] if args.one else [])] if w not in WORKLOADS]
     if unknown:
@@ -242,9 +246,9 @@ def main():
     if args.one:
         if not args.trace:
             parser.error("--one needs --trace")
-        record_one(args.one, args.trace, args.rows)
+        record_one(args.one, args.trace, args.rows, args.seed)
     elif args.out:
-        sys.exit(drive(args.workloads or list(WORKLOADS), args.out, args.rows))
+        sys.exit(drive(args.workloads or list(WORKLOADS), args.out, args.rows, args.seed))
     else:
         parser.error("give --out DIR (or --one WORKLOAD --trace PATH)")
 
