@@ -1,0 +1,70 @@
+"""The goal of issue 17 from one GPU session's JSON lines: footprint from an anchors run
+(`device-run.sh anchors`, the first pass), speed from the speed rounds (`device-run.sh
+speed`, SPEED_CONFS with both configurations below), each configuration's best and median
+round against the fastest reference's best and median round.
+
+    python3 scripts/gpu/goal_table.py ANCHORS.jsonl SPEED_ROUNDS.jsonl
+
+Goal per trace: the stitched configuration's footprint at or below min(1.05, the most compact
+reference), and its ns per operation at most half the fastest reference's."""
+import json
+import statistics
+import sys
+from collections import defaultdict
+
+STITCHED = "streamalloc:strategy=stream_safe,expandable=true"
+CHUNKS = "streamalloc:strategy=stream_safe"
+
+
+def main(anchors, rounds):
+    footprint = defaultdict(dict)
+    with open(anchors) as f:
+        for line in f:
+            r = json.loads(line)
+            if "footprint_ratio" in r and r.get("threads", 1) == 1:
+                footprint[r["trace"].removesuffix(".csv")][r["allocator"]] = r["footprint_ratio"]
+    speed = defaultdict(lambda: defaultdict(list))
+    with open(rounds) as f:
+        for line in f:
+            r = json.loads(line)
+            if "ns_per_op_warm" in r:
+                speed[r["trace"].removesuffix(".csv")][r["allocator"]].append(r["ns_per_op_warm"])
+    print("| trace | best reference footprint | stitched | footprint goal | fastest reference, "
+          "best / median round (ns/op) | stitched best / median | ratio best / median | "
+          "chunks best / median | ratio best / median |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    met = defaultdict(int)
+    for trace in sorted(footprint):
+        if STITCHED not in footprint[trace] or not speed[trace].get(STITCHED):
+            continue
+        refs = {k: v for k, v in footprint[trace].items() if not k.startswith("streamalloc")}
+        name, best = min(refs.items(), key=lambda kv: kv[1])
+        ours = footprint[trace][STITCHED]
+        goal = ours <= min(1.05, best)
+        met["footprint"] += goal
+        anchors_ns = [v for k, v in speed[trace].items() if not k.startswith("streamalloc")]
+        fast_best = min(min(v) for v in anchors_ns)
+        fast_median = min(statistics.median(v) for v in anchors_ns)
+        row = [trace, f"{best:.4f} ({name})", f"{ours:.4f}", "yes" if goal else "no",
+               f"{fast_best:.0f} / {fast_median:.0f}"]
+        for conf, key in ((STITCHED, "stitched"), (CHUNKS, "chunks")):
+            ns = speed[trace].get(conf) or [float("nan")]
+            b, m = min(ns), statistics.median(ns)
+            met[key + " best"] += b <= fast_best / 2
+            met[key + " median"] += m <= fast_median / 2
+            if key == "stitched":
+                met["both best"] += goal and b <= fast_best / 2
+                met["both median"] += goal and m <= fast_median / 2
+            row += [f"{b:.0f} / {m:.0f}", f"{b / fast_best:.2f} / {m / fast_median:.2f}"]
+        print("| " + " | ".join(row) + " |")
+    n = len(footprint)
+    print(f"\nfootprint goal {met['footprint']}/{n}; speed bar, best rounds: stitched "
+          f"{met['stitched best']}/{n}, chunks {met['chunks best']}/{n}; median rounds: stitched "
+          f"{met['stitched median']}/{n}, chunks {met['chunks median']}/{n}; stitched meets both: "
+          f"best rounds {met['both best']}/{n}, median rounds {met['both median']}/{n}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit(__doc__)
+    main(sys.argv[1], sys.argv[2])
