@@ -80,9 +80,7 @@ def streamalloc_allocator(torch, conf):
 def sleep_cycles(torch, seconds):
     """The torch.cuda._sleep argument that keeps a stream busy for about `seconds`: from the
     shortest of three timed probes: other processes' kernels sharing the GPU (the cases run in
-    parallel) stretch a probe, and a sleep computed from a stretched one ends early (under
-    `-n 12`, case_graph_other_stream once found its replay stream idle at the first of its
-    three replays, and busy at all three when run alone)."""
+    parallel) stretch a probe, and a sleep computed from a stretched one ends early."""
     probe = 20_000_000
     torch.cuda._sleep(probe)  # loads the kernel
     times = []
@@ -219,7 +217,9 @@ def case_graphs_shared_pool(report, conf):
 def case_graph_other_stream(report, conf):
     torch = setup(conf)
     n, chunks, chunk, reps = 4096, 8, 128 * MIB, 3
-    cycles = sleep_cycles(torch, 0.3)
+    # Long enough for the first replay's eager tensors, which map fresh memory (under
+    # expandable=true, 512 granules; 0.3 s ran out with the other cases on the GPU, run 28).
+    cycles = sleep_cycles(torch, 1.0)
     s, r = torch.cuda.Stream(), torch.cuda.Stream()
     with torch.cuda.stream(s):
         static_in = pattern(torch, n, 0).cuda()
