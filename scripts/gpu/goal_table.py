@@ -34,9 +34,11 @@ def main(anchors, rounds):
           "chunks best / median | ratio best / median |")
     print("|---|---|---|---|---|---|---|---|---|")
     met = defaultdict(int)
+    n = 0
     for trace in sorted(footprint):
         if STITCHED not in footprint[trace] or not speed[trace].get(STITCHED):
             continue
+        n += 1
         refs = {k: v for k, v in footprint[trace].items() if not k.startswith("streamalloc")}
         name, best = min(refs.items(), key=lambda kv: kv[1])
         ours = footprint[trace][STITCHED]
@@ -57,7 +59,6 @@ def main(anchors, rounds):
                 met["both median"] += goal and m <= fast_median / 2
             row += [f"{b:.0f} / {m:.0f}", f"{b / fast_best:.2f} / {m / fast_median:.2f}"]
         print("| " + " | ".join(row) + " |")
-    n = len(footprint)
     print(f"\nfootprint goal {met['footprint']}/{n}; speed bar, best rounds: stitched "
           f"{met['stitched best']}/{n}, chunks {met['chunks best']}/{n}; median rounds: stitched "
           f"{met['stitched median']}/{n}, chunks {met['chunks median']}/{n}; stitched meets both: "

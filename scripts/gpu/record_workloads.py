@@ -7,8 +7,9 @@
 The first form records every workload (or those named), each in its own process, into
 DIR/WORKLOAD.csv, then prints one JSON line per trace and a markdown table (rows, peak live
 bytes, file size). `--seed` draws other weights and shapes (the traces of traces/recorded/
-are seed 0; other seeds give workloads of the same kinds to check a change against). `bash scripts/gpu/device-run.sh record` runs it on the GPU machine and
-packs DIR into $OUT/recorded.tar.gz.
+are seed 0; other seeds give workloads of the same kinds to check a change against: those
+of bench/check-traces/ are seed 1). `bash scripts/gpu/device-run.sh record` runs it on the
+GPU machine and packs DIR into $OUT/recorded.tar.gz.
 
 How the traces were recorded (for traces/README.md):
 

@@ -514,9 +514,9 @@ fn place(
 /// Takes up to `bytes` of whole free granules of home blocks (below `limit`) out of `p`,
 /// those of the largest free blocks first, each block's from its start; the ranges taken.
 /// Best fit hands the largest free blocks out last, so once the stitched range is idle its
-/// homes are the free memory most likely to be free at its next use: taken from the smallest
-/// blocks, they went to the next small requests and a repeated workload stitched again
-/// (bench/results/2026-12-03-stitch-homes-sim.md).
+/// homes are the free memory least likely to be handed out before its next use: taken from
+/// the smallest blocks, they went to the next small requests and a repeated workload
+/// stitched again (bench/results/2026-12-03-stitch-homes-sim.md).
 fn carve_free_granules(p: &mut BestFitPolicy, g: u64, bytes: u64, limit: u64) -> Vec<(Class, u64, u64)> {
     let mut candidates: Vec<(u64, u64, Class)> =
         whole_granules(p, g, limit).map(|(class, _, lo, hi)| (hi - lo, lo, class)).collect();
