@@ -528,9 +528,8 @@ fn carve_free_granules(p: &mut BestFitPolicy, g: u64, bytes: u64, limit: u64) ->
             break;
         }
         let take = if left >= len { len } else { left.div_ceil(g) * g };
-        let at = lo;
-        if p.carve(at, take).is_ok() {
-            carved.push((class, at, take));
+        if p.carve(lo, take).is_ok() {
+            carved.push((class, lo, take));
             left = left.saturating_sub(take);
         }
     }
