@@ -12,6 +12,8 @@ import statistics
 import sys
 from collections import defaultdict
 
+from speed_table import fastest_anchor, per_trace, read_rounds
+
 STITCHED = "streamalloc:strategy=stream_safe,expandable=true"
 CHUNKS = "streamalloc:strategy=stream_safe"
 
@@ -23,12 +25,8 @@ def main(anchors, rounds):
             r = json.loads(line)
             if "footprint_ratio" in r and r.get("threads", 1) == 1:
                 footprint[r["trace"].removesuffix(".csv")][r["allocator"]] = r["footprint_ratio"]
-    speed = defaultdict(lambda: defaultdict(list))
     with open(rounds) as f:
-        for line in f:
-            r = json.loads(line)
-            if "ns_per_op_warm" in r:
-                speed[r["trace"].removesuffix(".csv")][r["allocator"]].append(r["ns_per_op_warm"])
+        speed = per_trace(read_rounds(f))
     print("| trace | best reference footprint | stitched | footprint goal | fastest reference, "
           "best / median round (ns/op) | stitched best / median | ratio best / median | "
           "chunks best / median | ratio best / median |")
@@ -44,9 +42,8 @@ def main(anchors, rounds):
         ours = footprint[trace][STITCHED]
         goal = ours <= min(1.05, best)
         met["footprint"] += goal
-        anchors_ns = [v for k, v in speed[trace].items() if not k.startswith("streamalloc")]
-        fast_best = min(min(v) for v in anchors_ns)
-        fast_median = min(statistics.median(v) for v in anchors_ns)
+        _, fast_best = fastest_anchor({k: min(v) for k, v in speed[trace].items()})
+        _, fast_median = fastest_anchor({k: statistics.median(v) for k, v in speed[trace].items()})
         row = [trace, f"{best:.4f} ({name})", f"{ours:.4f}", "yes" if goal else "no",
                f"{fast_best:.0f} / {fast_median:.0f}"]
         for conf, key in ((STITCHED, "stitched"), (CHUNKS, "chunks")):
