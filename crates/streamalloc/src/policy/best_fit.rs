@@ -524,19 +524,26 @@ impl BestFitPolicy {
         }
     }
 
-    fn insert_chunk(&mut self, class: Class, addr: u64, size: u64, segment: bool) -> Result<()> {
+    /// The chunk below the end of a new chunk `[addr, addr + size)` (which ends at or before
+    /// `addr`), if any. Fails if the new chunk is empty, not aligned to [`ALIGNMENT`] or
+    /// overlaps a chunk already held.
+    fn chunk_below_new(&self, addr: u64, size: u64) -> Result<Option<(u64, Chunk)>> {
         let align = ALIGNMENT as u64;
-        let end = addr.checked_add(size);
-        if size == 0 || addr % align != 0 || size % align != 0 || end.is_none() {
+        let end = addr.checked_add(size).filter(|_| size > 0 && addr % align == 0 && size % align == 0);
+        let Some(end) = end else {
             return Err(Error::Internal(format!(
                 "chunk {addr:#x}+{size} is empty, unaligned or wraps around"
             )));
-        }
-        let end = end.unwrap_or(u64::MAX);
-        let below = self.chunks.range(..end).next_back();
-        if below.is_some_and(|(&a, c)| a + c.size > addr) {
+        };
+        let below = self.chunks.range(..end).next_back().map(|(&a, &c)| (a, c));
+        if below.is_some_and(|(a, c)| a + c.size > addr) {
             return Err(Error::Internal(format!("chunk {addr:#x}+{size} overlaps a chunk already held")));
         }
+        Ok(below)
+    }
+
+    fn insert_chunk(&mut self, class: Class, addr: u64, size: u64, segment: bool) -> Result<()> {
+        self.chunk_below_new(addr, size)?;
         let slot = self
             .new_slot(Slot { addr, size, prev: NIL, next: NIL, state: State::Free, class })
             .ok_or_else(|| Error::InvalidArgument("too many blocks (2^32 - 1)".into()))?;
@@ -921,7 +928,7 @@ mod tests {
 
     impl BestFitPolicy {
         /// Checks every invariant; panics with a description on the first broken one.
-        fn check(&self) {
+        pub(super) fn check(&self) {
             let (mut reserved, mut allocated, mut cached, mut free_blocks) = (0, 0, 0, 0);
             let mut last_end = 0;
             for (&addr, chunk) in &self.chunks {

@@ -7,23 +7,22 @@
 //! mapping. The policy never holds a home range and its stitched chunk at once, so no memory
 //! is in two blocks.
 
-use std::collections::BTreeMap;
 use std::ops::RangeInclusive;
 
-use super::{BestFitPolicy, Class, State};
-use crate::error::Result;
+use super::{BestFitPolicy, Chunk, Class, Slot, State, NIL};
+use crate::error::{Error, Result};
 
 /// The stitched chunks of a policy, in use or idle.
 #[derive(Debug, Default)]
 pub(super) struct Stitches {
     /// Every stitched chunk, by address.
-    ranges: BTreeMap<u64, Stitch>,
+    ranges: Sorted<u64, Stitch>,
     /// The idle ones, as `(size, addr)`, each with what kept it from being reused when it was
     /// last looked at.
-    idle: BTreeMap<(u64, u64), Blocker>,
+    idle: Sorted<(u64, u64), Blocker>,
     /// The homes of the stitched chunks in use (out of the pool while they are): start ->
     /// (length, the chunk's address).
-    carved: BTreeMap<u64, (u64, u64)>,
+    carved: Sorted<u64, (u64, u64)>,
     /// Counts additions and reuses, to tell the least recently used.
     tick: u64,
 }
@@ -38,6 +37,70 @@ struct Stitch {
     active: bool,
     /// The tick of its addition or last reuse.
     used: u64,
+}
+
+/// Entries sorted by key, for the idle chunks (at most about a thousand) and the homes of
+/// the chunks in use (a few): a binary search and a short move of contiguous entries, where a
+/// `BTreeMap` walks and allocates nodes (as the free lists in `best_fit.rs`; a round trip of
+/// an idle chunk through the pool makes six such changes).
+#[derive(Debug)]
+struct Sorted<K, V>(Vec<(K, V)>);
+
+impl<K, V> Default for Sorted<K, V> {
+    fn default() -> Self {
+        Self(Vec::new())
+    }
+}
+
+impl<K: Ord + Copy, V> Sorted<K, V> {
+    fn insert(&mut self, key: K, value: V) {
+        match self.0.binary_search_by(|e| e.0.cmp(&key)) {
+            Ok(i) => {
+                if let Some(e) = self.0.get_mut(i) {
+                    e.1 = value;
+                }
+            }
+            Err(i) => self.0.insert(i, (key, value)),
+        }
+    }
+
+    fn get(&self, key: &K) -> Option<&V> {
+        let i = self.0.binary_search_by(|e| e.0.cmp(key)).ok()?;
+        self.0.get(i).map(|e| &e.1)
+    }
+
+    fn get_mut(&mut self, key: &K) -> Option<&mut V> {
+        let i = self.0.binary_search_by(|e| e.0.cmp(key)).ok()?;
+        self.0.get_mut(i).map(|e| &mut e.1)
+    }
+
+    fn remove(&mut self, key: &K) -> Option<V> {
+        let i = self.0.binary_search_by(|e| e.0.cmp(key)).ok()?;
+        Some(self.0.remove(i).1)
+    }
+
+    /// Where the entries whose keys lie in `keys` are.
+    fn bounds(&self, keys: &RangeInclusive<K>) -> std::ops::Range<usize> {
+        let lo = self.0.partition_point(|e| e.0 < *keys.start());
+        lo..self.0.partition_point(|e| e.0 <= *keys.end()).max(lo)
+    }
+
+    /// The entries whose keys lie in `keys`.
+    fn range(&self, keys: RangeInclusive<K>) -> &[(K, V)] {
+        self.0.get(self.bounds(&keys)).unwrap_or_default()
+    }
+
+    /// The entries whose keys lie in `keys`, to change their values.
+    fn range_mut(&mut self, keys: RangeInclusive<K>) -> &mut [(K, V)] {
+        let at = self.bounds(&keys);
+        self.0.get_mut(at).unwrap_or_default()
+    }
+
+    /// The entry with the greatest key at or below `key`.
+    fn at_or_below(&self, key: K) -> Option<&(K, V)> {
+        let i = self.0.partition_point(|e| e.0 <= key);
+        self.0.get(i.checked_sub(1)?)
+    }
 }
 
 /// What kept an idle stitched chunk from being reused when it was last looked at. While it
@@ -74,13 +137,13 @@ impl Blocker {
 
 impl Stitches {
     pub(super) fn is_empty(&self) -> bool {
-        self.ranges.is_empty()
+        self.ranges.0.is_empty()
     }
 
     /// Forgets what kept idle chunks from reuse that names a stitched chunk: its address may
     /// be given to another once it is forgotten.
     fn forget_stitch_blockers(&mut self) {
-        for b in self.idle.values_mut() {
+        for (_, b) in &mut self.idle.0 {
             if matches!(b, Blocker::Stitch { .. }) {
                 *b = Blocker::Unknown;
             }
@@ -94,13 +157,13 @@ impl Stitch {
     fn free_homes(
         &self,
         p: &BestFitPolicy,
-        carved: &BTreeMap<u64, (u64, u64)>,
+        carved: &Sorted<u64, (u64, u64)>,
     ) -> std::result::Result<(), Blocker> {
         for &(_, a, l) in &self.homes {
             let Some((_, _, idx)) = p.block_holding(a) else {
                 // Out of the pool: memory of a stitched chunk in use, or being stitched.
-                let by = carved.range(..=a).next_back().filter(|(&h, &(len, _))| h + len > a);
-                let first = by.and_then(|(_, &(_, at))| Some((p.chunks.get(&at)?.first, at)));
+                let by = carved.at_or_below(a).filter(|&&(h, (len, _))| h + len > a);
+                let first = by.and_then(|&(_, (_, at))| Some((p.chunks.get(&at)?.first, at)));
                 return Err(first.map_or(Blocker::Unknown, |(slot, addr)| Blocker::Stitch { slot, addr }));
             };
             let s = p.slot(idx);
@@ -123,22 +186,72 @@ fn fitting(size: u64) -> RangeInclusive<(u64, u64)> {
 }
 
 impl BestFitPolicy {
-    /// Adds `[addr, addr + size)` as a segment of `class` and joins it with the chunks of
-    /// `class` that end at `addr` or start at its end (a virtual-memory backing mapped them
-    /// back to back).
+    /// Adds `[addr, addr + size)` as a segment of `class` joined with the chunks of `class`
+    /// that end at `addr` or start at its end (a virtual-memory backing mapped them back to
+    /// back): the chunks and blocks of [`BestFitPolicy::add_segment`] followed by
+    /// [`BestFitPolicy::join`] on each side, made in place (the new bytes grow the free block
+    /// they meet), without adding a chunk only to join it. Fails, changing nothing, as
+    /// [`BestFitPolicy::add_segment`] does.
     pub fn add_joined(&mut self, class: Class, addr: u64, size: u64) -> Result<()> {
-        self.add_segment(class, addr, size)?;
-        let mut start = addr;
-        if let Some((s, k, _)) = self.chunk_ending_at(addr) {
-            if k == class && self.join(s).is_ok() {
-                start = s;
+        let below = self.chunk_below_new(addr, size)?;
+        let end = addr + size;
+        // The chunk that ends at `addr` and its last block, and the chunk that starts at `end`,
+        // each when its block at `[addr, end)`'s side is of `class`.
+        let left = below
+            .filter(|&(a, c)| a + c.size == addr)
+            .map(|(a, c)| (a, self.last_block(c.first)))
+            .filter(|&(_, last)| self.slot(last).class == class);
+        let right = self.chunks.get(&end).copied().filter(|c| self.slot(c.first).class == class);
+        // The free block that holds the new bytes: the left chunk's last block grown, or a new one.
+        let (keep, mut block) = match left.map(|(_, last)| (last, self.slot(last))) {
+            Some((last, tail)) if tail.state == State::Free => {
+                self.free_list(class).remove(tail.size, tail.addr);
+                (last, Slot { size: tail.size + size, ..tail })
+            }
+            tail => {
+                let prev = tail.map_or(NIL, |(last, _)| last);
+                let b = Slot { addr, size, prev, next: NIL, state: State::Free, class };
+                let idx = self
+                    .new_slot(b)
+                    .ok_or_else(|| Error::InvalidArgument("too many blocks (2^32 - 1)".into()))?;
+                if let Some(t) = self.slot_mut(prev) {
+                    t.next = idx;
+                }
+                (idx, b)
+            }
+        };
+        if let Some(r) = right {
+            let head = self.slot(r.first);
+            if head.state == State::Free {
+                self.free_list(class).remove(head.size, head.addr);
+                block.size += head.size;
+                block.next = head.next;
+                self.vacate(r.first);
+            } else {
+                block.next = r.first;
+            }
+            if let Some(n) = self.slot_mut(block.next) {
+                n.prev = keep;
+            }
+            self.chunks.remove(&end);
+        }
+        if let Some(s) = self.slot_mut(keep) {
+            *s = block;
+        }
+        self.free_list(class).insert(block.size, block.addr, keep);
+        let joined = size + right.map_or(0, |r| r.size);
+        match left {
+            Some((start, _)) => {
+                if let Some(c) = self.chunks.get_mut(&start) {
+                    c.size += joined;
+                }
+            }
+            None => {
+                self.chunks.insert(addr, Chunk { size: joined, first: keep, segment: true });
             }
         }
-        if let Some((len, _, _)) = self.chunk_at(start) {
-            if self.chunk_at(start + len).is_some_and(|(_, k, _)| k == class) {
-                let _ = self.join(start);
-            }
-        }
+        self.reserved += size;
+        self.cached += size;
         Ok(())
     }
 
@@ -155,7 +268,9 @@ impl BestFitPolicy {
         self.add_segment(class, addr, size)?;
         let st = &mut self.stitches;
         st.tick += 1;
-        st.carved.extend(homes.iter().map(|&(_, a, l)| (a, (l, addr))));
+        for &(_, a, l) in &homes {
+            st.carved.insert(a, (l, addr));
+        }
         st.ranges.insert(addr, Stitch { size, class, homes, active: true, used: st.tick });
         Ok(())
     }
@@ -163,21 +278,24 @@ impl BestFitPolicy {
     /// When the wholly free chunk at `addr` is a stitched one: its homes come back and it
     /// becomes idle.
     pub(super) fn settle_stitched(&mut self, addr: u64) -> Result<()> {
-        let Some(s) = self.stitches.ranges.get(&addr).filter(|s| s.active) else { return Ok(()) };
-        let (size, homes) = (s.size, s.homes.clone());
-        self.carve(addr, size)?;
-        for &(class, a, len) in &homes {
-            self.add_joined(class, a, len)?;
-        }
+        let Some(s) = self.stitches.ranges.get_mut(&addr).filter(|s| s.active) else { return Ok(()) };
+        // The homes leave the chunk's entry while they go back, and return to it after.
+        let (size, homes) = (s.size, std::mem::take(&mut s.homes));
+        let settled = self
+            .carve(addr, size)
+            .and_then(|()| homes.iter().try_for_each(|&(class, a, len)| self.add_joined(class, a, len)));
         let st = &mut self.stitches;
+        if settled.is_ok() {
+            for (_, a, _) in &homes {
+                st.carved.remove(a);
+            }
+            st.idle.insert((size, addr), Blocker::Unknown);
+        }
         if let Some(s) = st.ranges.get_mut(&addr) {
-            s.active = false;
+            s.active = settled.is_err();
+            s.homes = homes;
         }
-        for (_, a, _) in &homes {
-            st.carved.remove(a);
-        }
-        st.idle.insert((size, addr), Blocker::Unknown);
-        Ok(())
+        settled
     }
 
     /// Takes back into the pool, for a request of `size` bytes, the smallest idle stitched
@@ -188,7 +306,7 @@ impl BestFitPolicy {
         // chunk from reuse can be noted.
         let mut stitches = std::mem::take(&mut self.stitches);
         let Stitches { ranges, idle, carved, .. } = &mut stitches;
-        let found = idle.range_mut(fitting(size)).find_map(|(&key, blocker)| {
+        let found = idle.range_mut(fitting(size)).iter_mut().find_map(|&mut (key, ref mut blocker)| {
             if blocker.holds(self) {
                 return None;
             }
@@ -202,27 +320,35 @@ impl BestFitPolicy {
         });
         self.stitches = stitches;
         let Some((size, addr)) = found else { return Ok(false) };
-        let Some(s) = self.stitches.ranges.get(&addr) else { return Ok(false) };
-        let (class, homes) = (s.class, s.homes.clone());
-        for &(_, a, len) in &homes {
-            self.carve(a, len)?;
-        }
-        self.add_segment(class, addr, size)?;
+        let Some(s) = self.stitches.ranges.get_mut(&addr) else { return Ok(false) };
+        // As in `settle_stitched`, the homes leave the chunk's entry while they are taken.
+        let (class, homes) = (s.class, std::mem::take(&mut s.homes));
+        let taken = homes
+            .iter()
+            .try_for_each(|&(_, a, len)| self.carve(a, len))
+            .and_then(|()| self.add_segment(class, addr, size));
         let st = &mut self.stitches;
-        st.idle.remove(&(size, addr));
-        st.carved.extend(homes.iter().map(|&(_, a, l)| (a, (l, addr))));
-        st.tick += 1;
-        if let Some(s) = st.ranges.get_mut(&addr) {
-            s.active = true;
-            s.used = st.tick;
+        if taken.is_ok() {
+            st.idle.remove(&(size, addr));
+            for &(_, a, l) in &homes {
+                st.carved.insert(a, (l, addr));
+            }
+            st.tick += 1;
         }
-        Ok(true)
+        if let Some(s) = st.ranges.get_mut(&addr) {
+            if taken.is_ok() {
+                s.active = true;
+                s.used = st.tick;
+            }
+            s.homes = homes;
+        }
+        taken.map(|()| true)
     }
 
     /// Whether an idle stitched chunk fits a request of `size` bytes, as
     /// [`BestFitPolicy::reuse_stitched`] sees it, whether or not its homes are free.
     pub fn has_idle_stitched(&self, size: u64) -> bool {
-        self.stitches.idle.range(fitting(size)).next().is_some()
+        !self.stitches.idle.range(fitting(size)).is_empty()
     }
 
     /// Forgets every idle stitched chunk and returns them as `(addr, size)`, for the caller to
@@ -230,10 +356,8 @@ impl BestFitPolicy {
     pub fn take_idle_stitched(&mut self) -> Vec<(u64, u64)> {
         let Stitches { ranges, idle, .. } = &mut self.stitches;
         let taken: Vec<(u64, u64)> =
-            std::mem::take(idle).into_keys().map(|(size, addr)| (addr, size)).collect();
-        for (addr, _) in &taken {
-            ranges.remove(addr);
-        }
+            std::mem::take(&mut idle.0).into_iter().map(|((size, addr), _)| (addr, size)).collect();
+        ranges.0.retain(|(_, s)| s.active);
         taken
     }
 
@@ -245,7 +369,8 @@ impl BestFitPolicy {
         let (lo, hi) = (*sizes.start(), *sizes.end());
         let mut by_age: Vec<(u64, u64, u64)> = idle
             .range((lo, 0)..=(hi, u64::MAX))
-            .filter_map(|(&(size, addr), _)| ranges.get(&addr).map(|s| (s.used, addr, size)))
+            .iter()
+            .filter_map(|&((size, addr), _)| ranges.get(&addr).map(|s| (s.used, addr, size)))
             .collect();
         let Some(excess) = by_age.len().checked_sub(keep).filter(|&n| n > 0) else { return Vec::new() };
         by_age.sort_unstable();
@@ -264,9 +389,18 @@ impl BestFitPolicy {
     /// for the pool, to be unmapped when it is dropped.
     pub fn take_stitches(&mut self) -> Vec<(u64, u64)> {
         let Stitches { ranges, idle, .. } = std::mem::take(&mut self.stitches);
-        idle.into_keys()
-            .map(|(size, addr)| (addr, size))
-            .chain(ranges.into_values().filter(|s| s.active).flat_map(|s| s.homes).map(|(_, a, l)| (a, l)))
+        idle.0
+            .into_iter()
+            .map(|((size, addr), _)| (addr, size))
+            .chain(
+                ranges
+                    .0
+                    .into_iter()
+                    .map(|(_, s)| s)
+                    .filter(|s| s.active)
+                    .flat_map(|s| s.homes)
+                    .map(|(_, a, l)| (a, l)),
+            )
             .collect()
     }
 }
@@ -274,8 +408,9 @@ impl BestFitPolicy {
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
 mod tests {
-    use super::super::Classes;
+    use super::super::{Classes, Figures};
     use super::*;
+    use proptest::prelude::*;
 
     const MIB: u64 = 1 << 20;
 
@@ -283,6 +418,87 @@ mod tests {
         /// Whether `[addr, addr + size)` lies inside one free block.
         fn is_free(&self, addr: u64, size: u64) -> bool {
             self.free_blocks().any(|(_, a, s)| a <= addr && addr + size <= a + s)
+        }
+    }
+
+    /// What [`BestFitPolicy::add_joined`] makes, the long way: a segment added, then joined
+    /// with the chunk of `class` that ends at `addr` and with the one that starts at its end.
+    fn add_then_join(p: &mut BestFitPolicy, class: Class, addr: u64, size: u64) -> Result<()> {
+        p.add_segment(class, addr, size)?;
+        let mut start = addr;
+        if let Some((s, k, _)) = p.chunk_ending_at(addr) {
+            if k == class && p.join(s).is_ok() {
+                start = s;
+            }
+        }
+        if let Some((len, _, _)) = p.chunk_at(start) {
+            if p.chunk_at(start + len).is_some_and(|(_, k, _)| k == class) {
+                let _ = p.join(start);
+            }
+        }
+        Ok(())
+    }
+
+    /// Chunks, free blocks and figures, to compare two policies.
+    type Books = (Vec<(u64, u64)>, Vec<(Class, u64, u64)>, Figures);
+
+    fn books(p: &BestFitPolicy) -> Books {
+        let mut free: Vec<_> = p.free_blocks().collect();
+        free.sort_by_key(|&(_, a, _)| a);
+        (p.chunks().collect(), free, p.figures())
+    }
+
+    proptest! {
+        /// Ranges carved out of a segment (free blocks, or parts of them) come back through
+        /// `add_joined`, in any order and of either class, and the policy holds the same chunks
+        /// and blocks as after an added segment and two joins.
+        #[test]
+        fn add_joined_makes_what_a_segment_and_two_joins_make(
+            blocks in proptest::collection::vec((1u64..=4, any::<bool>()), 2..24),
+            carved in proptest::collection::vec((any::<bool>(), 0u64..4, any::<bool>()), 24),
+            order in Just(()).prop_perturb(|(), mut rng| rng.random::<u64>()),
+        ) {
+            // Blocks of 1-4 units, all of the large class.
+            const UNIT: u64 = 2 * MIB;
+            let mut policies = [0, 1].map(|_| BestFitPolicy::new(Classes::default()));
+            let mut back = Vec::new();
+            for p in &mut policies {
+                let total = blocks.iter().map(|&(n, _)| n * UNIT).sum();
+                p.add_segment(Class::Large, 0, total).unwrap();
+                let grants: Vec<_> = blocks.iter().map(|&(n, _)| p.allocate(n * UNIT).unwrap()).collect();
+                back.clear();
+                for (g, (&(n, freed), &(take, skip, small))) in grants.iter().zip(blocks.iter().zip(&carved)) {
+                    if freed {
+                        p.free(g.token, g.addr).unwrap();
+                    }
+                    // A part of a freed block: from `skip` units into it, the rest of it.
+                    if freed && take && skip < n {
+                        let (addr, size) = (g.addr + skip * UNIT, (n - skip) * UNIT);
+                        p.carve(addr, size).unwrap();
+                        back.push((if small { Class::Small } else { Class::Large }, addr, size));
+                    }
+                }
+                p.check();
+            }
+            // The same shuffled order for both.
+            let mut state = order | 1;
+            for i in (1..back.len()).rev() {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                back.swap(i, (state % (i as u64 + 1)) as usize);
+            }
+            let [joined, reference] = &mut policies;
+            for &(class, addr, size) in &back {
+                joined.add_joined(class, addr, size).unwrap();
+                add_then_join(reference, class, addr, size).unwrap();
+                joined.check();
+                prop_assert_eq!(books(joined), books(reference));
+                // Memory already held is refused, and nothing changes.
+                let before = books(joined);
+                prop_assert!(joined.add_joined(class, addr, size).is_err());
+                prop_assert_eq!(books(joined), before);
+            }
         }
     }
 
@@ -374,7 +590,7 @@ mod tests {
         let x = p.allocate(8 * MIB).unwrap();
         p.free(x.token, x.addr).unwrap();
         let named = |p: &BestFitPolicy| {
-            p.stitches.idle.values().any(|b| matches!(b, Blocker::Stitch { addr: STITCH, .. }))
+            p.stitches.idle.0.iter().any(|(_, b)| matches!(b, Blocker::Stitch { addr: STITCH, .. }))
         };
         assert!(named(&p), "the 6 MiB chunk was passed over for the one at STITCH");
         assert_eq!(p.take_stale_stitched(8 * MIB..=8 * MIB, 0), vec![(STITCH, 8 * MIB)]);
