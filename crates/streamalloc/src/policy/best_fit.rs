@@ -51,13 +51,13 @@
 //! stops once the bins reach their largest size.
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-use std::collections::BTreeMap;
-
 use crate::allocation::ALIGNMENT;
 use crate::error::{Error, Result};
 
+mod sorted;
 mod stitches;
 
+use sorted::Sorted;
 use stitches::Stitches;
 
 /// Chunks for requests larger than [`Classes::growth`] are rounded up to this (2 MiB).
@@ -382,7 +382,7 @@ pub struct BestFitPolicy {
     slots: Vec<Slot>,
     vacant: Vec<u32>,
     free: [FreeList; 2],
-    chunks: BTreeMap<u64, Chunk>,
+    chunks: Sorted<u64, Chunk>,
     reserved: u64,
     allocated: u64,
     cached: u64,
@@ -398,7 +398,7 @@ impl BestFitPolicy {
             slots: Vec::new(),
             vacant: Vec::new(),
             free: [FreeList::default(), FreeList::default()],
-            chunks: BTreeMap::new(),
+            chunks: Sorted::default(),
             reserved: 0,
             allocated: 0,
             cached: 0,
@@ -471,7 +471,7 @@ impl BestFitPolicy {
         };
         let end = addr + chunk.size;
         let new_end = end.checked_add(added);
-        let overlaps = new_end.is_some_and(|e| self.chunks.range(end..e).next().is_some());
+        let overlaps = new_end.is_some_and(|e| self.chunks.from(end).is_some_and(|&(a, _)| a < e));
         if added == 0 || added % ALIGNMENT as u64 != 0 || new_end.is_none() || overlaps {
             return Err(Error::Internal(format!(
                 "segment {addr:#x} cannot grow by {added} bytes at {end:#x}"
@@ -535,7 +535,7 @@ impl BestFitPolicy {
                 "chunk {addr:#x}+{size} is empty, unaligned or wraps around"
             )));
         };
-        let below = self.chunks.range(..end).next_back().map(|(&a, &c)| (a, c));
+        let below = self.chunks.before(end).copied();
         if below.is_some_and(|(a, c)| a + c.size > addr) {
             return Err(Error::Internal(format!("chunk {addr:#x}+{size} overlaps a chunk already held")));
         }
@@ -665,7 +665,7 @@ impl BestFitPolicy {
     pub fn release_free_chunks(&mut self) -> Vec<(u64, u64)> {
         let mut released = Vec::new();
         let Self { slots, vacant, free, chunks, reserved, cached, .. } = self;
-        chunks.retain(|&addr, chunk| {
+        chunks.0.retain(|&(addr, ref chunk)| {
             let Some(first) = slots.get_mut(chunk.first as usize) else {
                 return true;
             };
@@ -716,7 +716,7 @@ impl BestFitPolicy {
 
     /// The chunk that ends at `end`, if any: its start, class and the free bytes at its end.
     pub fn chunk_ending_at(&self, end: u64) -> Option<(u64, Class, u64)> {
-        let (&addr, chunk) = self.chunks.range(..end).next_back().filter(|(&a, c)| a + c.size == end)?;
+        let &(addr, chunk) = self.chunks.before(end).filter(|(a, c)| a + c.size == end)?;
         let tail = self.slot(self.last_block(chunk.first));
         Some((addr, tail.class, if tail.state == State::Free { tail.size } else { 0 }))
     }
@@ -809,7 +809,7 @@ impl BestFitPolicy {
 
     /// The chunk (start and entry) and the slot of the block, free or not, that holds `addr`.
     fn block_holding(&self, addr: u64) -> Option<(u64, Chunk, u32)> {
-        let (&start, &chunk) = self.chunks.range(..=addr).next_back().filter(|(&a, c)| a + c.size > addr)?;
+        let &(start, chunk) = self.chunks.at_or_below(addr).filter(|(a, c)| a + c.size > addr)?;
         let mut idx = chunk.first;
         loop {
             let s = self.slot(idx);
@@ -866,7 +866,7 @@ impl BestFitPolicy {
 
     /// Every chunk held, as `(addr, size)`, whether free or not.
     pub fn chunks(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
-        self.chunks.iter().map(|(&a, c)| (a, c.size))
+        self.chunks.0.iter().map(|&(a, c)| (a, c.size))
     }
 
     /// What the policy holds now. O(1).
@@ -876,7 +876,7 @@ impl BestFitPolicy {
             allocated: self.allocated,
             cached: self.cached,
             largest_free: self.free.iter().map(FreeList::largest).max().unwrap_or(0),
-            chunks: self.chunks.len(),
+            chunks: self.chunks.0.len(),
         }
     }
 
@@ -931,7 +931,7 @@ mod tests {
         pub(super) fn check(&self) {
             let (mut reserved, mut allocated, mut cached, mut free_blocks) = (0, 0, 0, 0);
             let mut last_end = 0;
-            for (&addr, chunk) in &self.chunks {
+            for &(addr, chunk) in &self.chunks.0 {
                 assert!(addr >= last_end, "chunks overlap at {addr:#x}");
                 last_end = addr + chunk.size;
                 reserved += chunk.size;

@@ -9,6 +9,7 @@
 
 use std::ops::RangeInclusive;
 
+use super::sorted::Sorted;
 use super::{BestFitPolicy, Chunk, Class, Slot, State, NIL};
 use crate::error::{Error, Result};
 
@@ -37,70 +38,6 @@ struct Stitch {
     active: bool,
     /// The tick of its addition or last reuse.
     used: u64,
-}
-
-/// Entries sorted by key, for the idle chunks (at most about a thousand) and the homes of
-/// the chunks in use (a few): a binary search and a short move of contiguous entries, where a
-/// `BTreeMap` walks and allocates nodes (as the free lists in `best_fit.rs`; a round trip of
-/// an idle chunk through the pool makes six such changes).
-#[derive(Debug)]
-struct Sorted<K, V>(Vec<(K, V)>);
-
-impl<K, V> Default for Sorted<K, V> {
-    fn default() -> Self {
-        Self(Vec::new())
-    }
-}
-
-impl<K: Ord + Copy, V> Sorted<K, V> {
-    fn insert(&mut self, key: K, value: V) {
-        match self.0.binary_search_by(|e| e.0.cmp(&key)) {
-            Ok(i) => {
-                if let Some(e) = self.0.get_mut(i) {
-                    e.1 = value;
-                }
-            }
-            Err(i) => self.0.insert(i, (key, value)),
-        }
-    }
-
-    fn get(&self, key: &K) -> Option<&V> {
-        let i = self.0.binary_search_by(|e| e.0.cmp(key)).ok()?;
-        self.0.get(i).map(|e| &e.1)
-    }
-
-    fn get_mut(&mut self, key: &K) -> Option<&mut V> {
-        let i = self.0.binary_search_by(|e| e.0.cmp(key)).ok()?;
-        self.0.get_mut(i).map(|e| &mut e.1)
-    }
-
-    fn remove(&mut self, key: &K) -> Option<V> {
-        let i = self.0.binary_search_by(|e| e.0.cmp(key)).ok()?;
-        Some(self.0.remove(i).1)
-    }
-
-    /// Where the entries whose keys lie in `keys` are.
-    fn bounds(&self, keys: &RangeInclusive<K>) -> std::ops::Range<usize> {
-        let lo = self.0.partition_point(|e| e.0 < *keys.start());
-        lo..self.0.partition_point(|e| e.0 <= *keys.end()).max(lo)
-    }
-
-    /// The entries whose keys lie in `keys`.
-    fn range(&self, keys: RangeInclusive<K>) -> &[(K, V)] {
-        self.0.get(self.bounds(&keys)).unwrap_or_default()
-    }
-
-    /// The entries whose keys lie in `keys`, to change their values.
-    fn range_mut(&mut self, keys: RangeInclusive<K>) -> &mut [(K, V)] {
-        let at = self.bounds(&keys);
-        self.0.get_mut(at).unwrap_or_default()
-    }
-
-    /// The entry with the greatest key at or below `key`.
-    fn at_or_below(&self, key: K) -> Option<&(K, V)> {
-        let i = self.0.partition_point(|e| e.0 <= key);
-        self.0.get(i.checked_sub(1)?)
-    }
 }
 
 /// What kept an idle stitched chunk from being reused when it was last looked at. While it
