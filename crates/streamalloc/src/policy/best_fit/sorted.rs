@@ -4,9 +4,9 @@
 //! changes). A binary search and a short move of contiguous entries cost less there than a
 //! `BTreeMap`'s node walks and allocations (as for the free lists' bins in `best_fit.rs`).
 //! llm_decode_kvcache, whose misses take idle stitched chunks back about 1200 times a pass:
-//! 709 -> 608 instructions per operation (bench/results/2026-12-03-round-trip-sim.md).
+//! 709 -> 602 instructions per operation (bench/results/2026-12-03-round-trip-sim.md).
 
-use std::ops::{Range, RangeInclusive};
+use std::ops::RangeInclusive;
 
 /// Entries `(key, value)` in a vector sorted by key, no two with the same key.
 #[derive(Debug)]
@@ -31,39 +31,33 @@ impl<K: Ord + Copy, V> Sorted<K, V> {
         }
     }
 
+    /// Where the entry at `key` is in the vector: valid until an entry is inserted or removed.
+    pub(super) fn position(&self, key: &K) -> Option<usize> {
+        self.0.binary_search_by(|e| e.0.cmp(key)).ok()
+    }
+
     /// The value at `key`.
     pub(super) fn get(&self, key: &K) -> Option<&V> {
-        let i = self.0.binary_search_by(|e| e.0.cmp(key)).ok()?;
-        self.0.get(i).map(|e| &e.1)
+        self.0.get(self.position(key)?).map(|e| &e.1)
     }
 
     /// The value at `key`, to change it.
     pub(super) fn get_mut(&mut self, key: &K) -> Option<&mut V> {
-        let i = self.0.binary_search_by(|e| e.0.cmp(key)).ok()?;
+        let i = self.position(key)?;
         self.0.get_mut(i).map(|e| &mut e.1)
     }
 
     /// Removes the entry at `key`; its value.
     pub(super) fn remove(&mut self, key: &K) -> Option<V> {
-        let i = self.0.binary_search_by(|e| e.0.cmp(key)).ok()?;
+        let i = self.position(key)?;
         Some(self.0.remove(i).1)
-    }
-
-    /// Where the entries whose keys lie in `keys` are.
-    fn bounds(&self, keys: &RangeInclusive<K>) -> Range<usize> {
-        let lo = self.0.partition_point(|e| e.0 < *keys.start());
-        lo..self.0.partition_point(|e| e.0 <= *keys.end()).max(lo)
     }
 
     /// The entries whose keys lie in `keys`.
     pub(super) fn range(&self, keys: RangeInclusive<K>) -> &[(K, V)] {
-        self.0.get(self.bounds(&keys)).unwrap_or_default()
-    }
-
-    /// The entries whose keys lie in `keys`, to change their values.
-    pub(super) fn range_mut(&mut self, keys: RangeInclusive<K>) -> &mut [(K, V)] {
-        let at = self.bounds(&keys);
-        self.0.get_mut(at).unwrap_or_default()
+        let lo = self.0.partition_point(|e| e.0 < *keys.start());
+        let hi = self.0.partition_point(|e| e.0 <= *keys.end()).max(lo);
+        self.0.get(lo..hi).unwrap_or_default()
     }
 
     /// The entry with the greatest key below `key`.
@@ -109,7 +103,8 @@ mod tests {
         let (hi, lo) = (30, 20);
         assert!(m.range(31..=40).is_empty() && m.range(hi..=lo).is_empty());
         *m.get_mut(&30).unwrap() += 1;
-        m.range_mut(10..=10)[0].1 = 0;
+        let at = m.position(&10).unwrap();
+        m.0[at].1 = 0;
         assert_eq!(m.remove(&20), Some(41));
         assert_eq!(m.remove(&20), None);
         assert_eq!(m.0, [(10, 0), (30, 61)]);

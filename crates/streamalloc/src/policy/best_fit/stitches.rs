@@ -7,6 +7,7 @@
 //! mapping. The policy never holds a home range and its stitched chunk at once, so no memory
 //! is in two blocks.
 
+use std::cell::Cell;
 use std::ops::RangeInclusive;
 
 use super::sorted::Sorted;
@@ -20,7 +21,7 @@ pub(super) struct Stitches {
     ranges: Sorted<u64, Stitch>,
     /// The idle ones, as `(size, addr)`, each with what kept it from being reused when it was
     /// last looked at.
-    idle: Sorted<(u64, u64), Blocker>,
+    idle: Sorted<(u64, u64), Cell<Blocker>>,
     /// The homes of the stitched chunks in use (out of the pool while they are): start ->
     /// (length, the chunk's address).
     carved: Sorted<u64, (u64, u64)>,
@@ -80,9 +81,9 @@ impl Stitches {
     /// Forgets what kept idle chunks from reuse that names a stitched chunk: its address may
     /// be given to another once it is forgotten.
     fn forget_stitch_blockers(&mut self) {
-        for (_, b) in &mut self.idle.0 {
-            if matches!(b, Blocker::Stitch { .. }) {
-                *b = Blocker::Unknown;
+        for (_, b) in &self.idle.0 {
+            if matches!(b.get(), Blocker::Stitch { .. }) {
+                b.set(Blocker::Unknown);
             }
         }
     }
@@ -215,8 +216,11 @@ impl BestFitPolicy {
     /// When the wholly free chunk at `addr` is a stitched one: its homes come back and it
     /// becomes idle.
     pub(super) fn settle_stitched(&mut self, addr: u64) -> Result<()> {
-        let Some(s) = self.stitches.ranges.get_mut(&addr).filter(|s| s.active) else { return Ok(()) };
-        // The homes leave the chunk's entry while they go back, and return to it after.
+        let ranges = &mut self.stitches.ranges;
+        let Some(at) = ranges.position(&addr) else { return Ok(()) };
+        let Some((_, s)) = ranges.0.get_mut(at).filter(|(_, s)| s.active) else { return Ok(()) };
+        // The homes leave the chunk's entry while they go back, and return to it (still at
+        // `at`: nothing below adds or removes a stitched chunk) after.
         let (size, homes) = (s.size, std::mem::take(&mut s.homes));
         let settled = self
             .carve(addr, size)
@@ -226,9 +230,9 @@ impl BestFitPolicy {
             for (_, a, _) in &homes {
                 st.carved.remove(a);
             }
-            st.idle.insert((size, addr), Blocker::Unknown);
+            st.idle.insert((size, addr), Cell::new(Blocker::Unknown));
         }
-        if let Some(s) = st.ranges.get_mut(&addr) {
+        if let Some((_, s)) = st.ranges.0.get_mut(at) {
             s.active = settled.is_err();
             s.homes = homes;
         }
@@ -239,25 +243,24 @@ impl BestFitPolicy {
     /// chunk that fits it (at most twice its size) whose homes are all free (they leave the
     /// pool). Whether there was one.
     pub fn reuse_stitched(&mut self, size: u64) -> Result<bool> {
-        // The stitches leave the policy while it is looked at, so that what kept each idle
-        // chunk from reuse can be noted.
-        let mut stitches = std::mem::take(&mut self.stitches);
-        let Stitches { ranges, idle, carved, .. } = &mut stitches;
-        let found = idle.range_mut(fitting(size)).iter_mut().find_map(|&mut (key, ref mut blocker)| {
-            if blocker.holds(self) {
+        let Stitches { ranges, idle, carved, .. } = &self.stitches;
+        // The chunk's key and its place in `ranges`; what kept each chunk passed over from
+        // reuse is noted.
+        let found = idle.range(fitting(size)).iter().find_map(|(key, blocker)| {
+            if blocker.get().holds(self) {
                 return None;
             }
-            match ranges.get(&key.1)?.free_homes(self, carved) {
-                Ok(()) => Some(key),
+            let at = ranges.position(&key.1)?;
+            match ranges.0.get(at)?.1.free_homes(self, carved) {
+                Ok(()) => Some((*key, at)),
                 Err(b) => {
-                    *blocker = b;
+                    blocker.set(b);
                     None
                 }
             }
         });
-        self.stitches = stitches;
-        let Some((size, addr)) = found else { return Ok(false) };
-        let Some(s) = self.stitches.ranges.get_mut(&addr) else { return Ok(false) };
+        let Some(((size, addr), at)) = found else { return Ok(false) };
+        let Some((_, s)) = self.stitches.ranges.0.get_mut(at) else { return Ok(false) };
         // As in `settle_stitched`, the homes leave the chunk's entry while they are taken.
         let (class, homes) = (s.class, std::mem::take(&mut s.homes));
         let taken = homes
@@ -272,7 +275,7 @@ impl BestFitPolicy {
             }
             st.tick += 1;
         }
-        if let Some(s) = st.ranges.get_mut(&addr) {
+        if let Some((_, s)) = st.ranges.0.get_mut(at) {
             if taken.is_ok() {
                 s.active = true;
                 s.used = st.tick;
@@ -527,7 +530,7 @@ mod tests {
         let x = p.allocate(8 * MIB).unwrap();
         p.free(x.token, x.addr).unwrap();
         let named = |p: &BestFitPolicy| {
-            p.stitches.idle.0.iter().any(|(_, b)| matches!(b, Blocker::Stitch { addr: STITCH, .. }))
+            p.stitches.idle.0.iter().any(|(_, b)| matches!(b.get(), Blocker::Stitch { addr: STITCH, .. }))
         };
         assert!(named(&p), "the 6 MiB chunk was passed over for the one at STITCH");
         assert_eq!(p.take_stale_stitched(8 * MIB..=8 * MIB, 0), vec![(STITCH, 8 * MIB)]);
