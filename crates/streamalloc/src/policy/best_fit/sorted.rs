@@ -2,9 +2,8 @@
 //! about a thousand entries, looked up and changed when a chunk is added, carved or joined
 //! (a stitched chunk's round trip through the pool makes about twenty such lookups and
 //! changes). A binary search and a short move of contiguous entries cost less there than a
-//! `BTreeMap`'s node walks and allocations (as for the free lists' bins in `best_fit.rs`).
-//! llm_decode_kvcache, whose misses take idle stitched chunks back about 1200 times a pass:
-//! 709 -> 602 instructions per operation (bench/results/2026-12-03-round-trip-sim.md).
+//! `BTreeMap`'s node walks and allocations, as for the free lists' bins in `best_fit.rs`
+//! (instructions per operation before and after: `bench/results/2026-12-03-round-trip-sim.md`).
 
 use std::ops::RangeInclusive;
 
