@@ -988,6 +988,13 @@ mod tests {
     }
 
     #[test]
+    fn policy_is_send_and_sync() {
+        // A pool's policy lives under its lock; read-only queries may come from any thread.
+        fn shared<T: Send + Sync>() {}
+        shared::<BestFitPolicy>();
+    }
+
+    #[test]
     fn bins_follow_size_order() {
         let sizes = (1..20_000u64).map(|k| k * 256).chain((23..48).map(|p| (1u64 << p) - 256));
         let mut last = (0, 0);

@@ -5,7 +5,7 @@
 //! `BTreeMap`'s node walks and allocations, as for the free lists' bins in `best_fit.rs`
 //! (instructions per operation before and after: `bench/results/2026-12-03-round-trip-sim.md`).
 
-use std::ops::RangeInclusive;
+use std::ops::{Range, RangeInclusive};
 
 /// Entries `(key, value)` in a vector sorted by key, no two with the same key.
 #[derive(Debug)]
@@ -52,11 +52,15 @@ impl<K: Ord + Copy, V> Sorted<K, V> {
         Some(self.0.remove(i).1)
     }
 
+    /// Where the entries whose keys lie in `keys` are in the vector.
+    pub(super) fn bounds(&self, keys: &RangeInclusive<K>) -> Range<usize> {
+        let lo = self.0.partition_point(|e| e.0 < *keys.start());
+        lo..self.0.partition_point(|e| e.0 <= *keys.end()).max(lo)
+    }
+
     /// The entries whose keys lie in `keys`.
     pub(super) fn range(&self, keys: RangeInclusive<K>) -> &[(K, V)] {
-        let lo = self.0.partition_point(|e| e.0 < *keys.start());
-        let hi = self.0.partition_point(|e| e.0 <= *keys.end()).max(lo);
-        self.0.get(lo..hi).unwrap_or_default()
+        self.0.get(self.bounds(&keys)).unwrap_or_default()
     }
 
     /// The entry with the greatest key below `key`.
@@ -99,6 +103,7 @@ mod tests {
         assert_eq!(m.from(11), Some(&(20, 41)));
         assert_eq!(m.from(31), None);
         assert_eq!(m.range(15..=30), [(20, 41), (30, 60)]);
+        assert_eq!(m.bounds(&(15..=30)), 1..3);
         let (hi, lo) = (30, 20);
         assert!(m.range(31..=40).is_empty() && m.range(hi..=lo).is_empty());
         *m.get_mut(&30).unwrap() += 1;

@@ -7,7 +7,6 @@
 //! mapping. The policy never holds a home range and its stitched chunk at once, so no memory
 //! is in two blocks.
 
-use std::cell::Cell;
 use std::ops::RangeInclusive;
 
 use super::sorted::Sorted;
@@ -21,7 +20,7 @@ pub(super) struct Stitches {
     ranges: Sorted<u64, Stitch>,
     /// The idle ones, as `(size, addr)`, each with what kept it from being reused when it was
     /// last looked at.
-    idle: Sorted<(u64, u64), Cell<Blocker>>,
+    idle: Sorted<(u64, u64), Blocker>,
     /// The homes of the stitched chunks in use (out of the pool while they are): start ->
     /// (length, the chunk's address).
     carved: Sorted<u64, (u64, u64)>,
@@ -81,9 +80,9 @@ impl Stitches {
     /// Forgets what kept idle chunks from reuse that names a stitched chunk: its address may
     /// be given to another once it is forgotten.
     fn forget_stitch_blockers(&mut self) {
-        for (_, b) in &self.idle.0 {
-            if matches!(b.get(), Blocker::Stitch { .. }) {
-                b.set(Blocker::Unknown);
+        for (_, b) in &mut self.idle.0 {
+            if matches!(b, Blocker::Stitch { .. }) {
+                *b = Blocker::Unknown;
             }
         }
     }
@@ -230,7 +229,7 @@ impl BestFitPolicy {
             for (_, a, _) in &homes {
                 st.carved.remove(a);
             }
-            st.idle.insert((size, addr), Cell::new(Blocker::Unknown));
+            st.idle.insert((size, addr), Blocker::Unknown);
         }
         if let Some((_, s)) = st.ranges.0.get_mut(at) {
             s.active = settled.is_err();
@@ -243,22 +242,29 @@ impl BestFitPolicy {
     /// chunk that fits it (at most twice its size) whose homes are all free (they leave the
     /// pool). Whether there was one.
     pub fn reuse_stitched(&mut self, size: u64) -> Result<bool> {
-        let Stitches { ranges, idle, carved, .. } = &self.stitches;
         // The chunk's key and its place in `ranges`; what kept each chunk passed over from
-        // reuse is noted.
-        let found = idle.range(fitting(size)).iter().find_map(|(key, blocker)| {
-            if blocker.get().holds(self) {
-                return None;
+        // reuse is noted in `idle`.
+        let mut found = None;
+        for i in self.stitches.idle.bounds(&fitting(size)) {
+            let Some(&(key, blocker)) = self.stitches.idle.0.get(i) else { break };
+            if blocker.holds(self) {
+                continue;
             }
-            let at = ranges.position(&key.1)?;
-            match ranges.0.get(at)?.1.free_homes(self, carved) {
-                Ok(()) => Some((*key, at)),
+            let Stitches { ranges, carved, .. } = &self.stitches;
+            let Some(at) = ranges.position(&key.1) else { continue };
+            let Some((_, s)) = ranges.0.get(at) else { continue };
+            match s.free_homes(self, carved) {
+                Ok(()) => {
+                    found = Some((key, at));
+                    break;
+                }
                 Err(b) => {
-                    blocker.set(b);
-                    None
+                    if let Some(e) = self.stitches.idle.0.get_mut(i) {
+                        e.1 = b;
+                    }
                 }
             }
-        });
+        }
         let Some(((size, addr), at)) = found else { return Ok(false) };
         let Some((_, s)) = self.stitches.ranges.0.get_mut(at) else { return Ok(false) };
         // As in `settle_stitched`, the homes leave the chunk's entry while they are taken.
@@ -527,7 +533,7 @@ mod tests {
         let x = p.allocate(8 * MIB).unwrap();
         p.free(x.token, x.addr).unwrap();
         let named = |p: &BestFitPolicy| {
-            p.stitches.idle.0.iter().any(|(_, b)| matches!(b.get(), Blocker::Stitch { addr: STITCH, .. }))
+            p.stitches.idle.0.iter().any(|(_, b)| matches!(b, Blocker::Stitch { addr: STITCH, .. }))
         };
         assert!(named(&p), "the 6 MiB chunk was passed over for the one at STITCH");
         assert_eq!(p.take_stale_stitched(8 * MIB..=8 * MIB, 0), vec![(STITCH, 8 * MIB)]);
