@@ -823,47 +823,6 @@ impl BestFitPolicy {
         }
     }
 
-    /// Joins the chunk that starts at `addr` with the chunk that starts at its end, so that
-    /// blocks merge across them (a virtual-memory backing mapped the two back to back).
-    /// Fails, changing nothing, if there are not two such chunks of one class.
-    pub fn join(&mut self, addr: u64) -> Result<()> {
-        let bad = || Error::Internal(format!("no two chunks of one class meet at the end of {addr:#x}"));
-        let left = *self.chunks.get(&addr).ok_or_else(bad)?;
-        let right_at = addr + left.size;
-        let right = *self.chunks.get(&right_at).ok_or_else(bad)?;
-        let last = self.last_block(left.first);
-        let (l, r) = (self.slot(last), self.slot(right.first));
-        if l.class != r.class {
-            return Err(bad());
-        }
-        self.chunks.remove(&right_at);
-        if let Some(c) = self.chunks.get_mut(&addr) {
-            c.size += right.size;
-        }
-        if l.state == State::Free && r.state == State::Free {
-            let list = self.free_list(l.class);
-            list.remove(l.size, l.addr);
-            list.remove(r.size, r.addr);
-            list.insert(l.size + r.size, l.addr, last);
-            if let Some(n) = self.slot_mut(r.next) {
-                n.prev = last;
-            }
-            if let Some(s) = self.slot_mut(last) {
-                s.size += r.size;
-                s.next = r.next;
-            }
-            self.vacate(right.first);
-        } else {
-            if let Some(s) = self.slot_mut(last) {
-                s.next = right.first;
-            }
-            if let Some(s) = self.slot_mut(right.first) {
-                s.prev = last;
-            }
-        }
-        Ok(())
-    }
-
     /// Every chunk held, as `(addr, size)`, whether free or not.
     pub fn chunks(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         self.chunks.0.iter().map(|&(a, c)| (a, c.size))
@@ -927,6 +886,48 @@ mod tests {
     const MIB: u64 = 1 << 20;
 
     impl BestFitPolicy {
+        /// Joins the chunk that starts at `addr` with the chunk that starts at its end, so that
+        /// blocks merge across them: the reference [`BestFitPolicy::add_joined`] is compared
+        /// with (a segment added, then joined on each side). Fails, changing nothing, if there
+        /// are not two such chunks of one class.
+        pub(super) fn join(&mut self, addr: u64) -> Result<()> {
+            let bad = || Error::Internal(format!("no two chunks of one class meet at the end of {addr:#x}"));
+            let left = *self.chunks.get(&addr).ok_or_else(bad)?;
+            let right_at = addr + left.size;
+            let right = *self.chunks.get(&right_at).ok_or_else(bad)?;
+            let last = self.last_block(left.first);
+            let (l, r) = (self.slot(last), self.slot(right.first));
+            if l.class != r.class {
+                return Err(bad());
+            }
+            self.chunks.remove(&right_at);
+            if let Some(c) = self.chunks.get_mut(&addr) {
+                c.size += right.size;
+            }
+            if l.state == State::Free && r.state == State::Free {
+                let list = self.free_list(l.class);
+                list.remove(l.size, l.addr);
+                list.remove(r.size, r.addr);
+                list.insert(l.size + r.size, l.addr, last);
+                if let Some(n) = self.slot_mut(r.next) {
+                    n.prev = last;
+                }
+                if let Some(s) = self.slot_mut(last) {
+                    s.size += r.size;
+                    s.next = r.next;
+                }
+                self.vacate(right.first);
+            } else {
+                if let Some(s) = self.slot_mut(last) {
+                    s.next = right.first;
+                }
+                if let Some(s) = self.slot_mut(right.first) {
+                    s.prev = last;
+                }
+            }
+            Ok(())
+        }
+
         /// Checks every invariant; panics with a description on the first broken one.
         pub(super) fn check(&self) {
             let (mut reserved, mut allocated, mut cached, mut free_blocks) = (0, 0, 0, 0);

@@ -125,10 +125,10 @@ fn fitting(size: u64) -> RangeInclusive<(u64, u64)> {
 impl BestFitPolicy {
     /// Adds `[addr, addr + size)` as a segment of `class` joined with the chunks of `class`
     /// that end at `addr` or start at its end (a virtual-memory backing mapped them back to
-    /// back): the chunks and blocks of [`BestFitPolicy::add_segment`] followed by
-    /// [`BestFitPolicy::join`] on each side, made in place (the new bytes grow the free block
-    /// they meet), without adding a chunk only to join it. Fails, changing nothing, as
-    /// [`BestFitPolicy::add_segment`] does.
+    /// back): the chunks and blocks of a segment added and then joined with each neighbour,
+    /// made in place (the new bytes grow the free block they meet, the right chunk's blocks
+    /// are linked after them). Fails, changing nothing, as [`BestFitPolicy::add_segment`]
+    /// does.
     pub fn add_joined(&mut self, class: Class, addr: u64, size: u64) -> Result<()> {
         let below = self.chunk_below_new(addr, size)?;
         let end = addr + size;
