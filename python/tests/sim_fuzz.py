@@ -6,7 +6,8 @@ through the C API (allocate, free, a kernel on another stream using an allocatio
 passing, synchronizations, release) and prints `violations N`. Every allocation is checked as
 it is handed out. With --no-record the kernels on other streams are not announced with
 record_stream: a correct program must announce them, so the checker should then find early
-reuses (the negative control).
+reuses (the negative control); a release that refuses to unmap memory such a kernel still
+uses (the simulator's check of virtual-memory backings) is counted as `refused`, not raised.
 """
 
 import random
@@ -24,6 +25,7 @@ def main():
     streams = [sim.create_stream() for _ in range(4)]
     live = []  # (ptr, size, owning stream)
     failed = 0
+    refused = 0
     for _ in range(ops):
         r = rng.random()
         if r < 0.33 or not live:
@@ -50,12 +52,17 @@ def main():
         elif r < 0.99:
             sim.synchronize(rng.choice(streams))
         else:
-            streamalloc.release(0)
+            try:
+                streamalloc.release(0)
+            except streamalloc.StreamallocError as e:
+                if record or "while stream" not in str(e):
+                    raise
+                refused += 1
     for ptr, _, _ in live:
         streamalloc.deallocate(ptr)
     stats = streamalloc.stats(0)
     assert stats["live_allocations"] == 0, stats
-    print(f"violations {sim.violations()} failed {failed}")
+    print(f"violations {sim.violations()} failed {failed} refused {refused}")
 
 
 if __name__ == "__main__":

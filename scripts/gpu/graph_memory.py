@@ -5,7 +5,7 @@
     python3 scripts/gpu/graph_memory.py --one CONF MODE [--graphs 8] [--gib 1]   # one row
 
 Allocators (NAME): streamalloc's strategies through streamalloc.torch.enable (plain,
-best_fit, stream_safe, stream_safe_expandable, async), PyTorch's native caching allocator
+best_fit, stream_safe, stream_safe_chunks, async), PyTorch's native caching allocator
 (native) and its backend:cudaMallocAsync (cudaMallocAsync). Pool modes: `private` (each
 graph gets its own torch.cuda.graph_pool_handle()), `shared` (one handle for all graphs) and,
 for async and cudaMallocAsync, `none` (no pool argument: torch's own id per graph). Each row
@@ -35,7 +35,7 @@ ALLOCATORS = {
     "plain": "strategy=plain",
     "best_fit": "strategy=best_fit",
     "stream_safe": "strategy=stream_safe",
-    "stream_safe_expandable": "strategy=stream_safe,expandable=true",
+    "stream_safe_chunks": "strategy=stream_safe,expandable=false",
     "async": "strategy=async",
     "native": "native",
     "cudaMallocAsync": "cudaMallocAsync",

@@ -241,7 +241,7 @@ fn repeated_replays_start_from_the_same_state() {
         streamalloc(&["replay", a.path(), b.path(), a.path(), "--device", "sim", "--json", "--passes", "1"]);
     let rows = json_rows(&out);
     let names: Vec<&str> = rows.iter().map(|r| r["allocator"].as_str().unwrap()).collect();
-    for preset in ["plain", "best_fit", "stream_safe", "stream_safe_expandable", "async"] {
+    for preset in ["plain", "best_fit", "stream_safe", "stream_safe_chunks", "async"] {
         let runs: Vec<&serde_json::Value> = rows.iter().filter(|r| r["allocator"] == preset).collect();
         assert_eq!(runs.len(), 3, "{preset} in {names:?}");
         for r in &runs {

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use streamalloc::facade::{Config, Facade, Strategy};
-use streamalloc::{Error, Stream};
+use streamalloc::{Device, Error, Stream};
 
 const MIB: usize = 1 << 20;
 
@@ -29,6 +29,31 @@ fn every_strategy_allocates_on_any_stream() {
         dev.synchronize_stream(s).unwrap();
         f.release_all().unwrap();
         assert_eq!(f.stats(0).allocated, 0, "{strategy}");
+    }
+}
+
+/// The caching strategies back their pools with stitched virtual-memory ranges by default,
+/// with chunks of plain allocations on a device without virtual memory management (where
+/// every reservation fails) or with `expandable=false`.
+#[test]
+fn caching_pools_map_ranges_where_the_device_can_and_fall_back_to_chunks() {
+    for strategy in ["best_fit", "stream_safe"] {
+        for (keys, maps) in [
+            ("", true),
+            (",sim_virtual_memory=false", false),
+            (",expandable=false", false),
+            (",expandable=true,sim_virtual_memory=false", false),
+        ] {
+            let f = sim(&format!("strategy={strategy}{keys}"));
+            let large = f.allocate(40 * MIB, 0, Stream::DEFAULT).unwrap();
+            let small = f.allocate(5000, 0, Stream::DEFAULT).unwrap();
+            let sim = f.stack(0).unwrap().sim.clone().unwrap();
+            assert_eq!(sim.mapping_calls() > 0, maps, "strategy={strategy}{keys}");
+            assert_eq!(f.stats(0).allocated, 40 * MIB + 5000);
+            drop((large, small));
+            f.release_all().unwrap();
+            assert_eq!(sim.mem_info().unwrap().used(), 0, "strategy={strategy}{keys}");
+        }
     }
 }
 

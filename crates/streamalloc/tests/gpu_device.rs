@@ -173,6 +173,11 @@ fn stream_calls_work_as_the_first_calls_of_a_thread() {
 #[ignore = "needs a CUDA GPU: run by scripts/gpu-test.sh"]
 fn mapped_reservation_round_trip() {
     let dev = device();
+    // The facade backs its caching pools with stitched ranges only where this is true.
+    assert!(
+        dev.supports_virtual_memory().unwrap(),
+        "the GPU supports virtual memory management (every GPU since Pascal does on Linux)"
+    );
     let s = dev.create_stream().unwrap();
     let g = dev.map_granularity().unwrap();
     assert!(g > 0 && g.is_power_of_two(), "granularity {g}");

@@ -113,7 +113,7 @@ fn failures_are_counted_once_per_failed_allocation() {
 #[test]
 fn dropping_any_stack_frees_what_it_keeps_by_pointer() {
     for strategy in ["plain", "best_fit", "stream_safe", "async"] {
-        for layers in ["", ",expandable=true", ",retry_timeout=5ms,stats=true,limit=0.5,trace=/dev/null"] {
+        for layers in ["", ",expandable=false", ",retry_timeout=5ms,stats=true,limit=0.5,trace=/dev/null"] {
             if (strategy == "plain" || strategy == "async") && layers.contains("expandable") {
                 continue;
             }
@@ -175,7 +175,7 @@ fn retries_are_counted_once() {
 #[test]
 fn peaks_reset_on_every_stack() {
     for strategy in ["plain", "best_fit", "stream_safe", "async"] {
-        for layers in ["", ",expandable=true", ",retry_timeout=5ms,stats=true,limit=0.9,trace=/dev/null"] {
+        for layers in ["", ",expandable=false", ",retry_timeout=5ms,stats=true,limit=0.9,trace=/dev/null"] {
             if layers.contains("expandable") && !["best_fit", "stream_safe"].contains(&strategy) {
                 continue; // a key only the caching pools take
             }

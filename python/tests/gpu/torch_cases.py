@@ -5,7 +5,7 @@
 
 test_torch_guarantees.py runs every case this way (the allocator is fixed per process, and a
 failed capture or a crash must not take the other cases with it). CONF is a streamalloc
-configuration ("strategy=stream_safe,expandable=true"), made PyTorch's allocator with
+configuration ("strategy=stream_safe,expandable=false"), made PyTorch's allocator with
 streamalloc.torch.enable before the first CUDA allocation, or a control: "native" (PyTorch's
 caching allocator) or "cudaMallocAsync" (its backend:cudaMallocAsync). The mempool case
 keeps PyTorch's allocator current whatever CONF says and takes streamalloc with CONF as the

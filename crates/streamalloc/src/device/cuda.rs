@@ -53,6 +53,7 @@ const SYMBOLS: &[&str] = &[
     "cuGetErrorName",
     "cuDeviceGetCount",
     "cuDeviceGet",
+    "cuDeviceGetAttribute",
     "cuDevicePrimaryCtxRetain",
     "cuDevicePrimaryCtxRelease_v2",
     "cuDriverGetVersion",
@@ -657,6 +658,18 @@ impl Device for CudaDevice {
         let _ctx = self.bind()?;
         // SAFETY: the driver validates the pool handle; trimming only releases unused memory.
         check(unsafe { sys::cuMemPoolTrimTo(pool(p), keep) }, "cuMemPoolTrimTo")
+    }
+
+    fn supports_virtual_memory(&self) -> Result<bool> {
+        let mut supported: c_int = 0;
+        let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED;
+        // SAFETY: the driver is initialised (a `CudaDevice` exists), `self.device` is a device
+        // handle it gave, and `supported` is a valid out-pointer for the duration of the call.
+        check(
+            unsafe { sys::cuDeviceGetAttribute(&mut supported, attr, self.device) },
+            "cuDeviceGetAttribute",
+        )?;
+        Ok(supported != 0)
     }
 
     fn map_granularity(&self) -> Result<usize> {

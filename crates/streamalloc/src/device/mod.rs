@@ -162,6 +162,9 @@ pub trait Device: Send + Sync {
     fn set_pool_access(&self, pool: Pool, peer: usize, enabled: bool) -> Result<()>;
     /// Releases unused pool memory until at most `keep` bytes stay reserved.
     fn trim_pool(&self, pool: Pool, keep: usize) -> Result<()>;
+    /// Whether the device supports virtual memory management: address reservations and
+    /// [`Device::map`] (`CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`).
+    fn supports_virtual_memory(&self) -> Result<bool>;
     /// Granularity of virtual-memory mappings, in bytes: [`Device::map`] and
     /// [`Device::unmap`] take addresses and sizes that are multiples of it.
     fn map_granularity(&self) -> Result<usize>;

@@ -92,6 +92,10 @@ pub struct SimConfig {
     pub launch_ns: u64,
     /// Seed of the kernel-duration jitter (up to +25%).
     pub seed: u64,
+    /// Whether the device supports virtual memory management
+    /// ([`Device::supports_virtual_memory`]); without it, reservations fail as the driver's
+    /// do (`CUDA_ERROR_NOT_SUPPORTED`).
+    pub virtual_memory: bool,
 }
 
 impl SimConfig {
@@ -104,6 +108,7 @@ impl SimConfig {
             bandwidth_bytes_per_ns: 4000,
             launch_ns: 2_000,
             seed: 0,
+            virtual_memory: true,
         }
     }
 
@@ -868,12 +873,19 @@ impl Device for SimDevice {
         })
     }
 
+    fn supports_virtual_memory(&self) -> Result<bool> {
+        Ok(self.config.virtual_memory)
+    }
+
     fn map_granularity(&self) -> Result<usize> {
         Ok(MAP_GRANULE)
     }
 
     fn reserve_address(&self, size: usize) -> Result<DevicePtr> {
         self.call(|st| {
+            if !self.config.virtual_memory {
+                return Err(Error::Unsupported("virtual memory management on this simulated device".into()));
+            }
             if size == 0 || size % MAP_GRANULE != 0 {
                 return Err(Error::InvalidArgument(format!("reservation of {size} bytes")));
             }

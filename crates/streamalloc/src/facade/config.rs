@@ -111,14 +111,20 @@ pub struct Config {
     pub device: DeviceKind,
     /// `sim_capacity`: bytes of a simulated device. Default 143,771 MiB (an H200).
     pub sim_capacity: usize,
+    /// `sim_virtual_memory`: whether a simulated device supports virtual memory management
+    /// (as a device without it, `false` makes `expandable` fall back to chunks). Default
+    /// `true`.
+    pub sim_virtual_memory: bool,
     /// `growth`: bytes a caching pool grows by for large requests. Default 32 MiB.
     pub growth: usize,
     /// `expandable`: `true` backs the caching pools (`best_fit`, `stream_safe`) with
     /// stitched virtual-memory ranges ([`Stitched`](crate::allocators::backing::Stitched):
     /// address space mapped as the pools grow, the memory of free granules mapped again to
-    /// pay for a growth that would raise the peak) instead of chunks of plain allocations: a
-    /// footprint closer to the peak live bytes when shapes vary (`bench/results/`). Default
-    /// `false`.
+    /// pay for a growth that would raise the peak) on devices that support virtual memory
+    /// management, and with chunks of plain allocations elsewhere; `false` with chunks
+    /// everywhere. Stitched ranges keep the footprint closer to the peak live bytes when
+    /// shapes vary, at the chunks' speed but on workloads that take idle ranges back at
+    /// most misses (`bench/results/`). Default `true`.
     pub expandable: bool,
     /// `pool`: `default` or `owned`, for `async`. Default `default`.
     pub pool: PoolChoice,
@@ -156,8 +162,9 @@ impl Default for Config {
             strategy: Strategy::StreamSafe,
             device: DeviceKind::Cuda,
             sim_capacity: 143_771 << 20,
+            sim_virtual_memory: true,
             growth: 32 << 20,
-            expandable: false,
+            expandable: true,
             pool: PoolChoice::Default,
             release_threshold: u64::MAX,
             throttle: 0.8,
@@ -179,6 +186,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ("strategy", "plain | best_fit | stream_safe | async"),
     ("device", "cuda | sim"),
     ("sim_capacity", "a size of at least 64MiB, e.g. 80GiB"),
+    ("sim_virtual_memory", "true | false"),
     ("growth", "a size above 1MiB that is a multiple of 256 bytes, e.g. 20MiB"),
     ("expandable", "true | false"),
     ("pool", "default | owned"),
@@ -259,6 +267,7 @@ impl Config {
                 "sim_capacity" => {
                     c.sim_capacity = parse_size(value).filter(|n| *n >= MIN_SIM_CAPACITY).ok_or_else(bad)?
                 }
+                "sim_virtual_memory" => c.sim_virtual_memory = value.parse().map_err(|_| bad())?,
                 "growth" => {
                     // What BestFit accepts as its chunk size for large requests.
                     let classes = |n: usize| Classes { growth: n as u64, ..Classes::default() };
@@ -331,7 +340,13 @@ impl fmt::Display for Config {
             DeviceKind::Cuda => "cuda",
             DeviceKind::Sim => "sim",
         };
-        write!(f, "strategy={},device={device},sim_capacity={}", self.strategy.name(), self.sim_capacity)?;
+        write!(
+            f,
+            "strategy={},device={device},sim_capacity={},sim_virtual_memory={}",
+            self.strategy.name(),
+            self.sim_capacity,
+            self.sim_virtual_memory
+        )?;
         if self.strategy.takes("growth") {
             write!(
                 f,
@@ -469,13 +484,13 @@ mod tests {
     #[test]
     fn every_key() {
         let caching =
-            Config::parse("strategy=stream_safe, growth=2MiB, expandable=true, wait_timeout=100ms").unwrap();
+            Config::parse("strategy=stream_safe, growth=2MiB, expandable=false, wait_timeout=100ms").unwrap();
         assert_eq!(caching.growth, 2 << 20);
-        assert!(caching.expandable);
+        assert!(!caching.expandable);
         assert_eq!(caching.wait_timeout, Duration::from_millis(100));
         assert_eq!(Config::parse(&caching.to_string()).unwrap(), caching);
         let c = Config::parse(
-            "strategy=async, device=sim, sim_capacity=8GiB, pool=owned, \
+            "strategy=async, device=sim, sim_capacity=8GiB, sim_virtual_memory=false, pool=owned, \
              release_threshold=1GiB, throttle=0.5, trim_floor=64MiB, limit=40GiB, retry_timeout=250ms, \
              stats=true, trace=/tmp/t.csv",
         )
@@ -483,6 +498,7 @@ mod tests {
         assert_eq!(c.strategy, Strategy::Async);
         assert_eq!(c.device, DeviceKind::Sim);
         assert_eq!(c.sim_capacity, 8 << 30);
+        assert!(!c.sim_virtual_memory);
         assert_eq!(c.pool, PoolChoice::Owned);
         assert_eq!(c.release_threshold, 1 << 30);
         assert_eq!(c.throttle, 0.5);
@@ -492,7 +508,7 @@ mod tests {
         assert!(c.stats);
         assert_eq!(c.trace, Some(PathBuf::from("/tmp/t.csv")));
         // Every key in KEYS is covered above.
-        assert_eq!(KEYS.len(), 14);
+        assert_eq!(KEYS.len(), 15);
         // Display writes back what parse reads.
         assert_eq!(Config::parse(&c.to_string()).unwrap(), c);
         for s in ["plain", "best_fit", "stream_safe", "async"] {
@@ -526,6 +542,7 @@ mod tests {
         assert!(err("trace=").contains("a file path"));
         assert!(err("release_threshold=lots").contains("release_threshold"));
         assert!(err("sim_capacity=x").contains("sim_capacity"));
+        assert!(err("sim_virtual_memory=no").contains("true | false"));
         assert!(err("trim_floor=x").contains("trim_floor"));
         assert!(err("strategy").contains("not key=value"));
     }

@@ -49,10 +49,18 @@ type Opened = (Arc<dyn Device>, Option<Arc<SimDevice>>);
 pub const MAX_DEVICES: usize = 64;
 const _: () = assert!(MAX_DEVICES <= u64::BITS as usize, "Facade::built_mask has a bit per device");
 
-/// The settings of the caching pools of `config`'s `best_fit` and `stream_safe` strategies.
-fn pool_config(config: &Config) -> BestFitConfig {
-    let backing = if config.expandable { BackingKind::Stitched } else { BackingKind::Chunks };
-    BestFitConfig { growth: config.growth, backing, wait_timeout: config.wait_timeout, ..Default::default() }
+/// The settings of the caching pools of `config`'s `best_fit` and `stream_safe` strategies
+/// on `device`: stitched ranges with `expandable` where the device supports virtual memory
+/// management, chunks elsewhere.
+fn pool_config(config: &Config, device: &dyn Device) -> Result<BestFitConfig> {
+    let stitched = config.expandable && device.supports_virtual_memory()?;
+    let backing = if stitched { BackingKind::Stitched } else { BackingKind::Chunks };
+    Ok(BestFitConfig {
+        growth: config.growth,
+        backing,
+        wait_timeout: config.wait_timeout,
+        ..Default::default()
+    })
 }
 
 /// An allocator stack: allocations by handle on any stream ([`StreamAllocator`]) and by
@@ -233,6 +241,7 @@ impl Facade {
             DeviceKind::Sim => {
                 let sim = SimDevice::new(SimConfig {
                     ordinal,
+                    virtual_memory: self.config.sim_virtual_memory,
                     ..SimConfig::with_capacity(self.config.sim_capacity)
                 });
                 (sim.clone(), Some(sim))
@@ -247,14 +256,14 @@ impl Facade {
         Ok(stack)
     }
 
-    /// Builds the stack `config` describes on `device` (the `device` and `sim_capacity`
+    /// Builds the stack `config` describes on `device` (the `device` and `sim_*`
     /// keys do not apply: the device is given). What a facade builds for each device it
     /// serves; also for a caller that builds stacks one after another on a device it opened
     /// once, such as a trace replay comparing configurations. The stack's `sim` is `None`.
     pub fn build_stack(config: &Config, device: Arc<dyn Device>) -> Result<DeviceStack> {
         let c = config;
         let ordinal = device.ordinal();
-        let pool = pool_config(c);
+        let pool = pool_config(c, &*device)?;
         let mut a: DynAllocator = match c.strategy {
             Strategy::Plain => Arc::new(SingleStream::new(
                 Plain::new(device.clone(), Stream::DEFAULT),
@@ -312,7 +321,7 @@ impl Facade {
         if let Some(limit) = c.limit {
             a = Arc::new(Limit::new(a, limit.bytes(device.mem_info()?.total)));
         }
-        let private = PrivatePools::new(device.clone(), pool_config(c), c.strategy == Strategy::Async);
+        let private = PrivatePools::new(device.clone(), pool, c.strategy == Strategy::Async);
         Ok(DeviceStack { device, sim: None, allocator: a, stats, trace, private })
     }
 }

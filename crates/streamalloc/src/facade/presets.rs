@@ -6,7 +6,7 @@ use super::{Config, Strategy};
 /// A named [`Config`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct Preset {
-    /// The name, e.g. `stream_safe_expandable`.
+    /// The name, e.g. `stream_safe_chunks`.
     pub name: &'static str,
     /// The configuration (the defaults, except what the name says).
     pub config: Config,
@@ -14,7 +14,8 @@ pub struct Preset {
 
 impl Config {
     /// One preset per [`Strategy`] with its defaults, named after it, and `stream_safe`
-    /// over expandable segments (`stream_safe_expandable`), in that order.
+    /// over chunks of plain allocations (`stream_safe_chunks`, `expandable=false`), in that
+    /// order.
     pub fn presets() -> Vec<Preset> {
         let strategy = |strategy| Config { strategy, ..Config::default() };
         vec![
@@ -22,8 +23,8 @@ impl Config {
             Preset { name: Strategy::BestFit.name(), config: strategy(Strategy::BestFit) },
             Preset { name: Strategy::StreamSafe.name(), config: strategy(Strategy::StreamSafe) },
             Preset {
-                name: "stream_safe_expandable",
-                config: Config { expandable: true, ..strategy(Strategy::StreamSafe) },
+                name: "stream_safe_chunks",
+                config: Config { expandable: false, ..strategy(Strategy::StreamSafe) },
             },
             Preset { name: Strategy::Async.name(), config: strategy(Strategy::Async) },
         ]
@@ -53,7 +54,8 @@ mod tests {
         for strategy in [Strategy::Plain, Strategy::BestFit, Strategy::StreamSafe, Strategy::Async] {
             assert!(presets.iter().any(|p| p.name == strategy.name() && p.config.strategy == strategy));
         }
-        assert!(Config::preset("stream_safe_expandable").unwrap().expandable);
+        assert!(Config::preset("stream_safe").unwrap().expandable);
+        assert!(!Config::preset("stream_safe_chunks").unwrap().expandable);
         let err = Config::preset("fast").unwrap_err().to_string();
         assert!(err.contains("unknown preset `fast`; presets: plain, best_fit, stream_safe"), "{err}");
     }
