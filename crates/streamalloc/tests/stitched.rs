@@ -364,3 +364,26 @@ proptest! {
         prop_assert_eq!(run(&program, true), 0);
     }
 }
+
+/// A program may destroy a stream once its allocations are freed, without retiring the
+/// stream's pool (the CLI's replay did): dropping the pools then names no stream, as a chunk's
+/// `cuMemFree` names none (on an H200 the stitched pool's wait for its destroyed stream
+/// crashed the process), and every mapping goes back.
+#[test]
+fn dropping_pools_names_no_destroyed_stream() {
+    for backing in [BackingKind::Chunks, BackingKind::Segments, BackingKind::Stitched] {
+        let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+        let pool = BestFitConfig { backing, ..Default::default() };
+        let alloc = StreamSafe::new(sim.clone(), StreamSafeConfig { pool, ..Default::default() }).unwrap();
+        let s = sim.create_stream().unwrap();
+        for size in [40 * MIB, 3 * MIB, 4096] {
+            let a = alloc.allocate_on(size, s).unwrap();
+            sim.use_range(a.ptr(), a.size(), s, 1_000).unwrap();
+        }
+        sim.synchronize_stream(s).unwrap();
+        sim.destroy_stream(s).unwrap();
+        drop(alloc);
+        assert_eq!(sim.unknown_stream_calls(), 0, "{backing:?}");
+        assert_eq!(used(&sim), 0, "{backing:?}");
+    }
+}

@@ -208,7 +208,7 @@ impl BestFit {
     pub fn with_source(source: Arc<dyn ChunkSource>, config: BestFitConfig) -> Result<Self> {
         let backing: Box<dyn Backing> = match config.backing {
             BackingKind::Chunks => Box::new(Chunks::new(source)),
-            BackingKind::Segments => Box::new(Segments::new(Chunks::new(source), config.stream)),
+            BackingKind::Segments => Box::new(Segments::new(Chunks::new(source))),
             BackingKind::Stitched => Box::new(Stitched::new(source.device().clone(), config.stream)),
         };
         Self::with_backing(backing, config)

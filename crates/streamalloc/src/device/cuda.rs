@@ -82,6 +82,7 @@ const SYMBOLS: &[&str] = &[
     "cuStreamCreate",
     "cuStreamDestroy_v2",
     "cuStreamSynchronize",
+    "cuCtxSynchronize",
     "cuStreamWaitEvent",
     "cuStreamIsCapturing",
     "cuStreamGetFlags",
@@ -835,6 +836,12 @@ impl Device for CudaDevice {
         let _ctx = self.bind()?;
         // SAFETY: a context is current and the driver validates the handle.
         check(unsafe { sys::cuStreamSynchronize(stream(s)) }, "cuStreamSynchronize")
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        let _ctx = self.bind()?;
+        // SAFETY: the device's primary context is current; the call takes no arguments.
+        check(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")
     }
 
     fn stream_wait_event(&self, s: Stream, e: Event) -> Result<()> {

@@ -206,6 +206,9 @@ pub trait Device: Send + Sync {
     fn destroy_stream(&self, stream: Stream) -> Result<()>;
     /// Blocks the host until all work on `stream` has completed.
     fn synchronize_stream(&self, stream: Stream) -> Result<()>;
+    /// Blocks the host until all work on the device has completed (`cuCtxSynchronize`): what
+    /// a `cuMemFree` waits for, naming no stream (one may have been destroyed).
+    fn synchronize(&self) -> Result<()>;
     /// Makes all later work on `stream` wait until `event` has completed.
     fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()>;
     /// Whether `stream` is capturing into a graph.

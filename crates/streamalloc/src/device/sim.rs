@@ -379,6 +379,8 @@ struct State {
     calls: u64,
     /// Calls that made the host wait for device work.
     host_waits: u64,
+    /// Calls that named a stream the device does not know (never made, or destroyed).
+    unknown_stream_calls: u64,
     /// Successful calls of [`Device::map_alias`].
     aliases: u64,
     /// Successful calls of [`Device::map`], [`Device::map_alias`] and [`Device::unmap`].
@@ -426,6 +428,7 @@ impl SimDevice {
             contents: HashMap::new(),
             calls: 0,
             host_waits: 0,
+            unknown_stream_calls: 0,
             aliases: 0,
             mapping_calls: 0,
             mapped_granules: 0,
@@ -515,6 +518,13 @@ impl SimDevice {
         self.state.lock().host_waits
     }
 
+    /// How many calls so far named a stream the device does not know: never made, or
+    /// destroyed (undefined behaviour on a GPU, where the handle of a destroyed stream may
+    /// crash the process).
+    pub fn unknown_stream_calls(&self) -> u64 {
+        self.state.lock().unknown_stream_calls
+    }
+
     /// How many calls of [`Device::map_alias`] so far mapped memory a second time.
     pub fn aliases(&self) -> u64 {
         self.state.lock().aliases
@@ -595,6 +605,9 @@ impl State {
     }
 
     fn stream_mut(&mut self, stream: Stream) -> Result<&mut StreamState> {
+        if !self.streams.contains_key(&stream) {
+            self.unknown_stream_calls += 1;
+        }
         self.streams
             .get_mut(&stream)
             .ok_or_else(|| Error::InvalidArgument(format!("unknown or destroyed stream {:#x}", stream.0)))
@@ -1143,6 +1156,16 @@ impl Device for SimDevice {
     fn synchronize_stream(&self, stream: Stream) -> Result<()> {
         self.call(|st| {
             let ready = st.stream_mut(stream)?.ready;
+            st.host_waits += 1;
+            st.now = st.now.max(ready);
+            st.apply_thresholds();
+            Ok(())
+        })
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.call(|st| {
+            let ready = st.streams.values().map(|s| s.ready).max().unwrap_or(0);
             st.host_waits += 1;
             st.now = st.now.max(ready);
             st.apply_thresholds();

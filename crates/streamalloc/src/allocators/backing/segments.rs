@@ -6,7 +6,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use super::{Backing, Chunks, Ledger, Want};
-use crate::device::{Device, Stream};
+use crate::device::Device;
 use crate::error::{Error, OutOfMemory, Result};
 use crate::policy::best_fit::{Class, Grant};
 
@@ -22,7 +22,6 @@ use crate::policy::best_fit::{Class, Grant};
 pub struct Segments {
     device: Arc<dyn Device>,
     chunks: Chunks,
-    stream: Stream,
     state: Mutex<State>,
 }
 
@@ -41,10 +40,10 @@ struct State {
 }
 
 impl Segments {
-    /// Segments on the device of `chunks`, used in the order of `stream`; requests larger
-    /// than the growth size get chunks from `chunks`.
-    pub fn new(chunks: Chunks, stream: Stream) -> Self {
-        Self { device: chunks.device().clone(), chunks, stream, state: Mutex::new(State::default()) }
+    /// Segments on the device of `chunks`; requests larger than the growth size get chunks
+    /// from `chunks`.
+    pub fn new(chunks: Chunks) -> Self {
+        Self { device: chunks.device().clone(), chunks, state: Mutex::new(State::default()) }
     }
 }
 
@@ -156,8 +155,9 @@ impl Backing for Segments {
             }
         }
         if sg.mapped.iter().any(|&m| m > 0) {
-            // As in `release`: an unmap does not wait for the last uses.
-            let _ = self.device.synchronize_stream(self.stream);
+            // An unmap does not wait for the last uses: wait for the device, as a chunk's
+            // `cuMemFree` would, not for the pool's stream, which may have been destroyed.
+            let _ = self.device.synchronize();
         }
         for (base, mapped) in sg.base.iter().zip(sg.mapped) {
             if let Some(base) = *base {

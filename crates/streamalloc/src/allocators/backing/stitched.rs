@@ -432,8 +432,10 @@ impl Backing for Stitched {
             return;
         }
         if !chunks.is_empty() || !st.retired.is_empty() {
-            // As in `release`: an unmap does not wait for the last uses.
-            let _ = self.device.synchronize_stream(self.stream);
+            // An unmap does not wait for the last uses: wait for the device, as the
+            // `cuMemFree` of a chunk would. Not for the pool's stream: a program may have
+            // destroyed it once its allocations were freed (its handle would be undefined).
+            let _ = self.device.synchronize();
         }
         self.unmap_retired(&mut st, true);
         for (addr, size) in chunks {
