@@ -108,6 +108,8 @@ def load():
             lib.streamalloc_cupy_set_stream_keeper.restype = None
             lib.streamalloc_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
             lib.streamalloc_record_stream.restype = status
+            lib.streamalloc_retire_stream.argtypes = [ctypes.c_int, ctypes.c_void_p]
+            lib.streamalloc_retire_stream.restype = status
             lib.streamalloc_reset_peak_stats.argtypes = [ctypes.c_int]
             lib.streamalloc_reset_peak_stats.restype = status
             lib.streamalloc_sim_create_stream.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]
@@ -170,6 +172,12 @@ def deallocate(ptr):
 def record_stream(ptr, stream):
     """Marks `stream` as a user of the allocation at `ptr` until it is freed."""
     check(load().streamalloc_record_stream(ptr, stream))
+
+
+def retire_stream(stream, device=0):
+    """Tells `device`'s allocators that `stream` (a handle) is about to be destroyed, once no
+    allocation made on it is live: no later call of the library names it."""
+    check(load().streamalloc_retire_stream(device, stream))
 
 
 class _Sim:

@@ -1,6 +1,7 @@
 """CuPy: route CuPy's device allocations through streamalloc."""
 
 import ctypes
+import sys
 
 import streamalloc
 
@@ -25,7 +26,9 @@ def enable(conf=None, checked=False):
 
     A `cupy.cuda.Stream` is kept alive while memory allocated on it is live (CuPy would
     otherwise destroy it when its last reference goes, possibly before arrays made on it are
-    freed, and their free is enqueued on it).
+    freed, and their free is enqueued on it), and until the library has forgotten it
+    (`streamalloc.retire_stream`) once nothing else holds it: no later release or retry on
+    out-of-memory then names a destroyed stream.
 
     Returns the allocator object CuPy holds.
     """
@@ -63,30 +66,59 @@ def _current_stream_source():
 
 
 _kept = {}
-"""The streams that own live allocations: handle -> [cupy.cuda.Stream, live allocations]."""
+"""Every stream that owned a CuPy allocation made through streamalloc: handle ->
+[cupy.cuda.Stream, live allocations, device, retired]. It is held (so CuPy cannot destroy it)
+while it owns live allocations and while anything else holds it; once neither, the library
+forgets it (`streamalloc.retire_stream`: its pool under `stream_safe` gives its memory back)
+and it is let go. CuPy then destroys it, and no later call of the library (a release, a
+retry on out-of-memory) names the destroyed stream, which the driver does not survive."""
+
+_HELD_BY_US_ALONE = 2
+"""`sys.getrefcount` of a kept stream that only `_kept` holds: its list's slot and the
+argument of the call."""
 
 
 def _keep(stream, delta):
-    """`stream` (a handle) gained its first live allocation (`delta` 1) or lost its last (-1):
-    holds its `cupy.cuda.Stream` (CuPy's current stream at the first allocation) in between."""
-    stream &= (1 << 64) - 1  # the handle as an unsigned pointer, as CuPy's `ptr`
+    """`stream` (a handle) gained a live allocation (`delta` 1, its first through the C
+    functions) or lost one (-1, its last through them): see `_kept`."""
     try:
-        entry = _kept.get(stream)
-        if delta > 0:
-            if entry is not None:
-                entry[1] += 1
-            else:
-                import cupy
-
-                current = cupy.cuda.get_current_stream()
-                if current.ptr == stream:
-                    _kept[stream] = [current, 1]
-        elif entry is not None:
-            entry[1] -= 1
-            if entry[1] == 0:
-                del _kept[stream]  # the stream may be destroyed now, after the frees it owned
+        _count(stream & ((1 << 64) - 1), delta, None)  # the handle unsigned, as CuPy's `ptr`
     except Exception:  # a ctypes callback must not raise (e.g. at interpreter exit)
         pass
+
+
+def _count(handle, delta, stream):
+    """Counts a live allocation of `handle` gained or lost; `stream` is its
+    `cupy.cuda.Stream` when the caller has it (else CuPy's current stream, if it is that
+    one). Then lets go of the streams no one else holds that own nothing."""
+    import cupy
+
+    entry = _kept.get(handle)
+    if delta > 0:
+        if entry is not None:
+            entry[1] += 1
+        else:
+            stream = stream if stream is not None else cupy.cuda.get_current_stream()
+            if stream.ptr == handle:
+                _kept[handle] = [stream, 1, cupy.cuda.Device().id, False]
+    elif entry is not None:
+        entry[1] -= 1
+    _let_go()
+
+
+def _let_go():
+    """Retires, then lets go of, every kept stream that owns no live allocation and that
+    nothing but `_kept` holds. One whose retirement fails (its work outlasted the library's
+    bounded wait) stays held: its pool may still name it."""
+    for handle, entry in list(_kept.items()):
+        if entry[1] > 0 or entry[3] or sys.getrefcount(entry[0]) > _HELD_BY_US_ALONE:
+            continue
+        try:
+            streamalloc.retire_stream(handle, entry[2])
+        except streamalloc.StreamallocError:
+            entry[3] = True
+            continue
+        del _kept[handle]
 
 
 _KEEPER = ctypes.CFUNCTYPE(None, ctypes.c_ssize_t, ctypes.c_int)(_keep)
@@ -106,15 +138,18 @@ def _checked_malloc(size, device_id):
         raise cupy.cuda.memory.OutOfMemoryError(size, total)
     streamalloc.check(status)
     if out.value and current.ptr > 2:  # the default streams' handles are never destroyed
-        _checked_streams[out.value] = current
+        _checked_owner[out.value] = current.ptr
+        _count(current.ptr, 1, current)
     return out.value or 0
 
 
-_checked_streams = {}
-"""The stream of each live allocation of the checked path on a stream that can be destroyed,
-held until the allocation is freed."""
+_checked_owner = {}
+"""The stream handle of each live allocation of the checked path on a stream that can be
+destroyed (counted in `_kept` until the allocation is freed)."""
 
 
 def _checked_free(ptr, device_id):
     streamalloc.load().streamalloc_cupy_free(None, ptr, device_id)
-    _checked_streams.pop(ptr, None)
+    handle = _checked_owner.pop(ptr, None)
+    if handle is not None:
+        _count(handle, -1, None)

@@ -357,6 +357,14 @@ impl State {
         self.facade.built(device).map_or(Ok(0), |s| s.allocator.release())
     }
 
+    /// Forgets what `device`'s stack keeps for `stream`, which the caller is about to destroy
+    /// ([`StreamAllocator::retire_stream`]); nothing for a device not used yet.
+    pub(crate) fn retire_stream(&self, device: c_int, stream: u64) -> Result<()> {
+        let device = ordinal(device)?;
+        let stream = self.stream(stream, Some(device))?;
+        self.facade.built(device).map_or(Ok(()), |s| s.allocator.retire_stream(stream))
+    }
+
     /// Grants device `peer` access to the memory `device`'s stack maps, now and later.
     pub(crate) fn enable_peer_access(&self, device: c_int, peer: c_int) -> Result<()> {
         self.facade.enable_peer_access(ordinal(device)?, ordinal(peer)?)

@@ -30,10 +30,22 @@ fn package() -> PathBuf {
 
 #[test]
 fn python_package_on_the_simulator() {
+    python_tests("test_streamalloc.py");
+}
+
+/// The CuPy front end's streams under a pool per stream, in a process of its own (the library
+/// is configured once per process).
+#[test]
+fn cupy_streams_on_the_simulator() {
+    python_tests("test_cupy_streams.py");
+}
+
+/// Runs `python/tests/SCRIPT` against the package; it must report no failure.
+fn python_tests(script: &str) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let pkg = package();
     let out = Command::new("python3")
-        .arg(root.join("python/tests/test_streamalloc.py"))
+        .arg(root.join("python/tests").join(script))
         .env("PYTHONPATH", pkg.parent().unwrap())
         .env("PYTHONDONTWRITEBYTECODE", "1")
         .env_remove("STREAMALLOC_CONF")

@@ -350,6 +350,13 @@ pub trait StreamAllocator: Allocator {
     fn default_stream(&self) -> Stream;
     /// Sets the stream [`Allocator::allocate`] uses.
     fn set_default_stream(&self, stream: Stream);
+    /// Forgets what the allocator keeps for `stream`, which the caller is about to destroy,
+    /// so that no later call names it (a destroyed stream's handle is undefined in every
+    /// driver call): [`StreamSafe`](crate::allocators::StreamSafe) retires the stream's pool
+    /// (its free memory goes back once the stream's work is done, memory still handed out
+    /// at a later release once freed); allocators that keep nothing per stream do nothing.
+    /// Call it once no allocation owned by `stream` is live, before destroying the stream.
+    fn retire_stream(&self, stream: Stream) -> Result<()>;
 }
 
 /// Allocations known by their pointer alone, for front ends that hand raw pointers to C:
@@ -433,6 +440,9 @@ impl<A: StreamAllocator + ?Sized> StreamAllocator for Arc<A> {
     }
     fn set_default_stream(&self, stream: Stream) {
         (**self).set_default_stream(stream)
+    }
+    fn retire_stream(&self, stream: Stream) -> Result<()> {
+        (**self).retire_stream(stream)
     }
 }
 

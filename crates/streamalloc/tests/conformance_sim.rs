@@ -67,6 +67,9 @@ impl StreamAllocator for ReuseAtOnce {
         Stream::DEFAULT
     }
     fn set_default_stream(&self, _: Stream) {}
+    fn retire_stream(&self, _: Stream) -> streamalloc::Result<()> {
+        Ok(())
+    }
 }
 
 fn reuse_at_once(device: Arc<dyn Device>) -> Made {

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use streamalloc::facade::{Config, Facade, Strategy};
-use streamalloc::{Device, Error, Stream};
+use streamalloc::{Device, Error, Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
 
@@ -53,6 +53,38 @@ fn caching_pools_map_ranges_where_the_device_can_and_fall_back_to_chunks() {
             drop((large, small));
             f.release_all().unwrap();
             assert_eq!(sim.mem_info().unwrap().used(), 0, "strategy={strategy}{keys}");
+        }
+    }
+}
+
+/// A stream retired before it is destroyed is named by no later call of any stack (a
+/// release, as a retry on out-of-memory makes, included); without retiring it, the pools of
+/// `stream_safe` still name it (undefined in the driver: a crash on an H200).
+#[test]
+fn retired_streams_are_named_by_no_later_call() {
+    for strategy in ["plain", "best_fit", "stream_safe", "stream_safe,expandable=false", "async"] {
+        for retire in [true, false] {
+            let f = sim(&format!("strategy={strategy}"));
+            let sim = f.stack(0).unwrap().sim.clone().unwrap();
+            let s = sim.create_stream().unwrap();
+            drop(f.allocate(40 * MIB, 0, s).unwrap());
+            drop(f.allocate(4096, 0, s).unwrap());
+            sim.synchronize_stream(s).unwrap();
+            if retire {
+                f.allocator(0).unwrap().retire_stream(s).unwrap();
+            }
+            sim.destroy_stream(s).unwrap();
+            let _ = f.release_all();
+            drop(f.allocate(MIB, 0, Stream::DEFAULT).unwrap());
+            let named = sim.unknown_stream_calls();
+            if retire {
+                assert_eq!(named, 0, "strategy={strategy}: a retired stream was named");
+            } else if strategy.starts_with("stream_safe") {
+                assert!(
+                    named > 0,
+                    "strategy={strategy}: the pools no longer name their stream: retiring is moot"
+                );
+            }
         }
     }
 }

@@ -31,8 +31,8 @@ macro_rules! pass_through_allocator {
     };
 }
 
-/// The default-stream methods of [`StreamAllocator`](crate::StreamAllocator) an adaptor
-/// passes to the allocator it wraps (`self.inner`).
+/// The per-stream methods of [`StreamAllocator`](crate::StreamAllocator) (default stream,
+/// retiring a stream) an adaptor passes to the allocator it wraps (`self.inner`).
 macro_rules! pass_through_default_stream {
     () => {
         fn default_stream(&self) -> Stream {
@@ -40,6 +40,9 @@ macro_rules! pass_through_default_stream {
         }
         fn set_default_stream(&self, stream: Stream) {
             self.inner.set_default_stream(stream)
+        }
+        fn retire_stream(&self, stream: Stream) -> Result<()> {
+            self.inner.retire_stream(stream)
         }
     };
 }

@@ -107,6 +107,11 @@ impl<A: Allocator> StreamAllocator for SingleStream<A> {
     fn set_default_stream(&self, stream: Stream) {
         *self.default.lock() = stream;
     }
+    /// Nothing to forget: the allocator below works on the adaptor's own stream, and other
+    /// streams are ordered after it at each allocation.
+    fn retire_stream(&self, _stream: Stream) -> Result<()> {
+        Ok(())
+    }
 }
 
 impl<A: Allocator + PointerAllocator> PointerAllocator for SingleStream<A> {

@@ -565,6 +565,10 @@ impl StreamAllocator for StreamSafe {
     fn set_default_stream(&self, stream: Stream) {
         self.default_stream.store(stream.0, Ordering::Relaxed);
     }
+
+    fn retire_stream(&self, stream: Stream) -> Result<()> {
+        StreamSafe::retire_stream(self, stream)
+    }
 }
 
 /// Each stream's pool keeps the allocations made on it by pointer, under the lock it takes

@@ -101,6 +101,9 @@ impl StreamAllocator for ByPointer {
     fn set_default_stream(&self, stream: Stream) {
         self.base.set_default_stream(stream)
     }
+    fn retire_stream(&self, stream: Stream) -> streamalloc::Result<()> {
+        self.base.retire_stream(stream)
+    }
 }
 
 /// Makes the allocator under test on a device.

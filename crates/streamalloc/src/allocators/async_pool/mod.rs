@@ -450,6 +450,11 @@ impl StreamAllocator for AsyncPool {
         Stream(self.inner.default_stream.load(Ordering::Relaxed))
     }
 
+    /// Nothing to forget: the driver's pool orders each free on its stream at the free.
+    fn retire_stream(&self, _stream: Stream) -> Result<()> {
+        Ok(())
+    }
+
     fn set_default_stream(&self, stream: Stream) {
         self.inner.default_stream.store(stream.0, Ordering::Relaxed);
     }
