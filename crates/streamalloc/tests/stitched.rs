@@ -380,7 +380,7 @@ fn dropping_pools_names_no_destroyed_stream() {
             let a = alloc.allocate_on(size, s).unwrap();
             sim.use_range(a.ptr(), a.size(), s, 1_000).unwrap();
         }
-        sim.synchronize_stream(s).unwrap();
+        // Destroyed with its work still running: the teardown waits for it all the same.
         sim.destroy_stream(s).unwrap();
         drop(alloc);
         assert_eq!(sim.unknown_stream_calls(), 0, "{backing:?}");

@@ -1165,7 +1165,9 @@ impl Device for SimDevice {
 
     fn synchronize(&self) -> Result<()> {
         self.call(|st| {
-            let ready = st.streams.values().map(|s| s.ready).max().unwrap_or(0);
+            // Work enqueued on streams destroyed since still runs to its end, as on a GPU.
+            let streams = st.streams.values().map(|s| s.ready);
+            let ready = streams.chain(st.uses.iter().map(|u| u.end)).max().unwrap_or(0);
             st.host_waits += 1;
             st.now = st.now.max(ready);
             st.apply_thresholds();
