@@ -123,8 +123,8 @@ pub struct Config {
     /// pay for a growth that would raise the peak) on devices that support virtual memory
     /// management, and with chunks of plain allocations elsewhere; `false` with chunks
     /// everywhere. Stitched ranges keep the footprint closer to the peak live bytes when
-    /// shapes vary, at the chunks' speed but on workloads that take idle ranges back at
-    /// most misses (`bench/results/`). Default `true`.
+    /// shapes vary, at about the chunks' CPU cost (up to 1.32 times it where most misses
+    /// take idle ranges back; `bench/results/`). Default `true`.
     pub expandable: bool,
     /// `pool`: `default` or `owned`, for `async`. Default `default`.
     pub pool: PoolChoice,
