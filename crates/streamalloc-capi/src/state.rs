@@ -357,12 +357,12 @@ impl State {
         self.facade.built(device).map_or(Ok(0), |s| s.allocator.release())
     }
 
-    /// Forgets what `device`'s stack keeps for `stream`, which the caller is about to destroy
-    /// ([`StreamAllocator::retire_stream`]); nothing for a device not used yet.
+    /// Forgets what `device`'s stack and private pools keep for `stream`, which the caller is
+    /// about to destroy ([`Facade::retire_stream`]); nothing for a device not used yet.
     pub(crate) fn retire_stream(&self, device: c_int, stream: u64) -> Result<()> {
         let device = ordinal(device)?;
         let stream = self.stream(stream, Some(device))?;
-        self.facade.built(device).map_or(Ok(()), |s| s.allocator.retire_stream(stream))
+        self.facade.retire_stream(device, stream)
     }
 
     /// Grants device `peer` access to the memory `device`'s stack maps, now and later.

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use streamalloc::facade::{Config, Facade, Strategy};
-use streamalloc::{Device, Error, Stream, StreamAllocator};
+use streamalloc::{Device, Error, Stream};
 
 const MIB: usize = 1 << 20;
 
@@ -71,7 +71,7 @@ fn retired_streams_are_named_by_no_later_call() {
             drop(f.allocate(4096, 0, s).unwrap());
             sim.synchronize_stream(s).unwrap();
             if retire {
-                f.allocator(0).unwrap().retire_stream(s).unwrap();
+                f.retire_stream(0, s).unwrap();
             }
             sim.destroy_stream(s).unwrap();
             let _ = f.release_all();

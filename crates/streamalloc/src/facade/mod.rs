@@ -175,6 +175,17 @@ impl Facade {
         self.stack(ordinal)?.device.grant_mapped_access(peer)
     }
 
+    /// Tells device `ordinal`'s allocators, its private pools included, that `stream` is
+    /// about to be destroyed, once no allocation made on it is live
+    /// ([`StreamAllocator::retire_stream`]); nothing for a device not used yet. Every part is
+    /// tried; the first error is returned.
+    pub fn retire_stream(&self, ordinal: usize, stream: Stream) -> Result<()> {
+        let Some(stack) = self.built(ordinal) else { return Ok(()) };
+        let main = stack.allocator.retire_stream(stream);
+        let private = stack.private.retire_stream(stream);
+        main.and(private)
+    }
+
     /// The allocator stack of device `ordinal`.
     pub fn allocator(&self, ordinal: usize) -> Result<&DynAllocator> {
         Ok(&self.stack(ordinal)?.allocator)

@@ -272,6 +272,20 @@ impl PrivatePools {
         Ok(false)
     }
 
+    /// Retires `stream`'s pool in every private pool ([`StreamSafe::retire_stream`]): the
+    /// caller is about to destroy it. Every pool is tried; the first error is returned.
+    pub fn retire_stream(&self, stream: Stream) -> Result<()> {
+        let allocs: Vec<Arc<StreamSafe>> =
+            self.state.lock().pools.values().map(|e| e.alloc.clone()).collect();
+        let mut first_error = None;
+        for a in allocs {
+            if let Err(e) = a.retire_stream(stream) {
+                first_error.get_or_insert(e);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
     /// Restarts the peaks of every pool's statistics.
     pub fn reset_peak_stats(&self) {
         for e in self.state.lock().pools.values() {
@@ -338,6 +352,36 @@ mod tests {
         assert_eq!(p.len(), 0);
         assert_eq!(sim.mem_info().unwrap().used(), 0, "the pool's chunks went back");
         assert!(!p.free(b, s), "freed twice");
+    }
+
+    /// A stream retired before it is destroyed is named by no later call of a private pool
+    /// (here its retry on out-of-memory, which waits for every stream with a pool); without
+    /// retiring it, the pool names it.
+    #[test]
+    fn a_retired_stream_is_named_by_no_later_call_of_a_pool() {
+        for retire in [true, false] {
+            let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+            let p = pools(&sim);
+            let (s, s2) = (sim.create_stream().unwrap(), sim.create_stream().unwrap());
+            p.begin((0, 1), Arc::new(move |x| x == s || x == s2)).unwrap();
+            let a = pooled(&p, 600 << 20, s).unwrap();
+            assert!(p.free(a, s));
+            if retire {
+                p.retire_stream(s).unwrap();
+            }
+            sim.destroy_stream(s).unwrap();
+            // The 600 MiB cached on `s` must go back before `s2` gets as much: retired, they
+            // went back at once; else the retry names `s` (on a GPU, a crash; here the
+            // allocation fails).
+            let b = p.allocate(600 << 20, s2);
+            assert_eq!(sim.unknown_stream_calls() == 0, retire, "retire={retire}");
+            match b {
+                Ok(Routed::Pool(b)) => assert!(p.free(b, s2)),
+                other => assert!(!retire, "retired, yet {other:?}"),
+            }
+            p.end((0, 1));
+            p.release((0, 1));
+        }
     }
 
     #[test]
