@@ -9,7 +9,7 @@ import sys
 import streamalloc
 import streamalloc.cupy
 
-from test_streamalloc import fake_cupy
+from test_streamalloc import fake_cupy, main, remove_fake_cupy
 
 CONF = "device=sim,strategy=stream_safe,sim_capacity=8GiB"
 
@@ -67,24 +67,8 @@ def test_cupy_streams_outlive_their_memory():
             assert handle in destroyed, f"checked={checked}: a stream nothing held was kept"
             streamalloc.release(0)
     finally:
-        for name in modules:
-            del sys.modules[name]
-        streamalloc.load().streamalloc_cupy_set_stream_source(None)
-        streamalloc.load().streamalloc_cupy_set_stream_keeper(None)
-
-
-
-def main():
-    try:
-        test_cupy_streams_outlive_their_memory()
-    except Exception as e:
-        print(f"test_cupy_streams_outlive_their_memory ... FAILED: {type(e).__name__}: {e}")
-        print("0 passed, 1 failed")
-        return 1
-    print("test_cupy_streams_outlive_their_memory ... ok")
-    print("1 passed, 0 failed")
-    return 0
+        remove_fake_cupy(modules)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(globals()))

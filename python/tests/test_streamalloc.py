@@ -118,6 +118,15 @@ def fake_cupy():
     return modules, calls
 
 
+def remove_fake_cupy(modules):
+    """Undoes `fake_cupy` and `streamalloc.cupy.enable`: the stand-in's modules go, and the
+    library forgets CuPy's stream source and keeper."""
+    for name in modules:
+        del sys.modules[name]
+    streamalloc.load().streamalloc_cupy_set_stream_source(None)
+    streamalloc.load().streamalloc_cupy_set_stream_keeper(None)
+
+
 def test_configure_stats_release():
     streamalloc.configure(CONF)
     streamalloc.configure(CONF)  # the same configuration again is fine
@@ -191,10 +200,7 @@ def test_cupy_enable():
         except cupy.cuda.memory.OutOfMemoryError:
             pass
     finally:
-        for name in modules:
-            del sys.modules[name]
-        streamalloc.load().streamalloc_cupy_set_stream_source(None)
-        streamalloc.load().streamalloc_cupy_set_stream_keeper(None)
+        remove_fake_cupy(modules)
 
 
 def test_stats_struct_matches_header():
@@ -234,8 +240,10 @@ def test_sim_streams():
         assert e.status == "INVALID_ARGUMENT", e
 
 
-def main():
-    tests = [(name, f) for name, f in sorted(globals().items()) if name.startswith("test_")]
+def main(namespace=None):
+    """Runs every `test_` function of `namespace` (this module's by default), reports each
+    and the totals; the exit status."""
+    tests = [(name, f) for name, f in sorted((namespace or globals()).items()) if name.startswith("test_")]
     failed = 0
     for name, f in tests:
         try:
