@@ -553,8 +553,8 @@ impl State {
     }
 
     /// What the pool serves without its backing when no free block fits: best fit after
-    /// giving every parked block back, else from an idle stitched chunk of up to twice the
-    /// size whose homes are free ([`BestFitPolicy::reuse_stitched`]: a repeated workload's
+    /// giving every parked block back, else from an idle stitched chunk that fits the size
+    /// whose homes are free ([`BestFitPolicy::reuse_stitched`]: a repeated workload's
     /// misses on a stitched backing end here, with no device call).
     fn allocate_harder(&mut self, rounded: u64) -> Option<Grant> {
         if self.parked.bytes > 0 {

@@ -37,9 +37,10 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Grant};
 ///   defragmented without moving live data and without waiting for the device (below).
 /// * **Reuse.** When the last block of a stitched range is freed, its granules go back to
 ///   the pool at home and the range is kept mapped, idle. A later miss that an idle range
-///   fits (at most twice the request) whose home granules are all free takes them again and
-///   serves from the range: no device call (the pool does this from its books before it
-///   asks the backing, so the miss makes no device query either). A repeated workload (a
+///   fits (at most half as large again as the request, or as large as its stitch would be)
+///   whose home granules are all free takes them again and serves from the range: no device
+///   call (the pool does this from its books before it asks the backing, so the miss makes
+///   no device query either). A repeated workload (a
 ///   training step, a decoding loop) meets the same requests at the same points, so after
 ///   its first rounds its misses find their ranges. A small request that finds no small
 ///   block takes a whole granule of a free large block, at its address: the memory changes
@@ -288,7 +289,7 @@ impl Stitched {
             put_back(&homes);
             return Err(e);
         }
-        let served = ledger.update_and_serve(&mut |p| p.add_stitched(class, at, size, homes.clone()));
+        let served = ledger.update_and_serve(&mut |p| p.add_stitched(class, at, size, g, homes.clone()));
         if served.is_err() {
             let _ = self.device.unmap(at, size as usize);
             put_back(&homes);
