@@ -18,9 +18,9 @@ fn sim(conf: &str) -> Facade {
     Facade::new(Config::parse(&format!("device=sim,sim_capacity=1GiB,{conf}")).unwrap())
 }
 
-/// Replays `trace` (a path under traces/) `passes` times after the measuring pass through StreamSafe
-/// over stitched ranges (`expandable=true`), on a simulated H200: the granules mapped or
-/// unmapped in each pass, and the footprint.
+/// Replays `trace` (a path under traces/) `passes` times after the measuring pass through
+/// StreamSafe over stitched ranges (`expandable=true`), on a simulated H200: the granules
+/// mapped or unmapped in each pass, and the footprint.
 fn stitched_granules_per_pass(trace: &str, passes: usize) -> (Vec<u64>, f64) {
     let path = format!("{}/../../traces/{trace}", env!("CARGO_MANIFEST_DIR"));
     let trace = Trace::from_path(path).expect("trace");

@@ -40,11 +40,10 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Grant};
 ///   fits (at most half as large again as the request, or as large as its stitch would be)
 ///   whose home granules are all free takes them again and serves from the range: no device
 ///   call (the pool does this from its books before it asks the backing, so the miss makes
-///   no device query either). A repeated workload (a
-///   training step, a decoding loop) meets the same requests at the same points, so after
-///   its first rounds its misses find their ranges. A small request that finds no small
-///   block takes a whole granule of a free large block, at its address: the memory changes
-///   class without a device call.
+///   no device query either). A repeated workload (a training step, a decoding loop) meets
+///   the same requests at the same points, so after its first rounds its misses find their
+///   ranges. A small request that finds no small block takes a whole granule of a free
+///   large block, at its address: the memory changes class without a device call.
 /// * **Eviction.** Beyond 1024 idle ranges the least recently used, and all of them when the
 ///   stitch area has no room, are unmapped once an event recorded on the pool's stream after
 ///   their last use completed.
