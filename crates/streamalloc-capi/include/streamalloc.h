@@ -133,10 +133,9 @@ enum streamalloc_status_t streamalloc_release(int device, size_t *released);
 // Tells `device`'s allocators, its private pools included, that `stream` is about to be
 // destroyed, once no allocation made on it is live: they forget what they keep for it
 // (`stream_safe` retires the stream's pool, whose free memory goes back once the stream's
-// work is done), so that no later call
-// (a release, a retry on out-of-memory) names a destroyed stream, which the driver does not
-// survive. Front ends whose streams can be destroyed call it first (streamalloc.cupy does,
-// for the CuPy streams it kept alive).
+// work is done), so that no later call (a release, a retry on out-of-memory) names a
+// destroyed stream, which the driver does not survive. Front ends whose streams can be
+// destroyed call it first (streamalloc.cupy does, for the CuPy streams it kept alive).
 enum streamalloc_status_t streamalloc_retire_stream(int device, cudaStream_t stream);
 
 // Writes the statistics of `device` to `*out` (zeros for a device not used yet).

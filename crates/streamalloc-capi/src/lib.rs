@@ -138,10 +138,9 @@ pub unsafe extern "C" fn streamalloc_release(device: c_int, released: *mut usize
 /// Tells `device`'s allocators, its private pools included, that `stream` is about to be
 /// destroyed, once no allocation made on it is live: they forget what they keep for it
 /// (`stream_safe` retires the stream's pool, whose free memory goes back once the stream's
-/// work is done), so that no later call
-/// (a release, a retry on out-of-memory) names a destroyed stream, which the driver does not
-/// survive. Front ends whose streams can be destroyed call it first (streamalloc.cupy does,
-/// for the CuPy streams it kept alive).
+/// work is done), so that no later call (a release, a retry on out-of-memory) names a
+/// destroyed stream, which the driver does not survive. Front ends whose streams can be
+/// destroyed call it first (streamalloc.cupy does, for the CuPy streams it kept alive).
 #[no_mangle]
 pub extern "C" fn streamalloc_retire_stream(device: c_int, stream: CudaStream) -> StreamallocStatus {
     status::status(|| State::get()?.retire_stream(device, stream as u64))

@@ -126,7 +126,8 @@ impl Stitch {
 /// loop whose requests grow held 1.0567 of its peak live bytes instead of 1.0147
 /// (`bench/results/2026-12-04-stitch-tuning-sim.md`).
 fn fitting(size: u64, granule: u64) -> RangeInclusive<(u64, u64)> {
-    let stitch = size.div_ceil(granule.max(1)).saturating_mul(granule.max(1));
+    let g = granule.max(1);
+    let stitch = size.div_ceil(g).saturating_mul(g);
     (size, 0)..=(stitch.max(size.saturating_add(size / 2)), u64::MAX)
 }
 
@@ -474,6 +475,14 @@ mod tests {
         (p, [blocks[0].token, blocks[2].token])
     }
 
+    /// [`stitched`], its chunk used and freed: idle.
+    fn idle() -> (BestFitPolicy, [u64; 2]) {
+        let (mut p, tokens) = stitched();
+        let x = p.allocate(8 * MIB).unwrap();
+        p.free(x.token, x.addr).unwrap();
+        (p, tokens)
+    }
+
     #[test]
     fn the_last_free_of_a_stitched_chunk_gives_its_homes_back() {
         let (mut p, _) = stitched();
@@ -490,9 +499,7 @@ mod tests {
 
     #[test]
     fn an_idle_stitched_chunk_is_reused_only_when_its_homes_are_free() {
-        let (mut p, _) = stitched();
-        let x = p.allocate(8 * MIB).unwrap();
-        p.free(x.token, x.addr).unwrap();
+        let (mut p, _) = idle();
         // Too small for it, or it is more than half as large again as the request: not taken.
         assert!(!p.reuse_stitched(9 * MIB).unwrap());
         assert!(!p.reuse_stitched(2 * MIB).unwrap());
@@ -512,9 +519,7 @@ mod tests {
     fn an_idle_chunk_serves_no_request_that_would_leave_a_third_of_it_unused() {
         // With up to twice the request, a 5 MiB request took the 8 MiB chunk, and its 3 MiB
         // rest stayed out of the pool's other blocks.
-        let (mut p, _) = stitched();
-        let x = p.allocate(8 * MIB).unwrap();
-        p.free(x.token, x.addr).unwrap();
+        let (mut p, _) = idle();
         assert!(!p.reuse_stitched(5 * MIB).unwrap());
         assert!(p.reuse_stitched(6 * MIB).unwrap(), "8 MiB is half as large again as 6 MiB at most");
         // A request that rounds up to the chunk's granules takes it even beyond that: a stitch
@@ -531,12 +536,10 @@ mod tests {
         );
     }
 
-    /// [`stitched`], its chunk used and freed (idle), then a second stitched chunk of 6 MiB at
-    /// `STITCH + 16 MiB` over the first home and half the second, used and freed (idle).
+    /// [`idle`], then a second stitched chunk of 6 MiB at `STITCH + 16 MiB` over the first
+    /// home and half the second, used and freed (idle).
     fn two_idle() -> (BestFitPolicy, [u64; 2]) {
-        let (mut p, tokens) = stitched();
-        let x = p.allocate(8 * MIB).unwrap();
-        p.free(x.token, x.addr).unwrap();
+        let (mut p, tokens) = idle();
         p.carve(4 * MIB, 4 * MIB).unwrap();
         p.carve(12 * MIB, 2 * MIB).unwrap();
         let homes = vec![(Class::Large, 4 * MIB, 4 * MIB), (Class::Large, 12 * MIB, 2 * MIB)];
@@ -584,9 +587,7 @@ mod tests {
     fn take_stitches_returns_idle_ranges_and_the_homes_of_those_in_use() {
         let (mut p, _) = stitched();
         assert_eq!(p.take_stitches(), vec![(4 * MIB, 4 * MIB), (12 * MIB, 4 * MIB)]);
-        let (mut p, _) = stitched();
-        let x = p.allocate(8 * MIB).unwrap();
-        p.free(x.token, x.addr).unwrap();
+        let (mut p, _) = idle();
         assert!(p.take_idle_stitched() == vec![(STITCH, 8 * MIB)]);
         assert!(p.take_stitches().is_empty() && !p.reuse_stitched(8 * MIB).unwrap());
     }
