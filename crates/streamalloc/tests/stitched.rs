@@ -154,30 +154,18 @@ fn a_repeated_workload_on_stream_safe_makes_no_device_call_once_warm() {
 }
 
 #[test]
-fn a_miss_grows_within_the_headroom_only_when_an_idle_range_is_kept_from_serving_it() {
-    let sim = SimDevice::new(SimConfig::with_capacity(4 << 30));
+fn a_request_over_128_kib_leaves_the_rest_of_a_large_block_to_large_requests() {
+    let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
     let pool = BestFit::new(sim.clone(), stitched()).unwrap();
-    // 1 GiB live in 2 MiB blocks, two holes of one block each.
-    let mut blocks: Vec<Option<Allocation>> =
-        (0..512).map(|_| Some(pool.allocate(2 * MIB).unwrap())).collect();
-    let (start, aliases) = (used(&sim), sim.aliases());
-    for i in [0, 2] {
-        blocks[i] = None;
-    }
-    // A first miss of its size: the holes are stitched, though a growth of 4 MiB would stay
-    // within 1/64 of the pool's need.
-    let a = pool.allocate(4 * MIB).unwrap();
-    assert_eq!((sim.aliases() - aliases, used(&sim)), (1, start), "the first miss did not stitch");
-    // Once freed, the range is idle; a block takes one of its homes back.
-    drop(a);
-    let b = pool.allocate(2 * MIB).unwrap();
-    // The same miss again: its idle range cannot serve it, so it grows by 4 MiB, within the
-    // headroom, rather than stitching again; the next time the layout is the same.
+    drop(pool.allocate(8 * MIB).unwrap());
+    // 256 KiB is large on a stitched pool: carved out of the free 8 MiB block, not out of a
+    // granule given to the small class, so the rest of the block serves the next request.
+    let medium = pool.allocate(256 << 10).unwrap();
     let calls = sim.mapping_calls();
-    let c = pool.allocate(4 * MIB).unwrap();
-    assert_eq!(sim.aliases() - aliases, 1, "the repeated miss stitched again");
-    assert_eq!((sim.mapping_calls() - calls, used(&sim) - start), (1, 4 * MIB));
-    drop((b, c, blocks));
+    let rest = pool.allocate(8 * MIB - (256 << 10)).unwrap();
+    assert_eq!(sim.mapping_calls(), calls, "the rest of the block did not serve the request");
+    assert_eq!(pool.stats().reserved, 8 * MIB);
+    drop((medium, rest));
 }
 
 #[test]

@@ -217,12 +217,11 @@ impl BestFit {
     /// A pool over `backing` ([`BestFitConfig::backing`] is not read). Fails as
     /// [`BestFit::with_source`] does.
     pub fn with_backing(backing: Box<dyn Backing>, config: BestFitConfig) -> Result<Self> {
-        let classes = Classes {
+        let classes = backing.classes(Classes {
             small_chunk: config.small_chunk_size as u64,
             growth: config.growth as u64,
-            split_large_slivers: backing.grows_into_free_tails(),
             ..Classes::default()
-        };
+        });
         classes.validate()?;
         let device = backing.device().clone();
         let state = State {

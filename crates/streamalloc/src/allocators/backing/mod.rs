@@ -23,7 +23,7 @@ use std::sync::Arc;
 
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::policy::best_fit::{BestFitPolicy, Class, Grant};
+use crate::policy::best_fit::{BestFitPolicy, Class, Classes, Grant};
 
 /// Which [`Backing`] a pool built from a [`BestFitConfig`](super::BestFitConfig) gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -86,11 +86,10 @@ pub trait Backing: Send + Sync {
     /// wait for the device itself (an unmap) then stays in the pool, and that error is
     /// returned.
     fn release(&self, ledger: &dyn Ledger, unwaited: Option<&Error>) -> Result<usize>;
-    /// Whether a growth maps what a request lacks past a free block, so that a remainder
-    /// split off a large block is used by the next growth and should be split however small
-    /// ([`Classes::split_large_slivers`](crate::policy::best_fit::Classes::split_large_slivers)).
-    fn grows_into_free_tails(&self) -> bool {
-        false
+    /// The size classes of a pool over this backing, from those its configuration asks for
+    /// (unchanged by default).
+    fn classes(&self, configured: Classes) -> Classes {
+        configured
     }
     /// Gives back every chunk the pool holds and what its stitched chunks left out of them
     /// ([`BestFitPolicy::take_stitches`]), as `(addr, size)`, when the pool is dropped.

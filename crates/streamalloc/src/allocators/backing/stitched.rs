@@ -12,7 +12,7 @@ use parking_lot::Mutex;
 use super::{Backing, Ledger, Want};
 use crate::device::{CaptureStatus, Device, Event, EventPool, Stream};
 use crate::error::{Error, OutOfMemory, Result};
-use crate::policy::best_fit::{BestFitPolicy, Class, Grant};
+use crate::policy::best_fit::{BestFitPolicy, Class, Classes, Grant};
 
 /// The stitched backing. One address reservation per pool, in two areas: the *home* area
 /// (twice the device's memory) where memory is mapped fresh, in granules
@@ -25,10 +25,8 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Grant};
 ///   only). Filling a run between two free blocks merges all three. Both classes share the
 ///   area, so small and large requests reuse each other's unmapped granules.
 /// * **Stitching.** When that growth would raise the memory mapped above its highest mark
-///   so far (and, when idle ranges of the request's size exist but their homes are in use,
-///   above 1/64 over the most the pool's blocks have needed at once: a headroom that lets
-///   a repeated workload whose layout drifts settle), and mapping what the free home
-///   granules (whole granules inside free blocks) lack for the request would raise it less,
+///   so far, and mapping what the free home granules (whole granules inside free blocks)
+///   lack for the request would raise it less,
 ///   they pay instead: as many as the request needs are taken out of the pool (those of the
 ///   largest free blocks first, which best fit hands out last, so that the range's homes are
 ///   still free when it is next wanted; fresh ones are mapped at home first for what they
@@ -93,9 +91,6 @@ struct State {
     mapped: u64,
     /// The most bytes mapped at once so far.
     high_water: u64,
-    /// The most bytes the pool's blocks needed at once at a miss: those handed out and the
-    /// request.
-    peak_need: u64,
 }
 
 /// Evicted stitched ranges and the event recorded on the pool's stream after their last
@@ -109,12 +104,15 @@ struct Retired {
 /// Idle stitched ranges kept for reuse; beyond them the least recently used are evicted.
 const IDLE_KEPT: usize = 1024;
 
-/// A miss that an idle range of its size would have served but for home granules in use maps
-/// fresh memory rather than stitching again while the memory mapped stays within
-/// 1/`HEADROOM` over the most the pool's blocks have needed at once: a little free room lets
-/// the layout of a repeated workload whose shapes change settle, instead of a stitch (20-40
-/// us per granule on an H200) at every step.
-const HEADROOM: u64 = 64;
+/// The largest request of the small class (128 KiB, a sixteenth of an H200's granule; 1 MiB
+/// over other backings). The small class's free memory serves no large request, and what a
+/// stitched range took from it goes back to it when the range is idle, where the next small
+/// requests take it: with requests of up to 1 MiB small, workloads whose shapes change every
+/// step stitched anew in every warm pass (bert_infer with seed 4: 167 granules in the best
+/// of three, about 160 ns per operation on an H200), and with up to 128 KiB those of 27
+/// workloads but one stop mapping by their third pass, without the headroom of fresh memory
+/// they needed before (`bench/results/2026-12-04-small-class-sim.md`).
+const SMALL_MAX: u64 = 128 << 10;
 
 /// Where to map a growth: `len` bytes at `at`, inside one unmapped run.
 #[derive(Debug, Clone, Copy)]
@@ -312,7 +310,6 @@ impl Backing for Stitched {
         let g = st.granularity;
         let need = want.rounded.div_ceil(g) * g;
         let mut plan = None;
-        let mut peak_need = st.peak_need;
         // The pool took no idle stitched range before asking (`BestFit`'s `allocate_harder`),
         // but other threads may have freed blocks since: a free block or an idle range whose
         // home granules are free now serves it, or a small request takes a free large
@@ -325,16 +322,9 @@ impl Backing for Stitched {
                 return Ok(());
             }
             let placement = place(p, &st.holes, g, want.class, want.rounded);
-            // Mapping fresh memory is allowed up to the high-water mark; when an idle range of
-            // the request's size is kept from serving it by homes in use (the layout of a
-            // repeated workload drifted), up to 1/HEADROOM over the most the pool's blocks have
-            // needed at once, if that is more.
-            peak_need = peak_need.max(p.figures().allocated + want.rounded);
-            let budget = match p.has_idle_stitched(want.rounded) {
-                true => st.high_water.max((peak_need + peak_need / HEADROOM).div_ceil(g) * g),
-                false => st.high_water,
-            };
-            let raise = |len: u64| (st.mapped + len).saturating_sub(budget);
+            // Mapping fresh memory is free up to the high-water mark; past it, what raises the
+            // mark less wins.
+            let raise = |len: u64| (st.mapped + len).saturating_sub(st.high_water);
             let grow_raise = placement.map_or(u64::MAX, |pl| raise(pl.len));
             // Whole granules the free home blocks lack for the request.
             let lacking = need.saturating_sub(
@@ -351,7 +341,6 @@ impl Backing for Stitched {
             };
             Ok(())
         })?;
-        st.peak_need = peak_need;
         // Another thread may have grown the pool while this one waited for it.
         if served.is_some() {
             return Ok(served);
@@ -373,8 +362,10 @@ impl Backing for Stitched {
         }
     }
 
-    fn grows_into_free_tails(&self) -> bool {
-        true
+    /// Small requests are those of at most [`SMALL_MAX`]; a large block is split however small
+    /// the remainder, which the next growth next to it uses.
+    fn classes(&self, configured: Classes) -> Classes {
+        Classes { small_max: SMALL_MAX.min(configured.small_max), split_large_slivers: true, ..configured }
     }
 
     fn release(&self, ledger: &dyn Ledger, unwaited: Option<&Error>) -> Result<usize> {

@@ -303,12 +303,6 @@ impl BestFitPolicy {
         taken.map(|()| true)
     }
 
-    /// Whether an idle stitched chunk fits a request of `size` bytes, as
-    /// [`BestFitPolicy::reuse_stitched`] sees it, whether or not its homes are free.
-    pub fn has_idle_stitched(&self, size: u64) -> bool {
-        !self.stitches.idle.range(fitting(size, self.stitches.granule)).is_empty()
-    }
-
     /// Forgets every idle stitched chunk and returns them as `(addr, size)`, for the caller to
     /// unmap once nothing uses them.
     pub fn take_idle_stitched(&mut self) -> Vec<(u64, u64)> {
