@@ -104,14 +104,15 @@ struct Retired {
 /// Idle stitched ranges kept for reuse; beyond them the least recently used are evicted.
 const IDLE_KEPT: usize = 1024;
 
-/// The largest request of the small class (128 KiB, a sixteenth of an H200's granule; 1 MiB
-/// over other backings). The small class's free memory serves no large request, and what a
-/// stitched range took from it goes back to it when the range is idle, where the next small
-/// requests take it: with requests of up to 1 MiB small, workloads whose shapes change every
-/// step stitched anew in every warm pass (bert_infer with seed 4: 167 granules in the best
-/// of three, about 160 ns per operation on an H200), and with up to 128 KiB those of 27
-/// workloads but one stop mapping by their third pass, without the headroom of fresh memory
-/// they needed before (`bench/results/2026-12-04-small-class-sim.md`).
+/// The largest request of the small class on a stitched pool (128 KiB, a sixteenth of an
+/// H200's granule; 1 MiB over the other backings, as PyTorch's caching allocator classes
+/// requests). The small class's free memory serves no large request, and the homes a
+/// stitched range took from small blocks go back to the small class when the range is idle,
+/// where the next small requests take them: with requests of up to 1 MiB small, workloads
+/// whose shapes change every step stitched anew in their warm passes (bert_infer with seed
+/// 4: 167 granules in the best of three, about 160 ns per operation on an H200). With up to
+/// 128 KiB the best warm pass maps nothing on 26 of 27 recorded and synthetic workloads
+/// (`bench/results/2026-12-04-small-class-sim.md`).
 const SMALL_MAX: u64 = 128 << 10;
 
 /// Where to map a growth: `len` bytes at `at`, inside one unmapped run.
