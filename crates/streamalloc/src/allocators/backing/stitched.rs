@@ -363,8 +363,8 @@ impl Backing for Stitched {
         }
     }
 
-    /// Small requests are those of at most [`SMALL_MAX`]; a large block is split however small
-    /// the remainder, which the next growth next to it uses.
+    /// Small requests are those of at most 128 KiB (see `SMALL_MAX`); a large block is split
+    /// however small the remainder, which the next growth next to it uses.
     fn classes(&self, configured: Classes) -> Classes {
         Classes { small_max: SMALL_MAX.min(configured.small_max), split_large_slivers: true, ..configured }
     }
