@@ -56,7 +56,7 @@ fn a_training_loop_whose_shapes_change_every_step_stops_mapping_once_warm() {
     // granules at every pass (stitches, 20-40 us each on an H200): 10 times the operations'
     // own cost. With the small class up to 128 KiB it maps nothing after its first pass.
     let (per_pass, footprint) = stitched_granules_per_pass("synthetic/multiscale_train.csv", 5);
-    assert_eq!(per_pass[3..], [0; 3], "granules mapped or unmapped per pass: {per_pass:?}");
+    assert_eq!(per_pass[1..], [0; 5], "granules mapped or unmapped per pass: {per_pass:?}");
     // PyTorch's expandable segments held 1.010 of the peak live bytes on the H200.
     assert!(footprint <= 1.01, "footprint {footprint:.4}");
 }

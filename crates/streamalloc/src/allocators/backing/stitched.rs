@@ -26,13 +26,13 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Classes, Grant};
 ///   area, so small and large requests reuse each other's unmapped granules.
 /// * **Stitching.** When that growth would raise the memory mapped above its highest mark
 ///   so far, and mapping what the free home granules (whole granules inside free blocks)
-///   lack for the request would raise it less,
-///   they pay instead: as many as the request needs are taken out of the pool (those of the
-///   largest free blocks first, which best fit hands out last, so that the range's homes are
-///   still free when it is next wanted; fresh ones are mapped at home first for what they
-///   lack) and their memory is mapped again, side by side, in the stitch area. The
-///   stitched range is a chunk of its own that serves the request. Free memory is thus
-///   defragmented without moving live data and without waiting for the device (below).
+///   lack for the request would raise it less, they pay instead: as many as the request
+///   needs are taken out of the pool (those of the largest free blocks first, which best fit
+///   hands out last, so that the range's homes are still free when it is next wanted; fresh
+///   ones are mapped at home first for what they lack) and their memory is mapped again, side
+///   by side, in the stitch area. The stitched range is a chunk of its own that serves the
+///   request. Free memory is thus defragmented without moving live data and without waiting
+///   for the device (below).
 /// * **Reuse.** When the last block of a stitched range is freed, its granules go back to
 ///   the pool at home and the range is kept mapped, idle. A later miss that an idle range
 ///   fits (at most half as large again as the request, or as large as its stitch would be)
@@ -40,8 +40,10 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Classes, Grant};
 ///   call (the pool does this from its books before it asks the backing, so the miss makes
 ///   no device query either). A repeated workload (a training step, a decoding loop) meets
 ///   the same requests at the same points, so after its first rounds its misses find their
-///   ranges. A small request that finds no small block takes a whole granule of a free
-///   large block, at its address: the memory changes class without a device call.
+///   ranges. A small request (128 KiB or less here) that finds no small block takes a
+///   whole granule of a free large block, at its address: the memory changes class without
+///   a device call. Larger requests are carved out of large blocks, whose rests the next
+///   large requests use: small blocks, and the homes of ranges stitched from them, are few.
 /// * **Eviction.** Beyond 1024 idle ranges the least recently used, and all of them when the
 ///   stitch area has no room, are unmapped once an event recorded on the pool's stream after
 ///   their last use completed.
