@@ -111,10 +111,8 @@ const IDLE_KEPT: usize = 1024;
 /// requests). The small class's free memory serves no large request, and the homes a
 /// stitched range took from small blocks go back to the small class when the range is idle,
 /// where the next small requests take them: with requests of up to 1 MiB small, workloads
-/// whose shapes change every step stitched anew in their warm passes (bert_infer with seed
-/// 4: 167 granules in the best of three, about 160 ns per operation on an H200). With up to
-/// 128 KiB the best warm pass maps nothing on 26 of 27 recorded and synthetic workloads
-/// (`bench/results/2026-12-04-small-class-sim.md`).
+/// whose shapes change every step stitched anew in every warm pass. Figures:
+/// `bench/results/2026-12-04-small-class-sim.md`.
 const SMALL_MAX: u64 = 128 << 10;
 
 /// Where to map a growth: `len` bytes at `at`, inside one unmapped run.
