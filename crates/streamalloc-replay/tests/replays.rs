@@ -120,7 +120,7 @@ fn a_decoding_loop_whose_requests_grow_stays_within_3_percent() {
     // requests of half its size, the ranges of the cache's earlier, larger tensors kept a third
     // to a half of their memory out of use: 1.0567 of the peak live bytes; the best reference
     // allocator held 1.030 of them on the H200 with seed 0 (cudaMalloc).
-    let (_, footprint) = stitched_granules_per_pass("../bench/check-traces/llm_decode_seed2.csv", 1);
+    let (_, footprint) = check_trace_granules_per_pass("llm_decode_seed2.csv", 1);
     assert!(footprint <= 1.03, "footprint {footprint:.4}");
 }
 
