@@ -85,9 +85,9 @@ fn variable_length_inference_stops_mapping_from_its_second_warm_pass() {
     let (per_pass, footprint) = stitched_granules_per_pass("recorded/bert_infer.csv", 8);
     assert_eq!(per_pass[2..], [0; 7], "granules mapped or unmapped per pass: {per_pass:?}");
     // The best reference allocator held 1.119 of the peak live bytes on the H200 (cudaMalloc).
-    // 1.0501 here: one granule (2 MiB of 306) over 1.05, since requests of 128 KiB to 1 MiB
-    // are carved out of large blocks (1.0433 when they were small).
-    assert!(footprint <= 1.051, "footprint {footprint:.4}");
+    // With stitches of whole granules only it held 1.0501 here: one granule (2 MiB of 306)
+    // over 1.05, its free memory in parts of granules that live blocks share.
+    assert!(footprint <= 1.05, "footprint {footprint:.4}");
 }
 
 /// Replays a check trace (bench/check-traces/: a recorded workload with other shapes than
@@ -105,11 +105,15 @@ fn workloads_with_other_shapes_stop_mapping_from_their_second_warm_pass() {
     // 1-3, mixture-of-experts training 50, 16 and 49 and 80 more over the next 17 passes (on
     // the H200 the fresh seeds of these workloads cost up to 343 ns per operation against RMM
     // binning's 210, h200-2026-12-04/run45.md).
-    for name in ["bert_infer_seed2.csv", "moe_train_seed2.csv", "cnn_multiscale_seed1.csv"] {
+    // The bounds: 1.05, or less where raw cudaMalloc, the most compact reference on the H200,
+    // held less (1.118, 1.022 and 1.046); bert_infer_seed2 held 1.0519 with stitches of whole
+    // granules only.
+    for (name, bound) in
+        [("bert_infer_seed2.csv", 1.05), ("moe_train_seed2.csv", 1.022), ("cnn_multiscale_seed1.csv", 1.046)]
+    {
         let (per_pass, footprint) = check_trace_granules_per_pass(name, 8);
         assert_eq!(per_pass[2..], [0; 7], "{name}: granules mapped or unmapped per pass: {per_pass:?}");
-        // Raw cudaMalloc, the most compact reference on the H200, held 1.118, 1.022 and 1.046.
-        assert!(footprint <= 1.052, "{name}: footprint {footprint:.4}");
+        assert!(footprint <= bound, "{name}: footprint {footprint:.4}");
     }
 }
 

@@ -21,6 +21,8 @@ fn stitched_ranges_hold_data_across_granule_boundaries() {
     let s = device.create_stream().expect("stream");
     stitch_data::stitched_growth_keeps_data(device.clone(), Stream::DEFAULT);
     stitch_data::stitched_growth_keeps_data(device.clone(), s);
+    stitch_data::stitched_head_keeps_its_neighbour(device.clone(), Stream::DEFAULT);
+    stitch_data::stitched_head_keeps_its_neighbour(device.clone(), s);
     device.destroy_stream(s).expect("destroy stream");
 }
 

@@ -215,6 +215,15 @@ fn a_stitched_growth_keeps_data_across_granules() {
 }
 
 #[test]
+fn a_stitch_ends_with_the_free_head_of_a_granule_and_keeps_its_neighbour() {
+    let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+    let start = used(&sim);
+    stitch_data::stitched_head_keeps_its_neighbour(sim.clone(), Stream::DEFAULT);
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    assert_eq!(used(&sim), start);
+}
+
+#[test]
 fn a_growth_into_an_unmapped_run_merges_with_the_free_blocks_on_both_sides() {
     let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
     let pool = BestFit::new(sim.clone(), stitched()).unwrap();

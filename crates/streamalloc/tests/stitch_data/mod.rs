@@ -72,3 +72,40 @@ pub fn stitched_growth_keeps_data(device: Arc<dyn DeviceTestExt>, stream: Stream
     drop((a, b, live));
     assert!(pool.release().expect("release") > 0);
 }
+
+/// Leaves free two whole granules and, apart from them, the first half of a granule whose
+/// other half a live block holds, then asks for two granules and a quarter: the growth
+/// stitches the two granules and ends with that half granule, mapping no new memory. Checks
+/// that the new block holds the freed bytes in that order, and that writing all of it leaves
+/// the live block in the shared granule (mapped a second time, whole, by the stitched range)
+/// as it was.
+pub fn stitched_head_keeps_its_neighbour(device: Arc<dyn DeviceTestExt>, stream: Stream) {
+    let d = device.as_ref();
+    let g = device.map_granularity().expect("granularity");
+    let config = BestFitConfig { backing: BackingKind::Stitched, stream, ..Default::default() };
+    let pool = BestFit::new(device.clone(), config).expect("pool");
+    let two = pool.allocate(2 * g).expect("two granules");
+    let between = pool.allocate(g).expect("a granule between");
+    let head = pool.allocate(g / 2).expect("a granule's first half");
+    let neighbour = pool.allocate(g / 2).expect("its second half");
+    let [d_two, d_between, d_head, d_neighbour] =
+        [&two, &between, &head, &neighbour].map(|x| write(d, x, x.size() as u8 ^ 0x3C, stream));
+    assert_eq!(pool.stats().reserved, 4 * g);
+    drop((two, head));
+    let big = pool.allocate(2 * g + g / 4).expect("stitched allocation");
+    assert_eq!(pool.stats().reserved, 4 * g, "the stitch mapped new memory for its last quarter");
+    let held = read(d, &big, stream);
+    assert!(held[..2 * g] == d_two[..], "the stitched range does not begin with the free granules");
+    assert!(held[2 * g..] == d_head[..g / 4], "the stitched range does not end with the free head");
+    let fresh = write(d, &big, 0x5A, stream);
+    assert!(read(d, &big, stream) == fresh, "a stitched range lost data across granules");
+    assert!(read(d, &neighbour, stream) == d_neighbour, "the block sharing the head's granule changed");
+    assert!(read(d, &between, stream) == d_between, "a live block changed");
+    // Idle, the range is taken again for the same request without a new mapping.
+    drop(big);
+    let again = pool.allocate(2 * g + g / 4).expect("again");
+    assert!(read(d, &again, stream) == fresh, "the idle range was not taken again");
+    assert_eq!(pool.stats().reserved, 4 * g);
+    drop((again, between, neighbour));
+    assert_eq!(pool.release().expect("release"), 4 * g);
+}

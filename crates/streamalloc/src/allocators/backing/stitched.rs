@@ -30,7 +30,9 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Classes, Grant};
 ///   needs are taken out of the pool (those of the largest free blocks first, which best fit
 ///   hands out last, so that the range's homes are still free when it is next wanted; fresh
 ///   ones are mapped at home first for what they lack) and their memory is mapped again, side
-///   by side, in the stitch area. The stitched range is a chunk of its own that serves the
+///   by side, in the stitch area. Where whole granules fall short, the range may end with the
+///   free head of a granule whose rest a live block holds: it maps that granule whole, but its
+///   chunk leaves the rest out. The stitched range is a chunk of its own that serves the
 ///   request. Free memory is thus defragmented without moving live data and without waiting
 ///   for the device (below).
 /// * **Reuse.** When the last block of a stitched range is freed, its granules go back to
@@ -215,6 +217,8 @@ impl Stitched {
         if ranges.is_empty() {
             return Ok(());
         }
+        let g = st.granularity;
+        let ranges = ranges.into_iter().map(|(a, l)| extent(g, a, l)).collect();
         let event = self.events.get().ok().filter(|&e| match self.device.record_event(e, self.stream) {
             Ok(()) => true,
             Err(_) => {
@@ -250,50 +254,69 @@ impl Stitched {
         added
     }
 
-    /// Stitches `size` bytes of free home granules into a new range of the stitch area and
-    /// serves the request from it. `Ok(None)` when other threads took the free granules
-    /// meanwhile.
-    fn stitch(&self, st: &mut State, ledger: &dyn Ledger, class: Class, size: u64) -> Result<Option<Grant>> {
-        let at = match smallest_run(&st.stitch_holes, size) {
-            Some(at) => at,
-            None => {
-                self.evict(st, ledger, &mut |p| p.take_idle_stitched())?;
-                self.poll_retired(st)?;
-                smallest_run(&st.stitch_holes, size).ok_or_else(|| {
-                    Error::oom(OutOfMemory {
-                        device: self.device.ordinal(),
-                        requested: size as usize,
-                        hint: "no room is left for stitched ranges in the pool's reservation".into(),
-                        ..OutOfMemory::default()
-                    })
-                })?
-            }
-        };
+    /// Stitches free home memory for a request of `rounded` bytes into a new range of the
+    /// stitch area and serves the request from it: whole free granules, and where they fall
+    /// short, the free head of a granule at the range's end ([`carve_stitch`]). `Ok(None)`
+    /// when other threads took the free memory meanwhile.
+    fn stitch(
+        &self,
+        st: &mut State,
+        ledger: &dyn Ledger,
+        class: Class,
+        rounded: u64,
+    ) -> Result<Option<Grant>> {
         let (g, limit) = (st.granularity, st.stitch_area);
         let mut homes = Vec::new();
         ledger.update(&mut |p| {
-            homes = carve_free_granules(p, g, size, limit);
+            homes = carve_stitch(p, g, rounded, limit);
             Ok(())
         })?;
         let put_back = |homes: &[(Class, u64, u64)]| {
             let _ = ledger.update(&mut |p| homes.iter().try_for_each(|&(k, a, l)| p.add_joined(k, a, l)));
         };
-        if homes.iter().map(|&(_, _, l)| l).sum::<u64>() < size {
+        let size: u64 = homes.iter().map(|&(_, _, l)| l).sum();
+        if size < rounded {
             put_back(&homes);
             return Ok(None);
         }
-        let from: Vec<(u64, usize)> = homes.iter().map(|&(_, a, len)| (a, len as usize)).collect();
+        // Every home starts at a granule and is mapped by whole granules (a head's granule
+        // whole, though the chunk leaves out the rest of it).
+        let mapped_len = size.div_ceil(g) * g;
+        let at = match smallest_run(&st.stitch_holes, mapped_len) {
+            Some(at) => Some(at),
+            None => {
+                let evicted = self
+                    .evict(st, ledger, &mut |p| p.take_idle_stitched())
+                    .and_then(|()| self.poll_retired(st));
+                if let Err(e) = evicted {
+                    put_back(&homes);
+                    return Err(e);
+                }
+                smallest_run(&st.stitch_holes, mapped_len)
+            }
+        };
+        let Some(at) = at else {
+            put_back(&homes);
+            return Err(Error::oom(OutOfMemory {
+                device: self.device.ordinal(),
+                requested: rounded as usize,
+                hint: "no room is left for stitched ranges in the pool's reservation".into(),
+                ..OutOfMemory::default()
+            }));
+        };
+        let from: Vec<(u64, usize)> =
+            homes.iter().map(|&(_, a, l)| (a, (l.div_ceil(g) * g) as usize)).collect();
         if let Err(e) = self.device.map_alias(&from, at) {
             put_back(&homes);
             return Err(e);
         }
         let served = ledger.update_and_serve(&mut |p| p.add_stitched(class, at, size, g, homes.clone()));
         if served.is_err() {
-            let _ = self.device.unmap(at, size as usize);
+            let _ = self.device.unmap(at, mapped_len as usize);
             put_back(&homes);
             return served;
         }
-        take_hole(&mut st.stitch_holes, at, size);
+        take_hole(&mut st.stitch_holes, at, mapped_len);
         self.evict(st, ledger, &mut |p| p.take_stale_stitched(0..=u64::MAX, IDLE_KEPT))?;
         served
     }
@@ -327,10 +350,15 @@ impl Backing for Stitched {
             // mark less wins.
             let raise = |len: u64| (st.mapped + len).saturating_sub(st.high_water);
             let grow_raise = placement.map_or(u64::MAX, |pl| raise(pl.len));
-            // Whole granules the free home blocks lack for the request.
-            let lacking = need.saturating_sub(
-                whole_granules(p, g, st.stitch_area).map(|(.., lo, hi)| hi - lo).sum::<u64>(),
-            );
+            // Whole granules the free home memory lacks for the request: its whole granules,
+            // and where they fall short, the free head of a granule a stitch can end with.
+            let whole: u64 = whole_granules(p, g, st.stitch_area).map(|(.., lo, hi)| hi - lo).sum();
+            let lacking = if whole >= need || whole == 0 {
+                need - whole.min(need)
+            } else {
+                let head = partial_head(p, g, st.stitch_area).map_or(0, |(_, _, l)| l);
+                want.rounded.saturating_sub(whole + head).div_ceil(g) * g
+            };
             plan = match placement {
                 Some(pl) if grow_raise == 0 => Some(Plan::Grow(pl)),
                 _ if raise(lacking) >= grow_raise => placement.map(Plan::Grow),
@@ -352,7 +380,7 @@ impl Backing for Stitched {
                 if let Some(pl) = fresh {
                     self.grow_home(&mut st, ledger, want.class, pl, false)?;
                 }
-                self.stitch(&mut st, ledger, want.class, need)
+                self.stitch(&mut st, ledger, want.class, want.rounded)
             }
             None => Err(Error::oom(OutOfMemory {
                 device: self.device.ordinal(),
@@ -386,7 +414,7 @@ impl Backing for Stitched {
             Ok(())
         })?;
         let mut first_error = None;
-        for (addr, size) in idle {
+        for (addr, size) in idle.into_iter().map(|(a, l)| extent(g, a, l)) {
             match self.device.unmap(addr, size as usize) {
                 Ok(()) => insert_hole(&mut st.stitch_holes, addr, size),
                 Err(e) => {
@@ -430,7 +458,19 @@ impl Backing for Stitched {
             let _ = self.device.synchronize();
         }
         self.unmap_retired(&mut st, true);
-        for (addr, size) in chunks {
+        // Chunks and homes may share a granule (a stitched range's end takes part of one):
+        // each granule is unmapped once.
+        let g = st.granularity;
+        let mut extents: Vec<(u64, u64)> = chunks.into_iter().map(|(a, l)| extent(g, a, l)).collect();
+        extents.sort_unstable();
+        let mut merged: Vec<(u64, u64)> = Vec::new();
+        for (a, l) in extents {
+            match merged.last_mut() {
+                Some((m, ml)) if a <= *m + *ml => *ml = (*ml).max(a + l - *m),
+                _ => merged.push((a, l)),
+            }
+        }
+        for (addr, size) in merged {
             let _ = self.device.unmap(addr, size as usize);
         }
         let _ = self.device.free_address(st.base, st.reservation as usize);
@@ -467,6 +507,51 @@ fn whole_granules(
         let (lo, hi) = (a.div_ceil(g) * g, (a + s) / g * g);
         (hi > lo).then_some((class, s, lo, hi))
     })
+}
+
+/// The granule-aligned range that maps `[addr, addr + len)`: `(start, length)`.
+fn extent(g: u64, addr: u64, len: u64) -> (u64, u64) {
+    let start = addr / g * g;
+    (start, (addr + len).div_ceil(g) * g - start)
+}
+
+/// The largest free head of a granule among the free home blocks (below `limit`): the part
+/// of a granule from its start to the end of a free block that covers that start and ends
+/// inside it, as `(class, addr, len)`. The rest of the granule belongs to the next block.
+/// A stitched range may end with one: it maps the whole granule, but its chunk leaves the
+/// rest out. Only heads: best fit hands a free block out from its start, so the end of a
+/// free block is its part handed out last, still free when an idle range wants its homes
+/// back; a free block's start (a granule's free tail) is handed out first, and ranges that
+/// began with one were stitched again in warm passes
+/// (`bench/results/2026-12-05-partial-ends-sim.md`).
+fn partial_head(p: &BestFitPolicy, g: u64, limit: u64) -> Option<(Class, u64, u64)> {
+    p.free_blocks()
+        .filter(|&(_, a, _)| a < limit)
+        .filter_map(|(class, a, s)| {
+            let (down, end) = ((a + s) / g * g, a + s);
+            (end % g != 0 && a <= down).then_some((class, down, end - down))
+        })
+        .max_by_key(|&(_, at, len)| (len, std::cmp::Reverse(at)))
+}
+
+/// Takes the home memory of a stitched range for a request of `rounded` bytes out of `p`
+/// (below `limit`), in the order the range maps it: the request's granules of whole free
+/// granules ([`carve_free_granules`]), or, when there are some but they fall short, all of
+/// them and then the free head of a granule ([`partial_head`]) that makes up the rest (a
+/// range of a head alone would map a granule again for memory a free block already
+/// holds). Less than the request when the free memory does not make it up.
+fn carve_stitch(p: &mut BestFitPolicy, g: u64, rounded: u64, limit: u64) -> Vec<(Class, u64, u64)> {
+    let need = rounded.div_ceil(g) * g;
+    let whole: u64 = whole_granules(p, g, limit).map(|(.., lo, hi)| hi - lo).sum();
+    let head = partial_head(p, g, limit).filter(|&(_, _, l)| whole + l >= rounded);
+    let Some((class, at, len)) = head.filter(|_| whole > 0 && whole < need) else {
+        return carve_free_granules(p, g, need, limit);
+    };
+    let mut homes = carve_free_granules(p, g, whole, limit);
+    if p.carve(at, len).is_ok() {
+        homes.push((class, at, len));
+    }
+    homes
 }
 
 /// The placement of a growth for a request of `rounded` bytes of `class` that maps the
