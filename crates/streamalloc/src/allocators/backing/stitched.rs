@@ -523,7 +523,7 @@ fn extent(g: u64, addr: u64, len: u64) -> (u64, u64) {
 /// free block is its part handed out last, still free when an idle range wants its homes
 /// back; a free block's start (a granule's free tail) is handed out first, and ranges that
 /// began with one were stitched again in warm passes
-/// (`bench/results/2026-12-05-partial-ends-sim.md`).
+/// (`bench/results/2026-12-04-partial-heads-sim.md`).
 fn partial_head(p: &BestFitPolicy, g: u64, limit: u64) -> Option<(Class, u64, u64)> {
     p.free_blocks()
         .filter(|&(_, a, _)| a < limit)
