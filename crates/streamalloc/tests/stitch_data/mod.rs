@@ -89,7 +89,7 @@ pub fn stitched_head_keeps_its_neighbour(device: Arc<dyn DeviceTestExt>, stream:
     let head = pool.allocate(g / 2).expect("a granule's first half");
     let neighbour = pool.allocate(g / 2).expect("its second half");
     let [d_two, d_between, d_head, d_neighbour] =
-        [&two, &between, &head, &neighbour].map(|x| write(d, x, x.size() as u8 ^ 0x3C, stream));
+        [(&two, 1), (&between, 2), (&head, 3), (&neighbour, 4)].map(|(x, seed)| write(d, x, seed, stream));
     assert_eq!(pool.stats().reserved, 4 * g);
     drop((two, head));
     let big = pool.allocate(2 * g + g / 4).expect("stitched allocation");
