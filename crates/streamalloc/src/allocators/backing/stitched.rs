@@ -305,7 +305,7 @@ impl Stitched {
             }));
         };
         let from: Vec<(u64, usize)> =
-            homes.iter().map(|&(_, a, l)| (a, (l.div_ceil(g) * g) as usize)).collect();
+            homes.iter().map(|&(_, a, l)| extent(g, a, l)).map(|(a, l)| (a, l as usize)).collect();
         if let Err(e) = self.device.map_alias(&from, at) {
             put_back(&homes);
             return Err(e);
@@ -332,7 +332,6 @@ impl Backing for Stitched {
         self.reserve(&mut st)?;
         self.poll_retired(&mut st)?;
         let g = st.granularity;
-        let need = want.rounded.div_ceil(g) * g;
         let mut plan = None;
         // The pool took no idle stitched range before asking (`BestFit`'s `allocate_harder`),
         // but other threads may have freed blocks since: a free block or an idle range whose
@@ -350,15 +349,9 @@ impl Backing for Stitched {
             // mark less wins.
             let raise = |len: u64| (st.mapped + len).saturating_sub(st.high_water);
             let grow_raise = placement.map_or(u64::MAX, |pl| raise(pl.len));
-            // Whole granules the free home memory lacks for the request: its whole granules,
-            // and where they fall short, the free head of a granule a stitch can end with.
-            let whole: u64 = whole_granules(p, g, st.stitch_area).map(|(.., lo, hi)| hi - lo).sum();
-            let lacking = if whole >= need || whole == 0 {
-                need - whole.min(need)
-            } else {
-                let head = partial_head(p, g, st.stitch_area).map_or(0, |(_, _, l)| l);
-                want.rounded.saturating_sub(whole + head).div_ceil(g) * g
-            };
+            // Whole granules the free home memory a stitch can take lacks for the request.
+            let (whole, head) = stitch_sources(p, g, want.rounded, st.stitch_area);
+            let lacking = want.rounded.saturating_sub(whole + head.map_or(0, |(_, _, l)| l)).div_ceil(g) * g;
             plan = match placement {
                 Some(pl) if grow_raise == 0 => Some(Plan::Grow(pl)),
                 _ if raise(lacking) >= grow_raise => placement.map(Plan::Grow),
@@ -534,18 +527,26 @@ fn partial_head(p: &BestFitPolicy, g: u64, limit: u64) -> Option<(Class, u64, u6
         .max_by_key(|&(_, at, len)| (len, std::cmp::Reverse(at)))
 }
 
-/// Takes the home memory of a stitched range for a request of `rounded` bytes out of `p`
-/// (below `limit`), in the order the range maps it: the request's granules of whole free
-/// granules ([`carve_free_granules`]), or, when there are some but they fall short, all of
-/// them and then the free head of a granule ([`partial_head`]) that makes up the rest (a
-/// range of a head alone would map a granule again for memory a free block already
-/// holds). Less than the request when the free memory does not make it up.
-fn carve_stitch(p: &mut BestFitPolicy, g: u64, rounded: u64, limit: u64) -> Vec<(Class, u64, u64)> {
-    let need = rounded.div_ceil(g) * g;
+/// What a stitch for a request of `rounded` bytes can take of the free home memory (below
+/// `limit`): the bytes of its whole free granules and, when there are some but fewer than
+/// the request's granules, the free head of a granule ([`partial_head`]) the range may end
+/// with (a range of a head alone would map a granule again for memory a free block already
+/// holds).
+fn stitch_sources(p: &BestFitPolicy, g: u64, rounded: u64, limit: u64) -> (u64, Option<(Class, u64, u64)>) {
     let whole: u64 = whole_granules(p, g, limit).map(|(.., lo, hi)| hi - lo).sum();
-    let head = partial_head(p, g, limit).filter(|&(_, _, l)| whole + l >= rounded);
-    let Some((class, at, len)) = head.filter(|_| whole > 0 && whole < need) else {
-        return carve_free_granules(p, g, need, limit);
+    let short = whole > 0 && whole < rounded.div_ceil(g) * g;
+    (whole, if short { partial_head(p, g, limit) } else { None })
+}
+
+/// Takes the home memory of a stitched range for a request of `rounded` bytes out of `p`
+/// (below `limit`), in the order the range maps it ([`stitch_sources`]): the request's
+/// granules of whole free granules ([`carve_free_granules`]), or all of them and then a free
+/// head that makes up the rest. Less than the request when the free memory does not make it
+/// up.
+fn carve_stitch(p: &mut BestFitPolicy, g: u64, rounded: u64, limit: u64) -> Vec<(Class, u64, u64)> {
+    let (whole, head) = stitch_sources(p, g, rounded, limit);
+    let Some((class, at, len)) = head.filter(|&(_, _, l)| whole + l >= rounded) else {
+        return carve_free_granules(p, g, rounded.div_ceil(g) * g, limit);
     };
     let mut homes = carve_free_granules(p, g, whole, limit);
     if p.carve(at, len).is_ok() {
