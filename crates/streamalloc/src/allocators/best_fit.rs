@@ -667,12 +667,13 @@ impl Inner {
     }
 
     /// Gives free memory back through the backing; the bytes given back, or the first error
-    /// met (after trying everything). First waits, at most [`BestFitConfig::wait_timeout`],
-    /// for the work enqueued on the pool's stream, where every free block's last use is
-    /// ordered (blocks freed with recorded streams join the free lists after their events):
-    /// a chunk's `cuMemFree` would wait for it without a bound, and an unmap would not wait
-    /// at all. Past the bound nothing is given back and the error ([`Error::Timeout`]) says
-    /// what was waited for.
+    /// met (after trying everything). The backing takes what goes back out of the books,
+    /// then waits, at most [`BestFitConfig::wait_timeout`], for the work enqueued on the
+    /// pool's stream until then, where every use of a free block is ordered (blocks freed
+    /// with recorded streams join the free lists after their events), and only then unmaps
+    /// or frees it ([`Backing::release`]): a chunk's `cuMemFree` would wait for that work
+    /// without a bound, and an unmap would not wait at all. Past the bound nothing is given
+    /// back and the error ([`Error::Timeout`]) says what was waited for.
     fn release_free(&self) -> Result<usize> {
         let nothing_free = {
             let st = self.state.lock();
@@ -682,15 +683,8 @@ impl Inner {
             return Ok(0);
         }
         let ledger = PoolLedger { inner: self, request: None };
-        // A stream that cannot be waited for (destroyed after StreamSafe::retire_stream, which
-        // waited for it) still lets chunks go back, as a `cuMemFree` orders itself; mapped
-        // memory, whose unmap would not wait, stays.
-        let unwaited =
-            match super::wait_for_streams(self.device.as_ref(), &self.events, &[self.stream], self.wait) {
-                Err(timeout @ Error::Timeout { .. }) => return Err(timeout),
-                waited => waited.err(),
-            };
-        self.backing.release(&ledger, unwaited.as_ref())
+        let wait = || super::wait_for_streams(self.device.as_ref(), &self.events, &[self.stream], self.wait);
+        self.backing.release(&ledger, &wait)
     }
 
     /// Counts `made` in the statistics: a failure, or a success that came only after a

@@ -36,7 +36,9 @@
 //!   a simulated kernel that touches an address range for a duration. Whoever hands memory
 //!   out calls [`SimDevice::check_handout`]: if any earlier use of an overlapping range on
 //!   *another* stream could still be running when work on the receiving stream can start,
-//!   a [`Violation`] is recorded.
+//!   a [`Violation`] is recorded. A device call on memory a kernel may still use (an unmap
+//!   of a range an unfinished use touches, which on a GPU is an illegal address for that
+//!   kernel) is refused and recorded as a [`Violation`] too.
 //! * **Host functions** (`launch_host_func`, `test-util`) run on the thread whose device call moves the clock past their
 //!   place in the stream.
 //! * **Graph capture** records memsets and peer copies (`test-util`), pool allocations and
@@ -124,16 +126,30 @@ impl Default for SimConfig {
     }
 }
 
-/// One early reuse found by the ordering checker.
+/// What a [`Violation`] did to memory still in use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ViolationKind {
+    /// The range was handed to a stream whose work could start before an earlier use on
+    /// another stream ends ([`SimDevice::check_handout`]).
+    EarlyReuse,
+    /// The range was unmapped ([`Device::unmap`]) while a kernel could still use it.
+    UnmapInUse,
+}
+
+/// One early reuse, or one device call on memory in use, found by the ordering checker.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Violation {
-    /// Start of the range handed out.
+    /// What was done to memory in use.
+    pub kind: ViolationKind,
+    /// Start of the range handed out (or unmapped).
     pub ptr: DevicePtr,
-    /// Length of the range handed out.
+    /// Length of the range handed out (or unmapped).
     pub len: usize,
-    /// The stream that received it.
+    /// The stream that received it ([`Stream::DEFAULT`] for an unmap, which no stream
+    /// receives).
     pub stream: Stream,
-    /// The earliest time work on `stream` could touch it.
+    /// The earliest time work on `stream` could touch it (for an unmap: the time of the
+    /// call).
     pub usable_at: u64,
     /// The stream of the earlier use still running.
     pub user_stream: Stream,
@@ -489,6 +505,7 @@ impl SimDevice {
             .filter(|u| u.stream != stream && u.end > usable_at)
             .filter(|u| overlaps(u))
             .map(|u| Violation {
+                kind: ViolationKind::EarlyReuse,
                 ptr,
                 len,
                 stream,
@@ -999,10 +1016,22 @@ impl Device for SimDevice {
             if let Some(u) =
                 st.uses.iter().find(|u| u.end > now && u.ptr < end && addr < u.ptr + u.len as u64)
             {
-                return Err(Error::InvalidArgument(format!(
+                let refused = Error::InvalidArgument(format!(
                     "unmap of {addr:#x}+{size} while stream {:#x} uses {:#x} until {} (now {now})",
                     u.stream.0, u.ptr, u.end
-                )));
+                ));
+                let violation = Violation {
+                    kind: ViolationKind::UnmapInUse,
+                    ptr: addr,
+                    len: size,
+                    stream: Stream::DEFAULT,
+                    usable_at: now,
+                    user_stream: u.stream,
+                    user_ptr: u.ptr,
+                    use_ends_at: u.end,
+                };
+                st.violations.push(violation);
+                return Err(refused);
             }
             let memory: Vec<u64> = st.mapped.range(addr..end).map(|(_, &m)| m).collect();
             for m in memory {

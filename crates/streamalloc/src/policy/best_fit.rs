@@ -144,6 +144,20 @@ pub struct Grant {
     pub token: u64,
 }
 
+/// A wholly free chunk taken out of a [`BestFitPolicy`] by
+/// [`release_free_chunks`](BestFitPolicy::release_free_chunks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TakenChunk {
+    /// The class of its block.
+    pub class: Class,
+    /// Its start.
+    pub addr: u64,
+    /// Its size.
+    pub size: u64,
+    /// Whether it was a segment ([`BestFitPolicy::add_segment`]).
+    pub segment: bool,
+}
+
 /// What the policy holds, in bytes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Figures {
@@ -660,9 +674,10 @@ impl BestFitPolicy {
         Ok(block.size)
     }
 
-    /// Removes every wholly free chunk and returns them as `(addr, size)`, for the caller to
-    /// give back to its source. Chunks with any block handed out stay.
-    pub fn release_free_chunks(&mut self) -> Vec<(u64, u64)> {
+    /// Removes every wholly free chunk and returns them, for the caller to give back to its
+    /// source (or to [`restore_chunk`](BestFitPolicy::restore_chunk) when it cannot). Chunks
+    /// with any block handed out stay.
+    pub fn release_free_chunks(&mut self) -> Vec<TakenChunk> {
         let mut released = Vec::new();
         let Self { slots, vacant, free, chunks, reserved, cached, .. } = self;
         chunks.0.retain(|&(addr, ref chunk)| {
@@ -672,17 +687,24 @@ impl BestFitPolicy {
             if first.state != State::Free || first.size != chunk.size {
                 return true;
             }
-            if let Some(list) = free.get_mut(first.class.index()) {
+            let class = first.class;
+            if let Some(list) = free.get_mut(class.index()) {
                 list.remove(first.size, addr);
             }
             *first = VACANT;
             vacant.push(chunk.first);
             *reserved -= chunk.size;
             *cached -= chunk.size;
-            released.push((addr, chunk.size));
+            released.push(TakenChunk { class, addr, size: chunk.size, segment: chunk.segment });
             false
         });
         released
+    }
+
+    /// Puts back, wholly free, a chunk [`release_free_chunks`](BestFitPolicy::release_free_chunks)
+    /// took. Fails as [`BestFitPolicy::add_chunk`] does.
+    pub fn restore_chunk(&mut self, chunk: TakenChunk) -> Result<()> {
+        self.insert_chunk(chunk.class, chunk.addr, chunk.size, chunk.segment)
     }
 
     /// Removes the smallest wholly free chunk (not a segment) of the class of `size` that
@@ -884,6 +906,11 @@ mod tests {
     use proptest::prelude::*;
 
     const MIB: u64 = 1 << 20;
+
+    /// The chunks [`BestFitPolicy::release_free_chunks`] takes, as `(addr, size)`.
+    fn taken(p: &mut BestFitPolicy) -> Vec<(u64, u64)> {
+        p.release_free_chunks().into_iter().map(|c| (c.addr, c.size)).collect()
+    }
 
     impl BestFitPolicy {
         /// Joins the chunk that starts at `addr` with the chunk that starts at its end, so that
@@ -1125,7 +1152,7 @@ mod tests {
         let mut p = BestFitPolicy::new(classes());
         p.add_chunk(Class::Large, 128 * MIB, 20 * MIB).unwrap();
         assert_eq!(p.allocate(4096), None, "small requests never use large chunks");
-        assert_eq!(p.release_free_chunks(), vec![(128 * MIB, 20 * MIB)]);
+        assert_eq!(taken(&mut p), vec![(128 * MIB, 20 * MIB)]);
         p.add_chunk(Class::Small, 64 * MIB, 2 * MIB).unwrap();
         assert_eq!(p.allocate(MIB + 256), None, "large requests never use small chunks");
         p.add_chunk(Class::Large, 0, 20 * MIB).unwrap();
@@ -1167,7 +1194,7 @@ mod tests {
         assert_eq!(p.figures().largest_free, 10 * MIB);
         // Never given to another pool, but released when wholly free.
         assert_eq!(p.take_free_chunk(2 * MIB), None);
-        assert_eq!(p.release_free_chunks(), vec![(64 * MIB, 10 * MIB)]);
+        assert_eq!(taken(&mut p), vec![(64 * MIB, 10 * MIB)]);
         // Growth into another chunk, or of what is not a segment, is refused.
         p.add_segment(Class::Large, 64 * MIB, 2 * MIB).unwrap();
         p.add_chunk(Class::Large, 68 * MIB, 2 * MIB).unwrap();
@@ -1188,14 +1215,14 @@ mod tests {
         let c = p.allocate(4 * MIB).unwrap();
         assert_eq!((b.addr, c.addr), (16 * MIB, 20 * MIB), "lowest address among equal fits");
         p.free(b.token, b.addr).unwrap();
-        assert_eq!(p.release_free_chunks(), vec![(64 * MIB, 20 * MIB)]);
+        assert_eq!(taken(&mut p), vec![(64 * MIB, 20 * MIB)]);
         p.check();
         p.free(a.token, a.addr).unwrap();
         p.free(c.token, c.addr).unwrap();
-        assert_eq!(p.release_free_chunks(), vec![(0, 2 * MIB), (16 * MIB, 20 * MIB)]);
+        assert_eq!(taken(&mut p), vec![(0, 2 * MIB), (16 * MIB, 20 * MIB)]);
         p.check();
         assert_eq!(p.figures(), Figures::default());
-        assert!(p.release_free_chunks().is_empty());
+        assert!(taken(&mut p).is_empty());
     }
 
     #[test]
@@ -1320,7 +1347,7 @@ mod tests {
                     }
                     Op::Free(_) => {}
                     Op::Release => {
-                        for (addr, size) in p.release_free_chunks() {
+                        for TakenChunk { addr, size, .. } in p.release_free_chunks() {
                             prop_assert!(live.iter().all(|(g, _)| g.addr + g.size <= addr || g.addr >= addr + size));
                         }
                     }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use super::{Backing, Ledger, Want};
 use crate::device::{Device, DevicePtr};
 use crate::error::{Error, Result};
-use crate::policy::best_fit::Grant;
+use crate::policy::best_fit::{Grant, TakenChunk};
 
 /// A source of chunks of device address space for a caching pool such as
 /// [`BestFit`](crate::allocators::BestFit), which the [`Chunks`] backing draws on. Today's
@@ -83,16 +83,24 @@ impl Backing for Chunks {
         }
     }
 
-    /// A `cuMemFree` orders itself after the device's work: chunks go back even when the
-    /// pool could not wait for its stream.
-    fn release(&self, ledger: &dyn Ledger, _unwaited: Option<&Error>) -> Result<usize> {
+    /// A `cuMemFree` orders itself after the device's work, without a bound: the pool's
+    /// stream is waited for first, with one. Chunks go back also when the stream cannot be
+    /// waited for (an error other than a timeout).
+    fn release(&self, ledger: &dyn Ledger, wait: &dyn Fn() -> Result<()>) -> Result<usize> {
         let mut chunks = Vec::new();
         ledger.update(&mut |p| {
             chunks = p.release_free_chunks();
             Ok(())
         })?;
+        if chunks.is_empty() {
+            return Ok(0);
+        }
+        if let Err(timeout @ Error::Timeout { .. }) = wait() {
+            restore(ledger, &chunks);
+            return Err(timeout);
+        }
         let (mut released, mut first_error) = (0, None);
-        for (addr, size) in chunks {
+        for TakenChunk { addr, size, .. } in chunks {
             match self.shrink(addr, size) {
                 Ok(()) => released += size as usize,
                 // The chunk is out of the pool; the device keeps it (a leak the error reports).
@@ -109,4 +117,15 @@ impl Backing for Chunks {
             let _ = self.shrink(addr, size);
         }
     }
+}
+
+/// Puts `chunks`, taken out of the pool for a release that could not wait, back. Only a bug
+/// makes the policy refuse them (they were its own): the memory then stays out of the pool.
+pub(super) fn restore(ledger: &dyn Ledger, chunks: &[TakenChunk]) {
+    let _ = ledger.update(&mut |p| {
+        for &chunk in chunks {
+            let _ = p.restore_chunk(chunk);
+        }
+        Ok(())
+    });
 }

@@ -22,7 +22,7 @@ pub use stitched::Stitched;
 use std::sync::Arc;
 
 use crate::device::Device;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::policy::best_fit::{BestFitPolicy, Class, Classes, Grant};
 
 /// Which [`Backing`] a pool built from a [`BestFitConfig`](super::BestFitConfig) gets.
@@ -68,10 +68,11 @@ pub trait Ledger {
 /// pool passes in, and makes its device calls outside the pool's lock. Memory in a free
 /// block was last used in the order of the pool's stream (blocks freed with recorded
 /// streams become free only once those streams' events completed), so free memory may be
-/// unmapped only after the pool's stream's work: the pool waits for it (with a bound) before
-/// a release. A backing that reuses free memory while growing does so in the order of the
-/// pool's stream, without unmapping it ([`Stitched`] maps it a second time). No backing
-/// waits without a bound (but at teardown).
+/// given back only after the pool's stream's work enqueued before it was taken out of the
+/// pool: a release takes it out first, then waits ([`Backing::release`]). A backing that
+/// reuses free memory while growing does so in the order of the pool's stream, without
+/// unmapping it ([`Stitched`] maps it a second time). No backing waits without a bound (but
+/// at teardown).
 pub trait Backing: Send + Sync {
     /// The device the memory lives on.
     fn device(&self) -> &Arc<dyn Device>;
@@ -81,11 +82,17 @@ pub trait Backing: Send + Sync {
     /// Out-of-memory errors are the device's; the pool releases and retries once.
     fn grow(&self, ledger: &dyn Ledger, want: &Want) -> Result<Option<Grant>>;
     /// Gives the pool's free memory back to the device: the bytes given back, or the first
-    /// error met after trying everything. The pool has waited for its stream's work, unless
-    /// `unwaited` is the error that kept it from doing so: memory whose giving back does not
-    /// wait for the device itself (an unmap) then stays in the pool, and that error is
-    /// returned.
-    fn release(&self, ledger: &dyn Ledger, unwaited: Option<&Error>) -> Result<usize>;
+    /// error met after trying everything.
+    ///
+    /// What goes back is first taken out of the pool's books, so that no thread can allocate
+    /// it, use it on the pool's stream and free it again; then `wait` waits (with a bound)
+    /// for the work enqueued on the pool's stream until then, which holds every use of what
+    /// was taken; only then is it unmapped or freed. (Waiting first and taking what is free
+    /// afterwards would unmap blocks allocated, used and freed during the wait.) When `wait`
+    /// fails, what was taken goes back to the pool, but chunks whose `cuMemFree` orders
+    /// itself after the device's work when the error is not a [`Timeout`](crate::Error::Timeout) (a stream
+    /// that cannot be waited for), and the error is returned.
+    fn release(&self, ledger: &dyn Ledger, wait: &dyn Fn() -> Result<()>) -> Result<usize>;
     /// The size classes of a pool over this backing, from those its configuration asks for
     /// (unchanged by default).
     fn classes(&self, configured: Classes) -> Classes {

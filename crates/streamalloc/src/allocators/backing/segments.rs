@@ -5,10 +5,11 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use super::chunks::restore;
 use super::{Backing, Chunks, Ledger, Want};
 use crate::device::Device;
 use crate::error::{Error, OutOfMemory, Result};
-use crate::policy::best_fit::{Class, Grant};
+use crate::policy::best_fit::{Grant, TakenChunk};
 
 /// The backing of expandable segments: each class (small, large) has one segment, a device
 /// address reservation mapped from its start as needed ([`Device::map`]), grown at a miss by
@@ -17,8 +18,9 @@ use crate::policy::best_fit::{Class, Grant};
 /// ([`Want::own`]) get chunks of their own from a [`Chunks`] backing: in the segment, such a
 /// block left a hole when freed that smaller requests split (on the simulator, peak reserved
 /// over peak live 1.078 instead of 1.051 on GPT-2 training). A wholly free segment is
-/// unmapped at a release, which the pool makes after waiting for its stream (an unmap does
-/// not wait for the device as `cuMemFree` does). Its memory is mapped for this device alone.
+/// unmapped at a release, after the release took it out of the pool and waited for the
+/// pool's stream (an unmap does not wait for the device as `cuMemFree` does); a growth of its
+/// class meanwhile gets a chunk of its own. Its memory is mapped for this device alone.
 pub struct Segments {
     device: Arc<dyn Device>,
     chunks: Chunks,
@@ -30,13 +32,16 @@ pub struct Segments {
 struct State {
     /// The device's mapping granularity (0 until the first growth).
     granularity: u64,
-    /// Start of each class's reservation, by [`Class::index`].
+    /// Start of each class's reservation, by [`Class::index`](crate::policy::best_fit::Class::index).
     base: [Option<u64>; 2],
     /// Bytes mapped from each reservation's start: the size of the class's segment in the
     /// policy, 0 while it has none.
     mapped: [u64; 2],
     /// Size of every reservation: the device's memory, rounded up to the granularity.
     reservation: u64,
+    /// Whether each class's segment is out of the pool for a release that waits for the
+    /// pool's stream before unmapping it.
+    releasing: [bool; 2],
 }
 
 impl Segments {
@@ -53,11 +58,12 @@ impl Backing for Segments {
     }
 
     fn grow(&self, ledger: &dyn Ledger, want: &Want) -> Result<Option<Grant>> {
-        if want.own {
+        let mut sg = self.state.lock();
+        if want.own || sg.releasing[want.class.index()] {
+            drop(sg);
             return self.chunks.grow(ledger, want);
         }
         let device = &self.device;
-        let mut sg = self.state.lock();
         if sg.granularity == 0 {
             let granularity = device.map_granularity()? as u64;
             let total = device.mem_info()?.total as u64;
@@ -108,31 +114,50 @@ impl Backing for Segments {
         added
     }
 
-    fn release(&self, ledger: &dyn Ledger, unwaited: Option<&Error>) -> Result<usize> {
+    /// Wholly free segments are unmapped, and chunks of their own freed, after the wait. The
+    /// segments' lock is not held across it: a growth of a class whose segment is out for
+    /// the release meanwhile gets a chunk of its own instead.
+    fn release(&self, ledger: &dyn Ledger, wait: &dyn Fn() -> Result<()>) -> Result<usize> {
+        let chunks = {
+            let mut sg = self.state.lock();
+            let mut chunks = Vec::new();
+            ledger.update(&mut |p| {
+                chunks = p.release_free_chunks();
+                Ok(())
+            })?;
+            for chunk in &chunks {
+                if let Some(c) = sg.base.iter().position(|&b| b == Some(chunk.addr)) {
+                    sg.releasing[c] = true;
+                }
+            }
+            chunks
+        };
+        if chunks.is_empty() {
+            return Ok(0);
+        }
+        let waited = wait();
         let mut sg = self.state.lock();
-        let mut chunks = Vec::new();
-        ledger.update(&mut |p| {
-            chunks = p.release_free_chunks();
-            Ok(())
-        })?;
+        sg.releasing = [false; 2];
+        if let Err(timeout @ Error::Timeout { .. }) = waited {
+            restore(ledger, &chunks);
+            return Err(timeout);
+        }
         let (mut released, mut first_error) = (0, None);
-        for (addr, size) in chunks {
+        for chunk in chunks {
+            let TakenChunk { addr, size, .. } = chunk;
             let result = match sg.base.iter().position(|&b| b == Some(addr)) {
                 None => self.chunks.shrink(addr, size),
                 Some(c) => {
-                    // A free block's last use is ordered on the pool's stream, which the pool
-                    // waited for (an unmap does not wait for it as a `cuMemFree` does).
-                    let unmapped = match unwaited {
-                        Some(e) => Err(e.clone()),
-                        None => self.device.unmap(addr, size as usize),
+                    // An unmap does not wait for the segment's last uses as a `cuMemFree` does:
+                    // only after the wait.
+                    let unmapped = match &waited {
+                        Err(e) => Err(e.clone()),
+                        Ok(()) => self.device.unmap(addr, size as usize),
                     };
                     match unmapped {
                         Ok(()) => sg.mapped[c] = 0,
                         // Still mapped: the segment stays in the pool, wholly free.
-                        Err(_) => {
-                            let class = if c == Class::Small.index() { Class::Small } else { Class::Large };
-                            let _ = ledger.update(&mut |p| p.add_segment(class, addr, size));
-                        }
+                        Err(_) => restore(ledger, &[chunk]),
                     }
                     unmapped
                 }

@@ -49,9 +49,10 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Classes, Grant};
 /// * **Eviction.** Beyond 1024 idle ranges the least recently used, and all of them when the
 ///   stitch area has no room, are unmapped once an event recorded on the pool's stream after
 ///   their last use completed.
-/// * **Release** unmaps every idle stitched range, then every free home granule (PyTorch's
-///   `empty_cache` over expandable segments), after the pool's bounded wait for its stream;
-///   past the bound nothing is unmapped.
+/// * **Release** takes every idle stitched range and every free home granule out of the
+///   pool, then waits (bounded) for the work enqueued on the pool's stream until then, then
+///   unmaps them (PyTorch's `empty_cache` over expandable segments); past the bound nothing
+///   is unmapped.
 ///
 /// # Why stitching needs no wait
 ///
@@ -157,18 +158,18 @@ impl Stitched {
         Ok(())
     }
 
-    /// Unmaps the retired ranges whose event has completed (all of them when `all`: the
-    /// caller waited for the pool's stream), which become unused runs again. A range that
-    /// cannot be unmapped stays retired, without its event, until the next release.
-    fn unmap_retired(&self, st: &mut State, all: bool) {
-        let mut kept = Vec::new();
-        for mut r in std::mem::take(&mut st.retired) {
+    /// Unmaps the ranges of `retired` whose event has completed (all of them when `all`: the
+    /// caller took them out of `st` before it waited for the pool's stream), which become
+    /// unused runs again; the others go back to `st`. A range that cannot be unmapped goes
+    /// back without its event, to be unmapped at the next release.
+    fn unmap_retired(&self, st: &mut State, retired: Vec<Retired>, all: bool) {
+        for mut r in retired {
             let done = match r.event {
                 Some(e) => all || self.device.query_event(e).unwrap_or(false),
                 None => all,
             };
             if !done {
-                kept.push(r);
+                st.retired.push(r);
                 continue;
             }
             if let Some(e) = r.event.take() {
@@ -182,17 +183,17 @@ impl Stitched {
                 }
             }
             if !left.is_empty() {
-                kept.push(Retired { event: None, ranges: left });
+                st.retired.push(Retired { event: None, ranges: left });
             }
         }
-        st.retired = kept;
     }
 
     /// Unmaps the retired ranges whose event has completed, unless the pool's stream
     /// captures a graph (an event query there would invalidate the capture).
     fn poll_retired(&self, st: &mut State) -> Result<()> {
         if !st.retired.is_empty() && self.device.capture_status(self.stream)? == CaptureStatus::None {
-            self.unmap_retired(st, false);
+            let retired = std::mem::take(&mut st.retired);
+            self.unmap_retired(st, retired, false);
         }
         Ok(())
     }
@@ -390,24 +391,43 @@ impl Backing for Stitched {
         Classes { small_max: SMALL_MAX.min(configured.small_max), split_large_slivers: true, ..configured }
     }
 
-    fn release(&self, ledger: &dyn Ledger, unwaited: Option<&Error>) -> Result<usize> {
-        let mut st = self.state.lock();
-        if st.base == 0 {
+    /// Takes every idle stitched range, every free home granule and every retired range
+    /// out of the pool under the backing's lock, then waits without it (growths go on
+    /// meanwhile, elsewhere: what was taken is in neither the pool's books nor the unmapped
+    /// runs), then unmaps them. If the wait fails, nothing is unmapped: the granules go back
+    /// to the pool and the ranges wait for the next release.
+    fn release(&self, ledger: &dyn Ledger, wait: &dyn Fn() -> Result<()>) -> Result<usize> {
+        let (g, retired, idle, carved) = {
+            let mut st = self.state.lock();
+            if st.base == 0 {
+                return Ok(0);
+            }
+            let (g, limit) = (st.granularity, st.stitch_area);
+            let (mut idle, mut carved) = (Vec::new(), Vec::new());
+            ledger.update(&mut |p| {
+                idle = p.take_idle_stitched();
+                carved = carve_free_granules(p, g, u64::MAX, limit);
+                Ok(())
+            })?;
+            (g, std::mem::take(&mut st.retired), idle, carved)
+        };
+        let idle: Vec<(u64, u64)> = idle.into_iter().map(|(a, l)| extent(g, a, l)).collect();
+        if retired.is_empty() && idle.is_empty() && carved.is_empty() {
             return Ok(0);
         }
-        // The pool waited for its stream before this release, unless `unwaited` says why not.
-        self.unmap_retired(&mut st, unwaited.is_none());
-        if let Some(e) = unwaited {
-            return Err(e.clone());
+        let waited = wait();
+        let mut st = self.state.lock();
+        if let Err(e) = waited {
+            st.retired.extend(retired);
+            if !idle.is_empty() {
+                st.retired.push(Retired { event: None, ranges: idle });
+            }
+            let _ = ledger.update(&mut |p| carved.iter().try_for_each(|&(k, a, l)| p.add_joined(k, a, l)));
+            return Err(e);
         }
-        let (g, limit) = (st.granularity, st.stitch_area);
-        let mut idle = Vec::new();
-        ledger.update(&mut |p| {
-            idle = p.take_idle_stitched();
-            Ok(())
-        })?;
+        self.unmap_retired(&mut st, retired, true);
         let mut first_error = None;
-        for (addr, size) in idle.into_iter().map(|(a, l)| extent(g, a, l)) {
+        for (addr, size) in idle {
             match self.device.unmap(addr, size as usize) {
                 Ok(()) => insert_hole(&mut st.stitch_holes, addr, size),
                 Err(e) => {
@@ -416,11 +436,6 @@ impl Backing for Stitched {
                 }
             }
         }
-        let mut carved = Vec::new();
-        ledger.update(&mut |p| {
-            carved = carve_free_granules(p, g, u64::MAX, limit);
-            Ok(())
-        })?;
         let mut unmapped = 0;
         for (class, addr, len) in carved {
             match self.device.unmap(addr, len as usize) {
@@ -450,7 +465,8 @@ impl Backing for Stitched {
             // destroyed it once its allocations were freed (its handle would be undefined).
             let _ = self.device.synchronize();
         }
-        self.unmap_retired(&mut st, true);
+        let retired = std::mem::take(&mut st.retired);
+        self.unmap_retired(&mut st, retired, true);
         // Chunks and homes may share a granule (a stitched range's end takes part of one):
         // each granule is unmapped once.
         let g = st.granularity;
