@@ -34,6 +34,9 @@
 #            $OUT/torch-tests.log, and $OUT/torch-summary.txt (outcomes and each case's
 #            RESULT line). PYTEST_ARGS (shell words) replaces both runs with one: e.g.
 #            PYTEST_ARGS='python/tests/gpu -k "record_stream or graph"'
+#   race     a release racing frees through PyTorch (python/tests/gpu/race_cases.py): every
+#            streamalloc configuration and PyTorch's own allocators, all at once, RACE_SECONDS
+#            each (default 60), into $OUT/race.txt (one RESULT line each)
 #   graphmem device memory held by 8 captured graphs of 1 GiB temporaries each, per strategy
 #            and pool mode, against PyTorch native and backend:cudaMallocAsync
 #            (scripts/gpu/graph_memory.py) into $OUT/graph_memory.md
@@ -142,6 +145,15 @@ for part in "$@"; do
           | tee "$OUT/torch-summary.txt" | grep -vE '^(PASSED|RESULT) '
         (exit $rc)
       } ;;
+    race)
+      install_wheel && {
+        for conf in strategy=stream_safe strategy=stream_safe,expandable=false strategy=best_fit \
+          strategy=best_fit,expandable=false strategy=async strategy=plain native cudaMallocAsync; do
+          (cd python/tests/gpu && PYTHONPATH=/tmp/sa-site timeout $(( ${RACE_SECONDS:-60} + 120 )) \
+            python3 race_cases.py release_race "$conf" "${RACE_SECONDS:-60}" 2>&1 | tail -n 3) &
+        done; wait
+      } > "$OUT/race.txt"; cat "$OUT/race.txt"; ! grep -q '"ok": false' "$OUT/race.txt" &&
+        [ "$(grep -c '"ok": true' "$OUT/race.txt")" -eq 8 ] ;;
     graphmem) install_wheel && PYTHONPATH=/tmp/sa-site python3 scripts/gpu/graph_memory.py | tee "$OUT/graph_memory.md" ;;
     record)
       install_wheel && rm -rf /tmp/traces &&
