@@ -1,23 +1,55 @@
 """PyTorch: route torch's CUDA allocations through streamalloc.
 
-`enable()` makes streamalloc torch's CUDA allocator, with every hook of
-`torch.cuda.memory.CUDAPluggableAllocator` wired, so that torch's own guarantees hold:
+`enable()` makes streamalloc torch's CUDA allocator. By default it installs streamalloc's own
+torch backend: a C++ class implementing torch's whole allocator interface
+(`c10::cuda::CUDACachingAllocator::CUDAAllocator`, as torch's native and cudaMallocAsync
+backends do) over libstreamalloc's C ABI (`_torch_backend/backend.cpp`). It is built on first
+use against the installed torch's headers with torch's extension builder
+(`torch.utils.cpp_extension.load`, needs a C++ compiler, ninja and the CUDA runtime headers),
+cached per torch version under `~/.cache/streamalloc/` (`STREAMALLOC_CACHE` overrides), or
+taken prebuilt from `STREAMALLOC_TORCH_BACKEND_SO`. With it, torch's own functions work as
+under torch's allocators:
 
-* `tensor.record_stream(s)`: the memory is not reused before the work queued on `s` is done.
-* CUDA graphs (`torch.cuda.graph`, `torch.cuda.CUDAGraph`): what a capture allocates lives in
-  a private pool of that graph (or of the `pool=` handle, shared by the graphs given it) and
-  is never handed to work outside it until torch releases the pool; under `strategy=async`
-  captures allocate the driver's graph memory nodes instead.
-* `torch.cuda.empty_cache()` returns the cached memory to the driver.
-* `torch.cuda.set_per_process_memory_fraction(f)` limits the device memory held.
-* An allocation that fails raises `RuntimeError` ("CUDA out of memory (streamalloc): ...").
+* `torch.cuda.memory_stats()` and everything built on it (`memory_allocated`,
+  `max_memory_allocated`, `memory_reserved`, `memory_summary`), `reset_peak_memory_stats`,
+  `reset_accumulated_memory_stats`, from the library's figures under torch's key names;
+* `torch.backends.cudnn.benchmark = True` (cudnn asks for the largest cached block);
+* out of memory raises `torch.cuda.OutOfMemoryError` with streamalloc's diagnostic, after
+  torch's out-of-memory observers ran;
+* CUDA graphs, `torch.cuda.MemPool()` and `use_mem_pool`, `torch.compile(mode=
+  "reduce-overhead")` (cudagraph trees: pool use counts, live-allocation checks, checkpoints)
+  on the library's private pools;
+* `tensor.record_stream(s)`, `torch.cuda.empty_cache()`,
+  `torch.cuda.set_per_process_memory_fraction(f)`;
+* CUDA tensors shared with other processes (`torch.multiprocessing`) in torch's own handle
+  format, for memory of cuMemAlloc chunks (`strategy=plain`, or `expandable=false`); mapped
+  memory (`expandable=true`, the default) and the driver's pool (`strategy=async`) cannot be
+  shared, and sharing raises saying so.
 
-`allocator()` gives the same allocator without making it current, for
+Where the backend cannot be built (no compiler, no ninja, no CUDA headers), `enable()` warns
+once, naming what is missing and what will not work, and falls back to torch's
+`CUDAPluggableAllocator` with every hook wired (the path of earlier versions): under it torch
+refuses its statistics functions, `cacheInfo` (cudnn.benchmark), `MemPool()`, cudagraph
+trees and IPC, and out of memory is a plain `RuntimeError`; `memory_stats()`,
+`memory_summary()` and `reset_peak_memory_stats()` here give the library's figures under
+either path. `STREAMALLOC_TORCH_BACKEND` chooses: `auto` (the default: backend, else the
+fallback), `backend` (the backend or an error) or `pluggable` (the fallback, always).
+
+`allocator()` gives the pluggable allocator without making it current, for
 `torch.cuda.MemPool(streamalloc.torch.allocator().allocator())` under PyTorch's own allocator.
-torch's statistics functions (`torch.cuda.memory_stats` and the rest) raise under a pluggable
-allocator; `memory_stats()`, `memory_summary()` and `reset_peak_memory_stats()` here give the
-library's figures under torch's key names.
+
+An unmodified script runs under streamalloc with
+
+    python -m streamalloc.torch [--conf STREAMALLOC_CONF] train.py ARGS...
+    python -m streamalloc.torch [--conf ...] -m package.module ARGS...
+
+(processes it spawns, e.g. torch.multiprocessing workers, keep PyTorch's allocator).
 """
+
+import os
+import sys
+import threading
+import warnings
 
 import streamalloc
 
@@ -25,6 +57,11 @@ MALLOC = "streamalloc_torch_malloc"
 """The allocation function of the CUDAPluggableAllocator ABI (throws on failure)."""
 FREE = "streamalloc_free"
 """The free function of the CUDAPluggableAllocator ABI."""
+
+BACKEND_ENV = "STREAMALLOC_TORCH_BACKEND"
+"""Environment variable choosing the path of `enable()`: auto, backend or pluggable."""
+PREBUILT_ENV = "STREAMALLOC_TORCH_BACKEND_SO"
+"""Environment variable naming a prebuilt backend library (skips the build)."""
 
 _HOOKS = (
     ("set_record_stream_fn", "streamalloc_torch_record_stream"),
@@ -37,6 +74,120 @@ _HOOKS = (
     ("set_init_fn", "streamalloc_torch_init"),
 )
 """Each setter of torch's allocator object, and the library function it is given."""
+
+FALLBACK_LIMITS = (
+    "torch.cuda.memory_stats() and what is built on it (memory_allocated, max_memory_allocated, "
+    "memory_reserved, memory_summary), reset_peak_memory_stats, cudnn.benchmark convolutions "
+    "(cacheInfo), torch.compile(mode='reduce-overhead'), torch.cuda.MemPool() and use_mem_pool, "
+    "and sharing CUDA tensors with other processes raise in torch; out of memory raises a plain "
+    "RuntimeError instead of torch.cuda.OutOfMemoryError"
+)
+"""What does not work under the fallback (torch's CUDAPluggableAllocator)."""
+
+_lock = threading.Lock()
+_active = None
+_warned = False
+
+
+class BackendUnavailable(RuntimeError):
+    """The C++ backend cannot be built or loaded here; the message says what is missing."""
+
+
+def backend_source():
+    """The path of the backend's C++ source."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "_torch_backend", "backend.cpp")
+
+
+def _cache_dir(torch):
+    root = os.environ.get("STREAMALLOC_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "streamalloc")
+    tag = f"torch-{torch.__version__}-cuda-{torch.version.cuda}-py{sys.version_info[0]}{sys.version_info[1]}"
+    return os.path.join(root, "torch-backend", tag.replace("+", "_"))
+
+
+def _cuda_headers(torch, cpp_extension):
+    """(with_cuda, include paths, link flags) for the CUDA runtime: CUDA_HOME's, else those
+    of the nvidia-cuda-runtime wheel torch depends on. Raises BackendUnavailable."""
+    if cpp_extension.CUDA_HOME and os.path.exists(os.path.join(cpp_extension.CUDA_HOME, "include",
+                                                               "cuda_runtime_api.h")):
+        return True, [], []
+    for entry in sys.path:
+        for sub in ("nvidia/cu13", "nvidia/cuda_runtime", "nvidia/cu12"):
+            include = os.path.join(entry, sub, "include")
+            if os.path.exists(os.path.join(include, "cuda_runtime_api.h")):
+                flags = [f"-L{os.path.join(os.path.dirname(torch.__file__), 'lib')}", "-lc10_cuda", "-ltorch_cuda"]
+                lib = os.path.join(entry, sub, "lib")
+                cudart = sorted(f for f in os.listdir(lib) if f.startswith("libcudart.so")) if os.path.isdir(lib) else []
+                if cudart:
+                    flags += [f"-L{lib}", f"-l:{cudart[0]}"]
+                return False, [include], flags
+    raise BackendUnavailable("the CUDA runtime headers (cuda_runtime_api.h: no CUDA_HOME, no nvidia-cuda-runtime wheel)")
+
+
+def build_backend(verbose=False):
+    """Builds (or finds, already built for this torch) the backend library; returns its path.
+    Raises BackendUnavailable naming what is missing."""
+    prebuilt = os.environ.get(PREBUILT_ENV)
+    if prebuilt:
+        if not os.path.exists(prebuilt):
+            raise BackendUnavailable(f"{PREBUILT_ENV}={prebuilt} does not exist")
+        return prebuilt
+    import shutil
+
+    import torch
+
+    try:
+        from torch.utils import cpp_extension
+    except Exception as e:  # a torch without its extension builder
+        raise BackendUnavailable(f"torch.utils.cpp_extension ({e})") from e
+    missing = []
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        missing.append(f"a C++ compiler ({compiler} not found)")
+    if not cpp_extension.is_ninja_available():
+        missing.append("ninja (pip install ninja)")
+    if missing:
+        raise BackendUnavailable(" and ".join(missing))
+    with_cuda, includes, ldflags = _cuda_headers(torch, cpp_extension)
+    build_dir = _cache_dir(torch)
+    os.makedirs(build_dir, exist_ok=True)
+    try:
+        return cpp_extension.load(
+            name="streamalloc_torch_backend",
+            sources=[backend_source()],
+            build_directory=build_dir,
+            extra_cflags=["-O2"],
+            extra_include_paths=includes,
+            # The shared libstdc++ first: a compiler that links it statically by default (as
+            # some images' wrappers do) gives the library a copy of its own whose uninitialised
+            # locale crashed formatting a number (seen on an H200 image, torch 2.11).
+            extra_ldflags=ldflags + ["-l:libstdc++.so.6", "-ldl"],
+            with_cuda=with_cuda,
+            is_python_module=False,
+            verbose=verbose,
+        )
+    except Exception as e:
+        lines = [line for line in str(e).splitlines() if line.strip()]
+        raise BackendUnavailable(f"building {backend_source()} in {build_dir} failed: "
+                                 + " | ".join(lines[-6:])) from e
+
+
+def _install_backend():
+    """Builds and installs the backend as torch's allocator. BackendUnavailable when it cannot
+    be built or loaded; RuntimeError when torch refuses it (an allocator already in use)."""
+    import ctypes
+
+    path = build_backend()
+    try:
+        lib = ctypes.CDLL(path)
+        install = lib.streamalloc_torch_backend_install
+    except (OSError, AttributeError) as e:
+        raise BackendUnavailable(f"loading {path} failed: {e}") from e
+    install.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+    install.restype = ctypes.c_int
+    err = ctypes.create_string_buffer(4096)
+    if install(str(streamalloc.library_path()).encode(), err, len(err)) != 0:
+        raise RuntimeError(f"streamalloc: installing the torch backend failed: {err.value.decode(errors='replace')}")
 
 
 def allocator(conf=None):
@@ -60,21 +211,54 @@ def allocator(conf=None):
     return pluggable
 
 
-def enable(conf=None):
+def enable(conf=None, backend=None):
     """Makes streamalloc PyTorch's CUDA allocator; call before any CUDA allocation.
 
-    `conf` is as for `allocator()`. Returns the torch allocator object.
+    `conf` is as for `allocator()`. `backend` (default: `$STREAMALLOC_TORCH_BACKEND`, else
+    "auto") picks the path: "backend" (streamalloc's torch backend, or an error), "pluggable"
+    (torch's CUDAPluggableAllocator) or "auto" (the backend where it can be built, else the
+    pluggable path with a warning). Returns torch's allocator object (`_CUDAAllocator`).
     """
+    global _active, _warned
     import torch
 
-    pluggable = allocator(conf)
-    torch.cuda.memory.change_current_allocator(pluggable)
-    return pluggable
+    mode = (backend or os.environ.get(BACKEND_ENV) or "auto").strip().lower()
+    if mode not in ("auto", "backend", "pluggable"):
+        raise ValueError(f"{BACKEND_ENV}/backend must be auto, backend or pluggable, not {mode!r}")
+    with _lock:
+        streamalloc.load()
+        if conf is not None:
+            streamalloc.configure(conf)
+        if _active is not None:
+            return torch.cuda.memory._get_current_allocator()
+        if mode != "pluggable":
+            try:
+                _install_backend()
+                _active = "backend"
+                return torch.cuda.memory._get_current_allocator()
+            except BackendUnavailable as e:
+                if mode == "backend":
+                    raise
+                if not _warned:
+                    _warned = True
+                    warnings.warn(f"streamalloc.torch: the torch backend is unavailable: {e}. Falling back to "
+                                  f"torch's CUDAPluggableAllocator, under which {FALLBACK_LIMITS}.",
+                                  RuntimeWarning, stacklevel=2)
+        pluggable = allocator()
+        torch.cuda.memory.change_current_allocator(pluggable)
+        _active = "pluggable"
+        return pluggable
+
+
+def active():
+    """Which path `enable()` installed in this process: "backend", "pluggable" or None."""
+    return _active
 
 
 def memory_stats(device=0):
     """The library's statistics of `device` under `torch.cuda.memory_stats()`'s key names
-    (the "all" pool; private pools of CUDA graphs included)."""
+    (the "all" pool; private pools of CUDA graphs included). Under the backend,
+    `torch.cuda.memory_stats()` itself works and has every key."""
     s = streamalloc.stats(device)
     stats = {
         "allocated_bytes.all.current": s["allocated"],
@@ -120,3 +304,58 @@ def _bytes(n):
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return str(n)
+
+
+USAGE = """usage: python -m streamalloc.torch [--conf STREAMALLOC_CONF] [--backend auto|backend|pluggable]
+                                   (SCRIPT | -m MODULE) [ARGS...]
+Runs SCRIPT (or MODULE) as __main__ with streamalloc as PyTorch's CUDA allocator."""
+
+
+def main(argv=None):
+    """`python -m streamalloc.torch`: runs a script or module under streamalloc."""
+    import runpy
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    conf = backend = module = None
+    while args and args[0].startswith("-"):
+        flag = args.pop(0)
+        if flag in ("-h", "--help"):
+            print(USAGE)
+            return 0
+        if flag == "--conf" and args:
+            conf = args.pop(0)
+        elif flag.startswith("--conf="):
+            conf = flag.split("=", 1)[1]
+        elif flag == "--backend" and args:
+            backend = args.pop(0)
+        elif flag.startswith("--backend="):
+            backend = flag.split("=", 1)[1]
+        elif flag == "-m" and args:
+            module = args.pop(0)
+            break
+        elif flag == "--":
+            break
+        else:
+            print(f"unknown option {flag}\n{USAGE}", file=sys.stderr)
+            return 2
+    if module is None and not args:
+        print(USAGE, file=sys.stderr)
+        return 2
+    enable(conf, backend)
+    if module is not None:
+        sys.argv = [module, *args]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        script = args[0]
+        sys.argv = list(args)
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        runpy.run_path(script, run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    # Run as `python -m streamalloc.torch`: this file is __main__, a module apart from
+    # streamalloc.torch, whose state (the path installed) the script may ask for.
+    from streamalloc import torch as _streamalloc_torch
+
+    sys.exit(_streamalloc_torch.main())

@@ -1,0 +1,1253 @@
+// streamalloc as PyTorch's CUDA allocator backend: a class implementing torch's whole
+// allocator interface (c10::cuda::CUDACachingAllocator::CUDAAllocator, as torch's own native
+// and cudaMallocAsync backends do) over libstreamalloc's C ABI, installed as torch's current
+// allocator. streamalloc/torch.py builds this file on first use against the installed torch's
+// headers (torch.utils.cpp_extension.load, a plain shared library, no Python module: torch's
+// extension builder caches it per torch version) and calls streamalloc_torch_backend_install
+// through ctypes with the path of the libstreamalloc.so the Python package loaded.
+//
+// libstreamalloc is not linked: install() dlopen()s the path it is given (the file ctypes has
+// already loaded, so the same handle and the same allocator state as streamalloc.stats() and
+// the other Python functions) and resolves every function it calls by name. The library's
+// structs are mirrored here field for field (see crates/streamalloc-capi/include/streamalloc.h).
+//
+// What each of torch's methods does here:
+//   allocate / raw_alloc*           streamalloc_allocate on torch's current stream; failure from
+//                                   lack of memory (or the memory fraction) calls torch's OOM
+//                                   observers and throws c10::OutOfMemoryError
+//                                   (torch.cuda.OutOfMemoryError) with the library's diagnostic
+//   raw_delete / the deleter        streamalloc_free, with the allocation's device and stream
+//   recordStream                    streamalloc_record_stream (ignored, as native does, for
+//                                   memory not deleted by this allocator: IPC-sent storages)
+//   emptyCache                      streamalloc_torch_empty_cache (every device; not while a
+//                                   private pool is active)
+//   set/getMemoryFraction           streamalloc_set_memory_fraction
+//   getDeviceStats                  torch's DeviceStats from streamalloc_stats and the
+//                                   backend's own counts (see device_stats())
+//   resetPeakStats                  streamalloc_reset_peak_stats and the backend's peaks
+//   resetAccumulatedStats           the accumulated figures restart from 0
+//   cacheInfo                       as native: the free device memory if *largest is 0, then
+//                                   at least the library's largest cached block
+//   getBaseAllocation               streamalloc_torch_base_allocation
+//   beginAllocateToPool / end /     streamalloc_pool_begin / _end / _release, torch's filter
+//   releasePool / createOrIncref    handed to the library; use counts kept as native keeps them
+//   getPoolUseCount                 (a MemPool holds one, each begin one more until release)
+//   checkPoolLiveAllocations        the pool's live allocations against torch's set
+//   getCheckpointState /            cudagraph trees: a state lists a pool's live allocations;
+//   setCheckpointPoolState          while it exists their memory is not returned to the
+//                                   library when torch frees it, so that setting the state
+//                                   revives exactly those addresses
+//   shareIpcHandle / getIpcDevPtr   torch's own handle format (version 2, 'c': a
+//                                   cudaIpcMemHandle_t of the device allocation), so a process
+//                                   under torch's own allocator opens what this one shares;
+//                                   works for memory of cuMemAlloc chunks (strategy=plain, or
+//                                   expandable=false), refused with the reason otherwise
+//   snapshot                        one segment per live allocation
+//   recordHistory                   refused when enabling (no stack traces are kept)
+//
+// Nothing here lets an exception escape into the library (the filter trampolines catch) and
+// every library error becomes a c10::Error with the library's message.
+
+#include <c10/core/Allocator.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/ApproximateClock.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace streamalloc_torch {
+
+namespace CCA = c10::cuda::CUDACachingAllocator;
+using c10::MempoolId_t;
+using c10::CachingDeviceAllocator::DeviceStats;
+using c10::CachingAllocator::Stat;
+using c10::CachingAllocator::StatType;
+
+// --- libstreamalloc's C ABI, resolved by name -------------------------------------------------
+
+// streamalloc_status_t (values as in streamalloc.h).
+enum Status : int {
+  OK = 0,
+  OUT_OF_MEMORY = 1,
+  LIMIT_EXCEEDED = 5,
+};
+
+// streamalloc_stats_t, field for field.
+// A byte count as torch writes it ("1.50 GiB"). With snprintf, not an ostream: a backend
+// built by the system's compiler may meet an older libstdc++ in the process, and formatting a
+// double through its locale facets crashed there (seen on an H200 with torch 2.11).
+std::string size_text(uint64_t bytes) {
+  const char* units[] = {"bytes", "KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (value >= 1024.0 && unit < 4) {
+    value /= 1024.0;
+    unit++;
+  }
+  char text[64];
+  if (unit == 0) {
+    std::snprintf(text, sizeof text, "%llu bytes", static_cast<unsigned long long>(bytes));
+  } else {
+    std::snprintf(text, sizeof text, "%.2f %s", value, units[unit]);
+  }
+  return text;
+}
+
+struct LibStats {
+  size_t allocated;
+  size_t allocated_peak;
+  size_t reserved;
+  size_t reserved_peak;
+  size_t cached;
+  size_t largest_free_block;
+  size_t pending_release;
+  uint64_t live_allocations;
+  uint64_t total_allocations;
+  uint64_t total_frees;
+  uint64_t device_allocs;
+  uint64_t device_frees;
+  uint64_t failures;
+  uint64_t retries;
+};
+
+using FilterFn = bool (*)(void*, cudaStream_t);
+using DropFn = void (*)(void*);
+
+struct Lib {
+  int (*allocate)(size_t, int, cudaStream_t, void**) = nullptr;
+  void (*free)(void*, ssize_t, int, cudaStream_t) = nullptr;
+  int (*deallocate)(void*) = nullptr;
+  int (*record_stream)(void*, cudaStream_t) = nullptr;
+  int (*stats)(int, LibStats*) = nullptr;
+  int (*reset_peak_stats)(int) = nullptr;
+  int (*enable_peer_access)(int, int) = nullptr;
+  const char* (*last_error)() = nullptr;
+  int (*pool_begin)(int, uint64_t, uint64_t, FilterFn, void*, DropFn) = nullptr;
+  int (*pool_end)(int, uint64_t, uint64_t) = nullptr;
+  int (*pool_release)(int, uint64_t, uint64_t) = nullptr;
+  int (*set_memory_fraction)(int, double) = nullptr;
+  void* (*base_allocation)(void*, size_t*) = nullptr;
+  void (*empty_cache)() = nullptr;
+  void (*init)(int) = nullptr;
+};
+
+template <typename F>
+void resolve(void* handle, const char* name, F& out, std::string& missing) {
+  out = reinterpret_cast<F>(dlsym(handle, name));
+  if (out == nullptr) {
+    missing += missing.empty() ? name : std::string(", ") + name;
+  }
+}
+
+// --- the allocator ----------------------------------------------------------------------------
+
+constexpr size_t kSmallSize = 1 << 20; // torch's small pool: requests up to 1 MiB
+constexpr int kMaxDevices = 64;
+
+struct Alloc {
+  size_t size = 0;
+  c10::DeviceIndex device = 0;
+  cudaStream_t stream = nullptr;
+  bool in_pool = false; // made while a private pool's filter matched
+  MempoolId_t pool{0, 0};
+  std::shared_ptr<CCA::CUDAAllocator> pool_allocator; // a MemPool's own allocator, if any
+};
+
+struct PoolKey {
+  c10::DeviceIndex device;
+  MempoolId_t id;
+  bool operator==(const PoolKey& o) const {
+    return device == o.device && id == o.id;
+  }
+};
+
+struct PoolKeyHash {
+  size_t operator()(const PoolKey& k) const noexcept {
+    return std::hash<uint64_t>()(k.id.first * 0x9e3779b97f4a7c15ULL ^ k.id.second) ^
+        static_cast<size_t>(k.device);
+  }
+};
+
+// torch's bookkeeping of one private pool.
+struct Pool {
+  int use_count = 0;
+  bool use_on_oom = false;
+  bool no_split = false;
+  std::shared_ptr<CCA::CUDAAllocator> allocator; // MemPool(allocator): allocations go there
+  std::unordered_set<void*> live;
+};
+
+using Filter = std::shared_ptr<std::function<bool(cudaStream_t)>>;
+
+// Per-device counts of torch's own allocations (the library counts every face's).
+struct Counts {
+  c10::CachingAllocator::StatArray allocation;
+  c10::CachingAllocator::StatArray allocated_bytes;
+  Stat segment;
+  // The library's accumulated counters when the accumulated statistics were last reset.
+  LibStats base{};
+  size_t pinned_bytes = 0; // freed by torch, held for a checkpoint state
+  // Out-of-memory errors raised (torch's num_ooms: the library does not count the memory
+  // fraction's refusals as failures).
+  int64_t ooms = 0;
+};
+
+void deleter(void* ptr);
+
+class Backend;
+Backend* g_backend = nullptr;
+
+// A private pool's state for cudagraph trees: the pool's live allocations when taken.
+struct PoolState : public CCA::AllocatorState {
+  c10::DeviceIndex device;
+  MempoolId_t id;
+  std::vector<std::pair<void*, Alloc>> allocs;
+  ~PoolState() override;
+};
+
+bool call_filter(void* context, cudaStream_t stream) {
+  try {
+    return (**static_cast<Filter*>(context))(stream);
+  } catch (...) {
+    return false;
+  }
+}
+
+void drop_filter(void* context) {
+  delete static_cast<Filter*>(context);
+}
+
+bool never(void*, cudaStream_t) {
+  return false;
+}
+
+bool this_thread(void* context, cudaStream_t) {
+  return *static_cast<std::thread::id*>(context) == std::this_thread::get_id();
+}
+
+void drop_thread(void* context) {
+  delete static_cast<std::thread::id*>(context);
+}
+
+class Backend : public CCA::CUDAAllocator {
+ public:
+  explicit Backend(Lib lib) : lib_(lib) {}
+
+  // --- the library ---
+
+  std::string last_error() const {
+    const char* e = lib_.last_error();
+    return e != nullptr && *e != '\0' ? std::string(e) : std::string("(no message)");
+  }
+
+  void check(int status, const char* what) const {
+    TORCH_CHECK(status == OK, "streamalloc: ", what, " failed: ", last_error());
+  }
+
+  // --- allocation ---
+
+  c10::DataPtr allocate(size_t size) override {
+    c10::DeviceIndex device = 0;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+    void* p = size == 0 ? nullptr : malloc(size, device, stream);
+    return {p, p, &deleter, c10::Device(c10::DeviceType::CUDA, device)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override {
+    return &deleter;
+  }
+
+  void* raw_alloc(size_t nbytes) override {
+    if (nbytes == 0) {
+      return nullptr;
+    }
+    c10::DeviceIndex device = 0;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    return malloc(nbytes, device, c10::cuda::getCurrentCUDAStream(device).stream());
+  }
+
+  void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
+    if (nbytes == 0) {
+      return nullptr;
+    }
+    c10::DeviceIndex device = 0;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    return malloc(nbytes, device, stream);
+  }
+
+  void raw_delete(void* ptr) override {
+    free(ptr);
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const final {
+    C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
+  }
+
+  // The private pool whose filter takes an allocation on `stream` (newest first, as the
+  // library decides), if one is active on `device`.
+  bool route(c10::DeviceIndex device, cudaStream_t stream, MempoolId_t& id) {
+    if (active_count_[device].load(std::memory_order_acquire) == 0) {
+      return false;
+    }
+    std::vector<std::pair<MempoolId_t, Filter>> active;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      active = active_[device];
+    }
+    for (auto it = active.rbegin(); it != active.rend(); ++it) {
+      if ((*it->second)(stream)) {
+        id = it->first;
+        return true;
+      }
+    }
+    return false;
+  }
+
+  void* malloc(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
+    TORCH_CHECK(device >= 0 && device < kMaxDevices, "streamalloc: device ", device, " out of range");
+    Alloc a;
+    a.size = size;
+    a.device = device;
+    a.stream = stream;
+    a.in_pool = route(device, stream, a.pool);
+    void* p = nullptr;
+    if (a.in_pool) {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = pools_.find(PoolKey{device, a.pool});
+      if (it != pools_.end()) {
+        a.pool_allocator = it->second.allocator;
+      }
+    }
+    if (a.pool_allocator) {
+      // torch.cuda.MemPool(allocator): the pool's own allocator serves it (it throws itself).
+      p = a.pool_allocator->raw_alloc_with_stream(size, stream);
+    } else {
+      int status = lib_.allocate(size, device, stream, &p);
+      if (status != OK) {
+        std::string message = last_error();
+        bool oom = status == OUT_OF_MEMORY || status == LIMIT_EXCEEDED;
+        if (oom && !a.in_pool && try_oom_pools(size, device, stream, a, p)) {
+          status = OK;
+        }
+        if (status != OK) {
+          if (oom) {
+            out_of_memory(size, device, message);
+          }
+          TORCH_CHECK(false, "streamalloc: allocating ", size, " bytes on device ", device, " failed: ", message);
+        }
+      }
+    }
+    note_alloc(p, a);
+    return p;
+  }
+
+  // Pools made with use_on_oom=True take an allocation the device could not serve.
+  bool try_oom_pools(size_t size, c10::DeviceIndex device, cudaStream_t stream, Alloc& a, void*& p) {
+    std::vector<MempoolId_t> ids;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& [key, pool] : pools_) {
+        if (key.device == device && pool.use_on_oom && pool.use_count > 0 && !pool.allocator) {
+          ids.push_back(key.id);
+        }
+      }
+    }
+    std::lock_guard<std::mutex> pools_lock(pool_mu_);
+    for (const auto& id : ids) {
+      auto* me = new std::thread::id(std::this_thread::get_id());
+      if (lib_.pool_begin(device, id.first, id.second, &this_thread, me, &drop_thread) != OK) {
+        continue;
+      }
+      int status = lib_.allocate(size, device, stream, &p);
+      lib_.pool_end(device, id.first, id.second);
+      lib_.pool_release(device, id.first, id.second);
+      if (status == OK) {
+        a.in_pool = true;
+        a.pool = id;
+        return true;
+      }
+    }
+    return false;
+  }
+
+  [[noreturn]] void out_of_memory(size_t size, c10::DeviceIndex device, const std::string& message) {
+    LibStats s{};
+    lib_.stats(device, &s);
+    size_t device_free = 0;
+    size_t device_total = 0;
+    {
+      c10::cuda::CUDAGuard guard(device);
+      if (cudaMemGetInfo(&device_free, &device_total) != cudaSuccess) {
+        (void)cudaGetLastError();
+      }
+    }
+    std::vector<CCA::OutOfMemoryObserver> observers;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      observers = oom_observers_;
+      counts_[device].ooms++;
+    }
+    for (const auto& observer : observers) {
+      observer(device, s.allocated, device_total, device_free);
+    }
+    trace(CCA::TraceEntry::OOM, device, device_free, size, nullptr, {0, 0});
+    c10::reportOutOfMemoryToProfiler(
+        static_cast<int64_t>(size), s.allocated, s.reserved, c10::Device(c10::DeviceType::CUDA, device));
+    TORCH_CHECK_WITH(
+        OutOfMemoryError,
+        false,
+        "CUDA out of memory (streamalloc). Tried to allocate ",
+        size_text(size),
+        " on device ",
+        static_cast<int>(device),
+        ": ",
+        message,
+        "\nstreamalloc holds ",
+        size_text(s.reserved),
+        " (",
+        size_text(s.allocated),
+        " allocated); the device has ",
+        size_text(device_free),
+        " free of ",
+        size_text(device_total),
+        ".");
+  }
+
+  void note_alloc(void* p, const Alloc& a) {
+    if (p == nullptr) {
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      live_[p] = a;
+      if (a.in_pool) {
+        pools_[PoolKey{a.device, a.pool}].live.insert(p);
+      }
+      count(a, +1);
+    }
+    trace(CCA::TraceEntry::ALLOC, a.device, reinterpret_cast<size_t>(p), a.size, a.stream, a.pool);
+  }
+
+  // Adds (+1) or removes (-1) `a` from the counts; mu_ held.
+  void count(const Alloc& a, int sign) {
+    Counts& c = counts_[a.device];
+    auto kind = static_cast<size_t>(a.size <= kSmallSize ? StatType::SMALL_POOL : StatType::LARGE_POOL);
+    for (size_t k : {static_cast<size_t>(StatType::AGGREGATE), kind}) {
+      if (sign > 0) {
+        c.allocation[k].increase(1);
+        c.allocated_bytes[k].increase(a.size);
+      } else {
+        c.allocation[k].decrease(1);
+        c.allocated_bytes[k].decrease(a.size);
+      }
+    }
+  }
+
+  void free(void* ptr) {
+    if (ptr == nullptr) {
+      return;
+    }
+    Alloc a;
+    bool pinned = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = live_.find(ptr);
+      if (it == live_.end()) {
+        // Not made through this backend (nothing else hands torch streamalloc memory): let the
+        // library judge it.
+        // (A deleter must not throw: the reason goes to stderr.)
+        if (lib_.deallocate(ptr) != OK) {
+          std::fprintf(stderr, "streamalloc: freeing %p: %s\n", ptr, last_error().c_str());
+        }
+        return;
+      }
+      a = std::move(it->second);
+      live_.erase(it);
+      count(a, -1);
+      if (a.in_pool) {
+        forget_in_pool(ptr, a);
+      }
+      auto pin = pins_.find(ptr);
+      if (pin != pins_.end() && pin->second > 0) {
+        pinned = true;
+        counts_[a.device].pinned_bytes += a.size;
+        parked_[ptr] = a;
+      }
+    }
+    trace(CCA::TraceEntry::FREE_REQUESTED, a.device, reinterpret_cast<size_t>(ptr), a.size, a.stream, a.pool);
+    if (!pinned) {
+      release_memory(ptr, a);
+    }
+  }
+
+  // mu_ held.
+  void forget_in_pool(void* ptr, const Alloc& a) {
+    auto pool = pools_.find(PoolKey{a.device, a.pool});
+    if (pool != pools_.end()) {
+      pool->second.live.erase(ptr);
+      if (pool->second.use_count <= 0 && pool->second.live.empty()) {
+        pools_.erase(pool);
+      }
+    }
+  }
+
+  void release_memory(void* ptr, const Alloc& a) {
+    if (a.pool_allocator) {
+      a.pool_allocator->raw_delete(ptr);
+    } else {
+      lib_.free(ptr, static_cast<ssize_t>(a.size), a.device, a.stream);
+    }
+    trace(CCA::TraceEntry::FREE_COMPLETED, a.device, reinterpret_cast<size_t>(ptr), a.size, a.stream, a.pool);
+  }
+
+  // --- setup ---
+
+  void init(int device_count) override {
+    device_count_ = device_count;
+    lib_.init(device_count);
+    initialized_ = true;
+  }
+
+  bool initialized() override {
+    return initialized_;
+  }
+
+  void enable(bool value) override {
+    enabled_ = value;
+  }
+
+  bool isEnabled() const override {
+    return enabled_;
+  }
+
+  std::string name() override {
+    return "streamalloc";
+  }
+
+  // --- cache, fraction ---
+
+  void emptyCache(MempoolId_t mempool_id) override {
+    // A private pool's memory returns to the device by itself once torch released the pool
+    // and its allocations are freed; there is no cache of one pool to empty.
+    if (mempool_id.first == 0 && mempool_id.second == 0) {
+      lib_.empty_cache();
+    }
+  }
+
+  double getMemoryFraction(c10::DeviceIndex device) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = fractions_.find(device);
+    return it == fractions_.end() ? 1.0 : it->second;
+  }
+
+  void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
+    check(lib_.set_memory_fraction(device, fraction), "set_per_process_memory_fraction");
+    std::lock_guard<std::mutex> lock(mu_);
+    fractions_[device] = fraction;
+  }
+
+  std::vector<CCA::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex) override {
+    return {};
+  }
+
+  void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) override {
+    if (*largestBlock == 0) {
+      // As native: the free device memory is the first guess of what can be had.
+      size_t total = 0;
+      c10::cuda::CUDAGuard guard(device);
+      C10_CUDA_CHECK(cudaMemGetInfo(largestBlock, &total));
+    }
+    LibStats s{};
+    check(lib_.stats(device, &s), "cacheInfo");
+    *largestBlock = std::max(*largestBlock, s.largest_free_block);
+  }
+
+  void* getBaseAllocation(void* ptr, size_t* size) override {
+    return lib_.base_allocation(ptr, size);
+  }
+
+  void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
+    // As native: storages sent to another process carry torch's IPC deleter, which keeps the
+    // original (and its streams) itself.
+    if (ptr.get_deleter() != &deleter || ptr.get() == nullptr) {
+      return;
+    }
+    std::shared_ptr<CCA::CUDAAllocator> pool_allocator;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = live_.find(ptr.get());
+      if (it != live_.end()) {
+        pool_allocator = it->second.pool_allocator;
+      }
+    }
+    if (pool_allocator) { // memory of a MemPool's own allocator: its record_stream
+      pool_allocator->recordStream(ptr, stream);
+      return;
+    }
+    check(lib_.record_stream(ptr.get(), stream.stream()), "record_stream");
+  }
+
+  // --- statistics ---
+
+  DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    TORCH_CHECK(device >= 0 && device < kMaxDevices, "streamalloc: device ", device, " out of range");
+    LibStats s{};
+    check(lib_.stats(device, &s), "memory_stats");
+    std::lock_guard<std::mutex> lock(mu_);
+    Counts& c = counts_[device];
+    const LibStats& b = c.base;
+    DeviceStats d;
+    const auto all = static_cast<size_t>(StatType::AGGREGATE);
+    const auto large = static_cast<size_t>(StatType::LARGE_POOL);
+    // Counts by pool kind, and accumulated bytes: the backend's count of torch's allocations.
+    d.allocation = c.allocation;
+    d.active = c.allocation;
+    d.allocated_bytes = c.allocated_bytes;
+    // Current and peak bytes of all pools: the library's figures (memory freed by torch but held
+    // for a cudagraph trees checkpoint is not allocated).
+    size_t allocated = s.allocated >= c.pinned_bytes ? s.allocated - c.pinned_bytes : 0;
+    d.allocated_bytes[all].current = static_cast<int64_t>(allocated);
+    d.allocated_bytes[all].peak = std::max(static_cast<int64_t>(s.allocated_peak), d.allocated_bytes[all].current);
+    d.active_bytes = d.allocated_bytes;
+    d.requested_bytes = d.allocated_bytes; // the library counts sizes as asked for
+    for (size_t k : {all, large}) { // reserved memory is not split by request size
+      d.reserved_bytes[k].current = static_cast<int64_t>(s.reserved);
+      d.reserved_bytes[k].peak = static_cast<int64_t>(s.reserved_peak);
+    }
+    d.inactive_split_bytes[all].current = static_cast<int64_t>(s.cached);
+    int64_t segments = static_cast<int64_t>(s.device_allocs) - static_cast<int64_t>(s.device_frees);
+    c.segment.current = std::max<int64_t>(segments, 0);
+    c.segment.peak = std::max(c.segment.peak, c.segment.current);
+    for (size_t k : {all, large}) {
+      d.segment[k].current = c.segment.current;
+      d.segment[k].peak = c.segment.peak;
+      d.segment[k].allocated = static_cast<int64_t>(s.device_allocs - b.device_allocs);
+      d.segment[k].freed = static_cast<int64_t>(s.device_frees - b.device_frees);
+    }
+    d.num_alloc_retries = static_cast<int64_t>(s.retries - b.retries);
+    d.num_ooms = c.ooms;
+    d.num_device_alloc = static_cast<int64_t>(s.device_allocs - b.device_allocs);
+    d.num_device_free = static_cast<int64_t>(s.device_frees - b.device_frees);
+    d.num_sync_all_streams = 0;
+    d.max_split_size = 0;
+    return d;
+  }
+
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    TORCH_CHECK(device >= 0 && device < kMaxDevices, "streamalloc: device ", device, " out of range");
+    LibStats s{};
+    check(lib_.stats(device, &s), "reset_accumulated_memory_stats");
+    std::lock_guard<std::mutex> lock(mu_);
+    Counts& c = counts_[device];
+    for (auto& stat : c.allocation) {
+      stat.reset_accumulated();
+    }
+    for (auto& stat : c.allocated_bytes) {
+      stat.reset_accumulated();
+    }
+    c.segment.reset_accumulated();
+    c.ooms = 0;
+    c.base = s;
+  }
+
+  void resetPeakStats(c10::DeviceIndex device) override {
+    TORCH_CHECK(device >= 0 && device < kMaxDevices, "streamalloc: device ", device, " out of range");
+    check(lib_.reset_peak_stats(device), "reset_peak_memory_stats");
+    std::lock_guard<std::mutex> lock(mu_);
+    Counts& c = counts_[device];
+    for (auto& stat : c.allocation) {
+      stat.reset_peak();
+    }
+    for (auto& stat : c.allocated_bytes) {
+      stat.reset_peak();
+    }
+    c.segment.reset_peak();
+  }
+
+  CCA::SnapshotInfo snapshot(MempoolId_t mempool_id, bool /*include_traces*/) override {
+    CCA::SnapshotInfo info;
+    bool all_pools = mempool_id.first == 0 && mempool_id.second == 0;
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [ptr, a] : live_) {
+      if (!all_pools && !(a.in_pool && a.pool == mempool_id)) {
+        continue;
+      }
+      c10::CachingDeviceAllocator::SegmentInfo seg;
+      seg.device = a.device;
+      seg.address = reinterpret_cast<size_t>(ptr);
+      seg.total_size = a.size;
+      seg.requested_size = a.size;
+      seg.allocated_size = a.size;
+      seg.active_size = a.size;
+      seg.stream = a.stream;
+      seg.is_large = a.size > kSmallSize;
+      seg.owner_private_pool_id = a.in_pool ? a.pool : MempoolId_t{0, 0};
+      c10::CachingDeviceAllocator::BlockInfo block;
+      block.size = a.size;
+      block.requested_size = a.size;
+      block.allocated = true;
+      block.active = true;
+      seg.blocks.push_back(block);
+      info.segments.push_back(std::move(seg));
+    }
+    info.device_traces.resize(static_cast<size_t>(std::max(device_count_, 0)));
+    return info;
+  }
+
+  // --- private pools (CUDA graphs, torch.cuda.MemPool, use_mem_pool) ---
+
+  void beginAllocateToPool(
+      c10::DeviceIndex device,
+      MempoolId_t mempool_id,
+      std::function<bool(cudaStream_t)> filter) override {
+    TORCH_CHECK(device >= 0 && device < kMaxDevices, "streamalloc: device ", device, " out of range");
+    auto shared = std::make_shared<std::function<bool(cudaStream_t)>>(std::move(filter));
+    std::lock_guard<std::mutex> pools_lock(pool_mu_);
+    bool own_allocator;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      Pool& pool = pools_[PoolKey{device, mempool_id}];
+      own_allocator = static_cast<bool>(pool.allocator);
+      pool.use_count += 1;
+      active_[device].emplace_back(mempool_id, shared);
+      active_count_[device].store(active_[device].size(), std::memory_order_release);
+    }
+    if (!own_allocator) {
+      auto* context = new Filter(shared);
+      int status = lib_.pool_begin(device, mempool_id.first, mempool_id.second, &call_filter, context, &drop_filter);
+      if (status != OK) {
+        std::string message = last_error();
+        undo_begin(device, mempool_id);
+        TORCH_CHECK(false, "streamalloc: beginAllocateToPool failed: ", message);
+      }
+    }
+  }
+
+  // Removes the newest active filter of `id` on `device`; mu_ not held.
+  void undo_begin(c10::DeviceIndex device, MempoolId_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& active = active_[device];
+    for (auto it = active.rbegin(); it != active.rend(); ++it) {
+      if (it->first == id) {
+        active.erase(std::next(it).base());
+        break;
+      }
+    }
+    active_count_[device].store(active.size(), std::memory_order_release);
+    auto pool = pools_.find(PoolKey{device, id});
+    if (pool != pools_.end()) {
+      pool->second.use_count -= 1;
+    }
+  }
+
+  void endAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+    TORCH_CHECK(device >= 0 && device < kMaxDevices, "streamalloc: device ", device, " out of range");
+    std::lock_guard<std::mutex> pools_lock(pool_mu_);
+    bool own_allocator = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto& active = active_[device];
+      for (auto it = active.rbegin(); it != active.rend(); ++it) {
+        if (it->first == mempool_id) {
+          active.erase(std::next(it).base());
+          break;
+        }
+      }
+      active_count_[device].store(active.size(), std::memory_order_release);
+      auto pool = pools_.find(PoolKey{device, mempool_id});
+      own_allocator = pool != pools_.end() && pool->second.allocator;
+    }
+    if (!own_allocator) {
+      check(lib_.pool_end(device, mempool_id.first, mempool_id.second), "endAllocateToPool");
+    }
+  }
+
+  void releasePool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+    TORCH_CHECK(device >= 0 && device < kMaxDevices, "streamalloc: device ", device, " out of range");
+    std::lock_guard<std::mutex> pools_lock(pool_mu_);
+    bool own_allocator = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto pool = pools_.find(PoolKey{device, mempool_id});
+      if (pool == pools_.end()) {
+        return;
+      }
+      own_allocator = static_cast<bool>(pool->second.allocator);
+      pool->second.use_count = std::max(pool->second.use_count - 1, 0);
+      if (pool->second.use_count == 0 && pool->second.live.empty()) {
+        pools_.erase(pool);
+      }
+    }
+    if (!own_allocator) {
+      check(lib_.pool_release(device, mempool_id.first, mempool_id.second), "releasePool");
+    }
+  }
+
+  void createOrIncrefPool(
+      c10::DeviceIndex device,
+      MempoolId_t mempool_id,
+      std::shared_ptr<CCA::CUDAAllocator> allocator) override {
+    TORCH_CHECK(device >= 0 && device < kMaxDevices, "streamalloc: device ", device, " out of range");
+    std::lock_guard<std::mutex> pools_lock(pool_mu_);
+    bool own_allocator;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto [it, made] = pools_.try_emplace(PoolKey{device, mempool_id});
+      Pool& pool = it->second;
+      TORCH_CHECK(
+          made || allocator == nullptr || allocator == pool.allocator,
+          "streamalloc: pool (",
+          mempool_id.first,
+          ", ",
+          mempool_id.second,
+          ") exists with another allocator");
+      if (made) {
+        pool.allocator = std::move(allocator);
+      }
+      own_allocator = static_cast<bool>(pool.allocator);
+      pool.use_count += 1;
+    }
+    if (!own_allocator) {
+      // The library's pools gain a use with each begin: a begin that matches nothing, ended
+      // at once (no other begin of this pool can come between: pool_mu_ is held).
+      int status = lib_.pool_begin(device, mempool_id.first, mempool_id.second, &never, nullptr, nullptr);
+      if (status == OK) {
+        status = lib_.pool_end(device, mempool_id.first, mempool_id.second);
+      }
+      if (status != OK) {
+        std::string message = last_error();
+        std::lock_guard<std::mutex> lock(mu_);
+        pools_[PoolKey{device, mempool_id}].use_count -= 1;
+        TORCH_CHECK(false, "streamalloc: createOrIncrefPool failed: ", message);
+      }
+    }
+  }
+
+  int getPoolUseCount(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto pool = pools_.find(PoolKey{device, mempool_id});
+    return pool == pools_.end() ? 0 : pool->second.use_count;
+  }
+
+  void setUseOnOOM(c10::DeviceIndex device, MempoolId_t mempool_id, bool use_on_oom) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto pool = pools_.find(PoolKey{device, mempool_id});
+    if (pool != pools_.end()) {
+      pool->second.use_on_oom = use_on_oom;
+    }
+  }
+
+  void setNoSplit(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+    // A private pool's blocks are split by the library as it sees fit; the flag is kept so
+    // that it reads back, and has no other effect.
+    std::lock_guard<std::mutex> lock(mu_);
+    auto pool = pools_.find(PoolKey{device, mempool_id});
+    if (pool != pools_.end()) {
+      pool->second.no_split = true;
+    }
+  }
+
+  bool checkPoolLiveAllocations(
+      c10::DeviceIndex device,
+      MempoolId_t mempool_id,
+      const std::unordered_set<void*>& expected_live_allocations) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto pool = pools_.find(PoolKey{device, mempool_id});
+    if (pool == pools_.end()) {
+      return expected_live_allocations.empty();
+    }
+    return pool->second.live == expected_live_allocations;
+  }
+
+  // --- cudagraph trees' checkpoints ---
+
+  std::shared_ptr<CCA::AllocatorState> getCheckpointState(c10::DeviceIndex device, MempoolId_t id) override {
+    auto state = std::make_shared<PoolState>();
+    state->device = device;
+    state->id = id;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto pool = pools_.find(PoolKey{device, id});
+    if (pool != pools_.end()) {
+      for (void* p : pool->second.live) {
+        state->allocs.emplace_back(p, live_.at(p));
+        pins_[p] += 1;
+      }
+    }
+    return state;
+  }
+
+  CCA::CheckpointDelta setCheckpointPoolState(
+      c10::DeviceIndex device,
+      std::shared_ptr<CCA::AllocatorState> as) override {
+    auto state = std::dynamic_pointer_cast<PoolState>(as);
+    TORCH_CHECK(state, "streamalloc: setCheckpointPoolState was given another allocator's state");
+    TORCH_CHECK(state->device == device, "streamalloc: checkpoint of device ", state->device, " set on ", device);
+    CCA::CheckpointDelta delta;
+    std::vector<std::pair<void*, Alloc>> to_release;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      std::unordered_set<void*> wanted;
+      for (const auto& entry : state->allocs) {
+        wanted.insert(entry.first);
+      }
+      // Everything live in the pool now is freed (as native does); what the checkpoint wants
+      // keeps its memory, which is then handed out again below.
+      auto pool = pools_.find(PoolKey{device, state->id});
+      std::vector<void*> now;
+      if (pool != pools_.end()) {
+        now.assign(pool->second.live.begin(), pool->second.live.end());
+      }
+      for (void* p : now) {
+        Alloc a = live_.at(p);
+        live_.erase(p);
+        count(a, -1);
+        pools_[PoolKey{device, state->id}].live.erase(p);
+        delta.ptrs_freed.push_back(p);
+        if (wanted.count(p)) {
+          continue;
+        }
+        auto pin = pins_.find(p);
+        if (pin != pins_.end() && pin->second > 0) {
+          counts_[device].pinned_bytes += a.size;
+          parked_[p] = a;
+        } else {
+          to_release.emplace_back(p, a);
+        }
+      }
+      for (const auto& [p, recorded] : state->allocs) {
+        auto parked = parked_.find(p);
+        if (parked != parked_.end()) {
+          counts_[device].pinned_bytes -= parked->second.size;
+          parked_.erase(parked);
+        } else {
+          TORCH_INTERNAL_ASSERT(
+              std::find(now.begin(), now.end(), p) != now.end(),
+              "streamalloc: a checkpointed allocation was neither live nor held");
+        }
+        live_[p] = recorded;
+        count(recorded, +1);
+        pools_[PoolKey{device, state->id}].live.insert(p);
+        delta.dataptrs_allocd.emplace_back(p, p, &deleter, c10::Device(c10::DeviceType::CUDA, device));
+      }
+    }
+    for (const auto& [p, a] : to_release) {
+      release_memory(p, a);
+    }
+    return delta;
+  }
+
+  // A checkpoint state is gone: its allocations that torch freed meanwhile go back now.
+  void unpin(const std::vector<std::pair<void*, Alloc>>& allocs) {
+    std::vector<std::pair<void*, Alloc>> to_release;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& entry : allocs) {
+        auto pin = pins_.find(entry.first);
+        if (pin == pins_.end()) {
+          continue;
+        }
+        if (--pin->second > 0) {
+          continue;
+        }
+        pins_.erase(pin);
+        auto parked = parked_.find(entry.first);
+        if (parked != parked_.end()) {
+          counts_[parked->second.device].pinned_bytes -= parked->second.size;
+          to_release.emplace_back(parked->first, parked->second);
+          parked_.erase(parked);
+        }
+      }
+    }
+    for (const auto& [p, a] : to_release) {
+      release_memory(p, a);
+    }
+  }
+
+  // --- IPC ---
+
+  static constexpr char kHandleVersion = 2; // torch <= 2.12's SHAREABLE_HANDLE_VERSION
+  static constexpr char kCudaMalloc = 'c'; // SHAREABLE_CUDA_MALLOC
+
+  CCA::ShareableHandle shareIpcHandle(void* ptr) override {
+    size_t size = 0;
+    void* base = lib_.base_allocation(ptr, &size);
+    cudaIpcMemHandle_t handle;
+    cudaError_t err = cudaIpcGetMemHandle(&handle, base);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      TORCH_CHECK(
+          false,
+          "streamalloc: this CUDA tensor's memory cannot be shared with another process (IPC): "
+          "cudaIpcGetMemHandle failed: ",
+          cudaGetErrorString(err),
+          ". Only memory of cuMemAlloc chunks can be shared: configure streamalloc with "
+          "strategy=plain or expandable=false (not mapped memory, expandable=true, the default, "
+          "nor the driver's pool, strategy=async)");
+    }
+    std::string s;
+    s.push_back(kHandleVersion);
+    s.push_back(kCudaMalloc);
+    s.append(reinterpret_cast<const char*>(&handle), CUDA_IPC_HANDLE_SIZE);
+    return CCA::ShareableHandle{static_cast<char*>(ptr) - static_cast<char*>(base), s};
+  }
+
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    std::lock_guard<std::mutex> lock(ipc_mu_);
+    auto found = ipc_.find(handle);
+    if (found != ipc_.end()) {
+      if (auto sp = found->second.lock()) {
+        return sp;
+      }
+    }
+    int type = kCudaMalloc;
+    size_t at = 0;
+    if (handle.size() != CUDA_IPC_HANDLE_SIZE) { // else a raw handle of an old torch
+      TORCH_CHECK(handle.size() >= 2 + CUDA_IPC_HANDLE_SIZE, "streamalloc: ill-formed IPC handle");
+      TORCH_CHECK(handle[0] <= kHandleVersion, "streamalloc: IPC handle of a newer torch (version ", int(handle[0]), ")");
+      type = handle[1];
+      at = 2;
+    }
+    TORCH_CHECK(
+        type == kCudaMalloc,
+        "streamalloc: cannot open this IPC handle (type '",
+        static_cast<char>(type),
+        "': an expandable segment of PyTorch's own allocator); run the receiving process under "
+        "PyTorch's allocator or share from memory without expandable_segments");
+    cudaIpcMemHandle_t cuda_handle;
+    std::memcpy(&cuda_handle, handle.data() + at, CUDA_IPC_HANDLE_SIZE);
+    void* dev = nullptr;
+    C10_CUDA_CHECK(cudaIpcOpenMemHandle(&dev, cuda_handle, cudaIpcMemLazyEnablePeerAccess));
+    c10::DeviceIndex device = 0;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    std::shared_ptr<void> sp(dev, [device](void* p) {
+      c10::cuda::CUDAGuard guard(device);
+      if (cudaIpcCloseMemHandle(p) != cudaSuccess) {
+        (void)cudaGetLastError();
+      }
+    });
+    ipc_[handle] = sp;
+    return sp;
+  }
+
+  // --- history, observers, trackers ---
+
+  bool isHistoryEnabled() override {
+    return false;
+  }
+
+  void recordHistory(
+      bool enabled,
+      CCA::CreateContextFn,
+      size_t,
+      CCA::RecordContext,
+      bool,
+      const std::vector<std::string>&) override {
+    TORCH_CHECK(
+        !enabled,
+        "streamalloc does not record allocation history with stack traces "
+        "(torch.cuda.memory._record_memory_history); `streamalloc record` writes a trace of "
+        "every allocation instead");
+  }
+
+  void attachOutOfMemoryObserver(CCA::OutOfMemoryObserver observer) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    oom_observers_.push_back(std::move(observer));
+  }
+
+  void attachAllocatorTraceTracker(CCA::AllocatorTraceTracker tracker) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    trackers_.push_back(std::move(tracker));
+    have_trackers_.store(true, std::memory_order_release);
+  }
+
+  void trace(
+      CCA::TraceEntry::Action action,
+      c10::DeviceIndex device,
+      size_t addr,
+      size_t size,
+      cudaStream_t stream,
+      MempoolId_t pool) {
+    if (!have_trackers_.load(std::memory_order_acquire)) {
+      return;
+    }
+    std::vector<CCA::AllocatorTraceTracker> trackers;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      trackers = trackers_;
+    }
+    CCA::TraceEntry entry(action, device, addr, size, stream, pool, c10::getApproximateTime());
+    for (const auto& tracker : trackers) {
+      tracker(entry);
+    }
+  }
+
+  // --- peers, copies ---
+
+  void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
+    {
+      c10::cuda::CUDAGuard guard(dev);
+      cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
+      if (err == cudaErrorPeerAccessAlreadyEnabled) {
+        (void)cudaGetLastError();
+      } else {
+        C10_CUDA_CHECK(err);
+      }
+    }
+    // `dev` reads and writes the memory streamalloc maps for `dev_to_access`.
+    check(lib_.enable_peer_access(dev_to_access, dev), "enablePeerAccess");
+  }
+
+  cudaError_t memcpyAsync(
+      void* dst,
+      int dstDevice,
+      const void* src,
+      int srcDevice,
+      size_t count,
+      cudaStream_t stream,
+      bool p2p_enabled) override {
+    if (p2p_enabled || srcDevice == dstDevice) {
+      return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
+    }
+    // Mapped memory (expandable=true) needs the peer copy without peer access.
+    return cudaMemcpyPeerAsync(dst, dstDevice, src, srcDevice, count, stream);
+  }
+
+ private:
+  Lib lib_;
+  bool initialized_ = false;
+  bool enabled_ = true;
+  int device_count_ = 0;
+
+  std::mutex mu_; // the tables below
+  std::mutex pool_mu_; // orders the library's pool calls (taken before mu_)
+  std::unordered_map<void*, Alloc> live_;
+  std::unordered_map<PoolKey, Pool, PoolKeyHash> pools_;
+  std::vector<std::pair<MempoolId_t, Filter>> active_[kMaxDevices];
+  std::atomic<size_t> active_count_[kMaxDevices] = {};
+  Counts counts_[kMaxDevices];
+  std::map<c10::DeviceIndex, double> fractions_;
+  std::unordered_map<void*, int> pins_; // allocations in checkpoint states, how many
+  std::unordered_map<void*, Alloc> parked_; // of those, freed by torch
+  std::vector<CCA::OutOfMemoryObserver> oom_observers_;
+  std::vector<CCA::AllocatorTraceTracker> trackers_;
+  std::atomic<bool> have_trackers_{false};
+
+  std::mutex ipc_mu_;
+  std::unordered_map<std::string, std::weak_ptr<void>> ipc_;
+};
+
+PoolState::~PoolState() {
+  if (g_backend != nullptr) {
+    g_backend->unpin(allocs);
+  }
+}
+
+void deleter(void* ptr) {
+  g_backend->free(ptr);
+}
+
+} // namespace streamalloc_torch
+
+namespace {
+
+void set_error(char* err, size_t errlen, const std::string& message) {
+  if (err != nullptr && errlen > 0) {
+    std::snprintf(err, errlen, "%s", message.c_str());
+  }
+}
+
+} // namespace
+
+extern "C" {
+
+// Makes streamalloc torch's CUDA allocator, over the libstreamalloc.so at `lib_path`. Returns
+// 0, or -1 with the reason in `err` (torch's allocator already in use, a function missing from
+// the library). Call before torch's first CUDA allocation; a second call does nothing.
+__attribute__((visibility("default"))) int streamalloc_torch_backend_install(
+    const char* lib_path,
+    char* err,
+    size_t errlen) {
+  using namespace streamalloc_torch;
+  if (g_backend != nullptr) {
+    return 0;
+  }
+  try {
+    void* handle = dlopen(lib_path, RTLD_NOW | RTLD_LOCAL);
+    if (handle == nullptr) {
+      const char* why = dlerror();
+      set_error(err, errlen, std::string("dlopen failed: ") + (why ? why : "?"));
+      return -1;
+    }
+    Lib lib;
+    std::string missing;
+    resolve(handle, "streamalloc_allocate", lib.allocate, missing);
+    resolve(handle, "streamalloc_free", lib.free, missing);
+    resolve(handle, "streamalloc_deallocate", lib.deallocate, missing);
+    resolve(handle, "streamalloc_record_stream", lib.record_stream, missing);
+    resolve(handle, "streamalloc_stats", lib.stats, missing);
+    resolve(handle, "streamalloc_reset_peak_stats", lib.reset_peak_stats, missing);
+    resolve(handle, "streamalloc_enable_peer_access", lib.enable_peer_access, missing);
+    resolve(handle, "streamalloc_last_error", lib.last_error, missing);
+    resolve(handle, "streamalloc_pool_begin", lib.pool_begin, missing);
+    resolve(handle, "streamalloc_pool_end", lib.pool_end, missing);
+    resolve(handle, "streamalloc_pool_release", lib.pool_release, missing);
+    resolve(handle, "streamalloc_set_memory_fraction", lib.set_memory_fraction, missing);
+    resolve(handle, "streamalloc_torch_base_allocation", lib.base_allocation, missing);
+    resolve(handle, "streamalloc_torch_empty_cache", lib.empty_cache, missing);
+    resolve(handle, "streamalloc_torch_init", lib.init, missing);
+    if (!missing.empty()) {
+      set_error(err, errlen, std::string(lib_path) + " lacks " + missing);
+      return -1;
+    }
+    // Held for the life of the process (never destroyed: tensors and checkpoint states may
+    // outlive every other static object).
+    auto* keep = new std::shared_ptr<Backend>(std::make_shared<Backend>(lib));
+    g_backend = keep->get();
+    try {
+      torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(*keep);
+    } catch (...) {
+      g_backend = nullptr;
+      throw;
+    }
+    // Also what c10::GetAllocator(kCUDA) / getDeviceAllocator(kCUDA) answer (torch.accelerator).
+    c10::SetAllocator(c10::DeviceType::CUDA, keep->get(), 0);
+    return 0;
+  } catch (const std::exception& e) {
+    set_error(err, errlen, e.what());
+    return -1;
+  } catch (...) {
+    set_error(err, errlen, "unknown C++ exception");
+    return -1;
+  }
+}
+
+// Whether streamalloc_torch_backend_install succeeded in this process.
+__attribute__((visibility("default"))) int streamalloc_torch_backend_installed() {
+  return streamalloc_torch::g_backend != nullptr ? 1 : 0;
+}
+
+} // extern "C"

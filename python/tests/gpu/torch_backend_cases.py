@@ -1,0 +1,429 @@
+#!/usr/bin/env python3
+"""What streamalloc's torch backend (issue 34) makes work that torch refuses under a
+CUDAPluggableAllocator, one case under one configuration per process, through torch's own
+APIs only (torch.cuda.memory_stats() etc., not streamalloc's replacements).
+
+    python3 python/tests/gpu/torch_backend_cases.py CASE CONF [ARG]
+
+CONF is a streamalloc configuration, made torch's allocator with streamalloc.torch.enable
+before the first CUDA allocation; the path enable() takes follows STREAMALLOC_TORCH_BACKEND
+(auto, backend, pluggable): run with STREAMALLOC_TORCH_BACKEND=pluggable every case must fail
+(torch refuses the operation), which is the evidence that the case tests the backend.
+Cases (each checks real results, data read back where there is data):
+
+  active           enable() installed the backend (not the fallback)
+  stats            torch.cuda.memory_allocated / max_memory_allocated / memory_reserved /
+                   memory_stats / memory_summary / reset_peak_memory_stats /
+                   reset_accumulated_memory_stats give exact figures for known allocations,
+                   equal to streamalloc's own
+  cudnn_benchmark  cudnn.benchmark=True convolution forward and backward (cudnn asks the
+                   allocator's cacheInfo): right against the same convolution on the CPU
+  oom              an allocation over the device's memory, and one over
+                   set_per_process_memory_fraction, raise torch.cuda.OutOfMemoryError naming
+                   streamalloc; torch's OOM observer is called with the device's figures;
+                   num_ooms counts them; allocations work afterwards
+  mempool          torch.cuda.MemPool() and use_mem_pool: use counts 1, 2 inside, 1 after (and
+                   2 while a CUDA graph captured into it lives); the pool's tensors right; its
+                   freed memory not handed to allocations outside it; its snapshot lists its
+                   tensors; everything given back once pool and tensors are gone
+  compile          torch.compile(mode="reduce-overhead") (cudagraph trees) forward and backward
+                   against eager, with torch's slow-path pool asserts on (checkPoolLiveAllocations,
+                   standard deleters); a new function run while graphs execute makes the trees
+                   checkpoint the pool (getCheckpointState / setCheckpointPoolState), checked to
+                   have happened, results right afterwards
+  ipc              ARG native|streamalloc (the child's allocator): a CUDA tensor shared with a
+                   spawned process (torch.multiprocessing), which checks every element and
+                   writes new values; the parent reads exactly what the child wrote
+  ipc_refused      sharing memory that cannot be shared (mapped memory, the driver's pool)
+                   raises a RuntimeError naming streamalloc and the configuration that can
+  runner           `python -m streamalloc.torch SCRIPT ARGS` runs an unmodified script as
+                   __main__ with its arguments, torch allocating through streamalloc and
+                   torch.cuda.memory_stats() working in it
+
+Output and exit status: see casekit.py.
+"""
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from casekit import MIB, Report
+
+
+def setup(conf):
+    """Imports torch with streamalloc (CONF) current and CUDA initialised; returns torch."""
+    import torch
+
+    import streamalloc.torch
+
+    streamalloc.torch.enable(conf)
+    torch.cuda.init()
+    return torch
+
+
+def intact(t, value):
+    return float(t.min()) == value and float(t.max()) == value
+
+
+def case_active(report, conf):
+    setup(conf)
+    import streamalloc.torch
+
+    report.info["active"] = streamalloc.torch.active()
+    report.expect(streamalloc.torch.active() == "backend",
+                  f"enable() installed {streamalloc.torch.active()!r}, not the backend")
+
+
+def case_stats(report, conf):
+    torch = setup(conf)
+    import streamalloc
+
+    intact(torch.ones(1, device="cuda"), 1.0)
+    torch.cuda.synchronize()
+    a0 = torch.cuda.memory_allocated()
+    s0 = torch.cuda.memory_stats()
+    sizes = [2 * MIB, 4 * MIB, 8 * MIB, 16 * MIB]
+    xs = [torch.full((size,), 7, dtype=torch.uint8, device="cuda") for size in sizes]
+    a1 = torch.cuda.memory_allocated()
+    s1 = torch.cuda.memory_stats()
+    report.info.update(allocated_before=a0, allocated_after=a1)
+    report.expect(a1 - a0 == sum(sizes), f"memory_allocated grew by {a1 - a0} for {sum(sizes)} bytes of tensors")
+    report.expect(a1 == streamalloc.stats(0)["allocated"],
+                  f"memory_allocated {a1} differs from streamalloc's allocated {streamalloc.stats(0)['allocated']}")
+    grew = s1["allocation.all.current"] - s0["allocation.all.current"]
+    report.expect(grew == len(sizes), f"allocation.all.current grew by {grew} for {len(sizes)} tensors")
+    large = s1["allocated_bytes.large_pool.current"] - s0["allocated_bytes.large_pool.current"]
+    report.expect(large == sum(sizes), f"allocated_bytes.large_pool.current grew by {large}")
+    report.expect(torch.cuda.memory_reserved() >= a1, "memory_reserved is below memory_allocated")
+    report.expect(torch.cuda.max_memory_allocated() >= a1, "max_memory_allocated is below memory_allocated")
+    temp = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")
+    del temp
+    report.expect(torch.cuda.memory_allocated() == a1, "memory_allocated did not return after a free")
+    report.expect(torch.cuda.max_memory_allocated() >= a1 + 64 * MIB, "max_memory_allocated missed a 64 MiB tensor")
+    torch.cuda.reset_peak_memory_stats()
+    report.expect(torch.cuda.max_memory_allocated() == torch.cuda.memory_allocated(),
+                  f"after reset_peak_memory_stats max_memory_allocated is {torch.cuda.max_memory_allocated()}, "
+                  f"not {torch.cuda.memory_allocated()}")
+    report.expect(torch.cuda.max_memory_reserved() == torch.cuda.memory_reserved(),
+                  "after reset_peak_memory_stats max_memory_reserved is not memory_reserved")
+    torch.cuda.reset_accumulated_memory_stats()
+    s2 = torch.cuda.memory_stats()
+    report.expect(s2["allocation.all.allocated"] == 0 and s2["allocation.all.freed"] == 0,
+                  f"after reset_accumulated_memory_stats allocation.all.allocated/freed are "
+                  f"{s2['allocation.all.allocated']}/{s2['allocation.all.freed']}")
+    one = torch.empty(3 * MIB, dtype=torch.uint8, device="cuda")
+    del one
+    s3 = torch.cuda.memory_stats()
+    report.expect(s3["allocation.all.allocated"] == 1 and s3["allocation.all.freed"] == 1,
+                  f"one allocation and free counted as {s3['allocation.all.allocated']}/{s3['allocation.all.freed']}")
+    report.expect(s3["allocated_bytes.all.allocated"] == 3 * MIB,
+                  f"allocated_bytes.all.allocated is {s3['allocated_bytes.all.allocated']} after one 3 MiB tensor")
+    summary = torch.cuda.memory_summary()
+    report.expect("Allocated memory" in summary, "memory_summary() lacks torch's table")
+    report.expect(all(intact(x, 7.0) for x in xs), "a tensor holds wrong data")
+    del xs
+    report.expect(torch.cuda.memory_allocated() == a0, "memory_allocated did not return to where it was")
+
+
+def case_cudnn_benchmark(report, conf):
+    torch = setup(conf)
+    report.expect(torch.backends.cudnn.is_available(), "cudnn is not available: the case proves nothing")
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.allow_tf32 = False
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 16, 32, 32, generator=gen)
+    conv = torch.nn.Conv2d(16, 32, 3, padding=1)
+    xc = x.clone().requires_grad_(True)
+    ref = conv(xc)
+    ref.square().sum().backward()
+    gpu_conv = torch.nn.Conv2d(16, 32, 3, padding=1).cuda()
+    gpu_conv.load_state_dict(conv.state_dict())
+    xg = x.cuda().requires_grad_(True)
+    out = gpu_conv(xg)
+    out.square().sum().backward()
+    torch.cuda.synchronize()
+    fwd = float((out.detach().cpu() - ref.detach()).abs().max())
+    bwd = float((xg.grad.cpu() - xc.grad).abs().max())
+    report.info.update(forward_max_diff=fwd, backward_max_diff=bwd)
+    report.expect(fwd < 1e-3, f"the convolution's output differs from the CPU's by {fwd}")
+    report.expect(bwd < 1e-2, f"the convolution's input gradient differs from the CPU's by {bwd}")
+
+
+def case_oom(report, conf):
+    torch = setup(conf)
+    seen = []
+    torch._C._cuda_attach_out_of_memory_observer(lambda *args: seen.append(args))
+    free, total = torch.cuda.mem_get_info()
+    ooms0 = torch.cuda.memory_stats()["num_ooms"]
+    try:
+        torch.empty(2 * total, dtype=torch.uint8, device="cuda")
+        report.failures.append("an allocation of twice the device's memory succeeded")
+    except torch.cuda.OutOfMemoryError as e:
+        message = str(e)
+        report.info["error"] = message.splitlines()[0]
+        report.expect("streamalloc" in message, f"the OutOfMemoryError does not name streamalloc: {message[:200]}")
+    except RuntimeError as e:
+        report.failures.append(f"out of memory raised {type(e).__name__}, not torch.cuda.OutOfMemoryError: "
+                               f"{str(e).splitlines()[0] if str(e) else ''}")
+    report.info["observer_calls"] = [list(args) for args in seen]
+    report.expect(len(seen) == 1, f"torch's OOM observer was called {len(seen)} times, not once")
+    if seen:
+        device, _allocated, device_total, _device_free = seen[0]
+        report.expect(device == 0 and device_total == total,
+                      f"the observer got device {device}, total {device_total}; expected 0, {total}")
+    torch.cuda.set_per_process_memory_fraction(0.05)
+    try:
+        torch.empty(int(0.1 * total), dtype=torch.uint8, device="cuda")
+        report.failures.append("an allocation of 10% of the device succeeded under a fraction of 5%")
+    except torch.cuda.OutOfMemoryError:
+        pass
+    except RuntimeError as e:
+        report.failures.append(f"the fraction's refusal raised {type(e).__name__}, not OutOfMemoryError")
+    report.expect(torch.cuda.memory_stats()["num_ooms"] - ooms0 >= 2, "num_ooms did not count the refusals")
+    after = torch.full((MIB,), 2.0, device="cuda")
+    report.expect(intact(after, 2.0), "an allocation after the refusals holds wrong data")
+
+
+def case_mempool(report, conf):
+    torch = setup(conf)
+    base = torch.cuda.memory_allocated()
+    pool = torch.cuda.MemPool()
+    counts = [pool.use_count()]
+    with torch.cuda.use_mem_pool(pool):
+        counts.append(pool.use_count())
+        inside = [torch.full((k,), float(i + 1), device="cuda") for i, k in enumerate((256, 70_000, 16 * MIB))]
+        freed = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")
+    counts.append(pool.use_count())
+    report.info["use_counts"] = counts
+    report.expect(counts == [1, 2, 1], f"pool use counts {counts}, expected [1, 2, 1]")
+    outside = torch.full((MIB,), 9.0, device="cuda")
+    in_pool = {seg["address"] for seg in pool.snapshot()}
+    report.expect(all(t.data_ptr() in in_pool for t in inside), "the pool's snapshot lacks a tensor made in it")
+    report.expect(outside.data_ptr() not in in_pool, "the pool's snapshot lists a tensor made outside it")
+    freed_ptr = freed.data_ptr()
+    del freed  # its memory stays the pool's while the pool lives
+    others = [torch.empty(64 * MIB, dtype=torch.uint8, device="cuda") for _ in range(4)]
+    report.expect(all(o.data_ptr() != freed_ptr for o in others),
+                  "memory freed in the pool went to an allocation outside it")
+    del others
+    # A graph captured into the pool holds a use while it lives.
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        static_in = torch.full((1024,), 3.0, device="cuda")
+        (static_in * 2).sum()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool.id, stream=s):
+            static_out = static_in * 2
+        graph_count = pool.use_count()
+        g.replay()
+    torch.cuda.synchronize()
+    report.expect(graph_count == 2, f"with a graph captured into it the pool's use count is {graph_count}, not 2")
+    report.expect(intact(static_out, 6.0), "the graph's output is wrong")
+    del g, static_out
+    gc.collect()
+    report.expect(pool.use_count() == 1, f"after the graph is gone the use count is {pool.use_count()}, not 1")
+    report.expect(all(intact(t, i + 1.0) for i, t in enumerate(inside)), "a tensor in the pool holds wrong data")
+    report.expect(intact(outside, 9.0), "a tensor outside the pool holds wrong data")
+    del inside, outside, static_in
+    torch.cuda.synchronize()
+    del pool
+    gc.collect()
+    torch.cuda.empty_cache()
+    left = torch.cuda.memory_allocated() - base
+    report.expect(left == 0, f"{left} bytes stay allocated after the pool and its tensors are gone")
+
+
+def case_compile(report, conf):
+    torch = setup(conf)
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+    from torch._inductor import cudagraph_trees
+
+    inductor_config.triton.slow_path_cudagraph_asserts = True
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64)).cuda()
+    eager_model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64)).cuda()
+    eager_model.load_state_dict(model.state_dict())
+
+    def step(m, x):
+        out = m(x)
+        loss = out.square().mean()
+        loss.backward()
+        return out.detach(), loss.detach()
+
+    compiled = torch.compile(model, mode="reduce-overhead")
+    for it in range(6):
+        torch.compiler.cudagraph_mark_step_begin()
+        x = torch.randn(32, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(it))
+        out, loss = step(compiled, x)
+        ref, ref_loss = step(eager_model, x)
+        for p, q in zip(model.parameters(), eager_model.parameters()):
+            report.expect(torch.allclose(p.grad, q.grad, rtol=1e-3, atol=1e-4), f"iteration {it}: gradients differ")
+            p.grad = None
+            q.grad = None
+        report.expect(torch.allclose(out, ref, rtol=1e-3, atol=1e-4), f"iteration {it}: outputs differ from eager")
+        report.expect(torch.allclose(loss, ref_loss, rtol=1e-3, atol=1e-5), f"iteration {it}: losses differ")
+    manager = cudagraph_trees.get_container(0).tree_manager
+    report.expect(manager is not None and len(list(manager.get_roots())) > 0,
+                  "no cudagraph tree was recorded: the case proves nothing")
+
+    # While graphs execute, a function not seen before is warmed up: the trees checkpoint the
+    # pool's state (getCheckpointState at recording, setCheckpointPoolState now).
+    @torch.compile(mode="reduce-overhead")
+    def f(x):
+        return (x * 2).relu() + 1
+
+    @torch.compile(mode="reduce-overhead")
+    def g(y):
+        return y.sin() * 3
+
+    @torch.compile(mode="reduce-overhead")
+    def h(y):
+        return y.cos() - 1
+
+    with torch.no_grad():
+        for it in range(4):
+            x = torch.randn(4096, device="cuda", generator=torch.Generator("cuda").manual_seed(100 + it))
+            y = f(x)
+            z = g(y)
+            expect_y = (x * 2).relu() + 1
+            report.expect(torch.allclose(y, expect_y) and torch.allclose(z, expect_y.sin() * 3),
+                          f"f/g iteration {it}: wrong result")
+            if it == 3:
+                w = h(y)  # new while f's graph output is live and graphs execute
+                report.expect(torch.allclose(w, expect_y.cos() - 1), "h: wrong result")
+                report.expect(torch.allclose(y, expect_y), "f's output changed after the checkpoint")
+            del y, z
+        manager = cudagraph_trees.get_container(0).tree_manager
+        checkpoints = manager.debug_checkpointing_counter if manager is not None else 0
+    report.info["checkpoints"] = checkpoints
+    report.expect(checkpoints > 0, "the cudagraph trees never checkpointed the pool: the case proves nothing")
+    for it in range(3):
+        x = torch.randn(4096, device="cuda", generator=torch.Generator("cuda").manual_seed(200 + it))
+        with torch.no_grad():
+            w = h(g(f(x)))
+        expect = (((x * 2).relu() + 1).sin() * 3).cos() - 1
+        report.expect(torch.allclose(w, expect, atol=1e-5), f"after the checkpoint, iteration {it}: wrong result")
+
+
+def ipc_child(conn, child_conf, n):
+    """In the spawned process: receives a CUDA tensor, checks every element, writes new values."""
+    import torch
+
+    try:
+        if child_conf != "native":
+            import streamalloc.torch
+
+            streamalloc.torch.enable(child_conf)
+        x = conn.recv()
+        expected = torch.arange(n, dtype=torch.int64, device="cuda") * 7 + 3
+        same = bool(torch.equal(x, expected))
+        x.mul_(-1).sub_(5)  # the parent must see -(7i+3)-5
+        torch.cuda.synchronize()
+        conn.send(("checked", same))
+        conn.recv()  # the parent has read; x may go now
+        del x
+    except Exception as e:  # reported to the parent, which fails the case
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def case_ipc(report, conf, child="native"):
+    torch = setup(conf)
+    import torch.multiprocessing as mp
+
+    n = 4 * MIB
+    pads = [torch.ones(k, device="cuda") for k in (1000, 300_000)]
+    x = torch.arange(n, dtype=torch.int64, device="cuda") * 7 + 3
+    torch.cuda.synchronize()
+    ctx = mp.get_context("spawn")
+    parent, child_end = ctx.Pipe()
+    proc = ctx.Process(target=ipc_child, args=(child_end, conf if child == "streamalloc" else "native", n))
+    proc.start()
+    try:
+        parent.send(x)
+        if not report.expect(parent.poll(180), "the child sent nothing back within 180 s"):
+            return
+        kind, value = parent.recv()
+        report.info["child_" + kind] = value
+        report.expect(kind == "checked" and value is True, f"the child read wrong data: {kind} {value}")
+        if kind == "checked":
+            expected = -(torch.arange(n, dtype=torch.int64, device="cuda") * 7 + 3) - 5
+            report.expect(torch.equal(x, expected), "the parent does not see what the child wrote")
+        parent.send("done")
+    finally:
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+            report.failures.append("the child process did not exit within 60 s")
+        report.expect(proc.exitcode == 0, f"the child process exited with {proc.exitcode}")
+        del pads
+
+
+def case_ipc_refused(report, conf):
+    torch = setup(conf)
+    import torch.multiprocessing as mp
+
+    x = torch.ones(MIB, device="cuda")
+    ctx = mp.get_context("spawn")
+    parent, _child = ctx.Pipe()
+    try:
+        parent.send(x)
+        report.failures.append(f"sharing memory of {conf} succeeded; this case expects the refusal")
+    except RuntimeError as e:
+        message = str(e)
+        report.info["error"] = message.splitlines()[0]
+        report.expect("streamalloc" in message and "expandable=false" in message,
+                      f"the refusal does not name streamalloc and the configuration that can share: {message[:300]}")
+    report.expect(intact(x * 2, 2.0), "the tensor holds wrong data after the refusal")
+
+
+RUNNER_SCRIPT = r'''
+import json, sys
+import torch
+x = torch.full((1 << 20,), 5.0, device="cuda")
+import streamalloc
+print("SCRIPT " + json.dumps({"name": __name__, "argv": sys.argv[1:],
+    "torch_allocated": torch.cuda.memory_allocated(), "streamalloc_allocated": streamalloc.stats(0)["allocated"],
+    "value": float(x.sum())}))
+'''
+
+
+def case_runner(report, conf):
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "train.py")
+        with open(script, "w") as f:
+            f.write(RUNNER_SCRIPT)
+        proc = subprocess.run([sys.executable, "-m", "streamalloc.torch", "--conf", conf, script, "--lr", "0.1"],
+                              capture_output=True, text=True, timeout=200)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("SCRIPT ")]
+    report.info["exit"] = proc.returncode
+    if not report.expect(proc.returncode == 0 and lines,
+                         f"the runner exited {proc.returncode}: {proc.stderr.strip().splitlines()[-3:]}"):
+        return
+    out = json.loads(lines[-1][len("SCRIPT "):])
+    report.info.update(out)
+    report.expect(out["name"] == "__main__" and out["argv"] == ["--lr", "0.1"], f"the script ran as {out}")
+    report.expect(out["streamalloc_allocated"] >= 4 * MIB, "the script's tensor was not allocated by streamalloc")
+    report.expect(out["torch_allocated"] == out["streamalloc_allocated"],
+                  "torch.cuda.memory_allocated() differs from streamalloc's figure in the script")
+    report.expect(out["value"] == 5.0 * (1 << 20), "the script's tensor holds wrong data")
+
+
+CASES = {name[len("case_"):]: f for name, f in globals().items() if name.startswith("case_")}
+
+
+def main(argv):
+    if len(argv) not in (3, 4) or argv[1] not in CASES:
+        sys.exit(f"usage: {argv[0]} CASE CONF [ARG]  (CASE: {', '.join(CASES)})")
+    case, conf, extra = argv[1], argv[2], argv[3:]
+    identity = dict(case=case, conf=conf, path=os.environ.get("STREAMALLOC_TORCH_BACKEND", "auto"))
+    if extra:
+        identity["arg"] = extra[0]
+    Report(**identity).run(CASES[case], conf, *extra)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
