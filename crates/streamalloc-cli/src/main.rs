@@ -12,7 +12,10 @@
 //! ```
 //!
 //! Errors go to stderr as `error: ...` lines, with exit status 1 (2 for a command line clap
-//! cannot parse). Output into a closed pipe ends the command quietly.
+//! cannot parse). Text from the user or a file that an error quotes is an excerpt
+//! (`streamalloc_replay::trace::excerpt`: at most 120 bytes, control characters escaped), and
+//! no control character of an error reaches the terminal. Output into a closed pipe ends the
+//! command quietly.
 
 mod device;
 mod import;
@@ -27,7 +30,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use streamalloc::facade::{Config, Facade, ENV_VAR};
 use streamalloc_replay::replay::{check_start, replay, settle, ReplayOptions, ReplayResult, ReplayTarget};
-use streamalloc_replay::trace::{ParseOptions, Trace};
+use streamalloc_replay::trace::{excerpt, excerpt_within, ParseOptions, Trace, CUT_SHORT, EXCERPT};
 
 use crate::device::DeviceChoice;
 
@@ -122,8 +125,16 @@ enum Command {
     /// `streamalloc.torch.enable()`, CuPy after `streamalloc.cupy.enable()`, or a C program
     /// linked to it) with the Trace layer on, and summarizes the trace it wrote. The trace
     /// is written whatever configuration the program passes to the library.
+    ///
+    /// The trace is written into a new hidden file beside the output, which replaces the
+    /// output only when the program wrote a trace: the output is left as it was when nothing
+    /// was recorded. A program killed by a signal is said so, and the rows it wrote are kept
+    /// (a last row cut short is skipped).
     Record {
-        /// Where to write the trace (RMM logging CSV).
+        /// Where to write the trace (RMM logging CSV): a new file or a regular file, which is
+        /// replaced (its permissions kept). A symbolic link is followed: the file it points to
+        /// is replaced and the link kept. Anything else (a directory, a device, a FIFO, a link
+        /// to nothing) is refused before the program runs.
         #[arg(long, short, default_value = "streamalloc-trace.csv")]
         output: PathBuf,
         /// The program and its arguments.
@@ -161,7 +172,7 @@ fn main() -> ExitCode {
     match outcome {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {
-            let _ = writeln!(std::io::stderr(), "error: {message}");
+            warn(&format!("error: {message}"));
             ExitCode::FAILURE
         }
     }
@@ -177,9 +188,20 @@ fn emit(text: &str) -> Result<(), String> {
     }
 }
 
-/// Writes `text` to stderr, ignoring a closed stderr.
+/// Writes `text` to stderr as one line, its control characters escaped, ignoring a closed
+/// stderr.
 fn warn(text: &str) {
-    let _ = writeln!(std::io::stderr(), "{text}");
+    let _ = writeln!(std::io::stderr(), "{}", excerpt_within(text, usize::MAX));
+}
+
+/// The most bytes shown of an error message that may quote what was given whole: the
+/// library's configuration errors quote the value given, JSON errors the string found.
+const QUOTING_MESSAGE: usize = 4 * EXCERPT;
+
+/// The message of `e`, one that may quote what was given whole, bounded and escaped (see
+/// [`QUOTING_MESSAGE`]).
+fn bounded(e: impl std::fmt::Display) -> String {
+    excerpt_within(&e.to_string(), QUOTING_MESSAGE)
 }
 
 /// The help of `replay --allocator`: the names of the library's presets.
@@ -193,16 +215,18 @@ fn presets_help() -> String {
 fn configurations(presets: &[String], confs: &[String]) -> Result<Vec<(String, Config)>, String> {
     let mut configs = Vec::new();
     for name in presets {
-        configs.push((name.clone(), Config::preset(name).map_err(|e| format!("--allocator: {e}"))?));
+        let config = Config::preset(name).map_err(|e| format!("--allocator: {}", bounded(e)))?;
+        configs.push((name.clone(), config));
     }
     for conf in confs {
-        let config = Config::parse(conf).map_err(|e| format!("--conf '{conf}': {e}"))?;
+        let config =
+            Config::parse(conf).map_err(|e| format!("--conf '{}': {}", excerpt(conf), bounded(e)))?;
         configs.push((conf.trim().to_owned(), config));
     }
     if configs.is_empty() {
-        match Config::env_text().map_err(|e| e.to_string())? {
+        match Config::env_text().map_err(bounded)? {
             Some(text) => {
-                let config = Config::parse(&text).map_err(|e| format!("{ENV_VAR}: {e}"))?;
+                let config = Config::parse(&text).map_err(|e| format!("{ENV_VAR}: {}", bounded(e)))?;
                 // A trace the variable asks for is the program's, not the replay's to overwrite.
                 configs.push((text, Config { trace: None, ..config }));
             }
@@ -212,49 +236,226 @@ fn configurations(presets: &[String], confs: &[String]) -> Result<Vec<(String, C
     Ok(configs)
 }
 
-/// Runs `command` with `trace=output` added to the configuration in force, then reads the
-/// trace back. The library keeps that trace key whatever configuration the program passes.
+/// Runs `command` with `trace=` a new file beside `output` added to the configuration in
+/// force, then moves that file to `output` when the program wrote a trace, and reads it back.
+/// The library keeps that trace key whatever configuration the program passes.
 fn record(output: &Path, command: &[String]) -> Result<(), String> {
-    let mut config = Config::from_env().map_err(|e| e.to_string())?;
-    config.trace = Some(output.to_path_buf());
-    // The library creates the file at the program's first allocation; a path it cannot
-    // write is said now, not as an allocation failure inside the program.
-    std::fs::File::create(output)
-        .map_err(|e| format!("cannot write the trace to {}: {e}", output.display()))?;
-    std::fs::remove_file(output).map_err(|e| format!("{}: {e}", output.display()))?;
+    let mut config = Config::from_env().map_err(bounded)?;
+    let target = RecordTarget::check(output)?;
+    let pending = PendingTrace::create(&target.path, output)?;
+    config.trace = Some(pending.path.clone());
     let status = std::process::Command::new(&command[0])
         .args(&command[1..])
         .env(ENV_VAR, config.to_string())
         .status()
-        .map_err(|e| format!("cannot run `{}`: {e}", command[0]))?;
-    let program = command.join(" ");
-    if !output.exists() {
+        .map_err(|e| format!("cannot run `{}`: {e}", excerpt(&command[0])))?;
+    let program = excerpt(&command.join(" "));
+    let ended = ending(status);
+    // The library creates its trace file at the program's first allocation, over the empty
+    // one made here, and always writes the header first.
+    if std::fs::metadata(&pending.path).map_or(0, |m| m.len()) == 0 {
+        let kept =
+            if target.existed { format!("; {} is left as it was", output.display()) } else { String::new() };
         return Err(if status.success() {
             format!(
                 "`{program}` wrote no trace to {}: it made no GPU allocation through libstreamalloc.so \
                  (it did not load it, e.g. no streamalloc.torch.enable() before the first CUDA \
-                 allocation, or allocated nothing)",
+                 allocation, or allocated nothing){kept}",
+                output.display()
+            )
+        } else if killed(status) {
+            format!(
+                "`{program}`: the program was {ended} and wrote no trace to {} (rows the library had not \
+                 written out yet are lost){kept}",
                 output.display()
             )
         } else {
-            format!("`{program}` failed ({status}) and wrote no trace to {}", output.display())
+            format!("`{program}` failed ({ended}) and wrote no trace to {}{kept}", output.display())
         });
     }
-    let trace = Trace::from_path_with(output, ParseOptions { skip_unknown_frees: true })
-        .map_err(|e| e.to_string())?;
+    pending.replace(&target)?;
+    let trace = load(&target.path, ParseOptions::lenient())?;
+    let cut = if trace.skipped_truncated_rows > 0 { "; its last row, cut short, skipped" } else { "" };
     emit(&format!(
-        "{}: {} operations, peak live {} bytes, {} streams ({})\n",
+        "{}: {} operations, peak live {} bytes, {} streams ({ended}{cut})\n",
         output.display(),
         trace.len(),
         trace.peak_live,
         trace.streams.len(),
-        status
     ))?;
     if status.success() {
         Ok(())
+    } else if killed(status) {
+        Err(format!("`{program}`: the program was {ended}; the trace it wrote so far is kept"))
     } else {
-        Err(format!("`{program}` failed ({status}); the trace it wrote so far is kept"))
+        Err(format!("`{program}` failed ({ended}); the trace it wrote so far is kept"))
     }
+}
+
+/// The file `record -o OUTPUT` replaces, checked before the program runs.
+struct RecordTarget {
+    /// `OUTPUT`, or the file a symbolic link there points to.
+    path: PathBuf,
+    /// Whether it exists (then it is a regular file the user may write).
+    existed: bool,
+    /// Its permissions, which the trace replacing it takes.
+    permissions: Option<std::fs::Permissions>,
+}
+
+impl RecordTarget {
+    /// Follows a symbolic link at `output`; refuses what is not a regular file or missing (a
+    /// directory, a device, a FIFO, a link to nothing) and a file the user may not write.
+    fn check(output: &Path) -> Result<Self, String> {
+        let cannot =
+            |e: &dyn std::fmt::Display| format!("cannot write the trace to {}: {e}", output.display());
+        let (path, meta) = match std::fs::symlink_metadata(output) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(Self { path: output.to_path_buf(), existed: false, permissions: None })
+            }
+            Err(e) => return Err(cannot(&e)),
+            Ok(meta) if meta.file_type().is_symlink() => {
+                let path = std::fs::canonicalize(output).map_err(|e| {
+                    format!(
+                        "{} is a symbolic link to nothing that can be written ({e}): give the path of the \
+                         trace file itself",
+                        output.display()
+                    )
+                })?;
+                let meta = std::fs::metadata(&path).map_err(|e| cannot(&e))?;
+                (path, meta)
+            }
+            Ok(meta) => (output.to_path_buf(), meta),
+        };
+        if !meta.is_file() {
+            return Err(cannot(&format!("it is not a regular file but {}", file_kind(&meta.file_type()))));
+        }
+        // Opened for writing, not truncated, and closed at once: may the user write it?
+        std::fs::OpenOptions::new().write(true).open(&path).map_err(|e| cannot(&e))?;
+        Ok(Self { path, existed: true, permissions: Some(meta.permissions()) })
+    }
+}
+
+/// What a file that is not a regular one is, for an error.
+fn file_kind(kind: &std::fs::FileType) -> &'static str {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if kind.is_char_device() || kind.is_block_device() {
+            return "a device";
+        }
+        if kind.is_fifo() {
+            return "a FIFO";
+        }
+        if kind.is_socket() {
+            return "a socket";
+        }
+    }
+    if kind.is_dir() {
+        "a directory"
+    } else {
+        "neither a file nor a directory"
+    }
+}
+
+/// The hidden file a trace is recorded into, beside the file it is to replace; removed when
+/// dropped unless it replaced that file.
+struct PendingTrace {
+    /// Absolute, so that a program that changes directory writes it all the same.
+    path: PathBuf,
+    kept: bool,
+}
+
+impl PendingTrace {
+    /// Creates a new empty file (never an existing one) in the directory of `target`.
+    fn create(target: &Path, output: &Path) -> Result<Self, String> {
+        let cannot =
+            |e: &dyn std::fmt::Display| format!("cannot write the trace to {}: {e}", output.display());
+        let dir = target.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let dir = std::path::absolute(dir).map_err(|e| cannot(&e))?;
+        // The path travels in STREAMALLOC_CONF, whose keys are separated by commas.
+        if dir.to_str().is_none_or(|d| d.contains(',')) {
+            return Err(cannot(
+                &"its directory must be a UTF-8 path without commas (STREAMALLOC_CONF takes it)",
+            ));
+        }
+        let mut n = 0;
+        loop {
+            let path = dir.join(format!(".streamalloc-record-{}-{n}.csv", std::process::id()));
+            match std::fs::OpenOptions::new().write(true).create_new(true).open(&path) {
+                Ok(_) => return Ok(Self { path, kept: false }),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && n < 100 => n += 1,
+                Err(e) => return Err(cannot(&e)),
+            }
+        }
+    }
+
+    /// Moves the trace to `target`, with the permissions of the file it replaces.
+    fn replace(mut self, target: &RecordTarget) -> Result<(), String> {
+        let failed = |e: std::io::Error| {
+            format!(
+                "cannot move the trace recorded in {} to {}: {e}; it is kept where it is",
+                self.path.display(),
+                target.path.display()
+            )
+        };
+        if let Some(permissions) = &target.permissions {
+            std::fs::set_permissions(&self.path, permissions.clone()).map_err(failed)?;
+        }
+        self.kept = true;
+        std::fs::rename(&self.path, &target.path).map_err(failed)
+    }
+}
+
+impl Drop for PendingTrace {
+    fn drop(&mut self) {
+        if !self.kept {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// Whether the program was killed by a signal.
+fn killed(status: std::process::ExitStatus) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        status.signal().is_some()
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = status;
+        false
+    }
+}
+
+/// How the program ended: `exit status: N`, or `killed by signal N (NAME)`.
+fn ending(status: std::process::ExitStatus) -> String {
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        if let Some(n) = status.signal() {
+            let mut notes: Vec<String> =
+                signal_name(n).map(|name| format!("SIG{name}")).into_iter().collect();
+            if status.core_dumped() {
+                notes.push("core dumped".into());
+            }
+            return if notes.is_empty() {
+                format!("killed by signal {n}")
+            } else {
+                format!("killed by signal {n} ({})", notes.join(", "))
+            };
+        }
+    }
+    status.to_string()
+}
+
+/// The name of signal `n` without its `SIG` (Linux's numbering).
+fn signal_name(n: i32) -> Option<&'static str> {
+    const NAMES: &str =
+        "HUP INT QUIT ILL TRAP ABRT BUS FPE KILL USR1 SEGV USR2 PIPE ALRM TERM STKFLT CHLD CONT \
+         STOP TSTP TTIN TTOU URG XCPU XFSZ VTALRM PROF WINCH IO PWR SYS";
+    let index = usize::try_from(n).ok()?.checked_sub(1)?;
+    cfg!(target_os = "linux").then(|| NAMES.split_whitespace().nth(index)).flatten()
 }
 
 /// How `replay` runs, from its flags.
@@ -268,7 +469,7 @@ struct RunOptions {
 }
 
 fn run_replay(paths: &[PathBuf], configs: &[(String, Config)], o: &RunOptions) -> Result<(), String> {
-    let parse = ParseOptions { skip_unknown_frees: o.lenient };
+    let parse = if o.lenient { ParseOptions::lenient() } else { ParseOptions::default() };
     let mut traces = Vec::new();
     let mut bad_traces = 0;
     for path in paths {
@@ -320,7 +521,11 @@ fn run_replay(paths: &[PathBuf], configs: &[(String, Config)], o: &RunOptions) -
                 Err(message) => {
                     failed_runs += 1;
                     bar.suspend(|| {
-                        warn(&format!("error: replaying {} through {label}: {message}", trace.name))
+                        warn(&format!(
+                            "error: replaying {} through {}: {message}",
+                            trace.name,
+                            excerpt(label)
+                        ))
                     });
                 }
             }
@@ -334,9 +539,11 @@ fn run_replay(paths: &[PathBuf], configs: &[(String, Config)], o: &RunOptions) -
         let results: Vec<&ReplayResult> = rows.iter().map(|r| &r.result).collect();
         let mut text = table(&results);
         for trace in &traces {
-            if trace.recorded_failures + trace.skipped_frees > 0 {
+            if trace.recorded_failures + trace.skipped_frees + trace.skipped_truncated_rows > 0 {
+                let cut =
+                    if trace.skipped_truncated_rows > 0 { ", its last row, cut short, skipped" } else { "" };
                 text.push_str(&format!(
-                    "{}: {} `allocate failure` rows not replayed, {} frees of unknown pointers skipped\n",
+                    "{}: {} `allocate failure` rows not replayed, {} frees of unknown pointers skipped{cut}\n",
                     trace.name, trace.recorded_failures, trace.skipped_frees
                 ));
             }
@@ -399,10 +606,14 @@ fn short_device(description: &str) -> &str {
     description.split(['(', ';']).next().unwrap_or(description).trim()
 }
 
-/// Parses the trace at `path`; errors name the file.
+/// Parses the trace at `path`; errors name the file, and one for a last row cut short says
+/// that `--lenient` skips it.
 fn load(path: &Path, options: ParseOptions) -> Result<Trace, String> {
     Trace::from_path_with(path, options).map_err(|e| match e {
         streamalloc::Error::Io(msg) => msg,
+        streamalloc::Error::Trace { ref reason, .. } if reason.starts_with(CUT_SHORT) => {
+            format!("{}: {e} (--lenient skips it)", path.display())
+        }
         other => format!("{}: {other}", path.display()),
     })
 }
@@ -482,7 +693,7 @@ fn table(results: &[&ReplayResult]) -> String {
 fn read_results(path: &Path) -> Result<Vec<JsonResult>, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
     serde_json::from_str(&text)
-        .map_err(|e| format!("{}: not a `streamalloc replay --json` output: {e}", path.display()))
+        .map_err(|e| format!("{}: not a `streamalloc replay --json` output: {}", path.display(), bounded(e)))
 }
 
 /// `b / a`, or `-` when `a` is 0.
@@ -644,12 +855,14 @@ fn info() -> Result<(), String> {
         )),
         Ok(Some(conf)) => match Config::parse(&conf) {
             Ok(config) => text.push_str(&format!(
-                "{ENV_VAR}={conf}: replay runs it when given no --conf or --allocator; libstreamalloc.so \
-                 builds `{config}` unless the program configures it\n"
+                "{ENV_VAR}={}: replay runs it when given no --conf or --allocator; libstreamalloc.so \
+                 builds `{}` unless the program configures it\n",
+                excerpt(&conf),
+                excerpt_within(&config.to_string(), usize::MAX)
             )),
-            Err(e) => text.push_str(&format!("{ENV_VAR}={conf} is not valid: {e}\n")),
+            Err(e) => text.push_str(&format!("{ENV_VAR}={} is not valid: {}\n", excerpt(&conf), bounded(e))),
         },
-        Err(e) => text.push_str(&format!("{e}\n")),
+        Err(e) => text.push_str(&format!("{}\n", bounded(e))),
     }
     emit(&text)
 }

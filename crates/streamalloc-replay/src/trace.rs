@@ -10,10 +10,15 @@
 //!
 //! Parsing is strict by default: a malformed row, an allocation of a pointer that is still
 //! live, and a free of a pointer that is not live are errors ([`Error::Trace`]) naming the
-//! line and quoting at most [`EXCERPT`] bytes of it. A line longer than [`MAX_LINE`] bytes
-//! is an error after reading at most that much of it. [`ParseOptions::skip_unknown_frees`] turns the last into a count
-//! ([`Trace::skipped_frees`]) for traces whose recording started mid-run.
+//! line and quoting an [`excerpt`] of it (at most [`EXCERPT`] bytes, control characters
+//! escaped). A line longer than [`MAX_LINE`] bytes is an error after reading at most that
+//! much of it. A last line that has no newline at its end and is not a whole row was cut
+//! short (the program writing the trace was killed mid-row): an error that says so.
+//! [`ParseOptions::lenient`] turns frees of pointers that are not live (traces whose
+//! recording started mid-run) and a last row cut short into counts
+//! ([`Trace::skipped_frees`], [`Trace::skipped_truncated_rows`]).
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read};
@@ -25,8 +30,10 @@ use streamalloc::{Error, Result};
 /// The longest line the parser reads, in bytes (a row of six 64-bit numbers is under 130).
 pub const MAX_LINE: usize = 4096;
 
-/// The most bytes of a line an error quotes.
-pub const EXCERPT: usize = 120;
+pub use streamalloc::text::{excerpt, excerpt_within, EXCERPT};
+
+/// How the reason of the error for a last row cut short begins (see [`Trace::parse_with`]).
+pub const CUT_SHORT: &str = "the last row is cut short";
 
 /// One operation of a trace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,6 +66,16 @@ pub struct ParseOptions {
     /// Count and skip frees of pointers that are not live instead of failing (for traces
     /// whose recording began after some allocations were made).
     pub skip_unknown_frees: bool,
+    /// Count and skip a last line that has no newline at its end and is not a whole row
+    /// instead of failing (for traces whose writer was killed mid-row).
+    pub skip_truncated_last_row: bool,
+}
+
+impl ParseOptions {
+    /// Every skip on: what `streamalloc replay --lenient` and `streamalloc record` read with.
+    pub const fn lenient() -> Self {
+        Self { skip_unknown_frees: true, skip_truncated_last_row: true }
+    }
 }
 
 /// A parsed trace.
@@ -87,6 +104,8 @@ pub struct Trace {
     pub recorded_failures: usize,
     /// `free` rows of unknown pointers skipped under [`ParseOptions::skip_unknown_frees`].
     pub skipped_frees: usize,
+    /// Last rows cut short (0 or 1) skipped under [`ParseOptions::skip_truncated_last_row`].
+    pub skipped_truncated_rows: usize,
 }
 
 impl Trace {
@@ -113,13 +132,14 @@ impl Trace {
     }
 
     /// Parses a trace from `reader` with `options`, naming it `name`.
+    ///
+    /// A last line without a newline at its end is read as a row when it is a whole one;
+    /// when it is not (a field missing or cut, so that the row cannot be read), it was cut
+    /// short: an error whose reason begins with [`CUT_SHORT`], or under
+    /// [`ParseOptions::skip_truncated_last_row`] a row skipped and counted.
     pub fn parse_with(mut reader: impl BufRead, name: &str, options: ParseOptions) -> Result<Self> {
-        let mut trace = Trace { name: name.to_owned(), ..Trace::default() };
-        // Recorded pointer -> live slot; recorded stream value -> stream index.
-        let mut live: HashMap<u64, usize> = HashMap::new();
-        let mut stream_index: HashMap<u64, usize> = HashMap::new();
-        let mut thread_index: HashMap<u64, usize> = HashMap::new();
-        let mut current = 0usize;
+        let mut state =
+            State { trace: Trace { name: name.to_owned(), ..Trace::default() }, ..State::default() };
         let mut line = Vec::new();
         let mut number = 0usize;
         loop {
@@ -132,22 +152,38 @@ impl Trace {
                 break;
             }
             number += 1;
-            if line.len() > MAX_LINE && line.last() != Some(&b'\n') {
+            let ended = line.last() == Some(&b'\n');
+            if line.len() > MAX_LINE && !ended {
                 return Err(Error::Trace {
                     line: number,
                     content: excerpt(&String::from_utf8_lossy(&line)),
                     reason: format!("the line is longer than {MAX_LINE} bytes (not a trace row)"),
                 });
             }
-            let Ok(text) = std::str::from_utf8(&line) else {
-                return Err(Error::Trace {
-                    line: number,
-                    content: excerpt(&String::from_utf8_lossy(&line)),
-                    reason: "the line is not UTF-8 text".into(),
-                });
+            // Under the length bound, only the last line can lack its newline.
+            let cut = |reason: String| {
+                if ended {
+                    reason
+                } else {
+                    format!(
+                        "{CUT_SHORT} (no newline at its end, as when the program writing the trace is \
+                         killed): {reason}"
+                    )
+                }
+            };
+            let (text, utf8) = match std::str::from_utf8(&line) {
+                Ok(text) => (Cow::Borrowed(text), true),
+                Err(_) => (String::from_utf8_lossy(&line), false),
             };
             let text = text.trim_end_matches(['\n', '\r']);
             let fail = |reason: String| Error::Trace { line: number, content: excerpt(text), reason };
+            if !utf8 {
+                if !ended && number > 1 && options.skip_truncated_last_row {
+                    state.trace.skipped_truncated_rows += 1;
+                    continue;
+                }
+                return Err(fail(cut("the line is not UTF-8 text".into())));
+            }
             if number == 1 {
                 if text.trim() != HEADER {
                     return Err(fail(format!("expected the header `{HEADER}`")));
@@ -157,54 +193,13 @@ impl Trace {
             if text.trim().is_empty() {
                 continue;
             }
-            let row = Row::split(text).map_err(fail)?;
-            match row.action {
-                "allocate" => {
-                    let ptr = parse_pointer(row.pointer).map_err(fail)?;
-                    let size = parse_size(row.size).map_err(fail)?;
-                    let stream =
-                        intern(&mut stream_index, &mut trace.streams, "stream", row.stream).map_err(fail)?;
-                    let thread =
-                        intern(&mut thread_index, &mut trace.threads, "thread", row.thread).map_err(fail)?;
-                    let slot = trace.slots;
-                    if live.insert(ptr, slot).is_some() {
-                        return Err(fail(format!("pointer {:#x} is allocated again while still live", ptr)));
-                    }
-                    trace.slots += 1;
-                    trace.slot_sizes.push(size);
-                    trace.allocations += 1;
-                    trace.ops.push(Op::Allocate { slot, size, stream, thread });
-                    current = current.saturating_add(size);
-                    trace.peak_live = trace.peak_live.max(current);
+            // Read whole before anything is changed, so that a row cut short changes nothing.
+            match Row::split(text).and_then(|row| row.event()) {
+                Ok(event) => state.apply(event, options).map_err(fail)?,
+                Err(_) if !ended && options.skip_truncated_last_row => {
+                    state.trace.skipped_truncated_rows += 1
                 }
-                "free" => {
-                    let ptr = parse_pointer(row.pointer).map_err(fail)?;
-                    let stream =
-                        intern(&mut stream_index, &mut trace.streams, "stream", row.stream).map_err(fail)?;
-                    let thread =
-                        intern(&mut thread_index, &mut trace.threads, "thread", row.thread).map_err(fail)?;
-                    match live.remove(&ptr) {
-                        Some(slot) => {
-                            current = current.saturating_sub(trace.slot_sizes[slot]);
-                            trace.frees += 1;
-                            trace.ops.push(Op::Free { slot, stream, thread });
-                        }
-                        None if options.skip_unknown_frees => trace.skipped_frees += 1,
-                        None => {
-                            return Err(fail(format!(
-                                "free of pointer {} that is not live (never allocated in this trace, or \
-                                 already freed)",
-                                row.pointer
-                            )))
-                        }
-                    }
-                }
-                "allocate failure" => trace.recorded_failures += 1,
-                other => {
-                    return Err(fail(format!(
-                        "unknown action `{other}` (expected allocate, free or allocate failure)"
-                    )))
-                }
+                Err(reason) => return Err(fail(cut(reason))),
             }
         }
         if number == 0 {
@@ -214,7 +209,7 @@ impl Trace {
                 reason: format!("empty file: expected the header `{HEADER}`"),
             });
         }
-        Ok(trace)
+        Ok(state.trace)
     }
 
     /// Number of operations.
@@ -226,6 +221,72 @@ impl Trace {
     pub fn is_empty(&self) -> bool {
         self.ops.is_empty()
     }
+}
+
+/// A trace being built: the trace, and the maps from recorded values to dense indices.
+#[derive(Default)]
+struct State {
+    trace: Trace,
+    /// Recorded pointer -> live slot.
+    live: HashMap<u64, usize>,
+    /// Recorded stream value -> stream index.
+    stream_index: HashMap<u64, usize>,
+    /// Recorded thread value -> thread index.
+    thread_index: HashMap<u64, usize>,
+    /// Bytes live now.
+    current: usize,
+}
+
+impl State {
+    /// Adds the operation of one row; an error is the reason the row cannot be replayed.
+    fn apply(&mut self, event: Event<'_>, options: ParseOptions) -> std::result::Result<(), String> {
+        let trace = &mut self.trace;
+        match event {
+            Event::Allocate { ptr, size, stream, thread } => {
+                if self.live.contains_key(&ptr) {
+                    return Err(format!("pointer {ptr:#x} is allocated again while still live"));
+                }
+                let stream = intern(&mut self.stream_index, &mut trace.streams, stream);
+                let thread = intern(&mut self.thread_index, &mut trace.threads, thread);
+                let slot = trace.slots;
+                self.live.insert(ptr, slot);
+                trace.slots += 1;
+                trace.slot_sizes.push(size);
+                trace.allocations += 1;
+                trace.ops.push(Op::Allocate { slot, size, stream, thread });
+                self.current = self.current.saturating_add(size);
+                trace.peak_live = trace.peak_live.max(self.current);
+            }
+            Event::Free { ptr, written, stream, thread } => {
+                let stream = intern(&mut self.stream_index, &mut trace.streams, stream);
+                let thread = intern(&mut self.thread_index, &mut trace.threads, thread);
+                match self.live.remove(&ptr) {
+                    Some(slot) => {
+                        self.current = self.current.saturating_sub(trace.slot_sizes[slot]);
+                        trace.frees += 1;
+                        trace.ops.push(Op::Free { slot, stream, thread });
+                    }
+                    None if options.skip_unknown_frees => trace.skipped_frees += 1,
+                    None => {
+                        return Err(format!(
+                            "free of pointer {} that is not live (never allocated in this trace, or already \
+                             freed)",
+                            excerpt(written)
+                        ))
+                    }
+                }
+            }
+            Event::Failure => trace.recorded_failures += 1,
+        }
+        Ok(())
+    }
+}
+
+/// What one data row records, read whole.
+enum Event<'a> {
+    Allocate { ptr: u64, size: usize, stream: u64, thread: u64 },
+    Free { ptr: u64, written: &'a str, stream: u64, thread: u64 },
+    Failure,
 }
 
 /// The fields of one data row (Time is checked for presence only).
@@ -260,6 +321,30 @@ impl<'a> Row<'a> {
         }
         Ok(row)
     }
+
+    /// The row's values; an error names the field that cannot be read.
+    fn event(&self) -> std::result::Result<Event<'a>, String> {
+        let ids = || Ok::<_, String>((parse_id("stream", self.stream)?, parse_id("thread", self.thread)?));
+        Ok(match self.action {
+            "allocate" => {
+                let (ptr, size) = (parse_pointer(self.pointer)?, parse_size(self.size)?);
+                let (stream, thread) = ids()?;
+                Event::Allocate { ptr, size, stream, thread }
+            }
+            "free" => {
+                let ptr = parse_pointer(self.pointer)?;
+                let (stream, thread) = ids()?;
+                Event::Free { ptr, written: self.pointer, stream, thread }
+            }
+            "allocate failure" => Event::Failure,
+            other => {
+                return Err(format!(
+                    "unknown action `{}` (expected allocate, free or allocate failure)",
+                    excerpt(other)
+                ))
+            }
+        })
+    }
 }
 
 /// Parses a hexadecimal (`0x...`) or decimal integer.
@@ -271,39 +356,26 @@ fn parse_int(text: &str) -> Option<u64> {
 }
 
 fn parse_pointer(text: &str) -> std::result::Result<u64, String> {
-    parse_int(text).ok_or_else(|| format!("bad pointer `{text}` (expected hexadecimal 0x... or decimal)"))
+    parse_int(text)
+        .ok_or_else(|| format!("bad pointer `{}` (expected hexadecimal 0x... or decimal)", excerpt(text)))
 }
 
 fn parse_size(text: &str) -> std::result::Result<usize, String> {
-    text.parse().map_err(|_| format!("bad size `{text}` (expected a decimal byte count)"))
+    text.parse().map_err(|_| format!("bad size `{}` (expected a decimal byte count)", excerpt(text)))
 }
 
-/// The dense index of the `what` (stream or thread) written `text`, added to `values` at
-/// its first appearance.
-fn intern(
-    index: &mut HashMap<u64, usize>,
-    values: &mut Vec<u64>,
-    what: &str,
-    text: &str,
-) -> std::result::Result<usize, String> {
-    let value = parse_int(text)
-        .ok_or_else(|| format!("bad {what} `{text}` (expected an integer or 0x... handle)"))?;
-    Ok(*index.entry(value).or_insert_with(|| {
+/// The value of the `what` (stream or thread) written `text`.
+fn parse_id(what: &str, text: &str) -> std::result::Result<u64, String> {
+    parse_int(text)
+        .ok_or_else(|| format!("bad {what} `{}` (expected an integer or 0x... handle)", excerpt(text)))
+}
+
+/// The dense index of `value`, added to `values` at its first appearance.
+fn intern(index: &mut HashMap<u64, usize>, values: &mut Vec<u64>, value: u64) -> usize {
+    *index.entry(value).or_insert_with(|| {
         values.push(value);
         values.len() - 1
-    }))
-}
-
-/// At most [`EXCERPT`] bytes of `text` (cut at a character boundary), with `...` when cut.
-fn excerpt(text: &str) -> String {
-    if text.len() <= EXCERPT {
-        return text.to_owned();
-    }
-    let mut end = EXCERPT;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}... ({} bytes in all)", &text[..end], text.len())
+    })
 }
 
 #[cfg(test)]
@@ -372,7 +444,7 @@ mod tests {
     #[test]
     fn unknown_frees_can_be_skipped() {
         let text = format!("{HEADER}\n0,1,free,0x10,4,0\n0,2,allocate,0x10,4,0\n");
-        let options = ParseOptions { skip_unknown_frees: true };
+        let options = ParseOptions { skip_unknown_frees: true, ..ParseOptions::default() };
         let trace = Trace::parse_with(text.as_bytes(), "t", options).unwrap();
         assert_eq!(trace.skipped_frees, 1);
         assert_eq!(trace.ops, vec![Op::Allocate { slot: 0, size: 4, stream: 0, thread: 0 }]);
@@ -443,6 +515,82 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    /// Issue 33: a trace whose writer was killed mid-row ends in a row cut short: an error
+    /// naming its line, or skipped and counted under `skip_truncated_last_row`; nothing of
+    /// the cut row is kept.
+    #[test]
+    fn a_last_row_cut_short_is_named_or_skipped() {
+        let lenient = ParseOptions::lenient();
+        for cut in
+            ["0,3,allocate,0x30,1", "0,3,allocate,0x3", "0,3,allo", "0,3,free,0x10,64,0x", "0,3,free,0x10"]
+        {
+            let text = format!("{HEADER}\n0,1,allocate,0x10,64,5\n0,2,allocate,0x20,32,5\n{cut}");
+            match parse(&text) {
+                Err(Error::Trace { line: 4, content, reason }) => {
+                    assert!(reason.starts_with(CUT_SHORT), "{cut}: {reason}");
+                    assert_eq!(content, text.lines().nth(3).unwrap());
+                }
+                other => panic!("{cut}: {other:?}"),
+            }
+            let trace = Trace::parse_with(text.as_bytes(), "t", lenient).unwrap();
+            assert_eq!(trace.skipped_truncated_rows, 1, "{cut}");
+            assert_eq!((trace.len(), trace.streams.len(), trace.peak_live), (2, 1, 96), "{cut}");
+        }
+        // Not UTF-8 (a character cut in two), the same.
+        let mut bytes = format!("{HEADER}\n0,1,allocate,0x10,64,0\n0,2,allocate,0x20,").into_bytes();
+        bytes.push(0xe2);
+        assert!(
+            matches!(Trace::parse(&bytes[..], "t"), Err(Error::Trace { line: 3, reason, .. }) if reason.starts_with(CUT_SHORT))
+        );
+        assert_eq!(Trace::parse_with(&bytes[..], "t", lenient).unwrap().skipped_truncated_rows, 1);
+        // Only the last line: a bad row before it is an error, lenient or not.
+        let text = format!("{HEADER}\n0,1,allo\n0,2,allocate,0x10,64,0");
+        match Trace::parse_with(text.as_bytes(), "t", lenient) {
+            Err(Error::Trace { line: 2, reason, .. }) => {
+                assert!(reason.contains("missing field"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// A last row that is whole reads as usual, newline or not.
+    #[test]
+    fn a_whole_last_row_without_a_newline_is_read() {
+        let trace = parse(&format!("{HEADER}\n0,1,allocate,0x10,64,0\n0,2,free,0x10,64,0")).unwrap();
+        assert_eq!((trace.len(), trace.skipped_truncated_rows), (2, 0));
+        assert_eq!(parse(HEADER).unwrap().len(), 0);
+    }
+
+    /// Issue 33: control characters of a trace (terminal escape sequences) were quoted raw.
+    #[test]
+    fn errors_quote_control_characters_escaped() {
+        let text = format!("{HEADER}\n0,1,alloc\x1b[2J\u{202e},0x10,64\x07,0\n");
+        match parse(&text) {
+            Err(Error::Trace { line: 2, content, reason }) => {
+                assert_eq!(content, "0,1,alloc\\x1b[2J\\u{202e},0x10,64\\x07,0");
+                assert!(reason.contains("unknown action `alloc\\x1b[2J\\u{202e}`"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let text = format!("{HEADER}\n0,1,allocate,0x10,6\t4,0\n");
+        let err = parse(&text).unwrap_err().to_string();
+        assert!(err.contains("bad size `6\\x094`") && !err.contains('\t'), "{err}");
+    }
+
+    #[test]
+    fn excerpts_are_bounded_escaped_and_say_how_long_the_text_was() {
+        assert_eq!(excerpt("plain text, é"), "plain text, é");
+        assert_eq!(excerpt("\x1b]0;title\x07\r\n\u{7f}\u{85}"), "\\x1b]0;title\\x07\\x0d\\x0a\\x7f\\u{85}");
+        let long = "é".repeat(1000);
+        let shown = excerpt(&long);
+        assert!(shown.starts_with("éé") && shown.ends_with("... (2000 bytes in all)"), "{shown}");
+        assert!(shown.len() <= EXCERPT + 30, "{} bytes", shown.len());
+        // An escape is not cut in two.
+        let shown = excerpt_within("ab\x1b", 5);
+        assert_eq!(shown, "ab... (3 bytes in all)");
+        assert_eq!(excerpt_within("", 0), "");
     }
 
     #[test]

@@ -53,6 +53,7 @@ pub mod device;
 pub mod error;
 pub mod facade;
 pub mod policy;
+pub mod text;
 pub mod trace;
 
 pub use allocation::{

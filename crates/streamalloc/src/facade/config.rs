@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::policy::best_fit::Classes;
+use crate::text::excerpt;
 
 /// The environment variable [`Config::from_env`] reads.
 pub const ENV_VAR: &str = "STREAMALLOC_CONF";
@@ -47,7 +48,13 @@ impl FromStr for Strategy {
             "best_fit" => Strategy::BestFit,
             "stream_safe" => Strategy::StreamSafe,
             "async" => Strategy::Async,
-            _ => return Err(Error::Config(format!("strategy={s}: expected one of {}", Strategy::NAMES))),
+            _ => {
+                return Err(Error::Config(format!(
+                    "strategy={}: expected one of {}",
+                    excerpt(s),
+                    Strategy::NAMES
+                )))
+            }
         })
     }
 }
@@ -245,16 +252,16 @@ impl Config {
             let (key, value) = pair
                 .split_once('=')
                 .map(|(k, v)| (k.trim(), v.trim()))
-                .ok_or_else(|| Error::Config(format!("`{pair}` is not key=value")))?;
+                .ok_or_else(|| Error::Config(format!("`{}` is not key=value", excerpt(pair))))?;
             let accepted = KEYS.iter().find(|(k, _)| *k == key).map(|(_, a)| *a).ok_or_else(|| {
                 let known: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();
-                Error::Config(format!("unknown key `{key}`; known keys: {}", known.join(", ")))
+                Error::Config(format!("unknown key `{}`; known keys: {}", excerpt(key), known.join(", ")))
             })?;
             if seen.contains(&key) {
                 return Err(Error::Config(format!("`{key}` is given twice; give each key once")));
             }
             seen.push(key);
-            let bad = || Error::Config(format!("{key}={value}: expected {accepted}"));
+            let bad = || Error::Config(format!("{key}={}: expected {accepted}", excerpt(value)));
             match key {
                 "strategy" => c.strategy = value.parse()?,
                 "device" => {
@@ -548,6 +555,21 @@ mod tests {
     }
 
     /// Values that parsed and then made every call fail, or meant something else than written.
+    /// A hostile value is quoted bounded and escaped (issue 33: a 1 MB value was echoed
+    /// whole, and escape sequences reached the terminal).
+    #[test]
+    fn errors_quote_values_bounded_and_escaped() {
+        let huge = "x".repeat(1 << 20);
+        for conf in [format!("growth={huge}"), format!("{huge}=1"), format!("strategy={huge}"), huge.clone()]
+        {
+            let e = Config::parse(&conf).unwrap_err().to_string();
+            assert!(e.len() < 1024, "{} bytes: {}", e.len(), &e[..200]);
+            assert!(e.contains("bytes in all"), "{e}");
+        }
+        let e = Config::parse("growth=\x1b[2J").unwrap_err().to_string();
+        assert!(e.contains("\\x1b[2J") && !e.contains('\x1b'), "{e}");
+    }
+
     #[test]
     fn traps_are_errors_at_parse_time() {
         let err =
