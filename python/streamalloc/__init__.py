@@ -4,10 +4,19 @@
 `streamalloc.torch.enable` and `streamalloc.cupy.enable` plug the library into PyTorch and
 CuPy. `allocate`, `deallocate` and `record_stream` are the C API itself, and `streamalloc.sim`
 drives the simulator (`device=sim`) and its ordering checker through it.
+
+Every integer handed to the library is checked against its C type first (ctypes would wrap
+it silently: a size of 2**64 + 4096 would be 4096): a value out of range raises
+`OverflowError`, one that is not an integer `TypeError`, each naming the argument. A stream is
+None (the legacy default stream), an int (a `cudaStream_t`'s value, or a handle from
+`sim.create_stream`), or a `torch.cuda.Stream` or `cupy.cuda.Stream` (their `cuda_stream` or
+`ptr`); nothing else.
 """
 
 import ctypes
 import importlib.metadata
+import operator
+import os
 import pathlib
 import threading
 
@@ -72,6 +81,78 @@ _lock = threading.Lock()
 _lib = None
 
 
+def _new_lock():
+    """A forked child gets a fresh `_lock`: the parent's may have been held by another thread."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock)
+
+_INT_BITS = ctypes.sizeof(ctypes.c_int) * 8
+_SIZE_BITS = ctypes.sizeof(ctypes.c_size_t) * 8
+_POINTER_BITS = ctypes.sizeof(ctypes.c_void_p) * 8
+
+
+def _integer(value, name):
+    """`value` as an int (anything with `__index__` but a bool), else TypeError naming `name`."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, not bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}") from None
+
+
+def _unsigned(value, name, bits):
+    """`value` as an int in 0..2**bits - 1, else OverflowError (TypeError if not an int)."""
+    value = _integer(value, name)
+    if not 0 <= value < 1 << bits:
+        raise OverflowError(f"{name} {value} is out of range: it must be in 0..2**{bits}-1")
+    return value
+
+
+def _size(value, name="size"):
+    """A `size_t` argument, checked."""
+    return _unsigned(value, name, _SIZE_BITS)
+
+
+def _uint64(value, name):
+    """A `uint64_t` argument, checked."""
+    return _unsigned(value, name, 64)
+
+
+def _device(value, name="device"):
+    """An `int` (device ordinal) argument, checked against the C type's range (the library
+    itself rejects a negative or unknown ordinal with INVALID_ARGUMENT)."""
+    value = _integer(value, name)
+    low, high = -(1 << (_INT_BITS - 1)), (1 << (_INT_BITS - 1)) - 1
+    if not low <= value <= high:
+        raise OverflowError(f"{name} {value} is out of range: it must be in {low}..{high} (a C int)")
+    return value
+
+
+def _pointer(value, name="ptr"):
+    """A device pointer argument (an int, or None for NULL), checked."""
+    return None if value is None else _unsigned(value, name, _POINTER_BITS)
+
+
+def _stream(value, name="stream"):
+    """A stream argument: None (the legacy default stream), an int (a `cudaStream_t`'s value or
+    a handle from `sim.create_stream`), or a `torch.cuda.Stream` (its `cuda_stream`) or
+    `cupy.cuda.Stream` (its `ptr`); anything else is a TypeError, never an object's address."""
+    if value is None:
+        return None
+    if not isinstance(value, bool) and hasattr(type(value), "__index__"):
+        return _unsigned(value, name, _POINTER_BITS)
+    for attribute in ("cuda_stream", "ptr"):
+        handle = getattr(value, attribute, None)
+        if handle is not None:
+            return _unsigned(handle, f"{name}.{attribute}", _POINTER_BITS)
+    raise TypeError(
+        f"{name} must be None, an int, or a torch.cuda.Stream or cupy.cuda.Stream, not {type(value).__name__}")
+
+
 def library_path():
     """The path of the bundled libstreamalloc.so."""
     return pathlib.Path(__file__).with_name("libstreamalloc.so")
@@ -80,6 +161,9 @@ def library_path():
 def load():
     """The loaded library (loaded once; the frameworks load the same file, so they share it)."""
     global _lib
+    lib = _lib
+    if lib is not None:  # no lock once loaded
+        return lib
     with _lock:
         if _lib is None:
             path = library_path()
@@ -134,31 +218,36 @@ def check(status):
 def configure(conf):
     """Configures the library with a `STREAMALLOC_CONF`-style string. Must come before its
     first use in the process; afterwards only the same configuration is accepted."""
+    if not isinstance(conf, str):
+        raise TypeError(f"conf must be a str, not {type(conf).__name__}")
+    if "\0" in conf:
+        raise ValueError("conf contains a NUL character, which would end it there")
     check(load().streamalloc_configure(conf.encode()))
 
 
 def stats(device=0):
     """The statistics of `device`'s allocator, as a dict (zeros for a device not used yet)."""
     out = Stats()
-    check(load().streamalloc_stats(device, ctypes.byref(out)))
+    check(load().streamalloc_stats(_device(device), ctypes.byref(out)))
     return {name: getattr(out, name) for name, _ in Stats._fields_}
 
 
 def release(device=0):
     """Returns `device`'s cached memory that no allocation uses to the driver; the bytes."""
     released = ctypes.c_size_t(0)
-    check(load().streamalloc_release(device, ctypes.byref(released)))
+    check(load().streamalloc_release(_device(device), ctypes.byref(released)))
     return released.value
 
 
 def reset_peak_stats(device=0):
     """Restarts `device`'s peak figures (allocated_peak, reserved_peak) from the current ones."""
-    check(load().streamalloc_reset_peak_stats(device))
+    check(load().streamalloc_reset_peak_stats(_device(device)))
 
 
 def allocate(size, device=0, stream=None):
     """Allocates `size` bytes on `device`, owned by `stream` (None: the legacy default stream);
-    the pointer as an int (0 for size 0)."""
+    the pointer as an int (0 for size 0). For `stream`, see the module's documentation."""
+    size, device, stream = _size(size), _device(device), _stream(stream)
     out = ctypes.c_void_p()
     check(load().streamalloc_allocate(size, device, stream, ctypes.byref(out)))
     return out.value or 0
@@ -166,18 +255,18 @@ def allocate(size, device=0, stream=None):
 
 def deallocate(ptr):
     """Frees an allocation made by any of the library's allocation functions."""
-    check(load().streamalloc_deallocate(ptr))
+    check(load().streamalloc_deallocate(_pointer(ptr)))
 
 
 def record_stream(ptr, stream):
     """Marks `stream` as a user of the allocation at `ptr` until it is freed."""
-    check(load().streamalloc_record_stream(ptr, stream))
+    check(load().streamalloc_record_stream(_pointer(ptr), _stream(stream)))
 
 
 def retire_stream(stream, device=0):
     """Tells `device`'s allocators that `stream` (a handle) is about to be destroyed, once no
     allocation made on it is live: no later call of the library names it."""
-    check(load().streamalloc_retire_stream(device, stream))
+    check(load().streamalloc_retire_stream(_device(device), _stream(stream)))
 
 
 class _Sim:
@@ -187,29 +276,30 @@ class _Sim:
     def create_stream(self, device=0):
         """A new simulated stream of `device`: an opaque handle for the `stream` arguments."""
         out = ctypes.c_void_p()
-        check(load().streamalloc_sim_create_stream(device, ctypes.byref(out)))
+        check(load().streamalloc_sim_create_stream(_device(device), ctypes.byref(out)))
         return out.value
 
     def destroy_stream(self, stream, device=0):
         """Destroys a stream made by `create_stream`."""
-        check(load().streamalloc_sim_destroy_stream(device, stream))
+        check(load().streamalloc_sim_destroy_stream(_device(device), _stream(stream)))
 
     def use(self, ptr, size, stream, ns, device=0):
         """Enqueues a simulated kernel on `stream` that uses `size` bytes at `ptr` for `ns`."""
-        check(load().streamalloc_sim_use(device, ptr, size, stream, ns))
+        ptr, size, stream, ns = _pointer(ptr), _size(size), _stream(stream), _uint64(ns, "ns")
+        check(load().streamalloc_sim_use(_device(device), ptr, size, stream, ns))
 
     def synchronize(self, stream=None, device=0):
         """Waits (in virtual time) for the work enqueued on `stream`."""
-        check(load().streamalloc_sim_synchronize(device, stream))
+        check(load().streamalloc_sim_synchronize(_device(device), _stream(stream)))
 
     def advance(self, ns, device=0):
         """Lets `ns` of virtual host time pass."""
-        check(load().streamalloc_sim_advance(device, ns))
+        check(load().streamalloc_sim_advance(_device(device), _uint64(ns, "ns")))
 
     def violations(self, device=0):
         """How many early reuses the ordering checker has found on `device`."""
         out = ctypes.c_uint64()
-        check(load().streamalloc_sim_violations(device, ctypes.byref(out)))
+        check(load().streamalloc_sim_violations(_device(device), ctypes.byref(out)))
         return out.value
 
 

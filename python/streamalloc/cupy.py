@@ -129,17 +129,20 @@ module)."""
 def _checked_malloc(size, device_id):
     import cupy
 
+    # Range-checked as the C types take them (ctypes would wrap them silently).
+    size, device_id = streamalloc._size(size), streamalloc._device(device_id, "device_id")
     lib = streamalloc.load()
     out = ctypes.c_void_p()
     current = cupy.cuda.get_current_stream()
-    status = lib.streamalloc_allocate(size, device_id, current.ptr, ctypes.byref(out))
+    handle = streamalloc._stream(current) or 0
+    status = lib.streamalloc_allocate(size, device_id, handle, ctypes.byref(out))
     if status == streamalloc.OUT_OF_MEMORY:
         total = streamalloc.stats(device_id)["allocated"]
         raise cupy.cuda.memory.OutOfMemoryError(size, total)
     streamalloc.check(status)
-    if out.value and current.ptr > 2:  # the default streams' handles are never destroyed
-        _checked_owner[out.value] = current.ptr
-        _count(current.ptr, 1, current)
+    if out.value and handle > 2:  # the default streams' handles are never destroyed
+        _checked_owner[out.value] = handle
+        _count(handle, 1, current)
     return out.value or 0
 
 
@@ -149,6 +152,7 @@ destroyed (counted in `_kept` until the allocation is freed)."""
 
 
 def _checked_free(ptr, device_id):
+    ptr, device_id = streamalloc._pointer(ptr), streamalloc._device(device_id, "device_id")
     streamalloc.load().streamalloc_cupy_free(None, ptr, device_id)
     handle = _checked_owner.pop(ptr, None)
     if handle is not None:

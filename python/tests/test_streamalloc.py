@@ -240,6 +240,98 @@ def test_sim_streams():
         assert e.status == "INVALID_ARGUMENT", e
 
 
+def raises(exception, call, *words):
+    """Checks that `call()` raises `exception` with each of `words` in its message."""
+    try:
+        call()
+    except exception as e:
+        assert all(w in str(e) for w in words), f"{type(e).__name__}: {e} (expected {words})"
+        return
+    raise AssertionError(f"no {exception.__name__}: {words}")
+
+
+def test_integers_are_range_checked():
+    """Issue 33: ctypes wrapped integers silently: allocate(2**64 + 4096) made a 4 KiB block,
+    device 2**32 was device 0, deallocate(p + 2**64) freed p, and a str passed as a stream
+    became the address of the Python object, handed to the library as a stream."""
+    streamalloc.configure(CONF)
+    sim = streamalloc.sim
+    device = 6
+    before = streamalloc.stats(device)
+    raises(OverflowError, lambda: streamalloc.allocate(2**64 + 4096, device), "size")
+    raises(OverflowError, lambda: streamalloc.allocate(-4096, device), "size")
+    raises(OverflowError, lambda: streamalloc.allocate(4096, 2**32 + device), "device")
+    raises(OverflowError, lambda: streamalloc.allocate(4096, -2**31 - 1), "device")
+    raises(TypeError, lambda: streamalloc.allocate(4096.0, device), "size")
+    raises(TypeError, lambda: streamalloc.allocate("4096", device), "size")
+    raises(TypeError, lambda: streamalloc.allocate(4096, device, "a stream"), "stream")
+    raises(TypeError, lambda: streamalloc.allocate(4096, device, b"a stream"), "stream")
+    raises(TypeError, lambda: streamalloc.allocate(4096, device, object()), "stream")
+    raises(OverflowError, lambda: streamalloc.allocate(4096, device, 2**64), "stream")
+    raises(OverflowError, lambda: streamalloc.allocate(4096, device, -1), "stream")
+    assert streamalloc.stats(device)["total_allocations"] == before["total_allocations"], "nothing was allocated"
+    raises(OverflowError, lambda: streamalloc.stats(2**32), "device")
+    raises(OverflowError, lambda: streamalloc.release(2**32), "device")
+    raises(OverflowError, lambda: streamalloc.reset_peak_stats(2**32), "device")
+    raises(TypeError, lambda: streamalloc.stats("0"), "device")
+    p = streamalloc.allocate(4096, device)
+    raises(OverflowError, lambda: streamalloc.deallocate(p + 2**64), "ptr")
+    raises(OverflowError, lambda: streamalloc.deallocate(p - 2**64), "ptr")
+    raises(TypeError, lambda: streamalloc.deallocate(str(p)), "ptr")
+    raises(OverflowError, lambda: streamalloc.record_stream(p + 2**64, None), "ptr")
+    raises(TypeError, lambda: streamalloc.record_stream(p, "a stream"), "stream")
+    raises(OverflowError, lambda: streamalloc.retire_stream(2**64, device), "stream")
+    raises(OverflowError, lambda: streamalloc.retire_stream(None, 2**32), "device")
+    s = sim.create_stream(device)
+    raises(OverflowError, lambda: sim.create_stream(2**32), "device")
+    raises(OverflowError, lambda: sim.use(p, 2**64 + 4096, s, 1, device), "size")
+    raises(OverflowError, lambda: sim.use(p, 4096, s, 2**64 + 1, device), "ns")
+    raises(OverflowError, lambda: sim.use(p, 4096, s, -1, device), "ns")
+    raises(OverflowError, lambda: sim.use(p + 2**64, 4096, s, 1, device), "ptr")
+    raises(TypeError, lambda: sim.use(p, 4096, "a stream", 1, device), "stream")
+    raises(OverflowError, lambda: sim.advance(2**64 + 1, device), "ns")
+    raises(OverflowError, lambda: sim.advance(1, 2**32 + device), "device")
+    raises(TypeError, lambda: sim.synchronize("a stream", device), "stream")
+    raises(OverflowError, lambda: sim.violations(2**32), "device")
+    raises(OverflowError, lambda: sim.destroy_stream(s + 2**64, device), "stream")
+    assert streamalloc.stats(device)["live_allocations"] == before["live_allocations"] + 1, "p is still live"
+    # What is in range still works, with the documented stream objects too.
+    sim.use(p, 4096, s, 1_000, device)
+    streamalloc.record_stream(p, types.SimpleNamespace(ptr=s))  # a cupy.cuda.Stream
+    streamalloc.record_stream(p, types.SimpleNamespace(cuda_stream=s))  # a torch.cuda.Stream
+    raises(OverflowError, lambda: streamalloc.record_stream(p, types.SimpleNamespace(ptr=2**64)), "stream")
+    raises(TypeError, lambda: streamalloc.record_stream(p, types.SimpleNamespace(ptr="0")), "stream")
+    streamalloc.deallocate(p)
+    sim.synchronize(s, device)
+    sim.destroy_stream(s, device)
+    assert streamalloc.stats(device)["live_allocations"] == before["live_allocations"]
+    raises(TypeError, lambda: streamalloc.configure(b"device=sim"), "conf")
+    raises(ValueError, lambda: streamalloc.configure(CONF + "\0,strategy=async"), "conf")
+
+
+def test_cupy_checked_path_range_checks_its_integers():
+    """Issue 33: the checked CuPy path passed CuPy's integers to ctypes unchecked too."""
+    modules, calls = fake_cupy()
+    sys.modules.update(modules)
+    try:
+        streamalloc.cupy.enable(CONF, checked=True)
+        before = streamalloc.stats(0)
+        raises(OverflowError, lambda: calls["malloc"](2**64 + 4096), "size")
+        raises(OverflowError, lambda: streamalloc.cupy._checked_malloc(4096, 2**32), "device")
+        calls["stream"] = types.SimpleNamespace(ptr="not a stream")
+        raises(TypeError, lambda: calls["malloc"](4096), "stream")
+        del calls["stream"]
+        assert streamalloc.stats(0)["total_allocations"] == before["total_allocations"], "nothing was allocated"
+        ptr, free = calls["malloc"](4096)
+        raises(OverflowError, lambda: streamalloc.cupy._checked_free(ptr + 2**64, 0), "ptr")
+        raises(OverflowError, lambda: streamalloc.cupy._checked_free(ptr, 2**32), "device")
+        assert streamalloc.stats(0)["live_allocations"] == before["live_allocations"] + 1
+        free()
+        assert streamalloc.stats(0)["live_allocations"] == before["live_allocations"]
+    finally:
+        remove_fake_cupy(modules)
+
+
 def main(namespace=None):
     """Runs every `test_` function of `namespace` (this module's by default), reports each
     and the totals; the exit status."""

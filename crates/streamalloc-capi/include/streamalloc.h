@@ -10,6 +10,11 @@
 #include <sys/types.h>
 typedef struct CUstream_st *cudaStream_t;
 
+// The latest virtual time, in ns, of the simulator's clock and of the work on its streams
+// (2^62 ns, about 146 years): [`streamalloc_sim_advance`] and [`streamalloc_sim_use`] refuse
+// to go past it.
+#define STREAMALLOC_SIM_MAX_TIME_NS 4611686018427387904
+
 // What a C API call returns. The variants are named as C sees them.
 typedef enum streamalloc_status_t {
   // Success.
@@ -27,7 +32,9 @@ typedef enum streamalloc_status_t {
   STREAMALLOC_LIMIT_EXCEEDED = 5,
   // A bounded wait (e.g. `retry_timeout`) ran out.
   STREAMALLOC_TIMEOUT = 6,
-  // The configured strategy or device does not offer this.
+  // The configured strategy or device does not offer this; or the process is a child
+  // forked after the library came into use, where every call fails so, at once (CUDA cannot
+  // be used there, and the parent's other threads may have held the library's locks).
   STREAMALLOC_UNSUPPORTED = 7,
   // The configuration (`STREAMALLOC_CONF` or `streamalloc_configure`) is bad or conflicts.
   STREAMALLOC_CONFIG_ERROR = 8,
@@ -185,7 +192,8 @@ void streamalloc_cupy_set_stream_source(streamalloc_cupy_stream_source source);
 
 // Installs `keeper` (see [`CupyStreamKeeper`]), or with NULL removes it; either way the
 // allocations counted so far are forgotten (the old keeper is not told about them).
-// `streamalloc.cupy.enable()` installs one that holds the `cupy.cuda.Stream` object.
+// `streamalloc.cupy.enable()` installs one that holds the `cupy.cuda.Stream` object. In a
+// child forked after the library came into use it does nothing.
 //
 // # Safety
 // `keeper`, if not NULL, must be callable from every thread that calls the CuPy functions,
@@ -220,6 +228,9 @@ enum streamalloc_status_t streamalloc_sim_destroy_stream(int device, cudaStream_
 
 // Enqueues a simulated kernel on `stream` that uses `len` bytes at `ptr` for `duration_ns`
 // (virtual time), for the ordering checker to compare later handouts with.
+// `STREAMALLOC_INVALID_ARGUMENT`, nothing enqueued, if `stream` is not a stream of `device`,
+// if the range is not all `device`'s memory (or address reservations), or if the kernel would
+// end past [`STREAMALLOC_SIM_MAX_TIME_NS`].
 enum streamalloc_status_t streamalloc_sim_use(int device,
                                               void *ptr,
                                               size_t len,
@@ -229,7 +240,8 @@ enum streamalloc_status_t streamalloc_sim_use(int device,
 // Blocks (in virtual time) until the work enqueued on `stream` has completed.
 enum streamalloc_status_t streamalloc_sim_synchronize(int device, cudaStream_t stream);
 
-// Lets `ns` of virtual host time pass on `device`.
+// Lets `ns` of virtual host time pass on `device`; `STREAMALLOC_INVALID_ARGUMENT`, the clock
+// unmoved, if that would take it past [`STREAMALLOC_SIM_MAX_TIME_NS`].
 enum streamalloc_status_t streamalloc_sim_advance(int device, uint64_t ns);
 
 // Writes to `*out` how many early reuses the ordering checker of `device` has found: memory

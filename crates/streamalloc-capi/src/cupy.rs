@@ -59,13 +59,18 @@ pub unsafe extern "C" fn streamalloc_cupy_set_stream_source(source: CupyStreamSo
 
 /// Installs `keeper` (see [`CupyStreamKeeper`]), or with NULL removes it; either way the
 /// allocations counted so far are forgotten (the old keeper is not told about them).
-/// `streamalloc.cupy.enable()` installs one that holds the `cupy.cuda.Stream` object.
+/// `streamalloc.cupy.enable()` installs one that holds the `cupy.cuda.Stream` object. In a
+/// child forked after the library came into use it does nothing.
 ///
 /// # Safety
 /// `keeper`, if not NULL, must be callable from every thread that calls the CuPy functions,
 /// in the state CuPy calls its allocator in, and must not call [`streamalloc_cupy_malloc`].
 #[no_mangle]
 pub unsafe extern "C" fn streamalloc_cupy_set_stream_keeper(keeper: CupyStreamKeeper) {
+    // In a forked child the lock may have been held by a thread of the parent.
+    if crate::fork::forked() {
+        return;
+    }
     let mut kept = KEPT.lock();
     STREAM_KEEPER.store(keeper.map_or(0, |f| f as usize), Ordering::Release);
     *kept = keeper.map(|_| Owners::default());

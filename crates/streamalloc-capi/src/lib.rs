@@ -15,7 +15,9 @@
 //! the call on, and no state per thread; so a pointer from any face can be freed by the free
 //! of any other, from any thread. No call unwinds into C or aborts: errors and
 //! panics become a status (or a null pointer) and the thread's last error. Zero-size requests
-//! give a null pointer (PyTorch's convention), and freeing null does nothing.
+//! give a null pointer (PyTorch's convention), and freeing null does nothing. In a child
+//! forked after the library came into use every call fails at once, taking no lock (see
+//! `fork.rs`).
 //!
 //! `include/streamalloc.h` is generated from this crate by cbindgen; `cargo test -p
 //! streamalloc-capi` fails when it is out of date, and regenerates it with
@@ -26,6 +28,7 @@
 #![warn(missing_docs)]
 
 mod cupy;
+mod fork;
 mod sim;
 mod state;
 mod status;
@@ -46,6 +49,7 @@ pub use cupy::{
 pub use sim::{
     streamalloc_sim_advance, streamalloc_sim_create_stream, streamalloc_sim_destroy_stream,
     streamalloc_sim_synchronize, streamalloc_sim_use, streamalloc_sim_violations,
+    STREAMALLOC_SIM_MAX_TIME_NS,
 };
 use state::State;
 pub use status::{StreamallocStats, StreamallocStatus};

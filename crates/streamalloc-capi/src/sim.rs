@@ -5,8 +5,14 @@
 //! A simulated stream reaches C as a handle drawn at random from the 64-bit space, never as the
 //! simulator's own id (small integers, which would let a guessed value reach a stream the
 //! allocator made for itself, such as `async`'s free stream). With `device=sim` every stream
-//! a C call is given must be NULL (the legacy default stream) or such a handle. On another
-//! device every function here is `STREAMALLOC_UNSUPPORTED`.
+//! a C call is given must be NULL (the legacy default stream) or such a handle, and a handle
+//! is its device's only (each simulator numbers its streams from the same start, so another
+//! device's stream would otherwise name one of this device). On another device every function
+//! here is `STREAMALLOC_UNSUPPORTED`.
+//!
+//! Virtual time stops at [`STREAMALLOC_SIM_MAX_TIME_NS`]: advancing the clock, or a kernel
+//! that would end, past it is `STREAMALLOC_INVALID_ARGUMENT`, so no sum of times wraps; and no
+//! call takes host time in proportion to the virtual time or the range it is given.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher, RandomState};
@@ -20,6 +26,13 @@ use parking_lot::Mutex;
 use crate::state::{ordinal, State};
 use crate::status::{self, StreamallocStatus};
 use crate::CudaStream;
+
+/// The latest virtual time, in ns, of the simulator's clock and of the work on its streams
+/// (2^62 ns, about 146 years): [`streamalloc_sim_advance`] and [`streamalloc_sim_use`] refuse
+/// to go past it.
+pub const STREAMALLOC_SIM_MAX_TIME_NS: u64 = 4_611_686_018_427_387_904;
+
+const _: () = assert!(STREAMALLOC_SIM_MAX_TIME_NS == core_alloc::device::sim::MAX_TIME_NS);
 
 /// The simulated streams C holds: handle -> (device, the simulator's stream).
 #[derive(Default)]
@@ -134,6 +147,9 @@ pub extern "C" fn streamalloc_sim_destroy_stream(device: c_int, stream: CudaStre
 
 /// Enqueues a simulated kernel on `stream` that uses `len` bytes at `ptr` for `duration_ns`
 /// (virtual time), for the ordering checker to compare later handouts with.
+/// `STREAMALLOC_INVALID_ARGUMENT`, nothing enqueued, if `stream` is not a stream of `device`,
+/// if the range is not all `device`'s memory (or address reservations), or if the kernel would
+/// end past [`STREAMALLOC_SIM_MAX_TIME_NS`].
 #[no_mangle]
 pub extern "C" fn streamalloc_sim_use(
     device: c_int,
@@ -157,13 +173,11 @@ pub extern "C" fn streamalloc_sim_synchronize(device: c_int, stream: CudaStream)
     })
 }
 
-/// Lets `ns` of virtual host time pass on `device`.
+/// Lets `ns` of virtual host time pass on `device`; `STREAMALLOC_INVALID_ARGUMENT`, the clock
+/// unmoved, if that would take it past [`STREAMALLOC_SIM_MAX_TIME_NS`].
 #[no_mangle]
 pub extern "C" fn streamalloc_sim_advance(device: c_int, ns: u64) -> StreamallocStatus {
-    status::status(|| {
-        simulator(State::get()?, device)?.advance(ns);
-        Ok(())
-    })
+    status::status(|| simulator(State::get()?, device)?.try_advance(ns))
 }
 
 /// Writes to `*out` how many early reuses the ordering checker of `device` has found: memory

@@ -10,6 +10,7 @@ use core_alloc::facade::private_pools::{PoolId, Routed, StreamFilter};
 use core_alloc::facade::{Config, DeviceKind, DeviceStack, Facade, MAX_DEVICES};
 use core_alloc::{DevicePtr, Error, PointerAllocator, Result, Stats, Stream};
 
+use crate::fork;
 use crate::sim::SimStreams;
 
 /// Everything the exported functions share.
@@ -27,8 +28,12 @@ extern "C" {
     fn atexit(f: extern "C" fn()) -> c_int;
 }
 
-/// Writes out buffered trace rows when the process exits (the state is never dropped).
+/// Writes out buffered trace rows when the process exits (the state is never dropped); in a
+/// forked child, nothing (the trace's lock may have been held by a thread of the parent).
 extern "C" fn flush_at_exit() {
+    if fork::forked() {
+        return;
+    }
     let _ = std::panic::catch_unwind(|| {
         if let Some(Ok(state)) = STATE.get() {
             if let Err(e) = state.facade.flush() {
@@ -58,9 +63,18 @@ impl State {
         }
     }
 
-    /// The state, built from `STREAMALLOC_CONF` on first use.
+    /// The state, built from `STREAMALLOC_CONF` on first use. In a child forked after the
+    /// library came into use, an error, at once (see [`fork`]).
     pub(crate) fn get() -> Result<&'static State> {
-        match STATE.get_or_init(|| Config::from_env().map(State::new)) {
+        fork::check()?;
+        let state = match STATE.get() {
+            Some(state) => state,
+            None => {
+                fork::note_use();
+                STATE.get_or_init(|| Config::from_env().map(State::new))
+            }
+        };
+        match state {
             Ok(s) => Ok(s),
             Err(e) => Err(e.clone()),
         }
@@ -71,6 +85,8 @@ impl State {
     /// has none: a trace asked for from outside (as `streamalloc record` does) is written
     /// whatever configuration the program passes.
     pub(crate) fn configure(mut config: Config) -> Result<()> {
+        fork::check()?;
+        fork::note_use();
         if config.trace.is_none() {
             if let Ok(Config { trace: Some(path), .. }) = Config::from_env() {
                 config.trace = Some(path);
@@ -110,16 +126,22 @@ impl State {
     /// The stream a C handle stands for on `device` (`None`: any): itself on CUDA; with
     /// `device=sim`, NULL or a handle of [`SimStreams`], anything else an error.
     fn stream(&self, handle: u64, device: Option<usize>) -> Result<Stream> {
-        if self.config().device != DeviceKind::Sim {
-            return Ok(Stream(handle));
-        }
-        let (owner, stream) = self.sim_streams.get(handle)?;
-        match (owner, device) {
+        let named = self.named(handle)?;
+        match (named.device, device) {
             (Some(o), Some(d)) if o != d => {
                 Err(Error::InvalidArgument(format!("stream {handle:#x} is not a stream of device {d}")))
             }
-            _ => Ok(stream),
+            _ => Ok(named.stream),
         }
+    }
+
+    /// The stream a C handle stands for, with its device when the handle says which.
+    fn named(&self, handle: u64) -> Result<Named> {
+        if self.config().device != DeviceKind::Sim {
+            return Ok(Named { device: None, stream: Stream(handle) });
+        }
+        let (device, stream) = self.sim_streams.get(handle)?;
+        Ok(Named { device, stream })
     }
 
     /// Allocates `size` bytes owned by the stream of C handle `stream`; 0 (null) for size 0.
@@ -162,6 +184,8 @@ impl State {
     /// that, through the library's one retry loop): nothing is attempted twice. The allocation
     /// succeeded and is kept while the cache is released, so the memory it took stays its own
     /// and only the rest of the cache goes back; allocating again would release and regrow.
+    /// Whatever error ends the call (a release that fails, e.g. past `wait_timeout`, or the
+    /// limit), the allocation is freed before it is returned.
     fn allocate_limited(
         &self,
         stack: &DeviceStack,
@@ -183,12 +207,15 @@ impl State {
         if stack.allocator.stats().reserved <= limit {
             return Ok(ptr);
         }
-        stack.allocator.release()?;
+        // A release that fails (a stream still at work past `wait_timeout`) may still have
+        // given enough back; if not, its error is the one returned, after the free.
+        let released = stack.allocator.release();
         let held = stack.allocator.stats().reserved;
         if held <= limit {
             return Ok(ptr);
         }
         stack.allocator.free_ptr(ptr, stream);
+        released?;
         Err(exceeded(held))
     }
 
@@ -213,9 +240,12 @@ impl State {
     /// Allocations stop going to private pool `id` of `device`; frees deferred during the
     /// captures are done now.
     pub(crate) fn pool_end(&self, device: c_int, id: PoolId) -> Result<()> {
-        let Some(stack) = self.facade.built(ordinal(device)?) else { return Ok(()) };
+        let ordinal = ordinal(device)?;
+        let Some(stack) = self.facade.built(ordinal) else { return Ok(()) };
         let mut first_error = None;
         for (ptr, owner) in stack.private.end(id) {
+            // `owner` is a stream of this device, which deferred the free.
+            let owner = Named { device: Some(ordinal), stream: owner };
             if let Err(e) = self.free_now(ptr, Some(device), owner) {
                 first_error.get_or_insert(e);
             }
@@ -254,31 +284,61 @@ impl State {
 
     /// Frees the allocation at `ptr` (null: nothing to do). `device` and `owner` (a C handle)
     /// are where the caller says it was made, looked at first.
+    ///
+    /// Under `async`, memory from outside a capture freed on its capturing stream waits for
+    /// the capture's end (see `PrivatePools::defer_free`), which only the stack holding `ptr`
+    /// decides. The stacks are asked in turn; one that cannot tell (its device does not know
+    /// `owner`: a stream of another device) frees nothing here, and its error stands only if
+    /// `ptr` is none of the other stacks' (its memory then stays allocated rather than be
+    /// freed into a graph): another device's error never cancels the free.
     pub(crate) fn free(&self, ptr: DevicePtr, device: Option<c_int>, owner: u64) -> Result<()> {
         // Only a hint: one that stands for no stream is no reason to keep the memory.
-        let owner = self.stream(owner, None).unwrap_or(Stream::DEFAULT);
+        let owner = self.named(owner).unwrap_or(Named::DEFAULT);
         if ptr == 0 {
             return Ok(());
         }
-        // Under `async`, memory from outside a capture freed on its capturing stream waits for
-        // the capture's end (see `PrivatePools::defer_free`).
+        let mut undecided: Vec<(&DeviceStack, Error)> = Vec::new();
         for stack in self.stacks_from(device) {
-            if stack.private.defer_free(ptr, owner)? {
-                return Ok(());
+            match stack.private.defer_free(ptr, owner.on(stack)) {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(e) => undecided.push((stack, e)),
             }
         }
-        self.free_now(ptr, device, owner)
+        if undecided.is_empty() {
+            return self.free_now(ptr, device, owner);
+        }
+        let decided = |s: &DeviceStack| !undecided.iter().any(|(u, _)| std::ptr::eq(*u, s));
+        if self.free_in(ptr, device, owner, decided) {
+            return Ok(());
+        }
+        // The pointer is the memory of a stack that could not decide (whose device knows it),
+        // or of none.
+        let holder = undecided.iter().position(|(s, _)| s.device.address_range(ptr).is_ok());
+        Err(holder.map_or_else(|| not_live(ptr), |i| undecided.swap_remove(i).1))
     }
 
     /// Frees the allocation at `ptr` (not null), of `owner`, from whichever stack or private
     /// pool made it (`device`'s first).
-    fn free_now(&self, ptr: DevicePtr, device: Option<c_int>, owner: Stream) -> Result<()> {
-        if self.stacks_from(device).any(|s| s.allocator.free_ptr(ptr, owner).is_some())
-            || self.stacks_from(device).any(|s| s.private.free(ptr, owner))
-        {
-            return Ok(());
+    fn free_now(&self, ptr: DevicePtr, device: Option<c_int>, owner: Named) -> Result<()> {
+        match self.free_in(ptr, device, owner, |_| true) {
+            true => Ok(()),
+            false => Err(not_live(ptr)),
         }
-        Err(not_live(ptr))
+    }
+
+    /// Frees the allocation at `ptr` (not null), of `owner`, from whichever of the stacks
+    /// `among` takes, or their private pools, made it (`device`'s first); whether one did.
+    fn free_in(
+        &self,
+        ptr: DevicePtr,
+        device: Option<c_int>,
+        owner: Named,
+        among: impl Fn(&DeviceStack) -> bool,
+    ) -> bool {
+        let mut stacks = self.stacks_from(device).filter(|s| among(s));
+        stacks.any(|s| s.allocator.free_ptr(ptr, owner.on(s)).is_some())
+            || self.stacks_from(device).filter(|s| among(s)).any(|s| s.private.free(ptr, owner.on(s)))
     }
 
     /// Frees the allocation at `ptr` (null: nothing to do), made on the legacy default stream
@@ -320,17 +380,22 @@ impl State {
 
     /// Marks `stream` as a user of the allocation at `ptr` (null: nothing to do). A stream
     /// that is not a live stream of the allocation's device is an error, and nothing is
-    /// recorded.
+    /// recorded; so is, with `device=sim`, the handle of another device's stream (the
+    /// simulators number their streams alike: it would name a stream of this device).
     pub(crate) fn record_stream(&self, ptr: DevicePtr, stream: u64) -> Result<()> {
         if ptr == 0 {
             return Ok(());
         }
-        let stream = self.stream(stream, None)?;
+        let named = self.named(stream)?;
         // A stack that does not hold `ptr` may still refuse a stream of another device: the
-        // stack that holds it decides.
+        // stack that holds it decides. A stack of another device than the stream's, which the
+        // handle names, holds nothing the stream may be recorded on.
+        let of_stream = |s: &&DeviceStack| named.device.is_none_or(|d| d == s.device.ordinal());
+        let s = named.stream;
+        let stacks =
+            self.stacks_from(None).filter(of_stream).map(|st| st.allocator.record_stream_ptr(ptr, s));
+        let pools = self.stacks_from(None).filter(of_stream).map(|st| st.private.record_stream(ptr, s));
         let mut refused = None;
-        let stacks = self.stacks_from(None).map(|s| s.allocator.record_stream_ptr(ptr, stream));
-        let pools = self.stacks_from(None).map(|s| s.private.record_stream(ptr, stream));
         for found in stacks.chain(pools) {
             match found {
                 Ok(true) => return Ok(()),
@@ -340,7 +405,13 @@ impl State {
                 }
             }
         }
-        Err(refused.unwrap_or_else(|| not_live(ptr)))
+        Err(refused.unwrap_or_else(|| match named.device {
+            Some(d) => Error::InvalidArgument(format!(
+                "{ptr:#x} is not a live allocation of device {d}, whose stream {stream:#x} is (a stream is \
+                 recorded on its own device's memory only)"
+            )),
+            None => not_live(ptr),
+        }))
     }
 
     /// The stacks built so far, that of `device` (if it is one in use) first.
@@ -394,6 +465,30 @@ pub(crate) fn ordinal(device: c_int) -> Result<usize> {
     })
 }
 
+/// A stream as a C handle names it, with its device when the handle says (a simulated
+/// stream's handle); else (NULL, the legacy default stream of every device, or a CUDA stream)
+/// any device's.
+#[derive(Clone, Copy)]
+struct Named {
+    device: Option<usize>,
+    stream: Stream,
+}
+
+impl Named {
+    /// The legacy default stream.
+    const DEFAULT: Self = Self { device: None, stream: Stream::DEFAULT };
+
+    /// The stream as `stack` is to see it, as a hint of the stream an allocation was made on:
+    /// a stream of another device is none of its streams (the simulators number their
+    /// streams alike), and only the legacy default stream stands there for it.
+    fn on(self, stack: &DeviceStack) -> Stream {
+        match self.device {
+            Some(d) if d != stack.device.ordinal() => Stream::DEFAULT,
+            _ => self.stream,
+        }
+    }
+}
+
 fn not_live(ptr: DevicePtr) -> Error {
     Error::InvalidArgument(format!(
         "{ptr:#x} is not a live streamalloc allocation (freed twice, or not made by streamalloc)"
@@ -404,6 +499,7 @@ fn not_live(ptr: DevicePtr) -> Error {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use std::sync::Arc;
+    use std::time::{Duration, Instant};
 
     use core_alloc::device::{CaptureStatus, Device};
 
@@ -442,5 +538,81 @@ mod tests {
             1,
             "the graph's output is live, the warm-up's freed"
         );
+    }
+
+    /// Issue 33: under a memory fraction, a release that failed inside an allocation returned
+    /// its error and leaked the block just allocated. Here the release times out: the cache
+    /// it would give back is still used by a kernel an hour long, and `wait_timeout` is 1 ms.
+    #[test]
+    fn a_release_that_fails_under_a_memory_fraction_frees_the_block_it_allocated() {
+        let conf = "device=sim,strategy=stream_safe,sim_capacity=1GiB,wait_timeout=1ms";
+        let state = State::new(Config::parse(conf).unwrap());
+        let sim = state.stack(0).unwrap().sim.clone().unwrap();
+        let s = sim.create_stream().unwrap();
+        let handle = state.sim_streams().insert(0, s);
+        let busy = state.allocate(300 << 20, 0, handle).unwrap();
+        sim.use_range(busy, 300 << 20, s, 3_600_000_000_000).unwrap();
+        state.free(busy, Some(0), handle).unwrap();
+        state.set_memory_fraction(0, 0.5).unwrap();
+        let before = state.stats(0).unwrap();
+        let e = state.allocate(300 << 20, 0, 0).expect_err("the release before the limit's check fails");
+        assert!(matches!(e, Error::Timeout { .. }), "{e:?}");
+        let after = state.stats(0).unwrap();
+        assert_eq!(
+            (after.allocated, after.live_allocations),
+            (before.allocated, before.live_allocations),
+            "the block allocated before the failed release is freed"
+        );
+        sim.synchronize_stream(s).unwrap();
+        let p = state.allocate(300 << 20, 0, 0).expect("once the kernel is done the release succeeds");
+        state.free(p, Some(0), 0).unwrap();
+    }
+
+    /// Issue 33: under `async`, while device 1 had a graph pool active, freeing memory of
+    /// device 0 failed ("unknown or destroyed stream": device 1 was asked about device 0's
+    /// stream) and the memory stayed allocated. Only the stack that holds the pointer decides.
+    #[test]
+    fn under_async_a_free_is_decided_by_the_device_that_owns_the_pointer() {
+        let state = State::new(Config::parse("device=sim,strategy=async,sim_capacity=4GiB").unwrap());
+        let sim0 = state.stack(0).unwrap().sim.clone().unwrap();
+        let s0 = sim0.create_stream().unwrap();
+        let handle = state.sim_streams().insert(0, s0);
+        let sim1 = state.stack(1).unwrap().sim.clone().unwrap();
+        let filter_sim = sim1.clone();
+        let filter: StreamFilter =
+            Arc::new(move |x| filter_sim.capture_status(x).is_ok_and(|c| c != CaptureStatus::None));
+        state.pool_begin(1, (0, 7), filter).unwrap();
+        // With and without the device as torch gives it, and by the C API (no owner).
+        for (device, owner) in [(Some(0), handle), (None, handle), (None, 0), (Some(1), handle)] {
+            let p = state.allocate(4 << 20, 0, handle).unwrap();
+            state.free(p, device, owner).unwrap_or_else(|e| panic!("{device:?}: {e}"));
+            assert_eq!(state.stats(0).unwrap().allocated, 0, "{device:?}: freed");
+            let again = state.free(p, device, owner).expect_err("a double free");
+            assert!(again.to_string().contains("not a live"), "{again}");
+        }
+        state.pool_end(1, (0, 7)).unwrap();
+        state.pool_release(1, (0, 7)).unwrap();
+    }
+
+    /// Issue 33: a huge range on mapped memory made the simulator walk it granule by granule
+    /// under its lock (2^42 granules for 2^63 bytes: hours).
+    #[test]
+    fn a_huge_range_is_not_walked_granule_by_granule() {
+        let conf = "device=sim,strategy=stream_safe,sim_capacity=1GiB";
+        let state = State::new(Config::parse(conf).unwrap());
+        let sim = state.stack(0).unwrap().sim.clone().unwrap();
+        let s = sim.create_stream().unwrap();
+        let handle = state.sim_streams().insert(0, s);
+        let p = state.allocate(4 << 20, 0, handle).unwrap();
+        assert!(p >= 1 << 50, "stream_safe maps memory into reservations: {p:#x}");
+        let start = Instant::now();
+        let huge = (1usize << 62) - 4096;
+        let result = sim.use_range(p, huge, s, 1_000);
+        assert!(start.elapsed() < Duration::from_secs(5), "{:?} for {result:?}", start.elapsed());
+        let start = Instant::now();
+        assert_eq!(sim.check_handout(p, 4 << 20, Stream::DEFAULT), 0, "the kernel on {s:?} ended");
+        assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
+        sim.synchronize_stream(s).unwrap();
+        state.free(p, Some(0), handle).unwrap();
     }
 }

@@ -3,7 +3,6 @@
 
 use std::cell::RefCell;
 use std::ffi::{CStr, CString};
-use std::io::Write;
 use std::os::raw::c_char;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -29,7 +28,9 @@ pub enum StreamallocStatus {
     STREAMALLOC_LIMIT_EXCEEDED = 5,
     /// A bounded wait (e.g. `retry_timeout`) ran out.
     STREAMALLOC_TIMEOUT = 6,
-    /// The configured strategy or device does not offer this.
+    /// The configured strategy or device does not offer this; or the process is a child
+    /// forked after the library came into use, where every call fails so, at once (CUDA cannot
+    /// be used there, and the parent's other threads may have held the library's locks).
     STREAMALLOC_UNSUPPORTED = 7,
     /// The configuration (`STREAMALLOC_CONF` or `streamalloc_configure`) is bad or conflicts.
     STREAMALLOC_CONFIG_ERROR = 8,
@@ -183,9 +184,17 @@ pub(crate) fn abi<T>(call: &str, fail: T, f: impl FnOnce() -> Result<T>) -> T {
         Err(payload) => panic_error(&*payload),
     };
     let _ = catch_unwind(AssertUnwindSafe(|| {
-        // Nothing better to do if stderr is closed.
-        let _ = writeln!(std::io::stderr(), "streamalloc: {call}: {message}");
+        write_stderr(&format!("streamalloc: {call}: {message}\n"));
         set_last_error(message);
     }));
     fail
+}
+
+/// Writes `line` to file descriptor 2 in one call, without the lock of `std::io::stderr()`
+/// (which, in a forked child, a thread of the parent may have held). Nothing better to do if
+/// stderr is closed or the write falls short.
+fn write_stderr(line: &str) {
+    // SAFETY: the pointer and length are those of `line`, alive across the call; `write` only
+    // reads them.
+    let _ = unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
 }

@@ -303,3 +303,91 @@ fn internal_errors_are_reported_as_internal_not_as_the_callers_fault() {
     let held = core_alloc::Error::HeldBack { count: 1, first: Box::new(e) };
     assert_eq!(status(|| Err(held)), STREAMALLOC_INTERNAL);
 }
+
+use crate::sim::STREAMALLOC_SIM_MAX_TIME_NS as MAX_TIME_NS;
+
+/// The simulator of `device` behind the C functions.
+fn simulator_of(device: c_int) -> std::sync::Arc<core_alloc::device::sim::SimDevice> {
+    State::get().unwrap().stack(device).unwrap().sim.clone().unwrap()
+}
+
+/// Issue 33: `streamalloc_sim_advance` and `streamalloc_sim_use` took any time: the clock
+/// wrapped (`now += ns`), and so did a stream's end of work; a range past the end of the
+/// address space overflowed. Each is refused past the documented maximum, the clock unmoved.
+#[test]
+fn the_simulated_clock_never_wraps() {
+    setup();
+    let device = 12;
+    let mut s = ptr::null_mut();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { streamalloc_sim_create_stream(device, &mut s) }, STREAMALLOC_OK);
+    let p = streamalloc_malloc(4096, device, s);
+    assert!(!p.is_null(), "{}", last_error());
+    let sim = simulator_of(device);
+    assert_eq!(streamalloc_sim_advance(device, 1_000), STREAMALLOC_OK);
+    for ns in [u64::MAX, u64::MAX - 1_000, 1 << 63, MAX_TIME_NS + 1] {
+        let before = sim.now();
+        assert_eq!(streamalloc_sim_advance(device, ns), STREAMALLOC_INVALID_ARGUMENT, "advance by {ns}");
+        assert!(last_error().contains("maximum"), "{}", last_error());
+        assert!(sim.now() >= before && sim.now() < before + 1_000, "advance by {ns}: the clock moved");
+        assert_eq!(streamalloc_sim_use(device, p, 4096, s, ns), STREAMALLOC_INVALID_ARGUMENT, "use for {ns}");
+        assert!(last_error().contains("maximum"), "{}", last_error());
+    }
+    let ready = sim.stream_ready_at(simulated(s)).unwrap();
+    assert!(ready < 1 << 40, "no refused kernel moved the stream: {ready}");
+    // A range that wraps the address space.
+    assert_eq!(streamalloc_sim_use(device, p, usize::MAX, s, 1), STREAMALLOC_INVALID_ARGUMENT);
+    // Up to the maximum is fine, and the clock stays there.
+    assert_eq!(streamalloc_sim_use(device, p, 4096, s, 1_000), STREAMALLOC_OK, "{}", last_error());
+    assert_eq!(streamalloc_sim_synchronize(device, s), STREAMALLOC_OK);
+    streamalloc_free(p, 4096, device, s);
+    let left = MAX_TIME_NS - sim.now();
+    assert_eq!(streamalloc_sim_advance(device, left - 1_000), STREAMALLOC_OK, "{}", last_error());
+    assert!(sim.now() > MAX_TIME_NS - 1_000);
+    assert_eq!(streamalloc_sim_advance(device, 1_000), STREAMALLOC_INVALID_ARGUMENT);
+    assert_eq!(streamalloc_sim_synchronize(device, s), STREAMALLOC_OK, "{}", last_error());
+    let q = streamalloc_malloc(4096, device, s);
+    assert!(!q.is_null(), "the device still works at the end of time: {}", last_error());
+    streamalloc_free(q, 4096, device, s);
+    assert!(sim.now() <= MAX_TIME_NS);
+}
+
+/// The simulator's stream behind a C handle.
+fn simulated(handle: *mut c_void) -> core_alloc::Stream {
+    State::get().unwrap().sim_streams().get(handle as u64).unwrap().1
+}
+
+/// Issue 33: a stream handle of device 1 named, on device 0, the stream of device 0 that
+/// happens to have the same simulator id: recorded on device 0's memory, or used for a kernel
+/// over it. A handle is its device's only.
+#[test]
+fn a_stream_handle_of_one_device_is_no_stream_of_another() {
+    setup();
+    let (d0, d1) = (10, 11);
+    let (mut s0, mut s1) = (ptr::null_mut(), ptr::null_mut());
+    // SAFETY: valid out-pointers.
+    unsafe {
+        assert_eq!(streamalloc_sim_create_stream(d0, &mut s0), STREAMALLOC_OK);
+        assert_eq!(streamalloc_sim_create_stream(d1, &mut s1), STREAMALLOC_OK);
+    }
+    assert_eq!(simulated(s0), simulated(s1), "the two simulators number their streams alike");
+    let p = streamalloc_malloc(4096, d0, s0);
+    assert!(!p.is_null(), "{}", last_error());
+    assert_eq!(streamalloc_record_stream(p, s1), STREAMALLOC_INVALID_ARGUMENT, "recorded a stream of {d1}");
+    assert!(last_error().contains(&format!("device {d1}")), "{}", last_error());
+    assert_eq!(streamalloc_sim_use(d1, p, 4096, s1, 1_000), STREAMALLOC_INVALID_ARGUMENT, "a kernel of {d1}");
+    assert!(last_error().contains(&format!("device {d1}")), "{}", last_error());
+    assert_eq!(streamalloc_sim_use(d0, p, 4096, s1, 1_000), STREAMALLOC_INVALID_ARGUMENT);
+    assert_eq!(streamalloc_record_stream(p, s0), STREAMALLOC_OK, "{}", last_error());
+    assert_eq!(streamalloc_record_stream(p, ptr::null_mut()), STREAMALLOC_OK, "{}", last_error());
+    // As a free's owner it is only a hint, and a wrong one.
+    streamalloc_free(p, 4096, d0, s1);
+    let mut st = StreamallocStats::default();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { streamalloc_stats(d0, &mut st) }, STREAMALLOC_OK);
+    assert_eq!(st.live_allocations, 0, "freed");
+    let mut violations = u64::MAX;
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { streamalloc_sim_violations(d0, &mut violations) }, STREAMALLOC_OK);
+    assert_eq!(violations, 0);
+}

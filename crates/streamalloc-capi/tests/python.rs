@@ -40,6 +40,13 @@ fn cupy_streams_on_the_simulator() {
     python_tests("test_cupy_streams.py");
 }
 
+/// fork() while another thread is inside the library: every child exits at once (issue 33),
+/// in a process of its own.
+#[test]
+fn fork_on_the_simulator() {
+    python_tests("test_fork.py");
+}
+
 /// Runs `python/tests/SCRIPT` against the package; it must report no failure.
 fn python_tests(script: &str) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");

@@ -4,7 +4,9 @@
 //! * **Time.** A virtual host clock (`now`, in ns) advances by [`SimConfig::tick_ns`] at every
 //!   device call, and jumps forward at synchronizations. Each stream is an in-order queue
 //!   summarised by the time its last enqueued work completes (`ready`). Work enqueued on a
-//!   stream starts at `max(now, ready)`.
+//!   stream starts at `max(now, ready)`. Neither passes [`MAX_TIME_NS`]:
+//!   [`SimDevice::try_advance`] and [`SimDevice::use_range`] refuse what would, so no sum of
+//!   times overflows (and [`SimDevice::advance`] stops the clock there).
 //! * **Events** capture a stream's `ready` time when recorded and are complete once `now`
 //!   reaches it. `stream_wait_event` moves the waiting stream's `ready` to the event's time.
 //! * **Plain memory** (`alloc`/`free`) comes from one address space of
@@ -177,6 +179,11 @@ const BASE_ADDRESS: u64 = 0x7f00_0000_0000;
 /// that simulated devices, like CUDA devices under unified addressing, never hand out the
 /// same address.
 const DEVICE_STRIDE: u64 = 1 << 44;
+
+/// The latest virtual time, in ns, that the simulated clock and the streams' work reach
+/// (2^62 ns, about 146 years): [`SimDevice::try_advance`] and [`SimDevice::use_range`] refuse
+/// to move either past it.
+pub const MAX_TIME_NS: u64 = 1 << 62;
 
 /// The simulated device. Create with [`SimDevice::new`]; implements [`Device`].
 pub struct SimDevice {
@@ -458,27 +465,57 @@ impl SimDevice {
         self.state.lock().now
     }
 
-    /// Moves the host clock forward by `ns`, running host functions that come due.
+    /// Moves the host clock forward by `ns`, running host functions that come due; the clock
+    /// stops at [`MAX_TIME_NS`] ([`SimDevice::try_advance`] refuses to pass it instead).
     pub fn advance(&self, ns: u64) {
         let advanced: Result<()> = self.call(|st| {
-            st.now += ns;
+            st.now = st.now.saturating_add(ns).min(MAX_TIME_NS);
             Ok(())
         });
         debug_assert!(advanced.is_ok());
     }
 
+    /// Moves the host clock forward by `ns`, running host functions that come due; an error,
+    /// the clock not moved by `ns`, if that would take it past [`MAX_TIME_NS`].
+    pub fn try_advance(&self, ns: u64) -> Result<()> {
+        self.call(|st| {
+            st.now = st.now.checked_add(ns).filter(|t| *t <= MAX_TIME_NS).ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "advancing the simulated clock by {ns} ns from {} ns would pass its maximum, {MAX_TIME_NS} ns",
+                    st.now
+                ))
+            })?;
+            Ok(())
+        })
+    }
+
     /// Enqueues a simulated kernel on `stream` that touches `len` bytes at `ptr` for
-    /// `duration_ns`. During a capture the use is not run (and not recorded).
+    /// `duration_ns`. During a capture the use is not run (and not recorded). An error,
+    /// nothing enqueued, for a range that is not all in this device's addresses (its memory
+    /// and its address reservations: another device's memory is that device's to use), and
+    /// for a kernel that would end past [`MAX_TIME_NS`].
     pub fn use_range(&self, ptr: DevicePtr, len: usize, stream: Stream, duration_ns: u64) -> Result<()> {
         self.call(|st| {
+            if !self.holds_range(st, ptr, len) {
+                return Err(Error::InvalidArgument(format!(
+                    "a kernel on device {} over {ptr:#x}+{len}: not memory of this simulated device \
+                     (another device's, or no device's)",
+                    self.config.ordinal
+                )));
+            }
             let now = st.now;
             let s = st.stream_mut(stream)?;
             if s.capture.is_some() {
                 return Ok(());
             }
             let start = s.ready.max(now);
-            s.ready = start + duration_ns;
-            let end = s.ready;
+            let end = start.checked_add(duration_ns).filter(|e| *e <= MAX_TIME_NS).ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "a kernel of {duration_ns} ns from {start} ns would end past the simulated clock's \
+                     maximum, {MAX_TIME_NS} ns"
+                ))
+            })?;
+            s.ready = end;
             if st.uses.len() > 4096 {
                 st.uses.retain(|u| u.end > now);
             }
@@ -569,11 +606,24 @@ impl SimDevice {
         self.state.lock().streams.get(&stream).map(|s| s.ready)
     }
 
-    /// Runs one device call: ticks the clock, applies `f`, then runs due host functions
-    /// outside the lock.
+    /// Whether `[ptr, ptr + len)` lies in this device's addresses: its memory, or the span
+    /// its address reservations were made in.
+    fn holds_range(&self, st: &State, ptr: DevicePtr, len: usize) -> bool {
+        let ordinal = self.config.ordinal as u64;
+        let within = |start: Option<u64>, end: u64| {
+            start.is_some_and(|start| ptr >= start && ptr.checked_add(len as u64).is_some_and(|e| e <= end))
+        };
+        let memory = ordinal.checked_mul(DEVICE_STRIDE).and_then(|o| o.checked_add(BASE_ADDRESS));
+        let reserved = ordinal.checked_mul(RESERVED_STRIDE).and_then(|o| o.checked_add(RESERVED_BASE));
+        within(memory, memory.map_or(0, |m| m.saturating_add(self.config.capacity as u64)))
+            || within(reserved, st.next_reservation)
+    }
+
+    /// Runs one device call: ticks the clock (never past [`MAX_TIME_NS`]), applies `f`, then
+    /// runs due host functions outside the lock.
     fn call<T>(&self, f: impl FnOnce(&mut State) -> Result<T>) -> Result<T> {
         let mut st = self.state.lock();
-        st.now += self.config.tick_ns;
+        st.now = st.now.saturating_add(self.config.tick_ns).min(MAX_TIME_NS);
         st.calls += 1;
         let out = f(&mut st);
         #[cfg(feature = "test-util")]
@@ -631,24 +681,31 @@ impl State {
     }
 
     /// The memory behind `[ptr, ptr + len)`, in pieces: mapped granules of reservations
-    /// translated to their memory, anything else as it is.
+    /// translated to their memory, anything else as it is. Visits the mapped granules in the
+    /// range only, not every granule of it (a huge range would take hours under the lock).
     fn memory_of(&self, ptr: u64, len: usize) -> Vec<(u64, u64)> {
-        let end = ptr + len as u64;
-        if self.mapped.range(ptr.saturating_sub(MAP_GRANULE as u64 - 1)..end).next().is_none() {
+        let end = ptr.saturating_add(len as u64);
+        let first = ptr - ptr % MAP_GRANULE as u64;
+        let mut mapped = self.mapped.range(first..end).peekable();
+        if mapped.peek().is_none() {
             return vec![(ptr, len as u64)];
         }
         let mut pieces: Vec<(u64, u64)> = Vec::new();
+        let mut push = |start: u64, n: u64| match pieces.last_mut() {
+            _ if n == 0 => {}
+            Some((s, m)) if *s + *m == start => *m += n,
+            _ => pieces.push((start, n)),
+        };
         let mut at = ptr;
-        while at < end {
-            let granule = at - at % MAP_GRANULE as u64;
-            let next = (granule + MAP_GRANULE as u64).min(end);
-            let start = self.mapped.get(&granule).map_or(at, |m| m + (at - granule));
-            match pieces.last_mut() {
-                Some((s, n)) if *s + *n == start => *n += next - at,
-                _ => pieces.push((start, next - at)),
-            }
-            at = next;
+        for (&granule, &memory) in mapped {
+            // Unmapped addresses before the granule stand for themselves.
+            push(at, granule.saturating_sub(at));
+            let from = at.max(granule);
+            let to = (granule + MAP_GRANULE as u64).min(end);
+            push(memory + (from - granule), to - from);
+            at = to;
         }
+        push(at, end - at);
         pieces
     }
 
