@@ -128,7 +128,10 @@ impl Allocation {
     }
 
     /// Marks `stream` as a user of this memory until the allocation is freed. Recording the
-    /// owning stream, or a stream twice, does nothing.
+    /// owning stream, or a stream twice, does nothing. The handle keeps the streams it
+    /// recorded: the free orders the memory's reuse after each of them, so each must still
+    /// exist then; before destroying one, erase it ([`Allocation::erase_stream`]) once its
+    /// work on this memory is done.
     pub fn record_stream(&mut self, stream: Stream) {
         record_user(&mut self.block.recorded, self.block.stream, stream);
     }
@@ -352,10 +355,15 @@ pub trait StreamAllocator: Allocator {
     fn set_default_stream(&self, stream: Stream);
     /// Forgets what the allocator keeps for `stream`, which the caller is about to destroy,
     /// so that no later call names it (a destroyed stream's handle is undefined in every
-    /// driver call): [`StreamSafe`](crate::allocators::StreamSafe) retires the stream's pool
-    /// (its free memory goes back once the stream's work is done, memory still handed out
-    /// at a later release once freed); allocators that keep nothing per stream do nothing.
-    /// Call it once no allocation owned by `stream` is live, before destroying the stream.
+    /// driver call): [`StreamSafe`](crate::allocators::StreamSafe) waits (bounded) for the
+    /// stream's work, then drops the stream's pool (its free memory goes back at once,
+    /// memory still handed out at a later release once freed) and takes the stream out of
+    /// the streams recorded on allocations it keeps by pointer
+    /// ([`PointerAllocator::record_stream_ptr`]); allocators that keep nothing per stream do
+    /// nothing. Call it once no allocation owned by `stream` is live, before destroying the
+    /// stream; handles that recorded it erase it themselves ([`Allocation::record_stream`]).
+    /// An error (the stream's work outlasted the wait) means the stream must not be
+    /// destroyed yet.
     fn retire_stream(&self, stream: Stream) -> Result<()>;
 }
 
@@ -381,6 +389,8 @@ pub trait PointerAllocator: Send + Sync {
     /// [`Allocation::record_stream`] for the allocation at `ptr`; `Ok(false)` if no
     /// allocation of this allocator lives there. Fails, recording nothing, when `stream` is
     /// not a live stream of the device (an event could not be recorded on it at the free).
+    /// [`StreamSafe`](crate::allocators::StreamSafe) takes it out again when the stream is
+    /// retired ([`StreamAllocator::retire_stream`]) before the free.
     fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> Result<bool>;
     /// The stream that owns an allocation asked for on `asked`: `asked` itself for
     /// stream-aware allocators, the allocator's own stream for one that allocates on its own

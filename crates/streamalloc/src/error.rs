@@ -165,11 +165,17 @@ pub struct OutOfMemory {
     pub device_free: usize,
     /// Total bytes on the device.
     pub device_total: usize,
-    /// Extra lines, e.g. one per stream pool.
+    /// Extra lines, e.g. one for each of the streams whose pools hold the most. The message
+    /// shows the first 16 and counts the rest.
     pub detail: Vec<String>,
     /// What the caller could do about it.
     pub hint: String,
 }
+
+/// Lines of [`OutOfMemory::detail`] an out-of-memory message shows: one error per failed
+/// allocation is printed by some programs, and a message per stream of thousands filled
+/// megabytes.
+const DETAIL_SHOWN: usize = 16;
 
 impl fmt::Display for OutOfMemory {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -186,8 +192,11 @@ impl fmt::Display for OutOfMemory {
             self.device_free,
             self.device_total
         )?;
-        for line in &self.detail {
+        for line in self.detail.iter().take(DETAIL_SHOWN) {
             write!(f, "; {line}")?;
+        }
+        if self.detail.len() > DETAIL_SHOWN {
+            write!(f, "; and {} more lines", self.detail.len() - DETAIL_SHOWN)?;
         }
         if !self.hint.is_empty() {
             write!(f, ". {}", self.hint)?;
@@ -205,5 +214,24 @@ impl Error {
     /// Builds an [`Error::OutOfMemory`] from its figures.
     pub fn oom(report: OutOfMemory) -> Self {
         Error::OutOfMemory(Box::new(report))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_out_of_memory_message_shows_a_bounded_detail() {
+        let report = OutOfMemory {
+            requested: 1 << 20,
+            detail: (0..10_000).map(|i| format!("stream {i:#x}: allocated {i}")).collect(),
+            hint: "free memory".into(),
+            ..OutOfMemory::default()
+        };
+        let text = report.to_string();
+        assert!(text.len() < 1024, "{} bytes", text.len());
+        assert!(text.contains("stream 0xf: allocated 15; and 9984 more lines. free memory"), "{text}");
+        assert!(!text.contains("stream 0x10:"), "{text}");
     }
 }

@@ -288,3 +288,167 @@ fn pointers_cross_threads_and_growth() {
     .unwrap();
     assert_eq!(a.stats().live_allocations, 0);
 }
+
+/// Issue 33: streams made, used, retired and destroyed in a loop (as CuPy programs make
+/// them) leave no pool behind: the pools held stay as many as the streams alive, by handle
+/// and by pointer, so memory and the cost of every call that visits the pools stay flat.
+#[test]
+fn streams_that_come_and_go_leave_no_pool_behind() {
+    let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+    let a = StreamSafe::new(sim.clone(), StreamSafeConfig::default()).unwrap();
+    let side = sim.create_stream().unwrap();
+    let kept = a.allocate_on(4096, side).unwrap();
+    for i in 0..20_000 {
+        let s = sim.create_stream().unwrap();
+        let x = a.allocate_on(4096, s).unwrap();
+        let p = a.allocate_ptr(MIB + 4096, s).unwrap();
+        if i % 2 == 0 {
+            assert!(a.record_stream_ptr(p, side).unwrap());
+        }
+        drop(x);
+        assert!(a.free_ptr(p, s).is_some());
+        a.retire_stream(s).unwrap();
+        sim.destroy_stream(s).unwrap();
+        if i % 5_000 == 0 {
+            assert!(a.pool_count() <= 2, "after {i} streams: {} pools held", a.pool_count());
+        }
+    }
+    sim.synchronize_stream(side).unwrap();
+    a.release().unwrap();
+    assert_eq!(a.pool_count(), 1, "only the side stream's pool is left");
+    let s = a.stats();
+    assert_eq!((s.allocated, s.live_allocations, s.pending_release), (4096, 1, 0));
+    assert_eq!((s.total_allocations, s.total_frees), (40_001, 40_000), "counts of forgotten pools stay");
+    assert_eq!(s.reserved, 2 * MIB, "the side stream's small chunk");
+    assert_eq!(sim.unknown_stream_calls(), 0, "a destroyed stream was named");
+    drop(kept);
+}
+
+/// Issue 33: a stream recorded on an allocation kept by pointer, retired and destroyed
+/// before the free, is not waited for again: retiring waited for its work, and the free
+/// records no event on it (which would fail, leaving the block out of use for good).
+#[test]
+fn a_retired_recorded_stream_needs_no_event_at_the_free() {
+    let (sim, a, s1, s2) = setup(1 << 30);
+    let p = a.allocate_ptr(4096, s1).unwrap();
+    sim.use_range(p, 4096, s2, 1_000_000).unwrap();
+    assert!(a.record_stream_ptr(p, s2).unwrap());
+    a.retire_stream(s2).unwrap(); // waits for the kernel on s2
+    sim.destroy_stream(s2).unwrap();
+    assert!(a.free_ptr(p, s1).is_some());
+    assert_eq!(a.stats().pending_release, 0, "the block waits for a destroyed stream");
+    let q = a.allocate_ptr(4096, s1).unwrap();
+    assert_eq!(q, p, "the block is reused at once");
+    assert_eq!(sim.check_handout(q, 4096, s1), 0);
+    a.release().unwrap();
+    assert_eq!(sim.unknown_stream_calls(), 0, "a destroyed stream was named");
+    assert!(sim.violations().is_empty());
+}
+
+/// A stream recorded by pointer and retired while its kernel outlasts the wait stays
+/// recorded: the free still orders the block after that kernel, and nothing is reused early.
+#[test]
+fn a_retirement_that_times_out_keeps_the_stream_recorded() {
+    let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+    let pool = BestFitConfig { wait_timeout: std::time::Duration::from_millis(1), ..Default::default() };
+    let a = StreamSafe::new(sim.clone(), StreamSafeConfig { pool, ..Default::default() }).unwrap();
+    let (s1, s2) = (sim.create_stream().unwrap(), sim.create_stream().unwrap());
+    let p = a.allocate_ptr(4096, s1).unwrap();
+    sim.use_range(p, 4096, s2, 1_000_000_000).unwrap(); // 1 s, past the 1 ms wait
+    assert!(a.record_stream_ptr(p, s2).unwrap());
+    let err = a.retire_stream(s2).unwrap_err();
+    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+    assert!(a.free_ptr(p, s1).is_some());
+    assert_eq!(a.stats().pending_release, 4096, "the free waits for the kernel on s2");
+    let q = a.allocate_ptr(4096, s1).unwrap();
+    assert_ne!(q, p);
+    sim.synchronize_stream(s2).unwrap();
+    a.retire_stream(s2).unwrap();
+    sim.destroy_stream(s2).unwrap();
+    assert_eq!(a.allocate_ptr(4096, s1).unwrap(), p, "reused once the kernel is done");
+    assert!(sim.violations().is_empty());
+    assert_eq!(sim.unknown_stream_calls(), 0);
+}
+
+/// A handle's recorded stream destroyed without `erase_stream` leaves the block out of use
+/// (never handed out while a kernel may use it) and the failure is reported once; the memory
+/// returns to the device once its owning stream's pool is retired and its allocations are
+/// freed (its teardown waits for the device, naming no stream).
+#[test]
+fn a_block_stuck_on_a_destroyed_stream_returns_with_its_pool() {
+    let (sim, a, s1, s2) = setup(1 << 30);
+    let mut x = a.allocate_on(4096, s1).unwrap();
+    sim.use_range(x.ptr(), 4096, s2, 1_000_000).unwrap();
+    x.record_stream(s2);
+    sim.destroy_stream(s2).unwrap();
+    drop(x);
+    assert_eq!(a.stats().pending_release, 4096);
+    assert!(matches!(a.release(), Err(Error::HeldBack { count: 1, .. })));
+    let used = sim.mem_info().unwrap().used();
+    assert_eq!(used, 2 * MIB, "the chunk of the stuck block");
+    a.retire_stream(s1).unwrap();
+    sim.destroy_stream(s1).unwrap();
+    a.release().unwrap();
+    assert_eq!(sim.mem_info().unwrap().used(), 0, "the stuck block's chunk went back");
+    let s = a.stats();
+    assert_eq!((s.reserved, s.pending_release, s.allocated), (0, 0, 0));
+    assert_eq!(a.pool_count(), 0);
+    assert!(sim.violations().is_empty());
+}
+
+/// Issue 33: the out-of-memory error of an allocator with 10,000 streams names the few
+/// streams holding the most and sums up the rest, in a message of bounded length.
+#[test]
+fn out_of_memory_with_many_streams_names_the_largest_holders_briefly() {
+    let sim = SimDevice::new(SimConfig::with_capacity(24 << 30));
+    let a = StreamSafe::new(sim.clone(), StreamSafeConfig::default()).unwrap();
+    let streams: Vec<Stream> = (0..10_000).map(|_| sim.create_stream().unwrap()).collect();
+    let mut live: Vec<_> = streams.iter().map(|&s| a.allocate_on(4096, s).unwrap()).collect();
+    let big = [(streams[17], 600 * MIB), (streams[4_242], 500 * MIB), (streams[9_999], 400 * MIB)];
+    for &(s, n) in &big {
+        live.push(a.allocate_on(n, s).unwrap());
+    }
+    let err = a.allocate_on(8 << 30, streams[0]).unwrap_err();
+    let text = err.to_string();
+    assert!(err.is_out_of_memory(), "{text}");
+    assert!(text.len() < 4096, "{} bytes: {}...", text.len(), &text[..300]);
+    for (s, _) in big {
+        assert!(text.contains(&format!("stream {:#x}:", s.0)), "{s:?} not named: {text}");
+    }
+    assert!(text.contains("and 9992 more streams holding"), "{text}");
+    drop(live);
+}
+
+/// The pools of streams named often are promoted (found without writing anything, and kept
+/// until the allocator is dropped); retired, they give their memory back and leave the pools
+/// held all the same, and streams beyond the 32 promotions are served as before.
+#[test]
+fn promoted_pools_of_retired_streams_give_their_memory_back() {
+    let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+    let a = StreamSafe::new(sim.clone(), StreamSafeConfig::default()).unwrap();
+    let side = sim.create_stream().unwrap();
+    for _ in 0..40 {
+        let s = sim.create_stream().unwrap();
+        for i in 0..1_500 {
+            drop(a.allocate_on(4096 + i % 3 * 256, s).unwrap());
+            let p = a.allocate_ptr(3 * MIB, s).unwrap();
+            sim.use_range(p, 3 * MIB, side, 1_000).unwrap();
+            assert!(a.record_stream_ptr(p, side).unwrap());
+            assert!(a.free_ptr(p, s).is_some());
+        }
+        let q = a.allocate_ptr(3 * MIB, s).unwrap();
+        assert_eq!(sim.check_handout(q, 3 * MIB, s), 0);
+        assert!(a.free_ptr(q, s).is_some());
+        a.retire_stream(s).unwrap();
+        sim.destroy_stream(s).unwrap();
+        sim.synchronize_stream(side).unwrap();
+        a.release().unwrap();
+        assert_eq!(a.pool_count(), 0);
+        assert_eq!(sim.mem_info().unwrap().used(), 0, "the retired stream's memory went back");
+    }
+    let s = a.stats();
+    assert_eq!((s.total_allocations, s.total_frees), (40 * 3_001, 40 * 3_001));
+    assert_eq!((s.reserved, s.allocated, s.pending_release), (0, 0, 0));
+    assert_eq!(sim.unknown_stream_calls(), 0);
+    assert!(sim.violations().is_empty());
+}

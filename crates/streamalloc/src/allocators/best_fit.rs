@@ -351,6 +351,12 @@ impl BestFit {
         true
     }
 
+    /// Moves pending frees whose events have completed to the free lists (event queries,
+    /// no wait): what an allocation does first, without allocating.
+    pub(crate) fn poll_pending(&self) {
+        self.inner.poll_pending();
+    }
+
     /// Whether freed blocks wait on recorded streams' events (read without locking).
     pub fn has_pending(&self) -> bool {
         self.inner.has_pending.load(Ordering::Relaxed)

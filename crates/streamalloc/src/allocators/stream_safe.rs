@@ -4,13 +4,17 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use arc_swap::ArcSwapOption;
+use parking_lot::{Mutex, RwLock};
+use rustc_hash::FxHashMap;
 
 use super::best_fit::{BestFit, BestFitConfig};
 use super::retry;
-use crate::allocation::{Allocation, Allocator, Freed, PointerAllocator, Stats, StreamAllocator};
+use crate::allocation::{
+    record_user, Allocation, Allocator, Freed, PointerAllocator, Stats, StreamAllocator,
+};
 use crate::device::{CaptureStatus, Device, DevicePtr, EventPool, Stream};
 use crate::error::{Error, OutOfMemory, Result};
 
@@ -63,12 +67,25 @@ impl Default for StreamSafeConfig {
     }
 }
 
-/// How many streams get a lock-free slot; further streams share a locked map.
+/// Slots of the table of live pools that is read without a lock; pools that find none share a
+/// locked map.
 const SLOTS: usize = 256;
-/// In [`StreamPool::looked`], a pool not looked at yet (no allocation count equals it).
-const NEVER_SEEN: u64 = u64::MAX;
+/// Slots a pool may take, from its stream's home slot on (a lookup reads at most these).
+const PROBE: usize = 8;
+/// [`Slot::stream`] of an empty slot (a stream with this handle goes to the locked map).
+const EMPTY: u64 = u64::MAX;
+/// Pools that can be promoted ([`StreamSafe::promote`]) in an allocator's lifetime.
+const HOT: usize = 32;
+/// Slots of the table of promoted pools.
+const HOT_SLOTS: usize = 64;
+/// Slots a promoted pool may take, from its stream's home slot on.
+const HOT_PROBE: usize = 4;
+/// Lookups of a pool in the second table after which it is promoted.
+const PROMOTE_AFTER: u64 = 1024;
 /// Pause between two attempts while waiting for pending frees.
 const RETRY_PAUSE: Duration = Duration::from_millis(1);
+/// Streams an out-of-memory error names, those holding the most; the rest are summed up.
+const STREAMS_NAMED: usize = 8;
 
 /// A caching pool per stream, following the [ordering contract](crate::allocation).
 ///
@@ -103,19 +120,41 @@ const RETRY_PAUSE: Duration = Duration::from_millis(1);
 ///   work enqueued on every stream with a pool, at most the pools'
 ///   [`wait_timeout`](BestFitConfig::wait_timeout) in all (a `cuMemFree` waits for all the
 ///   device's work): past it nothing is given back, and the error says which stream it
-///   waited for and how long. The final error lists every stream's pool.
-/// * **Streams destroyed before their allocations.** Freeing memory owned by a destroyed
-///   stream makes no call on that stream, so it is safe. A stream recorded with
-///   `record_stream` must still exist when the allocation is freed (an event is recorded on
-///   it; [`PointerAllocator::record_stream_ptr`] checks it when recording); if it does not,
-///   the block is never reused and the next [`Allocator::release`] reports the driver's
-///   error, but nothing crashes. Before destroying a stream, call
-///   [`StreamSafe::retire_stream`]: its pool is retired (a new stream that the driver gives
-///   the same handle starts afresh), its free chunks return to the device, and the rest
-///   returns at a later [`Allocator::release`] once its allocations are freed.
-/// * **Concurrency.** Finding a stream's pool takes no lock (the default stream's pool and
-///   the first 256 streams' pools are found by reading atomics, writing none); allocating
-///   and freeing take the one lock of the stream's pool.
+///   waited for and how long. The final error names the 8 streams whose pools hold the most
+///   and sums up the others.
+/// * **Retiring streams.** Before destroying a stream, call [`StreamSafe::retire_stream`]
+///   (a destroyed stream's handle is undefined in every driver call). It waits, at most the
+///   pools' `wait_timeout`, for the stream's work; then the allocator forgets the stream:
+///   its pool leaves the allocator (a new stream that the driver gives the same handle
+///   starts afresh) and gives its free memory back, and allocations kept by pointer that
+///   recorded the stream ([`PointerAllocator::record_stream_ptr`]) no longer wait for it
+///   when freed (its work up to the retirement is done, and none may follow). A pool that
+///   still holds memory then (allocations not yet freed, frees pending on other streams)
+///   stays held until a later [`Allocator::release`] finds it empty, and is then dropped,
+///   naming no stream (memory that was still mapped goes back after a wait for the device, as
+///   a `cuMemFree` makes). So the allocator holds only the pools of streams that are alive
+///   or were retired with memory still in use (and at most 32 promoted ones, see
+///   concurrency): however many streams come and go, its memory and the cost of each call
+///   stay flat. The statistics keep the counts and peaks of the pools dropped.
+/// * **Streams destroyed without retiring.** Freeing memory owned by a destroyed stream makes
+///   no call on that stream, so it is safe; but its pool still names it at later releases
+///   (undefined on a GPU). A handle ([`Allocation::record_stream`]) keeps its recorded
+///   streams itself: erase a stream from the handles that recorded it
+///   ([`Allocation::erase_stream`], once its work on them is done) before destroying it. A
+///   recorded stream that no longer exists when the allocation is freed fails the free's
+///   event record: the block is never handed out again while its pool lives (no kernel can
+///   be using it when it is), the next [`Allocator::release`] reports the driver's error
+///   once, and the memory returns to the device once the owning stream is retired and its
+///   pool dropped, or with the allocator.
+/// * **Concurrency.** Allocating and freeing take the one lock of the stream's pool, and
+///   finding the pool takes none. The pools of the streams named most (after 1024 lookups,
+///   up to 32 in the allocator's lifetime) are promoted: found by reading atomics, writing
+///   none, and kept until the allocator is dropped, retired or not: retiring such a stream
+///   also waits (within the same bound) for the frees pending in its pool, and the pool then
+///   keeps only what was still in use (and its address reservation). The others are found
+///   in a table of 256 slots by a hash of the stream, whose lookup holds the pool it finds
+///   while in use (two atomic writes to a slot of the calling thread's own: so the pool can
+///   be dropped once retired), and beyond those in a locked map.
 ///
 /// # Examples
 ///
@@ -131,6 +170,9 @@ const RETRY_PAUSE: Duration = Duration::from_millis(1);
 /// assert_eq!(a.owning_stream(), stream);
 /// drop(a); // back to that pool, reusable at once on `stream`
 /// assert_eq!(alloc.stats().allocated, 0);
+/// alloc.retire_stream(stream)?; // before destroying it: the pool goes
+/// sim.destroy_stream(stream)?;
+/// assert_eq!(alloc.pool_count(), 0);
 /// # Ok::<(), streamalloc::Error>(())
 /// ```
 pub struct StreamSafe {
@@ -138,14 +180,35 @@ pub struct StreamSafe {
     config: StreamSafeConfig,
     events: EventPool,
     default_stream: AtomicU64,
-    /// The pools in use, as registry index + 1 (0: empty), by stream hash with linear
-    /// probing; finding a pool here reads atomics and writes none.
-    slots: Box<[AtomicUsize]>,
-    /// Registry indices of the pools in use that found no slot.
-    overflow: Mutex<Vec<usize>>,
-    /// Every pool ever made, retired ones included.
-    registry: Registry,
-    /// Serializes the creation and replacement of pools.
+    /// The live pools promoted for lookups that write nothing, by stream hash with linear
+    /// probing over [`HOT_PROBE`] slots (see [`StreamSafe::promote`]).
+    hot: Box<[HotSlot]>,
+    /// The pools promoted so far, in order: kept until the allocator is dropped.
+    promoted: Box<[OnceLock<Arc<StreamPool>>]>,
+    /// How many pools were promoted.
+    promoted_len: AtomicUsize,
+    /// The other live pools, by stream hash with linear probing over [`PROBE`] slots;
+    /// finding a pool here takes no lock (it writes a slot of the calling thread's own, to
+    /// hold the pool while in use).
+    slots: Box<[Slot]>,
+    /// The live pools that found no slot.
+    overflow: Mutex<FxHashMap<Stream, Arc<StreamPool>>>,
+    /// `overflow.len()`, read without the lock.
+    overflowed: AtomicUsize,
+    /// Every pool held: the live ones, and the retired ones that still hold memory. For
+    /// statistics, release, stealing and frees by pointer that miss their hint.
+    pools: Mutex<Vec<Arc<StreamPool>>>,
+    /// The streams recorded on allocations kept by pointer, by pointer: given to the pool at
+    /// the free, so that [`StreamSafe::retire_stream`] can take a stream out first.
+    recorded: Mutex<FxHashMap<DevicePtr, Vec<Stream>>>,
+    /// `recorded.len()`, read without the lock.
+    recorded_len: AtomicUsize,
+    /// The figures of the pools dropped so far: their counts and peaks stay in the sums.
+    forgotten: Mutex<Stats>,
+    /// Counts the looks for a chunk to take ([`StreamSafe::steal`]); a pool notes its value
+    /// at each allocation.
+    clock: AtomicU64,
+    /// Serializes the creation and retirement of pools.
     creating: Mutex<()>,
     /// Failed allocations, counted once each here (the pools count none of StreamSafe's).
     failures: AtomicU64,
@@ -153,57 +216,98 @@ pub struct StreamSafe {
     retries: AtomicU64,
 }
 
+/// A slot of the table of live pools. `stream` is written after `pool` when a pool comes
+/// and before it when it goes, so a lookup loads the pool (the one write-free read that
+/// holds it) only where the stream matches, and checks it.
+struct Slot {
+    stream: AtomicU64,
+    pool: ArcSwapOption<StreamPool>,
+}
+
+/// A live pool as a lookup found it, held as long as it is in use.
+enum Found<'a> {
+    /// A promoted pool, which the allocator keeps.
+    Hot(&'a StreamPool),
+    /// A pool of the second table, held by the calling thread's slot.
+    Held(arc_swap::Guard<Option<Arc<StreamPool>>>),
+    /// A pool held by a reference of its own.
+    Owned(Arc<StreamPool>),
+}
+
+impl Found<'_> {
+    /// The pool (always there: a lookup makes a [`Found::Held`] of a pool only).
+    fn get(&self) -> Result<&StreamPool> {
+        match self {
+            Found::Hot(p) => Ok(p),
+            Found::Held(held) => {
+                held.as_deref().ok_or_else(|| Error::Internal("StreamSafe lost a pool".into()))
+            }
+            Found::Owned(p) => Ok(p),
+        }
+    }
+}
+
+/// A slot of the table of promoted pools: the stream, and its pool's index in
+/// [`StreamSafe::promoted`] + 1 (promoted pools are never dropped, so a lookup reads them
+/// without holding them, and checks the stream).
+struct HotSlot {
+    stream: AtomicU64,
+    index: AtomicUsize,
+}
+
 struct StreamPool {
     stream: Stream,
     pool: BestFit,
-    /// Each other pool's allocation count (by registry index) when this pool last looked
-    /// for a chunk to take ([`NEVER_SEEN`] before its first look).
-    looked: Mutex<Vec<u64>>,
-    /// Set by [`StreamSafe::retire_stream`]: the stream may be gone.
+    /// Lookups of this pool in the second table ([`PROMOTE_AFTER`]); written by the threads
+    /// that use it without a read-modify-write (a lost count only delays a promotion).
+    uses: AtomicU64,
+    /// Whether the pool was promoted (the allocator keeps it until it is dropped).
+    hot: AtomicBool,
+    /// Set (under `creating`) when retire_stream takes the pool out of the tables, for good.
+    unslotted: AtomicBool,
+    /// The allocator's [`StreamSafe::clock`] at this pool's latest allocation.
+    allocated_at: AtomicU64,
+    /// The clock at this pool's previous look for a chunk to take (0: none yet); locked for
+    /// the whole look.
+    looked: Mutex<u64>,
+    /// Set by [`StreamSafe::retire_stream`], under `naming`'s write lock: the stream may be
+    /// gone, and no call names it.
     retired: AtomicBool,
+    /// Held (read) by the calls of other threads that name the pool's stream (releases,
+    /// waits, steals), which check `retired` under it: once retire_stream has set `retired`,
+    /// none is under way and none follows, so the caller may destroy the stream.
+    naming: RwLock<()>,
+    /// Index in [`StreamSafe::pools`] (kept under that lock).
+    at: AtomicUsize,
 }
 
-/// Every pool ever made, retired ones included, for statistics, release and stealing.
-/// Pools are only ever appended, so reading the list takes no lock.
-struct Registry {
-    pages: Box<[OnceLock<Page>]>,
-    len: AtomicUsize,
+impl StreamPool {
+    fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::Acquire)
+    }
+
+    /// Runs `f`, which names the pool's stream, unless the pool is retired.
+    fn naming<T>(&self, f: impl FnOnce() -> T) -> Option<T> {
+        let _naming = self.naming.read();
+        (!self.is_retired()).then(f)
+    }
 }
 
-/// One page of the registry.
-type Page = Box<[OnceLock<StreamPool>]>;
-
-/// Pools per registry page; a registry holds `PAGE * PAGE` pools in all.
-const PAGE: usize = 1024;
-
-impl Registry {
-    fn new() -> Self {
-        Self { pages: (0..PAGE).map(|_| OnceLock::new()).collect(), len: AtomicUsize::new(0) }
+/// Removes `pool` from `list`; whether it was there.
+fn unlist(list: &mut Vec<Arc<StreamPool>>, pool: &Arc<StreamPool>) -> bool {
+    let at = pool.at.load(Ordering::Relaxed);
+    let at = match list.get(at) {
+        Some(p) if Arc::ptr_eq(p, pool) => at,
+        _ => match list.iter().position(|p| Arc::ptr_eq(p, pool)) {
+            Some(at) => at,
+            None => return false,
+        },
+    };
+    list.swap_remove(at);
+    if let Some(moved) = list.get(at) {
+        moved.at.store(at, Ordering::Relaxed);
     }
-
-    fn get(&self, index: usize) -> Option<&StreamPool> {
-        self.pages.get(index / PAGE)?.get()?.get(index % PAGE)?.get()
-    }
-
-    /// Every pool made so far, retired ones included.
-    fn all(&self) -> impl Iterator<Item = &StreamPool> {
-        (0..self.len.load(Ordering::Acquire)).filter_map(|i| self.get(i))
-    }
-
-    /// Appends `pool` and returns its index; callers serialize.
-    fn push(&self, pool: StreamPool) -> Result<usize> {
-        let index = self.len.load(Ordering::Acquire);
-        let page = self.pages.get(index / PAGE).ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "StreamSafe serves at most {} streams in its lifetime",
-                PAGE * PAGE
-            ))
-        })?;
-        let page = page.get_or_init(|| (0..PAGE).map(|_| OnceLock::new()).collect());
-        let _ = page[index % PAGE].set(pool);
-        self.len.store(index + 1, Ordering::Release);
-        Ok(index)
-    }
+    true
 }
 
 impl StreamSafe {
@@ -211,18 +315,36 @@ impl StreamSafe {
     pub fn new(device: Arc<dyn Device>, config: StreamSafeConfig) -> Result<Self> {
         // Validate the pool settings once, up front.
         BestFit::new(device.clone(), config.pool)?;
+        let slot = || Slot { stream: AtomicU64::new(EMPTY), pool: ArcSwapOption::empty() };
+        let hot = || HotSlot { stream: AtomicU64::new(EMPTY), index: AtomicUsize::new(0) };
         Ok(Self {
+            hot: (0..HOT_SLOTS).map(|_| hot()).collect(),
+            promoted: (0..HOT).map(|_| OnceLock::new()).collect(),
+            promoted_len: AtomicUsize::new(0),
             events: EventPool::new(device.clone()),
             device,
             config,
             default_stream: AtomicU64::new(config.default_stream.0),
-            slots: (0..SLOTS).map(|_| AtomicUsize::new(0)).collect(),
-            overflow: Mutex::new(Vec::new()),
-            registry: Registry::new(),
+            slots: (0..SLOTS).map(|_| slot()).collect(),
+            overflow: Mutex::new(FxHashMap::default()),
+            overflowed: AtomicUsize::new(0),
+            pools: Mutex::new(Vec::new()),
+            recorded: Mutex::new(FxHashMap::default()),
+            recorded_len: AtomicUsize::new(0),
+            forgotten: Mutex::new(Stats::default()),
+            clock: AtomicU64::new(0),
             creating: Mutex::new(()),
             failures: AtomicU64::new(0),
             retries: AtomicU64::new(0),
         })
+    }
+
+    /// How many pools the allocator holds: one per stream it has allocated on and not
+    /// retired, and one per retired stream whose pool still holds memory (until a release
+    /// finds it empty, see [`StreamSafe::retire_stream`]). However many streams come and go,
+    /// this stays the number of streams in use.
+    pub fn pool_count(&self) -> usize {
+        self.pools.lock().len()
     }
 
     /// Counts `made`: a failure, or a success that came only after a retry.
@@ -241,91 +363,345 @@ impl StreamSafe {
         }
     }
 
-    /// Retires `stream`'s pool; call before destroying the stream. Returns the pool's free
-    /// chunks to the device once the stream's work is done (waiting at most the pool's
-    /// [`wait_timeout`](BestFitConfig::wait_timeout); past it they return at a later
-    /// release); chunks still in use return at a later [`Allocator::release`] once freed.
+    /// Forgets `stream`, which the caller is about to destroy (see [`StreamSafe`]'s
+    /// retiring streams). Waits for the work enqueued on the stream so far, at most the pools'
+    /// [`wait_timeout`](BestFitConfig::wait_timeout); then the stream's pool leaves the
+    /// allocator and gives its free memory back (what is still in use goes back at a later
+    /// [`Allocator::release`] once freed), and allocations kept by pointer that recorded the
+    /// stream no longer wait for it at their free. Work enqueued on the stream after this
+    /// call must not use memory of this allocator. A stream the allocator knows nothing of
+    /// costs no device call. (The retirement of a promoted pool's stream, see [`StreamSafe`]'s
+    /// concurrency, also waits within the bound for the frees pending in its pool.)
+    ///
+    /// Fails with [`Error::Timeout`] when the stream's work outlasts the wait: the allocator
+    /// then forgets nothing, and the stream must not be destroyed yet (retire it again later).
+    /// A stream that cannot be waited for at all (destroyed already) is forgotten all the
+    /// same, but the allocations that recorded it keep it, and their frees fail to record
+    /// an event on it (see [`StreamSafe`]): the error is returned.
     pub fn retire_stream(&self, stream: Stream) -> Result<()> {
-        let _creating = self.creating.lock();
-        let old = match self.find_slot(stream) {
-            Some(i) => self.slots[i].swap(0, Ordering::AcqRel).checked_sub(1),
-            None => {
-                let mut overflow = self.overflow.lock();
-                let pos =
-                    overflow.iter().position(|&i| self.registry.get(i).is_some_and(|p| p.stream == stream));
-                pos.map(|i| overflow.swap_remove(i))
+        let pool = self.find_live(stream);
+        let recorded = self.recorded_len.load(Ordering::Acquire) > 0
+            && self.recorded.lock().values().any(|streams| streams.contains(&stream));
+        if pool.is_none() && !recorded {
+            return Ok(());
+        }
+        let (start, timeout) = (Instant::now(), self.config.pool.wait_timeout);
+        let waited = super::wait_for_streams(self.device.as_ref(), &self.events, &[stream], timeout);
+        match &waited {
+            Err(Error::Timeout { .. }) => return waited,
+            // The stream's work is done: the memory that recorded it need not wait for it.
+            Ok(()) => self.forget_recorded(stream),
+            // It cannot be waited for (gone already): what recorded it keeps it.
+            Err(_) => {}
+        }
+        let Some(pool) = pool else { return waited };
+        {
+            let _creating = self.creating.lock();
+            self.unslot(&pool);
+            pool.unslotted.store(true, Ordering::Release);
+        }
+        {
+            // Waits for the calls of other threads that name the stream.
+            let _naming = pool.naming.write();
+            pool.retired.store(true, Ordering::Release);
+        }
+        // Only a stream that was waited for is named again, to give the free memory back.
+        let released = match waited {
+            Ok(()) => {
+                if pool.hot.load(Ordering::Acquire) {
+                    // A promoted pool is never dropped: what its pending frees hold goes back
+                    // now, or stays with it.
+                    Self::wait_pending(&pool, timeout.saturating_sub(start.elapsed()));
+                }
+                pool.pool.release().map(drop)
             }
+            Err(e) => Err(e),
         };
-        match old.and_then(|i| self.registry.get(i)) {
-            Some(p) => {
-                p.retired.store(true, Ordering::Relaxed);
-                p.pool.release().map(|_| ())
+        self.drop_if_empty(&pool);
+        released
+    }
+
+    /// Waits, at most `timeout`, for the frees pending in `pool`, a retired one, polling
+    /// them (from 20 us apart, doubling up to 1 ms).
+    fn wait_pending(pool: &StreamPool, timeout: Duration) {
+        let (start, mut pause) = (Instant::now(), Duration::from_micros(20));
+        while pool.pool.has_pending() {
+            Self::poll_retired(pool);
+            let left = timeout.saturating_sub(start.elapsed());
+            if !pool.pool.has_pending() || left.is_zero() {
+                break;
             }
-            None => Ok(()),
+            std::thread::sleep(pause.min(left));
+            pause = (pause * 2).min(RETRY_PAUSE);
         }
     }
 
+    /// Takes `stream` out of the streams recorded on allocations kept by pointer.
+    fn forget_recorded(&self, stream: Stream) {
+        let mut recorded = self.recorded.lock();
+        recorded.retain(|_, streams| {
+            streams.retain(|s| *s != stream);
+            !streams.is_empty()
+        });
+        self.recorded_len.store(recorded.len(), Ordering::Release);
+    }
+
+    /// Takes `pool` out of the tables of live pools (under `creating`).
+    fn unslot(&self, pool: &Arc<StreamPool>) {
+        let home = Self::home(pool.stream);
+        for k in 0..HOT_PROBE {
+            let slot = &self.hot[(home + k) % HOT_SLOTS];
+            if slot.stream.load(Ordering::Acquire) == pool.stream.0
+                && self.promoted_pool(slot).is_some_and(|p| Arc::ptr_eq(p, pool))
+            {
+                slot.stream.store(EMPTY, Ordering::Release);
+                slot.index.store(0, Ordering::Release);
+            }
+        }
+        self.unslot_second(pool);
+    }
+
+    /// Takes `pool` out of the second table of live pools and the locked map (under
+    /// `creating`).
+    fn unslot_second(&self, pool: &Arc<StreamPool>) {
+        let home = Self::home(pool.stream);
+        for k in 0..PROBE {
+            let slot = &self.slots[(home + k) % SLOTS];
+            if slot.stream.load(Ordering::Acquire) == pool.stream.0
+                && slot.pool.load().as_ref().is_some_and(|p| Arc::ptr_eq(p, pool))
+            {
+                slot.stream.store(EMPTY, Ordering::Release);
+                slot.pool.store(None);
+                return;
+            }
+        }
+        let mut overflow = self.overflow.lock();
+        if overflow.get(&pool.stream).is_some_and(|p| Arc::ptr_eq(p, pool)) {
+            overflow.remove(&pool.stream);
+            self.overflowed.store(overflow.len(), Ordering::Release);
+        }
+    }
+
+    /// Drops `pool`, a retired one, if nothing of it is in use any more: no live allocation,
+    /// no pending free (polled first). Its memory goes back as it is dropped (naming no
+    /// stream); the bytes it held. A promoted pool, which the allocator keeps until it is
+    /// dropped, leaves the pools held only once it holds no memory.
+    fn drop_if_empty(&self, pool: &Arc<StreamPool>) -> usize {
+        if pool.pool.has_pending() {
+            Self::poll_retired(pool);
+        }
+        let mut figures = pool.pool.stats();
+        let kept = pool.hot.load(Ordering::Acquire) && figures.reserved > 0;
+        if kept
+            || figures.live_allocations > 0
+            || pool.pool.has_pending()
+            || !unlist(&mut self.pools.lock(), pool)
+        {
+            return 0;
+        }
+        // Its counts and peaks stay in the allocator's figures; what it holds goes back now:
+        // the teardown gives back every chunk (counted as one device call) once the caller
+        // drops the last reference, or waits for the device first where memory is mapped.
+        let held = figures.reserved;
+        figures.device_frees += u64::from(held > 0);
+        figures.allocated = 0;
+        figures.reserved = 0;
+        figures.cached = 0;
+        figures.largest_free_block = 0;
+        figures.pending_release = 0;
+        figures.live_allocations = 0;
+        let mut forgotten = self.forgotten.lock();
+        *forgotten = [*forgotten, figures].into_iter().sum();
+        held
+    }
+
+    /// Moves the completed pending frees of a retired pool to its free lists, without naming
+    /// its stream (event queries only).
+    fn poll_retired(pool: &StreamPool) {
+        pool.pool.poll_pending();
+    }
+
+    #[inline]
     fn home(stream: Stream) -> usize {
         // Stream handles are pointers: mix the bits so neighbours spread over the slots.
         (stream.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as usize % SLOTS
     }
 
-    /// The pool in slot `i`, if any.
-    fn slot(&self, i: usize) -> Option<&StreamPool> {
-        self.slots[i].load(Ordering::Acquire).checked_sub(1).and_then(|index| self.registry.get(index))
+    /// The promoted pool in `slot`, if any.
+    #[inline]
+    fn promoted_pool(&self, slot: &HotSlot) -> Option<&Arc<StreamPool>> {
+        let index = slot.index.load(Ordering::Acquire).checked_sub(1)?;
+        self.promoted.get(index)?.get()
     }
 
-    /// The slot holding `stream`'s pool, probing linearly from its home slot. Slots are
-    /// emptied only by retire_stream, so a hole does not end the probe.
-    fn find_slot(&self, stream: Stream) -> Option<usize> {
-        let home = Self::home(stream);
-        (0..SLOTS).map(|k| (home + k) % SLOTS).find(|&i| self.slot(i).is_some_and(|p| p.stream == stream))
-    }
-
-    fn lookup(&self, stream: Stream) -> Option<&StreamPool> {
-        if let Some(i) = self.find_slot(stream) {
-            return self.slot(i);
+    /// The live promoted pool of `stream`, if there is one: reads atomics and writes none.
+    #[inline]
+    fn hot_pool(&self, stream: Stream) -> Option<&Arc<StreamPool>> {
+        if self.promoted_len.load(Ordering::Acquire) == 0 {
+            return None;
         }
-        let overflow = self.overflow.lock();
-        overflow.iter().filter_map(|&i| self.registry.get(i)).find(|p| p.stream == stream)
+        let home = Self::home(stream);
+        (0..HOT_PROBE)
+            .map(|k| &self.hot[(home + k) % HOT_SLOTS])
+            .filter(|slot| slot.stream.load(Ordering::Acquire) == stream.0)
+            .find_map(|slot| self.promoted_pool(slot).filter(|p| p.stream == stream))
     }
 
-    fn pool(&self, stream: Stream) -> Result<&StreamPool> {
-        if let Some(p) = self.lookup(stream) {
+    /// The live pool of `stream` in the tables, if there is one; takes no lock.
+    fn slotted(&self, stream: Stream) -> Option<Found<'_>> {
+        if let Some(p) = self.hot_pool(stream) {
+            return Some(Found::Hot(p.as_ref()));
+        }
+        let home = Self::home(stream);
+        for k in 0..PROBE {
+            let slot = &self.slots[(home + k) % SLOTS];
+            if slot.stream.load(Ordering::Acquire) != stream.0 {
+                continue;
+            }
+            let pool = slot.pool.load();
+            if let Some(p) = pool.as_ref().filter(|p| p.stream == stream) {
+                self.count_use(p);
+                return Some(Found::Held(pool));
+            }
+        }
+        None
+    }
+
+    /// Counts a lookup of `pool` outside the promoted pools, and promotes it after
+    /// [`PROMOTE_AFTER`].
+    fn count_use(&self, pool: &Arc<StreamPool>) {
+        let uses = pool.uses.load(Ordering::Relaxed) + 1;
+        pool.uses.store(uses, Ordering::Relaxed);
+        if uses == PROMOTE_AFTER {
+            self.promote(pool);
+        }
+    }
+
+    /// Promotes `pool`, whose stream many calls name: from now on it is found without
+    /// writing anything (a lookup in the second table holds the pool it finds, which costs
+    /// two atomic read-modify-writes). A promoted pool is kept until the allocator is
+    /// dropped, retired or not, so that reading it needs no hold; at most [`HOT`] are, and
+    /// the pools of streams named less often (those that come and go) are not.
+    fn promote(&self, pool: &Arc<StreamPool>) {
+        let _creating = self.creating.lock();
+        let n = self.promoted_len.load(Ordering::Acquire);
+        let gone = pool.unslotted.load(Ordering::Acquire);
+        if n >= HOT || gone || pool.hot.load(Ordering::Acquire) || pool.stream.0 == EMPTY {
+            return;
+        }
+        let home = Self::home(pool.stream);
+        let free = (0..HOT_PROBE)
+            .map(|k| &self.hot[(home + k) % HOT_SLOTS])
+            .find(|slot| slot.stream.load(Ordering::Acquire) == EMPTY);
+        let Some(slot) = free else { return };
+        if self.promoted[n].set(pool.clone()).is_err() {
+            return;
+        }
+        pool.hot.store(true, Ordering::Release);
+        slot.index.store(n + 1, Ordering::Release);
+        slot.stream.store(pool.stream.0, Ordering::Release);
+        self.promoted_len.store(n + 1, Ordering::Release);
+        // Found first among the promoted: its slot in the second table goes to others.
+        self.unslot_second(pool);
+    }
+
+    /// The live pool of `stream`, if there is one, as a reference of its own.
+    fn find_live(&self, stream: Stream) -> Option<Arc<StreamPool>> {
+        if let Some(p) = self.hot_pool(stream) {
+            return Some(p.clone());
+        }
+        let home = Self::home(stream);
+        let slotted = (0..PROBE)
+            .map(|k| &self.slots[(home + k) % SLOTS])
+            .filter(|slot| slot.stream.load(Ordering::Acquire) == stream.0)
+            .find_map(|slot| slot.pool.load_full().filter(|p| p.stream == stream));
+        slotted.or_else(|| self.overflowed_pool(stream))
+    }
+
+    /// The live pool of `stream` among those that found no slot.
+    fn overflowed_pool(&self, stream: Stream) -> Option<Arc<StreamPool>> {
+        if self.overflowed.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        self.overflow.lock().get(&stream).cloned()
+    }
+
+    /// The live pool of `stream`, if there is one.
+    fn live(&self, stream: Stream) -> Option<Found<'_>> {
+        if let Some(found) = self.slotted(stream) {
+            return Some(found);
+        }
+        let pool = self.overflowed_pool(stream)?;
+        self.count_use(&pool);
+        Some(Found::Owned(pool))
+    }
+
+    /// The live pool of `stream`, made on the stream's first use.
+    fn pool_of(&self, stream: Stream) -> Result<Found<'_>> {
+        if let Some(found) = self.slotted(stream) {
+            return Ok(found);
+        }
+        let pool = self.pool(stream)?;
+        self.count_use(&pool);
+        Ok(Found::Owned(pool))
+    }
+
+    /// The live pool of `stream` outside the table's fast path: among those that found no
+    /// slot, or made now.
+    fn pool(&self, stream: Stream) -> Result<Arc<StreamPool>> {
+        if let Some(p) = self.overflowed_pool(stream) {
             return Ok(p);
         }
         let _creating = self.creating.lock();
-        if let Some(p) = self.lookup(stream) {
+        if let Some(p) = self.find_live(stream) {
             return Ok(p);
         }
         let pool = BestFit::new(self.device.clone(), BestFitConfig { stream, ..self.config.pool })?;
-        let index = self.registry.push(StreamPool {
+        let pool = Arc::new(StreamPool {
             stream,
             pool,
-            looked: Mutex::new(Vec::new()),
+            allocated_at: AtomicU64::new(self.clock.load(Ordering::Acquire)),
+            looked: Mutex::new(0),
+            uses: AtomicU64::new(0),
+            hot: AtomicBool::new(false),
+            unslotted: AtomicBool::new(false),
             retired: AtomicBool::new(false),
-        })?;
-        let home = Self::home(stream);
-        let free_slot =
-            (0..SLOTS).map(|k| (home + k) % SLOTS).find(|&i| self.slots[i].load(Ordering::Acquire) == 0);
-        match free_slot {
-            Some(i) => self.slots[i].store(index + 1, Ordering::Release),
-            None => self.overflow.lock().push(index),
+            naming: RwLock::new(()),
+            at: AtomicUsize::new(0),
+        });
+        {
+            let mut pools = self.pools.lock();
+            pool.at.store(pools.len(), Ordering::Relaxed);
+            pools.push(pool.clone());
         }
-        self.registry.get(index).ok_or_else(|| Error::Internal("StreamSafe lost a pool it made".into()))
+        let home = Self::home(stream);
+        let free = (0..PROBE)
+            .map(|k| &self.slots[(home + k) % SLOTS])
+            .find(|slot| stream.0 != EMPTY && slot.stream.load(Ordering::Acquire) == EMPTY);
+        match free {
+            Some(slot) => {
+                slot.pool.store(Some(pool.clone()));
+                slot.stream.store(stream.0, Ordering::Release);
+            }
+            None => {
+                let mut overflow = self.overflow.lock();
+                overflow.insert(stream, pool.clone());
+                self.overflowed.store(overflow.len(), Ordering::Release);
+            }
+        }
+        Ok(pool)
     }
 
-    /// Every pool, retired ones included.
-    fn pools(&self) -> impl Iterator<Item = &StreamPool> {
-        self.registry.all()
+    /// Every pool held, live and retired, as references of their own.
+    fn snapshot(&self) -> Vec<Arc<StreamPool>> {
+        self.pools.lock().clone()
     }
 
-    /// `stream`'s pool, made on its first use; the default stream's pool and the first
-    /// streams' are found by reading one slot.
-    fn pool_of(&self, stream: Stream) -> Result<&StreamPool> {
-        match self.slot(Self::home(stream)).filter(|p| p.stream == stream) {
-            Some(p) => Ok(p),
-            None => self.pool(stream),
+    /// Notes an allocation of `pool` for the idleness [`StreamSafe::steal`] looks at.
+    fn note_allocation(&self, pool: &StreamPool) {
+        let now = self.clock.load(Ordering::Relaxed);
+        if pool.allocated_at.load(Ordering::Relaxed) != now {
+            pool.allocated_at.store(now, Ordering::Relaxed);
         }
     }
 
@@ -350,44 +726,49 @@ impl StreamSafe {
         Ok((mem.free as u128) * 100 < (mem.total as u128) * percent)
     }
 
-    /// Moves a wholly free chunk that fits `size` from another stream's pool into `pool`,
-    /// ordering `pool`'s stream after the chunk's last use. Whether one was moved.
+    /// Moves a wholly free chunk that fits `size` from another stream's idle pool into
+    /// `pool`, ordering `pool`'s stream after the chunk's last use. Whether one was moved.
     fn steal(&self, pool: &StreamPool, size: usize) -> Result<bool> {
         // Held while other pools' state locks are taken and released one at a time. A
         // `looked` is locked only here, never under a state lock, and a thread holds one
         // `looked` at a time, so the lock order cannot cycle.
         let mut looked = pool.looked.lock();
-        for (index, other) in self.pools().enumerate() {
-            if other.stream == pool.stream || other.retired.load(Ordering::Relaxed) {
+        let now = self.clock.fetch_add(1, Ordering::AcqRel) + 1;
+        let before = std::mem::replace(&mut *looked, now);
+        if before == 0 {
+            // The first look: any pool may be busy.
+            return Ok(false);
+        }
+        for other in self.snapshot() {
+            if other.stream == pool.stream || other.is_retired() {
                 continue;
             }
-            let stats = other.pool.stats();
-            if looked.len() <= index {
-                looked.resize(index + 1, NEVER_SEEN);
-            }
-            let Some(last) = looked.get_mut(index) else { continue };
-            let idle = stats.live_allocations == 0 && *last == stats.total_allocations;
-            *last = stats.total_allocations;
-            if !idle {
-                // In use, or busy since this pool's previous look: it keeps its memory.
+            // In use, or busy since this pool's previous look: it keeps its memory.
+            if other.allocated_at.load(Ordering::Acquire) >= before || other.pool.stats().live_allocations > 0
+            {
                 continue;
             }
-            let Some(chunk) = other.pool.take_free_chunk(size) else { continue };
-            let event = self.events.get()?;
-            let ordered = self
-                .device
-                .record_event(event, other.stream)
-                .and_then(|()| self.device.stream_wait_event(pool.stream, event));
-            // The wait captured the event's state; the event can be reused at once.
-            self.events.put(event);
-            if ordered.is_err() {
-                // The giving stream cannot be waited on (e.g. it was destroyed without
-                // retire_stream): its chunk stays where it is, and another is tried.
-                other.pool.adopt_chunk(chunk)?;
-                continue;
+            let took = other.naming(|| {
+                let Some(chunk) = other.pool.take_free_chunk(size) else { return Ok(false) };
+                let event = self.events.get()?;
+                let ordered = self
+                    .device
+                    .record_event(event, other.stream)
+                    .and_then(|()| self.device.stream_wait_event(pool.stream, event));
+                // The wait captured the event's state; the event can be reused at once.
+                self.events.put(event);
+                if ordered.is_err() {
+                    // The giving stream cannot be waited on (e.g. it was destroyed without
+                    // retire_stream): its chunk stays where it is, and another is tried.
+                    other.pool.adopt_chunk(chunk)?;
+                    return Ok(false);
+                }
+                pool.pool.adopt_chunk(chunk)?;
+                Ok(true)
+            });
+            if took.transpose()? == Some(true) {
+                return Ok(true);
             }
-            pool.pool.adopt_chunk(chunk)?;
-            return Ok(true);
         }
         Ok(false)
     }
@@ -404,15 +785,18 @@ impl StreamSafe {
             // Nothing is released or waited for while the stream captures a graph.
             return pool.pool.allocate_uncounted(size, false);
         }
-        // The release waits (bounded) for every stream's work, then each pool gives back its
-        // free chunks; between attempts the loop sleeps while frees pending on other streams'
-        // events complete (they notify no one).
+        // The release waits (bounded) for every live stream's work, then each live pool
+        // gives back its free chunks and retired pools with nothing in use go; between
+        // attempts the loop sleeps while frees pending on other streams' events complete
+        // (they notify no one).
         let release = || {
             self.wait_for_pools()?;
-            for p in self.pools() {
+            for p in self.snapshot() {
                 // A pool that cannot release now still lets the others try; the errors its
                 // frees held back stay held for its next release.
-                let _ = p.pool.release_cached();
+                if p.naming(|| p.pool.release_cached()).is_none() {
+                    self.drop_if_empty(&p);
+                }
             }
             Ok(None)
         };
@@ -430,30 +814,57 @@ impl StreamSafe {
     }
 
     /// Waits, at most the pools' `wait_timeout` in all, for the work enqueued on every stream
-    /// with a pool in use: a `cuMemFree` of any pool's chunk would wait for all of it.
+    /// with a live pool: a `cuMemFree` of any pool's chunk would wait for all of it.
     fn wait_for_pools(&self) -> Result<()> {
-        let streams: Vec<Stream> =
-            self.pools().filter(|p| !p.retired.load(Ordering::Relaxed)).map(|p| p.stream).collect();
-        super::wait_for_streams(self.device.as_ref(), &self.events, &streams, self.config.pool.wait_timeout)
+        let (start, timeout) = (Instant::now(), self.config.pool.wait_timeout);
+        for p in self.snapshot() {
+            let left = timeout.saturating_sub(start.elapsed());
+            let waited =
+                p.naming(|| super::wait_for_streams(self.device.as_ref(), &self.events, &[p.stream], left));
+            match waited {
+                Some(Err(Error::Timeout { waited_for, .. })) => {
+                    return Err(Error::Timeout { waited_for, after: timeout })
+                }
+                Some(Err(e)) => return Err(e),
+                _ => {}
+            }
+        }
+        Ok(())
     }
 
     fn out_of_memory(&self, error: Error, size: usize, waited: Duration, release: Option<Error>) -> Error {
         let Error::OutOfMemory(report) = error else { return error };
-        let pools = self.pools();
-        let mut total = Stats::default();
-        let mut detail: Vec<String> = pools
-            .map(|p| {
-                let s = p.pool.stats();
-                total.allocated += s.allocated;
-                total.cached += s.cached;
-                total.pending_release += s.pending_release;
-                total.reserved += s.reserved;
+        let mut held: Vec<(Stream, bool, Stats)> =
+            self.pools.lock().iter().map(|p| (p.stream, p.is_retired(), p.pool.stats())).collect();
+        let total: Stats = held.iter().map(|(_, _, s)| *s).sum();
+        // The streams holding the most first: a line each for a few, one line for the rest.
+        held.sort_unstable_by_key(|(stream, _, s)| (std::cmp::Reverse((s.reserved, s.allocated)), *stream));
+        let named = held.len().min(STREAMS_NAMED);
+        let mut detail: Vec<String> = held[..named]
+            .iter()
+            .map(|(stream, retired, s)| {
                 format!(
-                    "stream {:#x}: allocated {}, cached {}, pending release {}, reserved {}",
-                    p.stream.0, s.allocated, s.cached, s.pending_release, s.reserved
+                    "stream {:#x}{}: allocated {}, cached {}, pending release {}, reserved {}",
+                    stream.0,
+                    if *retired { " (retired)" } else { "" },
+                    s.allocated,
+                    s.cached,
+                    s.pending_release,
+                    s.reserved
                 )
             })
             .collect();
+        if held.len() > named {
+            let rest: Stats = held[named..].iter().map(|(_, _, s)| *s).sum();
+            detail.push(format!(
+                "and {} more streams holding {} bytes (allocated {}, cached {}, pending release {})",
+                held.len() - named,
+                rest.reserved,
+                rest.allocated,
+                rest.cached,
+                rest.pending_release
+            ));
+        }
         detail.extend(report.detail);
         let timed_out = release.is_some();
         if let Some(e) = release {
@@ -487,41 +898,48 @@ impl Allocator for StreamSafe {
         self.allocate_on(size, self.default_stream())
     }
 
-    /// Releases every stream's free chunks. While any of the streams is capturing a graph,
+    /// Releases every live stream's free chunks, and drops the retired streams' pools that
+    /// nothing is in use in any more. While any of the live streams is capturing a graph,
     /// nothing is released (that would synchronize the device) and 0 is returned.
     fn release(&self) -> Result<usize> {
-        for p in self.pools().filter(|p| !p.retired.load(Ordering::Relaxed)) {
+        let pools = self.snapshot();
+        for p in &pools {
             // A stream that cannot be asked (destroyed without retire_stream) captures nothing.
-            if self.capturing(p.stream).unwrap_or(false) {
+            if p.naming(|| self.capturing(p.stream).unwrap_or(false)) == Some(true) {
                 return Ok(0);
             }
         }
         let mut total = 0;
         let mut first_error = None;
-        for p in self.pools() {
-            match p.pool.release() {
-                Ok(n) => total += n,
-                Err(e) => {
+        for p in &pools {
+            match p.naming(|| p.pool.release()) {
+                Some(Ok(n)) => total += n,
+                Some(Err(e)) => {
                     first_error.get_or_insert(e);
                 }
+                None => total += self.drop_if_empty(p),
             }
         }
         first_error.map_or(Ok(total), Err)
     }
 
-    /// The sum over every stream's pool (peaks are sums of each pool's peak), with the
-    /// failures and retries StreamSafe counts.
+    /// The sum over every pool held and every pool dropped (peaks are sums of each pool's
+    /// peak), with the failures and retries StreamSafe counts.
     fn stats(&self) -> Stats {
-        let mut stats: Stats = self.pools().map(|p| p.pool.stats()).sum();
+        let forgotten = *self.forgotten.lock();
+        let mut stats: Stats =
+            self.pools.lock().iter().map(|p| p.pool.stats()).chain(std::iter::once(forgotten)).sum();
         stats.failures += self.failures.load(Ordering::Relaxed);
         stats.retries += self.retries.load(Ordering::Relaxed);
         stats
     }
 
     fn reset_peak_stats(&self) {
-        for p in self.pools() {
+        for p in self.pools.lock().iter() {
             p.pool.reset_peak_stats();
         }
+        // The pools dropped hold nothing now.
+        self.forgotten.lock().reset_peaks();
     }
 
     fn device(&self) -> usize {
@@ -531,7 +949,16 @@ impl Allocator for StreamSafe {
 
 impl StreamSafe {
     fn allocate_uncounted(&self, size: usize, stream: Stream) -> Result<(Allocation, bool)> {
-        let pool = self.pool_of(stream)?;
+        // The promoted pools are found first, on a path of their own that builds nothing.
+        if let Some(pool) = self.hot_pool(stream) {
+            return self.allocate_in(pool, size, stream);
+        }
+        let found = self.pool_of(stream)?;
+        self.allocate_in(found.get()?, size, stream)
+    }
+
+    fn allocate_in(&self, pool: &StreamPool, size: usize, stream: Stream) -> Result<(Allocation, bool)> {
+        self.note_allocation(pool);
         match pool.pool.allocate_cached(size, self.polls(pool, stream)?)? {
             Some(a) => Ok((a, false)),
             None => self.allocate_slow(pool, size, stream),
@@ -539,7 +966,15 @@ impl StreamSafe {
     }
 
     fn allocate_ptr_uncounted(&self, size: usize, stream: Stream) -> Result<(DevicePtr, bool)> {
-        let pool = self.pool_of(stream)?;
+        if let Some(pool) = self.hot_pool(stream) {
+            return self.allocate_ptr_in(pool, size, stream);
+        }
+        let found = self.pool_of(stream)?;
+        self.allocate_ptr_in(found.get()?, size, stream)
+    }
+
+    fn allocate_ptr_in(&self, pool: &StreamPool, size: usize, stream: Stream) -> Result<(DevicePtr, bool)> {
+        self.note_allocation(pool);
         match pool.pool.allocate_kept(size, self.polls(pool, stream)?)? {
             Some(ptr) => Ok((ptr, false)),
             None => {
@@ -547,6 +982,24 @@ impl StreamSafe {
                 Ok((pool.pool.keep(a)?, retried))
             }
         }
+    }
+
+    /// The streams recorded on the allocation kept at `ptr`, taken out of the allocator's
+    /// books (`None` without taking a lock when no allocation recorded any).
+    fn take_recorded(&self, ptr: DevicePtr) -> Option<Vec<Stream>> {
+        if self.recorded_len.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let mut recorded = self.recorded.lock();
+        let streams = recorded.remove(&ptr);
+        self.recorded_len.store(recorded.len(), Ordering::Release);
+        streams
+    }
+
+    /// The pool that keeps the allocation at `ptr`, looked for in every pool held.
+    fn keeper(&self, ptr: DevicePtr) -> Option<Arc<StreamPool>> {
+        // Recording the owning stream records nothing: it says whether the pool keeps `ptr`.
+        self.pools.lock().iter().find(|p| p.pool.record_kept(ptr, p.stream)).cloned()
     }
 }
 
@@ -574,7 +1027,8 @@ impl StreamAllocator for StreamSafe {
 /// Each stream's pool keeps the allocations made on it by pointer, under the lock it takes
 /// anyway: allocating and freeing take that one lock and nothing else (no map of handles, no
 /// reference count). A free looks in the pool of the stream it is given first, then in every
-/// pool.
+/// pool. The streams recorded on them are kept by the allocator until the free (so that
+/// retiring a stream takes it out) and given to the pool then.
 impl PointerAllocator for StreamSafe {
     fn allocate_ptr(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
         if size == 0 {
@@ -584,16 +1038,33 @@ impl PointerAllocator for StreamSafe {
     }
 
     fn free_ptr(&self, ptr: DevicePtr, owner: Stream) -> Option<Freed> {
-        let first = self.slot(Self::home(owner)).filter(|p| p.stream == owner);
-        let freed = |p: &StreamPool| p.pool.free_kept(ptr).map(|size| Freed { size, stream: p.stream });
-        first
-            .and_then(freed)
-            .or_else(|| self.pools().filter(|p| !first.is_some_and(|f| std::ptr::eq(f, *p))).find_map(freed))
+        let recorded = self.take_recorded(ptr);
+        let free = |p: &StreamPool| {
+            // Recording on a pool that does not keep `ptr` records nothing.
+            for &s in recorded.iter().flatten() {
+                p.pool.record_kept(ptr, s);
+            }
+            p.pool.free_kept(ptr).map(|size| Freed { size, stream: p.stream })
+        };
+        let first = match self.hot_pool(owner) {
+            Some(pool) => free(pool),
+            None => self.live(owner).and_then(|found| found.get().ok().and_then(free)),
+        };
+        if first.is_some() {
+            return first;
+        }
+        self.keeper(ptr).and_then(|p| free(&p))
     }
 
     fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> Result<bool> {
         self.device.check_stream(stream)?;
-        Ok(self.pools().any(|p| p.pool.record_kept(ptr, stream)))
+        let Some(pool) = self.keeper(ptr) else { return Ok(false) };
+        let mut recorded = self.recorded.lock();
+        if stream != pool.stream {
+            record_user(recorded.entry(ptr).or_default(), pool.stream, stream);
+        }
+        self.recorded_len.store(recorded.len(), Ordering::Release);
+        Ok(true)
     }
 
     fn owning_stream(&self, asked: Stream) -> Stream {

@@ -35,7 +35,11 @@ impl Config {
         let presets = Self::presets();
         presets.iter().find(|p| p.name == name).map(|p| p.config.clone()).ok_or_else(|| {
             let names: Vec<&str> = presets.iter().map(|p| p.name).collect();
-            crate::Error::Config(format!("unknown preset `{}`; presets: {}", crate::text::excerpt(name), names.join(", ")))
+            crate::Error::Config(format!(
+                "unknown preset `{}`; presets: {}",
+                crate::text::excerpt(name),
+                names.join(", ")
+            ))
         })
     }
 }
