@@ -9,7 +9,7 @@
 #           machine: .anchors, which scripts/gpu-bench.sh fills; CONFS without device=sim)
 #   PROCS   processes per trace and configuration (default 1); with more, a line after them
 #           gives the least, the median and the most of their best passes (on the H200 host
-#           one process runs the same work at one of two speeds: bench/results/h200-2026-12-03/run22-23.md)
+#           one process runs the same work at one of two speeds: bench/results/speed.md)
 # Usage: scripts/capi-replay.sh TRACE...   (default: every trace of traces/)
 set -euo pipefail
 cd "$(dirname "$0")/.."

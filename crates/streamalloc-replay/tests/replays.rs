@@ -104,7 +104,7 @@ fn workloads_with_other_shapes_stop_mapping_from_their_second_warm_pass() {
     // warm pass stitched again: BERT-like inference 392, 251 and 68 granules in warm passes
     // 1-3, mixture-of-experts training 50, 16 and 49 and 80 more over the next 17 passes (on
     // the H200 the fresh seeds of these workloads cost up to 343 ns per operation against RMM
-    // binning's 210, h200-2026-12-04/run45.md).
+    // binning's 210, bench/results/speed.md, run 45).
     // The bounds: 1.05, or less where raw cudaMalloc, the most compact reference on the H200,
     // held less (1.118, 1.022 and 1.046); bert_infer_seed2 held 1.0519 with stitches of whole
     // granules only.

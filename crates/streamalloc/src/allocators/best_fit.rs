@@ -98,8 +98,8 @@ impl Default for BestFitConfig {
 ///   does not know; unmapped segments and stitched ranges do not.) A stitched pool that
 ///   unmaps free granules to pay for a growth waits the same way.
 /// * **Backings compared.** The footprint of each backing on the sample traces, on a GPU and
-///   on the simulator, is in `bench/results/` (`h200-2026-12-02/`, run 29, and
-///   `2026-12-02-issue17-criterion-sim.md`); `streamalloc replay --conf ...` measures it on
+///   on the simulator, is in `bench/results/footprint.md` (run 29 of 2026-12-02 and the
+///   simulator's figures of issue 17); `streamalloc replay --conf ...` measures it on
 ///   any trace.
 /// * **Recorded streams.** The pool is not stream-aware: all its allocations belong to one
 ///   stream. A freed block whose allocation recorded other streams is kept out of the free

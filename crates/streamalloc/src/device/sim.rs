@@ -591,7 +591,7 @@ impl SimDevice {
     }
 
     /// How many granules those calls mapped or unmapped so far: on a GPU a mapping's host time
-    /// grows with its granules (`bench/results/h200-2026-12-03/run10.md`).
+    /// grows with its granules (`bench/results/stitched.md`).
     pub fn mapped_granules(&self) -> u64 {
         self.state.lock().mapped_granules
     }

@@ -45,7 +45,7 @@
 //! with any, i.e. the smallest fitting block, lowest address among equals. Free blocks stay
 //! few (tens per class on the sample traces), where a binary search and a short move of
 //! contiguous entries beat a B-tree's node walks (less CPU per operation on the sample traces
-//! than a `BTreeMap`, with the same blocks chosen: `bench/results/2026-12-02-criterion-sim.md`);
+//! than a `BTreeMap`, with the same blocks chosen: `bench/results/cpu-cost.md`);
 //! bins keep each search and move to the few blocks of about the same size. A vector that
 //! outgrows its capacity reallocates; that is the only allocation on the hot path, and it
 //! stops once the bins reach their largest size.

@@ -32,7 +32,7 @@
 //! elsewhere (it could not know which graph owns it). While none is, it asks only before a
 //! throttle wait and at a free with recorded streams: asking on every allocation and free was
 //! a measurable share of raw cudaMallocAsync's time per operation
-//! (`bench/results/h200-2026-12-02/`, session 4). A capture begun elsewhere then
+//! (`bench/results/async-pool.md`, run 27). A capture begun elsewhere then
 //! (`torch.cuda.graph` over the C ABI, a bare `cuStreamBeginCapture`) gets the driver's captured
 //! allocation and free nodes under the driver's rules (memory allocated in a graph and not
 //! freed in it exists once the graph has been launched), as with RMM's cudaMallocAsync

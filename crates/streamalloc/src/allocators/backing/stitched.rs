@@ -115,7 +115,7 @@ const IDLE_KEPT: usize = 1024;
 /// stitched range took from small blocks go back to the small class when the range is idle,
 /// where the next small requests take them: with requests of up to 1 MiB small, workloads
 /// whose shapes change every step stitched anew in every warm pass. Figures:
-/// `bench/results/2026-12-04-small-class-sim.md`.
+/// `bench/results/stitched.md`.
 const SMALL_MAX: u64 = 128 << 10;
 
 /// Where to map a growth: `len` bytes at `at`, inside one unmapped run.
@@ -532,7 +532,7 @@ fn extent(g: u64, addr: u64, len: u64) -> (u64, u64) {
 /// free block is its part handed out last, still free when an idle range wants its homes
 /// back; a free block's start (a granule's free tail) is handed out first, and ranges that
 /// began with one were stitched again in warm passes
-/// (`bench/results/2026-12-04-partial-heads-sim.md`).
+/// (`bench/results/stitched.md`).
 fn partial_head(p: &BestFitPolicy, g: u64, limit: u64) -> Option<(Class, u64, u64)> {
     p.free_blocks()
         .filter(|&(_, a, _)| a < limit)
@@ -612,7 +612,7 @@ fn place(
 /// Best fit hands the largest free blocks out last, so once the stitched range is idle its
 /// homes are the free memory least likely to be handed out before its next use: taken from
 /// the smallest blocks, they went to the next small requests and a repeated workload
-/// stitched again (bench/results/2026-12-03-stitch-homes-sim.md).
+/// stitched again (bench/results/stitched.md).
 fn carve_free_granules(p: &mut BestFitPolicy, g: u64, bytes: u64, limit: u64) -> Vec<(Class, u64, u64)> {
     let mut candidates: Vec<(u64, u64, Class)> =
         whole_granules(p, g, limit).map(|(class, _, lo, hi)| (hi - lo, lo, class)).collect();

@@ -3,7 +3,7 @@
 //! (a stitched chunk's round trip through the pool makes about twenty such lookups and
 //! changes). A binary search and a short move of contiguous entries cost less there than a
 //! `BTreeMap`'s node walks and allocations, as for the free lists' bins in `best_fit.rs`
-//! (instructions per operation before and after: `bench/results/2026-12-03-round-trip-sim.md`).
+//! (instructions per operation before and after: `bench/results/cpu-cost.md`).
 
 use std::ops::{Range, RangeInclusive};
 

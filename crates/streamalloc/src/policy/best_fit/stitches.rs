@@ -124,7 +124,7 @@ impl Stitch {
 /// whichever is more. A larger chunk would keep memory the request leaves unused out of the
 /// pool's other blocks (its homes are all taken): with up to twice the request, a decoding
 /// loop whose requests grow held 1.0567 of its peak live bytes instead of 1.0147
-/// (`bench/results/2026-12-04-stitch-tuning-sim.md`).
+/// (`bench/results/stitched.md`).
 fn fitting(size: u64, granule: u64) -> RangeInclusive<(u64, u64)> {
     let g = granule.max(1);
     let stitch = size.div_ceil(g).saturating_mul(g);
