@@ -45,6 +45,13 @@
 #   record   RMM-format traces of four PyTorch workloads with varying shapes
 #            (scripts/gpu/record_workloads.py, shapes from RECORD_SEED, default 0: those of
 #            traces/recorded/), packed into $OUT/recorded.tar.gz, the table into $OUT/record.md
+#   torchbench three training loops (ResNet-50 with cudnn.benchmark, an MLP under
+#            torch.compile(mode="reduce-overhead"), a transformer whose shapes vary) under
+#            PyTorch's allocator, its expandable segments, the pluggable fallback and streamalloc's
+#            torch backend (scripts/gpu/torch_loops.py), and torch.empty + free per allocation,
+#            1 and 8 threads (scripts/gpu/torch_alloc_overhead.py), into $OUT/torch_loops.md and
+#            $OUT/torch_alloc_overhead.md (JSON lines and logs beside them); TORCHBENCH_ARGS
+#            (e.g. --quick) go to both
 # Results go to $OUT (or /tmp/streamalloc-gpu). Exits non-zero if any part failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -160,6 +167,15 @@ for part in "$@"; do
         PYTHONPATH=/tmp/sa-site python3 scripts/gpu/record_workloads.py --out /tmp/traces \
           --seed "${RECORD_SEED:-0}" | tee "$OUT/record.md" &&
         tar czf "$OUT/recorded.tar.gz" -C /tmp traces ;;
+    torchbench) # the backend is built once into STREAMALLOC_CACHE, which every run reuses
+      install_wheel && {
+        STREAMALLOC_CACHE=${STREAMALLOC_CACHE:-/tmp/streamalloc-cache} PYTHONPATH=/tmp/sa-site \
+          python3 scripts/gpu/torch_loops.py --out "$OUT" ${TORCHBENCH_ARGS:-} 2>&1 | tee "$OUT/torch_loops.log"
+        rc=$?
+        STREAMALLOC_CACHE=${STREAMALLOC_CACHE:-/tmp/streamalloc-cache} PYTHONPATH=/tmp/sa-site \
+          python3 scripts/gpu/torch_alloc_overhead.py --out "$OUT" ${TORCHBENCH_ARGS:-} 2>&1 \
+          | tee "$OUT/torch_alloc_overhead.log" && (exit $rc)
+      } ;;
     snapshot) python3 scripts/gpu/record_snapshot.py "$OUT/snapshot.pickle" --steps 4 --max-entries 20000 &&
       ls -l "$OUT/snapshot.pickle" ;;
     *) echo "unknown part $part"; false ;;

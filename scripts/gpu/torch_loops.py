@@ -1,0 +1,708 @@
+#!/usr/bin/env python3
+"""Three real PyTorch training loops under torch's allocators and streamalloc's (issue 34).
+
+    python3 scripts/gpu/torch_loops.py --out DIR [--quick] [--loops L,..] [--allocators A,..]
+    python3 scripts/gpu/torch_loops.py --one LOOP ALLOCATOR --result FILE [--quick]   # one run
+
+Loops (each logs torch.cuda.max_memory_allocated() after every step):
+
+  resnet    torchvision ResNet-50 training (SGD with momentum, batch 32 of random 224x224
+            images and labels, fp32), fixed shapes, torch.backends.cudnn.benchmark = True
+  compiled  a residual MLP (4 blocks of LayerNorm, 512 -> 2048 -> 512 with GELU; batch 64 x
+            128 tokens) with its MSE loss under torch.compile(mode="reduce-overhead") (CUDA
+            graph trees), AdamW outside the graph; compile time is in the warm-up steps
+  varying   a causal transformer LM (nn.TransformerEncoder, 4 layers, d=512, 8 heads,
+            vocabulary 8192, AdamW) whose batch (4-32) and sequence length (16-512) change
+            every step, drawn from random.Random(seed): the same shapes in every run
+
+Allocators, each run in its own process (the allocator is fixed per process), one after
+another:
+
+  native      torch's caching allocator
+  expandable  the same with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  pluggable   streamalloc through torch's CUDAPluggableAllocator, the fallback
+              (STREAMALLOC_TORCH_BACKEND=pluggable, streamalloc.torch.enable())
+  backend     streamalloc's torch backend (STREAMALLOC_TORCH_BACKEND=backend: enable()
+              installs it or fails, never a silent fallback)
+  rerun       torch's caching allocator again, a control: whether native reproduces its own
+              losses bitwise (by default for loop resnet only, --control LOOPS|all|none)
+
+streamalloc's configuration is the default unless STREAMALLOC_CONF is set. The backend is
+built once, before the runs, into STREAMALLOC_CACHE (default /tmp/streamalloc-cache here),
+which every run reuses.
+
+For each (loop, allocator), printed as a markdown table and written to DIR/torch_loops.md:
+
+* median step ms: the median over the timed steps (--steps, default 30) after --warmup
+  (default 10) warm-up steps; a step is timed from a synchronize to a synchronize.
+* peak device MiB (driver): device memory in use as the driver reports it, beyond the
+  process's baseline (taken after CUDA initialisation, before the model exists): total -
+  free of torch.cuda.mem_get_info() (cudaMemGetInfo) sampled after each forward, each
+  backward and each step, and, when pynvml (nvidia-ml-py) is importable, NVML's used memory
+  sampled every 2 ms from a thread (over its own baseline); the larger of the two peaks,
+  warm-up included (cudnn's benchmark workspaces and CUDA graph recording count). Every
+  process on the GPU counts: run nothing else on it.
+* max_memory_allocated MiB (torch): torch.cuda.max_memory_allocated() after the last step,
+  or "refused" when torch raised (it does under the pluggable fallback), with its message
+  in the notes.
+* losses equal native: every step's loss (warm-up included) as an exact float against the
+  native run's: "equal", or "differ" with the steps that differ and the largest absolute
+  difference. Seeds are fixed, torch.use_deterministic_algorithms(True, warn_only=True),
+  cudnn.deterministic = True (with benchmark = True cudnn still times the deterministic
+  algorithms and may pick another one in another process, so loop resnet may differ
+  legitimately: the rerun row shows whether native differs from itself), attention on
+  PyTorch's math kernel.
+
+A loop that torch refuses under an allocator (cudnn.benchmark and reduce-overhead under the
+pluggable fallback) shows "refused" and the error in the notes; that is a result, not a
+crash. Each run writes its log to DIR/torch_loops-logs/LOOP-ALLOCATOR.log, and its result as
+one JSON line to DIR/torch_loops.jsonl (per-step times, losses as hex floats, memory samples,
+max_memory_allocated per step). Exits 1 if a run of native, expandable, backend or rerun did
+not complete.
+
+--quick: small models, 3 warm-up and 5 timed steps (a smoke run of a minute or two).
+--device cpu: a smoke test of this script's own logic on a machine without a GPU (tiny
+models, no allocator applied, no memory figures): its numbers mean nothing.
+"""
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+MIB = 1 << 20
+HERE = os.path.abspath(__file__)
+
+LOOPS = ("resnet", "compiled", "varying")
+ALLOCATORS = ("native", "expandable", "pluggable", "backend", "rerun")
+MUST_COMPLETE = ("native", "expandable", "backend", "rerun")
+"""Allocators whose runs must complete: the pluggable fallback is expected to be refused."""
+
+def _env(cuda_conf=None, backend=None):
+    return {"PYTORCH_ALLOC_CONF": None, "PYTORCH_CUDA_ALLOC_CONF": cuda_conf, "STREAMALLOC_TORCH_BACKEND": backend}
+
+
+ENV = {
+    "native": _env(),
+    "rerun": _env(),
+    "expandable": _env("expandable_segments:True"),
+    "pluggable": _env(backend="pluggable"),
+    "backend": _env(backend="backend"),
+}
+"""The environment of each allocator's process (None: removed)."""
+
+SIZES = {
+    # loop: (full, quick) parameters
+    "resnet": ({"arch": "resnet50", "batch": 32, "image": 224}, {"arch": "resnet18", "batch": 8, "image": 64}),
+    "compiled": ({"dim": 512, "hidden": 2048, "blocks": 4, "batch": 64, "tokens": 128},
+                 {"dim": 64, "hidden": 256, "blocks": 2, "batch": 8, "tokens": 16}),
+    "varying": ({"dim": 512, "heads": 8, "layers": 4, "ff": 2048, "vocab": 8192, "batch": (4, 32), "seq": (16, 512)},
+                {"dim": 64, "heads": 4, "layers": 1, "ff": 128, "vocab": 512, "batch": (2, 8), "seq": (8, 64)}),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# One run (child process)
+# ---------------------------------------------------------------------------------------------
+
+class NvmlSampler:
+    """The device's used memory (NVML) sampled from a thread, when pynvml is importable."""
+
+    def __init__(self, index, interval=0.002):
+        self.peak, self.baseline, self.interval, self._stop = 0, None, interval, threading.Event()
+        self.error = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            self._info = pynvml.nvmlDeviceGetMemoryInfo
+            self.baseline = self._info(self._handle).used
+        except Exception as e:  # pynvml missing or NVML unusable: the mem_get_info samples remain
+            self._handle, self.error = None, f"{type(e).__name__}: {e}"
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @property
+    def available(self):
+        return self._handle is not None
+
+    def start(self):
+        if self.available:
+            self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._info(self._handle).used)
+            time.sleep(self.interval)
+
+    def stop(self):
+        if self.available:
+            self._stop.set()
+            self._thread.join()
+
+
+def setup_allocator(allocator, device_kind):
+    """Imports torch with ALLOCATOR current (before any CUDA allocation); returns (torch, info)."""
+    for key, value in ENV[allocator].items():  # the parent set these; a hand-run --one too
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS initialises
+    import torch
+
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda,
+            "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+            "STREAMALLOC_CONF": os.environ.get("STREAMALLOC_CONF")}
+    if device_kind == "cpu":
+        info["note"] = "cpu dry run: no allocator applied"
+        return torch, info
+    if not torch.cuda.is_available():
+        raise RuntimeError("CUDA is not available to torch (use --device cpu for a dry run of the script)")
+    if allocator in ("pluggable", "backend"):
+        try:
+            import streamalloc
+            import streamalloc.torch
+        except ImportError as e:
+            raise RuntimeError(f"cannot import streamalloc ({e}): install the wheel, or run with "
+                               f"PYTHONPATH=/tmp/sa-site after device-run.sh's install_wheel") from e
+        streamalloc.torch.enable()
+        active = streamalloc.torch.active()
+        if active != allocator:
+            raise RuntimeError(f"streamalloc.torch.enable() installed {active!r}, not {allocator!r}")
+        info["streamalloc_active"] = active
+        info["streamalloc_library"] = str(streamalloc.library_path())
+    torch.cuda.init()
+    info["allocator_backend"] = torch.cuda.get_allocator_backend()
+    info["gpu"] = torch.cuda.get_device_name()
+    return torch, info
+
+
+def build_resnet(torch, dev, p, seed, steps):
+    import torchvision
+
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.deterministic = True  # benchmark still runs, over deterministic algorithms
+    torch.manual_seed(seed)
+    model = getattr(torchvision.models, p["arch"])(num_classes=1000).to(dev)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    gen = torch.Generator(device=dev).manual_seed(seed + 1)
+    b, hw = p["batch"], p["image"]
+
+    def step(i, sample):
+        x = torch.randn(b, 3, hw, hw, device=dev, generator=gen)
+        y = torch.randint(0, 1000, (b,), device=dev, generator=gen)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        sample()
+        loss.backward()
+        sample()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def build_compiled(torch, dev, p, seed, steps):
+    nn, F = torch.nn, torch.nn.functional
+    d, h = p["dim"], p["hidden"]
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, h), nn.Linear(h, d)
+
+        def forward(self, x):
+            return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+    class WithLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(*[Block() for _ in range(p["blocks"])], nn.LayerNorm(d))
+
+        def forward(self, x, y):
+            return F.mse_loss(self.body(x), y)
+
+    torch.manual_seed(seed)
+    model = WithLoss().to(dev)
+    model.train()
+    compiled = torch.compile(model, mode="reduce-overhead")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator(device=dev).manual_seed(seed + 1)
+    shape = (p["batch"], p["tokens"], d)
+    cuda = dev.type == "cuda"
+
+    def step(i, sample):
+        if cuda:
+            torch.compiler.cudagraph_mark_step_begin()
+        x = torch.randn(shape, device=dev, generator=gen)
+        y = torch.randn(shape, device=dev, generator=gen)
+        loss = compiled(x, y)
+        sample()
+        loss.backward()
+        sample()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def varying_shapes(p, seed, n):
+    """The (batch, sequence length) of each step: the same in every run."""
+    rng = random.Random(seed + 2)
+    return [(rng.randint(*p["batch"]), rng.randint(*p["seq"])) for _ in range(n)]
+
+
+def build_varying(torch, dev, p, seed, steps):
+    nn, F = torch.nn, torch.nn.functional
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    d, vocab, max_seq = p["dim"], p["vocab"], p["seq"][1]
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(max_seq, d)
+            layer = nn.TransformerEncoderLayer(d, p["heads"], p["ff"], dropout=0.0, batch_first=True)
+            self.enc = nn.TransformerEncoder(layer, p["layers"], enable_nested_tensor=False)
+            self.head = nn.Linear(d, vocab)
+
+        def forward(self, tokens):
+            t = tokens.shape[1]
+            x = self.tok(tokens) + self.pos(torch.arange(t, device=tokens.device))
+            mask = nn.Transformer.generate_square_subsequent_mask(t, device=tokens.device)
+            return self.head(self.enc(x, mask=mask, is_causal=True))
+
+    torch.manual_seed(seed)
+    model = LM().to(dev)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator(device=dev).manual_seed(seed + 1)
+    shapes = varying_shapes(p, seed, steps)
+
+    def step(i, sample):
+        b, t = shapes[i]
+        tokens = torch.randint(0, vocab, (b, t + 1), device=dev, generator=gen)
+        with sdpa_kernel(SDPBackend.MATH):  # deterministic attention, forward and backward
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+            sample()
+            loss.backward()
+        sample()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+BUILDERS = {"resnet": build_resnet, "compiled": build_compiled, "varying": build_varying}
+
+
+def short(e):
+    """An exception's type and first line (torch's messages run long)."""
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:400]
+
+
+def one_run(loop, allocator, args):
+    """Runs LOOP under ALLOCATOR in this process; returns the result (never raises)."""
+    import warnings
+
+    started = time.perf_counter()
+    params = SIZES[loop][1 if args.quick or args.device == "cpu" else 0]
+    r = {"loop": loop, "allocator": allocator, "params": {k: list(v) if isinstance(v, tuple) else v
+                                                          for k, v in params.items()},
+         "warmup": args.warmup, "steps": args.steps, "seed": args.seed, "device": args.device,
+         "completed": False, "error": None, "error_step": None}
+    total = args.warmup + args.steps
+    if loop == "varying":
+        r["shapes"] = varying_shapes(params, args.seed, total)
+    try:
+        torch, info = setup_allocator(allocator, args.device)
+    except Exception as e:
+        r.update(error=short(e), error_phase="setup", traceback=traceback.format_exc()[-3000:])
+        return r
+    r.update(info)
+    cuda = args.device == "cuda"
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:  # deterministic mode fills new tensors with NaN by default: not the workload measured
+        torch.utils.deterministic.fill_uninitialized_memory = False
+    except AttributeError:
+        pass
+
+    def used():
+        free, total_bytes = torch.cuda.mem_get_info(dev)
+        return total_bytes - free
+
+    if cuda:
+        torch.cuda.synchronize(dev)
+        baseline = used()
+        sampler = NvmlSampler(dev.index) if args.nvml else None
+    else:
+        baseline, sampler = None, None
+    peak = {"all": baseline or 0, "timed": baseline or 0}
+    timed = [False]
+
+    def sample():
+        if cuda:
+            u = used()
+            peak["all"] = max(peak["all"], u)
+            if timed[0]:
+                peak["timed"] = max(peak["timed"], u)
+
+    step_ms, losses, used_after, mma, mma_error = [], [], [], [], None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            step = BUILDERS[loop](torch, dev, params, args.seed, total)
+        except Exception as e:
+            r.update(error=short(e), error_phase="build", traceback=traceback.format_exc()[-3000:])
+            step = None
+        if sampler is not None:
+            sampler.start()
+        for i in range(total if step else 0):
+            timed[0] = i >= args.warmup
+            try:
+                if cuda:
+                    torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                loss = step(i, sample)
+                if cuda:
+                    torch.cuda.synchronize(dev)
+                ms = (time.perf_counter() - t0) * 1e3
+                value = loss.item()
+            except Exception as e:
+                r.update(error=short(e), error_phase="step", error_step=i,
+                         traceback=traceback.format_exc()[-3000:])
+                break
+            sample()
+            step_ms.append(ms)
+            losses.append(float(value).hex())
+            if cuda:
+                used_after.append(used())
+                if mma_error is None:
+                    try:
+                        mma.append(torch.cuda.max_memory_allocated(dev))
+                    except Exception as e:  # refused under the pluggable fallback
+                        mma_error = short(e)
+            if args.verbose or i in (0, args.warmup - 1, total - 1):
+                print(f"step {i:3d} loss {value:.6f} {ms:9.2f} ms"
+                      + (f" used {(used_after[-1] - baseline) / MIB:9.1f} MiB over baseline" if cuda else ""),
+                      flush=True)
+        if sampler is not None:
+            sampler.stop()
+        if cuda and not mma and mma_error is None:  # the loop stopped before its first step ended
+            try:
+                mma.append(torch.cuda.max_memory_allocated(dev))
+            except Exception as e:
+                mma_error = short(e)
+    messages = sorted({str(w.message).splitlines()[0][:300] for w in caught})
+    for m in messages:
+        print(f"warning: {m}", file=sys.stderr)
+    r["nondeterministic_ops"] = [m for m in messages if "determinis" in m]
+    r["completed"] = r["error"] is None and len(step_ms) == total
+    timed_ms = step_ms[args.warmup:]
+    r.update(step_ms=step_ms, losses_hex=losses, steps_done=len(step_ms),
+             median_step_ms=statistics.median(timed_ms) if r["completed"] and timed_ms else None,
+             warmup_ms_total=sum(step_ms[:args.warmup]))
+    if cuda:
+        r.update(baseline_used=baseline, used_after_step=used_after,
+                 peak_used_meminfo=peak["all"], peak_used_meminfo_timed=peak["timed"],
+                 max_memory_allocated=mma or None, max_memory_allocated_error=mma_error)
+        over = [peak["all"] - baseline]
+        if sampler is not None and sampler.available:
+            r.update(nvml_baseline=sampler.baseline, nvml_peak=sampler.peak)
+            over.append(sampler.peak - sampler.baseline)
+        elif sampler is not None:
+            r["nvml_error"] = sampler.error
+        r["peak_over_baseline"] = max(over)
+        if not mma_error:
+            try:
+                r["max_memory_reserved"] = torch.cuda.max_memory_reserved(dev)
+            except Exception as e:
+                r["max_memory_reserved_error"] = short(e)
+        if loop == "compiled":
+            try:
+                from torch._inductor import cudagraph_trees
+
+                manager = cudagraph_trees.get_container(dev.index).tree_manager
+                r["cudagraphs"] = manager is not None and len(list(manager.get_roots())) > 0
+            except Exception as e:
+                r["cudagraphs"] = f"unknown ({short(e)})"
+    r["wall_s"] = time.perf_counter() - started
+    return r
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver (parent process)
+# ---------------------------------------------------------------------------------------------
+
+def child_env(allocator):
+    env = dict(os.environ)
+    for key, value in ENV[allocator].items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    env.setdefault("STREAMALLOC_CACHE", "/tmp/streamalloc-cache")
+    env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_child(cmd, env, log_path, timeout):
+    """Runs CMD in a session of its own, output to LOG_PATH; kills its whole process group
+    (inductor's compile workers included) past TIMEOUT. Returns (exit status or None, seconds)."""
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = None
+    try:  # workers the run left behind (its process group)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    return rc, time.perf_counter() - start
+
+
+def tail(path, n=8):
+    try:
+        with open(path, errors="replace") as f:
+            lines = [line.rstrip() for line in f if line.strip()]
+    except OSError:
+        return ""
+    return " | ".join(lines[-n:])[-1500:]
+
+
+def prebuild_backend(env, log_path, timeout):
+    """Builds the backend once (into STREAMALLOC_CACHE) so no run pays for the build."""
+    cmd = [sys.executable, "-c", "import streamalloc.torch as t; print('backend:', t.build_backend())"]
+    rc, secs = run_child(cmd, env, log_path, timeout)
+    if rc == 0:
+        print(f"backend built or found in {secs:.0f} s ({tail(log_path, 1)})", flush=True)
+        return None
+    problem = f"building the backend failed (exit {rc}, {secs:.0f} s): {tail(log_path)}"
+    print(problem, flush=True)
+    return problem
+
+
+def mib(v):
+    return "—" if v is None else f"{v / MIB:,.0f}"
+
+
+def compare(run, reference):
+    """The 'losses equal native' cell."""
+    if run["allocator"] == "native":
+        return "(reference)" if run["losses_hex"] else "—"
+    if reference is None or not reference.get("losses_hex"):
+        return "n/a (no native run)"
+    mine, ref = run.get("losses_hex") or [], reference["losses_hex"]
+    if not mine:
+        return "—"
+    n = min(len(mine), len(ref))
+    differ = [i for i in range(n) if mine[i] != ref[i]]
+    partial = f" (first {n} steps)" if n < max(len(mine), len(ref)) else ""
+    if not differ:
+        return "equal" + partial
+    diff = max(abs(float.fromhex(mine[i]) - float.fromhex(ref[i])) for i in differ)
+    return f"differ on {len(differ)} of {n} steps from step {differ[0]} (max abs diff {diff:.3g}){partial}"
+
+
+def cells(run, reference):
+    """loop | allocator | median | peak | max_memory_allocated | losses."""
+    refusal = "refused" if run["allocator"] == "pluggable" else "ERROR"
+    if run["completed"]:
+        median = f"{run['median_step_ms']:.2f}"
+    elif run.get("error"):
+        median = f"{refusal} (step {run['error_step']})" if run.get("error_step") is not None else refusal
+    else:
+        median = "—"
+    peak = mib(run.get("peak_over_baseline")) if run["completed"] else "—"
+    if run.get("max_memory_allocated_error"):
+        mma = "refused"
+    elif run.get("max_memory_allocated"):
+        mma = mib(run["max_memory_allocated"][-1]) + ("" if run["completed"] else " (partial)")
+    else:
+        mma = "—"
+    extra = ""
+    if run["loop"] == "compiled" and run.get("cudagraphs") is False and run["completed"]:
+        extra = " (no CUDA graphs were used)"
+    return [run["loop"], run["allocator"], median, peak, mma, compare(run, reference) + extra]
+
+
+def table(runs, args, header):
+    out = [header, "",
+           "| loop | allocator | median step ms | peak device MiB (driver) | max_memory_allocated MiB (torch) "
+           "| losses equal native |",
+           "| --- | --- | ---: | ---: | ---: | --- |"]
+    notes = []
+    for run in runs:
+        reference = next((r for r in runs if r["loop"] == run["loop"] and r["allocator"] == "native"), None)
+        out.append("| " + " | ".join(cells(run, reference)) + " |")
+        if run.get("error"):
+            where = f" at step {run['error_step']}" if run.get("error_step") is not None else \
+                f" in {run.get('error_phase', 'the run')}"
+            kind = "refused" if run["allocator"] == "pluggable" else "ERROR"
+            notes.append(f"- {run['loop']}/{run['allocator']}: {kind}{where}: {run['error']}")
+        if run.get("max_memory_allocated_error"):
+            notes.append(f"- {run['loop']}/{run['allocator']}: torch.cuda.max_memory_allocated() raised: "
+                         f"{run['max_memory_allocated_error']}")
+        if run.get("nondeterministic_ops") and run["allocator"] == "native":
+            notes.append(f"- {run['loop']}: ops without a deterministic implementation (warned): "
+                         + "; ".join(run["nondeterministic_ops"])[:600])
+    out += ["", f"Median over {args.steps} timed steps after {args.warmup} warm-up steps; peak device memory "
+            "beyond the process's baseline (driver: cudaMemGetInfo after each forward, backward and step"
+            + (", NVML every 2 ms" if any(r.get("nvml_peak") for r in runs) else ", no NVML")
+            + "; warm-up included); max_memory_allocated after "
+            "the last step; losses of every step compared bitwise with the native run."]
+    warm = [f"{r['allocator']} {r['warmup_ms_total'] / 1e3:.1f} s" for r in runs
+            if r["loop"] == "compiled" and r.get("warmup_ms_total") is not None and r.get("steps_done")]
+    if warm:
+        out.append(f"compiled: the warm-up steps (compilation, CUDA graph recording) took {', '.join(warm)}.")
+    if any(r["allocator"] == "rerun" for r in runs):
+        out.append("rerun: torch's native allocator again, in a new process: whether native reproduces its own "
+                   "losses (with cudnn.benchmark each process times cudnn's algorithms anew and may pick others).")
+    if notes:
+        out += ["", "Notes:", *notes]
+    return "\n".join(out)
+
+
+def drive(args):
+    os.makedirs(args.out, exist_ok=True)
+    logs = os.path.join(args.out, "torch_loops-logs")
+    os.makedirs(logs, exist_ok=True)
+    jsonl_path = os.path.join(args.out, "torch_loops.jsonl")
+    md_path = os.path.join(args.out, "torch_loops.md")
+    loops = args.loops.split(",")
+    allocators = args.allocators.split(",")
+    build_problem = None
+    if args.device == "cuda" and "backend" in allocators:
+        build_problem = prebuild_backend(child_env("backend"), os.path.join(logs, "backend-build.log"),
+                                         args.build_timeout)
+    runs = []
+    with open(jsonl_path, "w") as jsonl:
+        for loop in loops:
+            control = ["rerun"] if loop in args.control and "rerun" not in allocators else []
+            for allocator in allocators + control:
+                result_path = os.path.join(logs, f"{loop}-{allocator}.json")
+                log_path = os.path.join(logs, f"{loop}-{allocator}.log")
+                if os.path.exists(result_path):
+                    os.remove(result_path)
+                cmd = [sys.executable, HERE, "--one", loop, allocator, "--result", result_path,
+                       "--warmup", str(args.warmup), "--steps", str(args.steps), "--seed", str(args.seed),
+                       "--device", args.device] + (["--quick"] if args.quick else []) + \
+                      ([] if args.nvml else ["--no-nvml"])
+                rc, secs = run_child(cmd, child_env(allocator), log_path, args.timeout)
+                try:
+                    with open(result_path) as f:
+                        run = json.load(f)
+                except (OSError, ValueError):
+                    why = f"timed out after {args.timeout} s" if rc is None else f"exited {rc} without a result"
+                    run = {"loop": loop, "allocator": allocator, "completed": False,
+                           "error": f"{why}: {tail(log_path)}", "error_phase": "process", "error_step": None}
+                    if allocator == "backend" and build_problem:
+                        run["error"] += f" [{build_problem}]"
+                run["process_s"] = secs
+                runs.append(run)
+                jsonl.write(json.dumps(run) + "\n")
+                jsonl.flush()
+                state = ("ok" if run["completed"] else
+                         ("refused" if allocator == "pluggable" else "FAILED") + f": {run.get('error')}")
+                median = run.get("median_step_ms")
+                if run.get("step_ms"):
+                    print(f"{loop:>9} / {allocator:<10} first step {run['step_ms'][0] / 1e3:.1f} s, "
+                          f"warm-up {run['warmup_ms_total'] / 1e3:.1f} s", flush=True)
+                print(f"{loop:>9} / {allocator:<10} {secs:6.1f} s  "
+                      + (f"median {median:8.2f} ms  " if median is not None else "")
+                      + (f"peak {mib(run.get('peak_over_baseline'))} MiB  " if run.get("peak_over_baseline") else "")
+                      + state, flush=True)
+    first = next((r for r in runs if r.get("torch")), {})
+    header = (f"## Training loops under each allocator ({'quick' if args.quick else 'full'} run"
+              f"{', CPU DRY RUN: figures meaningless' if args.device == 'cpu' else ''})\n\n"
+              f"torch {first.get('torch', '?')} (CUDA {first.get('cuda', '?')}), {first.get('gpu', args.device)}, "
+              f"STREAMALLOC_CONF={os.environ.get('STREAMALLOC_CONF') or '(default)'}")
+    text = table(runs, args, header)
+    print("\n" + text)
+    with open(md_path, "w") as f:
+        f.write(text + "\n")
+    print(f"\nwritten: {md_path}, {jsonl_path}, logs in {logs}")
+    failed = [f"{r['loop']}/{r['allocator']}" for r in runs if r["allocator"] in MUST_COMPLETE and not r["completed"]]
+    if failed:
+        print(f"runs that did not complete: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="/tmp/streamalloc-gpu", help="folder for torch_loops.md/.jsonl and logs")
+    parser.add_argument("--quick", action="store_true", help="small models, 3 warm-up and 5 timed steps")
+    parser.add_argument("--loops", default=",".join(LOOPS), help=f"comma-separated, of {', '.join(LOOPS)}")
+    parser.add_argument("--allocators", default=",".join(a for a in ALLOCATORS if a != "rerun"),
+                        help=f"comma-separated, of {', '.join(ALLOCATORS)} (run in this order)")
+    parser.add_argument("--control", default="resnet",
+                        help="loops that get a rerun of native after the others: comma-separated, all or none "
+                             "(default resnet)")
+    parser.add_argument("--warmup", type=int, help="warm-up steps (default 10, quick 3)")
+    parser.add_argument("--steps", type=int, help="timed steps (default 30, quick 5)")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per run (default 300)")
+    parser.add_argument("--build-timeout", type=int, default=600, help="seconds for building the backend")
+    parser.add_argument("--no-nvml", dest="nvml", action="store_false", help="no NVML sampling thread")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: a dry run of this script's logic only (no allocator, meaningless figures)")
+    parser.add_argument("--verbose", action="store_true", help="print every step")
+    parser.add_argument("--one", nargs=2, metavar=("LOOP", "ALLOCATOR"), help="one run in this process")
+    parser.add_argument("--result", help="with --one: write the result (JSON) here")
+    args = parser.parse_args()
+    args.warmup = args.warmup if args.warmup is not None else (3 if args.quick else 10)
+    args.steps = args.steps if args.steps is not None else (5 if args.quick else 30)
+    args.control = {"all": list(LOOPS), "none": []}.get(args.control, args.control.split(","))
+    if any(name not in LOOPS for name in args.control):
+        parser.error(f"--control: loops of {', '.join(LOOPS)}, all or none")
+    if args.warmup < 0 or args.steps < 1:
+        parser.error("--warmup >= 0 and --steps >= 1")
+    for name in args.loops.split(","):
+        if name not in LOOPS:
+            parser.error(f"unknown loop {name!r} (of {', '.join(LOOPS)})")
+    for name in args.allocators.split(","):
+        if name not in ALLOCATORS:
+            parser.error(f"unknown allocator {name!r} (of {', '.join(ALLOCATORS)})")
+    if args.one:
+        loop, allocator = args.one
+        if loop not in LOOPS or allocator not in ALLOCATORS:
+            parser.error(f"--one LOOP ALLOCATOR: LOOP of {', '.join(LOOPS)}, ALLOCATOR of {', '.join(ALLOCATORS)}")
+        run = one_run(loop, allocator, args)
+        if run.get("traceback"):
+            print(run["traceback"], file=sys.stderr)
+        text = json.dumps(run)
+        if args.result:
+            with open(args.result, "w") as f:
+                f.write(text)
+        else:
+            print(text)
+        sys.stdout.flush()
+        # The result is written: skip the interpreter's teardown (a run torch refused may
+        # leave half-recorded CUDA graph state behind; nothing at exit matters here).
+        os._exit(0 if run["completed"] else 3)
+    sys.exit(drive(args))
+
+
+if __name__ == "__main__":
+    main()
