@@ -42,8 +42,43 @@
 //                                   under torch's own allocator opens what this one shares;
 //                                   works for memory of cuMemAlloc chunks (strategy=plain, or
 //                                   expandable=false), refused with the reason otherwise
-//   snapshot                        one segment per live allocation
-//   recordHistory                   refused when enabling (no stack traces are kept)
+//   recordHistory / snapshot        torch's memory history (_record_memory_history, _snapshot,
+//                                   _dump_snapshot, memory_viz): see "History" below
+//   recordAnnotation, push/pop-     kept as native keeps them (annotations in the snapshot's
+//   CompileContext, set/get-        external_annotations, the compile context and the user
+//   UserMetadata                    metadata on each trace entry)
+//
+// History. recordHistory(enabled, context_recorder, max_entries, when, clear, skip_actions)
+// keeps, per device, a ring of the newest max_entries TraceEntry (native's RingBuffer):
+//   ALLOC           each allocation torch makes, with torch's context (stack) when `when` is
+//                   ALLOC or ALL; the block keeps the context gathered at STATE and above
+//   FREE_REQUESTED  torch freed it (context gathered at ALL, else the allocation's)
+//   FREE_COMPLETED  the library may hand the memory out again. The library does not say when:
+//                   for a plain free that is at once (it serves the next request on the same
+//                   stream from it), so the entry follows the request. Memory used on another
+//                   stream (recordStream) waits for that stream's work: its completion is
+//                   recorded when an allocation reuses any of its bytes, or when the library
+//                   reports nothing pending (streamalloc_stats' pending_release 0), whichever is
+//                   seen first; until then the snapshot shows the block active_pending_free
+//                   (tracked while history is recorded; otherwise the completion follows the
+//                   request). Memory held for a cudagraph trees checkpoint completes when
+//                   released.
+//   OOM             an allocation refused for lack of memory (addr: the device's free bytes)
+//   SNAPSHOT        a snapshot was taken (in the next snapshot's traces, as native)
+// SEGMENT_ALLOC / SEGMENT_FREE / SEGMENT_MAP / SEGMENT_UNMAP are not recorded: the library's
+// counters say that it called the device, not which range it got or gave back.
+// snapshot() describes what the library holds as well as this side knows it. Segments are the
+// device allocations (cuMemGetAddressRange) that hold torch's live allocations; each live
+// allocation is an active_allocated block at its address (its size as asked for), each one
+// freed by torch and not yet completed an active_pending_free block, the bytes between them
+// inactive blocks. A range larger than all the library reserves is an address reservation,
+// of which the span of the blocks found in it is reported (is_expandable); a block the driver
+// gives no range holding it all (mapped memory, expandable=true, on an H200 with torch 2.11)
+// is a segment of its own, merged with those it overlaps. Of the library's reserved bytes on
+// a device, those in no segment found so (cached chunks that hold no live allocation, their
+// addresses unknown here) are one more segment at address 0 holding one inactive block (it
+// may hold other front ends', CuPy's, allocations too). device_traces are the rings, oldest
+// first, times in Unix microseconds.
 //
 // Nothing here lets an exception escape into the library (the filter trampolines catch) and
 // every library error becomes a c10::Error with the library's message.
@@ -67,12 +102,16 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -174,7 +213,79 @@ struct Alloc {
   bool in_pool = false; // made while a private pool's filter matched
   MempoolId_t pool{0, 0};
   std::shared_ptr<CCA::CUDAAllocator> pool_allocator; // a MemPool's own allocator, if any
+  bool other_streams = false; // recordStream named a stream other than `stream`
+  std::shared_ptr<c10::GatheredContext> context; // torch's context when allocated (history)
 };
+
+// An allocation torch freed whose memory the library may not hand out yet (see History).
+struct Awaiting {
+  Alloc a;
+  uint64_t seq = 0; // order of the frees: those before a stats reading are covered by it
+};
+
+// The newest entries, at most `max` (native's RingBuffer): oldest first once read.
+template <typename T>
+struct Ring {
+  std::vector<T> items;
+  size_t next = 0; // the oldest, once full
+
+  // Adds `item`; the one it replaces, if the ring is full, goes to `evicted` (to be
+  // destroyed by the caller outside its lock: a context may take the GIL to go).
+  void push(T item, size_t max, std::optional<T>& evicted) {
+    if (items.size() < max) {
+      items.push_back(std::move(item));
+      return;
+    }
+    evicted.emplace(std::move(items[next]));
+    items[next] = std::move(item);
+    next = (next + 1) % items.size();
+  }
+
+  std::vector<T> in_order() const {
+    std::vector<T> out;
+    out.reserve(items.size());
+    out.insert(out.end(), items.begin() + static_cast<ptrdiff_t>(next), items.end());
+    out.insert(out.end(), items.begin(), items.begin() + static_cast<ptrdiff_t>(next));
+    return out;
+  }
+
+  // Keeps the newest `max`; the others go to `dropped`.
+  void trim(size_t max, std::vector<T>& dropped) {
+    if (items.size() <= max && next == 0) {
+      return;
+    }
+    std::vector<T> all = in_order();
+    items.clear();
+    next = 0;
+    size_t cut = all.size() > max ? all.size() - max : 0;
+    for (size_t i = 0; i < all.size(); i++) {
+      (i < cut ? dropped : items).push_back(std::move(all[i]));
+    }
+  }
+
+  void clear(std::vector<T>& dropped) {
+    for (auto& item : items) {
+      dropped.push_back(std::move(item));
+    }
+    items.clear();
+    next = 0;
+  }
+};
+
+// One block of a snapshot: an allocation torch holds, or freed and not yet completed.
+struct Piece {
+  uintptr_t addr = 0;
+  Alloc a;
+  bool allocated = true;
+  bool library_memory = true; // made by the library (else by a MemPool's own allocator)
+  // The range this block says the device holds: its device allocation, or itself.
+  uintptr_t start = 0;
+  uintptr_t end = 0;
+  uintptr_t reservation = 0; // the address reservation holding it, if that is all known
+};
+
+// cuMemGetAddressRange_v2 (CUresult, CUdeviceptr* base, size_t* size, CUdeviceptr ptr).
+using AddressRangeFn = int (*)(unsigned long long*, size_t*, unsigned long long);
 
 struct PoolKey {
   c10::DeviceIndex device;
@@ -334,6 +445,8 @@ class Backend : public CCA::CUDAAllocator {
     a.device = device;
     a.stream = stream;
     a.in_pool = route(device, stream, a.pool);
+    // Outside every lock: torch's recorder takes the GIL.
+    a.context = gather(CCA::RecordContext::STATE);
     void* p = nullptr;
     if (a.in_pool) {
       std::lock_guard<std::mutex> lock(mu_);
@@ -355,7 +468,7 @@ class Backend : public CCA::CUDAAllocator {
         }
         if (status != OK) {
           if (oom) {
-            out_of_memory(size, device, message);
+            out_of_memory(size, device, stream, message, a.context);
           }
           TORCH_CHECK(false, "streamalloc: allocating ", size, " bytes on device ", device, " failed: ", message);
         }
@@ -394,7 +507,12 @@ class Backend : public CCA::CUDAAllocator {
     return false;
   }
 
-  [[noreturn]] void out_of_memory(size_t size, c10::DeviceIndex device, const std::string& message) {
+  [[noreturn]] void out_of_memory(
+      size_t size,
+      c10::DeviceIndex device,
+      cudaStream_t stream,
+      const std::string& message,
+      std::shared_ptr<c10::GatheredContext> context) {
     LibStats s{};
     lib_.stats(device, &s);
     size_t device_free = 0;
@@ -411,10 +529,10 @@ class Backend : public CCA::CUDAAllocator {
       observers = oom_observers_;
       counts_[device].ooms++;
     }
+    record(CCA::TraceEntry::OOM, device, device_free, size, stream, {0, 0}, std::move(context));
     for (const auto& observer : observers) {
       observer(device, s.allocated, device_total, device_free);
     }
-    trace(CCA::TraceEntry::OOM, device, device_free, size, nullptr, {0, 0});
     c10::reportOutOfMemoryToProfiler(
         static_cast<int64_t>(size), s.allocated, s.reserved, c10::Device(c10::DeviceType::CUDA, device));
     TORCH_CHECK_WITH(
@@ -441,6 +559,8 @@ class Backend : public CCA::CUDAAllocator {
     if (p == nullptr) {
       return;
     }
+    poll_awaiting(a.device);
+    std::vector<std::pair<uintptr_t, Alloc>> reused;
     {
       std::lock_guard<std::mutex> lock(mu_);
       live_[p] = a;
@@ -448,8 +568,63 @@ class Backend : public CCA::CUDAAllocator {
         pools_[PoolKey{a.device, a.pool}].live.insert(p);
       }
       count(a, +1);
+      if (awaiting_count_[a.device].load(std::memory_order_relaxed) > 0) {
+        take_overlapping(a.device, reinterpret_cast<uintptr_t>(p), a.size, reused);
+      }
     }
-    trace(CCA::TraceEntry::ALLOC, a.device, reinterpret_cast<size_t>(p), a.size, a.stream, a.pool);
+    // Memory the library handed out again: those frees completed before.
+    for (auto& [addr, old] : reused) {
+      record(CCA::TraceEntry::FREE_COMPLETED, old.device, addr, old.size, old.stream, old.pool, old.context);
+    }
+    record(CCA::TraceEntry::ALLOC, a.device, reinterpret_cast<size_t>(p), a.size, a.stream, a.pool, a.context);
+  }
+
+  // Moves the awaiting frees of `device` that overlap [addr, addr + size) to `out`; mu_ held.
+  void take_overlapping(c10::DeviceIndex device, uintptr_t addr, size_t size, std::vector<std::pair<uintptr_t, Alloc>>& out) {
+    auto& awaiting = awaiting_[device];
+    auto it = awaiting.lower_bound(addr);
+    if (it != awaiting.begin()) {
+      auto before = std::prev(it);
+      if (before->first + before->second.a.size > addr) {
+        it = before;
+      }
+    }
+    while (it != awaiting.end() && it->first < addr + size) {
+      out.emplace_back(it->first, std::move(it->second.a));
+      it = awaiting.erase(it);
+    }
+    awaiting_count_[device].store(awaiting.size(), std::memory_order_relaxed);
+  }
+
+  // Records the completion of the awaiting frees of `device` once the library reports none
+  // of its memory pending.
+  void poll_awaiting(c10::DeviceIndex device) {
+    if (awaiting_count_[device].load(std::memory_order_relaxed) == 0) {
+      return;
+    }
+    // Frees handed to the library before the reading are covered by it.
+    uint64_t limit = awaiting_seq_.load(std::memory_order_acquire);
+    LibStats s{};
+    if (lib_.stats(device, &s) != OK || s.pending_release != 0) {
+      return;
+    }
+    std::vector<std::pair<uintptr_t, Alloc>> done;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto& awaiting = awaiting_[device];
+      for (auto it = awaiting.begin(); it != awaiting.end();) {
+        if (it->second.seq < limit) {
+          done.emplace_back(it->first, std::move(it->second.a));
+          it = awaiting.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      awaiting_count_[device].store(awaiting.size(), std::memory_order_relaxed);
+    }
+    for (auto& [addr, a] : done) {
+      record(CCA::TraceEntry::FREE_COMPLETED, a.device, addr, a.size, a.stream, a.pool, a.context);
+    }
   }
 
   // Adds (+1) or removes (-1) `a` from the counts; mu_ held.
@@ -471,6 +646,8 @@ class Backend : public CCA::CUDAAllocator {
     if (ptr == nullptr) {
       return;
     }
+    // Outside every lock: torch's recorder takes the GIL.
+    std::shared_ptr<c10::GatheredContext> context = gather(CCA::RecordContext::ALL);
     Alloc a;
     bool pinned = false;
     {
@@ -498,9 +675,16 @@ class Backend : public CCA::CUDAAllocator {
         parked_[ptr] = a;
       }
     }
-    trace(CCA::TraceEntry::FREE_REQUESTED, a.device, reinterpret_cast<size_t>(ptr), a.size, a.stream, a.pool);
+    record(
+        CCA::TraceEntry::FREE_REQUESTED,
+        a.device,
+        reinterpret_cast<size_t>(ptr),
+        a.size,
+        a.stream,
+        a.pool,
+        context ? context : a.context);
     if (!pinned) {
-      release_memory(ptr, a);
+      release_memory(ptr, a, context);
     }
   }
 
@@ -515,13 +699,36 @@ class Backend : public CCA::CUDAAllocator {
     }
   }
 
-  void release_memory(void* ptr, const Alloc& a) {
+  void release_memory(void* ptr, const Alloc& a, std::shared_ptr<c10::GatheredContext> context = nullptr) {
     if (a.pool_allocator) {
       a.pool_allocator->raw_delete(ptr);
     } else {
       lib_.free(ptr, static_cast<ssize_t>(a.size), a.device, a.stream);
+      if (a.other_streams && recording_.load(std::memory_order_acquire)) {
+        // Its reuse waits for the other streams' work (see History; tracked while history
+        // is recorded).
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          Awaiting& w = awaiting_[a.device][reinterpret_cast<uintptr_t>(ptr)];
+          w.a = a;
+          if (context) {
+            w.a.context = context;
+          }
+          w.seq = awaiting_seq_.fetch_add(1, std::memory_order_acq_rel);
+          awaiting_count_[a.device].store(awaiting_[a.device].size(), std::memory_order_relaxed);
+        }
+        poll_awaiting(a.device);
+        return;
+      }
     }
-    trace(CCA::TraceEntry::FREE_COMPLETED, a.device, reinterpret_cast<size_t>(ptr), a.size, a.stream, a.pool);
+    record(
+        CCA::TraceEntry::FREE_COMPLETED,
+        a.device,
+        reinterpret_cast<size_t>(ptr),
+        a.size,
+        a.stream,
+        a.pool,
+        context ? context : a.context);
   }
 
   // --- setup ---
@@ -602,6 +809,9 @@ class Backend : public CCA::CUDAAllocator {
       auto it = live_.find(ptr.get());
       if (it != live_.end()) {
         pool_allocator = it->second.pool_allocator;
+        if (stream.stream() != it->second.stream) {
+          it->second.other_streams = true;
+        }
       }
     }
     if (pool_allocator) { // memory of a MemPool's own allocator: its record_stream
@@ -688,34 +898,263 @@ class Backend : public CCA::CUDAAllocator {
     c.segment.reset_peak();
   }
 
-  CCA::SnapshotInfo snapshot(MempoolId_t mempool_id, bool /*include_traces*/) override {
+  // See History at the top of the file.
+  CCA::SnapshotInfo snapshot(MempoolId_t mempool_id, bool include_traces) override {
     CCA::SnapshotInfo info;
+    auto& md = info.config_metadata;
+    md.garbage_collection_threshold = 0.0;
+    md.max_split_size = std::numeric_limits<size_t>::max(); // native's "no limit"
+    md.pinned_num_register_threads = 1;
+    md.expandable_segments = false;
+    md.release_lock_on_malloc = false;
+    md.pinned_use_host_register = false;
+    md.graph_capture_record_stream_reuse = false;
+    md.last_allocator_settings = "";
     bool all_pools = mempool_id.first == 0 && mempool_id.second == 0;
-    std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& [ptr, a] : live_) {
-      if (!all_pools && !(a.in_pool && a.pool == mempool_id)) {
-        continue;
-      }
-      c10::CachingDeviceAllocator::SegmentInfo seg;
-      seg.device = a.device;
-      seg.address = reinterpret_cast<size_t>(ptr);
-      seg.total_size = a.size;
-      seg.requested_size = a.size;
-      seg.allocated_size = a.size;
-      seg.active_size = a.size;
-      seg.stream = a.stream;
-      seg.is_large = a.size > kSmallSize;
-      seg.owner_private_pool_id = a.in_pool ? a.pool : MempoolId_t{0, 0};
-      c10::CachingDeviceAllocator::BlockInfo block;
-      block.size = a.size;
-      block.requested_size = a.size;
-      block.allocated = true;
-      block.active = true;
-      seg.blocks.push_back(block);
-      info.segments.push_back(std::move(seg));
+    for (c10::DeviceIndex d = 0; d < kMaxDevices; d++) {
+      poll_awaiting(d);
     }
-    info.device_traces.resize(static_cast<size_t>(std::max(device_count_, 0)));
+
+    // What torch holds, and what it freed that the library may not hand out yet.
+    std::vector<Piece> pieces;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      // `held`: the library still holds it for torch (live, or kept for a checkpoint), so
+      // it may be asked about it.
+      auto add = [&](uintptr_t addr, const Alloc& a, bool allocated, bool held) {
+        if (!all_pools && !(a.in_pool && a.pool == mempool_id)) {
+          return;
+        }
+        Piece piece;
+        piece.addr = addr;
+        piece.a = a;
+        piece.allocated = allocated;
+        piece.library_memory = held && !a.pool_allocator;
+        pieces.push_back(std::move(piece));
+      };
+      for (const auto& [p, a] : live_) {
+        add(reinterpret_cast<uintptr_t>(p), a, true, true);
+      }
+      for (const auto& [p, a] : parked_) {
+        add(reinterpret_cast<uintptr_t>(p), a, false, true);
+      }
+      for (const auto& awaiting : awaiting_) {
+        for (const auto& [addr, w] : awaiting) {
+          add(addr, w.a, false, false);
+        }
+      }
+    }
+    std::sort(pieces.begin(), pieces.end(), [](const Piece& x, const Piece& y) {
+      return x.a.device != y.a.device ? x.a.device < y.a.device : x.addr < y.addr;
+    });
+    int devices = std::max(device_count_, 0);
+    std::vector<size_t> active_bytes(kMaxDevices, 0);
+    for (size_t i = 0; i < pieces.size();) {
+      size_t j = i;
+      while (j < pieces.size() && pieces[j].a.device == pieces[i].a.device) {
+        j++;
+      }
+      c10::DeviceIndex device = pieces[i].a.device;
+      devices = std::max(devices, static_cast<int>(device) + 1);
+      describe_device(device, pieces.data() + i, pieces.data() + j, info.segments, active_bytes[device]);
+      i = j;
+    }
+    devices = std::min(devices, kMaxDevices);
+    if (all_pools) {
+      // The library's other reserved bytes: where, not known here.
+      for (int d = 0; d < devices; d++) {
+        LibStats s{};
+        if (lib_.stats(d, &s) != OK) {
+          continue;
+        }
+        size_t known = 0;
+        for (const auto& seg : info.segments) {
+          if (seg.device == d) {
+            known += seg.total_size;
+          }
+        }
+        if (s.reserved > known) {
+          c10::CachingDeviceAllocator::SegmentInfo seg;
+          seg.device = static_cast<c10::DeviceIndex>(d);
+          seg.address = 0;
+          seg.total_size = s.reserved - known;
+          seg.is_large = true;
+          c10::CachingDeviceAllocator::BlockInfo block;
+          block.size = seg.total_size;
+          seg.blocks.push_back(block);
+          info.segments.push_back(std::move(seg));
+        }
+      }
+    }
+
+    info.device_traces.resize(static_cast<size_t>(devices));
+    if (include_traces) {
+      std::lock_guard<std::mutex> lock(hist_mu_);
+      auto to_ns = clock_.makeConverter();
+      for (int d = 0; d < devices; d++) {
+        auto& out = info.device_traces[static_cast<size_t>(d)];
+        out = rings_[d].in_order();
+        for (auto& entry : out) {
+          entry.time_.t_ = to_ns(entry.time_.approx_t_) / 1000;
+        }
+      }
+      info.external_annotations = annotations_.in_order();
+      for (auto& entry : info.external_annotations) {
+        entry.time_.t_ = to_ns(entry.time_.approx_t_) / 1000;
+      }
+    }
+    if (recording_.load(std::memory_order_acquire)) {
+      for (int d = 0; d < devices; d++) {
+        record(CCA::TraceEntry::SNAPSHOT, static_cast<c10::DeviceIndex>(d), 0, active_bytes[d], nullptr, mempool_id, nullptr);
+      }
+    }
     return info;
+  }
+
+  // The driver's range of the device allocation holding `ptr` (cuMemGetAddressRange, current
+  // device's context): the driver's own function when found, else the library's (which
+  // reports a failure on stderr, so it is asked only about the library's live memory).
+  bool device_range(uintptr_t ptr, bool library_memory, uintptr_t& base, size_t& len) {
+    std::call_once(driver_once_, [this] {
+      void* driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+      if (driver != nullptr) {
+        address_range_ = reinterpret_cast<AddressRangeFn>(dlsym(driver, "cuMemGetAddressRange_v2"));
+      }
+    });
+    if (address_range_ != nullptr) {
+      unsigned long long b = 0;
+      size_t n = 0;
+      if (address_range_(&b, &n, static_cast<unsigned long long>(ptr)) == 0 && n > 0) {
+        base = static_cast<uintptr_t>(b);
+        len = n;
+        return true;
+      }
+      return false;
+    }
+    if (!library_memory) {
+      return false;
+    }
+    size_t n = 0;
+    void* b = lib_.base_allocation(reinterpret_cast<void*>(ptr), &n);
+    if (n == 0) {
+      return false;
+    }
+    base = reinterpret_cast<uintptr_t>(b);
+    len = n;
+    return true;
+  }
+
+  // The segments of one device's pieces [first, last), sorted by address (see History).
+  void describe_device(
+      c10::DeviceIndex device,
+      Piece* first,
+      Piece* last,
+      std::vector<c10::CachingDeviceAllocator::SegmentInfo>& segments,
+      size_t& active_bytes) {
+    LibStats s{};
+    bool have_stats = lib_.stats(device, &s) == OK;
+    {
+      c10::cuda::CUDAGuard guard(device);
+      uintptr_t known_base = 0;
+      size_t known_len = 0;
+      for (Piece* p = first; p != last; ++p) {
+        uintptr_t end = p->addr + p->a.size;
+        uintptr_t base = 0;
+        size_t len = 0;
+        bool found = false;
+        if (known_len > 0 && p->addr >= known_base && end <= known_base + known_len) {
+          base = known_base;
+          len = known_len;
+          found = true;
+        } else if (device_range(p->addr, p->library_memory, base, len)) {
+          known_base = base;
+          known_len = len;
+          found = true;
+        }
+        p->start = p->addr;
+        p->end = end;
+        if (found && base <= p->addr && end <= base + len) {
+          if (!have_stats || len <= s.reserved) {
+            p->start = base;
+            p->end = base + len;
+          } else {
+            p->reservation = base; // more than the library holds: an address reservation
+          }
+        }
+      }
+    }
+    // Ranges that overlap, and blocks of one reservation, make one segment.
+    std::vector<Piece*> order;
+    for (Piece* p = first; p != last; ++p) {
+      order.push_back(p);
+    }
+    std::sort(order.begin(), order.end(), [](const Piece* x, const Piece* y) {
+      return x->start != y->start ? x->start < y->start : x->addr < y->addr;
+    });
+    std::vector<std::vector<Piece*>> groups;
+    uintptr_t start = 0;
+    uintptr_t end = 0;
+    uintptr_t reservation = 0;
+    std::vector<std::pair<uintptr_t, uintptr_t>> bounds;
+    for (Piece* p : order) {
+      bool joins = !groups.empty() &&
+          (p->start < end || (p->reservation != 0 && p->reservation == reservation));
+      if (joins) {
+        end = std::max(end, p->end);
+        reservation = reservation != 0 ? reservation : p->reservation;
+        groups.back().push_back(p);
+        bounds.back().second = end;
+      } else {
+        start = p->start;
+        end = p->end;
+        reservation = p->reservation;
+        groups.push_back({p});
+        bounds.emplace_back(start, end);
+      }
+    }
+    for (size_t g = 0; g < groups.size(); g++) {
+      auto& members = groups[g];
+      std::sort(members.begin(), members.end(), [](const Piece* x, const Piece* y) { return x->addr < y->addr; });
+      c10::CachingDeviceAllocator::SegmentInfo seg;
+      seg.device = device;
+      seg.address = bounds[g].first;
+      seg.total_size = bounds[g].second - bounds[g].first;
+      seg.stream = members.front()->a.stream;
+      seg.owner_private_pool_id = members.front()->a.in_pool ? members.front()->a.pool : MempoolId_t{0, 0};
+      uintptr_t cursor = bounds[g].first;
+      for (Piece* p : members) {
+        if (p->addr < cursor) {
+          continue; // overlaps the block before (cannot happen): not drawn twice
+        }
+        if (p->addr > cursor) {
+          c10::CachingDeviceAllocator::BlockInfo gap;
+          gap.size = p->addr - cursor;
+          seg.blocks.push_back(gap);
+        }
+        c10::CachingDeviceAllocator::BlockInfo block;
+        block.size = p->a.size;
+        block.requested_size = p->a.size;
+        block.allocated = p->allocated;
+        block.active = true;
+        block.context_when_allocated = p->a.context;
+        seg.blocks.push_back(block);
+        seg.active_size += p->a.size;
+        if (p->allocated) {
+          seg.allocated_size += p->a.size;
+          seg.requested_size += p->a.size;
+          active_bytes += p->a.size;
+        }
+        seg.is_large = seg.is_large || p->a.size > kSmallSize;
+        seg.is_expandable = seg.is_expandable || p->reservation != 0;
+        cursor = p->addr + p->a.size;
+      }
+      if (cursor < bounds[g].second) {
+        c10::CachingDeviceAllocator::BlockInfo gap;
+        gap.size = bounds[g].second - cursor;
+        seg.blocks.push_back(gap);
+      }
+      segments.push_back(std::move(seg));
+    }
   }
 
   // --- private pools (CUDA graphs, torch.cuda.MemPool, use_mem_pool) ---
@@ -908,6 +1347,8 @@ class Backend : public CCA::CUDAAllocator {
     TORCH_CHECK(state->device == device, "streamalloc: checkpoint of device ", state->device, " set on ", device);
     CCA::CheckpointDelta delta;
     std::vector<std::pair<void*, Alloc>> to_release;
+    // History entries, recorded once mu_ is released: (action, address, allocation).
+    std::vector<std::tuple<CCA::TraceEntry::Action, void*, Alloc>> events;
     {
       std::lock_guard<std::mutex> lock(mu_);
       std::unordered_set<void*> wanted;
@@ -927,7 +1368,10 @@ class Backend : public CCA::CUDAAllocator {
         count(a, -1);
         pools_[PoolKey{device, state->id}].live.erase(p);
         delta.ptrs_freed.push_back(p);
+        events.emplace_back(CCA::TraceEntry::FREE_REQUESTED, p, a);
         if (wanted.count(p)) {
+          // Handed back below at once.
+          events.emplace_back(CCA::TraceEntry::FREE_COMPLETED, p, a);
           continue;
         }
         auto pin = pins_.find(p);
@@ -942,6 +1386,7 @@ class Backend : public CCA::CUDAAllocator {
         auto parked = parked_.find(p);
         if (parked != parked_.end()) {
           counts_[device].pinned_bytes -= parked->second.size;
+          events.emplace_back(CCA::TraceEntry::FREE_COMPLETED, p, parked->second);
           parked_.erase(parked);
         } else {
           TORCH_INTERNAL_ASSERT(
@@ -952,7 +1397,11 @@ class Backend : public CCA::CUDAAllocator {
         count(recorded, +1);
         pools_[PoolKey{device, state->id}].live.insert(p);
         delta.dataptrs_allocd.emplace_back(p, p, &deleter, c10::Device(c10::DeviceType::CUDA, device));
+        events.emplace_back(CCA::TraceEntry::ALLOC, p, recorded);
       }
+    }
+    for (const auto& [action, p, a] : events) {
+      record(action, a.device, reinterpret_cast<size_t>(p), a.size, a.stream, a.pool, a.context);
     }
     for (const auto& [p, a] : to_release) {
       release_memory(p, a);
@@ -1056,21 +1505,111 @@ class Backend : public CCA::CUDAAllocator {
   // --- history, observers, trackers ---
 
   bool isHistoryEnabled() override {
-    return false;
+    return recording_.load(std::memory_order_acquire);
   }
 
+  // As native: recording (re)starts with these settings on every device; disabling, or
+  // clearHistory, empties the rings; skip_actions (torch's action names) are not kept.
   void recordHistory(
       bool enabled,
-      CCA::CreateContextFn,
-      size_t,
-      CCA::RecordContext,
-      bool,
-      const std::vector<std::string>&) override {
+      CCA::CreateContextFn context_recorder,
+      size_t alloc_trace_max_entries,
+      CCA::RecordContext when,
+      bool clearHistory,
+      const std::vector<std::string>& skip_actions) override {
     TORCH_CHECK(
-        !enabled,
-        "streamalloc does not record allocation history with stack traces "
-        "(torch.cuda.memory._record_memory_history); `streamalloc record` writes a trace of "
-        "every allocation instead");
+        when == CCA::RecordContext::NEVER || context_recorder != nullptr,
+        "streamalloc: recordHistory needs a context recorder to record contexts");
+    std::set<int> skip;
+    for (const auto& name : skip_actions) {
+      skip.insert(static_cast<int>(c10::CachingDeviceAllocator::parseTraceEntryAction(name)));
+    }
+    // Dropped entries go once the lock is released (a context may take the GIL to go).
+    std::vector<CCA::TraceEntry> dropped;
+    std::vector<c10::CachingDeviceAllocator::AnnotationEntry> dropped_annotations;
+    std::map<uintptr_t, Awaiting> dropped_awaiting[kMaxDevices];
+    {
+      std::lock_guard<std::mutex> lock(hist_mu_);
+      recorder_.store(enabled ? context_recorder : nullptr, std::memory_order_release);
+      when_.store(enabled ? static_cast<int>(when) : 0, std::memory_order_release);
+      max_entries_ = std::max<size_t>(alloc_trace_max_entries, 1);
+      skip_ = std::move(skip);
+      for (auto& ring : rings_) {
+        if (!enabled || clearHistory) {
+          ring.clear(dropped);
+        } else {
+          ring.trim(max_entries_, dropped);
+        }
+      }
+      if (!enabled || clearHistory) {
+        annotations_.clear(dropped_annotations);
+      } else {
+        annotations_.trim(max_entries_, dropped_annotations);
+      }
+      recording_.store(enabled, std::memory_order_release);
+    }
+    if (!enabled) {
+      // Frees awaiting their completion are tracked only while recording.
+      std::lock_guard<std::mutex> lock(mu_);
+      for (int d = 0; d < kMaxDevices; d++) {
+        dropped_awaiting[d].swap(awaiting_[d]);
+        awaiting_count_[d].store(0, std::memory_order_relaxed);
+      }
+    }
+  }
+
+  void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) override {
+    if (!recording_.load(std::memory_order_acquire)) {
+      return;
+    }
+    c10::DeviceIndex device = 0;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    c10::CachingDeviceAllocator::AnnotationEntry entry(device, c10::getApproximateTime());
+    for (const auto& [name, value] : md) {
+      entry.recordUserMetadata(name, value);
+    }
+    std::optional<c10::CachingDeviceAllocator::AnnotationEntry> evicted;
+    std::lock_guard<std::mutex> lock(hist_mu_);
+    annotations_.push(std::move(entry), max_entries_, evicted);
+  }
+
+  void pushCompileContext(std::string& md) override {
+    std::lock_guard<std::mutex> lock(hist_mu_);
+    compile_contexts_.push_back(md);
+  }
+
+  void popCompileContext() override {
+    std::lock_guard<std::mutex> lock(hist_mu_);
+    if (!compile_contexts_.empty()) {
+      compile_contexts_.pop_back();
+    }
+  }
+
+  void setUserMetadata(const std::string& metadata) override {
+    std::lock_guard<std::mutex> lock(hist_mu_);
+    user_metadata_ = metadata;
+  }
+
+  std::string getUserMetadata() override {
+    std::lock_guard<std::mutex> lock(hist_mu_);
+    return user_metadata_;
+  }
+
+  // torch's context (stack) if history records contexts at `level`; never call with a lock
+  // held (the recorder takes the GIL). Never throws (a deleter calls it).
+  std::shared_ptr<c10::GatheredContext> gather(CCA::RecordContext level) {
+    if (when_.load(std::memory_order_acquire) < static_cast<int>(level)) {
+      return nullptr;
+    }
+    CCA::CreateContextFn recorder = recorder_.load(std::memory_order_acquire);
+    if (recorder == nullptr) {
+      return nullptr;
+    }
+    try {
+      return recorder();
+    } catch (...) {
+      return nullptr;
+    }
   }
 
   void attachOutOfMemoryObserver(CCA::OutOfMemoryObserver observer) override {
@@ -1079,29 +1618,63 @@ class Backend : public CCA::CUDAAllocator {
   }
 
   void attachAllocatorTraceTracker(CCA::AllocatorTraceTracker tracker) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    trackers_.push_back(std::move(tracker));
+    std::lock_guard<std::mutex> lock(hist_mu_);
+    auto trackers = std::make_shared<std::vector<CCA::AllocatorTraceTracker>>(
+        trackers_ ? *trackers_ : std::vector<CCA::AllocatorTraceTracker>{});
+    trackers->push_back(std::move(tracker));
+    trackers_ = std::move(trackers);
     have_trackers_.store(true, std::memory_order_release);
   }
 
-  void trace(
+  // One event: to torch's trace trackers, and into the device's ring while history is
+  // recorded (native's record_trace). The context is kept when `when` is ALLOC or ALL. Call
+  // without mu_ held.
+  void record(
       CCA::TraceEntry::Action action,
       c10::DeviceIndex device,
       size_t addr,
       size_t size,
       cudaStream_t stream,
-      MempoolId_t pool) {
-    if (!have_trackers_.load(std::memory_order_acquire)) {
+      MempoolId_t pool,
+      std::shared_ptr<c10::GatheredContext> context) {
+    if (!recording_.load(std::memory_order_acquire) && !have_trackers_.load(std::memory_order_acquire)) {
       return;
     }
-    std::vector<CCA::AllocatorTraceTracker> trackers;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      trackers = trackers_;
+    if (device < 0 || device >= kMaxDevices) {
+      return;
     }
-    CCA::TraceEntry entry(action, device, addr, size, stream, pool, c10::getApproximateTime());
-    for (const auto& tracker : trackers) {
-      tracker(entry);
+    if (when_.load(std::memory_order_acquire) < static_cast<int>(CCA::RecordContext::ALLOC)) {
+      context.reset();
+    }
+    std::shared_ptr<const std::vector<CCA::AllocatorTraceTracker>> trackers;
+    std::optional<CCA::TraceEntry> for_trackers;
+    std::optional<CCA::TraceEntry> evicted; // destroyed after the lock is released
+    {
+      std::lock_guard<std::mutex> lock(hist_mu_);
+      // Taken under the lock: a ring's times never go back.
+      CCA::TraceEntry entry(
+          action,
+          device,
+          addr,
+          size,
+          stream,
+          pool,
+          c10::getApproximateTime(),
+          std::move(context),
+          compile_contexts_.empty() ? std::string("N/A") : compile_contexts_.back(),
+          user_metadata_);
+      trackers = trackers_;
+      if (trackers && !trackers->empty()) {
+        for_trackers.emplace(entry);
+      }
+      if (recording_.load(std::memory_order_relaxed) && skip_.count(static_cast<int>(action)) == 0) {
+        rings_[device].push(std::move(entry), max_entries_, evicted);
+      }
+    }
+    if (for_trackers) {
+      for (const auto& tracker : *trackers) {
+        tracker(*for_trackers);
+      }
     }
   }
 
@@ -1153,8 +1726,28 @@ class Backend : public CCA::CUDAAllocator {
   std::unordered_map<void*, int> pins_; // allocations in checkpoint states, how many
   std::unordered_map<void*, Alloc> parked_; // of those, freed by torch
   std::vector<CCA::OutOfMemoryObserver> oom_observers_;
-  std::vector<CCA::AllocatorTraceTracker> trackers_;
+  // Allocations torch freed whose memory may not be reused yet (while history is recorded).
+  std::map<uintptr_t, Awaiting> awaiting_[kMaxDevices];
+  std::atomic<size_t> awaiting_count_[kMaxDevices] = {};
+  std::atomic<uint64_t> awaiting_seq_{0};
+
+  // History (see the top of the file).
+  std::mutex hist_mu_; // what follows, up to the converter (no other lock taken while held)
+  std::atomic<bool> recording_{false};
+  std::atomic<int> when_{0}; // RecordContext while recording, else NEVER
+  std::atomic<CCA::CreateContextFn> recorder_{nullptr};
+  size_t max_entries_ = 1;
+  std::set<int> skip_; // actions not recorded
+  Ring<CCA::TraceEntry> rings_[kMaxDevices];
+  Ring<c10::CachingDeviceAllocator::AnnotationEntry> annotations_;
+  std::vector<std::string> compile_contexts_;
+  std::string user_metadata_;
+  std::shared_ptr<const std::vector<CCA::AllocatorTraceTracker>> trackers_;
   std::atomic<bool> have_trackers_{false};
+  c10::ApproximateClockToUnixTimeConverter clock_; // the entries' times to Unix time
+
+  std::once_flag driver_once_;
+  AddressRangeFn address_range_ = nullptr; // the driver's, when it can be found
 
   std::mutex ipc_mu_;
   std::unordered_map<std::string, std::weak_ptr<void>> ipc_;

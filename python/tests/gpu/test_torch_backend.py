@@ -70,6 +70,13 @@ def test_compile_reduce_overhead(run_case, conf, request):
     run_case(WORKER, "compile", conf)
 
 
+@confs(CONFS)
+def test_memory_history_and_snapshot(run_case, conf):
+    # With STREAMALLOC_CLI=PATH (or `streamalloc` in PATH) the dumped snapshot also goes
+    # through `streamalloc import`; without, the case records that it skipped that check.
+    run_case(WORKER, "history", conf)
+
+
 @confs(SHAREABLE)
 @pytest.mark.parametrize("child", ["native", "streamalloc"])
 def test_ipc_share_with_child(run_case, conf, child):

@@ -39,16 +39,31 @@ Cases (each checks real results, data read back where there is data):
   runner           `python -m streamalloc.torch SCRIPT ARGS` runs an unmodified script as
                    __main__ with its arguments, torch allocating through streamalloc and
                    torch.cuda.memory_stats() working in it
+  history          torch.cuda.memory._record_memory_history(max_entries=1000), then tensors of
+                   known sizes made and freed: _snapshot()'s device_traces hold their alloc,
+                   free_requested and free_completed entries (exact addresses, sizes, stream,
+                   times in Unix microseconds, torch's stack frames, the memory metadata), the
+                   live tensor is an active block of its size (with frames) in a segment whose
+                   blocks add up to it; _dump_snapshot's pickle goes through torch.cuda._memory_viz
+                   (trace_plot, segment_plot, stats, trace, segments; `python -m
+                   torch.cuda._memory_viz trace_plot` writes HTML) and, given a CLI
+                   (STREAMALLOC_CLI, else `streamalloc` in PATH), `streamalloc import` makes it a
+                   trace whose peak live bytes are what the case allocated; the ring keeps the
+                   newest max_entries; context=None records no frames; disabling empties it
 
 Output and exit status: see casekit.py.
 """
 
+import csv
 import gc
 import json
 import os
+import pickle
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 from casekit import MIB, Report
 
@@ -200,7 +215,7 @@ def case_mempool(report, conf):
     report.info["use_counts"] = counts
     report.expect(counts == [1, 2, 1], f"pool use counts {counts}, expected [1, 2, 1]")
     outside = torch.full((MIB,), 9.0, device="cuda")
-    in_pool = {seg["address"] for seg in pool.snapshot()}
+    in_pool = {addr for addr, b, _ in blocks_of(pool.snapshot()) if b["state"] == "active_allocated"}
     report.expect(all(t.data_ptr() in in_pool for t in inside), "the pool's snapshot lacks a tensor made in it")
     report.expect(outside.data_ptr() not in in_pool, "the pool's snapshot lists a tensor made outside it")
     freed_ptr = freed.data_ptr()
@@ -410,6 +425,190 @@ def case_runner(report, conf):
     report.expect(out["torch_allocated"] == out["streamalloc_allocated"],
                   "torch.cuda.memory_allocated() differs from streamalloc's figure in the script")
     report.expect(out["value"] == 5.0 * (1 << 20), "the script's tensor holds wrong data")
+
+
+def blocks_of(segments):
+    """(address, block, segment) of every block of a snapshot's segments, addressed as torch
+    lays them out: the segment's address, then each block after the one before."""
+    for seg in segments:
+        addr = seg["address"]
+        for b in seg["blocks"]:
+            yield addr, b, seg
+            addr += b["size"]
+
+
+def peak_live(trace_csv):
+    """Peak live bytes of an RMM logging CSV trace (allocate adds the size, free removes it)."""
+    live = peak = 0
+    with open(trace_csv, newline="") as f:
+        for row in csv.DictReader(f):
+            if row["Action"] == "allocate":
+                live += int(row["Size"])
+            elif row["Action"] == "free":
+                live -= int(row["Size"])
+            peak = max(peak, live)
+    return peak
+
+
+def case_history(report, conf):
+    torch = setup(conf)
+    from torch.cuda import _memory_viz
+
+    here = os.path.basename(__file__)
+    t0 = time.time()
+    torch.cuda.memory._record_memory_history(max_entries=1000)  # every entry, with stacks
+    torch.cuda.memory._set_memory_metadata("history-case")
+    report.expect(torch.cuda.memory._get_memory_metadata() == "history-case", "the memory metadata does not read back")
+    stream = torch.cuda.current_stream().cuda_stream
+    sizes = {"kept": 3 * MIB, "temp": 5 * MIB + 512, "small": 700_000}
+    kept = torch.empty(sizes["kept"], dtype=torch.uint8, device="cuda")
+    temp = torch.empty(sizes["temp"], dtype=torch.uint8, device="cuda")
+    small = torch.empty(sizes["small"], dtype=torch.uint8, device="cuda")
+    addrs = {"kept": kept.data_ptr(), "temp": temp.data_ptr(), "small": small.data_ptr()}
+    del temp, small
+    torch.cuda.memory._set_memory_metadata("")
+    snap = torch.cuda.memory._snapshot()
+    t1 = time.time()
+
+    # The trace: each tensor's entries, in order, with what torch records.
+    traces = snap["device_traces"]
+    report.info["trace_lengths"] = [len(t) for t in traces]
+    entries = traces[0] if traces else []
+    report.info["actions"] = [e["action"] for e in entries]
+    for name, addr in addrs.items():
+        mine = [(i, e) for i, e in enumerate(entries) if e.get("addr") == addr and e["action"] != "snapshot"]
+        actions = [e["action"] for _, e in mine]
+        want = ["alloc"] if name == "kept" else ["alloc", "free_requested", "free_completed"]
+        report.expect(actions == want, f"{name} ({sizes[name]} bytes at {addr:#x}): trace entries {actions}, not {want}")
+        for _, e in mine:
+            report.expect(e["size"] == sizes[name], f"{name}: a {e['action']} entry has size {e['size']}, not {sizes[name]}")
+            report.expect(e["stream"] == stream, f"{name}: a {e['action']} entry names stream {e['stream']}, not {stream}")
+            report.expect(e.get("user_metadata") in (None, "history-case"),
+                          f"{name}: a {e['action']} entry has user_metadata {e.get('user_metadata')!r}")
+        alloc = next((e for _, e in mine if e["action"] == "alloc"), None)
+        if alloc is not None:
+            frames = alloc.get("frames") or []
+            report.expect(any(f["filename"].endswith(here) for f in frames),
+                          f"{name}: its alloc entry has no frame of {here} ({len(frames)} frames)")
+            if name == "kept":
+                report.info["kept_alloc_frames"] = len(frames)
+    times = [e["time_us"] for e in entries]
+    report.expect(times == sorted(times), "the entries' times go back")
+    report.expect(all(t0 * 1e6 - 10e6 <= t <= t1 * 1e6 + 10e6 for t in times),
+                  f"entry times {times[:1]}..{times[-1:]} are not Unix microseconds of the run ({t0 * 1e6:.0f})")
+
+    # The segments: the live tensor an active block of its size, the freed ones not.
+    segments = snap["segments"]
+    report.info["segments"] = [(seg["address"], seg["total_size"], len(seg["blocks"]), seg.get("is_expandable"))
+                               for seg in segments]
+    for seg in segments:
+        total = sum(b["size"] for b in seg["blocks"])
+        report.expect(total == seg["total_size"],
+                      f"segment at {seg['address']:#x}: blocks add up to {total}, not {seg['total_size']}")
+        allocated = sum(b["size"] for b in seg["blocks"] if b["state"] == "active_allocated")
+        report.expect(allocated == seg["allocated_size"],
+                      f"segment at {seg['address']:#x}: allocated_size {seg['allocated_size']}, blocks {allocated}")
+    found = {addr: b for addr, b, _ in blocks_of(segments) if b["state"] != "inactive"}
+    block = found.get(addrs["kept"])
+    if report.expect(block is not None, "the live tensor is no block of the snapshot"):
+        report.expect(block["state"] == "active_allocated" and block["size"] == sizes["kept"]
+                      and block["requested_size"] == sizes["kept"], f"the live tensor's block is {block}")
+        if "address" in block:
+            report.expect(block["address"] == addrs["kept"], f"the block's address {block['address']:#x} is not the tensor's")
+        report.expect(any(f["filename"].endswith(here) for f in block.get("frames") or []),
+                      "the live tensor's block has no frame of this file")
+    report.expect(addrs["temp"] not in found and addrs["small"] not in found,
+                  "a freed tensor is still an active block of the snapshot")
+    public = torch.cuda.memory_snapshot()
+    report.expect(any(a == addrs["kept"] and b["state"] == "active_allocated" for a, b, _ in blocks_of(public)),
+                  "torch.cuda.memory_snapshot() lacks the live tensor")
+
+    # torch's viewers, on the dict and on _dump_snapshot's pickle.
+    try:
+        report.expect("TOTAL MEM" in _memory_viz.trace(snap), "_memory_viz.trace printed no total")
+        _memory_viz.segsum(snap)  # raises on blocks that do not add up
+        flame = _memory_viz.segments(snap, format_flamegraph=lambda lines: lines)
+        report.expect("active_allocated" in flame, "_memory_viz.segments shows no active block")
+        for plot in (_memory_viz.trace_plot, _memory_viz.segment_plot):
+            html = plot(snap)
+            report.expect(isinstance(html, str) and "<html>" in html, f"{plot.__name__} returned no HTML")
+    except Exception as e:
+        report.failures.append(f"torch.cuda._memory_viz failed on the snapshot: {type(e).__name__}: {e}")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "snapshot.pickle")
+        torch.cuda.memory._dump_snapshot(path)
+        with open(path, "rb") as f:
+            dumped = pickle.load(f)
+        report.expect([e["addr"] for e in dumped["device_traces"][0] if e["action"] == "alloc"][:3]
+                      == list(addrs.values()), "the dumped snapshot's alloc entries are not the tensors'")
+        html = os.path.join(tmp, "trace.html")
+        viz = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", "trace_plot", path, "-o", html],
+                             capture_output=True, text=True, timeout=120)
+        wrote = os.path.exists(html) and os.path.getsize(html) > 0
+        report.expect(viz.returncode == 0 and wrote,
+                      f"python -m torch.cuda._memory_viz trace_plot failed ({viz.returncode}): {viz.stderr[-300:]}")
+        stats = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", "stats", path],
+                               capture_output=True, text=True, timeout=120)
+        report.expect(stats.returncode == 0 and "total_allocated" in stats.stdout,
+                      f"python -m torch.cuda._memory_viz stats failed ({stats.returncode}): {stats.stderr[-300:]}")
+        cli = os.environ.get("STREAMALLOC_CLI") or shutil.which("streamalloc")
+        if cli:
+            out = os.path.join(tmp, "trace.csv")
+            imported = subprocess.run([cli, "import", path, "-o", out], capture_output=True, text=True, timeout=120)
+            report.info["import"] = (imported.stdout + imported.stderr).strip()[-400:]
+            if report.expect(imported.returncode == 0, f"streamalloc import failed ({imported.returncode})"):
+                peak = peak_live(out)
+                report.info["imported_peak_live"] = peak
+                report.expect(peak == sum(sizes.values()),
+                              f"the imported trace's peak live bytes are {peak}, not {sum(sizes.values())}")
+        else:
+            report.info["import"] = "skipped: no streamalloc CLI (set STREAMALLOC_CLI=PATH)"
+
+    # The ring keeps the newest max_entries; clear_history empties it.
+    torch.cuda.memory._record_memory_history(max_entries=4, clear_history=True)
+    ring_sizes = [4096, 8192, 12288]
+    for n in ring_sizes:
+        t = torch.empty(n, dtype=torch.uint8, device="cuda")
+        del t
+    ring = torch.cuda.memory._snapshot()["device_traces"][0]
+    got = [(e["action"], e["size"]) for e in ring]
+    want = [("free_completed", 8192), ("alloc", 12288), ("free_requested", 12288), ("free_completed", 12288)]
+    report.expect(got == want, f"with max_entries=4 the trace is {got}, not {want}")
+
+    # context=None: entries without frames, blocks without frames.
+    torch.cuda.memory._record_memory_history(context=None, clear_history=True, max_entries=1000)
+    plain = torch.empty(2 * MIB, dtype=torch.uint8, device="cuda")
+    snap = torch.cuda.memory._snapshot()
+    mine = [e for e in snap["device_traces"][0] if e.get("addr") == plain.data_ptr()]
+    report.expect([e["action"] for e in mine] == ["alloc"], f"context=None: entries {mine}")
+    report.expect(all(not e.get("frames") for e in mine), "context=None: an entry has frames")
+    block = {a: b for a, b, _ in blocks_of(snap["segments"])}.get(plain.data_ptr())
+    report.expect(block is not None and not block.get("frames"), f"context=None: the block is {block}")
+
+    # Disabled: no history, the state still there.
+    torch.cuda.memory._record_memory_history(enabled=None)
+    snap = torch.cuda.memory._snapshot()
+    report.expect(all(len(t) == 0 for t in snap["device_traces"]), "disabling left entries in the history")
+    live = {a for a, b, _ in blocks_of(snap["segments"]) if b["state"] == "active_allocated"}
+    report.expect(addrs["kept"] in live and plain.data_ptr() in live, "a live tensor left the snapshot")
+
+    # Informational: memory used on another stream, freed while that stream is busy.
+    side = torch.cuda.Stream()
+    torch.cuda.memory._record_memory_history(max_entries=1000, clear_history=True)
+    shared = torch.empty(4 * MIB, dtype=torch.uint8, device="cuda")
+    shared_ptr = shared.data_ptr()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)
+        shared.record_stream(side)
+    del shared
+    pending = {a: b["state"] for a, b, _ in blocks_of(torch.cuda.memory._snapshot()["segments"])}.get(shared_ptr)
+    torch.cuda.synchronize()
+    again = torch.empty(4 * MIB, dtype=torch.uint8, device="cuda")
+    entries = torch.cuda.memory._snapshot()["device_traces"][0]
+    report.info["record_stream"] = {"state_while_busy": pending,
+                                    "entries": [e["action"] for e in entries if e.get("addr") == shared_ptr]}
+    del again, kept, plain
+    torch.cuda.memory._record_memory_history(enabled=None)
 
 
 CASES = {name[len("case_"):]: f for name, f in globals().items() if name.startswith("case_")}
