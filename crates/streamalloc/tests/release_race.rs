@@ -106,3 +106,39 @@ fn the_simulator_counts_an_unmap_of_memory_in_use() {
     sim.unmap(base, g).unwrap();
     assert_eq!(unmaps_in_use(&sim), 1);
 }
+
+/// Two releases of an expandable-segments pool at once: the one that took a class's segment
+/// keeps it out of the pool until its own wait is over, whatever the other does (growths of
+/// that class meanwhile get chunks of their own). The inner release runs in a host function
+/// during the outer one's wait.
+#[test]
+fn a_release_during_another_keeps_the_others_segment_out() {
+    let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+    let s = sim.create_stream().unwrap();
+    let pool = Arc::new(BestFit::new(sim.clone(), config(BackingKind::Segments, s)).unwrap());
+    drop(pool.allocate(4096).unwrap());
+    drop(pool.allocate(6 * MIB).unwrap());
+    let scratch = sim.alloc(4096).unwrap();
+    sim.use_range(scratch, 4096, s, 1_000).unwrap();
+    let (p, inner) = (pool.clone(), Arc::new(parking_lot::Mutex::new(None)));
+    let seen = inner.clone();
+    sim.launch_host_func(
+        s,
+        Box::new(move || {
+            // Both segments are out for the outer release: this takes a chunk of its own,
+            // which the inner release gives back; then a small request grows again.
+            drop(p.allocate(6 * MIB).unwrap());
+            let released = p.release();
+            *seen.lock() = Some((released, p.allocate(4096).map(drop)));
+        }),
+    )
+    .unwrap();
+    pool.release().unwrap();
+    let (released, small) = inner.lock().take().expect("the host function ran during the release");
+    assert!(released.is_ok(), "{released:?}");
+    assert!(small.is_ok(), "a small request during the outer release: {small:?}");
+    sim.synchronize().unwrap();
+    pool.release().unwrap();
+    assert_eq!(pool.stats().reserved, 0);
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}

@@ -118,6 +118,8 @@ impl Backing for Segments {
     /// segments' lock is not held across it: a growth of a class whose segment is out for
     /// the release meanwhile gets a chunk of its own instead.
     fn release(&self, ledger: &dyn Ledger, wait: &dyn Fn() -> Result<()>) -> Result<usize> {
+        // The classes whose segment this release took (another release may hold the other's).
+        let mut mine = [false; 2];
         let chunks = {
             let mut sg = self.state.lock();
             let mut chunks = Vec::new();
@@ -128,6 +130,7 @@ impl Backing for Segments {
             for chunk in &chunks {
                 if let Some(c) = sg.base.iter().position(|&b| b == Some(chunk.addr)) {
                     sg.releasing[c] = true;
+                    mine[c] = true;
                 }
             }
             chunks
@@ -137,7 +140,9 @@ impl Backing for Segments {
         }
         let waited = wait();
         let mut sg = self.state.lock();
-        sg.releasing = [false; 2];
+        for (releasing, mine) in sg.releasing.iter_mut().zip(mine) {
+            *releasing &= !mine;
+        }
         if let Err(timeout @ Error::Timeout { .. }) = waited {
             restore(ledger, &chunks);
             return Err(timeout);
