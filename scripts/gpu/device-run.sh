@@ -157,13 +157,13 @@ for part in "$@"; do
       } ;;
     race)
       install_wheel && {
-        for conf in strategy=stream_safe strategy=stream_safe,expandable=false strategy=best_fit \
-          strategy=best_fit,expandable=false strategy=async strategy=plain native cudaMallocAsync; do
+        for conf in strategy=stream_safe strategy=stream_safe,backing=chunks strategy=stream_safe,backing=segments \
+          strategy=best_fit strategy=best_fit,backing=chunks strategy=async strategy=plain native cudaMallocAsync; do
           (cd python/tests/gpu && PYTHONPATH=/tmp/sa-site timeout $(( ${RACE_SECONDS:-60} + 120 )) \
             python3 race_cases.py release_race "$conf" "${RACE_SECONDS:-60}" 2>&1 | tail -n 3) &
         done; wait
       } > "$OUT/race.txt"; cat "$OUT/race.txt"; ! grep -q '"ok": false' "$OUT/race.txt" &&
-        [ "$(grep -c '"ok": true' "$OUT/race.txt")" -eq 8 ] ;;
+        [ "$(grep -c '"ok": true' "$OUT/race.txt")" -eq 9 ] ;;
     graphmem) install_wheel && PYTHONPATH=/tmp/sa-site python3 scripts/gpu/graph_memory.py | tee "$OUT/graph_memory.md" ;;
     record)
       install_wheel && rm -rf /tmp/traces &&

@@ -157,13 +157,14 @@ enum streamalloc_status_t streamalloc_stats(int device, struct streamalloc_stats
 enum streamalloc_status_t streamalloc_reset_peak_stats(int device);
 
 // Lets device `peer` read and write, in its kernels and copies, the memory that `device`'s
-// allocators map (`expandable=true`: virtual-memory ranges), both the memory mapped so far
+// allocators map (`backing=stitched` or `segments`: virtual-memory ranges), both the memory mapped so far
 // and what they map later. Such memory does not follow the context-level peer access that
-// `cudaDeviceEnablePeerAccess` gives, which covers `cudaMalloc` memory (`expandable=false`,
+// `cudaDeviceEnablePeerAccess` gives, which covers `cudaMalloc` memory (`backing=chunks`,
 // CUDA graphs' private pools) only: a program that enables peer access calls this too, for
 // each direction it uses. Memory of the driver's pool (`strategy=async`) is not covered
 // (`cudaMemPoolSetAccess`). Calling it twice, or with `peer == device`, does nothing more.
-enum streamalloc_status_t streamalloc_enable_peer_access(int device, int peer);
+enum streamalloc_status_t streamalloc_enable_peer_access(int device,
+                                                         int peer);
 
 // Configures the library with a `STREAMALLOC_CONF`-style string (e.g.
 // `strategy=async,release_threshold=8GiB`), which then takes the place of the environment

@@ -176,9 +176,9 @@ pub extern "C" fn streamalloc_reset_peak_stats(device: c_int) -> StreamallocStat
 }
 
 /// Lets device `peer` read and write, in its kernels and copies, the memory that `device`'s
-/// allocators map (`expandable=true`: virtual-memory ranges), both the memory mapped so far
+/// allocators map (`backing=stitched` or `segments`: virtual-memory ranges), both the memory mapped so far
 /// and what they map later. Such memory does not follow the context-level peer access that
-/// `cudaDeviceEnablePeerAccess` gives, which covers `cudaMalloc` memory (`expandable=false`,
+/// `cudaDeviceEnablePeerAccess` gives, which covers `cudaMalloc` memory (`backing=chunks`,
 /// CUDA graphs' private pools) only: a program that enables peer access calls this too, for
 /// each direction it uses. Memory of the driver's pool (`strategy=async`) is not covered
 /// (`cudaMemPoolSetAccess`). Calling it twice, or with `peer == device`, does nothing more.

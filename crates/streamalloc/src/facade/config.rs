@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
+use crate::allocators::BackingKind;
 use crate::error::{Error, Result};
 use crate::policy::best_fit::Classes;
 use crate::text::excerpt;
@@ -124,15 +125,18 @@ pub struct Config {
     pub sim_virtual_memory: bool,
     /// `growth`: bytes a caching pool grows by for large requests. Default 32 MiB.
     pub growth: usize,
-    /// `expandable`: `true` backs the caching pools (`best_fit`, `stream_safe`) with
-    /// stitched virtual-memory ranges ([`Stitched`](crate::allocators::backing::Stitched):
-    /// address space mapped as the pools grow, the memory of free granules mapped again to
-    /// pay for a growth that would raise the peak) on devices that support virtual memory
-    /// management, and with chunks of plain allocations elsewhere; `false` with chunks
-    /// everywhere. Stitched ranges keep the footprint closer to the peak live bytes when
-    /// shapes vary, at about the chunks' CPU cost (up to 1.32 times it where most misses
-    /// take idle ranges back; `bench/results/`). Default `true`.
-    pub expandable: bool,
+    /// `backing`: what the caching pools (`best_fit`, `stream_safe`) are backed with, by
+    /// name ([`backing`](crate::allocators::backing)): `stitched`, stitched virtual-memory
+    /// ranges (address space mapped as the pools grow, the memory of free granules mapped
+    /// again to pay for a growth that would raise the peak); `segments`, PyTorch's expandable
+    /// segments (one reservation per size class, mapped from its start); `chunks`, chunks of
+    /// plain allocations. The first two need a device with virtual memory management, and
+    /// fall back to chunks elsewhere. Stitched ranges keep the footprint closest to the peak
+    /// live bytes when shapes vary, at about the chunks' CPU cost (up to 1.40 times it where
+    /// most misses take idle ranges back; `bench/results/cpu-cost.md`). `expandable=true` and
+    /// `expandable=false` are aliases of `backing=stitched` and `backing=chunks`. Default
+    /// `stitched`.
+    pub backing: BackingKind,
     /// `pool`: `default` or `owned`, for `async`. Default `default`.
     pub pool: PoolChoice,
     /// `release_threshold`: bytes the `async` strategy's pool keeps reserved at
@@ -171,7 +175,7 @@ impl Default for Config {
             sim_capacity: 143_771 << 20,
             sim_virtual_memory: true,
             growth: 32 << 20,
-            expandable: true,
+            backing: BackingKind::Stitched,
             pool: PoolChoice::Default,
             release_threshold: u64::MAX,
             throttle: 0.8,
@@ -195,7 +199,8 @@ pub const KEYS: &[(&str, &str)] = &[
     ("sim_capacity", "a size of at least 64MiB, e.g. 80GiB"),
     ("sim_virtual_memory", "true | false"),
     ("growth", "a size above 1MiB that is a multiple of 256 bytes, e.g. 20MiB"),
-    ("expandable", "true | false"),
+    ("backing", "stitched | segments | chunks"),
+    ("expandable", "true | false (an alias: backing=stitched | backing=chunks)"),
     ("pool", "default | owned"),
     ("release_threshold", "a size, or max"),
     ("throttle", "a ratio in (0, 1], or 1 to turn it off"),
@@ -210,6 +215,7 @@ pub const KEYS: &[(&str, &str)] = &[
 /// The keys only some strategies take, with those strategies; every other key applies to all.
 const STRATEGY_KEYS: &[(&str, &[Strategy])] = &[
     ("growth", &[Strategy::BestFit, Strategy::StreamSafe]),
+    ("backing", &[Strategy::BestFit, Strategy::StreamSafe]),
     ("expandable", &[Strategy::BestFit, Strategy::StreamSafe]),
     ("wait_timeout", &[Strategy::BestFit, Strategy::StreamSafe]),
     ("pool", &[Strategy::Async]),
@@ -249,16 +255,24 @@ impl Config {
         let mut c = Config::default();
         let mut seen: Vec<&str> = Vec::new();
         for pair in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            let (key, value) = pair
-                .split_once('=')
-                .map(|(k, v)| (k.trim(), v.trim()))
-                .ok_or_else(|| Error::Config(format!("`{}` is not key=value", excerpt(pair))))?;
+            let (key, value) = pair.split_once('=').map(|(k, v)| (k.trim(), v.trim())).ok_or_else(|| {
+                Error::Config(format!("`{}` is not key=value{}", excerpt(pair), torch_hint(pair)))
+            })?;
             let accepted = KEYS.iter().find(|(k, _)| *k == key).map(|(_, a)| *a).ok_or_else(|| {
                 let known: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();
                 Error::Config(format!("unknown key `{}`; known keys: {}", excerpt(key), known.join(", ")))
             })?;
             if seen.contains(&key) {
                 return Err(Error::Config(format!("`{key}` is given twice; give each key once")));
+            }
+            if let Some(other) = ["backing", "expandable"].into_iter().find(|k| *k != key && seen.contains(k))
+            {
+                if key == "backing" || key == "expandable" {
+                    return Err(Error::Config(format!(
+                        "`{key}` and `{other}` both choose the pools' backing (expandable=true|false is an alias \
+                         of backing=stitched|chunks); give one"
+                    )));
+                }
             }
             seen.push(key);
             let bad = || Error::Config(format!("{key}={}: expected {accepted}", excerpt(value)));
@@ -300,7 +314,13 @@ impl Config {
                 "retry_timeout" => c.retry_timeout = Some(parse_duration(value).ok_or_else(bad)?),
                 "wait_timeout" => c.wait_timeout = parse_duration(value).ok_or_else(bad)?,
                 "stats" => c.stats = value.parse().map_err(|_| bad())?,
-                "expandable" => c.expandable = value.parse().map_err(|_| bad())?,
+                "backing" => c.backing = parse_backing(value).ok_or_else(bad)?,
+                "expandable" => {
+                    c.backing = match value.parse().map_err(|_| bad())? {
+                        true => BackingKind::Stitched,
+                        false => BackingKind::Chunks,
+                    }
+                }
                 "trace" if !value.is_empty() => c.trace = Some(PathBuf::from(value)),
                 _ => return Err(bad()),
             }
@@ -357,9 +377,9 @@ impl fmt::Display for Config {
         if self.strategy.takes("growth") {
             write!(
                 f,
-                ",growth={},expandable={},wait_timeout={}ms",
+                ",growth={},backing={},wait_timeout={}ms",
                 self.growth,
-                self.expandable,
+                backing_name(self.backing),
                 self.wait_timeout.as_millis()
             )?;
         }
@@ -412,6 +432,47 @@ fn parse_limit(value: &str) -> Option<LimitSpec> {
     let bytes = parse_size(value).filter(|n| *n > 0)?;
     let plain = value.chars().all(|ch| ch.is_ascii_digit());
     (!plain || bytes >= MIN_PLAIN_LIMIT).then_some(LimitSpec::Bytes(bytes))
+}
+
+/// The backing named `s` (`stitched`, `segments`, `chunks`).
+fn parse_backing(s: &str) -> Option<BackingKind> {
+    match s {
+        "stitched" => Some(BackingKind::Stitched),
+        "segments" => Some(BackingKind::Segments),
+        "chunks" => Some(BackingKind::Chunks),
+        _ => None,
+    }
+}
+
+/// The name `backing=` takes for `backing`.
+fn backing_name(backing: BackingKind) -> &'static str {
+    match backing {
+        BackingKind::Stitched => "stitched",
+        BackingKind::Segments => "segments",
+        BackingKind::Chunks => "chunks",
+    }
+}
+
+/// What to write instead of a `key:value` pair of PyTorch's `PYTORCH_CUDA_ALLOC_CONF`, if
+/// `pair` looks like one (empty otherwise).
+fn torch_hint(pair: &str) -> String {
+    let Some((key, _)) = pair.split_once(':') else { return String::new() };
+    let ours = match key.trim() {
+        "expandable_segments" => {
+            "backing=segments (PyTorch's expandable segments) or backing=stitched (the default)"
+        }
+        "backend" => "strategy=async (the driver's pool) or strategy=stream_safe",
+        "max_split_size_mb" | "roundup_power2_divisions" | "garbage_collection_threshold" => {
+            "nothing: streamalloc's pools split and release on their own (see the keys below)"
+        }
+        _ => "the keys below",
+    };
+    format!(
+        " (`{}:...` is PyTorch's PYTORCH_CUDA_ALLOC_CONF syntax; STREAMALLOC_CONF takes key=value pairs: \
+         here, {ours}; known keys: {})",
+        excerpt(key.trim()),
+        KEYS.iter().map(|(k, _)| *k).collect::<Vec<_>>().join(", ")
+    )
 }
 
 /// Parses a size: a number with an optional unit, `B`, `KB`/`MB`/`GB`/`TB` (powers of 1000)
@@ -493,9 +554,19 @@ mod tests {
         let caching =
             Config::parse("strategy=stream_safe, growth=2MiB, expandable=false, wait_timeout=100ms").unwrap();
         assert_eq!(caching.growth, 2 << 20);
-        assert!(!caching.expandable);
+        assert_eq!(caching.backing, BackingKind::Chunks);
         assert_eq!(caching.wait_timeout, Duration::from_millis(100));
         assert_eq!(Config::parse(&caching.to_string()).unwrap(), caching);
+        for (name, backing) in [
+            ("stitched", BackingKind::Stitched),
+            ("segments", BackingKind::Segments),
+            ("chunks", BackingKind::Chunks),
+        ] {
+            let c = Config::parse(&format!("strategy=best_fit,backing={name}")).unwrap();
+            assert_eq!(c.backing, backing);
+            assert_eq!(Config::parse(&c.to_string()).unwrap(), c);
+        }
+        assert_eq!(Config::parse("expandable=true").unwrap().backing, BackingKind::Stitched);
         let c = Config::parse(
             "strategy=async, device=sim, sim_capacity=8GiB, sim_virtual_memory=false, pool=owned, \
              release_threshold=1GiB, throttle=0.5, trim_floor=64MiB, limit=40GiB, retry_timeout=250ms, \
@@ -515,7 +586,7 @@ mod tests {
         assert!(c.stats);
         assert_eq!(c.trace, Some(PathBuf::from("/tmp/t.csv")));
         // Every key in KEYS is covered above.
-        assert_eq!(KEYS.len(), 15);
+        assert_eq!(KEYS.len(), 16);
         // Display writes back what parse reads.
         assert_eq!(Config::parse(&c.to_string()).unwrap(), c);
         for s in ["plain", "best_fit", "stream_safe", "async"] {
@@ -555,6 +626,20 @@ mod tests {
     }
 
     /// Values that parsed and then made every call fail, or meant something else than written.
+    /// The backing by name; `expandable` is an alias of two of them, and giving both is an
+    /// error. PyTorch's `expandable_segments:True` is answered with our key.
+    #[test]
+    fn the_backing_is_chosen_by_name() {
+        let e = Config::parse("backing=segments,expandable=false").unwrap_err().to_string();
+        assert!(e.contains("give one"), "{e}");
+        let e = Config::parse("backing=mapped").unwrap_err().to_string();
+        assert!(e.contains("stitched | segments | chunks"), "{e}");
+        let e = Config::parse("expandable_segments:True").unwrap_err().to_string();
+        assert!(e.contains("backing=segments") && e.contains("PYTORCH_CUDA_ALLOC_CONF"), "{e}");
+        let e = Config::parse("strategy=async,backing=chunks").unwrap_err().to_string();
+        assert!(e.contains("does not apply to strategy=async"), "{e}");
+    }
+
     /// A hostile value is quoted bounded and escaped (issue 33: a 1 MB value was echoed
     /// whole, and escape sequences reached the terminal).
     #[test]

@@ -50,11 +50,14 @@ pub const MAX_DEVICES: usize = 64;
 const _: () = assert!(MAX_DEVICES <= u64::BITS as usize, "Facade::built_mask has a bit per device");
 
 /// The settings of the caching pools of `config`'s `best_fit` and `stream_safe` strategies
-/// on `device`: stitched ranges with `expandable` where the device supports virtual memory
-/// management, chunks elsewhere.
+/// on `device`: the backing `config` names, but chunks on a device without virtual memory
+/// management (which stitched ranges and segments need).
 fn pool_config(config: &Config, device: &dyn Device) -> Result<BestFitConfig> {
-    let stitched = config.expandable && device.supports_virtual_memory()?;
-    let backing = if stitched { BackingKind::Stitched } else { BackingKind::Chunks };
+    let backing = match config.backing {
+        BackingKind::Chunks => BackingKind::Chunks,
+        mapped if device.supports_virtual_memory()? => mapped,
+        _ => BackingKind::Chunks,
+    };
     Ok(BestFitConfig {
         growth: config.growth,
         backing,

@@ -2,6 +2,7 @@
 //! when it is given none.
 
 use super::{Config, Strategy};
+use crate::allocators::BackingKind;
 
 /// A named [`Config`].
 #[derive(Debug, Clone, PartialEq)]
@@ -14,7 +15,7 @@ pub struct Preset {
 
 impl Config {
     /// One preset per [`Strategy`] with its defaults, named after it, and `stream_safe`
-    /// over chunks of plain allocations (`stream_safe_chunks`, `expandable=false`), in that
+    /// over chunks of plain allocations (`stream_safe_chunks`, `backing=chunks`), in that
     /// order.
     pub fn presets() -> Vec<Preset> {
         let strategy = |strategy| Config { strategy, ..Config::default() };
@@ -24,7 +25,7 @@ impl Config {
             Preset { name: Strategy::StreamSafe.name(), config: strategy(Strategy::StreamSafe) },
             Preset {
                 name: "stream_safe_chunks",
-                config: Config { expandable: false, ..strategy(Strategy::StreamSafe) },
+                config: Config { backing: BackingKind::Chunks, ..strategy(Strategy::StreamSafe) },
             },
             Preset { name: Strategy::Async.name(), config: strategy(Strategy::Async) },
         ]
@@ -58,8 +59,8 @@ mod tests {
         for strategy in [Strategy::Plain, Strategy::BestFit, Strategy::StreamSafe, Strategy::Async] {
             assert!(presets.iter().any(|p| p.name == strategy.name() && p.config.strategy == strategy));
         }
-        assert!(Config::preset("stream_safe").unwrap().expandable);
-        assert!(!Config::preset("stream_safe_chunks").unwrap().expandable);
+        assert_eq!(Config::preset("stream_safe").unwrap().backing, BackingKind::Stitched);
+        assert_eq!(Config::preset("stream_safe_chunks").unwrap().backing, BackingKind::Chunks);
         let err = Config::preset("fast").unwrap_err().to_string();
         assert!(err.contains("unknown preset `fast`; presets: plain, best_fit, stream_safe"), "{err}");
     }
