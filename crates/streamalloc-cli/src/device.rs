@@ -26,6 +26,8 @@ pub struct Opened {
     /// without being refused: 0 on the simulator; on a GPU, what the driver's own use
     /// (streams, events, modules loaded lazily) moves by between replays.
     pub start_slack: usize,
+    /// The simulator's settings when the device is the simulator.
+    pub sim: Option<SimConfig>,
 }
 
 /// Opens GPU 0 through the CUDA driver, or says why it cannot.
@@ -33,7 +35,7 @@ pub fn open_cuda() -> Result<Opened, String> {
     let device = CudaDevice::new(0).map_err(|e| e.to_string())?;
     let memory = device.mem_info().map_err(|e| e.to_string())?;
     let description = format!("CUDA device 0 ({} MiB, {} MiB free)", memory.total >> 20, memory.free >> 20);
-    Ok(Opened { device, description, start_slack: 32 << 20 })
+    Ok(Opened { device, description, start_slack: 32 << 20, sim: None })
 }
 
 /// One line per CUDA device: memory and whether it offers stream-ordered pools. The
@@ -83,8 +85,8 @@ pub fn open(choice: Option<DeviceChoice>) -> Result<Opened, String> {
     let simulator = || {
         let config = simulator_config();
         let description = describe_simulator(&config);
-        let device: Arc<dyn Device> = SimDevice::new(config);
-        Opened { device, description, start_slack: 0 }
+        let device: Arc<dyn Device> = SimDevice::new(config.clone());
+        Opened { device, description, start_slack: 0, sim: Some(config) }
     };
     match choice {
         Some(DeviceChoice::Sim) => Ok(simulator()),

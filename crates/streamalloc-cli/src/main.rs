@@ -25,12 +25,14 @@ use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
-use streamalloc::facade::{Config, Facade, ENV_VAR};
+use streamalloc::facade::{Config, DeviceKind, Facade, ENV_VAR};
 use streamalloc_replay::replay::{check_start, replay, settle, ReplayOptions, ReplayResult, ReplayTarget};
-use streamalloc_replay::trace::{excerpt, excerpt_within, ParseOptions, Trace, CUT_SHORT, EXCERPT};
+use streamalloc_replay::trace::{
+    excerpt, excerpt_within, ParseOptions, Trace, CUT_SHORT, EXCERPT, NOT_TEXT, PICKLE,
+};
 
 use crate::device::DeviceChoice;
 
@@ -51,19 +53,21 @@ enum Command {
     /// pool is trimmed first, and the replay is refused if memory is still in use. Pass 0
     /// samples device memory after every operation (footprint, and the series --plot
     /// draws); then --passes timed passes give the best ns/op. The configurations are the
-    /// --allocator presets and --conf strings given, else STREAMALLOC_CONF when set, else
-    /// every preset (the variable's `trace` key does not apply). A trace that cannot be read is reported and the others replay; the
-    /// exit status is 1 if any failed. With --json the output is one JSON array of result
-    /// objects (the fields of `streamalloc_replay::replay::ReplayResult` plus `device` and
-    /// `config`), which `compare` and `plot` read.
+    /// --allocator presets and --conf strings given, in the order given, else
+    /// STREAMALLOC_CONF when set, else every preset (the variable's `trace` key does not
+    /// apply). A trace that cannot be read is reported and the others replay; the exit status
+    /// is 1 if any failed. With --json the output is one JSON array of result objects (the
+    /// fields of `streamalloc_replay::replay::ReplayResult` plus `device`, `config`, the
+    /// configuration replayed, and on the simulator `ns_per_op_note`), which `compare` and
+    /// `plot` read. On the simulator, ns/op measure the library's CPU cost, not a GPU's.
     Replay {
         /// Trace files (CSV: Thread,Time,Action,Pointer,Size,Stream).
         #[arg(required = true)]
         traces: Vec<PathBuf>,
         /// A configuration, as STREAMALLOC_CONF takes it (e.g.
         /// 'strategy=stream_safe,expandable=true,growth=16MiB'); repeatable, each row is
-        /// labelled by its string. Its `device` and `sim_capacity` keys do not apply:
-        /// --device chooses the device.
+        /// labelled by its string, rows in the order --conf and --allocator are given. Its
+        /// `device` and `sim_*` keys do not apply: --device chooses the device.
         #[arg(long = "conf", short = 'c', value_name = "CONF")]
         confs: Vec<String>,
         // The help lists the library's presets (`Config::presets`), the one registry.
@@ -97,7 +101,7 @@ enum Command {
         b: PathBuf,
     },
     /// Draws saved `replay --json` outputs side by side (one column per file, one row per
-    /// trace) into an SVG file.
+    /// trace, the columns of a row on the same scale) into an SVG file.
     Plot {
         /// `replay --json` outputs.
         #[arg(required = true)]
@@ -119,7 +123,7 @@ enum Command {
         gpu: Option<usize>,
     },
     /// Describes the device (the GPU when CUDA finds one, else the simulator), the presets,
-    /// and what STREAMALLOC_CONF does here.
+    /// and what STREAMALLOC_CONF does here; exits with status 1 when it is not valid.
     Info,
     /// Runs a program whose GPU allocations go through libstreamalloc.so (e.g. PyTorch after
     /// `streamalloc.torch.enable()`, CuPy after `streamalloc.cupy.enable()`, or a C program
@@ -149,19 +153,30 @@ struct JsonResult {
     /// The device description of the run.
     #[serde(default)]
     device: String,
-    /// The whole configuration replayed, as `Config::parse` reads it.
+    /// The whole configuration replayed, as `Config::parse` reads it: its `device` (and on
+    /// the simulator its `sim_*` keys) those of the device replayed on.
     #[serde(default)]
     config: String,
+    /// On the simulator, [`SIM_NS_PER_OP`]: what its ns/op measure.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    ns_per_op_note: Option<String>,
     #[serde(flatten)]
     result: ReplayResult,
 }
 
+/// What the ns/op of a replay on the simulator are, said under the table and in each JSON
+/// row: the simulator charges no time of a GPU's.
+const SIM_NS_PER_OP: &str = "ns/op on the simulator measure the library's CPU cost, not a GPU's";
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // Parsed in two steps: the matches also say where each value of `replay` was typed.
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let outcome = match cli.command {
         Command::Replay { traces, confs, presets, device, json, plot, passes, threads, lenient } => {
             let options = RunOptions { device, json, plot, passes: passes as usize, threads, lenient };
-            configurations(&presets, &confs).and_then(|configs| run_replay(&traces, &configs, &options))
+            let chosen = in_typed_order(matches.subcommand_matches("replay"), presets, confs);
+            configurations(&chosen).and_then(|configs| run_replay(&traces, &configs, &options))
         }
         Command::Compare { a, b } => compare(&a, &b),
         Command::Plot { results, output } => plot_saved(&results, &output),
@@ -210,18 +225,48 @@ fn presets_help() -> String {
     format!("A preset configuration by name (repeatable): {}", names.join(", "))
 }
 
-/// The configurations to replay, labelled: the presets named, then the `--conf` strings;
-/// with neither, `STREAMALLOC_CONF` when set, else every preset.
-fn configurations(presets: &[String], confs: &[String]) -> Result<Vec<(String, Config)>, String> {
+/// A configuration named on `replay`'s command line.
+enum Chosen {
+    /// `--allocator NAME`: a preset.
+    Preset(String),
+    /// `--conf CONF`: a configuration string.
+    Conf(String),
+}
+
+/// The `--allocator` and `--conf` values of `replay`, in the order they were typed (as
+/// `matches`, `replay`'s, place them; values it does not place come last, presets first).
+fn in_typed_order(
+    matches: Option<&clap::ArgMatches>,
+    presets: Vec<String>,
+    confs: Vec<String>,
+) -> Vec<Chosen> {
+    let at = |id: &str| {
+        let typed = matches.and_then(|m| m.indices_of(id)).into_iter().flatten();
+        typed.chain(std::iter::repeat(usize::MAX))
+    };
+    let mut chosen: Vec<(usize, Chosen)> = at("presets")
+        .zip(presets.into_iter().map(Chosen::Preset))
+        .chain(at("confs").zip(confs.into_iter().map(Chosen::Conf)))
+        .collect();
+    chosen.sort_by_key(|(index, _)| *index);
+    chosen.into_iter().map(|(_, c)| c).collect()
+}
+
+/// The configurations to replay, labelled: those `chosen`, in order; with none,
+/// `STREAMALLOC_CONF` when set, else every preset.
+fn configurations(chosen: &[Chosen]) -> Result<Vec<(String, Config)>, String> {
     let mut configs = Vec::new();
-    for name in presets {
-        let config = Config::preset(name).map_err(|e| format!("--allocator: {}", bounded(e)))?;
-        configs.push((name.clone(), config));
-    }
-    for conf in confs {
-        let config =
-            Config::parse(conf).map_err(|e| format!("--conf '{}': {}", excerpt(conf), bounded(e)))?;
-        configs.push((conf.trim().to_owned(), config));
+    for choice in chosen {
+        configs.push(match choice {
+            Chosen::Preset(name) => {
+                (name.clone(), Config::preset(name).map_err(|e| format!("--allocator: {}", bounded(e)))?)
+            }
+            Chosen::Conf(conf) => {
+                let config =
+                    Config::parse(conf).map_err(|e| format!("--conf '{}': {}", excerpt(conf), bounded(e)))?;
+                (conf.trim().to_owned(), config)
+            }
+        });
     }
     if configs.is_empty() {
         match Config::env_text().map_err(bounded)? {
@@ -277,10 +322,10 @@ fn record(output: &Path, command: &[String]) -> Result<(), String> {
     let trace = load(&target.path, ParseOptions::lenient())?;
     let cut = if trace.skipped_truncated_rows > 0 { "; its last row, cut short, skipped" } else { "" };
     emit(&format!(
-        "{}: {} operations, peak live {} bytes, {} streams ({ended}{cut})\n",
+        "{}: {} operations, peak live {}, {} streams ({ended}{cut})\n",
         output.display(),
         trace.len(),
-        trace.peak_live,
+        bytes(trace.peak_live),
         trace.streams.len(),
     ))?;
     if status.success() {
@@ -515,7 +560,8 @@ fn run_replay(paths: &[PathBuf], configs: &[(String, Config)], o: &RunOptions) -
             match replay_one(trace, label, config, &opened, idle, &options) {
                 Ok(result) => rows.push(JsonResult {
                     device: opened.description.clone(),
-                    config: config.to_string(),
+                    config: replayed(config, &opened).to_string(),
+                    ns_per_op_note: opened.sim.is_some().then(|| SIM_NS_PER_OP.to_owned()),
                     result,
                 }),
                 Err(message) => {
@@ -538,6 +584,9 @@ fn run_replay(paths: &[PathBuf], configs: &[(String, Config)], o: &RunOptions) -
     } else {
         let results: Vec<&ReplayResult> = rows.iter().map(|r| &r.result).collect();
         let mut text = table(&results);
+        if opened.sim.is_some() && !results.is_empty() {
+            text.push_str(&format!("{SIM_NS_PER_OP}\n"));
+        }
         for trace in &traces {
             if trace.recorded_failures + trace.skipped_frees + trace.skipped_truncated_rows > 0 {
                 let cut =
@@ -582,6 +631,27 @@ fn run_replay(paths: &[PathBuf], configs: &[(String, Config)], o: &RunOptions) -
     }
 }
 
+/// `config` as replayed on `opened`: `--device` chose the device, so its `device` key is
+/// that device's kind, and on the simulator its `sim_*` keys are the simulator's settings
+/// (elsewhere they do not apply: the defaults).
+fn replayed(config: &Config, opened: &device::Opened) -> Config {
+    let defaults = Config::default();
+    match &opened.sim {
+        Some(sim) => Config {
+            device: DeviceKind::Sim,
+            sim_capacity: sim.capacity,
+            sim_virtual_memory: sim.virtual_memory,
+            ..config.clone()
+        },
+        None => Config {
+            device: DeviceKind::Cuda,
+            sim_capacity: defaults.sim_capacity,
+            sim_virtual_memory: defaults.sim_virtual_memory,
+            ..config.clone()
+        },
+    }
+}
+
 /// Replays `trace` through a fresh stack of `config` on the opened device, from the idle
 /// state; the stack is dropped after it (what a default pool keeps, the next start trims).
 fn replay_one(
@@ -606,11 +676,23 @@ fn short_device(description: &str) -> &str {
     description.split(['(', ';']).next().unwrap_or(description).trim()
 }
 
-/// Parses the trace at `path`; errors name the file, and one for a last row cut short says
-/// that `--lenient` skips it.
+/// Parses the trace at `path`; errors name the file, one for a last row cut short says that
+/// `--lenient` skips it, and one for a file that is not text (a pickle, most likely a PyTorch
+/// memory snapshot) says how `import` converts it, quoting none of its bytes.
 fn load(path: &Path, options: ParseOptions) -> Result<Trace, String> {
+    let import = || format!("convert it with `streamalloc import {} -o TRACE.csv`", shell_word(path));
     Trace::from_path_with(path, options).map_err(|e| match e {
         streamalloc::Error::Io(msg) => msg,
+        streamalloc::Error::Trace { line: 1, ref reason, .. } if reason.starts_with(PICKLE) => {
+            format!("{}: {PICKLE}: {}", path.display(), import())
+        }
+        streamalloc::Error::Trace { line: 1, ref reason, .. } if reason.starts_with(NOT_TEXT) => {
+            format!(
+                "{}: {reason} (RMM's logging CSV); if it is a PyTorch memory snapshot (a pickle), {}",
+                path.display(),
+                import()
+            )
+        }
         streamalloc::Error::Trace { ref reason, .. } if reason.starts_with(CUT_SHORT) => {
             format!("{}: {e} (--lenient skips it)", path.display())
         }
@@ -618,7 +700,20 @@ fn load(path: &Path, options: ParseOptions) -> Result<Trace, String> {
     })
 }
 
-/// Bytes in binary units, 3 significant digits or so.
+/// `path` as one word of a shell command: as it is when it holds only characters no shell
+/// treats specially, else in single quotes.
+fn shell_word(path: &Path) -> String {
+    let text = path.display().to_string();
+    let plain = |c: char| c.is_ascii_alphanumeric() || "/._-+,:@%=".contains(c);
+    if !text.is_empty() && text.chars().all(plain) {
+        text
+    } else {
+        format!("'{}'", text.replace('\'', "'\\''"))
+    }
+}
+
+/// Bytes in binary units, 3 significant digits or so: the one formatting of byte counts in
+/// the command's text (the tables of `replay` and `compare`, `record`'s summary).
 fn bytes(n: usize) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut value = n as f64;
@@ -763,6 +858,11 @@ fn compare(a_path: &Path, b_path: &Path) -> Result<(), String> {
         }
     }
     text.push_str(&columns(&header, &rows));
+    for (name, file) in [("A", &a), ("B", &b)] {
+        if let Some(note) = file.iter().find_map(|r| r.ns_per_op_note.as_deref()) {
+            text.push_str(&format!("{name}: {}\n", excerpt(note)));
+        }
+    }
     text.extend(unmatched);
     emit(&text)
 }
@@ -828,8 +928,11 @@ fn import_snapshot(snapshot: &Path, output: &Path, gpu: Option<usize>) -> Result
     ))
 }
 
+/// Describes the device, the presets and what `STREAMALLOC_CONF` does; an invalid
+/// `STREAMALLOC_CONF` is an error, after the rest is printed.
 fn info() -> Result<(), String> {
     let mut text = String::new();
+    let mut invalid = None;
     match device::open_cuda() {
         Ok(_) => device::describe_gpus().iter().for_each(|line| text.push_str(&format!("{line}\n"))),
         Err(why) => {
@@ -860,9 +963,20 @@ fn info() -> Result<(), String> {
                 excerpt(&conf),
                 excerpt_within(&config.to_string(), usize::MAX)
             )),
-            Err(e) => text.push_str(&format!("{ENV_VAR}={} is not valid: {}\n", excerpt(&conf), bounded(e))),
+            Err(e) => {
+                text.push_str(&format!(
+                    "{ENV_VAR}={} is not valid (the error is below): replay runs only with --conf or \
+                     --allocator; libstreamalloc.so fails every call unless the program configures it\n",
+                    excerpt(&conf)
+                ));
+                invalid = Some(format!("{ENV_VAR}={} is not valid: {}", excerpt(&conf), bounded(e)));
+            }
         },
-        Err(e) => text.push_str(&format!("{}\n", bounded(e))),
+        Err(e) => {
+            text.push_str(&format!("{ENV_VAR} cannot be read (the error is below)\n"));
+            invalid = Some(bounded(e));
+        }
     }
-    emit(&text)
+    emit(&text)?;
+    invalid.map_or(Ok(()), Err)
 }

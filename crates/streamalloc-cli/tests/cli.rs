@@ -156,7 +156,7 @@ fn record_writes_the_trace_of_a_program_using_the_library() {
     let text = std::fs::read_to_string(&out_path).unwrap_or_default();
     let _ = std::fs::remove_file(&out_path);
     assert!(out.status.success(), "{}", stderr(&out));
-    assert!(stdout(&out).contains("10 operations, peak live 31744 bytes"), "{}", stdout(&out));
+    assert!(stdout(&out).contains("10 operations, peak live 31.00 KiB"), "{}", stdout(&out));
     assert_eq!(text.lines().count(), 11, "{text}");
 }
 
@@ -189,7 +189,9 @@ fn info_describes_the_device() {
         .env("STREAMALLOC_CONF", "colour=blue")
         .output()
         .unwrap();
-    assert!(stdout(&bad).contains("unknown key `colour`"), "{}", stdout(&bad));
+    assert_eq!(bad.status.code(), Some(1), "an invalid STREAMALLOC_CONF is an error");
+    assert!(stderr(&bad).contains("unknown key `colour`"), "{}", stderr(&bad));
+    assert!(stdout(&bad).contains("STREAMALLOC_CONF=colour=blue is not valid"), "{}", stdout(&bad));
 }
 
 /// A trace of `rounds` rounds on two streams: activations grow and shrink, a few large

@@ -35,6 +35,14 @@ pub use streamalloc::text::{excerpt, excerpt_within, EXCERPT};
 /// How the reason of the error for a last row cut short begins (see [`Trace::parse_with`]).
 pub const CUT_SHORT: &str = "the last row is cut short";
 
+/// How the reason of the error for a file that starts as a pickle begins (a PyTorch memory
+/// snapshot, which `streamalloc import` converts; see [`Trace::parse_with`]).
+pub const PICKLE: &str = "this looks like a PyTorch memory snapshot (a pickle)";
+
+/// How the reason of the error for a file whose first line is not text begins (see
+/// [`Trace::parse_with`]).
+pub const NOT_TEXT: &str = "the file is not text";
+
 /// One operation of a trace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {
@@ -137,6 +145,11 @@ impl Trace {
     /// when it is not (a field missing or cut, so that the row cannot be read), it was cut
     /// short: an error whose reason begins with [`CUT_SHORT`], or under
     /// [`ParseOptions::skip_truncated_last_row`] a row skipped and counted.
+    ///
+    /// A file whose first line is not text (not UTF-8, or with control characters other
+    /// than tabs and line ends) is refused at line 1 without quoting it: the reason begins
+    /// with [`PICKLE`] when it starts as a pickle of protocol 2 or later does (a PyTorch
+    /// memory snapshot), else with [`NOT_TEXT`]; the content is its first bytes in hex.
     pub fn parse_with(mut reader: impl BufRead, name: &str, options: ParseOptions) -> Result<Self> {
         let mut state =
             State { trace: Trace { name: name.to_owned(), ..Trace::default() }, ..State::default() };
@@ -152,6 +165,11 @@ impl Trace {
                 break;
             }
             number += 1;
+            if number == 1 {
+                if let Some(reason) = not_text(&line) {
+                    return Err(Error::Trace { line: 1, content: hex_start(&line), reason });
+                }
+            }
             let ended = line.last() == Some(&b'\n');
             if line.len() > MAX_LINE && !ended {
                 return Err(Error::Trace {
@@ -348,6 +366,37 @@ impl<'a> Row<'a> {
 }
 
 /// Parses a hexadecimal (`0x...`) or decimal integer.
+/// Why `first`, the first line of a file (at most [`MAX_LINE`] + 1 bytes of it), shows the
+/// file is not a text trace, if it does: a pickle's start (the `PROTO` opcode, 0x80, and a
+/// protocol from 2 to 5), bytes that are not UTF-8, or control characters other than tabs
+/// and line ends.
+fn not_text(first: &[u8]) -> Option<String> {
+    if let [0x80, 2..=5, ..] = first {
+        return Some(format!("{PICKLE}, not a trace (RMM's logging CSV)"));
+    }
+    let text = match std::str::from_utf8(first) {
+        Ok(text) => text,
+        // Cut inside a character by the length bound: the text before it.
+        Err(e) if e.error_len().is_none() && first.len() > MAX_LINE => {
+            std::str::from_utf8(&first[..e.valid_up_to()]).unwrap_or_default()
+        }
+        Err(_) => return Some(format!("{NOT_TEXT} (its first line is not UTF-8), not a trace")),
+    };
+    text.chars()
+        .any(|c| c.is_control() && !matches!(c, '\t' | '\r' | '\n'))
+        .then(|| format!("{NOT_TEXT} (its first line has control characters), not a trace"))
+}
+
+/// The first bytes of `line` in hex, for an error about a file that is not text.
+fn hex_start(line: &[u8]) -> String {
+    const SHOWN: usize = 8;
+    let mut text: Vec<String> = line.iter().take(SHOWN).map(|b| format!("{b:02x}")).collect();
+    if line.len() > SHOWN {
+        text.push("...".into());
+    }
+    format!("first bytes {}", text.join(" "))
+}
+
 fn parse_int(text: &str) -> Option<u64> {
     match text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")) {
         Some(hex) => u64::from_str_radix(hex, 16).ok(),
@@ -591,6 +640,44 @@ mod tests {
         let shown = excerpt_within("ab\x1b", 5);
         assert_eq!(shown, "ab... (3 bytes in all)");
         assert_eq!(excerpt_within("", 0), "");
+    }
+
+    /// Issue 37: a PyTorch snapshot (a pickle) or another binary file was quoted, bytes and
+    /// all, as a line that is not UTF-8: it is named as what it is, its first bytes in hex.
+    #[test]
+    fn binary_files_are_named_and_not_quoted() {
+        let mut pickle = vec![0x80, 0x04, 0x95, 0x10, 0, 0, 0, 0, 0, 0, 0, b'}', 0x94, b'\n', 0x1b];
+        pickle.extend([0xffu8; 5000]);
+        let clean = |content: &str| content.is_ascii() && !content.chars().any(|c| c.is_control());
+        match Trace::parse(&pickle[..], "t") {
+            Err(Error::Trace { line: 1, content, reason }) => {
+                assert!(
+                    reason.starts_with("this looks like a PyTorch memory snapshot (a pickle)"),
+                    "{reason}"
+                );
+                assert!(clean(&content) && content.starts_with("first bytes 80 04 95 10"), "{content:?}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let long_binary = [0xfeu8; 2 * MAX_LINE];
+        for binary in
+            [&b"PK\x03\x04\x14\x00\n"[..], b"\xff\xfeT\x00h\x00", b"Thread\x00,Time\n", &long_binary]
+        {
+            match Trace::parse(binary, "t") {
+                Err(Error::Trace { line: 1, content, reason }) => {
+                    assert!(reason.starts_with("the file is not text"), "{binary:?}: {reason}");
+                    assert!(clean(&content) && content.len() < 64, "{content:?}");
+                }
+                other => panic!("{binary:?}: {other:?}"),
+            }
+        }
+        // A header of text cut inside a character by the length bound is text.
+        let mut long_text = "é".repeat(MAX_LINE);
+        long_text.push('\n');
+        match Trace::parse(long_text.as_bytes(), "t") {
+            Err(Error::Trace { line: 1, reason, .. }) => assert!(reason.contains("longer than"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -633,7 +633,8 @@ impl Inner {
                     format!("the pool's maximum size is {max_size} bytes: raise max_size or free allocations")
                 }
                 _ => "free allocations or memory held outside this pool (other pools, libraries or \
-                      processes); a lower throttle_ratio makes allocations wait for pending frees sooner"
+                      processes); a lower `throttle=` (a key of STREAMALLOC_CONF, e.g. throttle=0.6) \
+                      makes allocations wait for pending frees sooner"
                     .into(),
             };
             Error::oom(OutOfMemory {
