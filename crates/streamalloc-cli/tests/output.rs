@@ -1,8 +1,8 @@
-//! What the command tells its user (issue 37's rough edges). A simulator replay records the configuration it
-//! ran (`device=sim`); `info` fails on an invalid `STREAMALLOC_CONF`; a pickle given to
-//! `replay` is named and `import` suggested; `async`'s out-of-memory hint names its key;
-//! side-by-side plots share one y-scale per row and their peak labels do not overlap;
-//! `record` formats bytes as `replay` does; rows keep the command line's order; the
+//! What the command tells its user (issue 37's rough edges). A simulator replay records the
+//! configuration it ran (`device=sim`); `info` fails on an invalid `STREAMALLOC_CONF`; a
+//! pickle given to `replay` is named and `import` suggested; `async`'s out-of-memory hint
+//! names its key; side-by-side plots share one y-scale per row and their peak labels do not
+//! overlap; `record` formats bytes as `replay` does; rows keep the command line's order; the
 //! simulator's ns/op are said to be the library's CPU cost.
 
 use std::path::{Path, PathBuf};
