@@ -24,7 +24,6 @@ initialisation and before the model exists.
 import argparse
 import json
 import os
-import threading
 import time
 import warnings
 
@@ -33,41 +32,9 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch  # noqa: E402
 
+from torch_runs import NvmlSampler  # noqa: E402
+
 MIB = 1 << 20
-
-
-class NvmlSampler:
-    """Samples the device's used memory with NVML from a thread, when pynvml is installed."""
-
-    def __init__(self, index, interval=0.002):
-        self.peak, self.interval, self._stop = 0, interval, threading.Event()
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            self._info = pynvml.nvmlDeviceGetMemoryInfo
-        except Exception:  # pynvml missing or NVML unusable: the mem_get_info samples remain
-            self._handle = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    @property
-    def available(self):
-        return self._handle is not None
-
-    def start(self):
-        if self.available:
-            self._thread.start()
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._info(self._handle).used)
-            time.sleep(self.interval)
-
-    def stop(self):
-        if self.available:
-            self._stop.set()
-            self._thread.join()
 
 
 def device_used():

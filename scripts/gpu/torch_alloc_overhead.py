@@ -45,25 +45,21 @@ meaningless figures).
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
 import traceback
+
+from torch_runs import allocator_env, apply_env, child_env, enable_streamalloc, prebuild_backend, run_child, tail
 
 KIB, MIB = 1 << 10, 1 << 20
 HERE = os.path.abspath(__file__)
 ALLOCATORS = ("native", "backend", "pluggable")
 MUST_COMPLETE = ("native", "backend")
 
-
-def _env(backend=None):
-    return {"PYTORCH_ALLOC_CONF": None, "PYTORCH_CUDA_ALLOC_CONF": None, "STREAMALLOC_TORCH_BACKEND": backend}
-
-
-ENV = {"native": _env(), "backend": _env("backend"), "pluggable": _env("pluggable")}
+ENV = {"native": allocator_env(), "backend": allocator_env(backend="backend"),
+       "pluggable": allocator_env(backend="pluggable")}
 """The environment of each allocator's process (None: removed)."""
 SIZES = (0, 512, 64 * KIB, MIB, 16 * MIB, 256 * MIB)
 QUICK_SIZES = (0, 512, MIB, 256 * MIB)
@@ -83,11 +79,7 @@ def size_name(n):
 # ---------------------------------------------------------------------------------------------
 
 def setup(allocator, device_kind):
-    for key, value in ENV[allocator].items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    apply_env(os.environ, ENV[allocator])
     import torch
 
     info = {"torch": torch.__version__, "cuda": torch.version.cuda,
@@ -98,17 +90,7 @@ def setup(allocator, device_kind):
     if not torch.cuda.is_available():
         raise RuntimeError("CUDA is not available to torch (use --device cpu for a dry run of the script)")
     if allocator != "native":
-        try:
-            import streamalloc
-            import streamalloc.torch
-        except ImportError as e:
-            raise RuntimeError(f"cannot import streamalloc ({e}): install the wheel, or run with "
-                               f"PYTHONPATH=/tmp/sa-site after device-run.sh's install_wheel") from e
-        streamalloc.torch.enable()
-        if streamalloc.torch.active() != allocator:
-            raise RuntimeError(f"streamalloc.torch.enable() installed {streamalloc.torch.active()!r}, "
-                               f"not {allocator!r}")
-        info["streamalloc_library"] = str(streamalloc.library_path())
+        enable_streamalloc(allocator, info)
     torch.cuda.init()
     info["allocator_backend"] = torch.cuda.get_allocator_backend()
     info["gpu"] = torch.cuda.get_device_name()
@@ -197,43 +179,6 @@ def one_process(allocator, args):
 # The driver
 # ---------------------------------------------------------------------------------------------
 
-def child_env(allocator):
-    env = dict(os.environ)
-    for key, value in ENV[allocator].items():
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
-    env.setdefault("STREAMALLOC_CACHE", "/tmp/streamalloc-cache")
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-def run_child(cmd, env, log_path, timeout):
-    """Runs CMD in a session of its own, output to LOG_PATH, killed (its process group) past
-    TIMEOUT. Returns (exit status or None, seconds)."""
-    start = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = None
-    return rc, time.perf_counter() - start
-
-
-def tail(path, n=8):
-    try:
-        with open(path, errors="replace") as f:
-            lines = [line.rstrip() for line in f if line.strip()]
-    except OSError:
-        return ""
-    return " | ".join(lines[-n:])[-1500:]
-
-
 def fmt(v, digits=0):
     return "—" if v is None else f"{v:,.{digits}f}"
 
@@ -247,14 +192,8 @@ def drive(args):
     allocators = args.allocators.split(",")
     build_problem = None
     if args.device == "cuda" and set(allocators) & {"backend"}:
-        log = os.path.join(logs, "backend-build.log")
-        build = "import streamalloc.torch as t; print('backend:', t.build_backend())"
-        rc, secs = run_child([sys.executable, "-c", build], child_env("backend"), log, args.build_timeout)
-        if rc == 0:
-            print(f"backend built or found in {secs:.0f} s ({tail(log, 1)})", flush=True)
-        else:
-            build_problem = f"building the backend failed (exit {rc}): {tail(log)}"
-            print(build_problem, flush=True)
+        build_problem = prebuild_backend(child_env(ENV["backend"]), os.path.join(logs, "backend-build.log"),
+                                         args.build_timeout)
     processes = []
     with open(jsonl_path, "w") as jsonl:
         for rnd in range(args.rounds):
@@ -267,7 +206,7 @@ def drive(args):
                 cmd = [sys.executable, HERE, "--one", allocator, "--result", result_path, "--device", args.device,
                        "--sizes", ",".join(map(str, args.sizes)), "--threads", ",".join(map(str, args.threads)),
                        "--iters1", str(args.iters1), "--iters-n", str(args.iters_n), "--reps", str(args.reps)]
-                rc, secs = run_child(cmd, child_env(allocator), log_path, args.timeout)
+                rc, secs = run_child(cmd, child_env(ENV[allocator]), log_path, args.timeout)
                 try:
                     with open(result_path) as f:
                         r = json.load(f)

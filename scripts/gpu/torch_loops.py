@@ -69,13 +69,13 @@ import argparse
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 import traceback
+
+from torch_runs import (NvmlSampler, allocator_env, apply_env, child_env, enable_streamalloc, prebuild_backend,
+                        run_child, tail)
 
 MIB = 1 << 20
 HERE = os.path.abspath(__file__)
@@ -85,16 +85,12 @@ ALLOCATORS = ("native", "expandable", "pluggable", "backend", "rerun")
 MUST_COMPLETE = ("native", "expandable", "backend", "rerun")
 """Allocators whose runs must complete: the pluggable fallback is expected to be refused."""
 
-def _env(cuda_conf=None, backend=None):
-    return {"PYTORCH_ALLOC_CONF": None, "PYTORCH_CUDA_ALLOC_CONF": cuda_conf, "STREAMALLOC_TORCH_BACKEND": backend}
-
-
 ENV = {
-    "native": _env(),
-    "rerun": _env(),
-    "expandable": _env("expandable_segments:True"),
-    "pluggable": _env(backend="pluggable"),
-    "backend": _env(backend="backend"),
+    "native": allocator_env(),
+    "rerun": allocator_env(),
+    "expandable": allocator_env("expandable_segments:True"),
+    "pluggable": allocator_env(backend="pluggable"),
+    "backend": allocator_env(backend="backend"),
 }
 """The environment of each allocator's process (None: removed)."""
 
@@ -112,49 +108,9 @@ SIZES = {
 # One run (child process)
 # ---------------------------------------------------------------------------------------------
 
-class NvmlSampler:
-    """The device's used memory (NVML) sampled from a thread, when pynvml is importable."""
-
-    def __init__(self, index, interval=0.002):
-        self.peak, self.baseline, self.interval, self._stop = 0, None, interval, threading.Event()
-        self.error = None
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            self._info = pynvml.nvmlDeviceGetMemoryInfo
-            self.baseline = self._info(self._handle).used
-        except Exception as e:  # pynvml missing or NVML unusable: the mem_get_info samples remain
-            self._handle, self.error = None, f"{type(e).__name__}: {e}"
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    @property
-    def available(self):
-        return self._handle is not None
-
-    def start(self):
-        if self.available:
-            self._thread.start()
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._info(self._handle).used)
-            time.sleep(self.interval)
-
-    def stop(self):
-        if self.available:
-            self._stop.set()
-            self._thread.join()
-
-
 def setup_allocator(allocator, device_kind):
     """Imports torch with ALLOCATOR current (before any CUDA allocation); returns (torch, info)."""
-    for key, value in ENV[allocator].items():  # the parent set these; a hand-run --one too
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    apply_env(os.environ, ENV[allocator])  # the parent set these; a hand-run --one too
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS initialises
     import torch
 
@@ -167,18 +123,7 @@ def setup_allocator(allocator, device_kind):
     if not torch.cuda.is_available():
         raise RuntimeError("CUDA is not available to torch (use --device cpu for a dry run of the script)")
     if allocator in ("pluggable", "backend"):
-        try:
-            import streamalloc
-            import streamalloc.torch
-        except ImportError as e:
-            raise RuntimeError(f"cannot import streamalloc ({e}): install the wheel, or run with "
-                               f"PYTHONPATH=/tmp/sa-site after device-run.sh's install_wheel") from e
-        streamalloc.torch.enable()
-        active = streamalloc.torch.active()
-        if active != allocator:
-            raise RuntimeError(f"streamalloc.torch.enable() installed {active!r}, not {allocator!r}")
-        info["streamalloc_active"] = active
-        info["streamalloc_library"] = str(streamalloc.library_path())
+        enable_streamalloc(allocator, info)
     torch.cuda.init()
     info["allocator_backend"] = torch.cuda.get_allocator_backend()
     info["gpu"] = torch.cuda.get_device_name()
@@ -448,58 +393,9 @@ def one_run(loop, allocator, args):
 # The driver (parent process)
 # ---------------------------------------------------------------------------------------------
 
-def child_env(allocator):
-    env = dict(os.environ)
-    for key, value in ENV[allocator].items():
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
-    env.setdefault("STREAMALLOC_CACHE", "/tmp/streamalloc-cache")
-    env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-def run_child(cmd, env, log_path, timeout):
-    """Runs CMD in a session of its own, output to LOG_PATH; kills its whole process group
-    (inductor's compile workers included) past TIMEOUT. Returns (exit status or None, seconds)."""
-    start = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = None
-    try:  # workers the run left behind (its process group)
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    return rc, time.perf_counter() - start
-
-
-def tail(path, n=8):
-    try:
-        with open(path, errors="replace") as f:
-            lines = [line.rstrip() for line in f if line.strip()]
-    except OSError:
-        return ""
-    return " | ".join(lines[-n:])[-1500:]
-
-
-def prebuild_backend(env, log_path, timeout):
-    """Builds the backend once (into STREAMALLOC_CACHE) so no run pays for the build."""
-    cmd = [sys.executable, "-c", "import streamalloc.torch as t; print('backend:', t.build_backend())"]
-    rc, secs = run_child(cmd, env, log_path, timeout)
-    if rc == 0:
-        print(f"backend built or found in {secs:.0f} s ({tail(log_path, 1)})", flush=True)
-        return None
-    problem = f"building the backend failed (exit {rc}, {secs:.0f} s): {tail(log_path)}"
-    print(problem, flush=True)
-    return problem
+def child_env_of(allocator):
+    """The environment of ALLOCATOR's child (cuBLAS made deterministic before it starts)."""
+    return child_env(ENV[allocator], CUBLAS_WORKSPACE_CONFIG=":4096:8")
 
 
 def mib(v):
@@ -593,7 +489,7 @@ def drive(args):
     allocators = args.allocators.split(",")
     build_problem = None
     if args.device == "cuda" and "backend" in allocators:
-        build_problem = prebuild_backend(child_env("backend"), os.path.join(logs, "backend-build.log"),
+        build_problem = prebuild_backend(child_env_of("backend"), os.path.join(logs, "backend-build.log"),
                                          args.build_timeout)
     runs = []
     with open(jsonl_path, "w") as jsonl:
@@ -608,7 +504,7 @@ def drive(args):
                        "--warmup", str(args.warmup), "--steps", str(args.steps), "--seed", str(args.seed),
                        "--device", args.device] + (["--quick"] if args.quick else []) + \
                       ([] if args.nvml else ["--no-nvml"])
-                rc, secs = run_child(cmd, child_env(allocator), log_path, args.timeout)
+                rc, secs = run_child(cmd, child_env_of(allocator), log_path, args.timeout)
                 try:
                     with open(result_path) as f:
                         run = json.load(f)
