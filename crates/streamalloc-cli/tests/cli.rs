@@ -1,43 +1,12 @@
 //! The `streamalloc` command, run as a process: output that parses, and clear errors (never
 //! a panic) on bad input.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-const HEADER: &str = "Thread,Time,Action,Pointer,Size,Stream";
-
-fn streamalloc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_streamalloc")).args(args).output().expect("the binary runs")
-}
-
-fn stdout(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-/// A file named after the test in the system's temporary directory, removed on drop.
-struct TempFile(PathBuf);
-
-impl TempFile {
-    fn new(name: &str, text: &str) -> Self {
-        let path = std::env::temp_dir().join(format!("streamalloc-cli-{}-{name}", std::process::id()));
-        std::fs::write(&path, text).expect("temp dir is writable");
-        TempFile(path)
-    }
-
-    fn path(&self) -> &str {
-        self.0.to_str().expect("temp paths are UTF-8")
-    }
-}
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
+use common::{json_rows, stderr, stdout, streamalloc, workload, TempFile, HEADER};
 
 fn sample(name: &str) -> String {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../traces").join(name).display().to_string()
@@ -70,7 +39,7 @@ fn replay_prints_the_device_then_a_table() {
 fn replay_json_parses_and_compare_reads_it() {
     let trace = TempFile::new(
         "small.csv",
-        &format!("{HEADER}\n0,1,allocate,0x10,1000,0\n0,2,allocate,0x20,300,0\n0,3,free,0x10,1000,0\n"),
+        format!("{HEADER}\n0,1,allocate,0x10,1000,0\n0,2,allocate,0x20,300,0\n0,3,free,0x10,1000,0\n"),
     );
     let out = streamalloc(&["replay", trace.path(), "-a", "plain", "--device", "sim", "--json"]);
     assert!(out.status.success(), "{}", stderr(&out));
@@ -84,7 +53,7 @@ fn replay_json_parses_and_compare_reads_it() {
     assert!(rows[0]["device"].as_str().unwrap().starts_with("simulator"));
     assert!(rows[0]["ns_per_op_warm"].as_f64().unwrap() > 0.0);
 
-    let saved = TempFile::new("a.json", &stdout(&out));
+    let saved = TempFile::new("a.json", stdout(&out));
     let out = streamalloc(&["compare", saved.path(), saved.path()]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
@@ -102,7 +71,7 @@ fn missing_file_is_a_clear_error() {
 fn malformed_row_names_line_and_content() {
     let trace = TempFile::new(
         "bad-row.csv",
-        &format!("{HEADER}\n0,1,allocate,0x10,1000,0\n0,2,allocate,0x20,lots,0\n"),
+        format!("{HEADER}\n0,1,allocate,0x10,1000,0\n0,2,allocate,0x20,lots,0\n"),
     );
     let out = streamalloc(&["replay", trace.path(), "--device", "sim"]);
     assert_fails_with(&out, &["line 3", "0,2,allocate,0x20,lots,0", "bad size"]);
@@ -110,10 +79,8 @@ fn malformed_row_names_line_and_content() {
 
 #[test]
 fn free_of_unknown_pointer_is_an_error_unless_lenient() {
-    let trace = TempFile::new(
-        "unknown-free.csv",
-        &format!("{HEADER}\n0,1,allocate,0x10,64,0\n0,2,free,0xbad,64,0\n"),
-    );
+    let trace =
+        TempFile::new("unknown-free.csv", format!("{HEADER}\n0,1,allocate,0x10,64,0\n0,2,free,0xbad,64,0\n"));
     let out = streamalloc(&["replay", trace.path(), "--device", "sim"]);
     assert_fails_with(&out, &["line 3", "0xbad", "not live"]);
 
@@ -196,49 +163,14 @@ fn info_describes_the_device() {
 
 /// A trace of `rounds` rounds on two streams: activations grow and shrink, a few large
 /// blocks stay live, so caching pools split, grow and reuse.
-fn workload(rounds: usize, scale: usize) -> String {
-    let mut text = format!("{HEADER}\n");
-    let mut ptr = 0x1000u64;
-    let mut time = 0;
-    let mut row = |action: &str, ptr: u64, size: usize, stream: u64| {
-        time += 1;
-        text.push_str(&format!("0,{time},{action},{ptr:#x},{size},{stream}\n"));
-    };
-    let mut keep = Vec::new();
-    for round in 0..rounds {
-        let acts: Vec<(u64, usize)> = (1..=6)
-            .map(|k| {
-                ptr += 0x1000;
-                (ptr, k * scale * (1 + round % 3) + 4096 * k)
-            })
-            .collect();
-        for &(p, s) in &acts {
-            row("allocate", p, s, (p / 0x1000) % 2 * 7);
-        }
-        for &(p, s) in acts.iter().rev() {
-            row("free", p, s, (p / 0x1000) % 2 * 7);
-        }
-        ptr += 0x1000;
-        row("allocate", ptr, 3 * scale, 0);
-        keep.push(ptr);
-    }
-    text
-}
-
-fn json_rows(out: &Output) -> Vec<serde_json::Value> {
-    assert!(out.status.success(), "{}", stderr(out));
-    let value: serde_json::Value = serde_json::from_slice(&out.stdout).expect("--json output parses");
-    value.as_array().expect("an array of results").clone()
-}
-
 /// Issue 18: every (trace, configuration) starts from the same state, so a trace replayed
 /// twice measures the same figures through every allocator, and no footprint on the
 /// simulator is below 1 (before: `async` measured 0.000 the second time, its predecessor's
 /// pool memory counted as already in use).
 #[test]
 fn repeated_replays_start_from_the_same_state() {
-    let a = TempFile::new("same-a.csv", &workload(6, 3 << 20));
-    let b = TempFile::new("same-b.csv", &workload(4, 5 << 20));
+    let a = TempFile::new("same-a.csv", workload(6, 3 << 20));
+    let b = TempFile::new("same-b.csv", workload(4, 5 << 20));
     let out =
         streamalloc(&["replay", a.path(), b.path(), a.path(), "--device", "sim", "--json", "--passes", "1"]);
     let rows = json_rows(&out);
@@ -259,7 +191,7 @@ fn repeated_replays_start_from_the_same_state() {
 /// Issue 18: any configuration replays through the facade, each row labelled by its string.
 #[test]
 fn conf_rows_are_labelled_by_their_string() {
-    let t = TempFile::new("conf.csv", &workload(3, 2 << 20));
+    let t = TempFile::new("conf.csv", workload(3, 2 << 20));
     let conf = "strategy=stream_safe,expandable=true,growth=16MiB";
     let out = streamalloc(&[
         "replay",
@@ -285,7 +217,7 @@ fn conf_rows_are_labelled_by_their_string() {
 /// `info` says so (before, it was ignored while `info` called it "in force").
 #[test]
 fn streamalloc_conf_is_the_default_configuration() {
-    let t = TempFile::new("env.csv", &workload(2, 1 << 20));
+    let t = TempFile::new("env.csv", workload(2, 1 << 20));
     let out = Command::new(env!("CARGO_BIN_EXE_streamalloc"))
         .args(["replay", t.path(), "--device", "sim", "--json"])
         .env("STREAMALLOC_CONF", "strategy=best_fit,growth=8MiB")
@@ -321,8 +253,8 @@ fn streamalloc_conf_is_the_default_configuration() {
 /// that something failed.
 #[test]
 fn a_bad_trace_is_reported_and_the_others_replay() {
-    let good = TempFile::new("good.csv", &workload(2, 1 << 20));
-    let bad = TempFile::new("bad.csv", &format!("{HEADER}\n0,1,allocate,0x10,lots,0\n"));
+    let good = TempFile::new("good.csv", workload(2, 1 << 20));
+    let bad = TempFile::new("bad.csv", format!("{HEADER}\n0,1,allocate,0x10,lots,0\n"));
     let out = streamalloc(&[
         "replay",
         bad.path(),
@@ -346,7 +278,7 @@ fn a_bad_trace_is_reported_and_the_others_replay() {
 /// excerpt (before: the whole line was read into memory and echoed).
 #[test]
 fn a_long_line_is_refused_with_a_short_excerpt() {
-    let t = TempFile::new("long.csv", &format!("{HEADER}\n0,1,allocate,0x10,{},0\n", "9".repeat(1 << 20)));
+    let t = TempFile::new("long.csv", format!("{HEADER}\n0,1,allocate,0x10,{},0\n", "9".repeat(1 << 20)));
     let out = streamalloc(&["replay", t.path(), "--device", "sim"]);
     assert_fails_with(&out, &["line 2", "longer than"]);
     assert!(stderr(&out).len() < 1000, "{} bytes of stderr", stderr(&out).len());
@@ -355,7 +287,7 @@ fn a_long_line_is_refused_with_a_short_excerpt() {
 /// Issue 18: `... --json | head -1` ends quietly: a closed stdout is no panic.
 #[test]
 fn output_into_a_closed_pipe_ends_quietly() {
-    let t = TempFile::new("pipe.csv", &workload(2, 1 << 20));
+    let t = TempFile::new("pipe.csv", workload(2, 1 << 20));
     for args in
         [vec!["replay", t.path(), "--device", "sim", "--json"], vec!["replay", t.path(), "--device", "sim"]]
     {
@@ -431,7 +363,7 @@ fn import_converts_a_pytorch_snapshot() {
 /// peaks marked; `--json` carries the series; `plot` draws saved results side by side.
 #[test]
 fn replay_plots_and_plot_draws_saved_results() {
-    let t = TempFile::new("plot.csv", &workload(40, 1 << 20));
+    let t = TempFile::new("plot.csv", workload(40, 1 << 20));
     let svg = TempFile::new("plot.svg", "");
     let out = streamalloc(&[
         "replay",
@@ -459,7 +391,7 @@ fn replay_plots_and_plot_draws_saved_results() {
         assert!(picture.contains(needle), "the picture lacks {needle}");
     }
 
-    let saved = TempFile::new("plot.json", &stdout(&out));
+    let saved = TempFile::new("plot.json", stdout(&out));
     let side = TempFile::new("side.svg", "");
     let out = streamalloc(&["plot", saved.path(), saved.path(), "-o", side.path()]);
     assert!(out.status.success(), "{}", stderr(&out));
@@ -534,7 +466,7 @@ fn record_names_a_failing_program() {
 #[test]
 #[ignore = "needs a GPU"]
 fn gpu_repeated_replays_start_from_the_same_state() {
-    let a = TempFile::new("gpu-same-a.csv", &workload(6, 3 << 20));
+    let a = TempFile::new("gpu-same-a.csv", workload(6, 3 << 20));
     let out = streamalloc(&[
         "replay",
         a.path(),

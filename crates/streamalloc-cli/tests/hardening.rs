@@ -3,12 +3,14 @@
 //! the rows written; `import` reads shared objects and deep nesting without overflowing its
 //! stack; user text echoed in errors is bounded and its control characters escaped.
 
+mod common;
+
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-const HEADER: &str = "Thread,Time,Action,Pointer,Size,Stream";
+use common::{stderr, stdout, HEADER};
 
 fn streamalloc(args: &[&str]) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_streamalloc"));
@@ -49,14 +51,6 @@ fn run(command: &mut Command, limit: Duration) -> Output {
 
 fn output(command: &mut Command) -> Output {
     run(command, Duration::from_secs(120))
-}
-
-fn stdout(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
 /// Asserts a clean failure: exit status 1, an `error:` line containing every `needle`.

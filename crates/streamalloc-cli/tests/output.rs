@@ -5,82 +5,12 @@
 //! overlap; `record` formats bytes as `replay` does; rows keep the command line's order; the
 //! simulator's ns/op are said to be the library's CPU cost.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::process::{Command, Output};
 
-const HEADER: &str = "Thread,Time,Action,Pointer,Size,Stream";
-
-fn streamalloc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_streamalloc"))
-        .args(args)
-        .env_remove("STREAMALLOC_CONF")
-        .output()
-        .expect("the binary runs")
-}
-
-fn stdout(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-/// A file named after the test in the system's temporary directory, removed on drop.
-struct TempFile(PathBuf);
-
-impl TempFile {
-    fn new(name: &str, bytes: impl AsRef<[u8]>) -> Self {
-        let path = std::env::temp_dir().join(format!("streamalloc-output-{}-{name}", std::process::id()));
-        std::fs::write(&path, bytes).expect("temp dir is writable");
-        TempFile(path)
-    }
-
-    fn path(&self) -> &str {
-        self.0.to_str().expect("temp paths are UTF-8")
-    }
-}
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-/// A trace of `rounds` rounds on two streams whose blocks are `scale` bytes or so: every
-/// configuration reaches its peaks at about the same operation.
-fn workload(rounds: usize, scale: usize) -> String {
-    let mut text = format!("{HEADER}\n");
-    let mut ptr = 0x1000u64;
-    let mut time = 0;
-    let mut row = |action: &str, ptr: u64, size: usize, stream: u64| {
-        time += 1;
-        text.push_str(&format!("0,{time},{action},{ptr:#x},{size},{stream}\n"));
-    };
-    for round in 0..rounds {
-        let acts: Vec<(u64, usize)> = (1..=6)
-            .map(|k| {
-                ptr += 0x1000;
-                (ptr, k * scale * (1 + round % 3) + 4096 * k)
-            })
-            .collect();
-        for &(p, s) in &acts {
-            row("allocate", p, s, (p / 0x1000) % 2 * 7);
-        }
-        for &(p, s) in acts.iter().rev() {
-            row("free", p, s, (p / 0x1000) % 2 * 7);
-        }
-        ptr += 0x1000;
-        row("allocate", ptr, 3 * scale, 0);
-    }
-    text
-}
-
-fn json_rows(out: &Output) -> Vec<serde_json::Value> {
-    assert!(out.status.success(), "{}", stderr(out));
-    let value: serde_json::Value = serde_json::from_slice(&out.stdout).expect("--json output parses");
-    value.as_array().expect("an array of results").clone()
-}
+use common::{json_rows, stderr, stdout, streamalloc, workload, TempFile, HEADER};
 
 /// Issue 37, 1: rows replayed on the simulator said `device=cuda` in `config`; the
 /// configuration recorded is the one replayed, the simulator's keys included, whatever
