@@ -206,6 +206,11 @@ void resolve(void* handle, const char* name, F& out, std::string& missing) {
 constexpr size_t kSmallSize = 1 << 20; // torch's small pool: requests up to 1 MiB
 constexpr int kMaxDevices = 64;
 
+// Fails (as torch's allocators do) for a device index the backend keeps no books for.
+void check_device(c10::DeviceIndex device) {
+  TORCH_CHECK(device >= 0 && device < kMaxDevices, "streamalloc: device ", device, " out of range");
+}
+
 struct Alloc {
   size_t size = 0;
   c10::DeviceIndex device = 0;
@@ -439,7 +444,7 @@ class Backend : public CCA::CUDAAllocator {
   }
 
   void* malloc(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
-    TORCH_CHECK(device >= 0 && device < kMaxDevices, "streamalloc: device ", device, " out of range");
+    check_device(device);
     Alloc a;
     a.size = size;
     a.device = device;
@@ -824,7 +829,7 @@ class Backend : public CCA::CUDAAllocator {
   // --- statistics ---
 
   DeviceStats getDeviceStats(c10::DeviceIndex device) override {
-    TORCH_CHECK(device >= 0 && device < kMaxDevices, "streamalloc: device ", device, " out of range");
+    check_device(device);
     LibStats s{};
     check(lib_.stats(device, &s), "memory_stats");
     std::lock_guard<std::mutex> lock(mu_);
@@ -868,7 +873,7 @@ class Backend : public CCA::CUDAAllocator {
   }
 
   void resetAccumulatedStats(c10::DeviceIndex device) override {
-    TORCH_CHECK(device >= 0 && device < kMaxDevices, "streamalloc: device ", device, " out of range");
+    check_device(device);
     LibStats s{};
     check(lib_.stats(device, &s), "reset_accumulated_memory_stats");
     std::lock_guard<std::mutex> lock(mu_);
@@ -885,7 +890,7 @@ class Backend : public CCA::CUDAAllocator {
   }
 
   void resetPeakStats(c10::DeviceIndex device) override {
-    TORCH_CHECK(device >= 0 && device < kMaxDevices, "streamalloc: device ", device, " out of range");
+    check_device(device);
     check(lib_.reset_peak_stats(device), "reset_peak_memory_stats");
     std::lock_guard<std::mutex> lock(mu_);
     Counts& c = counts_[device];
@@ -1163,7 +1168,7 @@ class Backend : public CCA::CUDAAllocator {
       c10::DeviceIndex device,
       MempoolId_t mempool_id,
       std::function<bool(cudaStream_t)> filter) override {
-    TORCH_CHECK(device >= 0 && device < kMaxDevices, "streamalloc: device ", device, " out of range");
+    check_device(device);
     auto shared = std::make_shared<std::function<bool(cudaStream_t)>>(std::move(filter));
     std::lock_guard<std::mutex> pools_lock(pool_mu_);
     bool own_allocator;
@@ -1186,9 +1191,8 @@ class Backend : public CCA::CUDAAllocator {
     }
   }
 
-  // Removes the newest active filter of `id` on `device`; mu_ not held.
-  void undo_begin(c10::DeviceIndex device, MempoolId_t id) {
-    std::lock_guard<std::mutex> lock(mu_);
+  // Removes the newest active filter of `id` on `device`; mu_ held.
+  void remove_active(c10::DeviceIndex device, MempoolId_t id) {
     auto& active = active_[device];
     for (auto it = active.rbegin(); it != active.rend(); ++it) {
       if (it->first == id) {
@@ -1197,6 +1201,13 @@ class Backend : public CCA::CUDAAllocator {
       }
     }
     active_count_[device].store(active.size(), std::memory_order_release);
+  }
+
+  // Undoes a beginAllocateToPool the library refused: its filter, and the pool's use; mu_
+  // not held.
+  void undo_begin(c10::DeviceIndex device, MempoolId_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    remove_active(device, id);
     auto pool = pools_.find(PoolKey{device, id});
     if (pool != pools_.end()) {
       pool->second.use_count -= 1;
@@ -1204,19 +1215,12 @@ class Backend : public CCA::CUDAAllocator {
   }
 
   void endAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
-    TORCH_CHECK(device >= 0 && device < kMaxDevices, "streamalloc: device ", device, " out of range");
+    check_device(device);
     std::lock_guard<std::mutex> pools_lock(pool_mu_);
     bool own_allocator = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      auto& active = active_[device];
-      for (auto it = active.rbegin(); it != active.rend(); ++it) {
-        if (it->first == mempool_id) {
-          active.erase(std::next(it).base());
-          break;
-        }
-      }
-      active_count_[device].store(active.size(), std::memory_order_release);
+      remove_active(device, mempool_id);
       auto pool = pools_.find(PoolKey{device, mempool_id});
       own_allocator = pool != pools_.end() && pool->second.allocator;
     }
@@ -1226,7 +1230,7 @@ class Backend : public CCA::CUDAAllocator {
   }
 
   void releasePool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
-    TORCH_CHECK(device >= 0 && device < kMaxDevices, "streamalloc: device ", device, " out of range");
+    check_device(device);
     std::lock_guard<std::mutex> pools_lock(pool_mu_);
     bool own_allocator = false;
     {
@@ -1250,7 +1254,7 @@ class Backend : public CCA::CUDAAllocator {
       c10::DeviceIndex device,
       MempoolId_t mempool_id,
       std::shared_ptr<CCA::CUDAAllocator> allocator) override {
-    TORCH_CHECK(device >= 0 && device < kMaxDevices, "streamalloc: device ", device, " out of range");
+    check_device(device);
     std::lock_guard<std::mutex> pools_lock(pool_mu_);
     bool own_allocator;
     {
