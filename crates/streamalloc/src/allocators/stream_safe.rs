@@ -948,13 +948,19 @@ impl Allocator for StreamSafe {
 }
 
 impl StreamSafe {
-    fn allocate_uncounted(&self, size: usize, stream: Stream) -> Result<(Allocation, bool)> {
-        // The promoted pools are found first, on a path of their own that builds nothing.
+    /// Runs `f` on the pool of `stream` (made at its first use), held while `f` runs. The
+    /// promoted pools are found first, on a path of their own that builds nothing.
+    #[inline]
+    fn with_pool<T>(&self, stream: Stream, f: impl FnOnce(&StreamPool) -> Result<T>) -> Result<T> {
         if let Some(pool) = self.hot_pool(stream) {
-            return self.allocate_in(pool, size, stream);
+            return f(pool);
         }
         let found = self.pool_of(stream)?;
-        self.allocate_in(found.get()?, size, stream)
+        f(found.get()?)
+    }
+
+    fn allocate_uncounted(&self, size: usize, stream: Stream) -> Result<(Allocation, bool)> {
+        self.with_pool(stream, |pool| self.allocate_in(pool, size, stream))
     }
 
     fn allocate_in(&self, pool: &StreamPool, size: usize, stream: Stream) -> Result<(Allocation, bool)> {
@@ -966,11 +972,7 @@ impl StreamSafe {
     }
 
     fn allocate_ptr_uncounted(&self, size: usize, stream: Stream) -> Result<(DevicePtr, bool)> {
-        if let Some(pool) = self.hot_pool(stream) {
-            return self.allocate_ptr_in(pool, size, stream);
-        }
-        let found = self.pool_of(stream)?;
-        self.allocate_ptr_in(found.get()?, size, stream)
+        self.with_pool(stream, |pool| self.allocate_ptr_in(pool, size, stream))
     }
 
     fn allocate_ptr_in(&self, pool: &StreamPool, size: usize, stream: Stream) -> Result<(DevicePtr, bool)> {
