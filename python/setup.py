@@ -6,6 +6,8 @@
   any Python 3, but the bundled libstreamalloc.so is machine code for one platform. The platform
   tag is given with `--plat-name` (scripts/build-python.sh passes the manylinux tag it derives
   from the library's glibc symbol versions).
+- `streamalloc-autoload.pth` goes to the root of site-packages, beside the package, where
+  Python runs it at start-up (`STREAMALLOC_TORCH=1`, see streamalloc/_autoload.py).
 """
 
 import pathlib
@@ -13,6 +15,9 @@ import re
 
 from setuptools import Distribution, setup
 from setuptools.command.bdist_wheel import bdist_wheel
+from setuptools.command.build_py import build_py
+
+AUTOLOAD_PTH = "streamalloc-autoload.pth"
 
 
 def cargo_version():
@@ -41,4 +46,17 @@ class PlatformWheel(bdist_wheel):
         return "py3", "none", super().get_tag()[2]
 
 
-setup(version=cargo_version(), distclass=NativeDistribution, cmdclass={"bdist_wheel": PlatformWheel})
+class BuildWithAutoload(build_py):
+    """Builds the package and puts the start-up hook at the root of what is installed."""
+
+    def run(self):
+        super().run()
+        here = pathlib.Path(__file__).resolve().parent
+        self.copy_file(str(here / AUTOLOAD_PTH), str(pathlib.Path(self.build_lib) / AUTOLOAD_PTH))
+
+
+setup(
+    version=cargo_version(),
+    distclass=NativeDistribution,
+    cmdclass={"bdist_wheel": PlatformWheel, "build_py": BuildWithAutoload},
+)

@@ -59,4 +59,41 @@ assert streamalloc.stats(0)["allocated"] == 0
 print("ok: its libstreamalloc.so allocates and frees on the simulator")
 PY
 passed=$((passed + 2))
+
+# STREAMALLOC_TORCH=1 enables streamalloc as torch is imported (the wheel's .pth start-up hook),
+# in the process and in the processes it starts. A stand-in for torch (no torch here) records
+# what enable() makes current through its pluggable path.
+mkdir -p "$tmp/fake/torch/cuda"
+cat > "$tmp/fake/torch/__init__.py" <<'FAKE'
+from . import cuda
+FAKE
+cat > "$tmp/fake/torch/cuda/__init__.py" <<'FAKE'
+from . import memory
+FAKE
+cat > "$tmp/fake/torch/cuda/memory.py" <<'FAKE'
+current = None
+class _Hooks:
+    def __getattr__(self, setter):
+        return lambda function: None
+class CUDAPluggableAllocator:
+    def __init__(self, path, malloc, free):
+        self.path, self.malloc, self.free = path, malloc, free
+    def allocator(self):
+        return _Hooks()
+def change_current_allocator(allocator):
+    global current
+    current = allocator
+FAKE
+probe='import sys, subprocess, torch, streamalloc.torch as t
+print(t.active(), getattr(torch.cuda.memory.current, "malloc", None))
+if len(sys.argv) > 1:
+    subprocess.run([sys.executable, "-c", "import torch, streamalloc.torch as t; print(\"child\", t.active())"], check=True)'
+run_probe() { PYTHONPATH="$tmp/fake" STREAMALLOC_TORCH_BACKEND=pluggable "$tmp/venv/bin/python" -W ignore -c "$probe" "$@"; }
+got=$(STREAMALLOC_TORCH=1 run_probe spawn)
+[ "$got" = $'pluggable streamalloc_torch_malloc\nchild pluggable' ] || { echo "STREAMALLOC_TORCH=1: got: $got" >&2; exit 1; }
+got=$(STREAMALLOC_TORCH= run_probe)
+[ "$got" = "None None" ] || { echo "without STREAMALLOC_TORCH: got: $got" >&2; exit 1; }
+got=$(STREAMALLOC_TORCH=0 run_probe)
+[ "$got" = "None None" ] || { echo "STREAMALLOC_TORCH=0: got: $got" >&2; exit 1; }
+ok "STREAMALLOC_TORCH=1 makes streamalloc torch's allocator at the import of torch, in child processes too; unset or 0, it does not"
 echo "wheel: $passed passed, 0 failed"

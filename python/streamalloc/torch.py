@@ -43,7 +43,11 @@ An unmodified script runs under streamalloc with
     python -m streamalloc.torch [--conf STREAMALLOC_CONF] train.py ARGS...
     python -m streamalloc.torch [--conf ...] -m package.module ARGS...
 
-(processes it spawns, e.g. torch.multiprocessing workers, keep PyTorch's allocator).
+or, with no command changed at all, `STREAMALLOC_TORCH=1` in the environment: the wheel's
+start-up hook (`streamalloc-autoload.pth`, see `streamalloc._autoload`) calls `enable()` as
+torch is imported, in every Python process that inherits the environment. The runner sets
+it (and `STREAMALLOC_CONF` from `--conf`) for the processes the script starts, so workers
+that `torch.multiprocessing` spawns run under streamalloc too.
 """
 
 import os
@@ -342,6 +346,14 @@ def main(argv=None):
         print(USAGE, file=sys.stderr)
         return 2
     enable(conf, backend)
+    # The processes the script starts (spawned workers, torchrun's) enable it as they import torch.
+    from streamalloc import _autoload
+
+    os.environ[_autoload.ENV] = "1"
+    if conf is not None:
+        os.environ["STREAMALLOC_CONF"] = conf
+    if backend is not None:
+        os.environ[BACKEND_ENV] = backend
     if module is not None:
         sys.argv = [module, *args]
         runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -74,11 +74,11 @@ def run_case():
     return _run_case
 
 
-def _run_case(worker, *args):
-    """Runs `python3 -X faulthandler HERE/worker *args` (a crash prints each thread's Python stack) (its whole process group killed after WORKER_TIMEOUT);
+def _run_case(worker, *args, python=sys.executable):
+    """Runs `python -X faulthandler HERE/worker *args` (a crash prints each thread's Python stack) (its whole process group killed after WORKER_TIMEOUT);
     fails the test unless it exits 0 with a RESULT line whose `ok` is true. Returns the result."""
     what = " ".join([worker, *args])
-    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", str(HERE / worker), *args], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([python, "-X", "faulthandler", str(HERE / worker), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=WORKER_TIMEOUT)
