@@ -3,7 +3,9 @@
 `stats`, `reset_peak_stats` and `release` work whichever framework allocates;
 `streamalloc.torch.enable` and `streamalloc.cupy.enable` plug the library into PyTorch and
 CuPy. `allocate`, `deallocate` and `record_stream` are the C API itself, and `streamalloc.sim`
-drives the simulator (`device=sim`) and its ordering checker through it.
+drives the simulator (`device=sim`) and its ordering checker through it. `host_empty` hands out
+page-locked (pinned) host memory from the library's pinned pool, reused in stream order;
+`host_stats`, `host_release` and `host_reset_peak_stats` are the pool's.
 
 Every integer handed to the library is checked against its C type first (ctypes would wrap
 it silently: a size of 2**64 + 4096 would be 4096): a value out of range raises
@@ -21,7 +23,8 @@ import pathlib
 import threading
 
 __all__ = ["__version__", "StreamallocError", "library_path", "load", "configure", "stats", "release",
-           "reset_peak_stats", "allocate", "deallocate", "record_stream", "sim"]
+           "reset_peak_stats", "allocate", "deallocate", "record_stream", "sim", "HostBuffer", "host_empty",
+           "host_alloc", "host_free", "host_record_stream", "host_stats", "host_release", "host_reset_peak_stats"]
 
 try:
     __version__ = importlib.metadata.version(__name__)
@@ -205,6 +208,17 @@ def load():
             lib.streamalloc_sim_violations.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint64)]
             for name in ("create_stream", "destroy_stream", "use", "synchronize", "advance", "violations"):
                 getattr(lib, f"streamalloc_sim_{name}").restype = status
+            lib.streamalloc_host_alloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]
+            lib.streamalloc_host_free.argtypes = [ctypes.c_void_p]
+            lib.streamalloc_host_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+            lib.streamalloc_host_release.argtypes = [ctypes.POINTER(ctypes.c_size_t)]
+            lib.streamalloc_host_stats.argtypes = [ctypes.POINTER(Stats)]
+            lib.streamalloc_host_reset_peak_stats.argtypes = []
+            lib.streamalloc_sim_use_host.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+                                                     ctypes.c_uint64]
+            for name in ("host_alloc", "host_free", "host_record_stream", "host_release", "host_stats",
+                         "host_reset_peak_stats", "sim_use_host"):
+                getattr(lib, f"streamalloc_{name}").restype = status
             _lib = lib
         return _lib
 
@@ -269,6 +283,122 @@ def retire_stream(stream, device=0):
     check(load().streamalloc_retire_stream(_device(device), _stream(stream)))
 
 
+def host_alloc(size, device=0):
+    """Allocates `size` bytes of pinned host memory from the library's pinned pool; the address
+    as an int (0 for size 0). The first call makes the pool: `device`'s context pins its memory
+    (it serves every device). Prefer `host_empty`, which frees by itself."""
+    size, device = _size(size), _device(device)
+    out = ctypes.c_void_p()
+    check(load().streamalloc_host_alloc(size, device, ctypes.byref(out)))
+    return out.value or 0
+
+
+def host_free(ptr):
+    """Frees pinned memory from `host_alloc`: reused once the work of the streams recorded on
+    it (`host_record_stream`) has completed."""
+    check(load().streamalloc_host_free(_pointer(ptr)))
+
+
+def host_record_stream(ptr, stream, device=0):
+    """Marks `stream`, a stream of `device`, as a user (a copy from or to it) of the pinned
+    memory at `ptr` until it is freed."""
+    check(load().streamalloc_host_record_stream(_pointer(ptr), _device(device), _stream(stream)))
+
+
+def host_stats():
+    """The statistics of the pinned pool, as a dict with `stats()`'s keys (`reserved`: the bytes
+    pinned; zeros before its first allocation)."""
+    out = Stats()
+    check(load().streamalloc_host_stats(ctypes.byref(out)))
+    return {name: getattr(out, name) for name, _ in Stats._fields_}
+
+
+def host_release():
+    """Gives the pinned memory no buffer uses (and no stream's work still reads) back; the bytes."""
+    released = ctypes.c_size_t(0)
+    check(load().streamalloc_host_release(ctypes.byref(released)))
+    return released.value
+
+
+def host_reset_peak_stats():
+    """Restarts the pinned pool's peak figures from the current ones."""
+    check(load().streamalloc_host_reset_peak_stats())
+
+
+class _PinnedBlock:
+    """One block of the pinned pool, freed when the last reference goes (the `HostBuffer` and
+    every view of it each hold one)."""
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def __del__(self):
+        if self.ptr:
+            ptr, self.ptr = self.ptr, 0
+            try:
+                host_free(ptr)
+            except Exception:  # at interpreter exit the module may be half gone: leak rather than raise
+                pass
+
+
+class HostBuffer:
+    """`nbytes` of pinned host memory from the library's pinned pool (`host_empty`).
+
+    `ptr` is the address; `view()` a writable memoryview of its bytes (format "B"), and
+    `__array_interface__` lets numpy wrap it (`numpy.asarray(buf)`, uint8). The memory goes back
+    to the pool when the buffer and every view of it are gone (or after `close()`, once the
+    views are gone), and is reused only after the work of the streams recorded on it
+    (`record_stream`) has completed.
+    """
+
+    def __init__(self, nbytes, device=0):
+        self.nbytes = _size(nbytes, "nbytes")
+        self._block = _PinnedBlock(host_alloc(self.nbytes, device))
+
+    @property
+    def ptr(self):
+        """The address (0 for an empty buffer; a closed buffer raises ValueError)."""
+        if self._block is None:
+            raise ValueError("the HostBuffer is closed")
+        return self._block.ptr
+
+    def view(self):
+        """A writable memoryview of the buffer's bytes; it keeps the memory alive."""
+        array = (ctypes.c_ubyte * self.nbytes).from_address(self.ptr) if self.nbytes else (ctypes.c_ubyte * 0)()
+        array._streamalloc_block = self._block  # the view holds the block
+        return memoryview(array).cast("B")
+
+    @property
+    def __array_interface__(self):
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3}
+
+    def record_stream(self, stream, device=0):
+        """Marks `stream`, a stream of `device`, as a user of the buffer (a copy from or to it)
+        until it is freed; for `stream`, see the module's documentation."""
+        if self.nbytes:
+            host_record_stream(self.ptr, stream, device)
+
+    def close(self):
+        """Drops the buffer's hold on the memory: it goes back to the pool now, or when the last
+        view of it goes."""
+        self._block = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __len__(self):
+        return self.nbytes
+
+
+def host_empty(nbytes, device=0):
+    """`nbytes` of pinned host memory from the library's pinned pool, as a `HostBuffer`. The
+    first call makes the pool: `device`'s context pins its memory (it serves every device)."""
+    return HostBuffer(nbytes, device)
+
+
 class _Sim:
     """The simulator behind `device=sim`: streams, simulated kernels and the ordering checker,
     which sees every allocation the library hands out."""
@@ -287,6 +417,12 @@ class _Sim:
         """Enqueues a simulated kernel on `stream` that uses `size` bytes at `ptr` for `ns`."""
         ptr, size, stream, ns = _pointer(ptr), _size(size), _stream(stream), _uint64(ns, "ns")
         check(load().streamalloc_sim_use(_device(device), ptr, size, stream, ns))
+
+    def use_host(self, ptr, size, stream, ns, device=0):
+        """Enqueues a simulated copy on `stream` that uses `size` bytes of pinned memory at `ptr`
+        for `ns`; `device` is the one whose context pins the pinned pool's memory."""
+        ptr, size, stream, ns = _pointer(ptr), _size(size), _stream(stream), _uint64(ns, "ns")
+        check(load().streamalloc_sim_use_host(_device(device), ptr, size, stream, ns))
 
     def synchronize(self, stream=None, device=0):
         """Waits (in virtual time) for the work enqueued on `stream`."""

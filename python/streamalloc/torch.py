@@ -158,7 +158,7 @@ def build_backend(verbose=False):
     try:
         return cpp_extension.load(
             name="streamalloc_torch_backend",
-            sources=[backend_source()],
+            sources=[backend_source(), os.path.join(os.path.dirname(backend_source()), "host.cpp")],
             build_directory=build_dir,
             extra_cflags=["-O2"],
             extra_include_paths=includes,

@@ -51,6 +51,8 @@ fn policy_pass(policy: &mut BestFitPolicy, next_chunk: &mut u64, trace: &Trace, 
                 let (token, addr) = std::mem::take(&mut live[slot]);
                 policy.free(token, addr).expect("free");
             }
+            // Stream rows (issue 37) time nothing here: allocations and frees are measured.
+            Op::RecordStream { .. } | Op::Use { .. } | Op::Wait { .. } => {}
         }
     }
     for (token, addr) in live.iter_mut().map(std::mem::take).filter(|(_, a)| *a != 0) {
@@ -64,6 +66,8 @@ fn allocator_pass(trace: &Trace, live: &mut [Option<Allocation>], alloc: &dyn Fn
         match *op {
             Op::Allocate { slot, size, .. } => live[slot] = Some(alloc(size)),
             Op::Free { slot, .. } => live[slot] = None,
+            // Stream rows (issue 37) time nothing here: allocations and frees are measured.
+            Op::RecordStream { .. } | Op::Use { .. } | Op::Wait { .. } => {}
         }
     }
     live.iter_mut().for_each(|x| *x = None);
@@ -75,6 +79,8 @@ fn pointer_pass(trace: &Trace, live: &mut [u64], a: &dyn PointerAllocator, strea
         match *op {
             Op::Allocate { slot, size, .. } => live[slot] = a.allocate_ptr(size, stream).expect("allocation"),
             Op::Free { slot, .. } => assert!(a.free_ptr(std::mem::take(&mut live[slot]), stream).is_some()),
+            // Stream rows (issue 37) time nothing here: allocations and frees are measured.
+            Op::RecordStream { .. } | Op::Use { .. } | Op::Wait { .. } => {}
         }
     }
     for p in live.iter_mut().map(std::mem::take).filter(|&p| p != 0) {

@@ -10,6 +10,14 @@
 #include <sys/types.h>
 typedef struct CUstream_st *cudaStream_t;
 
+// The first byte of a handle of [`streamalloc_ipc_export`]: the version of its layout.
+#define STREAMALLOC_IPC_VERSION 1
+
+// The second byte of a handle of [`streamalloc_ipc_export`] (`'s'`): streamalloc's mapped
+// memory, told apart from PyTorch's kinds (`'c'`, a CUDA IPC handle; `'e'`, an expandable
+// segment of PyTorch's own allocator).
+#define STREAMALLOC_IPC_KIND 115
+
 // The latest virtual time, in ns, of the simulator's clock and of the work on its streams
 // (2^62 ns, about 146 years): [`streamalloc_sim_advance`] and [`streamalloc_sim_use`] refuse
 // to go past it.
@@ -217,6 +225,113 @@ void *streamalloc_cupy_malloc(void *param, size_t size, int device);
 // one. The stream keeper, if any, is told after the free.
 void streamalloc_cupy_free(void *param, void *ptr, int device);
 
+// Allocates `size` bytes of page-locked host memory from the process's pinned pool and
+// writes the address to `*out` (NULL for size 0, which succeeds, and on failure). Blocks are
+// powers of two and reused once the work of the streams recorded on them
+// ([`streamalloc_host_record_stream`]) has completed. `device` is a device in use: the first
+// call makes the pool, whose memory that device's context pins (it serves every device).
+//
+// # Safety
+// `out` is null (an error) or valid for writing a pointer.
+enum streamalloc_status_t streamalloc_host_alloc(size_t size, int device, void **out);
+
+// Frees pinned memory from [`streamalloc_host_alloc`]: reusable at once, or, when streams
+// were recorded on it, once their work enqueued until now has completed. NULL succeeds; a
+// pointer that is not a live pinned allocation (a double free) is
+// `STREAMALLOC_INVALID_ARGUMENT`.
+enum streamalloc_status_t streamalloc_host_free(void *ptr);
+
+// Says that work on `stream`, a stream of `device`, enqueued until the pinned memory at `ptr`
+// is freed uses it (a copy from or to it): the memory is not handed out again before that
+// work completes. NULL succeeds. `STREAMALLOC_INVALID_ARGUMENT`, nothing recorded, when `ptr`
+// is not a live pinned allocation (the address a block starts at) or `stream` not a live
+// stream of `device`. Memory that a stream uses while capturing a CUDA graph is never handed
+// out again (a replay may copy at any time).
+enum streamalloc_status_t streamalloc_host_record_stream(void *ptr,
+                                                         int device,
+                                                         cudaStream_t stream);
+
+// Gives the pinned memory no allocation uses back (`cuMemFreeHost`), and writes the bytes
+// given back to `*released` unless it is NULL. Waits for nothing: memory whose streams are
+// still at work stays.
+//
+// # Safety
+// `released` is null or valid for writing a `size_t`.
+enum streamalloc_status_t streamalloc_host_release(size_t *released);
+
+// Writes the statistics of the pinned pool to `*out` (zeros before its first allocation):
+// `allocated` the bytes asked for, `reserved` the bytes pinned, `cached` those free,
+// `pending_release` those waiting for streams' work (or kept for a CUDA graph),
+// `device_allocs` and `device_frees` the pinned allocations and frees.
+//
+// # Safety
+// `out` is null (an error) or valid for writing a `streamalloc_stats_t`.
+enum streamalloc_status_t streamalloc_host_stats(struct streamalloc_stats_t *out);
+
+// Restarts the pinned pool's peak figures (`allocated_peak`, `reserved_peak`) from the
+// current ones.
+enum streamalloc_status_t streamalloc_host_reset_peak_stats(void);
+
+// With `device=sim`: enqueues on `stream` a simulated copy that uses `len` bytes of pinned
+// memory at `ptr` for `duration_ns` (virtual time), for the ordering checker to compare later
+// handouts and frees of that memory with. `device` is the device whose context pins the
+// pool's memory (the checker sees host memory there only) and `stream` a stream of it.
+// `STREAMALLOC_INVALID_ARGUMENT`, nothing enqueued, for another device or stream, a range
+// that is not all one live pinned block, or a copy that would end past
+// `STREAMALLOC_SIM_MAX_TIME_NS`; `STREAMALLOC_UNSUPPORTED` off the simulator.
+enum streamalloc_status_t streamalloc_sim_use_host(int device,
+                                                   void *ptr,
+                                                   size_t len,
+                                                   cudaStream_t stream,
+                                                   uint64_t duration_ns);
+
+// Exports the allocation at `ptr` of `size` bytes (a live allocation of this library, as
+// large as it was asked for) for another process, when its memory is mapped
+// (`backing=stitched`, the default, or `backing=segments`). Writes the handle to `buf` and its
+// length to `*written`, and the allocation's offset in the range the handle maps to `*offset`
+// (the receiver adds it to the base that [`streamalloc_ipc_open`] gives). With `buf` NULL, or
+// `len` too small, writes only the length needed (the latter is
+// `STREAMALLOC_INVALID_ARGUMENT`). The handle names this process, the device and the file
+// descriptors, open in this process while it maps the memory, that stand for the memory's
+// physical allocations; the granules holding the allocation may hold others, which the
+// receiver sees too. The memory must stay allocated until the receiver has opened it (once
+// opened, the receiver's mapping keeps it). Memory that is not mapped is
+// `STREAMALLOC_INVALID_ARGUMENT` (`cuMemAlloc` chunks are shared with `cudaIpcGetMemHandle`;
+// the driver's pool, `strategy=async`, not at all); a device that refused to create
+// exportable memory is `STREAMALLOC_UNSUPPORTED`.
+//
+// # Safety
+// `buf` is NULL or valid for writing `len` bytes; `written` and `offset` are NULL (an error)
+// or valid for writing a `size_t`.
+enum streamalloc_status_t streamalloc_ipc_export(void *ptr,
+                                                 size_t size,
+                                                 uint8_t *buf,
+                                                 size_t len,
+                                                 size_t *written,
+                                                 size_t *offset);
+
+// Maps, in this process, the memory of a handle of [`streamalloc_ipc_export`] (made by
+// another process, or this one) into a range of its own, readable and writable by the
+// handle's device, and writes the range's base to `*ptr` (the exporter's allocation is at the
+// base plus the offset the export gave). The file descriptors are copied from the exporting
+// process (`pidfd_getfd`, Linux 5.6 or later), which needs permission to ptrace it: refused
+// (EPERM, e.g. a child under `kernel.yama.ptrace_scope` = 1), the call is
+// `STREAMALLOC_UNSUPPORTED` with that cause. The range keeps the memory alive until
+// [`streamalloc_ipc_close`], whatever the exporter does meanwhile. Each call maps the memory
+// anew (a receiver keeps one range per handle if it wants one).
+//
+// # Safety
+// `handle` is valid for reading `len` bytes (NULL is an error); `ptr` is NULL (an error) or
+// valid for writing a pointer.
+enum streamalloc_status_t streamalloc_ipc_open(const uint8_t *handle, size_t len, void **ptr);
+
+// Unmaps a range that [`streamalloc_ipc_open`] mapped (its base), once the device's work that
+// may use it is done (the device is synchronized, waiting at most `wait_timeout`: past it,
+// `STREAMALLOC_TIMEOUT` and the range stays mapped), and frees its address range; the memory
+// goes back to its device when no process maps it any more. A pointer that is no such range
+// (closed twice) is `STREAMALLOC_INVALID_ARGUMENT` and changes nothing.
+enum streamalloc_status_t streamalloc_ipc_close(void *ptr);
+
 // Creates a simulated stream on `device` (`device=sim` only) and writes its handle to `*out`.
 //
 // # Safety
@@ -334,6 +449,25 @@ void streamalloc_torch_set_memory_fraction(double fraction, int device);
 // PyTorch's init hook: builds the library's state (reporting a bad configuration now rather
 // than at the first allocation).
 void streamalloc_torch_init(int device_count);
+
+// Writes a `use` row to `device`'s trace: work enqueued now on `stream` uses the allocation
+// at `ptr` for `duration_ns` (measured, e.g. between two CUDA events, or estimated). Call it
+// while the allocation is live, when the work is enqueued. NULL (a zero-size allocation)
+// writes nothing; so does a library configured without `trace=`. A stream that is not one
+// of `device` (with `device=sim`: not NULL or a handle of `streamalloc_sim_create_stream`) is
+// `STREAMALLOC_INVALID_ARGUMENT`, with a trace or without.
+enum streamalloc_status_t streamalloc_trace_use(int device,
+                                                void *ptr,
+                                                cudaStream_t stream,
+                                                uint64_t duration_ns);
+
+// Writes a `wait` row to `device`'s trace: `stream` waits, from now on, for the work enqueued
+// so far on `other` (as after `cudaStreamWaitEvent` on an event recorded on `other`, or
+// PyTorch's `stream.wait_stream(other)`). A library configured without `trace=` writes
+// nothing. Streams are checked as by [`streamalloc_trace_use`].
+enum streamalloc_status_t streamalloc_trace_wait(int device,
+                                                 cudaStream_t stream,
+                                                 cudaStream_t other);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -5,7 +5,10 @@
 //!   [`streamalloc_cupy_free`].
 //! * A C API with status codes and a thread-local last-error string: `streamalloc_allocate`,
 //!   `_deallocate`, `_record_stream`, `_release`, `_stats`, `_reset_peak_stats`, `_configure`,
-//!   `_last_error`; and with `device=sim`, the simulator (`streamalloc_sim_*`, see [`sim`]).
+//!   `_last_error`; with `trace=`, rows a program adds to the trace (`streamalloc_trace_*`, see
+//!   [`trace`]); sharing mapped memory with another process (`streamalloc_ipc_*`, see
+//!   [`ipc`]); a pool of page-locked host memory (`streamalloc_host_*`, see [`host`]); and with
+//!   `device=sim`, the simulator (`streamalloc_sim_*`, see [`sim`]).
 //!
 //! All three share one process-wide facade (per-device allocator stacks), configured by
 //! [`streamalloc_configure`] or else, at the first call, from `STREAMALLOC_CONF` (e.g.
@@ -29,10 +32,13 @@
 
 mod cupy;
 mod fork;
+mod host;
+mod ipc;
 mod sim;
 mod state;
 mod status;
 mod torch;
+mod trace;
 
 use std::ffi::CStr;
 use std::os::raw::{c_char, c_int, c_void};
@@ -46,6 +52,14 @@ pub use cupy::{
     streamalloc_cupy_free, streamalloc_cupy_malloc, streamalloc_cupy_set_stream_keeper,
     streamalloc_cupy_set_stream_source, CupyStreamKeeper, CupyStreamSource,
 };
+pub use host::{
+    streamalloc_host_alloc, streamalloc_host_free, streamalloc_host_record_stream, streamalloc_host_release,
+    streamalloc_host_reset_peak_stats, streamalloc_host_stats, streamalloc_sim_use_host,
+};
+pub use ipc::{
+    streamalloc_ipc_close, streamalloc_ipc_export, streamalloc_ipc_open, STREAMALLOC_IPC_KIND,
+    STREAMALLOC_IPC_VERSION,
+};
 pub use sim::{
     streamalloc_sim_advance, streamalloc_sim_create_stream, streamalloc_sim_destroy_stream,
     streamalloc_sim_synchronize, streamalloc_sim_use, streamalloc_sim_violations,
@@ -54,6 +68,7 @@ pub use sim::{
 use state::State;
 pub use status::{StreamallocStats, StreamallocStatus};
 pub use torch::*;
+pub use trace::{streamalloc_trace_use, streamalloc_trace_wait};
 
 /// A CUDA stream: `cudaStream_t`, the same value as the driver's `CUstream`. Null is the
 /// legacy default stream. With `device=sim`, NULL or a handle from

@@ -11,6 +11,7 @@ use core_alloc::facade::{Config, DeviceKind, DeviceStack, Facade, MAX_DEVICES};
 use core_alloc::{DevicePtr, Error, PointerAllocator, Result, Stats, Stream};
 
 use crate::fork;
+use crate::ipc::Opened;
 use crate::sim::SimStreams;
 
 /// Everything the exported functions share.
@@ -22,6 +23,8 @@ pub(crate) struct State {
     sim_streams: SimStreams,
     /// Per device, the bytes [`State::set_memory_fraction`] allows (0: no limit).
     fraction_limits: Box<[AtomicUsize]>,
+    /// Ranges of other processes' memory mapped by `streamalloc_ipc_open`.
+    opened: Opened,
 }
 
 extern "C" {
@@ -49,7 +52,7 @@ extern "C" fn flush_at_exit() {
 static STATE: OnceLock<Result<State>> = OnceLock::new();
 
 impl State {
-    fn new(config: Config) -> Self {
+    pub(crate) fn new(config: Config) -> Self {
         if config.trace.is_some() {
             // SAFETY: `atexit` is given a function with the C ABI that never unwinds; registering
             // it has no other precondition.
@@ -60,6 +63,7 @@ impl State {
             legacy_events: (0..MAX_DEVICES).map(|_| OnceLock::new()).collect(),
             sim_streams: SimStreams::default(),
             fraction_limits: (0..MAX_DEVICES).map(|_| AtomicUsize::new(0)).collect(),
+            opened: Opened::default(),
         }
     }
 
@@ -123,9 +127,19 @@ impl State {
         &self.sim_streams
     }
 
+    /// The stacks built so far.
+    pub(crate) fn stacks(&self) -> impl Iterator<Item = &DeviceStack> {
+        self.facade.built_stacks()
+    }
+
+    /// The ranges `streamalloc_ipc_open` mapped and not yet closed.
+    pub(crate) fn opened(&self) -> &Opened {
+        &self.opened
+    }
+
     /// The stream a C handle stands for on `device` (`None`: any): itself on CUDA; with
     /// `device=sim`, NULL or a handle of [`SimStreams`], anything else an error.
-    fn stream(&self, handle: u64, device: Option<usize>) -> Result<Stream> {
+    pub(crate) fn stream(&self, handle: u64, device: Option<usize>) -> Result<Stream> {
         let named = self.named(handle)?;
         match (named.device, device) {
             (Some(o), Some(d)) if o != d => {

@@ -391,3 +391,111 @@ fn a_stream_handle_of_one_device_is_no_stream_of_another() {
     assert_eq!(unsafe { streamalloc_sim_violations(d0, &mut violations) }, STREAMALLOC_OK);
     assert_eq!(violations, 0);
 }
+
+/// The IPC functions at the boundary (the process-wide state is `strategy=plain`: nothing is
+/// mapped, so nothing is exported; `ipc.rs` tests a mapped configuration).
+#[test]
+fn ipc_refuses_bad_arguments_with_a_status() {
+    setup();
+    let p = streamalloc_malloc(4096, 0, ptr::null_mut());
+    assert!(!p.is_null(), "{}", last_error());
+    let (mut written, mut offset) = (usize::MAX, usize::MAX);
+    let mut buf = [0u8; 64];
+    // SAFETY: valid out-pointers and a buffer of the length given, or nulls the calls refuse.
+    unsafe {
+        let mut export = |written: *mut usize, offset: *mut usize| {
+            streamalloc_ipc_export(p, 4096, buf.as_mut_ptr(), 64, written, offset)
+        };
+        assert_eq!(export(ptr::null_mut(), &mut offset), STREAMALLOC_INVALID_ARGUMENT);
+        assert_eq!(export(&mut written, ptr::null_mut()), STREAMALLOC_INVALID_ARGUMENT);
+        assert_eq!(export(&mut written, &mut offset), STREAMALLOC_INVALID_ARGUMENT);
+        assert!(last_error().contains("cudaIpcGetMemHandle"), "{}", last_error());
+        let null =
+            streamalloc_ipc_export(ptr::null_mut(), 4096, ptr::null_mut(), 0, &mut written, &mut offset);
+        assert_eq!(null, STREAMALLOC_INVALID_ARGUMENT);
+        let mut out = ptr::dangling_mut::<c_void>();
+        assert_eq!(streamalloc_ipc_open(ptr::null(), 0, &mut out), STREAMALLOC_INVALID_ARGUMENT);
+        assert_eq!(streamalloc_ipc_open(buf.as_ptr(), 2, ptr::null_mut()), STREAMALLOC_INVALID_ARGUMENT);
+        assert_eq!(streamalloc_ipc_open(buf.as_ptr(), buf.len(), &mut out), STREAMALLOC_INVALID_ARGUMENT);
+        assert!(last_error().contains("not a streamalloc IPC handle"), "{}", last_error());
+    }
+    assert_eq!((written, offset), (usize::MAX, usize::MAX), "nothing written on failure");
+    assert_eq!(streamalloc_ipc_close(p), STREAMALLOC_INVALID_ARGUMENT, "an allocation, not an opened range");
+    assert!(last_error().contains("not a range streamalloc_ipc_open mapped"), "{}", last_error());
+    assert_eq!(streamalloc_deallocate(p), STREAMALLOC_OK, "the allocation is untouched");
+}
+
+/// The pinned host pool at the boundary, on a simulated device of its own: bad input refused
+/// with a status, real memory, every handout checked, reuse only after the recorded stream's
+/// copy, and the checker catching a copy nobody recorded.
+#[test]
+fn pinned_host_memory_through_the_c_abi() {
+    const D: c_int = 9;
+    setup();
+    let alloc = |size: usize, device: c_int| {
+        let mut p = ptr::dangling_mut::<c_void>();
+        // SAFETY: `p` is a valid place for a pointer.
+        let s = unsafe { streamalloc_host_alloc(size, device, &mut p) };
+        (s, p)
+    };
+    // SAFETY: a null out-pointer is the bad input under test.
+    assert_eq!(unsafe { streamalloc_host_alloc(4096, D, ptr::null_mut()) }, STREAMALLOC_INVALID_ARGUMENT);
+    assert_eq!(alloc(4096, -1), (STREAMALLOC_INVALID_ARGUMENT, ptr::null_mut()));
+    assert_eq!(alloc(usize::MAX, D), (STREAMALLOC_INVALID_ARGUMENT, ptr::null_mut()));
+    assert_eq!(alloc(0, D), (STREAMALLOC_OK, ptr::null_mut()));
+    let (s, p) = alloc(1 << 20, D);
+    assert_eq!(s, STREAMALLOC_OK, "{}", last_error());
+    // SAFETY: 1 MiB of host memory the pool handed out and nothing else uses.
+    unsafe { ptr::write_bytes(p.cast::<u8>(), 0xab, 1 << 20) };
+    let mut stream = ptr::null_mut();
+    // SAFETY: `stream` is a valid place for a stream handle.
+    assert_eq!(unsafe { streamalloc_sim_create_stream(D, &mut stream) }, STREAMALLOC_OK);
+    assert_eq!(streamalloc_sim_use_host(D, p, 1 << 20, stream, 1_000_000), STREAMALLOC_OK);
+    assert_eq!(streamalloc_sim_use_host(0, p, 1 << 20, ptr::null_mut(), 1), STREAMALLOC_INVALID_ARGUMENT);
+    assert!(last_error().contains("checked on device 9"), "{}", last_error());
+    assert_eq!(streamalloc_host_record_stream(p, D, stream), STREAMALLOC_OK, "{}", last_error());
+    assert_eq!(
+        streamalloc_host_record_stream(p.wrapping_byte_add(64), D, stream),
+        STREAMALLOC_INVALID_ARGUMENT
+    );
+    assert!(last_error().contains("not a live pinned allocation"), "{}", last_error());
+    assert_eq!(streamalloc_host_record_stream(p, D, 0xbad0 as CudaStream), STREAMALLOC_INVALID_ARGUMENT);
+    assert_eq!(streamalloc_host_record_stream(ptr::null_mut(), D, stream), STREAMALLOC_OK);
+    assert_eq!(streamalloc_host_free(p), STREAMALLOC_OK);
+    assert_eq!(streamalloc_host_free(p), STREAMALLOC_INVALID_ARGUMENT, "freed twice");
+    assert_eq!(streamalloc_host_free(ptr::null_mut()), STREAMALLOC_OK);
+    // The copy still reads the block: another one comes, then, once the copy is done, it.
+    let (_, q) = alloc(1 << 20, D);
+    assert_ne!(q, p);
+    assert_eq!(streamalloc_sim_synchronize(D, stream), STREAMALLOC_OK);
+    let (_, r) = alloc(1 << 20, D);
+    assert_eq!(r, p);
+    let mut stats = StreamallocStats::default();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { streamalloc_host_stats(&mut stats) }, STREAMALLOC_OK);
+    assert_eq!((stats.allocated, stats.reserved, stats.device_allocs), (2 << 20, 2 << 20, 2));
+    assert_eq!((stats.total_allocations, stats.total_frees, stats.failures), (3, 1, 1));
+    let mut violations = u64::MAX;
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { streamalloc_sim_violations(D, &mut violations) }, STREAMALLOC_OK);
+    assert_eq!(violations, 0);
+    // A copy nobody recorded: the next handout of the block is an early reuse.
+    assert_eq!(streamalloc_sim_use_host(D, r, 1 << 20, stream, 1_000_000), STREAMALLOC_OK);
+    assert_eq!(streamalloc_host_free(r), STREAMALLOC_OK);
+    assert_eq!(alloc(1 << 20, D), (STREAMALLOC_OK, r));
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { streamalloc_sim_violations(D, &mut violations) }, STREAMALLOC_OK);
+    assert_eq!(violations, 1);
+    assert_eq!(streamalloc_sim_synchronize(D, stream), STREAMALLOC_OK);
+    assert_eq!((streamalloc_host_free(q), streamalloc_host_free(r)), (STREAMALLOC_OK, STREAMALLOC_OK));
+    let mut released = 0;
+    // SAFETY: valid out-pointers.
+    unsafe {
+        assert_eq!(streamalloc_host_release(&mut released), STREAMALLOC_OK);
+        assert_eq!(released, 2 << 20);
+        assert_eq!(streamalloc_host_reset_peak_stats(), STREAMALLOC_OK);
+        assert_eq!(streamalloc_host_stats(&mut stats), STREAMALLOC_OK);
+        assert_eq!(streamalloc_host_stats(ptr::null_mut()), STREAMALLOC_INVALID_ARGUMENT);
+    }
+    assert_eq!((stats.reserved, stats.reserved_peak, stats.device_frees), (0, 0, 2));
+}

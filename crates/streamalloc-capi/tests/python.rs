@@ -47,6 +47,12 @@ fn fork_on_the_simulator() {
     python_tests("test_fork.py");
 }
 
+/// The pinned host pool from Python (issue 36), in a process of its own.
+#[test]
+fn pinned_host_on_the_simulator() {
+    python_tests("test_host_pool.py");
+}
+
 /// Runs `python/tests/SCRIPT` against the package; it must report no failure.
 fn python_tests(script: &str) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");

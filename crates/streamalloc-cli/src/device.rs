@@ -28,6 +28,8 @@ pub struct Opened {
     pub start_slack: usize,
     /// The simulator's settings when the device is the simulator.
     pub sim: Option<SimConfig>,
+    /// The simulator when the device is the simulator (whose clock a replay of time moves).
+    pub simulator: Option<Arc<SimDevice>>,
 }
 
 /// Opens GPU 0 through the CUDA driver, or says why it cannot.
@@ -35,7 +37,7 @@ pub fn open_cuda() -> Result<Opened, String> {
     let device = CudaDevice::new(0).map_err(|e| e.to_string())?;
     let memory = device.mem_info().map_err(|e| e.to_string())?;
     let description = format!("CUDA device 0 ({} MiB, {} MiB free)", memory.total >> 20, memory.free >> 20);
-    Ok(Opened { device, description, start_slack: 32 << 20, sim: None })
+    Ok(Opened { device, description, start_slack: 32 << 20, sim: None, simulator: None })
 }
 
 /// One line per CUDA device: memory and whether it offers stream-ordered pools. The
@@ -85,8 +87,9 @@ pub fn open(choice: Option<DeviceChoice>) -> Result<Opened, String> {
     let simulator = || {
         let config = simulator_config();
         let description = describe_simulator(&config);
-        let device: Arc<dyn Device> = SimDevice::new(config.clone());
-        Opened { device, description, start_slack: 0, sim: Some(config) }
+        let simulator = SimDevice::new(config.clone());
+        let device: Arc<dyn Device> = simulator.clone();
+        Opened { device, description, start_slack: 0, sim: Some(config), simulator: Some(simulator) }
     };
     match choice {
         Some(DeviceChoice::Sim) => Ok(simulator()),

@@ -4,6 +4,7 @@
 //! ```text
 //! streamalloc replay TRACE... [--conf CONF]... [--allocator PRESET]... [--device sim|cuda]
 //!                    [--json] [--plot OUT.svg] [--passes N] [--threads] [--lenient]
+//!                    [--time | --no-time]
 //! streamalloc compare A.json B.json
 //! streamalloc plot A.json [B.json...] -o OUT.svg
 //! streamalloc import SNAPSHOT.pickle -o TRACE.csv [--gpu N]
@@ -60,6 +61,13 @@ enum Command {
     /// fields of `streamalloc_replay::replay::ReplayResult` plus `device`, `config`, the
     /// configuration replayed, and on the simulator `ns_per_op_note`), which `compare` and
     /// `plot` read. On the simulator, ns/op measure the library's CPU cost, not a GPU's.
+    ///
+    /// Stream rows (`record_stream`, `use`, `wait`; see traces/README.md) replay on every
+    /// device: a record_stream is recorded on the allocation, a wait makes one stream wait for
+    /// another. On the simulator a trace's time is replayed too (--time, the default for a
+    /// trace with `use` or `wait` rows): the clock moves to each row's Time, `use` rows run as
+    /// kernels on their streams, and the ordering checker counts early reuses (`violations`).
+    /// The output says, for each trace with stream rows, whether its time was replayed.
     Replay {
         /// Trace files (CSV: Thread,Time,Action,Pointer,Size,Stream).
         #[arg(required = true)]
@@ -89,9 +97,19 @@ enum Command {
         /// memory allocated on another thread waits for that allocation.
         #[arg(long)]
         threads: bool,
-        /// Skip (and count) frees of pointers the trace never allocated, instead of failing.
+        /// Skip (and count) frees, record_stream and use rows of pointers the trace never
+        /// allocated (or already freed), instead of failing.
         #[arg(long)]
         lenient: bool,
+        /// Replay the traces' time on the simulator: the clock moves to each row's Time and
+        /// `use` rows run as kernels that the ordering checker sees (default: for traces with
+        /// `use` or `wait` rows, on the simulator). A GPU runs no recorded work: refused there.
+        #[arg(long, conflicts_with = "no_time")]
+        time: bool,
+        /// Run the rows back to back, `use` rows skipped (record_stream and wait rows still
+        /// replay).
+        #[arg(long)]
+        no_time: bool,
     },
     /// Shows two saved `replay --json` outputs side by side, with B/A ratios.
     Compare {
@@ -173,8 +191,21 @@ fn main() -> ExitCode {
     let matches = Cli::command().get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let outcome = match cli.command {
-        Command::Replay { traces, confs, presets, device, json, plot, passes, threads, lenient } => {
-            let options = RunOptions { device, json, plot, passes: passes as usize, threads, lenient };
+        Command::Replay {
+            traces,
+            confs,
+            presets,
+            device,
+            json,
+            plot,
+            passes,
+            threads,
+            lenient,
+            time,
+            no_time,
+        } => {
+            let time = (time || no_time).then_some(time);
+            let options = RunOptions { device, json, plot, passes: passes as usize, threads, lenient, time };
             let chosen = in_typed_order(matches.subcommand_matches("replay"), presets, confs);
             configurations(&chosen).and_then(|configs| run_replay(&traces, &configs, &options))
         }
@@ -511,6 +542,22 @@ struct RunOptions {
     passes: usize,
     threads: bool,
     lenient: bool,
+    /// `--time` (`Some(true)`), `--no-time` (`Some(false)`), or neither.
+    time: Option<bool>,
+}
+
+/// Whether the time of `trace` is replayed on `opened`, and if not, why not (for a trace
+/// whose stream rows make it worth saying, or when `--time`/`--no-time` was given). Asked
+/// for (`--time`) on a trace without times, it is: the replay refuses it.
+fn time_choice(trace: &Trace, asked: Option<bool>, opened: &device::Opened) -> Result<(), String> {
+    match (asked, trace.untimed_line) {
+        (Some(false), _) => Err("--no-time".into()),
+        _ if opened.simulator.is_none() => Err("on a GPU nothing runs the recorded work".into()),
+        (Some(true), _) => Ok(()),
+        (None, Some(line)) => Err(format!("the Time of line {line} is not an integer of microseconds")),
+        (None, None) if !trace.has_stream_work() => Err("no use or wait rows".into()),
+        (None, None) => Ok(()),
+    }
 }
 
 fn run_replay(paths: &[PathBuf], configs: &[(String, Config)], o: &RunOptions) -> Result<(), String> {
@@ -527,6 +574,13 @@ fn run_replay(paths: &[PathBuf], configs: &[(String, Config)], o: &RunOptions) -
         }
     }
     let opened = device::open(o.device)?;
+    if o.time == Some(true) && opened.simulator.is_none() {
+        return Err(format!(
+            "--time replays a trace's time on the simulator only (--device sim): {} runs none of the \
+             recorded work",
+            opened.description
+        ));
+    }
     let idle = settle(opened.device.as_ref()).map_err(|e| format!("measuring the idle device: {e}"))?;
     if !o.json {
         emit(&format!("device: {}\n", opened.description))?;
@@ -551,10 +605,12 @@ fn run_replay(paths: &[PathBuf], configs: &[(String, Config)], o: &RunOptions) -
     for trace in &traces {
         for (label, config) in configs {
             bar.set_message(format!("{} / {label}", trace.name));
+            let time = time_choice(trace, o.time, &opened).ok().and(opened.simulator.as_deref());
             let options = ReplayOptions {
                 passes: o.passes,
                 progress: Some(&progress),
                 threads: o.threads,
+                time,
                 ..Default::default()
             };
             match replay_one(trace, label, config, &opened, idle, &options) {
@@ -588,14 +644,32 @@ fn run_replay(paths: &[PathBuf], configs: &[(String, Config)], o: &RunOptions) -
             text.push_str(&format!("{SIM_NS_PER_OP}\n"));
         }
         for trace in &traces {
-            if trace.recorded_failures + trace.skipped_frees + trace.skipped_truncated_rows > 0 {
+            let skipped = trace.skipped_frees + trace.skipped_stream_rows + trace.skipped_truncated_rows;
+            if trace.recorded_failures + skipped > 0 {
                 let cut =
                     if trace.skipped_truncated_rows > 0 { ", its last row, cut short, skipped" } else { "" };
+                let stream_rows = match trace.skipped_stream_rows {
+                    0 => String::new(),
+                    n => format!(", {n} record_stream and use rows of unknown pointers skipped"),
+                };
                 text.push_str(&format!(
-                    "{}: {} `allocate failure` rows not replayed, {} frees of unknown pointers skipped{cut}\n",
+                    "{}: {} `allocate failure` rows not replayed, {} frees of unknown pointers \
+                     skipped{stream_rows}{cut}\n",
                     trace.name, trace.recorded_failures, trace.skipped_frees
                 ));
             }
+            // Said of traces whose replays ran (a replay refused for want of times says why).
+            let ran = results.iter().any(|r| r.trace == trace.name);
+            if (trace.has_stream_rows() || o.time.is_some()) && ran {
+                text.push_str(&time_note(trace, time_choice(trace, o.time, &opened)));
+            }
+        }
+        for r in results.iter().filter(|r| r.violations > 0) {
+            text.push_str(&format!(
+                "{} on {}: {} ordering violations (memory handed to a stream while another stream's work \
+                 could still use it)\n",
+                r.allocator, r.trace, r.violations
+            ));
         }
         for r in results.iter().filter(|r| r.failures > 0) {
             text.push_str(&format!(
@@ -628,6 +702,23 @@ fn run_replay(paths: &[PathBuf], configs: &[(String, Config)], o: &RunOptions) -
         Ok(())
     } else {
         Err(failures.join("; "))
+    }
+}
+
+/// The line under the table that says whether the time of `trace` was replayed (`choice`,
+/// from [`time_choice`]).
+fn time_note(trace: &Trace, choice: Result<(), String>) -> String {
+    let rows =
+        format!("{} use, {} wait, {} record_stream rows", trace.uses, trace.waits, trace.record_streams);
+    match choice {
+        Ok(()) => format!(
+            "{}: time replayed on the simulator's clock ({rows}; the ordering checker counts early reuses)\n",
+            trace.name
+        ),
+        Err(why) => format!(
+            "{}: time not replayed ({why}): rows back to back ({rows}; use rows skipped)\n",
+            trace.name
+        ),
     }
 }
 
@@ -894,7 +985,7 @@ fn plot_saved(paths: &[PathBuf], output: &Path) -> Result<(), String> {
 }
 
 fn import_snapshot(snapshot: &Path, output: &Path, gpu: Option<usize>) -> Result<(), String> {
-    let s = import::import(snapshot, output, gpu)?;
+    let s = import::import(snapshot, output, gpu, std::io::stderr().is_terminal())?;
     if s.unknown_frees > 0 {
         warn(&format!(
             "warning: {} frees of blocks allocated before recording began were skipped (raise \
@@ -915,9 +1006,19 @@ fn import_snapshot(snapshot: &Path, output: &Path, gpu: Option<usize>) -> Result
             s.untimed
         ));
     }
+    let deferred = if s.deferred_frees > 0 {
+        format!(
+            "{} frees waited for work on other streams: a record_stream and a use row on stream {} (the \
+             other streams) come before each\n",
+            s.deferred_frees,
+            import::OTHER_STREAMS
+        )
+    } else {
+        String::new()
+    };
     emit(&format!(
         "{}: device {} of {}: {} allocations, {} frees, {} streams\n{} allocations still live at the end \
-         (allocated and not freed by the dump)\n",
+         (allocated and not freed by the dump)\n{deferred}",
         output.display(),
         s.device,
         snapshot.display(),

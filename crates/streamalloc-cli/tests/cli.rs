@@ -6,7 +6,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use common::{json_rows, stderr, stdout, streamalloc, workload, TempFile, HEADER};
+use common::{fabricated_snapshot, json_rows, stderr, stdout, streamalloc, workload, TempFile, HEADER};
 
 fn sample(name: &str) -> String {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../traces").join(name).display().to_string()
@@ -305,24 +305,16 @@ fn output_into_a_closed_pipe_ends_quietly() {
     }
 }
 
-/// Writes a snapshot fabricated like `torch.cuda.memory._dump_snapshot` (see
-/// scripts/fabricate_snapshot.py) with `args`.
-fn fabricated_snapshot(name: &str, args: &[&str]) -> TempFile {
-    let file = TempFile::new(name, "");
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/fabricate_snapshot.py");
-    let out =
-        Command::new("python3").arg(&script).arg(file.path()).args(args).output().expect("python3 runs");
-    assert!(out.status.success(), "{}", stderr(&out));
-    file
-}
-
 /// Issue 18: a PyTorch snapshot becomes a trace that `replay` takes, streams kept; frees of
 /// blocks allocated before recording began are skipped and counted; blocks live at the
-/// dump stay live; fields absent in older versions ('time_us') are not needed.
+/// dump stay live; fields absent in older versions ('time_us') are not needed. Issue 37:
+/// with 'time_us', each of the 3 frees that waited for the side stream's work adds a
+/// record_stream and a use row.
 #[test]
 fn import_converts_a_pytorch_snapshot() {
-    for (name, args) in [("snap.pickle", vec![]), ("snap-old.pickle", vec!["--no-time", "--protocol", "2"])] {
-        let snapshot = fabricated_snapshot(name, &args);
+    let cases = [("snap.pickle", vec![], 6), ("snap-old.pickle", vec!["--no-time", "--protocol", "2"], 0)];
+    for (name, args, stream_rows) in cases {
+        let (snapshot, _) = fabricated_snapshot(name, &args);
         let csv = TempFile::new(&format!("{name}.csv"), "");
         let out = streamalloc(&["import", snapshot.path(), "-o", csv.path()]);
         assert!(out.status.success(), "{}", stderr(&out));
@@ -335,7 +327,7 @@ fn import_converts_a_pytorch_snapshot() {
         );
         let trace = std::fs::read_to_string(&csv.0).unwrap();
         assert_eq!(trace.lines().next(), Some(HEADER));
-        assert_eq!(trace.lines().count(), 1 + 41 + 33, "{trace}");
+        assert_eq!(trace.lines().count(), 1 + 41 + 33 + stream_rows, "{trace}");
         assert!(trace.lines().any(|l| l.ends_with(",94000000000000")), "the side stream is kept");
 
         let out = streamalloc(&[
@@ -348,7 +340,7 @@ fn import_converts_a_pytorch_snapshot() {
             "--json",
         ]);
         let rows = json_rows(&out);
-        assert_eq!(rows[0]["ops"], 41 + 33);
+        assert_eq!(rows[0]["ops"], 41 + 33 + stream_rows);
         assert_eq!(rows[0]["failures"], 0);
     }
     let junk = TempFile::new("junk.pickle", "not a pickle");
@@ -534,4 +526,123 @@ fn real_snapshots_import_and_replay() {
         assert_eq!(rows[0]["failures"], 0, "{}", rows[0]);
         assert!(rows[0]["footprint_ratio"].as_f64().unwrap() >= 1.0, "{}", rows[0]);
     }
+}
+
+/// A trace whose side stream (7) reads a 64 MiB block for 5 ms past its free at 2 us; the
+/// next 64 MiB block is asked for at 3 us.
+fn side_stream_trace(name: &str) -> TempFile {
+    let size = 64 << 20;
+    TempFile::new(
+        name,
+        format!(
+            "{HEADER}\n0,100,allocate,0x1000,{size},0\n0,101,record_stream,0x1000,0,7\n\
+             0,101,use,0x1000,5000000,7\n0,102,free,0x1000,{size},0\n0,103,allocate,0x2000,{size},0\n\
+             0,104,free,0x2000,{size},0\n"
+        ),
+    )
+}
+
+/// Issue 37: a trace with stream rows replays its time on the simulator by default, and the
+/// output says so; --no-time runs the rows back to back, reusing the block at once.
+#[test]
+fn replay_runs_a_traces_time_by_default_and_says_so() {
+    let trace = side_stream_trace("side.csv");
+    let run = |extra: &[&str]| {
+        let mut args = vec!["replay", trace.path(), "-a", "stream_safe", "--device", "sim", "--passes", "1"];
+        args.extend_from_slice(extra);
+        streamalloc(&args)
+    };
+    let rows = json_rows(&run(&["--json"]));
+    assert_eq!(
+        (rows[0]["time"].as_bool(), rows[0]["violations"].as_u64()),
+        (Some(true), Some(0)),
+        "{}",
+        rows[0]
+    );
+    assert_eq!(rows[0]["reserved_peak"], 128 << 20, "{}", rows[0]);
+    let rows = json_rows(&run(&["--json", "--no-time"]));
+    assert_eq!((rows[0]["time"].as_bool(), rows[0]["reserved_peak"].as_u64()), (Some(false), Some(64 << 20)));
+
+    let out = run(&[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(
+        text.contains(
+            "side.csv: time replayed on the simulator's clock (1 use, 0 wait, 1 record_stream rows"
+        ),
+        "{text}"
+    );
+    let text = stdout(&run(&["--no-time"]));
+    assert!(text.contains("side.csv: time not replayed (--no-time)"), "{text}");
+    // A trace without stream rows says nothing of time, unless asked.
+    let plain = TempFile::new("no-stream-rows.csv", format!("{HEADER}\n0,1,allocate,0x10,64,0\n"));
+    let out = streamalloc(&["replay", plain.path(), "-a", "plain", "--device", "sim", "--passes", "1"]);
+    assert!(!stdout(&out).contains("time"), "{}", stdout(&out));
+    let rows = json_rows(&streamalloc(&["replay", plain.path(), "-a", "plain", "--device", "sim", "--json"]));
+    assert_eq!(rows[0]["time"], false);
+}
+
+/// A trace whose Time is not microseconds cannot have its time replayed: by default it runs
+/// back to back and says why; --time is an error for it.
+#[test]
+fn replay_of_time_needs_times() {
+    let trace = TempFile::new(
+        "clock-times.csv",
+        format!("{HEADER}\n0,10:00:00.000001,allocate,0x10,64,0\n0,10:00:00.000002,use,0x10,50,7\n"),
+    );
+    let args = ["replay", trace.path(), "-a", "plain", "--device", "sim", "--passes", "1"];
+    let out = streamalloc(&args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("time not replayed (the Time of line 2 is not an integer of microseconds)"),
+        "{}",
+        stdout(&out)
+    );
+    let out = streamalloc(&[&args[..], &["--time"]].concat());
+    assert_fails_with(&out, &["the Time of line 2 is not an integer of microseconds"]);
+    let out = streamalloc(&[&args[..], &["--time", "--no-time"]].concat());
+    assert!(!out.status.success() && stderr(&out).contains("cannot be used with"), "{}", stderr(&out));
+}
+
+/// Stream rows of pointers not live are errors, skipped and counted with --lenient.
+#[test]
+fn stream_rows_of_unknown_pointers_are_errors_unless_lenient() {
+    let trace =
+        TempFile::new("unknown-use.csv", format!("{HEADER}\n0,1,allocate,0x10,64,0\n0,2,use,0xbad,50,7\n"));
+    let out = streamalloc(&["replay", trace.path(), "--device", "sim"]);
+    assert_fails_with(&out, &["line 3", "`use` of pointer 0xbad that is not live"]);
+    let out = streamalloc(&["replay", trace.path(), "-a", "plain", "--device", "sim", "--lenient"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("1 record_stream and use rows of unknown pointers skipped"),
+        "{}",
+        stdout(&out)
+    );
+}
+
+/// GPU: a trace with stream rows replays on a GPU with its record_stream and wait rows (events
+/// on the real streams) and without its time, which the output says; --time is refused
+/// there. Fails without a GPU.
+#[test]
+#[ignore = "needs a GPU"]
+fn gpu_stream_rows_replay_without_time() {
+    let trace = side_stream_trace("gpu-side.csv");
+    let mut with_wait = std::fs::read_to_string(&trace.0).unwrap();
+    with_wait.push_str("0,105,wait,0x7,0,0\n");
+    let trace = TempFile::new("gpu-side-wait.csv", with_wait);
+    let args =
+        ["replay", trace.path(), "-a", "stream_safe", "-a", "async", "--device", "cuda", "--passes", "1"];
+    let rows = json_rows(&streamalloc(&[&args[..], &["--json"]].concat()));
+    for row in &rows {
+        assert_eq!((row["failures"].as_u64(), row["time"].as_bool()), (Some(0), Some(false)), "{row}");
+    }
+    let out = streamalloc(&args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("time not replayed (on a GPU nothing runs the recorded work)"),
+        "{}",
+        stdout(&out)
+    );
+    let out = streamalloc(&[&args[..], &["--time"]].concat());
+    assert_fails_with(&out, &["--time replays a trace's time on the simulator only"]);
 }

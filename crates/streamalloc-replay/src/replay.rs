@@ -34,6 +34,25 @@
 //! threads one at a time in recorded order, unrelated rows of different threads run
 //! concurrently, so the allocator meets real contention. Memory figures then depend on the
 //! interleaving and may differ from run to run.
+//!
+//! # Streams and time
+//!
+//! A `record_stream` row records the replay's stream of its index on the live allocation
+//! ([`Allocation::record_stream`]), and a `wait` row makes one replay stream wait for the
+//! work enqueued so far on another (an event recorded on the one, waited for by the other),
+//! on every device. With [`ReplayOptions::time`], the replay also runs the trace's time on
+//! the simulator: before each row it moves the simulator's clock to the row's `Time` (counted
+//! from the first row, from where the clock stood when the pass began; it never goes back),
+//! a `use` row enqueues a simulated kernel on the replay's stream of its index that touches
+//! the allocation's range for the row's duration, and every allocation handed out is shown
+//! to the ordering checker ([`SimDevice::check_handout`]), whose violations the result counts
+//! ([`ReplayResult::violations`]). So memory that a busy stream still uses is not reused
+//! before that stream is done, under every allocator, as on a GPU. Without it (and on a GPU,
+//! where nothing runs the recorded work) `use` rows are skipped and the rows run back to
+//! back, as in a trace without stream rows, whose replay is the same either way. On threads,
+//! a `record_stream` or `use` row of an allocation made on another thread waits for it as a
+//! free does; a `wait` row waits for nothing, so it orders only the work of the other stream
+//! enqueued by then.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
@@ -43,7 +62,8 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use crate::trace::{Op, Trace};
-use streamalloc::device::{Device, PoolAttr, Stream};
+use streamalloc::device::sim::SimDevice;
+use streamalloc::device::{Device, Event, PoolAttr, Stream};
 use streamalloc::{Allocation, Allocator, Error, Result, StreamAllocator};
 
 /// The allocator under replay.
@@ -87,11 +107,14 @@ pub struct ReplayOptions<'a> {
     pub threads: bool,
     /// The most points of [`ReplayResult::series`] (at least 1).
     pub series_points: usize,
+    /// Replay the trace's time on this simulator, the device replayed on (see [Streams and
+    /// time](self#streams-and-time)); `None`: the rows run back to back.
+    pub time: Option<&'a SimDevice>,
 }
 
 impl Default for ReplayOptions<'_> {
     fn default() -> Self {
-        Self { passes: 3, progress: None, pass_done: None, threads: false, series_points: 512 }
+        Self { passes: 3, progress: None, pass_done: None, threads: false, series_points: 512, time: None }
     }
 }
 
@@ -122,7 +145,7 @@ pub struct ReplayResult {
     pub allocator: String,
     /// Name of the trace.
     pub trace: String,
-    /// Operations in the trace (allocations and frees).
+    /// Operations in the trace (allocations, frees and stream rows).
     pub ops: usize,
     /// The trace's peak live bytes.
     pub peak_live: usize,
@@ -144,6 +167,14 @@ pub struct ReplayResult {
     /// Threads the operations ran on.
     #[serde(default = "one")]
     pub threads: usize,
+    /// Whether the trace's time was replayed on the simulator ([`ReplayOptions::time`]).
+    #[serde(default)]
+    pub time: bool,
+    /// Most early reuses the simulator's ordering checker found in any one pass (memory
+    /// handed to a stream while another stream's work could still use it); checked only when
+    /// time is replayed.
+    #[serde(default)]
+    pub violations: u64,
     /// The first allocation error met, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub first_failure: Option<String>,
@@ -156,11 +187,14 @@ fn one() -> usize {
     1
 }
 
-/// Streams created for a replay, destroyed on drop (errors ignored: nothing to do then).
+/// Streams (and the event of `wait` rows) created for a replay, destroyed on drop (errors
+/// ignored: nothing to do then).
 struct Streams<'a> {
     device: &'a dyn Device,
     /// The stream of each recorded stream index.
     streams: Vec<Stream>,
+    /// Recorded on the stream waited for and waited for at each `wait` row.
+    event: Option<Event>,
 }
 
 impl Drop for Streams<'_> {
@@ -169,7 +203,21 @@ impl Drop for Streams<'_> {
             let _ = self.device.synchronize_stream(s);
             let _ = self.device.destroy_stream(s);
         }
+        if let Some(event) = self.event {
+            let _ = self.device.destroy_event(event);
+        }
     }
+}
+
+/// The simulator whose clock replays a trace's time.
+struct Clock<'a> {
+    sim: &'a SimDevice,
+    /// The clock's time when the pass began, in ns.
+    start: AtomicU64,
+    /// Held while the clock is read and moved, so that threads do not move it twice.
+    moving: Mutex<()>,
+    /// Violations the checker had recorded when the pass began.
+    violations_before: AtomicUsize,
 }
 
 /// How often (in operations) progress is reported.
@@ -219,6 +267,10 @@ struct Shared<'a> {
     device: &'a dyn Device,
     options: &'a ReplayOptions<'a>,
     streams: &'a [Stream],
+    /// The event of `wait` rows, and the lock under which it is recorded and waited for.
+    wait_event: Option<(Event, Mutex<()>)>,
+    /// With [`ReplayOptions::time`].
+    clock: Option<Clock<'a>>,
     /// Device use before the replay.
     base: usize,
     live: AtomicUsize,
@@ -235,12 +287,16 @@ impl Shared<'_> {
     }
 
     /// Allocates `size` bytes on recorded stream `stream`, counting them live when
-    /// `sample`; the allocation, or `None` after counting the failure.
+    /// `sample`; the allocation, or `None` after counting the failure. With time, the
+    /// ordering checker sees the handout.
     fn allocate(&self, size: usize, stream: usize, sample: bool) -> Option<Allocation> {
         match self.target.allocate(size, self.stream(stream)) {
             Ok(a) => {
                 if sample {
                     self.live.fetch_add(size, Ordering::Relaxed);
+                }
+                if let Some(clock) = self.clock.as_ref().filter(|_| a.size() > 0) {
+                    clock.sim.check_handout(a.ptr(), a.size(), a.owning_stream());
                 }
                 Some(a)
             }
@@ -261,6 +317,66 @@ impl Shared<'_> {
                 self.live.fetch_sub(size, Ordering::Relaxed);
             }
         }
+    }
+
+    /// Records recorded stream `stream` on `a` (if the allocation succeeded).
+    fn record(&self, a: Option<&mut Allocation>, stream: usize) {
+        if let Some(a) = a {
+            a.record_stream(self.stream(stream));
+        }
+    }
+
+    /// With time, enqueues on recorded stream `stream` a kernel that uses `a` (if the
+    /// allocation succeeded) for `duration_ns`.
+    fn run_use(&self, a: Option<&Allocation>, stream: usize, duration_ns: u64) -> Result<()> {
+        match (&self.clock, a) {
+            (Some(clock), Some(a)) if a.size() > 0 => {
+                clock.sim.use_range(a.ptr(), a.size(), self.stream(stream), duration_ns)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Makes recorded stream `stream` wait for the work enqueued so far on recorded stream
+    /// `other`.
+    fn wait(&self, stream: usize, other: usize) -> Result<()> {
+        let Some((event, lock)) = &self.wait_event else {
+            return Err(Error::InvalidArgument(format!(
+                "trace {}: a wait operation, but the trace counts no `wait` rows",
+                self.trace.name
+            )));
+        };
+        let _held = lock.lock();
+        self.device.record_event(*event, self.stream(other))?;
+        self.device.stream_wait_event(self.stream(stream), *event)
+    }
+
+    /// With time, moves the simulator's clock to the time of op `index` (never back).
+    fn keep_time(&self, index: usize) -> Result<()> {
+        let Some(clock) = &self.clock else { return Ok(()) };
+        let offset = self.trace.times_us[index].saturating_mul(1000);
+        let at = clock.start.load(Ordering::Relaxed).saturating_add(offset);
+        let _moving = clock.moving.lock();
+        match at.checked_sub(clock.sim.now()) {
+            Some(ahead) if ahead > 0 => clock.sim.try_advance(ahead),
+            _ => Ok(()),
+        }
+    }
+
+    /// With time, notes where the clock and the checker stand as a pass begins.
+    fn begin_pass(&self) {
+        if let Some(clock) = &self.clock {
+            clock.start.store(clock.sim.now(), Ordering::Relaxed);
+            clock.violations_before.store(clock.sim.violations().len(), Ordering::Relaxed);
+        }
+    }
+
+    /// The violations the checker recorded since the pass began (0 without time).
+    fn pass_violations(&self) -> u64 {
+        self.clock.as_ref().map_or(0, |clock| {
+            clock.sim.violations().len().saturating_sub(clock.violations_before.load(Ordering::Relaxed))
+                as u64
+        })
     }
 
     /// Records memory after op `index` (pass 0).
@@ -297,9 +413,15 @@ impl Shared<'_> {
         slots.resize_with(self.trace.slots, || None);
         let start = Instant::now();
         for (i, op) in self.trace.ops.iter().enumerate() {
+            self.keep_time(i)?;
             match *op {
                 Op::Allocate { slot, size, stream, .. } => slots[slot] = self.allocate(size, stream, sample),
                 Op::Free { slot, .. } => self.freed(slots[slot].take(), self.trace.slot_sizes[slot], sample),
+                Op::RecordStream { slot, stream, .. } => self.record(slots[slot].as_mut(), stream),
+                Op::Use { slot, stream, duration_ns, .. } => {
+                    self.run_use(slots[slot].as_ref(), stream, duration_ns)?
+                }
+                Op::Wait { stream, other, .. } => self.wait(stream, other)?,
             }
             if sample {
                 self.sample(i)?;
@@ -368,22 +490,32 @@ impl Shared<'_> {
         abort: &AtomicBool,
     ) -> Result<()> {
         for (done, &i) in ops.iter().enumerate() {
-            match self.trace.ops[i] {
+            let op = self.trace.ops[i];
+            // A row about an allocation made on another thread waits for it.
+            if let (Some(slot), false) = (op.slot(), matches!(op, Op::Allocate { .. })) {
+                if plan.allocated_on[slot] != op.thread() {
+                    wait_for(&plan.done[slot], pass + 1, abort, || {
+                        format!("the allocation of slot {slot} (operation {i} names it) on another thread")
+                    })?;
+                }
+            }
+            self.keep_time(i)?;
+            match op {
                 Op::Allocate { slot, size, stream, .. } => {
                     *plan.slots[slot].lock() = self.allocate(size, stream, sample);
                     plan.done[slot].store(pass + 1, Ordering::Release);
                 }
-                Op::Free { slot, thread, .. } => {
-                    if plan.allocated_on[slot] != thread {
-                        wait_for(&plan.done[slot], pass + 1, abort, || {
-                            format!(
-                                "the allocation of slot {slot} (operation {i} frees it) on another thread"
-                            )
-                        })?;
-                    }
+                Op::Free { slot, .. } => {
                     let a = plan.slots[slot].lock().take();
                     self.freed(a, self.trace.slot_sizes[slot], sample);
                 }
+                Op::RecordStream { slot, stream, .. } => {
+                    self.record(plan.slots[slot].lock().as_mut(), stream)
+                }
+                Op::Use { slot, stream, duration_ns, .. } => {
+                    self.run_use(plan.slots[slot].lock().as_ref(), stream, duration_ns)?
+                }
+                Op::Wait { stream, other, .. } => self.wait(stream, other)?,
             }
             if sample {
                 self.sample(i)?;
@@ -425,16 +557,12 @@ impl ThreadPlan {
         let mut allocated_on = vec![0; trace.slots];
         let mut freed = vec![false; trace.slots];
         for (i, op) in trace.ops.iter().enumerate() {
-            let thread = match *op {
-                Op::Allocate { slot, thread, .. } => {
-                    allocated_on[slot] = thread;
-                    thread
-                }
-                Op::Free { slot, thread, .. } => {
-                    freed[slot] = true;
-                    thread
-                }
-            };
+            let thread = op.thread();
+            match *op {
+                Op::Allocate { slot, .. } => allocated_on[slot] = thread,
+                Op::Free { slot, .. } => freed[slot] = true,
+                Op::RecordStream { .. } | Op::Use { .. } | Op::Wait { .. } => {}
+            }
             ops.get_mut(thread)
                 .ok_or_else(|| {
                     Error::InvalidArgument(format!(
@@ -478,8 +606,10 @@ fn wait_for(flag: &AtomicU32, value: u32, abort: &AtomicBool, what: impl Fn() ->
 /// result after `allocator`. See the [module docs](self) for the method.
 ///
 /// Errors are those of the device (creating or synchronizing streams, reading memory
-/// info), a `passes` of 0, a hand-built trace whose ops name slots or threads it lacks, and
-/// on threads a wait that ran out; allocation failures are counted in the result instead.
+/// info, the simulator's refusal of a time past its maximum), a `passes` of 0, a hand-built
+/// trace whose ops name slots or threads it lacks or whose times do not match its ops, time
+/// asked for on a trace without times ([`Trace::untimed_line`]), and on threads a wait that
+/// ran out; allocation failures are counted in the result instead.
 pub fn replay(
     trace: &Trace,
     allocator: &str,
@@ -490,20 +620,39 @@ pub fn replay(
     if options.passes == 0 {
         return Err(Error::InvalidArgument("replay needs at least one timed pass".into()));
     }
-    if let Some(op) = trace.ops.iter().find(|op| match **op {
-        Op::Allocate { slot, .. } | Op::Free { slot, .. } => slot >= trace.slots,
-    }) {
+    if let Some(op) = trace.ops.iter().find(|op| op.slot().is_some_and(|slot| slot >= trace.slots)) {
         return Err(Error::InvalidArgument(format!(
             "trace {}: {op:?} names a slot beyond its {} slots",
             trace.name, trace.slots
         )));
     }
+    if options.time.is_some() {
+        if let Some(line) = trace.untimed_line {
+            return Err(Error::InvalidArgument(format!(
+                "trace {}: the Time of line {line} is not an integer of microseconds: the trace's time \
+                 cannot be replayed",
+                trace.name
+            )));
+        }
+        if trace.times_us.len() != trace.ops.len() {
+            return Err(Error::InvalidArgument(format!(
+                "trace {}: {} times for {} operations",
+                trace.name,
+                trace.times_us.len(),
+                trace.ops.len()
+            )));
+        }
+    }
     let plan = if options.threads { Some(ThreadPlan::new(trace)?) } else { None };
-    let mut streams = Streams { device, streams: Vec::new() };
-    if let ReplayTarget::Streams(_) = target {
+    let mut streams = Streams { device, streams: Vec::new(), event: None };
+    // Stream rows run on the replay's streams whatever the target.
+    if matches!(target, ReplayTarget::Streams(_)) || trace.has_stream_rows() {
         for &recorded in &trace.streams {
             streams.streams.push(if recorded == 0 { Stream::DEFAULT } else { device.create_stream()? });
         }
+    }
+    if trace.waits > 0 {
+        streams.event = Some(device.create_event()?);
     }
     let ops_per_point = trace.ops.len().div_ceil(options.series_points.max(1)).max(1);
     let points = trace.ops.len().div_ceil(ops_per_point);
@@ -513,6 +662,13 @@ pub fn replay(
         device,
         options,
         streams: &streams.streams,
+        wait_event: streams.event.map(|e| (e, Mutex::new(()))),
+        clock: options.time.map(|sim| Clock {
+            sim,
+            start: AtomicU64::new(0),
+            moving: Mutex::new(()),
+            violations_before: AtomicUsize::new(0),
+        }),
         base: 0,
         live: AtomicUsize::new(0),
         ops_per_point,
@@ -528,13 +684,16 @@ pub fn replay(
     let mut best_ns = f64::INFINITY;
     let mut device_calls = 0;
     let mut failures = 0;
+    let mut violations = 0;
     for pass in 0..=options.passes {
         let sample = pass == 0;
+        shared.begin_pass();
         let elapsed = match &plan {
             Some(plan) => shared.threaded_pass(plan, pass as u32, sample)?,
             None => shared.pass(sample)?,
         };
         failures = failures.max(shared.failures.swap(0, Ordering::Relaxed));
+        violations = violations.max(shared.pass_violations());
         if let Some(done) = options.pass_done {
             done(pass);
         }
@@ -571,6 +730,8 @@ pub fn replay(
         failures,
         passes: options.passes,
         threads: plan.as_ref().map_or(1, |p| p.ops.len()),
+        time: options.time.is_some(),
+        violations,
         first_failure: shared.first_failure.into_inner(),
         series,
     })
@@ -777,15 +938,25 @@ mod tests {
             failures: 0,
             passes: 3,
             threads: 1,
+            time: true,
+            violations: 2,
             first_failure: None,
             series: Series { ops_per_point: 2, live: vec![10, 5], reserved: vec![20, 20] },
         };
         let text = serde_json::to_string(&r).unwrap();
         assert!(!text.contains("first_failure"));
         assert_eq!(serde_json::from_str::<ReplayResult>(&text).unwrap(), r);
-        // Results saved before the series and threads existed still read.
-        let old = text.replace(",\"threads\":1", "").split(",\"series\"").next().unwrap().to_owned() + "}";
+        // Results saved before the series, threads, time and violations existed still read.
+        let old = text
+            .replace(",\"threads\":1", "")
+            .replace(",\"time\":true,\"violations\":2", "")
+            .split(",\"series\"")
+            .next()
+            .unwrap()
+            .to_owned()
+            + "}";
+        assert!(!old.contains("time"), "{old}");
         let read: ReplayResult = serde_json::from_str(&old).unwrap();
-        assert_eq!((read.threads, read.series.is_empty()), (1, true));
+        assert_eq!((read.threads, read.series.is_empty(), read.time, read.violations), (1, true, false, 0));
     }
 }

@@ -1,22 +1,31 @@
 //! Allocation traces in RMM's logging CSV format: reading them into the operations a replay
 //! runs.
 //!
-//! The format (see `DESIGN.md` and `traces/README.md`) is a header line
-//! `Thread,Time,Action,Pointer,Size,Stream` followed by one row per event, `Action` being
-//! `allocate`, `free` or `allocate failure`. [`Trace::parse`] turns such a file into a list
-//! of [`Op`]s in which recorded pointers become dense *slot* indices and recorded stream
-//! values become dense *stream* indices (in order of first appearance), so a replay needs
-//! only vectors, no maps. `streamalloc::trace::TraceWriter` writes the format.
+//! The format (see `DESIGN.md`, `traces/README.md` and `streamalloc::trace`, which gives
+//! each column's meaning per action) is a header line `Thread,Time,Action,Pointer,Size,Stream`
+//! followed by one row per event, `Action` being RMM's `allocate`, `free` or
+//! `allocate failure`, or one of the stream rows: `record_stream` (Pointer: a live
+//! allocation; Stream: the stream recorded on it), `use` (Stream runs work that uses the
+//! allocation at Pointer from Time for Size nanoseconds) and `wait` (Stream waits for the
+//! work enqueued so far on the stream whose handle is Pointer). [`Trace::parse`] turns such a
+//! file into a list of [`Op`]s in which recorded pointers become dense *slot* indices and
+//! recorded stream values (of the Stream column, and of a `wait` row's Pointer) become dense
+//! *stream* indices (in order of first appearance), so a replay needs only vectors, no maps.
+//! Each operation keeps its row's time ([`Trace::times_us`]). `streamalloc::trace::TraceWriter`
+//! writes the format.
 //!
 //! Parsing is strict by default: a malformed row, an allocation of a pointer that is still
-//! live, and a free of a pointer that is not live are errors ([`Error::Trace`]) naming the
-//! line and quoting an [`excerpt`] of it (at most [`EXCERPT`] bytes, control characters
-//! escaped). A line longer than [`MAX_LINE`] bytes is an error after reading at most that
-//! much of it. A last line that has no newline at its end and is not a whole row was cut
-//! short (the program writing the trace was killed mid-row): an error that says so.
-//! [`ParseOptions::lenient`] turns frees of pointers that are not live (traces whose
-//! recording started mid-run) and a last row cut short into counts
-//! ([`Trace::skipped_frees`], [`Trace::skipped_truncated_rows`]).
+//! live, and a free, `record_stream` or `use` of a pointer that is not live are errors
+//! ([`Error::Trace`]) naming the line and quoting an [`excerpt`] of it (at most [`EXCERPT`]
+//! bytes, control characters escaped). A line longer than [`MAX_LINE`] bytes is an error
+//! after reading at most that much of it. A last line that has no newline at its end and is
+//! not a whole row was cut short (the program writing the trace was killed mid-row): an
+//! error that says so. [`ParseOptions::lenient`] turns frees, `record_stream` and `use` rows
+//! of pointers that are not live (traces whose recording started mid-run) and a last row cut
+//! short into counts ([`Trace::skipped_frees`], [`Trace::skipped_stream_rows`],
+//! [`Trace::skipped_truncated_rows`]). A `Time` that is not an integer is no error (RMM's
+//! own logs write clock times there): the trace then has no times to replay
+//! ([`Trace::untimed_line`]).
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -24,7 +33,7 @@ use std::fs::File;
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
 
-use streamalloc::trace::HEADER;
+use streamalloc::trace::{Action, HEADER};
 use streamalloc::{Error, Result};
 
 /// The longest line the parser reads, in bytes (a row of six 64-bit numbers is under 130).
@@ -66,6 +75,60 @@ pub enum Op {
         /// Dense index of the recorded thread of the `free` row.
         thread: usize,
     },
+    /// Record stream index `stream` on what `slot` holds (a `record_stream` row).
+    RecordStream {
+        /// Slot of the allocation.
+        slot: usize,
+        /// Dense index of the stream recorded.
+        stream: usize,
+        /// Dense index of the recorded thread of the row.
+        thread: usize,
+    },
+    /// Work on stream index `stream` uses what `slot` holds for `duration_ns` (a `use` row).
+    Use {
+        /// Slot of the allocation used.
+        slot: usize,
+        /// Dense index of the stream running the work.
+        stream: usize,
+        /// How long the work lasts, in nanoseconds.
+        duration_ns: u64,
+        /// Dense index of the recorded thread of the row.
+        thread: usize,
+    },
+    /// Stream index `stream` waits for the work enqueued so far on stream index `other` (a
+    /// `wait` row).
+    Wait {
+        /// Dense index of the stream that waits.
+        stream: usize,
+        /// Dense index of the stream waited for.
+        other: usize,
+        /// Dense index of the recorded thread of the row.
+        thread: usize,
+    },
+}
+
+impl Op {
+    /// The slot the operation names (`None` for a [`Op::Wait`]).
+    pub fn slot(&self) -> Option<usize> {
+        match *self {
+            Op::Allocate { slot, .. }
+            | Op::Free { slot, .. }
+            | Op::RecordStream { slot, .. }
+            | Op::Use { slot, .. } => Some(slot),
+            Op::Wait { .. } => None,
+        }
+    }
+
+    /// The dense index of the recorded thread of the operation's row.
+    pub fn thread(&self) -> usize {
+        match *self {
+            Op::Allocate { thread, .. }
+            | Op::Free { thread, .. }
+            | Op::RecordStream { thread, .. }
+            | Op::Use { thread, .. }
+            | Op::Wait { thread, .. } => thread,
+        }
+    }
 }
 
 /// Options of [`Trace::parse_with`].
@@ -74,6 +137,9 @@ pub struct ParseOptions {
     /// Count and skip frees of pointers that are not live instead of failing (for traces
     /// whose recording began after some allocations were made).
     pub skip_unknown_frees: bool,
+    /// Count and skip `record_stream` and `use` rows of pointers that are not live instead
+    /// of failing (as [`ParseOptions::skip_unknown_frees`] for frees).
+    pub skip_unknown_stream_rows: bool,
     /// Count and skip a last line that has no newline at its end and is not a whole row
     /// instead of failing (for traces whose writer was killed mid-row).
     pub skip_truncated_last_row: bool,
@@ -82,7 +148,7 @@ pub struct ParseOptions {
 impl ParseOptions {
     /// Every skip on: what `streamalloc replay --lenient` and `streamalloc record` read with.
     pub const fn lenient() -> Self {
-        Self { skip_unknown_frees: true, skip_truncated_last_row: true }
+        Self { skip_unknown_frees: true, skip_unknown_stream_rows: true, skip_truncated_last_row: true }
     }
 }
 
@@ -108,10 +174,26 @@ pub struct Trace {
     pub allocations: usize,
     /// `free` rows replayed.
     pub frees: usize,
+    /// `record_stream` rows replayed.
+    pub record_streams: usize,
+    /// `use` rows replayed.
+    pub uses: usize,
+    /// `wait` rows replayed.
+    pub waits: usize,
+    /// Each operation's time, indexed like [`Trace::ops`]: its row's `Time` minus the first
+    /// row's, in microseconds (0 for a row recorded before the first, as threads may be).
+    /// Empty when a row's `Time` is not an integer ([`Trace::untimed_line`]).
+    pub times_us: Vec<u64>,
+    /// The first line whose `Time` is not an integer of microseconds, if any: the trace's
+    /// time cannot be replayed.
+    pub untimed_line: Option<usize>,
     /// `allocate failure` rows (counted, not replayed).
     pub recorded_failures: usize,
     /// `free` rows of unknown pointers skipped under [`ParseOptions::skip_unknown_frees`].
     pub skipped_frees: usize,
+    /// `record_stream` and `use` rows of unknown pointers skipped under
+    /// [`ParseOptions::skip_unknown_stream_rows`].
+    pub skipped_stream_rows: usize,
     /// Last rows cut short (0 or 1) skipped under [`ParseOptions::skip_truncated_last_row`].
     pub skipped_truncated_rows: usize,
 }
@@ -212,8 +294,12 @@ impl Trace {
                 continue;
             }
             // Read whole before anything is changed, so that a row cut short changes nothing.
-            match Row::split(text).and_then(|row| row.event()) {
-                Ok(event) => state.apply(event, options).map_err(fail)?,
+            match Row::split(text).and_then(|row| Ok((row.event()?, row.time))) {
+                Ok((event, time)) => {
+                    let ops = state.trace.ops.len();
+                    state.apply(event, options).map_err(fail)?;
+                    state.note_time(time, number, state.trace.ops.len() > ops);
+                }
                 Err(_) if !ended && options.skip_truncated_last_row => {
                     state.trace.skipped_truncated_rows += 1
                 }
@@ -227,7 +313,21 @@ impl Trace {
                 reason: format!("empty file: expected the header `{HEADER}`"),
             });
         }
+        if state.trace.untimed_line.is_some() {
+            state.trace.times_us = Vec::new();
+        }
         Ok(state.trace)
+    }
+
+    /// Whether the trace has `use` or `wait` rows: work on streams whose time a replay can
+    /// run (what `streamalloc replay` replays time for by default).
+    pub fn has_stream_work(&self) -> bool {
+        self.uses + self.waits > 0
+    }
+
+    /// Whether the trace has any `record_stream`, `use` or `wait` row.
+    pub fn has_stream_rows(&self) -> bool {
+        self.record_streams + self.uses + self.waits > 0
     }
 
     /// Number of operations.
@@ -253,6 +353,8 @@ struct State {
     thread_index: HashMap<u64, usize>,
     /// Bytes live now.
     current: usize,
+    /// The first row's time, in microseconds.
+    origin: Option<u64>,
 }
 
 impl State {
@@ -294,9 +396,69 @@ impl State {
                     }
                 }
             }
+            Event::RecordStream { ptr, written, stream, thread } => {
+                let stream = intern(&mut self.stream_index, &mut trace.streams, stream);
+                let thread = intern(&mut self.thread_index, &mut trace.threads, thread);
+                if let Some(slot) = self.live_slot(ptr, written, "record_stream", options)? {
+                    self.trace.record_streams += 1;
+                    self.trace.ops.push(Op::RecordStream { slot, stream, thread });
+                }
+            }
+            Event::Use { ptr, written, duration_ns, stream, thread } => {
+                let stream = intern(&mut self.stream_index, &mut trace.streams, stream);
+                let thread = intern(&mut self.thread_index, &mut trace.threads, thread);
+                if let Some(slot) = self.live_slot(ptr, written, "use", options)? {
+                    self.trace.uses += 1;
+                    self.trace.ops.push(Op::Use { slot, stream, duration_ns, thread });
+                }
+            }
+            Event::Wait { stream, other, thread } => {
+                let stream = intern(&mut self.stream_index, &mut trace.streams, stream);
+                let other = intern(&mut self.stream_index, &mut trace.streams, other);
+                let thread = intern(&mut self.thread_index, &mut trace.threads, thread);
+                trace.waits += 1;
+                trace.ops.push(Op::Wait { stream, other, thread });
+            }
             Event::Failure => trace.recorded_failures += 1,
         }
         Ok(())
+    }
+
+    /// The live slot of `ptr` (written `written`) that a row of `action` names; `None` when it
+    /// is not live and such rows are skipped (counted), an error when it is not live.
+    fn live_slot(
+        &mut self,
+        ptr: u64,
+        written: &str,
+        action: &str,
+        options: ParseOptions,
+    ) -> std::result::Result<Option<usize>, String> {
+        match self.live.get(&ptr) {
+            Some(&slot) => Ok(Some(slot)),
+            None if options.skip_unknown_stream_rows => {
+                self.trace.skipped_stream_rows += 1;
+                Ok(None)
+            }
+            None => Err(format!(
+                "`{action}` of pointer {} that is not live (never allocated in this trace, or already freed)",
+                excerpt(written)
+            )),
+        }
+    }
+
+    /// Notes the time `written` of the row at `line`, for the operation it `added` if any.
+    fn note_time(&mut self, written: &str, line: usize, added: bool) {
+        if self.trace.untimed_line.is_some() {
+            return;
+        }
+        let Ok(time) = written.parse::<u64>() else {
+            self.trace.untimed_line = Some(line);
+            return;
+        };
+        let origin = *self.origin.get_or_insert(time);
+        if added {
+            self.trace.times_us.push(time.saturating_sub(origin));
+        }
     }
 }
 
@@ -304,12 +466,16 @@ impl State {
 enum Event<'a> {
     Allocate { ptr: u64, size: usize, stream: u64, thread: u64 },
     Free { ptr: u64, written: &'a str, stream: u64, thread: u64 },
+    RecordStream { ptr: u64, written: &'a str, stream: u64, thread: u64 },
+    Use { ptr: u64, written: &'a str, duration_ns: u64, stream: u64, thread: u64 },
+    Wait { stream: u64, other: u64, thread: u64 },
     Failure,
 }
 
-/// The fields of one data row (Time is checked for presence only).
+/// The fields of one data row (Time is read apart, by [`State::note_time`]).
 struct Row<'a> {
     thread: &'a str,
+    time: &'a str,
     action: &'a str,
     pointer: &'a str,
     size: &'a str,
@@ -325,10 +491,9 @@ impl<'a> Row<'a> {
                 .map(str::trim)
                 .ok_or_else(|| format!("missing field {what} (expected 6 fields: {HEADER})"))
         };
-        let thread = next("Thread")?;
-        let _time = next("Time")?;
         let row = Row {
-            thread,
+            thread: next("Thread")?,
+            time: next("Time")?,
             action: next("Action")?,
             pointer: next("Pointer")?,
             size: next("Size")?,
@@ -343,29 +508,49 @@ impl<'a> Row<'a> {
     /// The row's values; an error names the field that cannot be read.
     fn event(&self) -> std::result::Result<Event<'a>, String> {
         let ids = || Ok::<_, String>((parse_id("stream", self.stream)?, parse_id("thread", self.thread)?));
-        Ok(match self.action {
-            "allocate" => {
+        let action = Action::from_word(self.action).ok_or_else(|| {
+            format!(
+                "unknown action `{}` (expected allocate, free, allocate failure, record_stream, use or wait)",
+                excerpt(self.action)
+            )
+        })?;
+        let written = self.pointer;
+        Ok(match action {
+            Action::Allocate => {
                 let (ptr, size) = (parse_pointer(self.pointer)?, parse_size(self.size)?);
                 let (stream, thread) = ids()?;
                 Event::Allocate { ptr, size, stream, thread }
             }
-            "free" => {
+            Action::Free => {
                 let ptr = parse_pointer(self.pointer)?;
                 let (stream, thread) = ids()?;
-                Event::Free { ptr, written: self.pointer, stream, thread }
+                Event::Free { ptr, written, stream, thread }
             }
-            "allocate failure" => Event::Failure,
-            other => {
-                return Err(format!(
-                    "unknown action `{}` (expected allocate, free or allocate failure)",
-                    excerpt(other)
-                ))
+            Action::AllocateFailure => Event::Failure,
+            Action::RecordStream => {
+                let ptr = parse_pointer(self.pointer)?;
+                parse_size(self.size)?;
+                let (stream, thread) = ids()?;
+                Event::RecordStream { ptr, written, stream, thread }
+            }
+            Action::Use => {
+                let ptr = parse_pointer(self.pointer)?;
+                let duration_ns = self.size.parse().map_err(|_| {
+                    format!("bad duration `{}` (expected a decimal count of nanoseconds)", excerpt(self.size))
+                })?;
+                let (stream, thread) = ids()?;
+                Event::Use { ptr, written, duration_ns, stream, thread }
+            }
+            Action::Wait => {
+                let other = parse_id("stream handle", self.pointer)?;
+                parse_size(self.size)?;
+                let (stream, thread) = ids()?;
+                Event::Wait { stream, other, thread }
             }
         })
     }
 }
 
-/// Parses a hexadecimal (`0x...`) or decimal integer.
 /// Why `first`, the first line of a file (at most [`MAX_LINE`] + 1 bytes of it), shows the
 /// file is not a text trace, if it does: a pickle's start (the `PROTO` opcode, 0x80, and a
 /// protocol from 2 to 5), bytes that are not UTF-8, or control characters other than tabs
@@ -397,6 +582,7 @@ fn hex_start(line: &[u8]) -> String {
     format!("first bytes {}", text.join(" "))
 }
 
+/// Parses a hexadecimal (`0x...`) or decimal integer.
 fn parse_int(text: &str) -> Option<u64> {
     match text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")) {
         Some(hex) => u64::from_str_radix(hex, 16).ok(),
@@ -497,6 +683,85 @@ mod tests {
         let trace = Trace::parse_with(text.as_bytes(), "t", options).unwrap();
         assert_eq!(trace.skipped_frees, 1);
         assert_eq!(trace.ops, vec![Op::Allocate { slot: 0, size: 4, stream: 0, thread: 0 }]);
+    }
+
+    /// Issue 37: stream rows become operations on dense slots and streams; a `wait` row's
+    /// Pointer is a stream handle, numbered with the Stream column's values.
+    #[test]
+    fn stream_rows_parse_into_operations_with_their_times() {
+        let trace = parse(&format!(
+            "{HEADER}\n0,1000,allocate,0x100,64,0\n0,1001,record_stream,0x100,0,0x7f55\n\
+             1,1003,use,0x100,2500,140050\n0,1004,wait,0x7f55,0,0\n0,1004,wait,0x0,0,0x7f55\n\
+             0,990,free,0x100,64,0\n"
+        ))
+        .unwrap();
+        assert_eq!(
+            trace.ops,
+            vec![
+                Op::Allocate { slot: 0, size: 64, stream: 0, thread: 0 },
+                Op::RecordStream { slot: 0, stream: 1, thread: 0 },
+                Op::Use { slot: 0, stream: 2, duration_ns: 2500, thread: 1 },
+                Op::Wait { stream: 0, other: 1, thread: 0 },
+                Op::Wait { stream: 1, other: 0, thread: 0 },
+                Op::Free { slot: 0, stream: 0, thread: 0 },
+            ]
+        );
+        assert_eq!(trace.streams, vec![0, 0x7f55, 140050]);
+        assert_eq!((trace.record_streams, trace.uses, trace.waits), (1, 1, 2));
+        assert_eq!(trace.times_us, vec![0, 1, 3, 4, 4, 0], "from the first row, never below it");
+        assert_eq!((trace.peak_live, trace.untimed_line), (64, None));
+        assert!(trace.has_stream_rows() && trace.has_stream_work());
+    }
+
+    #[test]
+    fn stream_rows_of_pointers_not_live_are_errors_or_skipped() {
+        let cases = [
+            (
+                format!("{HEADER}\n0,1,record_stream,0x100,0,7\n"),
+                2,
+                "`record_stream` of pointer 0x100 that is not live",
+            ),
+            (
+                format!("{HEADER}\n0,1,allocate,0x100,8,0\n0,2,free,0x100,8,0\n0,3,use,0x100,50,7\n"),
+                4,
+                "`use` of pointer 0x100 that is not live",
+            ),
+        ];
+        for (text, want_line, want_reason) in &cases {
+            match parse(text) {
+                Err(Error::Trace { line, reason, .. }) => {
+                    assert_eq!(line, *want_line, "{text:?}");
+                    assert!(reason.contains(want_reason), "{reason}");
+                }
+                other => panic!("{text:?} gave {other:?}"),
+            }
+            let options = ParseOptions { skip_unknown_stream_rows: true, ..ParseOptions::default() };
+            let trace = Trace::parse_with(text.as_bytes(), "t", options).unwrap();
+            assert_eq!((trace.skipped_stream_rows, trace.record_streams, trace.uses), (1, 0, 0));
+            assert!(!trace.ops.iter().any(|op| matches!(op, Op::RecordStream { .. } | Op::Use { .. })));
+            assert_eq!(Trace::parse_with(text.as_bytes(), "t", ParseOptions::lenient()).unwrap(), trace);
+        }
+        // Malformed stream rows are errors, lenient or not.
+        for (row, want) in [
+            ("0,1,use,0x100,1.5ms,0", "bad duration `1.5ms`"),
+            ("0,1,wait,stream7,0,0", "bad stream handle `stream7`"),
+            ("0,1,record_stream,0x100,x,0", "bad size `x`"),
+        ] {
+            let text = format!("{HEADER}\n0,0,allocate,0x100,8,0\n{row}\n");
+            match Trace::parse_with(text.as_bytes(), "t", ParseOptions::lenient()) {
+                Err(Error::Trace { line: 3, reason, .. }) => assert!(reason.contains(want), "{reason}"),
+                other => panic!("{row}: {other:?}"),
+            }
+        }
+    }
+
+    /// RMM's own logs write clock times (`HH:MM:SS.ffffff`): read as before, without times.
+    #[test]
+    fn a_time_that_is_not_an_integer_leaves_the_trace_untimed() {
+        let trace =
+            parse(&format!("{HEADER}\n0,5,allocate,0x10,64,0\n0,10:23:45.123456,free,0x10,64,0\n")).unwrap();
+        assert_eq!((trace.len(), trace.untimed_line), (2, Some(3)));
+        assert!(trace.times_us.is_empty() && !trace.has_stream_rows());
     }
 
     #[test]

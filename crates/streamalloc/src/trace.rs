@@ -2,9 +2,22 @@
 //! ([`Trace`](crate::adaptors::Trace)) writes.
 //!
 //! The format (see `DESIGN.md` and `traces/README.md`) is a header line
-//! `Thread,Time,Action,Pointer,Size,Stream` followed by one row per event, `Action` being
-//! `allocate`, `free` or `allocate failure`. [`TraceWriter`] writes it; reading and replaying
-//! traces is the `streamalloc-replay` crate's part.
+//! `Thread,Time,Action,Pointer,Size,Stream` followed by one row per event. `Time` is in
+//! microseconds from any fixed origin; the columns of each [`Action`]:
+//!
+//! | Action | Pointer | Size | Stream |
+//! | --- | --- | --- | --- |
+//! | `allocate` | the address returned | bytes asked for | the allocation's stream |
+//! | `free` | the address freed | bytes of the allocation | the stream of the free |
+//! | `allocate failure` | 0 | bytes asked for | the stream asked on |
+//! | `record_stream` | the allocation's address | 0 | the stream recorded on it |
+//! | `use` | the allocation's address | nanoseconds the work lasts, from `Time` | the stream running it |
+//! | `wait` | the handle of the stream waited for | 0 | the stream that waits |
+//!
+//! The first three are RMM's own; RMM's reader (its replay benchmark) refuses rows of any
+//! other action, so a trace with the last three is read by RMM's tools only with those rows
+//! filtered out. [`TraceWriter`] writes the format; reading and replaying traces is the
+//! `streamalloc-replay` crate's part.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -24,6 +37,15 @@ pub enum Action {
     Free,
     /// An allocation failed.
     AllocateFailure,
+    /// A stream was recorded on a live allocation (`record_stream`): once freed, its memory
+    /// is not reused before the work enqueued on that stream up to the free is done.
+    RecordStream,
+    /// Work on the row's stream used the allocation at the row's pointer, from the row's time
+    /// for `size` nanoseconds.
+    Use,
+    /// The row's stream waited for the work enqueued so far on the stream whose handle is
+    /// the row's pointer.
+    Wait,
 }
 
 impl Action {
@@ -33,7 +55,23 @@ impl Action {
             Action::Allocate => "allocate",
             Action::Free => "free",
             Action::AllocateFailure => "allocate failure",
+            Action::RecordStream => "record_stream",
+            Action::Use => "use",
+            Action::Wait => "wait",
         }
+    }
+
+    /// The action a word of the format names, if any.
+    pub fn from_word(word: &str) -> Option<Self> {
+        Some(match word {
+            "allocate" => Action::Allocate,
+            "free" => Action::Free,
+            "allocate failure" => Action::AllocateFailure,
+            "record_stream" => Action::RecordStream,
+            "use" => Action::Use,
+            "wait" => Action::Wait,
+            _ => return None,
+        })
     }
 }
 
@@ -46,9 +84,11 @@ pub struct Record {
     pub time_us: u64,
     /// What happened.
     pub action: Action,
-    /// The device address (0 for a failure).
+    /// The device address (0 for a failure; for a [`Action::Wait`], the handle of the
+    /// stream waited for).
     pub ptr: u64,
-    /// Bytes asked for (for a free, the size of the allocation freed).
+    /// Bytes asked for (for a free, the size of the allocation freed; for a
+    /// [`Action::Use`], the duration in nanoseconds; 0 for the other new actions).
     pub size: usize,
     /// The stream value (e.g. the stream handle).
     pub stream: u64,
@@ -138,5 +178,30 @@ mod tests {
             .unwrap();
         let text = String::from_utf8(writer.finish().unwrap()).unwrap();
         assert_eq!(text, format!("{HEADER}\n1,10,allocate,0x7f00,512,0\n1,11,allocate failure,0x0,8,3\n"));
+    }
+
+    #[test]
+    fn stream_rows_are_written_with_their_words() {
+        let mut writer = TraceWriter::new(Vec::new()).unwrap();
+        let row = |action, ptr, size, stream| Record { thread: 0, time_us: 5, action, ptr, size, stream };
+        writer.write(&row(Action::RecordStream, 0x7f00, 0, 9)).unwrap();
+        writer.write(&row(Action::Use, 0x7f00, 1500, 9)).unwrap();
+        writer.write(&row(Action::Wait, 9, 0, 0)).unwrap();
+        let text = String::from_utf8(writer.finish().unwrap()).unwrap();
+        assert_eq!(
+            text,
+            format!("{HEADER}\n0,5,record_stream,0x7f00,0,9\n0,5,use,0x7f00,1500,9\n0,5,wait,0x9,0,0\n")
+        );
+        for action in [
+            Action::Allocate,
+            Action::Free,
+            Action::AllocateFailure,
+            Action::RecordStream,
+            Action::Use,
+            Action::Wait,
+        ] {
+            assert_eq!(Action::from_word(action.as_str()), Some(action));
+        }
+        assert_eq!(Action::from_word("reserve"), None);
     }
 }

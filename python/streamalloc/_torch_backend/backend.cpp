@@ -37,11 +37,17 @@
 //   setCheckpointPoolState          while it exists their memory is not returned to the
 //                                   library when torch frees it, so that setting the state
 //                                   revives exactly those addresses
-//   shareIpcHandle / getIpcDevPtr   torch's own handle format (version 2, 'c': a
-//                                   cudaIpcMemHandle_t of the device allocation), so a process
-//                                   under torch's own allocator opens what this one shares;
-//                                   works for memory of cuMemAlloc chunks (strategy=plain, or
-//                                   expandable=false), refused with the reason otherwise
+//   shareIpcHandle / getIpcDevPtr   memory of cuMemAlloc chunks (strategy=plain, or
+//                                   backing=chunks) in torch's own handle format (version 2,
+//                                   'c': a cudaIpcMemHandle_t of the device allocation), so a
+//                                   process under torch's own allocator opens what this one
+//                                   shares; mapped memory (backing=stitched, the default, or
+//                                   segments) in the library's ('s', streamalloc_ipc_export:
+//                                   file descriptors of its physical memory, which a receiver
+//                                   running this backend copies with pidfd_getfd and maps,
+//                                   streamalloc_ipc_open, until its last tensor goes,
+//                                   streamalloc_ipc_close); the driver's pool (strategy=async)
+//                                   refused with the reason
 //   recordHistory / snapshot        torch's memory history (_record_memory_history, _snapshot,
 //                                   _dump_snapshot, memory_viz): see "History" below
 //   recordAnnotation, push/pop-     kept as native keeps them (annotations in the snapshot's
@@ -191,6 +197,9 @@ struct Lib {
   void* (*base_allocation)(void*, size_t*) = nullptr;
   void (*empty_cache)() = nullptr;
   void (*init)(int) = nullptr;
+  int (*ipc_export)(void*, size_t, uint8_t*, size_t, size_t*, size_t*) = nullptr;
+  int (*ipc_open)(const uint8_t*, size_t, void**) = nullptr;
+  int (*ipc_close)(void*) = nullptr;
 };
 
 template <typename F>
@@ -1444,28 +1453,51 @@ class Backend : public CCA::CUDAAllocator {
 
   static constexpr char kHandleVersion = 2; // torch <= 2.12's SHAREABLE_HANDLE_VERSION
   static constexpr char kCudaMalloc = 'c'; // SHAREABLE_CUDA_MALLOC
+  static constexpr char kMapped = 's'; // STREAMALLOC_IPC_KIND: the library's handle
 
+  // Memory of cuMemAlloc chunks: a CUDA IPC handle in torch's format. Otherwise mapped memory
+  // of a live allocation: the library's handle, which a receiver opens only under this
+  // backend. Otherwise (the driver's pool) refused with both reasons.
   CCA::ShareableHandle shareIpcHandle(void* ptr) override {
     size_t size = 0;
     void* base = lib_.base_allocation(ptr, &size);
     cudaIpcMemHandle_t handle;
     cudaError_t err = cudaIpcGetMemHandle(&handle, base);
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();
-      TORCH_CHECK(
-          false,
-          "streamalloc: this CUDA tensor's memory cannot be shared with another process (IPC): "
-          "cudaIpcGetMemHandle failed: ",
-          cudaGetErrorString(err),
-          ". Only memory of cuMemAlloc chunks can be shared: configure streamalloc with "
-          "strategy=plain or expandable=false (not mapped memory, expandable=true, the default, "
-          "nor the driver's pool, strategy=async)");
+    if (err == cudaSuccess) {
+      std::string s;
+      s.push_back(kHandleVersion);
+      s.push_back(kCudaMalloc);
+      s.append(reinterpret_cast<const char*>(&handle), CUDA_IPC_HANDLE_SIZE);
+      return CCA::ShareableHandle{static_cast<char*>(ptr) - static_cast<char*>(base), s};
     }
-    std::string s;
-    s.push_back(kHandleVersion);
-    s.push_back(kCudaMalloc);
-    s.append(reinterpret_cast<const char*>(&handle), CUDA_IPC_HANDLE_SIZE);
-    return CCA::ShareableHandle{static_cast<char*>(ptr) - static_cast<char*>(base), s};
+    (void)cudaGetLastError();
+    std::string why = std::string("cudaIpcGetMemHandle failed: ") + cudaGetErrorString(err);
+    size_t alloc_size = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = live_.find(ptr);
+      if (it != live_.end() && !it->second.pool_allocator) {
+        alloc_size = it->second.size;
+      }
+    }
+    if (alloc_size > 0) {
+      size_t needed = 0;
+      size_t offset = 0;
+      if (lib_.ipc_export(ptr, alloc_size, nullptr, 0, &needed, &offset) == OK) {
+        std::string s(needed, '\0');
+        auto* buf = reinterpret_cast<uint8_t*>(&s[0]);
+        if (lib_.ipc_export(ptr, alloc_size, buf, s.size(), &needed, &offset) == OK) {
+          return CCA::ShareableHandle{static_cast<ptrdiff_t>(offset), s};
+        }
+      }
+      why = last_error() + " (and " + why + ")";
+    } else {
+      why += ", and the pointer is no live allocation of streamalloc's";
+    }
+    TORCH_CHECK(
+        false,
+        "streamalloc: this CUDA tensor's memory cannot be shared with another process (IPC): ",
+        why);
   }
 
   std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
@@ -1476,6 +1508,33 @@ class Backend : public CCA::CUDAAllocator {
         return sp;
       }
     }
+    // A raw handle of an old torch is CUDA_IPC_HANDLE_SIZE bytes, which no handle of the
+    // library's is.
+    bool mapped = handle.size() != CUDA_IPC_HANDLE_SIZE && handle.size() >= 2 && handle[1] == kMapped;
+    std::shared_ptr<void> sp = mapped ? open_mapped(handle) : open_cuda_ipc(handle);
+    ipc_[handle] = sp;
+    return sp;
+  }
+
+  // The library's handle: the memory mapped here until the last tensor over it goes.
+  std::shared_ptr<void> open_mapped(const std::string& handle) {
+    void* base = nullptr;
+    int status = lib_.ipc_open(reinterpret_cast<const uint8_t*>(handle.data()), handle.size(), &base);
+    TORCH_CHECK(
+        status == OK,
+        "streamalloc: cannot open a CUDA tensor another process shared (IPC): ",
+        last_error());
+    Lib lib = lib_;
+    return std::shared_ptr<void>(base, [lib](void* p) {
+      if (lib.ipc_close(p) != OK) { // a deleter may not throw
+        const char* e = lib.last_error();
+        std::fprintf(stderr, "streamalloc: closing a CUDA tensor of another process (IPC): %s\n", e ? e : "?");
+      }
+    });
+  }
+
+  // torch's own format: a CUDA IPC handle.
+  std::shared_ptr<void> open_cuda_ipc(const std::string& handle) {
     int type = kCudaMalloc;
     size_t at = 0;
     if (handle.size() != CUDA_IPC_HANDLE_SIZE) { // else a raw handle of an old torch
@@ -1496,14 +1555,12 @@ class Backend : public CCA::CUDAAllocator {
     C10_CUDA_CHECK(cudaIpcOpenMemHandle(&dev, cuda_handle, cudaIpcMemLazyEnablePeerAccess));
     c10::DeviceIndex device = 0;
     C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
-    std::shared_ptr<void> sp(dev, [device](void* p) {
+    return std::shared_ptr<void>(dev, [device](void* p) {
       c10::cuda::CUDAGuard guard(device);
       if (cudaIpcCloseMemHandle(p) != cudaSuccess) {
         (void)cudaGetLastError();
       }
     });
-    ipc_[handle] = sp;
-    return sp;
   }
 
   // --- history, observers, trackers ---
@@ -1781,6 +1838,8 @@ void set_error(char* err, size_t errlen, const std::string& message) {
 
 extern "C" {
 
+int streamalloc_torch_host_install(void* lib, char* err, size_t errlen); // host.cpp: the pinned pool
+
 // Makes streamalloc torch's CUDA allocator, over the libstreamalloc.so at `lib_path`. Returns
 // 0, or -1 with the reason in `err` (torch's allocator already in use, a function missing from
 // the library). Call before torch's first CUDA allocation; a second call does nothing.
@@ -1816,6 +1875,9 @@ __attribute__((visibility("default"))) int streamalloc_torch_backend_install(
     resolve(handle, "streamalloc_torch_base_allocation", lib.base_allocation, missing);
     resolve(handle, "streamalloc_torch_empty_cache", lib.empty_cache, missing);
     resolve(handle, "streamalloc_torch_init", lib.init, missing);
+    resolve(handle, "streamalloc_ipc_export", lib.ipc_export, missing);
+    resolve(handle, "streamalloc_ipc_open", lib.ipc_open, missing);
+    resolve(handle, "streamalloc_ipc_close", lib.ipc_close, missing);
     if (!missing.empty()) {
       set_error(err, errlen, std::string(lib_path) + " lacks " + missing);
       return -1;
@@ -1832,7 +1894,7 @@ __attribute__((visibility("default"))) int streamalloc_torch_backend_install(
     }
     // Also what c10::GetAllocator(kCUDA) / getDeviceAllocator(kCUDA) answer (torch.accelerator).
     c10::SetAllocator(c10::DeviceType::CUDA, keep->get(), 0);
-    return 0;
+    return streamalloc_torch_host_install(handle, err, errlen);
   } catch (const std::exception& e) {
     set_error(err, errlen, e.what());
     return -1;

@@ -25,10 +25,15 @@ CONFS = {
 the driver's pool."""
 
 SHAREABLE = {"stream_safe_chunks": "strategy=stream_safe,expandable=false", "plain": "strategy=plain"}
-"""Configurations whose memory can be shared with another process (cuMemAlloc memory)."""
+"""Configurations whose memory is shared with CUDA IPC handles (cuMemAlloc memory): a child
+under torch's own allocator opens it too."""
 
-UNSHAREABLE = {"stream_safe": "strategy=stream_safe", "async": "strategy=async"}
-"""Configurations whose memory cannot: mapped memory, the driver's pool."""
+MAPPED = {"default": "", "segments": "strategy=stream_safe,backing=segments", "best_fit": "strategy=best_fit"}
+"""Configurations whose memory is mapped (the default: stream_safe over stitched ranges): shared
+with streamalloc's own handles, which a child running streamalloc opens."""
+
+UNSHAREABLE = {"async": "strategy=async"}
+"""Configurations whose memory cannot be shared: the driver's pool."""
 
 
 def confs(table):
@@ -81,6 +86,11 @@ def test_memory_history_and_snapshot(run_case, conf):
 @pytest.mark.parametrize("child", ["native", "streamalloc"])
 def test_ipc_share_with_child(run_case, conf, child):
     run_case(WORKER, "ipc", conf, child)
+
+
+@confs(MAPPED)
+def test_ipc_of_mapped_memory_with_child(run_case, conf):
+    run_case(WORKER, "ipc", conf, "streamalloc")
 
 
 @confs(UNSHAREABLE)

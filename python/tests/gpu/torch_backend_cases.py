@@ -31,11 +31,17 @@ Cases (each checks real results, data read back where there is data):
                    standard deleters); a new function run while graphs execute makes the trees
                    checkpoint the pool (getCheckpointState / setCheckpointPoolState), checked to
                    have happened, results right afterwards
-  ipc              ARG native|streamalloc (the child's allocator): a CUDA tensor shared with a
-                   spawned process (torch.multiprocessing), which checks every element and
-                   writes new values; the parent reads exactly what the child wrote
-  ipc_refused      sharing memory that cannot be shared (mapped memory, the driver's pool)
-                   raises a RuntimeError naming streamalloc and the configuration that can
+  ipc              ARG native|streamalloc (the child's allocator): a CUDA tensor sent through a
+                   queue to a spawned process (torch.multiprocessing), which checks every
+                   element and writes new values; the parent reads exactly what the child
+                   wrote; once both dropped it (and torch.cuda.ipc_collect), the parent's
+                   torch.cuda.memory_allocated and streamalloc's allocated bytes are back where
+                   they were. cuMemAlloc chunks go as CUDA IPC handles (a child under torch's
+                   own allocator opens them too), mapped memory (backing=stitched, the
+                   default, or segments) as streamalloc's own handles (the child runs
+                   streamalloc)
+  ipc_refused      sharing memory that cannot be shared (the driver's pool) raises a
+                   RuntimeError naming streamalloc and the configuration
   runner           `python -m streamalloc.torch SCRIPT ARGS` runs an unmodified script as
                    __main__ with its arguments, torch allocating through streamalloc and
                    torch.cuda.memory_stats() working in it
@@ -324,8 +330,9 @@ def case_compile(report, conf):
         report.expect(torch.allclose(w, expect, atol=1e-5), f"after the checkpoint, iteration {it}: wrong result")
 
 
-def ipc_child(conn, child_conf, n):
-    """In the spawned process: receives a CUDA tensor, checks every element, writes new values."""
+def ipc_child(inbox, outbox, child_conf, n):
+    """In the spawned process: receives a CUDA tensor, checks every element, writes new values,
+    then drops it when the parent says so."""
     import torch
 
     try:
@@ -333,47 +340,81 @@ def ipc_child(conn, child_conf, n):
             import streamalloc.torch
 
             streamalloc.torch.enable(child_conf)
-        x = conn.recv()
+        x = inbox.get()
         expected = torch.arange(n, dtype=torch.int64, device="cuda") * 7 + 3
         same = bool(torch.equal(x, expected))
         x.mul_(-1).sub_(5)  # the parent must see -(7i+3)-5
         torch.cuda.synchronize()
-        conn.send(("checked", same))
-        conn.recv()  # the parent has read; x may go now
-        del x
+        outbox.put(("checked", same))
+        inbox.get()  # the parent has read; x may go now
+        del x, expected
+        gc.collect()
+        torch.cuda.synchronize()
+        outbox.put(("dropped", True))
     except Exception as e:  # reported to the parent, which fails the case
-        conn.send(("error", f"{type(e).__name__}: {e}"))
+        outbox.put(("error", f"{type(e).__name__}: {e}"))
 
 
 def case_ipc(report, conf, child="native"):
     torch = setup(conf)
+    import queue
+
+    import streamalloc
     import torch.multiprocessing as mp
 
     n = 4 * MIB
     pads = [torch.ones(k, device="cuda") for k in (1000, 300_000)]
+    torch.cuda.synchronize()
+    before = (torch.cuda.memory_allocated(), streamalloc.stats(0)["allocated"])
     x = torch.arange(n, dtype=torch.int64, device="cuda") * 7 + 3
     torch.cuda.synchronize()
     ctx = mp.get_context("spawn")
-    parent, child_end = ctx.Pipe()
-    proc = ctx.Process(target=ipc_child, args=(child_end, conf if child == "streamalloc" else "native", n))
+    # The tensor goes through a queue whose put pickles it at once (a sharing refused raises
+    # here); what the child answers through a queue read with a bound.
+    inbox, outbox = ctx.SimpleQueue(), ctx.Queue()
+    proc = ctx.Process(target=ipc_child, args=(inbox, outbox, conf if child == "streamalloc" else "native", n))
     proc.start()
-    try:
-        parent.send(x)
-        if not report.expect(parent.poll(180), "the child sent nothing back within 180 s"):
-            return
-        kind, value = parent.recv()
+
+    def answer(what):
+        try:
+            kind, value = outbox.get(timeout=120)
+        except queue.Empty:
+            report.failures.append(f"the child sent nothing back within 120 s ({what})")
+            return None
         report.info["child_" + kind] = value
-        report.expect(kind == "checked" and value is True, f"the child read wrong data: {kind} {value}")
-        if kind == "checked":
-            expected = -(torch.arange(n, dtype=torch.int64, device="cuda") * 7 + 3) - 5
-            report.expect(torch.equal(x, expected), "the parent does not see what the child wrote")
-        parent.send("done")
+        report.expect(kind != "error", f"the child failed: {value}")
+        return kind, value
+
+    try:
+        inbox.put(x)
+        got = answer("after receiving the tensor")
+        if got is None or not report.expect(got == ("checked", True), f"the child read wrong data: {got}"):
+            return
+        expected = -(torch.arange(n, dtype=torch.int64, device="cuda") * 7 + 3) - 5
+        report.expect(torch.equal(x, expected), "the parent does not see what the child wrote")
+        del expected
+        inbox.put("done")
+        if answer("after dropping the tensor") != ("dropped", True):
+            return
+        proc.join(60)
+        del x
+        gc.collect()
+        torch.cuda.ipc_collect()  # torch keeps a sent tensor until the receiver let it go
+        torch.cuda.synchronize()
+        after = (torch.cuda.memory_allocated(), streamalloc.stats(0)["allocated"])
+        report.info.update(allocated_before=before, allocated_after=after)
+        report.expect(after == before, f"the shared tensor's memory was not freed once both dropped it: "
+                                       f"(torch, streamalloc) allocated {before} before, {after} after")
     finally:
+        failed = bool(report.failures) or sys.exc_info()[0] is not None
+        if failed:  # the child may wait for what will not come
+            proc.kill()
         proc.join(60)
         if proc.is_alive():
             proc.kill()
             report.failures.append("the child process did not exit within 60 s")
-        report.expect(proc.exitcode == 0, f"the child process exited with {proc.exitcode}")
+        elif not failed:
+            report.expect(proc.exitcode == 0, f"the child process exited with {proc.exitcode}")
         del pads
 
 
@@ -390,8 +431,8 @@ def case_ipc_refused(report, conf):
     except RuntimeError as e:
         message = str(e)
         report.info["error"] = message.splitlines()[0]
-        report.expect("streamalloc" in message and "expandable=false" in message,
-                      f"the refusal does not name streamalloc and the configuration that can share: {message[:300]}")
+        report.expect("streamalloc" in message and "strategy=async" in message,
+                      f"the refusal does not name streamalloc and the configuration: {message[:300]}")
     report.expect(intact(x * 2, 2.0), "the tensor holds wrong data after the refusal")
 
 

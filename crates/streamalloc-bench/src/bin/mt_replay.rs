@@ -1,49 +1,188 @@
-//! Multi-thread scaling of StreamSafe without the C ABI: for 1, 2, 4 and 8 threads, each
+//! Multi-thread scaling without the C ABI, and where it goes: for 1, 2, 4 and 8 threads, each
 //! thread replays a trace on a stream of its own (one warm-up pass, then three timed passes,
 //! all threads starting each pass together), and prints the aggregate million operations per
 //! second (as the anchors harness computes it: from the slowest thread's best pass) and the
-//! device allocations made during the timed passes. On the simulator the device costs nothing
-//! and no call takes a driver lock, which separates the allocator's own scaling from the
-//! driver's. A measurement to read, not a test:
-//! `cargo run --release -p streamalloc-bench --bin mt_replay -- traces/resnet50_train.csv [sim|cuda]`
+//! device allocations made during the timed passes. Subjects:
+//!
+//! - `default`: the library's default stack (`Config::default()`, what the C ABI builds) by
+//!   pointer, the path of `streamalloc_malloc` / `streamalloc_free` less the ABI's own frame;
+//! - `stream_safe`: a bare `StreamSafe` by handle;
+//! - `baseline`: no allocator, a free list per size in each thread (nothing shared): the same
+//!   loop over the same trace, so its scaling is what the machine gives a loop that shares
+//!   nothing (clock drop with more busy cores, caches), the ceiling of any allocator's.
+//!
+//! With `--profile`, the runs of 1 and of 8 threads make 6,000 timed passes, which are sampled
+//! (pprof, all threads): a thread's wall time per operation is shared out among the functions
+//! by their self samples (the sampled frame's own), and those taking at least 0.5 ns are
+//! listed, the largest growth from 1 to 8 threads first: what costs more per operation with 8
+//! threads is what stands in the way of scaling.
+//!
+//! On the simulator the device costs nothing and no call takes a driver lock, which separates
+//! the allocator's own scaling from the driver's. A measurement to read, not a test:
+//! `cargo run --release -p streamalloc-bench --bin mt_replay -- TRACE [sim|cuda] [SUBJECT...] [--profile]`
 //! (on the GPU machine, packed by scripts/gpu-test.sh: scripts/gpu/device-run.sh mtx).
 
+use std::collections::HashMap;
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
-use streamalloc::allocators::{StreamSafe, StreamSafeConfig};
 use streamalloc::device::cuda::CudaDevice;
 use streamalloc::device::sim::{SimConfig, SimDevice};
-use streamalloc::{Allocation, Allocator, Device, Result, StreamAllocator};
+use streamalloc::facade::{Config, Facade};
+use streamalloc::{
+    Allocation, Allocator, Device, DevicePtr, PointerAllocator, Result, Stream, StreamAllocator,
+};
 use streamalloc_replay::trace::{Op, Trace};
 
+/// Passes per run: a warm-up pass, then timed ones.
 const PASSES: usize = 4;
+/// Passes per profiled run: enough timed passes for a second or more of samples.
+const PROFILED_PASSES: usize = 6001;
+const PROFILE_HZ: i32 = 2999;
 
-/// The slowest thread's best timed pass, in seconds, and the device allocations made during
-/// the timed passes.
-fn run(device: &Arc<dyn Device>, trace: &Arc<Trace>, threads: usize) -> Result<(f64, u64)> {
-    let allocator = Arc::new(StreamSafe::new(device.clone(), StreamSafeConfig::default())?);
+/// What the threads replay through.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Subject {
+    Default,
+    StreamSafe,
+    Baseline,
+}
+
+impl Subject {
+    fn parse(name: &str) -> Option<Self> {
+        match name {
+            "default" => Some(Self::Default),
+            "stream_safe" => Some(Self::StreamSafe),
+            "baseline" => Some(Self::Baseline),
+            _ => None,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Default => "default",
+            Self::StreamSafe => "stream_safe",
+            Self::Baseline => "baseline",
+        }
+    }
+}
+
+/// One thread's replay state for a subject.
+enum Replayer {
+    Pointer { alloc: Arc<dyn PointerAllocator>, live: Vec<DevicePtr> },
+    Handle { alloc: Arc<dyn StreamAllocator>, live: Vec<Option<Allocation>> },
+    Baseline { free: HashMap<usize, Vec<DevicePtr>>, live: Vec<(usize, DevicePtr)>, next: DevicePtr },
+}
+
+impl Replayer {
+    fn op(&mut self, op: &Op, stream: Stream) -> Result<()> {
+        match (self, *op) {
+            (Self::Pointer { alloc, live }, Op::Allocate { slot, size, .. }) => {
+                live[slot] = alloc.allocate_ptr(size, stream)?
+            }
+            (Self::Pointer { alloc, live }, Op::Free { slot, .. }) => {
+                alloc.free_ptr(std::mem::take(&mut live[slot]), stream);
+            }
+            (Self::Handle { alloc, live }, Op::Allocate { slot, size, .. }) => {
+                live[slot] = Some(alloc.allocate_on(size, stream)?)
+            }
+            (Self::Handle { live, .. }, Op::Free { slot, .. }) => live[slot] = None,
+            (Self::Baseline { free, live, next }, Op::Allocate { slot, size, .. }) => {
+                let ptr = free.entry(size).or_default().pop().unwrap_or_else(|| {
+                    *next += size as DevicePtr;
+                    *next
+                });
+                live[slot] = (size, ptr);
+            }
+            (Self::Baseline { free, live, .. }, Op::Free { slot, .. }) => {
+                let (size, ptr) = live[slot];
+                free.entry(size).or_default().push(ptr);
+            }
+            // Streams' use of memory and waits: not what this measures.
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Frees what the pass left live.
+    fn clear(&mut self, stream: Stream) {
+        match self {
+            Self::Pointer { alloc, live } => live.iter_mut().filter(|p| **p != 0).for_each(|p| {
+                alloc.free_ptr(std::mem::take(p), stream);
+            }),
+            Self::Handle { live, .. } => live.iter_mut().for_each(|a| *a = None),
+            Self::Baseline { .. } => {}
+        }
+    }
+}
+
+/// The subject's allocator, shared by the threads, and its device-allocation counter.
+struct Shared {
+    pointer: Option<Arc<dyn PointerAllocator>>,
+    handle: Option<Arc<dyn StreamAllocator>>,
+    device_allocs: Box<dyn Fn() -> u64 + Send + Sync>,
+}
+
+fn shared(subject: Subject, device: &Arc<dyn Device>) -> Result<Shared> {
+    Ok(match subject {
+        Subject::Default => {
+            let stack = Facade::build_stack(&Config::default(), device.clone())?;
+            let a = stack.allocator.clone();
+            Shared {
+                pointer: Some(Arc::new(stack.allocator)),
+                handle: None,
+                device_allocs: Box::new(move || a.stats().device_allocs),
+            }
+        }
+        Subject::StreamSafe => {
+            let a = Arc::new(streamalloc::allocators::StreamSafe::new(device.clone(), Default::default())?);
+            let counter = a.clone();
+            Shared {
+                pointer: None,
+                handle: Some(a),
+                device_allocs: Box::new(move || counter.stats().device_allocs),
+            }
+        }
+        Subject::Baseline => Shared { pointer: None, handle: None, device_allocs: Box::new(|| 0) },
+    })
+}
+
+/// Samples of one profiled run: self samples per function, and the sampling period in ns.
+type Profile = HashMap<String, u64>;
+
+/// The slowest thread's best timed pass, in seconds, the device allocations made during the
+/// timed passes, and the profile of the timed passes when asked for.
+fn run(
+    subject: Subject,
+    device: &Arc<dyn Device>,
+    trace: &Arc<Trace>,
+    threads: usize,
+    profile: bool,
+) -> Result<(f64, u64, Option<Profile>)> {
+    let shared = shared(subject, device)?;
+    let passes = if profile { PROFILED_PASSES } else { PASSES };
     let barrier = Arc::new(Barrier::new(threads + 1));
     let workers: Vec<_> = (0..threads)
         .map(|_| {
-            let (allocator, trace, barrier) = (allocator.clone(), trace.clone(), barrier.clone());
+            let (trace, barrier) = (trace.clone(), barrier.clone());
+            let mut replayer = match (&shared.pointer, &shared.handle) {
+                (Some(alloc), _) => Replayer::Pointer { alloc: alloc.clone(), live: vec![0; trace.slots] },
+                (_, Some(alloc)) => {
+                    Replayer::Handle { alloc: alloc.clone(), live: (0..trace.slots).map(|_| None).collect() }
+                }
+                _ => Replayer::Baseline { free: HashMap::new(), live: vec![(0, 0); trace.slots], next: 0 },
+            };
             let stream = device.create_stream();
             std::thread::spawn(move || -> Result<f64> {
                 let stream = stream?;
-                let mut live: Vec<Option<Allocation>> = (0..trace.slots).map(|_| None).collect();
                 let mut best = f64::MAX;
-                for pass in 0..PASSES {
+                for pass in 0..passes {
                     barrier.wait();
                     let start = Instant::now();
                     for op in &trace.ops {
-                        match *op {
-                            Op::Allocate { slot, size, .. } => {
-                                live[slot] = Some(allocator.allocate_on(size, stream)?)
-                            }
-                            Op::Free { slot, .. } => live[slot] = None,
-                        }
+                        replayer.op(op, stream)?;
                     }
-                    live.iter_mut().for_each(|a| *a = None);
+                    replayer.clear(stream);
                     if pass > 0 {
                         best = best.min(start.elapsed().as_secs_f64());
                     }
@@ -54,41 +193,110 @@ fn run(device: &Arc<dyn Device>, trace: &Arc<Trace>, threads: usize) -> Result<(
         })
         .collect();
     let mut device_allocs_after_warm_up = 0;
-    for pass in 0..PASSES {
+    let mut guard = None;
+    for pass in 0..passes {
         barrier.wait();
         barrier.wait();
         if pass == 0 {
-            device_allocs_after_warm_up = allocator.stats().device_allocs;
+            device_allocs_after_warm_up = (shared.device_allocs)();
+            if profile {
+                guard = Some(
+                    pprof::ProfilerGuardBuilder::default()
+                        .frequency(PROFILE_HZ)
+                        .build()
+                        .map_err(|e| streamalloc::Error::InvalidArgument(format!("profiler: {e}")))?,
+                );
+            }
         }
     }
+    let samples = guard.map(|g| self_samples(&g));
     let mut slowest: f64 = 0.0;
     for w in workers {
         slowest = slowest.max(w.join().expect("a replay thread panicked")?);
     }
-    Ok((slowest, allocator.stats().device_allocs - device_allocs_after_warm_up))
+    Ok((slowest, (shared.device_allocs)() - device_allocs_after_warm_up, samples))
+}
+
+/// Self samples per function (the innermost frame's symbol) of what the guard sampled.
+fn self_samples(guard: &pprof::ProfilerGuard<'_>) -> Profile {
+    let mut by_function = Profile::new();
+    if let Ok(report) = guard.report().build() {
+        for (frames, count) in &report.data {
+            let name = frames
+                .frames
+                .first()
+                .and_then(|symbols| symbols.last())
+                .map_or_else(|| "?".to_string(), |s| s.name());
+            *by_function.entry(short(&name)).or_default() += *count as u64;
+        }
+    }
+    by_function
+}
+
+/// A demangled name without its hash suffix and generic arguments' paths' noise.
+fn short(name: &str) -> String {
+    let name = name.rsplit_once("::h").filter(|(_, h)| h.len() == 16).map_or(name, |(n, _)| n);
+    name.chars().take(110).collect()
 }
 
 fn main() -> Result<()> {
-    let mut args = std::env::args().skip(1);
-    let path = args.next().expect("usage: mt_replay TRACE [sim|cuda]");
-    let (kind, device): (&str, Arc<dyn Device>) = match args.next().as_deref() {
-        Some("cuda") => ("cuda", CudaDevice::new(0)?),
-        _ => ("sim", SimDevice::new(SimConfig::h200())),
-    };
-    let trace = Arc::new(Trace::from_path(&path)?);
-    let mut one = 0.0;
-    for threads in [1, 2, 4, 8] {
-        let (seconds, device_allocs) = run(&device, &trace, threads)?;
-        let mops = (threads * trace.len()) as f64 / seconds / 1e6;
-        if threads == 1 {
-            one = mops;
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let usage = "usage: mt_replay TRACE [sim|cuda] [default|stream_safe|baseline ...] [--profile]";
+    let path = args.first().expect(usage);
+    let profile = args.iter().any(|a| a == "--profile");
+    let kind = if args.iter().any(|a| a == "cuda") { "cuda" } else { "sim" };
+    let device: Arc<dyn Device> =
+        if kind == "cuda" { CudaDevice::new(0)? } else { SimDevice::new(SimConfig::h200()) };
+    let mut subjects: Vec<Subject> = args.iter().skip(1).filter_map(|a| Subject::parse(a)).collect();
+    if subjects.is_empty() {
+        subjects = vec![Subject::Default, Subject::StreamSafe, Subject::Baseline];
+    }
+    let trace = Arc::new(Trace::from_path(path)?);
+    for subject in subjects {
+        let mut one = 0.0;
+        let mut profiles = Vec::new();
+        for threads in [1, 2, 4, 8] {
+            let profiled = profile && (threads == 1 || threads == 8);
+            let (seconds, device_allocs, samples) = run(subject, &device, &trace, threads, profiled)?;
+            let mops = (threads * trace.len()) as f64 / seconds / 1e6;
+            if threads == 1 {
+                one = mops;
+            }
+            println!(
+                "MT_REPLAY device={kind} subject={} trace={} threads={threads} mops_per_s={mops:.2} scaling={:.2} \
+                 device_allocs_in_timed_passes={device_allocs}",
+                subject.name(),
+                trace.name,
+                mops / one
+            );
+            if let Some(samples) = samples {
+                // A thread's wall time per operation, shared out by the samples.
+                profiles.push((samples, 1e3 * threads as f64 / mops));
+            }
         }
-        println!(
-            "MT_REPLAY device={kind} trace={} threads={threads} mops_per_s={mops:.2} scaling={:.2} \
-             device_allocs_in_timed_passes={device_allocs}",
-            trace.name,
-            mops / one
-        );
+        if let [(one, ns1), (eight, ns8)] = &profiles[..] {
+            let ns = |p: &Profile, f: &str, per_op: f64| {
+                p.get(f).copied().unwrap_or(0) as f64 / p.values().sum::<u64>().max(1) as f64 * per_op
+            };
+            let mut names: Vec<&String> = one.keys().chain(eight.keys()).collect();
+            names.sort();
+            names.dedup();
+            let mut rows: Vec<(f64, f64, &String)> =
+                names.into_iter().map(|f| (ns(one, f, *ns1), ns(eight, f, *ns8), f)).collect();
+            rows.sort_by(|a, b| (b.1 - b.0).total_cmp(&(a.1 - a.0)));
+            println!(
+                "PROFILE subject={} trace={} ns per operation and thread: 1 thread {ns1:.1}, 8 threads {ns8:.1}, \
+                 shared out by self samples ({} and {})",
+                subject.name(),
+                trace.name,
+                one.values().sum::<u64>(),
+                eight.values().sum::<u64>()
+            );
+            println!("PROFILE   1 thread  8 threads  growth  function");
+            for (a, b, f) in rows.iter().filter(|r| r.0.max(r.1) >= 0.5) {
+                println!("PROFILE {a:9.1} {b:10.1} {:7.1}  {f}", b - a);
+            }
+        }
     }
     Ok(())
 }

@@ -81,6 +81,19 @@ pub fn workload(rounds: usize, scale: usize) -> String {
     text
 }
 
+/// Writes a snapshot fabricated like `torch.cuda.memory._dump_snapshot` (see
+/// scripts/fabricate_snapshot.py) with `args`, and the summary the script prints (JSON:
+/// `bytes`, `entries`, `peak_allocated_bytes`, `deferred_frees`).
+pub fn fabricated_snapshot(name: &str, args: &[&str]) -> (TempFile, serde_json::Value) {
+    let file = TempFile::new(name, "");
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/fabricate_snapshot.py");
+    let out =
+        Command::new("python3").arg(&script).arg(file.path()).args(args).output().expect("python3 runs");
+    assert!(out.status.success(), "{}", stderr(&out));
+    let summary = serde_json::from_slice(&out.stdout).expect("the script prints its summary");
+    (file, summary)
+}
+
 /// The rows of a successful `--json` output.
 pub fn json_rows(out: &Output) -> Vec<serde_json::Value> {
     assert!(out.status.success(), "{}", stderr(out));

@@ -1,4 +1,5 @@
-//! `Trace`: writes every allocation and free as RMM's logging CSV.
+//! `Trace`: writes every allocation and free as RMM's logging CSV, and the streams recorded
+//! on allocations.
 
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -15,7 +16,9 @@ use crate::device::{DevicePtr, Stream};
 use crate::error::{Error, Result};
 use crate::trace::{Action, Record, TraceWriter};
 
-/// Logs each allocation, failure and free to a [`TraceWriter`] (buffered; flushed by
+/// Logs each allocation, failure, free and recorded stream (`record_stream` rows: by pointer
+/// when recorded, on a handle at its free) to a [`TraceWriter`], and the `use` and `wait`
+/// rows a program writes ([`Trace::write_use`], [`Trace::write_wait`]) (buffered; flushed by
 /// [`Trace::flush`] and when the adaptor and its last allocation are dropped). Safe
 /// from many threads: rows are written under one lock. A write error is kept and returned by
 /// the next [`Trace::flush`]. Streams are written as their handle values.
@@ -98,6 +101,20 @@ impl<A: Allocator, W: Write + Send + 'static> Trace<A, W> {
         }
     }
 
+    /// Writes a `use` row: work enqueued now on `stream` uses the allocation at `ptr` for
+    /// `duration_ns` (measured, or estimated, by the caller). For programs that tell a replay
+    /// what their streams do (`streamalloc_trace_use` of the C ABI).
+    pub fn write_use(&self, ptr: DevicePtr, stream: Stream, duration_ns: u64) {
+        let duration = usize::try_from(duration_ns).unwrap_or(usize::MAX);
+        self.shared.log(Action::Use, ptr, duration, stream);
+    }
+
+    /// Writes a `wait` row: `stream` now waits for the work enqueued so far on `other`
+    /// (`streamalloc_trace_wait` of the C ABI).
+    pub fn write_wait(&self, stream: Stream, other: Stream) {
+        self.shared.log(Action::Wait, other.0, 0, stream);
+    }
+
     fn logged(&self, size: usize, stream: Stream, made: Result<Allocation>) -> Result<Allocation> {
         let a = match made {
             Ok(a) => a,
@@ -113,8 +130,17 @@ impl<A: Allocator, W: Write + Send + 'static> Trace<A, W> {
 }
 
 impl<W: Write + Send + 'static> FreeHook for Shared<W> {
+    /// A handle keeps its recorded streams itself ([`Allocation::record_stream`] calls no
+    /// allocator), so their `record_stream` rows are written here, just before the free's:
+    /// what a replay needs, the streams recorded when the memory is freed.
     fn free(&self, block: Block, inner: &dyn BlockOwner) {
-        self.log(Action::Free, block.ptr, block.size, block.stream);
+        {
+            let mut out = self.out.lock();
+            for &stream in &block.recorded {
+                Self::write(&mut out, Action::RecordStream, block.ptr, 0, stream);
+            }
+            Self::write(&mut out, Action::Free, block.ptr, block.size, block.stream);
+        }
         inner.free(block);
     }
 }
@@ -158,5 +184,92 @@ impl<A: Allocator + PointerAllocator, W: Write + Send + 'static> PointerAllocato
         Shared::write(&mut out, Action::Free, ptr, freed.size, freed.stream);
         Some(freed)
     }
-    pass_through_pointers!();
+    fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> Result<bool> {
+        let recorded = self.inner.record_stream_ptr(ptr, stream)?;
+        if recorded {
+            self.shared.log(Action::RecordStream, ptr, 0, stream);
+        }
+        Ok(recorded)
+    }
+    fn owning_stream(&self, asked: Stream) -> Stream {
+        self.inner.owning_stream(asked)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::allocators::{StreamSafe, StreamSafeConfig};
+    use crate::device::sim::{SimConfig, SimDevice};
+    use crate::device::Device;
+
+    /// A writer whose bytes the test reads while the adaptor holds it.
+    #[derive(Clone, Default)]
+    struct Shared(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Shared {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// The rows written so far, the header and the Thread and Time columns left out.
+    fn rows(traced: &Trace<StreamSafe, Shared>, out: &Shared) -> Vec<String> {
+        traced.flush().unwrap();
+        let text = String::from_utf8(out.0.lock().clone()).unwrap();
+        text.lines().skip(1).map(|l| l.splitn(3, ',').nth(2).unwrap().to_owned()).collect()
+    }
+
+    /// Issue 37: a record_stream, by pointer or on a handle, wrote no row, so a replay
+    /// reused memory a side stream still read.
+    #[test]
+    fn record_stream_writes_its_row_by_pointer_and_by_handle() {
+        let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+        let side = sim.create_stream().unwrap();
+        let out = Shared::default();
+        let traced = Trace::new(
+            StreamSafe::new(sim.clone(), StreamSafeConfig::default()).unwrap(),
+            TraceWriter::new(out.clone()).unwrap(),
+        );
+        let p = traced.allocate_ptr(4096, Stream::DEFAULT).unwrap();
+        assert!(traced.record_stream_ptr(p, side).unwrap());
+        // A pointer no allocation lives at records nothing and writes nothing.
+        assert!(!traced.record_stream_ptr(p + 1, side).unwrap());
+        traced.free_ptr(p, Stream::DEFAULT).unwrap();
+        let mut a = traced.allocate_on(8192, Stream::DEFAULT).unwrap();
+        a.record_stream(side);
+        let q = a.ptr();
+        drop(a);
+        let s = side.0;
+        assert_eq!(
+            rows(&traced, &out),
+            [
+                format!("allocate,{p:#x},4096,0"),
+                format!("record_stream,{p:#x},0,{s}"),
+                format!("free,{p:#x},4096,0"),
+                format!("allocate,{q:#x},8192,0"),
+                format!("record_stream,{q:#x},0,{s}"),
+                format!("free,{q:#x},8192,0"),
+            ]
+        );
+    }
+
+    #[test]
+    fn use_and_wait_rows_are_written_as_given() {
+        let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+        let side = sim.create_stream().unwrap();
+        let out = Shared::default();
+        let traced = Trace::new(
+            StreamSafe::new(sim.clone(), StreamSafeConfig::default()).unwrap(),
+            TraceWriter::new(out.clone()).unwrap(),
+        );
+        traced.write_use(0x7f00, side, 2_500);
+        traced.write_wait(Stream::DEFAULT, side);
+        let s = side.0;
+        assert_eq!(rows(&traced, &out), [format!("use,0x7f00,2500,{s}"), format!("wait,{s:#x},0,0")]);
+    }
 }

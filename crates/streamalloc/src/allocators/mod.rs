@@ -1,9 +1,11 @@
 //! The allocators: each implements [`Allocator`](crate::Allocator), and the stream-aware
-//! ones [`StreamAllocator`](crate::StreamAllocator).
+//! ones [`StreamAllocator`](crate::StreamAllocator); [`PinnedHost`], a pool of page-locked
+//! host memory, has methods of its own (host memory is not device memory).
 
 pub mod async_pool;
 pub mod backing;
 mod best_fit;
+mod pinned_host;
 mod plain;
 pub(crate) mod retry;
 mod stream_safe;
@@ -11,6 +13,7 @@ mod stream_safe;
 pub use async_pool::{AsyncPool, AsyncPoolConfig, Capture, CapturedGraph, PoolMode, ReuseFlags};
 pub use backing::{Backing, BackingKind, ChunkSource, DeviceChunks, Ledger, Want};
 pub use best_fit::{BestFit, BestFitConfig, FreeChunk};
+pub use pinned_host::{PinnedBuffer, PinnedHost, PinnedHostConfig};
 pub use plain::Plain;
 pub use stream_safe::{StreamSafe, StreamSafeConfig};
 

@@ -28,19 +28,24 @@
 //!   the entry point; `CUDA_ERROR_OUT_OF_MEMORY` from an allocation becomes
 //!   [`Error::OutOfMemory`] with the device's free and total memory.
 //!
-//! This is the only module of the crate with `unsafe` code.
+//! This is the only module of the crate with `unsafe` code, but for the system calls of
+//! [`super::ipc`].
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::{c_int, c_void, CStr};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::panic::catch_unwind;
 use std::ptr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::sys;
 use parking_lot::Mutex;
 
+use super::ipc::SharedPiece;
 use super::{
-    CaptureStatus, Device, DevicePtr, Event, Graph, GraphExec, MemInfo, Pool, PoolAttr, PoolProps, Stream,
+    CaptureStatus, Device, DevicePtr, Event, Graph, GraphExec, HostPtr, MemInfo, Pool, PoolAttr, PoolProps,
+    Stream,
 };
 use crate::error::{Error, OutOfMemory, Result};
 
@@ -62,6 +67,8 @@ const SYMBOLS: &[&str] = &[
     "cuMemGetInfo_v2",
     "cuMemAlloc_v2",
     "cuMemFree_v2",
+    "cuMemHostAlloc",
+    "cuMemFreeHost",
     "cuDeviceGetDefaultMemPool",
     "cuMemPoolCreate",
     "cuMemPoolDestroy",
@@ -78,6 +85,8 @@ const SYMBOLS: &[&str] = &[
     "cuMemUnmap",
     "cuMemRelease",
     "cuMemRetainAllocationHandle",
+    "cuMemExportToShareableHandle",
+    "cuMemImportFromShareableHandle",
     "cuMemFreeAsync",
     "cuStreamCreate",
     "cuStreamDestroy_v2",
@@ -268,15 +277,40 @@ pub struct CudaDevice {
     peers: Mutex<BTreeMap<usize, Arc<CudaDevice>>>,
     /// This device's mappings and the peers granted access to them.
     vmm: Mutex<Vmm>,
+    /// Whether [`Device::map`] creates memory that can be exported to another process
+    /// (`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`): until the device refuses it.
+    exportable: AtomicBool,
 }
 
-/// What a [`CudaDevice`] knows of its mappings, for [`Device::grant_mapped_access`].
+/// What a [`CudaDevice`] knows of its mappings, for [`Device::grant_mapped_access`] and
+/// [`Device::export_mapped`].
 #[derive(Default)]
 struct Vmm {
-    /// Start of every granule mapped by [`Device::map`] or [`Device::map_alias`].
-    granules: BTreeSet<u64>,
+    /// Start of every granule mapped by [`Device::map`], [`Device::map_alias`] or
+    /// [`Device::map_shared`], and the number of the physical allocation behind it.
+    granules: BTreeMap<u64, u64>,
+    /// The physical allocations behind `granules`, by number.
+    physical: HashMap<u64, Physical>,
+    /// The number of the last physical allocation mapped.
+    last_physical: u64,
+    /// The serial of the last export ([`SharedPiece::serial`]).
+    last_serial: u64,
     /// Other devices granted access to every mapping: ordinal and device handle.
     peers: Vec<(usize, sys::CUdevice)>,
+}
+
+/// What [`CudaDevice::map_granules`] gets each granule from: given the mappings and the
+/// granule's offset, the handle of its allocation and, when this device maps that allocation
+/// already, its number.
+type GranuleHandle<'a> = dyn Fn(&Vmm, usize) -> Result<(sys::CUmemGenericAllocationHandle, Option<u64>)> + 'a;
+
+/// A physical allocation this device maps (one granule).
+struct Physical {
+    /// Granules that map it here.
+    mappings: u32,
+    /// Its descriptor for other processes and the export's serial, once exported; closed
+    /// with its last mapping here (an open descriptor would keep the memory alive).
+    export: Option<(OwnedFd, u64)>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -315,6 +349,7 @@ impl CudaDevice {
             ctx: Ctx(ctx),
             peers: Mutex::new(BTreeMap::new()),
             vmm: Mutex::new(Vmm::default()),
+            exportable: AtomicBool::new(true),
         }))
     }
 
@@ -377,16 +412,18 @@ impl CudaDevice {
     }
 
     /// Maps `[addr, addr + size)` granule by granule, each with the allocation handle that
-    /// `handle(offset)` creates or retains (one allocation of exactly `granularity` bytes),
-    /// released once mapped, and grants this device and the peers of `vmm` read-write access
-    /// to it. A failure unmaps the granules mapped so far (unused yet) and maps nothing. The
-    /// caller has bound the context.
+    /// `handle(vmm, offset)` creates, retains or imports (one allocation of exactly
+    /// `granularity` bytes), released once mapped, and grants this device and the peers of
+    /// `vmm` read-write access to it. `handle` also gives the number of the physical
+    /// allocation when it is one this device maps already (`None`: a new one). A failure
+    /// unmaps the granules mapped so far (unused yet) and maps nothing. The caller has bound
+    /// the context.
     fn map_granules(
         &self,
         addr: DevicePtr,
         size: usize,
         granularity: usize,
-        handle: &dyn Fn(usize) -> Result<sys::CUmemGenericAllocationHandle>,
+        handle: &GranuleHandle<'_>,
     ) -> Result<()> {
         let mut vmm = self.vmm.lock();
         let read_write = |device| sys::CUmemAccessDesc {
@@ -399,7 +436,7 @@ impl CudaDevice {
         let result = (|| {
             while done < size {
                 let at = addr + done as u64;
-                let h = handle(done)?;
+                let (h, known) = handle(&vmm, done)?;
                 // SAFETY: `h` is an allocation of exactly the mapped size, created or retained
                 // by `handle`; the driver validates that the range is reserved and unmapped.
                 let mapped = check(unsafe { sys::cuMemMap(at, granularity, 0, h, 0) }, "cuMemMap");
@@ -408,7 +445,12 @@ impl CudaDevice {
                 // a created allocation or drops the retained reference.
                 let released = check(unsafe { sys::cuMemRelease(h) }, "cuMemRelease");
                 mapped?;
-                vmm.granules.insert(at);
+                let id = known.unwrap_or_else(|| {
+                    vmm.last_physical += 1;
+                    vmm.last_physical
+                });
+                vmm.granules.insert(at, id);
+                vmm.physical.entry(id).or_insert(Physical { mappings: 0, export: None }).mappings += 1;
                 done += granularity;
                 released?;
             }
@@ -433,7 +475,14 @@ impl CudaDevice {
             // guarantees that no work uses the range any more (the driver frees the granule's
             // memory only with its last mapping).
             check(unsafe { sys::cuMemUnmap(at, granularity) }, "cuMemUnmap")?;
-            vmm.granules.remove(&at);
+            let Some(id) = vmm.granules.remove(&at) else { continue };
+            if let Some(p) = vmm.physical.get_mut(&id) {
+                p.mappings -= 1;
+                if p.mappings == 0 {
+                    // Its descriptor, if exported, closes: this was its last mapping here.
+                    vmm.physical.remove(&id);
+                }
+            }
         }
         Ok(())
     }
@@ -478,6 +527,79 @@ impl CudaDevice {
         )?;
         Ok(GraphExec(handle(x)))
     }
+
+    // Sharing mapped memory with another process.
+
+    /// Creates one physical allocation of `size` bytes for [`Device::map`], exportable to
+    /// another process (`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`) until the device refuses
+    /// that handle type; then, and from then on, without one (that memory cannot be shared).
+    /// The caller has bound the context.
+    fn create_granule(&self, size: usize) -> Result<sys::CUmemGenericAllocationHandle> {
+        use sys::CUmemAllocationHandleType as Handles;
+        let create = |handles| {
+            let prop = allocation_prop(self.device, handles);
+            let mut handle: sys::CUmemGenericAllocationHandle = 0;
+            // SAFETY: `prop` is fully initialised and `handle` a valid out-pointer, both alive
+            // across the call.
+            check(unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) }, "cuMemCreate").map(|()| handle)
+        };
+        if !self.exportable.load(Ordering::Relaxed) {
+            return create(Handles::CU_MEM_HANDLE_TYPE_NONE);
+        }
+        match create(Handles::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) {
+            Err(Error::Driver { code, .. }) if refuses_handle_type(code) => {
+                // Refused for the handle type only if it succeeds without.
+                let handle = create(Handles::CU_MEM_HANDLE_TYPE_NONE)?;
+                self.exportable.store(false, Ordering::Relaxed);
+                Ok(handle)
+            }
+            created => created,
+        }
+    }
+
+    /// A new descriptor for the allocation mapped at granule `at`
+    /// (`cuMemExportToShareableHandle`). The caller has bound the context.
+    fn export_granule(&self, at: DevicePtr) -> Result<OwnedFd> {
+        let handle = retain(at)?;
+        let mut fd: c_int = -1;
+        // SAFETY: for a POSIX file descriptor the driver writes an `int`, which `fd` is, alive
+        // across the call; `handle` was retained above.
+        let exported = check(
+            unsafe {
+                sys::cuMemExportToShareableHandle(
+                    (&mut fd as *mut c_int).cast(),
+                    handle,
+                    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                    0,
+                )
+            },
+            "cuMemExportToShareableHandle",
+        );
+        // SAFETY: releases the reference retained above; the mapping keeps the memory.
+        let released = check(unsafe { sys::cuMemRelease(handle) }, "cuMemRelease");
+        match exported {
+            Ok(()) => {
+                // SAFETY: the driver made a new descriptor for the export, owned by nobody else.
+                let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+                released.map(|()| fd)
+            }
+            Err(e) if !self.exportable.load(Ordering::Relaxed) => Err(Error::Unsupported(format!(
+                "device {} refused exportable memory (CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) at \
+                 cuMemCreate, so its mapped memory cannot be shared with another process ({e}); memory of \
+                 cuMemAlloc chunks (backing=chunks) can",
+                self.ordinal
+            ))),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// Whether `cuMemCreate`'s error `code` may be its refusal of a requested handle type.
+fn refuses_handle_type(code: i32) -> bool {
+    use sys::CUresult as R;
+    [R::CUDA_ERROR_NOT_SUPPORTED, R::CUDA_ERROR_INVALID_VALUE, R::CUDA_ERROR_NOT_PERMITTED]
+        .iter()
+        .any(|&r| r as i32 == code)
 }
 
 impl Drop for CudaDevice {
@@ -494,6 +616,19 @@ fn device_location(device: sys::CUdevice) -> sys::CUmemLocation {
     sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: device }
 }
 
+/// The handle of the allocation mapped at `at` (`cuMemRetainAllocationHandle`), which the
+/// caller releases. The caller has bound the context.
+fn retain(at: DevicePtr) -> Result<sys::CUmemGenericAllocationHandle> {
+    let mut handle: sys::CUmemGenericAllocationHandle = 0;
+    // SAFETY: `handle` is a valid out-pointer alive across the call; the driver validates that
+    // `at` is mapped (and fails otherwise).
+    check(
+        unsafe { sys::cuMemRetainAllocationHandle(&mut handle, at as usize as *mut c_void) },
+        "cuMemRetainAllocationHandle",
+    )?;
+    Ok(handle)
+}
+
 /// Checks that `size`, the size `call` (`map`, `map_alias` or `unmap`) was given, is whole
 /// granules of `granularity`.
 fn whole_granules(size: usize, granularity: usize, call: &str) -> Result<()> {
@@ -503,11 +638,15 @@ fn whole_granules(size: usize, granularity: usize, call: &str) -> Result<()> {
     Ok(())
 }
 
-/// Properties of the physical memory [`Device::map`] creates: pinned memory of `device`.
-fn allocation_prop(device: sys::CUdevice) -> sys::CUmemAllocationProp {
+/// Properties of the physical memory [`Device::map`] creates: pinned memory of `device`,
+/// exportable as `handles` says.
+fn allocation_prop(
+    device: sys::CUdevice,
+    handles: sys::CUmemAllocationHandleType,
+) -> sys::CUmemAllocationProp {
     sys::CUmemAllocationProp {
         type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        requestedHandleTypes: handles,
         location: device_location(device),
         win32HandleMetaData: ptr::null_mut(),
         allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
@@ -564,6 +703,33 @@ impl Device for CudaDevice {
         // SAFETY: a context is current; the driver validates `ptr` and rejects anything it did
         // not hand out, and the caller owns the memory it frees.
         check(unsafe { sys::cuMemFree_v2(ptr) }, "cuMemFree")
+    }
+
+    /// In the relaxed capture mode, as `cuMemAlloc`: a pinned pool may grow while another
+    /// thread captures a graph.
+    fn host_alloc(&self, size: usize) -> Result<HostPtr> {
+        let _ctx = self.bind_relaxed()?;
+        let mut p: *mut c_void = ptr::null_mut();
+        // SAFETY: a context is current, `p` is a valid out-pointer and the flag is one the
+        // driver defines.
+        match unsafe { sys::cuMemHostAlloc(&mut p, size, sys::CU_MEMHOSTALLOC_PORTABLE) } {
+            sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(Error::oom(OutOfMemory {
+                device: self.ordinal,
+                requested: size,
+                hint: "the host could not page-lock that much memory (host memory, or the locked-memory \
+                       limit, ulimit -l)"
+                    .into(),
+                ..OutOfMemory::default()
+            })),
+            res => check(res, "cuMemHostAlloc").map(|()| handle(p)),
+        }
+    }
+
+    fn host_free(&self, p: HostPtr) -> Result<()> {
+        let _ctx = self.bind_relaxed()?;
+        // SAFETY: a context is current; the driver refuses a pointer that cuMemHostAlloc did
+        // not hand out, and the caller owns the memory it frees.
+        check(unsafe { sys::cuMemFreeHost(p as usize as *mut c_void) }, "cuMemFreeHost")
     }
 
     fn default_pool(&self) -> Result<Pool> {
@@ -675,7 +841,7 @@ impl Device for CudaDevice {
 
     fn map_granularity(&self) -> Result<usize> {
         let _ctx = self.bind()?;
-        let prop = allocation_prop(self.device);
+        let prop = allocation_prop(self.device, sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE);
         let mut granularity = 0usize;
         let option = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
         // SAFETY: `prop` is fully initialised and `granularity` a valid out-pointer, both alive
@@ -709,20 +875,13 @@ impl Device for CudaDevice {
     fn map(&self, addr: DevicePtr, size: usize) -> Result<()> {
         let _ctx = self.bind_relaxed()?;
         let granularity = self.granularity_of(size, "map")?;
-        let prop = allocation_prop(self.device);
-        self.map_granules(addr, size, granularity, &|_| {
-            let mut handle: sys::CUmemGenericAllocationHandle = 0;
-            // SAFETY: `prop` is fully initialised and `handle` a valid out-pointer, both alive
-            // across the call.
-            check(unsafe { sys::cuMemCreate(&mut handle, granularity, &prop, 0) }, "cuMemCreate")?;
-            Ok(handle)
-        })
-        .map_err(|e| match e {
-            Error::Driver { code, .. } if code == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY as i32 => {
-                self.oom(size)
-            }
-            e => e,
-        })
+        self.map_granules(addr, size, granularity, &|_, _| Ok((self.create_granule(granularity)?, None)))
+            .map_err(|e| match e {
+                Error::Driver { code, .. } if code == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY as i32 => {
+                    self.oom(size)
+                }
+                e => e,
+            })
     }
 
     /// Retains the handle of each granule's allocation in the ranges of `from` (one per
@@ -741,19 +900,12 @@ impl Device for CudaDevice {
             return Err(Error::InvalidArgument("map_alias of nothing".into()));
         }
         let size = sources.len() * granularity;
-        self.map_granules(to, size, granularity, &|offset| {
-            let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        self.map_granules(to, size, granularity, &|vmm, offset| {
             let Some(&src) = sources.get(offset / granularity) else {
                 return Err(Error::Internal(format!("map_alias: no source for offset {offset}")));
             };
-            let src = src as usize as *mut c_void;
-            // SAFETY: `handle` is a valid out-pointer alive across the call; the driver
-            // validates that `src` is mapped (and fails otherwise).
-            check(
-                unsafe { sys::cuMemRetainAllocationHandle(&mut handle, src) },
-                "cuMemRetainAllocationHandle",
-            )?;
-            Ok(handle)
+            // The same physical allocation as the source's.
+            Ok((retain(src)?, vmm.granules.get(&src).copied()))
         })
     }
 
@@ -780,7 +932,7 @@ impl Device for CudaDevice {
             location: device_location(device),
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
-        for &at in &vmm.granules {
+        for &at in vmm.granules.keys() {
             // SAFETY: `access` is one fully initialised descriptor, as the count of 1 says;
             // `[at, at + granularity)` is one mapping of this device (the lock keeps it mapped).
             check(unsafe { sys::cuMemSetAccess(at, granularity, &access, 1) }, "cuMemSetAccess")?;
@@ -796,6 +948,70 @@ impl Device for CudaDevice {
         // `ptr`.
         check(unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }, "cuMemGetAddressRange")?;
         Ok((base, size))
+    }
+
+    fn export_mapped(&self, addr: DevicePtr, size: usize) -> Result<Vec<SharedPiece>> {
+        let _ctx = self.bind_relaxed()?;
+        let granularity = self.granularity_of(size, "export_mapped")?;
+        if size == 0 || addr % granularity as u64 != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "export_mapped of {addr:#x}+{size}: not a range of whole granules"
+            )));
+        }
+        let mut guard = self.vmm.lock();
+        let vmm = &mut *guard;
+        let mut pieces = Vec::with_capacity(size / granularity);
+        for at in (addr..addr + size as u64).step_by(granularity) {
+            let physical =
+                vmm.granules.get(&at).and_then(|id| vmm.physical.get_mut(id)).ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "{at:#x} is not memory device {} maps (unmapped, or not mapped memory)",
+                        self.ordinal
+                    ))
+                })?;
+            let (fd, serial) = match &physical.export {
+                Some((fd, serial)) => (fd.as_raw_fd(), *serial),
+                None => {
+                    let fd = self.export_granule(at)?;
+                    vmm.last_serial += 1;
+                    let raw = fd.as_raw_fd();
+                    physical.export = Some((fd, vmm.last_serial));
+                    (raw, vmm.last_serial)
+                }
+            };
+            pieces.push(SharedPiece { fd, serial, offset: 0, len: granularity as u64 });
+        }
+        Ok(pieces)
+    }
+
+    /// Imports the allocation (`cuMemImportFromShareableHandle`, which leaves `fd` open) and
+    /// maps it as [`Device::map`] maps its own.
+    fn map_shared(&self, addr: DevicePtr, fd: BorrowedFd<'_>, offset: usize, len: usize) -> Result<()> {
+        let _ctx = self.bind_relaxed()?;
+        let granularity = self.map_granularity()?;
+        if offset != 0 || len != granularity {
+            return Err(Error::InvalidArgument(format!(
+                "map_shared of {len} bytes from offset {offset}: an allocation is mapped whole, one granule \
+                 of {granularity} bytes from offset 0"
+            )));
+        }
+        self.map_granules(addr, len, granularity, &|_, _| {
+            let mut handle: sys::CUmemGenericAllocationHandle = 0;
+            // SAFETY: for a POSIX file descriptor the driver takes the descriptor's value as the
+            // handle pointer and only reads the file it names, which `fd` keeps open across the
+            // call; `handle` is a valid out-pointer.
+            check(
+                unsafe {
+                    sys::cuMemImportFromShareableHandle(
+                        &mut handle,
+                        fd.as_raw_fd() as usize as *mut c_void,
+                        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                    )
+                },
+                "cuMemImportFromShareableHandle",
+            )?;
+            Ok((handle, None))
+        })
     }
 
     fn alloc_async(&self, size: usize, p: Pool, s: Stream) -> Result<DevicePtr> {
@@ -1077,7 +1293,7 @@ mod test_util {
                     }
                 }
                 let vmm = self.vmm.lock();
-                let granule = vmm.granules.range(..=src).next_back().copied();
+                let granule = vmm.granules.range(..=src).next_back().map(|(&g, _)| g);
                 let mapped = match granule {
                     Some(g) => src < g + self.map_granularity()? as u64,
                     None => false,

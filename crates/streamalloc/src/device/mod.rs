@@ -2,7 +2,8 @@
 //!
 //! [`Device`] is implemented by [`cuda::CudaDevice`] (the CUDA driver API, loaded at run time)
 //! and by [`sim::SimDevice`] (a deterministic simulator with an ordering checker). All FFI and
-//! all `unsafe` of the crate live under `device::cuda`. What only tests and measurement
+//! all `unsafe` of the crate live under `device::cuda`, but for the two system calls of
+//! [`ipc`] that copy file descriptors out of another process. What only tests and measurement
 //! programs need (memsets, host and peer copies, host functions) is the `DeviceTestExt` trait,
 //! which both implement under the crate's `test-util` feature.
 //!
@@ -12,10 +13,12 @@
 
 pub mod cuda;
 mod event_pool;
+pub mod ipc;
 pub mod sim;
 
 pub use event_pool::EventPool;
 
+use std::os::fd::BorrowedFd;
 use std::time::{Duration, Instant};
 
 #[cfg(feature = "test-util")]
@@ -24,6 +27,9 @@ use crate::error::Result;
 
 /// A device address.
 pub type DevicePtr = u64;
+
+/// A host address: page-locked host memory from [`Device::host_alloc`].
+pub type HostPtr = u64;
 
 /// The stream an allocation belongs to: a stream handle (`CUstream` / `cudaStream_t` on CUDA).
 /// A stream comes from the device ([`Device::create_stream`]), or is a handle another library
@@ -145,6 +151,14 @@ pub trait Device: Send + Sync {
     /// Frees memory from [`Device::alloc`] (`cuMemFree`; synchronizes the device).
     fn free(&self, ptr: DevicePtr) -> Result<()>;
 
+    /// Allocates `size` bytes of page-locked (pinned) host memory, page-aligned, that the
+    /// copies of every device may use (`cuMemHostAlloc`, portable: under unified addressing
+    /// it is pinned for every context, whichever made it).
+    fn host_alloc(&self, size: usize) -> Result<HostPtr>;
+    /// Frees memory from [`Device::host_alloc`] (`cuMemFreeHost`); no work may use it any
+    /// more. A pointer that `host_alloc` did not hand out is refused.
+    fn host_free(&self, ptr: HostPtr) -> Result<()>;
+
     /// The device's default stream-ordered pool, shared with every library in the process.
     fn default_pool(&self) -> Result<Pool>;
     /// Creates a pool owned by the caller.
@@ -174,7 +188,9 @@ pub trait Device: Send + Sync {
     /// Frees a reservation of [`Device::reserve_address`]; nothing in it may be mapped.
     fn free_address(&self, addr: DevicePtr, size: usize) -> Result<()>;
     /// Backs `[addr, addr + size)`, inside a reservation and unmapped, with new device memory
-    /// that this device may read and write (`cuMemCreate`, `cuMemMap`, `cuMemSetAccess`).
+    /// that this device may read and write (`cuMemCreate`, `cuMemMap`, `cuMemSetAccess`),
+    /// created exportable to other processes ([`Device::export_mapped`]) where the device
+    /// allows it.
     fn map(&self, addr: DevicePtr, size: usize) -> Result<()>;
     /// Maps the memory mapped at each range `(addr, size)` of `from` a second time, side by
     /// side from `to`, inside a reservation and unmapped (`cuMemRetainAllocationHandle` and
@@ -195,6 +211,28 @@ pub trait Device: Send + Sync {
     /// The base and size of the device allocation (a `cuMemAlloc` chunk, a pool allocation, a
     /// mapping) that contains `ptr` (`cuMemGetAddressRange`).
     fn address_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize)>;
+
+    // Sharing mapped memory with another process (IPC).
+
+    /// Exports the memory mapped at `[addr, addr + size)` (whole granules, all mapped by
+    /// [`Device::map`] or [`Device::map_alias`]) for another process: its physical
+    /// allocations in address order, each with a POSIX file descriptor that stands for it
+    /// (`cuMemRetainAllocationHandle`, `cuMemExportToShareableHandle`). An allocation is
+    /// exported once: its descriptor is kept, handed out again by later exports (through any
+    /// of its mappings), and closed when its last mapping in this process is unmapped. Memory
+    /// not mapped (unmapped, or never mapped: plain or pool memory) is an
+    /// [`InvalidArgument`](crate::Error::InvalidArgument); memory the device could not create
+    /// exportable is [`Unsupported`](crate::Error::Unsupported).
+    fn export_mapped(&self, addr: DevicePtr, size: usize) -> Result<Vec<ipc::SharedPiece>>;
+    /// Maps at `[addr, addr + len)`, inside a reservation and unmapped, `len` bytes from
+    /// `offset` of the physical allocation that `fd` stands for (a descriptor of an
+    /// [`ipc::SharedPiece`], possibly of another process, copied here by [`ipc::fetch_fds`]),
+    /// with the access of this device's own mappings (`cuMemImportFromShareableHandle`,
+    /// `cuMemMap`, `cuMemSetAccess`). An allocation is mapped whole, in one granule (what
+    /// [`Device::export_mapped`] exports): `offset` 0 and `len` one granule; more is past its
+    /// end. The mapping keeps the memory alive, whatever its exporter does, until
+    /// [`Device::unmap`]; `fd` may be closed once this returns.
+    fn map_shared(&self, addr: DevicePtr, fd: BorrowedFd<'_>, offset: usize, len: usize) -> Result<()>;
     /// Allocates from `pool` in the order of `stream` (`cuMemAllocFromPoolAsync`).
     fn alloc_async(&self, size: usize, pool: Pool, stream: Stream) -> Result<DevicePtr>;
     /// Frees stream-ordered memory in the order of `stream` (`cuMemFreeAsync`).

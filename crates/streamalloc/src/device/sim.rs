@@ -31,6 +31,23 @@
 //!   of this device, may be read by the destination device, and is otherwise a use of the
 //!   source range on the stream, like a memset. Nothing is written anywhere.
 //! * **Memory contents.** Only mapped granules hold bytes; plain and pool memory reads as 0.
+//! * **Page-locked host memory** ([`Device::host_alloc`]) is real host memory, page-aligned
+//!   and zeroed, that callers may write and read; the device counts host allocations and frees
+//!   and refuses to free a pointer it did not hand out. [`SimDevice::use_host`] enqueues a use
+//!   of it on a stream (a copy to or from the device), and the checker's
+//!   [`SimDevice::check_host_handout`] records a [`Violation`] for a range handed to the host
+//!   again while such a use could still run; freeing it then is refused and recorded too.
+//!   Host uses are checked against host uses only (a host address may equal a simulated
+//!   device address), and only on the device that allocated the memory.
+//! * **Sharing with other processes.** [`Device::export_mapped`] gives each exported granule
+//!   of memory a real file descriptor (one end of a socket pair, which another process can
+//!   copy with `pidfd_getfd`), kept until the exporter's last mapping of the memory goes, as
+//!   the CUDA device does; [`Device::map_shared`] maps the memory that a descriptor of one
+//!   (or a copy of one) stands for, on the same simulated device (the receiving "process" is
+//!   the same device in the same process). What `map_shared` maps keeps the memory alive and
+//!   counted after its exporter unmapped it, until it is unmapped too. Exporting memory not
+//!   mapped (or released), mapping a descriptor of no live export, and mapping past the end of
+//!   an allocation are errors.
 //! * **Host waits.** [`SimDevice::host_waits`] counts the calls that made the host wait for
 //!   device work (stream and event synchronizations, bounded event waits, the device
 //!   synchronization of a plain free, the waits of host copies).
@@ -66,6 +83,9 @@
 //! [`SimConfig::seed`].
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -73,8 +93,10 @@ use parking_lot::Mutex;
 #[cfg(feature = "test-util")]
 use rand::{rngs::SmallRng, SeedableRng};
 
+use super::ipc::SharedPiece;
 use super::{
-    CaptureStatus, Device, DevicePtr, Event, Graph, GraphExec, MemInfo, Pool, PoolAttr, PoolProps, Stream,
+    CaptureStatus, Device, DevicePtr, Event, Graph, GraphExec, HostPtr, MemInfo, Pool, PoolAttr, PoolProps,
+    Stream,
 };
 #[cfg(feature = "test-util")]
 use super::{DeviceTestExt, HostFn};
@@ -136,6 +158,12 @@ pub enum ViolationKind {
     EarlyReuse,
     /// The range was unmapped ([`Device::unmap`]) while a kernel could still use it.
     UnmapInUse,
+    /// Page-locked host memory was handed to the host again
+    /// ([`SimDevice::check_host_handout`]) while a stream's use of it could still run.
+    HostReuse,
+    /// Page-locked host memory was freed ([`Device::host_free`]) while a stream's use of it
+    /// could still run.
+    HostFreeInUse,
 }
 
 /// One early reuse, or one device call on memory in use, found by the ordering checker.
@@ -147,8 +175,8 @@ pub struct Violation {
     pub ptr: DevicePtr,
     /// Length of the range handed out (or unmapped).
     pub len: usize,
-    /// The stream that received it ([`Stream::DEFAULT`] for an unmap, which no stream
-    /// receives).
+    /// The stream that received it ([`Stream::DEFAULT`] for an unmap and for host memory,
+    /// which no stream receives).
     pub stream: Stream,
     /// The earliest time work on `stream` could touch it (for an unmap: the time of the
     /// call).
@@ -245,6 +273,8 @@ struct Use {
     /// The memory behind the range: for mapped granules, where [`State::mapped`] says; for
     /// anything else, the range itself.
     memory: Vec<(u64, u64)>,
+    /// Whether the range is page-locked host memory ([`SimDevice::use_host`]).
+    host: bool,
 }
 
 /// The bytes of a mapped granule that has been written.
@@ -395,6 +425,8 @@ struct State {
     mapped: BTreeMap<u64, u64>,
     /// Mappings of each granule of memory in `mapped`; it goes back to `space` with its last.
     mappings: HashMap<u64, u32>,
+    /// Memory exported to other processes, and mappings of it by [`Device::map_shared`].
+    shared: Shared,
     /// The bytes of granules of memory in `mapped` that were written.
     #[cfg(feature = "test-util")]
     contents: HashMap<u64, Bytes>,
@@ -412,7 +444,20 @@ struct State {
     mapped_granules: u64,
     /// Other devices granted access to mapped memory.
     mapped_peers: BTreeSet<usize>,
+    /// Page-locked host memory handed out: address -> its pages.
+    host: BTreeMap<HostPtr, Vec<HostPage>>,
+    /// Successful calls of [`Device::host_alloc`] and of [`Device::host_free`].
+    host_calls: (u64, u64),
 }
+
+/// Bytes of a page of simulated page-locked host memory.
+const HOST_PAGE: usize = 4096;
+
+/// One page of simulated page-locked host memory: its alignment makes host allocations
+/// page-aligned, as the driver's are.
+#[derive(Clone, Copy)]
+#[repr(C, align(4096))]
+struct HostPage([u8; HOST_PAGE]);
 
 impl SimDevice {
     /// A new simulated device.
@@ -447,6 +492,7 @@ impl SimDevice {
             next_reservation: RESERVED_BASE + config.ordinal as u64 * RESERVED_STRIDE,
             mapped: BTreeMap::new(),
             mappings: HashMap::new(),
+            shared: Shared::default(),
             #[cfg(feature = "test-util")]
             contents: HashMap::new(),
             calls: 0,
@@ -456,6 +502,8 @@ impl SimDevice {
             mapping_calls: 0,
             mapped_granules: 0,
             mapped_peers: BTreeSet::new(),
+            host: BTreeMap::new(),
+            host_calls: (0, 0),
         };
         Arc::new(Self { config, state: Mutex::new(state) })
     }
@@ -503,25 +551,7 @@ impl SimDevice {
                     self.config.ordinal
                 )));
             }
-            let now = st.now;
-            let s = st.stream_mut(stream)?;
-            if s.capture.is_some() {
-                return Ok(());
-            }
-            let start = s.ready.max(now);
-            let end = start.checked_add(duration_ns).filter(|e| *e <= MAX_TIME_NS).ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "a kernel of {duration_ns} ns from {start} ns would end past the simulated clock's \
-                     maximum, {MAX_TIME_NS} ns"
-                ))
-            })?;
-            s.ready = end;
-            if st.uses.len() > 4096 {
-                st.uses.retain(|u| u.end > now);
-            }
-            let memory = st.memory_of(ptr, len);
-            st.uses.push(Use { ptr, len, stream, end, memory });
-            Ok(())
+            st.enqueue_use(ptr, len, stream, duration_ns, false)
         })
     }
 
@@ -539,7 +569,7 @@ impl SimDevice {
         let found: Vec<Violation> = st
             .uses
             .iter()
-            .filter(|u| u.stream != stream && u.end > usable_at)
+            .filter(|u| !u.host && u.stream != stream && u.end > usable_at)
             .filter(|u| overlaps(u))
             .map(|u| Violation {
                 kind: ViolationKind::EarlyReuse,
@@ -596,6 +626,12 @@ impl SimDevice {
         self.state.lock().mapped_granules
     }
 
+    /// Granules of memory exported to other processes ([`Device::export_mapped`]) whose
+    /// descriptor is still open: the exporter still maps them.
+    pub fn exported(&self) -> usize {
+        self.state.lock().shared.exports.len()
+    }
+
     /// Streams created and not yet destroyed (the default stream not counted).
     pub fn live_streams(&self) -> usize {
         self.state.lock().streams.len() - 1
@@ -649,7 +685,112 @@ impl SimDevice {
     }
 }
 
+/// Page-locked host memory (see the [module docs](self)).
+impl SimDevice {
+    /// Enqueues on `stream` a use of `len` bytes of page-locked host memory at `ptr` (a copy
+    /// to or from the device) for `duration_ns`. During a capture the use is not run (and not
+    /// recorded). An error, nothing enqueued, for a range that is not all in one live host
+    /// allocation of this device, and for a use that would end past [`MAX_TIME_NS`].
+    pub fn use_host(&self, ptr: HostPtr, len: usize, stream: Stream, duration_ns: u64) -> Result<()> {
+        self.call(|st| {
+            let held = st.host.range(..=ptr).next_back().is_some_and(|(&start, pages)| {
+                ptr.checked_add(len as u64).is_some_and(|end| end <= start + (pages.len() * HOST_PAGE) as u64)
+            });
+            if !held {
+                return Err(Error::InvalidArgument(format!(
+                    "a copy on device {} over host memory {ptr:#x}+{len}: not page-locked host memory \
+                     that this simulated device handed out",
+                    self.config.ordinal
+                )));
+            }
+            st.enqueue_use(ptr, len, stream, duration_ns, true)
+        })
+    }
+
+    /// Tells the checker that `len` bytes of page-locked host memory at `ptr` were just handed
+    /// to the host, which may write them at once. Records a [`Violation`] for every use of an
+    /// overlapping range ([`SimDevice::use_host`]) that could still be running. Returns how
+    /// many it recorded.
+    pub fn check_host_handout(&self, ptr: HostPtr, len: usize) -> usize {
+        let mut st = self.state.lock();
+        let now = st.now;
+        st.uses.retain(|u| u.end > now);
+        let found: Vec<Violation> = st
+            .uses
+            .iter()
+            .filter(|u| u.host && overlaps(u.ptr, u.len, ptr, len))
+            .map(|u| host_violation(ViolationKind::HostReuse, ptr, len, now, u))
+            .collect();
+        let n = found.len();
+        st.violations.extend(found);
+        n
+    }
+
+    /// How many calls of [`Device::host_alloc`], and of [`Device::host_free`], succeeded so
+    /// far.
+    pub fn host_calls(&self) -> (u64, u64) {
+        self.state.lock().host_calls
+    }
+
+    /// Bytes of page-locked host memory handed out and not freed (whole pages).
+    pub fn host_bytes(&self) -> usize {
+        self.state.lock().host.values().map(|pages| pages.len() * HOST_PAGE).sum()
+    }
+}
+
+/// Whether `[a, a + n)` and `[b, b + m)` overlap.
+fn overlaps(a: u64, n: usize, b: u64, m: usize) -> bool {
+    a < b.saturating_add(m as u64) && b < a.saturating_add(n as u64)
+}
+
+/// The violation of `kind` that `[ptr, ptr + len)`, page-locked host memory, meets at `now`:
+/// the host takes it (or frees it) while `user` may still run.
+fn host_violation(kind: ViolationKind, ptr: HostPtr, len: usize, now: u64, user: &Use) -> Violation {
+    Violation {
+        kind,
+        ptr,
+        len,
+        stream: Stream::DEFAULT,
+        usable_at: now,
+        user_stream: user.stream,
+        user_ptr: user.ptr,
+        use_ends_at: user.end,
+    }
+}
+
 impl State {
+    /// Enqueues on `stream` a use of `[ptr, ptr + len)`, host memory or not, for
+    /// `duration_ns` ([`SimDevice::use_range`], [`SimDevice::use_host`]); nothing during a
+    /// capture.
+    fn enqueue_use(
+        &mut self,
+        ptr: u64,
+        len: usize,
+        stream: Stream,
+        duration_ns: u64,
+        host: bool,
+    ) -> Result<()> {
+        let now = self.now;
+        let s = self.stream_mut(stream)?;
+        if s.capture.is_some() {
+            return Ok(());
+        }
+        let start = s.ready.max(now);
+        let end = start.checked_add(duration_ns).filter(|e| *e <= MAX_TIME_NS).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "a kernel of {duration_ns} ns from {start} ns would end past the simulated clock's \
+                 maximum, {MAX_TIME_NS} ns"
+            ))
+        })?;
+        s.ready = end;
+        if self.uses.len() > 4096 {
+            self.uses.retain(|u| u.end > now);
+        }
+        let memory = if host { vec![(ptr, len as u64)] } else { self.memory_of(ptr, len) };
+        self.uses.push(Use { ptr, len, stream, end, memory, host });
+        Ok(())
+    }
+
     /// Checks that `[addr, addr + size)` is granule-aligned, not empty and inside one
     /// reservation.
     fn check_reserved(&self, addr: u64, size: usize) -> Result<()> {
@@ -863,6 +1004,57 @@ impl Device for SimDevice {
         })
     }
 
+    /// Real host memory, zeroed (see the [module docs](self)).
+    fn host_alloc(&self, size: usize) -> Result<HostPtr> {
+        self.call(|st| {
+            if size == 0 {
+                return Err(Error::InvalidArgument("page-locked host allocation of 0 bytes".into()));
+            }
+            let pages = size.div_ceil(HOST_PAGE);
+            let mut memory = Vec::new();
+            if memory.try_reserve_exact(pages).is_err() {
+                return Err(Error::oom(OutOfMemory {
+                    device: self.config.ordinal,
+                    requested: size,
+                    hint: "the host has no memory for the simulated page-locked allocation".into(),
+                    ..OutOfMemory::default()
+                }));
+            }
+            memory.resize(pages, HostPage([0; HOST_PAGE]));
+            let ptr = memory.as_mut_ptr() as usize as HostPtr;
+            st.host.insert(ptr, memory);
+            st.host_calls.0 += 1;
+            Ok(ptr)
+        })
+    }
+
+    /// Refused, and recorded as a [`Violation`], while a use of the memory
+    /// ([`SimDevice::use_host`]) could still run.
+    fn host_free(&self, ptr: HostPtr) -> Result<()> {
+        self.call(|st| {
+            let len = st.host.get(&ptr).map(|pages| pages.len() * HOST_PAGE).ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "host_free of {ptr:#x}: not page-locked host memory that this simulated device handed out"
+                ))
+            })?;
+            let now = st.now;
+            if let Some(u) =
+                st.uses.iter().find(|u| u.host && u.end > now && overlaps(u.ptr, u.len, ptr, len))
+            {
+                let refused = Error::InvalidArgument(format!(
+                    "host_free of {ptr:#x} while stream {:#x} uses {:#x} until {} (now {now})",
+                    u.stream.0, u.ptr, u.end
+                ));
+                let violation = host_violation(ViolationKind::HostFreeInUse, ptr, len, now, u);
+                st.violations.push(violation);
+                return Err(refused);
+            }
+            st.host.remove(&ptr);
+            st.host_calls.1 += 1;
+            Ok(())
+        })
+    }
+
     fn default_pool(&self) -> Result<Pool> {
         self.call(|st| Ok(st.default_pool))
     }
@@ -1071,7 +1263,7 @@ impl Device for SimDevice {
             }
             let now = st.now;
             if let Some(u) =
-                st.uses.iter().find(|u| u.end > now && u.ptr < end && addr < u.ptr + u.len as u64)
+                st.uses.iter().find(|u| !u.host && u.end > now && u.ptr < end && addr < u.ptr + u.len as u64)
             {
                 let refused = Error::InvalidArgument(format!(
                     "unmap of {addr:#x}+{size} while stream {:#x} uses {:#x} until {} (now {now})",
@@ -1090,12 +1282,13 @@ impl Device for SimDevice {
                 st.violations.push(violation);
                 return Err(refused);
             }
-            let memory: Vec<u64> = st.mapped.range(addr..end).map(|(_, &m)| m).collect();
-            for m in memory {
+            let unmapped: Vec<(u64, u64)> = st.mapped.range(addr..end).map(|(&g, &m)| (g, m)).collect();
+            for (g, m) in unmapped {
                 let left = st.mappings.get_mut(&m).map(|n| {
                     *n -= 1;
                     *n
                 });
+                st.shared.unmapped(g, m, left.unwrap_or(0));
                 if left == Some(0) {
                     st.mappings.remove(&m);
                     #[cfg(feature = "test-util")]
@@ -1106,6 +1299,62 @@ impl Device for SimDevice {
             st.mapped.retain(|&g, _| g < addr || g >= end);
             st.mapping_calls += 1;
             st.mapped_granules += (size / MAP_GRANULE) as u64;
+            Ok(())
+        })
+    }
+
+    fn export_mapped(&self, addr: DevicePtr, size: usize) -> Result<Vec<SharedPiece>> {
+        self.call(|st| {
+            let end = addr.checked_add(size as u64).filter(|_| size > 0 && size % MAP_GRANULE == 0);
+            let Some(end) = end.filter(|_| addr % MAP_GRANULE as u64 == 0) else {
+                return Err(Error::InvalidArgument(format!(
+                    "export_mapped of {addr:#x}+{size}: not a range of whole granules"
+                )));
+            };
+            let granules: Vec<(u64, u64)> = st.mapped.range(addr..end).map(|(&g, &m)| (g, m)).collect();
+            if granules.len() != size / MAP_GRANULE {
+                return Err(Error::InvalidArgument(format!(
+                    "{addr:#x}+{size} is not all memory simulated device {} maps (unmapped, released, or \
+                     not mapped memory)",
+                    self.config.ordinal
+                )));
+            }
+            granules.into_iter().map(|(g, m)| st.shared.export(g, m)).collect()
+        })
+    }
+
+    fn map_shared(&self, addr: DevicePtr, fd: BorrowedFd<'_>, offset: usize, len: usize) -> Result<()> {
+        let file = file_of(fd)?;
+        self.call(|st| {
+            if offset.checked_add(len).is_none_or(|end| end > MAP_GRANULE) {
+                return Err(Error::InvalidArgument(format!(
+                    "map_shared of {len} bytes from offset {offset}: past the end of the allocation's \
+                     {MAP_GRANULE} bytes"
+                )));
+            }
+            if offset != 0 || len != MAP_GRANULE {
+                return Err(Error::InvalidArgument(format!(
+                    "map_shared of {len} bytes from offset {offset}: an allocation is mapped whole"
+                )));
+            }
+            st.check_reserved(addr, len)?;
+            if st.mapped.contains_key(&addr) {
+                return Err(Error::InvalidArgument(format!("{addr:#x}+{len} is already mapped")));
+            }
+            let Some(&memory) = st.shared.by_file.get(&file) else {
+                return Err(Error::InvalidArgument(format!(
+                    "descriptor {} stands for no memory simulated device {} exports (never exported, or \
+                     released by its exporter)",
+                    fd.as_raw_fd(),
+                    self.config.ordinal
+                )));
+            };
+            st.mapped.insert(addr, memory);
+            *st.mappings.entry(memory).or_default() += 1;
+            *st.shared.received.entry(memory).or_default() += 1;
+            st.shared.at.insert(addr);
+            st.mapping_calls += 1;
+            st.mapped_granules += 1;
             Ok(())
         })
     }
@@ -1510,6 +1759,81 @@ impl Device for SimDevice {
     }
 }
 
+/// A file as the kernel knows it: its device and inode numbers.
+type FileId = (u64, u64);
+
+/// The file `fd` names (`fstat`).
+fn file_of(fd: BorrowedFd<'_>) -> Result<FileId> {
+    let meta = fd
+        .try_clone_to_owned()
+        .and_then(|own| std::fs::File::from(own).metadata())
+        .map_err(|e| Error::InvalidArgument(format!("descriptor {}: {e}", fd.as_raw_fd())))?;
+    Ok((meta.dev(), meta.ino()))
+}
+
+/// Memory a simulated device exported to other processes ([`Device::export_mapped`]), and
+/// what [`Device::map_shared`] mapped of it.
+#[derive(Default)]
+struct Shared {
+    /// Exported granules of memory: their descriptor, its file and the export's serial. Each
+    /// is closed when the last mapping of its memory other than by `map_shared` goes.
+    exports: HashMap<u64, (OwnedFd, FileId, u64)>,
+    /// The memory each exported file stands for.
+    by_file: HashMap<FileId, u64>,
+    /// Mappings of each granule of memory made by `map_shared`.
+    received: HashMap<u64, u32>,
+    /// Addresses of the granules `map_shared` mapped.
+    at: BTreeSet<u64>,
+    /// The serial of the last export.
+    last_serial: u64,
+}
+
+impl Shared {
+    /// The piece of granule `at`, which maps `memory`, exported once.
+    fn export(&mut self, at: u64, memory: u64) -> Result<SharedPiece> {
+        if self.at.contains(&at) {
+            return Err(Error::Unsupported(format!(
+                "{at:#x} maps memory another process exported; it is not exported again"
+            )));
+        }
+        let (fd, serial) = match self.exports.get(&memory) {
+            Some((fd, _, serial)) => (fd.as_raw_fd(), *serial),
+            None => {
+                let io = |e: std::io::Error| Error::Io(format!("a descriptor for exported memory: {e}"));
+                // One end of a socket pair: a real descriptor, with a file of its own.
+                let (end, _) = UnixStream::pair().map_err(io)?;
+                let fd = OwnedFd::from(end);
+                let file = file_of(fd.as_fd())?;
+                self.last_serial += 1;
+                let raw = fd.as_raw_fd();
+                self.by_file.insert(file, memory);
+                self.exports.insert(memory, (fd, file, self.last_serial));
+                (raw, self.last_serial)
+            }
+        };
+        Ok(SharedPiece { fd, serial, offset: 0, len: MAP_GRANULE as u64 })
+    }
+
+    /// Notes that granule `at`, a mapping of `memory`, was unmapped, leaving `left` mappings
+    /// of it: one fewer made by `map_shared` if it was one; the export is closed once only
+    /// those are left.
+    fn unmapped(&mut self, at: u64, memory: u64, left: u32) {
+        if self.at.remove(&at) {
+            if let Some(n) = self.received.get_mut(&memory) {
+                *n -= 1;
+                if *n == 0 {
+                    self.received.remove(&memory);
+                }
+            }
+        }
+        if left == self.received.get(&memory).copied().unwrap_or(0) {
+            if let Some((_, file, _)) = self.exports.remove(&memory) {
+                self.by_file.remove(&file);
+            }
+        }
+    }
+}
+
 /// The error for a pool handle the simulator did not make (or has destroyed).
 fn unknown_pool(pool: Pool) -> Error {
     Error::InvalidArgument(format!("unknown pool {:#x}", pool.0))
@@ -1771,6 +2095,136 @@ mod tests {
         assert_eq!((d.aliases(), d.mapping_calls()), (1, 4), "map, alias, two unmaps; failures not counted");
         assert_eq!(d.mapped_granules(), 8, "two granules each");
         d.free_address(r, 16 * G).unwrap();
+    }
+
+    /// Export, then map in a "receiver" through copies of the descriptors (`pidfd_getfd` on
+    /// this process): bytes are shared both ways, and the memory outlives its exporter's
+    /// mappings and descriptors until the receiver unmaps it.
+    #[test]
+    fn shared_memory_outlives_its_exporter_until_the_receiver_unmaps_it() {
+        const G: usize = MAP_GRANULE;
+        let d = dev();
+        let s = d.create_stream().unwrap();
+        let r = d.reserve_address(16 * G).unwrap();
+        let (home, alias) = (r, r + 8 * G as u64);
+        let free = d.mem_info().unwrap().free;
+        d.map(home, 2 * G).unwrap();
+        d.map_alias(&[(home + G as u64, G)], alias).unwrap();
+        let data: Vec<u8> = (0..2 * G).map(|i| (i % 253) as u8).collect();
+        d.copy_from_host(home, &data, s).unwrap();
+        let pieces = d.export_mapped(home, 2 * G).unwrap();
+        assert_eq!(pieces.len(), 2);
+        assert!(pieces.iter().all(|p| p.offset == 0 && p.len == G as u64));
+        assert_ne!(pieces[0].fd, pieces[1].fd);
+        assert_ne!(pieces[0].serial, pieces[1].serial);
+        assert_eq!(d.export_mapped(home, 2 * G).unwrap(), pieces, "exported once, the same descriptors");
+        assert_eq!(d.export_mapped(alias, G).unwrap(), pieces[1..], "through the alias: the same memory");
+        assert_eq!(d.exported(), 2);
+        // The receiver: copies of the descriptors, a reservation of its own.
+        let fds = super::super::ipc::fetch_fds(std::process::id(), &[pieces[0].fd, pieces[1].fd]).unwrap();
+        let got = d.reserve_address(2 * G).unwrap();
+        for (i, fd) in fds.iter().enumerate() {
+            d.map_shared(got + (i * G) as u64, fd.as_fd(), 0, G).unwrap();
+        }
+        drop(fds);
+        assert_eq!(d.mem_info().unwrap().free, free - 2 * G, "the same memory, counted once");
+        let mut back = vec![0; 2 * G];
+        d.copy_to_host(&mut back, got, s).unwrap();
+        assert!(back == data, "the receiver reads what the exporter wrote");
+        d.memset_async(got + G as u64, 9, 64, s).unwrap();
+        let mut part = vec![0; 64];
+        d.copy_to_host(&mut part, alias, s).unwrap();
+        assert!(part.iter().all(|&x| x == 9), "the exporter reads what the receiver wrote");
+        // The exporter gives its memory back: its descriptors close, the memory stays.
+        d.unmap(alias, G).unwrap();
+        assert_eq!(d.exported(), 2, "the home mapping is left");
+        d.unmap(home, 2 * G).unwrap();
+        assert_eq!(d.exported(), 0, "no mapping of the exporter is left");
+        assert_eq!(d.mem_info().unwrap().free, free - 2 * G, "mapped by the receiver: not freed");
+        d.copy_to_host(&mut back, got, s).unwrap();
+        assert!(back[..G] == data[..G], "still the exporter's bytes");
+        assert!(d.export_mapped(home, G).is_err(), "exporting released memory");
+        d.unmap(got, G).unwrap();
+        assert_eq!(d.mem_info().unwrap().free, free - G);
+        d.unmap(got + G as u64, G).unwrap();
+        assert_eq!(d.mem_info().unwrap().free, free, "its last mapping gave it back");
+        d.free_address(got, 2 * G).unwrap();
+        d.free_address(r, 16 * G).unwrap();
+    }
+
+    #[test]
+    fn sharing_refuses_what_the_driver_would() {
+        const G: usize = MAP_GRANULE;
+        let d = dev();
+        let r = d.reserve_address(4 * G).unwrap();
+        let e = d.export_mapped(r, G).unwrap_err();
+        assert!(e.to_string().contains("is not all memory simulated device 0 maps"), "{e}");
+        assert!(d.export_mapped(r + 1, G).is_err(), "not granule-aligned");
+        let plain = d.alloc(G).unwrap();
+        assert!(d.export_mapped(plain, G).is_err(), "plain memory is not mapped");
+        d.map(r, G).unwrap();
+        let piece = d.export_mapped(r, G).unwrap()[0];
+        let fd = super::super::ipc::fetch_fds(std::process::id(), &[piece.fd]).unwrap().remove(0);
+        let at = r + 2 * G as u64;
+        let e = d.map_shared(at, fd.as_fd(), 0, 2 * G).unwrap_err();
+        assert!(e.to_string().contains("past the end of the allocation"), "{e}");
+        assert!(d.map_shared(at, fd.as_fd(), G, G).unwrap_err().to_string().contains("past the end"));
+        assert!(d.map_shared(at, fd.as_fd(), 0, G / 2).is_err(), "part of an allocation");
+        assert!(d.map_shared(r, fd.as_fd(), 0, G).is_err(), "mapped already");
+        let (stranger, _) = UnixStream::pair().unwrap();
+        let e = d.map_shared(at, stranger.as_fd(), 0, G).unwrap_err();
+        assert!(e.to_string().contains("stands for no memory"), "{e}");
+        d.map_shared(at, fd.as_fd(), 0, G).unwrap();
+        assert!(d.export_mapped(at, G).is_err(), "received memory is not exported again");
+        d.unmap(at, G).unwrap();
+        d.unmap(r, G).unwrap();
+        let e = d.map_shared(at, fd.as_fd(), 0, G).unwrap_err();
+        assert!(e.to_string().contains("released by its exporter"), "{e}");
+        assert_eq!(d.mem_info().unwrap().used(), G, "the plain allocation only");
+        d.free(plain).unwrap();
+        d.free_address(r, 4 * G).unwrap();
+    }
+
+    #[test]
+    fn host_memory_is_page_aligned_counted_and_checked() {
+        let d = dev();
+        let s = d.create_stream().unwrap();
+        let p = d.host_alloc(10_000).unwrap();
+        assert_eq!(p % HOST_PAGE as u64, 0);
+        assert_eq!((d.host_bytes(), d.host_calls()), (3 * HOST_PAGE, (1, 0)));
+        assert!(d.host_alloc(0).is_err());
+        // A copy from it runs on `s`: handing it to the host again meanwhile is an early reuse.
+        d.use_host(p, 10_000, s, 1_000_000).unwrap();
+        assert!(d.use_host(p + 9_000, HOST_PAGE, s, 1).is_err(), "past the allocation");
+        assert!(d.use_host(0x1000, 16, s, 1).is_err(), "not host memory of this device");
+        assert!(d.use_range(p, 16, s, 1).is_err(), "host memory is not device memory");
+        assert_eq!(d.check_host_handout(p + 4096, 16), 1);
+        assert_eq!(d.check_host_handout(p + 3 * HOST_PAGE as u64, 16), 0, "another range");
+        assert!(d.host_free(p).is_err(), "freed under the copy");
+        d.synchronize_stream(s).unwrap();
+        assert_eq!(d.check_host_handout(p, 10_000), 0);
+        d.host_free(p).unwrap();
+        assert!(d.host_free(p).is_err(), "freed twice");
+        assert!(d.host_free(0xdead_0000).is_err(), "never allocated");
+        assert_eq!((d.host_bytes(), d.host_calls()), (0, (1, 1)));
+        let kinds: Vec<ViolationKind> = d.violations().iter().map(|v| v.kind).collect();
+        assert_eq!(kinds, [ViolationKind::HostReuse, ViolationKind::HostFreeInUse]);
+    }
+
+    #[test]
+    fn host_uses_and_device_uses_are_apart() {
+        let d = dev();
+        let (s, t) = (d.create_stream().unwrap(), d.create_stream().unwrap());
+        let host = d.host_alloc(4096).unwrap();
+        let device = d.alloc(4096).unwrap();
+        d.use_host(host, 4096, s, 1_000_000).unwrap();
+        d.use_range(device, 4096, s, 1_000_000).unwrap();
+        // Each checker sees its own kind of memory only, whatever the addresses.
+        assert_eq!(d.check_handout(device, 4096, t), 1);
+        assert_eq!(d.check_host_handout(host, 4096), 1);
+        assert_eq!(d.violations().len(), 2);
+        d.synchronize_stream(s).unwrap();
+        d.host_free(host).unwrap();
     }
 
     #[test]

@@ -10,6 +10,10 @@
 //!   next to free blocks so they merge, and the memory of free granules is mapped a second
 //!   time, side by side, into a range that serves a request which would otherwise raise the
 //!   pool's peak; such ranges are kept and reused without a device call.
+//!
+//! The memory of a live block of a pool over mapped memory (stitched or segments) is shared
+//! with another process by [`share_mapped`]; that of chunks goes through CUDA IPC handles
+//! (`cudaIpcGetMemHandle`) instead.
 
 mod chunks;
 mod segments;
@@ -21,8 +25,9 @@ pub use stitched::Stitched;
 
 use std::sync::Arc;
 
-use crate::device::Device;
-use crate::error::Result;
+use crate::device::ipc::SharedPiece;
+use crate::device::{Device, DevicePtr};
+use crate::error::{Error, Result};
 use crate::policy::best_fit::{BestFitPolicy, Class, Classes, Grant};
 
 /// Which [`Backing`] a pool built from a [`BestFitConfig`](super::BestFitConfig) gets.
@@ -102,4 +107,174 @@ pub trait Backing: Send + Sync {
     /// ([`BestFitPolicy::take_stitches`]), as `(addr, size)`, when the pool is dropped.
     /// Errors only leak memory: nothing is left to report them to.
     fn teardown(&mut self, chunks: Vec<(u64, u64)>);
+}
+
+/// The memory under a live block of a pool over mapped memory, exported for another process
+/// ([`share_mapped`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedRange {
+    /// Start of the range: the block's first granule.
+    pub base: DevicePtr,
+    /// The physical allocations that the range maps, in address order, each exported: their
+    /// lengths add up to the range's.
+    pub pieces: Vec<SharedPiece>,
+}
+
+impl SharedRange {
+    /// Bytes of the range: whole granules, from [`SharedRange::base`].
+    pub fn len(&self) -> u64 {
+        self.pieces.iter().map(|p| p.len).sum()
+    }
+
+    /// Whether the range holds nothing (never, for a range [`share_mapped`] gives).
+    pub fn is_empty(&self) -> bool {
+        self.pieces.is_empty()
+    }
+}
+
+/// Exports the memory under `[ptr, ptr + size)`, a live block of a pool backed by
+/// [`Stitched`] or [`Segments`] ranges, for another process: the granule-aligned range that
+/// holds the block, and its physical allocations ([`Device::export_mapped`]). A block of a
+/// stitched range is shared through the stitched addresses, whose allocations are those of
+/// its home granules (the same descriptors). The block's granules may hold other blocks too:
+/// a receiver that maps the range sees them, as with PyTorch's expandable segments.
+/// Memory that is not mapped (chunks, the driver's pool) is an
+/// [`InvalidArgument`](Error::InvalidArgument).
+pub fn share_mapped(device: &dyn Device, ptr: DevicePtr, size: usize) -> Result<SharedRange> {
+    let granularity = device.map_granularity()? as u64;
+    let end = ptr
+        .checked_add(size as u64)
+        .filter(|_| ptr != 0 && size > 0 && granularity > 0)
+        .and_then(|end| end.checked_next_multiple_of(granularity));
+    let Some(end) = end else {
+        return Err(Error::InvalidArgument(format!("no block to share at {ptr:#x}+{size}")));
+    };
+    let base = ptr - ptr % granularity;
+    let pieces = device.export_mapped(base, (end - base) as usize)?;
+    Ok(SharedRange { base, pieces })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsFd;
+
+    use super::*;
+    use crate::allocators::{BestFit, BestFitConfig};
+    use crate::device::ipc::fetch_fds;
+    use crate::device::sim::{SimConfig, SimDevice};
+    use crate::device::DeviceTestExt;
+    use crate::{Allocation, Allocator, Stream};
+
+    const MIB: usize = 1 << 20;
+
+    fn pool(sim: &Arc<SimDevice>, backing: BackingKind, stream: Stream) -> BestFit {
+        BestFit::new(sim.clone(), BestFitConfig { backing, stream, ..Default::default() }).unwrap()
+    }
+
+    /// Maps `range` into a reservation of its own, as a receiving process does (with copies of
+    /// the descriptors); the reservation.
+    fn receive(sim: &SimDevice, range: &SharedRange) -> DevicePtr {
+        let fds: Vec<_> = range.pieces.iter().map(|p| p.fd).collect();
+        let fds = fetch_fds(std::process::id(), &fds).unwrap();
+        let at = sim.reserve_address(range.len() as usize).unwrap();
+        let mut next = at;
+        for (piece, fd) in range.pieces.iter().zip(&fds) {
+            sim.map_shared(next, fd.as_fd(), piece.offset as usize, piece.len as usize).unwrap();
+            next += piece.len;
+        }
+        at
+    }
+
+    fn check_range(range: &SharedRange, block: &Allocation, granularity: u64) {
+        assert_eq!(range.base % granularity, 0);
+        assert!(range.base <= block.ptr() && block.ptr() - range.base < granularity);
+        let end = range.base + range.len();
+        assert!(
+            end >= block.ptr() + block.size() as u64
+                && end - (block.ptr() + block.size() as u64) < granularity
+        );
+        assert!(range.pieces.iter().all(|p| p.len == granularity && p.offset == 0));
+    }
+
+    /// Blocks of stitched and segments pools: the granules that hold each, exported once, and
+    /// mapped elsewhere the same bytes both ways.
+    #[test]
+    fn blocks_of_mapped_pools_are_shared_by_their_granules() {
+        for backing in [BackingKind::Stitched, BackingKind::Segments] {
+            let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+            let s = sim.create_stream().unwrap();
+            let g = sim.map_granularity().unwrap() as u64;
+            let pool = pool(&sim, backing, s);
+            let pad = pool.allocate(MIB + 4096).unwrap();
+            let block = pool.allocate(5 * MIB).unwrap();
+            let range = share_mapped(&*sim, block.ptr(), block.size()).unwrap();
+            check_range(&range, &block, g);
+            let from = block.ptr() - range.base;
+            assert_eq!(
+                range.pieces.len() as u64,
+                (from + 5 * MIB as u64).div_ceil(g),
+                "{backing:?}: from {from:#x}"
+            );
+            let data: Vec<u8> = (0..block.size()).map(|i| (i % 249) as u8).collect();
+            sim.copy_from_host(block.ptr(), &data, s).unwrap();
+            let at = receive(&sim, &range);
+            let mine = at + (block.ptr() - range.base);
+            let mut back = vec![0; block.size()];
+            sim.copy_to_host(&mut back, mine, s).unwrap();
+            assert!(back == data, "{backing:?}: the receiver reads the block");
+            sim.memset_async(mine, 3, 4096, s).unwrap();
+            let mut head = vec![0; 4096];
+            sim.copy_to_host(&mut head, block.ptr(), s).unwrap();
+            assert!(head.iter().all(|&x| x == 3), "{backing:?}: the block holds what the receiver wrote");
+            // Exported once: the same descriptors again, and for a neighbour in the same granule.
+            assert_eq!(share_mapped(&*sim, block.ptr(), block.size()).unwrap(), range);
+            let pad_range = share_mapped(&*sim, pad.ptr(), pad.size()).unwrap();
+            let (last, first) = (pad_range.pieces.last(), range.pieces.first());
+            assert_eq!(pad_range.base + pad_range.len() > range.base, last == first, "{backing:?}");
+            sim.unmap(at, range.len() as usize).unwrap();
+            sim.free_address(at, range.len() as usize).unwrap();
+            drop((pad, block));
+        }
+    }
+
+    /// A block of a stitched range maps the memory of its home granules: shared, it is the
+    /// same physical memory, under the descriptors the homes were exported with.
+    #[test]
+    fn a_block_of_a_stitched_range_shares_its_homes() {
+        let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+        let s = sim.create_stream().unwrap();
+        let pool = pool(&sim, BackingKind::Stitched, s);
+        let small: Vec<Allocation> = (0..8).map(|_| pool.allocate(256 << 10).unwrap()).collect();
+        let a = pool.allocate(6 * MIB).unwrap();
+        let b = pool.allocate(6 * MIB).unwrap();
+        let homes = share_mapped(&*sim, a.ptr(), a.size()).unwrap();
+        drop(a);
+        drop(small);
+        let aliases = sim.aliases();
+        let c = pool.allocate(12 * MIB).unwrap();
+        assert_eq!(sim.aliases(), aliases + 1, "stitched");
+        let range = share_mapped(&*sim, c.ptr(), c.size()).unwrap();
+        check_range(&range, &c, sim.map_granularity().unwrap() as u64);
+        let files: Vec<_> = range.pieces.iter().map(|p| (p.fd, p.serial)).collect();
+        assert!(
+            homes.pieces.iter().all(|p| files.contains(&(p.fd, p.serial))),
+            "the homes' descriptors {homes:?} are not among the range's {range:?}"
+        );
+        drop((b, c));
+        // The pool gives its memory back: every descriptor closes with its last mapping.
+        pool.release().unwrap();
+        assert_eq!((pool.stats().reserved, sim.exported()), (0, 0));
+    }
+
+    #[test]
+    fn memory_that_is_not_mapped_is_not_shared() {
+        let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+        let chunks = pool(&sim, BackingKind::Chunks, Stream::DEFAULT);
+        let block = chunks.allocate(MIB).unwrap();
+        let e = share_mapped(&*sim, block.ptr(), block.size()).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+        assert!(share_mapped(&*sim, 0, MIB).is_err());
+        assert!(share_mapped(&*sim, block.ptr(), 0).is_err());
+        assert!(share_mapped(&*sim, u64::MAX - 10, 100).is_err());
+    }
 }
