@@ -12,6 +12,7 @@ import glob
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +34,12 @@ def python_with_wheel(tmp_path_factory):
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     python = venv / "bin" / "python"
     subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-index", "--no-deps", wheels[-1]], check=True)
+    # torch may live in site directories of this Python that the new environment does not inherit
+    # (this Python itself a virtual environment, or user site-packages): listed after its own.
+    own = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         check=True, capture_output=True, text=True).stdout.strip()
+    theirs = [p for p in sys.path if os.path.isdir(p) and os.path.basename(p) in ("site-packages", "dist-packages")]
+    Path(own, "_tests_parent_site.pth").write_text("".join(p + "\n" for p in theirs))
     return python
 
 
