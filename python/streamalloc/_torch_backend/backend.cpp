@@ -22,8 +22,9 @@
 //   emptyCache                      streamalloc_torch_empty_cache (every device; not while a
 //                                   private pool is active)
 //   set/getMemoryFraction           streamalloc_set_memory_fraction
-//   getDeviceStats                  torch's DeviceStats from streamalloc_stats and the
-//                                   backend's own counts (see device_stats())
+//   getDeviceStats                  torch's DeviceStats: allocations (current, peak, by pool
+//                                   kind) from the backend's counts of torch's tensors, reserved
+//                                   memory and device calls from streamalloc_stats
 //   resetPeakStats                  streamalloc_reset_peak_stats and the backend's peaks
 //   resetAccumulatedStats           the accumulated figures restart from 0
 //   cacheInfo                       as native: the free device memory if *largest is 0, then
@@ -334,7 +335,6 @@ struct Counts {
   Stat segment;
   // The library's accumulated counters when the accumulated statistics were last reset.
   LibStats base{};
-  size_t pinned_bytes = 0; // freed by torch, held for a checkpoint state
   // Out-of-memory errors raised (torch's num_ooms: the library does not count the memory
   // fraction's refusals as failures).
   int64_t ooms = 0;
@@ -685,7 +685,6 @@ class Backend : public CCA::CUDAAllocator {
       auto pin = pins_.find(ptr);
       if (pin != pins_.end() && pin->second > 0) {
         pinned = true;
-        counts_[a.device].pinned_bytes += a.size;
         parked_[ptr] = a;
       }
     }
@@ -847,15 +846,14 @@ class Backend : public CCA::CUDAAllocator {
     DeviceStats d;
     const auto all = static_cast<size_t>(StatType::AGGREGATE);
     const auto large = static_cast<size_t>(StatType::LARGE_POOL);
-    // Counts by pool kind, and accumulated bytes: the backend's count of torch's allocations.
+    // Allocations and their bytes, current, peak and accumulated: the backend's count of torch's
+    // tensors, as torch's own allocators count them (down at torch's free, also when the memory
+    // waits for a recorded stream or is held for a cudagraph trees checkpoint). Not the
+    // library's allocated_peak: under a stream-ordered strategy that adds up the peaks of each
+    // stream's pool, which overstates the peak of all of them together.
     d.allocation = c.allocation;
     d.active = c.allocation;
     d.allocated_bytes = c.allocated_bytes;
-    // Current and peak bytes of all pools: the library's figures (memory freed by torch but held
-    // for a cudagraph trees checkpoint is not allocated).
-    size_t allocated = s.allocated >= c.pinned_bytes ? s.allocated - c.pinned_bytes : 0;
-    d.allocated_bytes[all].current = static_cast<int64_t>(allocated);
-    d.allocated_bytes[all].peak = std::max(static_cast<int64_t>(s.allocated_peak), d.allocated_bytes[all].current);
     d.active_bytes = d.allocated_bytes;
     d.requested_bytes = d.allocated_bytes; // the library counts sizes as asked for
     for (size_t k : {all, large}) { // reserved memory is not split by request size
@@ -1389,7 +1387,6 @@ class Backend : public CCA::CUDAAllocator {
         }
         auto pin = pins_.find(p);
         if (pin != pins_.end() && pin->second > 0) {
-          counts_[device].pinned_bytes += a.size;
           parked_[p] = a;
         } else {
           to_release.emplace_back(p, a);
@@ -1398,7 +1395,6 @@ class Backend : public CCA::CUDAAllocator {
       for (const auto& [p, recorded] : state->allocs) {
         auto parked = parked_.find(p);
         if (parked != parked_.end()) {
-          counts_[device].pinned_bytes -= parked->second.size;
           events.emplace_back(CCA::TraceEntry::FREE_COMPLETED, p, parked->second);
           parked_.erase(parked);
         } else {
@@ -1438,7 +1434,6 @@ class Backend : public CCA::CUDAAllocator {
         pins_.erase(pin);
         auto parked = parked_.find(entry.first);
         if (parked != parked_.end()) {
-          counts_[parked->second.device].pinned_bytes -= parked->second.size;
           to_release.emplace_back(parked->first, parked->second);
           parked_.erase(parked);
         }

@@ -142,6 +142,18 @@ def case_stats(report, conf):
                   f"one allocation and free counted as {s3['allocation.all.allocated']}/{s3['allocation.all.freed']}")
     report.expect(s3["allocated_bytes.all.allocated"] == 3 * MIB,
                   f"allocated_bytes.all.allocated is {s3['allocated_bytes.all.allocated']} after one 3 MiB tensor")
+    # The peak of all streams together, not the sum of each stream's peak: 64 MiB on a side
+    # stream, freed, then 64 MiB on another.
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    for _ in range(2):
+        with torch.cuda.stream(torch.cuda.Stream()):
+            t = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")
+            del t
+    peak = torch.cuda.max_memory_allocated() - base
+    report.info["two_streams_peak"] = peak
+    report.expect(peak == 64 * MIB, f"max_memory_allocated rose by {peak} bytes for 64 MiB live at a time on two streams")
     summary = torch.cuda.memory_summary()
     report.expect("Allocated memory" in summary, "memory_summary() lacks torch's table")
     report.expect(all(intact(x, 7.0) for x in xs), "a tensor holds wrong data")
