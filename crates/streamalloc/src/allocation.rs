@@ -257,6 +257,47 @@ impl Stats {
     }
 }
 
+/// Reserved bytes of several pools together and their peak, kept as the pools reserve and give
+/// back memory (rare: device calls), so that the peak is the peak of the sum and not the sum of
+/// each pool's peak, which overstates it when pools peak at different times
+/// ([`StreamSafe`](crate::allocators::StreamSafe)'s pools, one per stream).
+#[derive(Debug, Default)]
+pub struct ReservedGauge {
+    current: std::sync::atomic::AtomicUsize,
+    peak: std::sync::atomic::AtomicUsize,
+}
+
+impl ReservedGauge {
+    /// Counts `bytes` more reserved.
+    pub fn add(&self, bytes: usize) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let now = self.current.fetch_add(bytes, Relaxed) + bytes;
+        self.peak.fetch_max(now, Relaxed);
+    }
+
+    /// Counts `bytes` given back.
+    pub fn sub(&self, bytes: usize) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let _ = self.current.fetch_update(Relaxed, Relaxed, |c| Some(c.saturating_sub(bytes)));
+    }
+
+    /// The reserved bytes now.
+    pub fn current(&self) -> usize {
+        self.current.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The most reserved at once since creation or [`ReservedGauge::reset_peak`].
+    pub fn peak(&self) -> usize {
+        self.peak.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Restarts the peak from the current figure.
+    pub fn reset_peak(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.peak.store(self.current.load(Relaxed), Relaxed);
+    }
+}
+
 /// Adds up the figures of several allocators (or pools): byte and count figures add, so a
 /// sum's peaks are the sum of each one's peak (an upper bound of the peak of the whole), and
 /// `largest_free_block` is the largest of any.

@@ -452,3 +452,29 @@ fn promoted_pools_of_retired_streams_give_their_memory_back() {
     assert_eq!(sim.unknown_stream_calls(), 0);
     assert!(sim.violations().is_empty());
 }
+
+#[test]
+fn the_reserved_peak_is_that_of_all_pools_together_not_the_sum_of_their_peaks() {
+    let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+    let alloc = StreamSafe::new(sim.clone(), StreamSafeConfig::default()).unwrap();
+    let (s1, s2) = (sim.create_stream().unwrap(), sim.create_stream().unwrap());
+    let a = alloc.allocate_on(64 << 20, s1).unwrap();
+    let first = alloc.stats().reserved;
+    drop(a);
+    assert!(alloc.release().unwrap() > 0);
+    assert_eq!(alloc.stats().reserved, 0);
+    let b = alloc.allocate_on(64 << 20, s2).unwrap();
+    let second = alloc.stats().reserved;
+    // Each pool peaked at its own 64 MiB, one after the other.
+    assert_eq!(alloc.stats().reserved_peak, first.max(second));
+    drop(b);
+    alloc.release().unwrap();
+    alloc.reset_peak_stats();
+    assert_eq!(alloc.stats().reserved_peak, 0);
+    // A retired stream's pool takes its memory out of the count when it goes.
+    let c = alloc.allocate_on(8 << 20, s1).unwrap();
+    drop(c);
+    alloc.retire_stream(s1).unwrap();
+    alloc.reset_peak_stats();
+    assert_eq!(alloc.stats().reserved_peak, alloc.stats().reserved);
+}

@@ -13,7 +13,7 @@ use super::backing::{
 };
 use super::retry;
 use crate::allocation::{
-    record_user, Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats,
+    record_user, Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, ReservedGauge, Stats,
 };
 use crate::device::{Device, DevicePtr, Event, EventPool, Stream};
 use crate::error::{Error, HeldErrors, OutOfMemory, Result};
@@ -151,6 +151,8 @@ pub struct BestFit {
 struct Inner {
     /// Mirrors `!state.pending.is_empty()`, readable without the lock.
     has_pending: AtomicBool,
+    /// Where the pool's reserved bytes are also counted, with other pools' ([`BestFit::count_reserved_in`]).
+    gauge: std::sync::OnceLock<Arc<ReservedGauge>>,
     backing: Box<dyn Backing>,
     device: Arc<dyn Device>,
     events: EventPool,
@@ -237,6 +239,7 @@ impl BestFit {
         };
         let inner = Inner {
             has_pending: AtomicBool::new(false),
+            gauge: std::sync::OnceLock::new(),
             ordinal: device.ordinal(),
             events: EventPool::new(device.clone()),
             backing,
@@ -246,6 +249,15 @@ impl BestFit {
             state: Mutex::new(state),
         };
         Ok(Self { inner: Arc::new(inner) })
+    }
+
+    /// Counts the pool's reserved bytes in `gauge` too, from now on (what it holds now
+    /// included), beside other pools'; once (a second gauge is ignored).
+    pub fn count_reserved_in(&self, gauge: Arc<ReservedGauge>) {
+        let st = self.inner.state.lock();
+        if self.inner.gauge.set(gauge.clone()).is_ok() {
+            gauge.add(st.stats.reserved);
+        }
     }
 
     /// Allocates like [`Allocator::allocate`]; with `poll` false, frees pending on recorded
@@ -497,8 +509,14 @@ impl PoolLedger<'_> {
         let after = st.policy.figures();
         if after.reserved > before.reserved {
             st.stats.on_reserve((after.reserved - before.reserved) as usize);
+            if let Some(gauge) = self.inner.gauge.get() {
+                gauge.add((after.reserved - before.reserved) as usize);
+            }
         } else if after.reserved < before.reserved {
             st.stats.on_unreserve((before.reserved - after.reserved) as usize);
+            if let Some(gauge) = self.inner.gauge.get() {
+                gauge.sub((before.reserved - after.reserved) as usize);
+            }
             // One device call per chunk given back whole.
             st.stats.device_frees += before.chunks.saturating_sub(after.chunks).max(1) as u64 - 1;
         }

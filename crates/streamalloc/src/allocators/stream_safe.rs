@@ -13,7 +13,7 @@ use rustc_hash::FxHashMap;
 use super::best_fit::{BestFit, BestFitConfig};
 use super::retry;
 use crate::allocation::{
-    record_user, Allocation, Allocator, Freed, PointerAllocator, Stats, StreamAllocator,
+    record_user, Allocation, Allocator, Freed, PointerAllocator, ReservedGauge, Stats, StreamAllocator,
 };
 use crate::device::{CaptureStatus, Device, DevicePtr, EventPool, Stream};
 use crate::error::{Error, OutOfMemory, Result};
@@ -205,6 +205,9 @@ pub struct StreamSafe {
     recorded_len: AtomicUsize,
     /// The figures of the pools dropped so far: their counts and peaks stay in the sums.
     forgotten: Mutex<Stats>,
+    /// The reserved bytes of all pools together, and their true peak (the pools' own peaks
+    /// add up to more when they peak at different times).
+    reserved: Arc<ReservedGauge>,
     /// Counts the looks for a chunk to take ([`StreamSafe::steal`]); a pool notes its value
     /// at each allocation.
     clock: AtomicU64,
@@ -332,6 +335,7 @@ impl StreamSafe {
             recorded: Mutex::new(FxHashMap::default()),
             recorded_len: AtomicUsize::new(0),
             forgotten: Mutex::new(Stats::default()),
+            reserved: Arc::default(),
             clock: AtomicU64::new(0),
             creating: Mutex::new(()),
             failures: AtomicU64::new(0),
@@ -503,6 +507,7 @@ impl StreamSafe {
         // the teardown gives back every chunk (counted as one device call) once the caller
         // drops the last reference, or waits for the device first where memory is mapped.
         let held = figures.reserved;
+        self.reserved.sub(held);
         figures.device_frees += u64::from(held > 0);
         figures.allocated = 0;
         figures.reserved = 0;
@@ -657,6 +662,7 @@ impl StreamSafe {
             return Ok(p);
         }
         let pool = BestFit::new(self.device.clone(), BestFitConfig { stream, ..self.config.pool })?;
+        pool.count_reserved_in(self.reserved.clone());
         let pool = Arc::new(StreamPool {
             stream,
             pool,
@@ -929,6 +935,9 @@ impl Allocator for StreamSafe {
         let forgotten = *self.forgotten.lock();
         let mut stats: Stats =
             self.pools.lock().iter().map(|p| p.pool.stats()).chain(std::iter::once(forgotten)).sum();
+        // The peak of the pools together; `allocated_peak` stays the sum of each pool's (an
+        // upper bound: a shared count on every allocation would cost the threads' scaling).
+        stats.reserved_peak = self.reserved.peak().max(stats.reserved);
         stats.failures += self.failures.load(Ordering::Relaxed);
         stats.retries += self.retries.load(Ordering::Relaxed);
         stats
@@ -940,6 +949,7 @@ impl Allocator for StreamSafe {
         }
         // The pools dropped hold nothing now.
         self.forgotten.lock().reset_peaks();
+        self.reserved.reset_peak();
     }
 
     fn device(&self) -> usize {
