@@ -181,11 +181,14 @@ impl std::fmt::Debug for Allocation {
 pub struct Stats {
     /// Bytes handed out to callers and not yet freed (sizes as asked for).
     pub allocated: usize,
-    /// Peak of `allocated`.
+    /// Peak of `allocated`. Of several pools (a sum of [`Stats`], or
+    /// [`StreamSafe`](crate::allocators::StreamSafe)'s pools, one per stream), the sum of each
+    /// one's peak: an upper bound of the peak of all together.
     pub allocated_peak: usize,
     /// Bytes held from the device (by device allocations or pool reservations).
     pub reserved: usize,
-    /// Peak of `reserved`.
+    /// Peak of `reserved` (of [`StreamSafe`](crate::allocators::StreamSafe), the peak of all its
+    /// pools together).
     pub reserved_peak: usize,
     /// Bytes held from the device and free for reuse.
     pub cached: usize,
