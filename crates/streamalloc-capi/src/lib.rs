@@ -35,6 +35,7 @@ mod fork;
 mod host;
 mod ipc;
 mod sim;
+mod sim_streams;
 mod state;
 mod status;
 mod torch;

@@ -14,14 +14,11 @@
 //! that would end, past it is `STREAMALLOC_INVALID_ARGUMENT`, so no sum of times wraps; and no
 //! call takes host time in proportion to the virtual time or the range it is given.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasher, Hasher, RandomState};
 use std::os::raw::{c_int, c_void};
 use std::sync::Arc;
 
 use core_alloc::device::sim::SimDevice;
 use core_alloc::{Device, Error, Result, Stream};
-use parking_lot::Mutex;
 
 use crate::state::{ordinal, State};
 use crate::status::{self, StreamallocStatus};
@@ -33,52 +30,6 @@ use crate::CudaStream;
 pub const STREAMALLOC_SIM_MAX_TIME_NS: u64 = 4_611_686_018_427_387_904;
 
 const _: () = assert!(STREAMALLOC_SIM_MAX_TIME_NS == core_alloc::device::sim::MAX_TIME_NS);
-
-/// The simulated streams C holds: handle -> (device, the simulator's stream).
-#[derive(Default)]
-pub(crate) struct SimStreams {
-    by_handle: Mutex<HashMap<u64, (usize, Stream)>>,
-    keys: RandomState,
-}
-
-impl SimStreams {
-    /// A new handle for `stream` of `device`: random, never 0 and never one in use.
-    pub(crate) fn insert(&self, device: usize, stream: Stream) -> u64 {
-        let mut table = self.by_handle.lock();
-        let mut n = table.len() as u64;
-        loop {
-            let mut h = self.keys.build_hasher();
-            h.write_u64(n);
-            h.write_u64(stream.0);
-            // Aligned like a pointer, as a `cudaStream_t` is.
-            let handle = h.finish() & !7;
-            if handle != 0 && !table.contains_key(&handle) {
-                table.insert(handle, (device, stream));
-                return handle;
-            }
-            n += 1;
-        }
-    }
-
-    /// The device and stream of `handle`; NULL is the legacy default stream of any device.
-    pub(crate) fn get(&self, handle: u64) -> Result<(Option<usize>, Stream)> {
-        if handle == 0 {
-            return Ok((None, Stream::DEFAULT));
-        }
-        let table = self.by_handle.lock();
-        let &(device, stream) = table.get(&handle).ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "stream {handle:#x} is not a simulated stream (device=sim takes NULL or a handle from \
-                 streamalloc_sim_create_stream)"
-            ))
-        })?;
-        Ok((Some(device), stream))
-    }
-
-    fn remove(&self, handle: u64) -> Option<(usize, Stream)> {
-        self.by_handle.lock().remove(&handle)
-    }
-}
 
 /// The simulator of `device` (built on first use), or `STREAMALLOC_UNSUPPORTED` off `device=sim`.
 fn simulator(state: &State, device: c_int) -> Result<Arc<SimDevice>> {

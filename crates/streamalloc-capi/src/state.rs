@@ -12,7 +12,7 @@ use core_alloc::{DevicePtr, Error, PointerAllocator, Result, Stats, Stream};
 
 use crate::fork;
 use crate::ipc::Opened;
-use crate::sim::SimStreams;
+use crate::sim_streams::SimStreams;
 
 /// Everything the exported functions share.
 pub(crate) struct State {
