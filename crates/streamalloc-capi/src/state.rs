@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use core_alloc::device::EventPool;
+use core_alloc::error::try_each;
 use core_alloc::facade::private_pools::{PoolId, Routed, StreamFilter};
 use core_alloc::facade::{Config, DeviceKind, DeviceStack, Facade, MAX_DEVICES};
 use core_alloc::{DevicePtr, Error, PointerAllocator, Result, Stats, Stream};
@@ -256,15 +257,10 @@ impl State {
     pub(crate) fn pool_end(&self, device: c_int, id: PoolId) -> Result<()> {
         let ordinal = ordinal(device)?;
         let Some(stack) = self.facade.built(ordinal) else { return Ok(()) };
-        let mut first_error = None;
-        for (ptr, owner) in stack.private.end(id) {
-            // `owner` is a stream of this device, which deferred the free.
-            let owner = Named { device: Some(ordinal), stream: owner };
-            if let Err(e) = self.free_now(ptr, Some(device), owner) {
-                first_error.get_or_insert(e);
-            }
-        }
-        first_error.map_or(Ok(()), Err)
+        // `owner` is a stream of this device, which deferred the free.
+        try_each(stack.private.end(id), |(ptr, owner)| {
+            self.free_now(ptr, Some(device), Named { device: Some(ordinal), stream: owner })
+        })
     }
 
     /// Private pool `id` of `device` loses a use (see `PrivatePools::release`).

@@ -119,6 +119,18 @@ pub struct HeldErrors {
     count: u64,
 }
 
+/// Calls `f` on every item, going on after a failure (a release, a teardown or a flush must
+/// reach every device, pool or chunk); the first error, once all were tried.
+pub fn try_each<T>(items: impl IntoIterator<Item = T>, mut f: impl FnMut(T) -> Result<()>) -> Result<()> {
+    let mut first = None;
+    for item in items {
+        if let Err(e) = f(item) {
+            first.get_or_insert(e);
+        }
+    }
+    first.map_or(Ok(()), Err)
+}
+
 impl HeldErrors {
     /// Holds `error` back; the errors of an [`Error::HeldBack`] (another allocator's, met by
     /// an adaptor's release) join these.

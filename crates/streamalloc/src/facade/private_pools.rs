@@ -40,7 +40,7 @@ use parking_lot::Mutex;
 use crate::allocation::{PointerAllocator, Stats};
 use crate::allocators::{BackingKind, BestFitConfig, StreamSafe, StreamSafeConfig};
 use crate::device::{CaptureStatus, Device, DevicePtr, Stream};
-use crate::error::Result;
+use crate::error::{try_each, Result};
 use crate::Allocator;
 
 /// A pool's id, as PyTorch's `MempoolId_t`: a pair of integers.
@@ -277,13 +277,7 @@ impl PrivatePools {
     pub fn retire_stream(&self, stream: Stream) -> Result<()> {
         let allocs: Vec<Arc<StreamSafe>> =
             self.state.lock().pools.values().map(|e| e.alloc.clone()).collect();
-        let mut first_error = None;
-        for a in allocs {
-            if let Err(e) = a.retire_stream(stream) {
-                first_error.get_or_insert(e);
-            }
-        }
-        first_error.map_or(Ok(()), Err)
+        try_each(allocs, |a| a.retire_stream(stream))
     }
 
     /// Restarts the peaks of every pool's statistics.

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use super::{Backing, Ledger, Want};
 use crate::device::{Device, DevicePtr};
-use crate::error::{Error, Result};
+use crate::error::{try_each, Error, Result};
 use crate::policy::best_fit::{Grant, TakenChunk};
 
 /// A source of chunks of device address space for a caching pool such as
@@ -99,17 +99,14 @@ impl Backing for Chunks {
             restore(ledger, &chunks);
             return Err(timeout);
         }
-        let (mut released, mut first_error) = (0, None);
-        for TakenChunk { addr, size, .. } in chunks {
-            match self.shrink(addr, size) {
-                Ok(()) => released += size as usize,
-                // The chunk is out of the pool; the device keeps it (a leak the error reports).
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                }
-            }
-        }
-        first_error.map_or(Ok(released), Err)
+        // A chunk that fails is out of the pool; the device keeps it (a leak the error reports).
+        let mut released = 0;
+        try_each(chunks, |TakenChunk { addr, size, .. }| {
+            self.shrink(addr, size)?;
+            released += size as usize;
+            Ok(())
+        })?;
+        Ok(released)
     }
 
     fn teardown(&mut self, chunks: Vec<(u64, u64)>) {
