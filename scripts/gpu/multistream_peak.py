@@ -175,6 +175,12 @@ def main():
     measured = {kind: [] for kind in durations}
     for kind, start, end in pending:
         measured[kind].append(start.elapsed_time(end) * 1e6)
+    # Each traced use row's work as CUDA events measured it, by stream, in row order (the rows
+    # were written with the calibrated durations as the work was enqueued; the driver script
+    # also replays the trace with these).
+    stream_of = {"copy": copy_stream, "compute": main_stream, "side": side_stream}
+    measured_by_stream = {str(stream_of[kind].cuda_stream): [round(ns) for ns in measured[kind]]
+                          for kind in measured}
 
     torch.cuda.memory._dump_snapshot(args.snapshot)
     torch.cuda.memory._record_memory_history(enabled=None)
@@ -187,6 +193,7 @@ def main():
         "library_reserved_peak": streamalloc.stats(ordinal)["reserved_peak"],
         "calibrated_ns": {k: round(v) for k, v in calibrated.items()},
         "measured_median_ns": {k: round(statistics.median(v)) for k, v in measured.items() if v},
+        "measured_ns_by_stream": measured_by_stream,
         "loss": float(torch.stack(losses).mean()),
     }
     with open(args.json, "w") as f:

@@ -62,8 +62,27 @@ for strategy in ${STRATEGIES:-stream_safe best_fit async}; do
   else
     echo "  import failed: $(tail -n 3 "$run.import.log")"; failed+=("$strategy import")
   fi
-  for source in trace snapshot; do
-    csv=$run.csv; [ $source = snapshot ] && csv=$run.snapshot.csv
+  # The trace again, each use row lasting what CUDA events measured for that work in this run
+  # (the program wrote them with durations measured in calibration steps, as it enqueued them).
+  python3 - "$run.csv" "$run.gpu.json" "$run.measured.csv" <<'PY' || failed+=("$strategy measured")
+import csv, json, sys
+source, program, out = sys.argv[1:]
+by_stream = {int(k): list(v) for k, v in json.load(open(program))["measured_ns_by_stream"].items()}
+with open(source, newline="") as f, open(out, "w", newline="") as g:
+    rows, writer = csv.reader(f), csv.writer(g, lineterminator="\n")
+    writer.writerow(next(rows))
+    for row in rows:
+        # Thread,Time,Action,Pointer,Size,Stream: a use row that ran work (Size > 0) takes the next
+        # measured duration of its stream.
+        if row[2] == "use" and int(row[4]) > 0 and by_stream.get(int(row[5])):
+            row[4] = str(by_stream[int(row[5])].pop(0))
+        writer.writerow(row)
+left = sum(len(v) for v in by_stream.values())
+if left:
+    sys.exit(f"{left} measured durations matched no use row")
+PY
+  for source in trace measured snapshot; do
+    csv=$run.csv; [ $source = snapshot ] && csv=$run.snapshot.csv; [ $source = measured ] && csv=$run.measured.csv
     [ -f "$csv" ] || continue
     replay "$strategy.$source.time" "$csv" "$strategy" --time
     replay "$strategy.$source.notime" "$csv" "$strategy" --no-time
@@ -99,7 +118,7 @@ print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
 for strategy in strategies:
     gpu = load(f"{strategy}.gpu.json") or {}
     reserved = gpu.get("max_memory_reserved")
-    for source in ("trace", "snapshot"):
+    for source in ("trace", "measured", "snapshot"):
         rows = {}
         for mode in ("time", "notime"):
             result = load(f"{strategy}.{source}.{mode}.json")
@@ -112,7 +131,9 @@ for strategy in strategies:
               f"{rows['time'].get('violations', '-')} |")
 print()
 print("GPU peaks: torch.cuda.max_memory_reserved()/max_memory_allocated() under streamalloc's torch "
-      "backend (the library's figures); replays: peak reserved on the simulator (`streamalloc replay "
+      "backend (the library's figures); replayed: the library's trace (use rows lasting what calibration "
+      "steps measured), the same with each use row lasting what this run measured, the torch snapshot "
+      "imported; replays: peak reserved on the simulator (`streamalloc replay "
       "--device sim -c strategy=S`), with time (--time: the clock follows the rows' Time, use rows run "
       "as kernels) and without (--no-time).")
 PY
