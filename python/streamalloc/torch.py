@@ -21,10 +21,10 @@ under torch's allocators:
   on the library's private pools;
 * `tensor.record_stream(s)`, `torch.cuda.empty_cache()`,
   `torch.cuda.set_per_process_memory_fraction(f)`;
-* CUDA tensors shared with other processes (`torch.multiprocessing`) in torch's own handle
-  format, for memory of cuMemAlloc chunks (`strategy=plain`, or `expandable=false`); mapped
-  memory (`expandable=true`, the default) and the driver's pool (`strategy=async`) cannot be
-  shared, and sharing raises saying so.
+* CUDA tensors shared with other processes (`torch.multiprocessing`): mapped memory (the
+  default) through exported file descriptors that a receiver under streamalloc maps, memory of
+  cuMemAlloc chunks (`backing=chunks`, `strategy=plain`) in torch's own handle format; the
+  driver's pool (`strategy=async`) cannot be shared, and sharing raises saying so.
 
 Where the backend cannot be built (no compiler, no ninja, no CUDA headers), `enable()` warns
 once, naming what is missing and what will not work, and falls back to torch's
