@@ -147,7 +147,7 @@ fn shared(subject: Subject, device: &Arc<dyn Device>) -> Result<Shared> {
     })
 }
 
-/// Samples of one profiled run: self samples per function, and the sampling period in ns.
+/// Self samples per function of one profiled run.
 type Profile = HashMap<String, u64>;
 
 /// The slowest thread's best timed pass, in seconds, the device allocations made during the
