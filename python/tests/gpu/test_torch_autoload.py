@@ -12,6 +12,7 @@ import glob
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -31,13 +32,16 @@ def python_with_wheel(tmp_path_factory):
     if not wheels:
         pytest.fail(f"no wheel matches {pattern}: build it with scripts/build-python.sh", pytrace=False)
     venv = tmp_path_factory.mktemp("autoload") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
     python = venv / "bin" / "python"
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-index", "--no-deps", wheels[-1]], check=True)
-    # torch may live in site directories of this Python that the new environment does not inherit
-    # (this Python itself a virtual environment, or user site-packages): listed after its own.
     own = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                          check=True, capture_output=True, text=True).stdout.strip()
+    # The wheel unpacked into the environment's site-packages, as pip would place it (pip may be
+    # missing from an environment made by a Python that is itself a virtual environment's).
+    with zipfile.ZipFile(wheels[-1]) as wheel:
+        wheel.extractall(own)
+    # torch may live in site directories of this Python that the new environment does not inherit
+    # (this Python itself a virtual environment, or user site-packages): listed after its own.
     theirs = [p for p in sys.path if os.path.isdir(p) and os.path.basename(p) in ("site-packages", "dist-packages")]
     Path(own, "_tests_parent_site.pth").write_text("".join(p + "\n" for p in theirs))
     return python
