@@ -96,7 +96,9 @@ impl Spawned {
         let (tx, lines) = mpsc::channel();
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines().map_while(|l| l.ok()) {
-                match line.strip_prefix(PREFIX) {
+                // The child's test harness prints `test NAME ... ` without a newline before the
+                // test runs, so the child's first message shares that line: found anywhere in it.
+                match line.find(PREFIX).map(|at| &line[at + PREFIX.len()..]) {
                     Some(ours) => {
                         if tx.send(ours.to_owned()).is_err() {
                             break;
