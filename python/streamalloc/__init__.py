@@ -5,7 +5,10 @@
 CuPy. `allocate`, `deallocate` and `record_stream` are the C API itself, and `streamalloc.sim`
 drives the simulator (`device=sim`) and its ordering checker through it. `host_empty` hands out
 page-locked (pinned) host memory from the library's pinned pool, reused in stream order;
-`host_stats`, `host_release` and `host_reset_peak_stats` are the pool's.
+`host_stats`, `host_release` and `host_reset_peak_stats` are the pool's. `with tag(name):`
+puts the allocations the calling thread makes inside the block in a pool of the tag's own,
+which `sleep` gives back to the device (its addresses kept, its contents offloaded to pinned
+host memory if asked) and `wake` maps again at the same addresses; `tag_stats` has its figures.
 
 Every integer handed to the library is checked against its C type first (ctypes would wrap
 it silently: a size of 2**64 + 4096 would be 4096): a value out of range raises
@@ -24,7 +27,8 @@ import threading
 
 __all__ = ["__version__", "StreamallocError", "library_path", "load", "configure", "stats", "release",
            "reset_peak_stats", "allocate", "deallocate", "record_stream", "sim", "HostBuffer", "host_empty",
-           "host_alloc", "host_free", "host_record_stream", "host_stats", "host_release", "host_reset_peak_stats"]
+           "host_alloc", "host_free", "host_record_stream", "host_stats", "host_release", "host_reset_peak_stats",
+           "tag", "sleep", "wake", "tag_stats"]
 
 try:
     __version__ = importlib.metadata.version(__name__)
@@ -77,6 +81,17 @@ class Stats(ctypes.Structure):
         ("device_frees", ctypes.c_uint64),
         ("failures", ctypes.c_uint64),
         ("retries", ctypes.c_uint64),
+    ]
+
+
+class TagStats(ctypes.Structure):
+    """`streamalloc_tag_stats_t`, field for field."""
+
+    _fields_ = [
+        ("asleep", ctypes.c_int),
+        ("offloaded", ctypes.c_int),
+        ("slept", ctypes.c_size_t),
+        ("stats", Stats),
     ]
 
 
@@ -219,6 +234,14 @@ def load():
             for name in ("host_alloc", "host_free", "host_record_stream", "host_release", "host_stats",
                          "host_reset_peak_stats", "sim_use_host"):
                 getattr(lib, f"streamalloc_{name}").restype = status
+            lib.streamalloc_tag_push.argtypes = [ctypes.c_char_p]
+            lib.streamalloc_tag_pop.argtypes = []
+            lib.streamalloc_sleep.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.c_size_t,
+                                              ctypes.c_int]
+            lib.streamalloc_wake.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.c_size_t]
+            lib.streamalloc_tag_stats.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.POINTER(TagStats)]
+            for name in ("tag_push", "tag_pop", "sleep", "wake", "tag_stats"):
+                getattr(lib, f"streamalloc_{name}").restype = status
             _lib = lib
         return _lib
 
@@ -323,6 +346,74 @@ def host_release():
 def host_reset_peak_stats():
     """Restarts the pinned pool's peak figures from the current ones."""
     check(load().streamalloc_host_reset_peak_stats())
+
+
+def _tag_name(name, what="tag"):
+    """A tag's name as the library takes it: a str without NUL, else TypeError or ValueError."""
+    if not isinstance(name, str):
+        raise TypeError(f"{what} must be a str, not {type(name).__name__}")
+    if "\0" in name:
+        raise ValueError(f"{what} {name!r} contains a NUL character, which would end it there")
+    return name.encode()
+
+
+def _tag_names(tags):
+    """`tags` (a str, or an iterable of str) as a C array of names and its length."""
+    names = [tags] if isinstance(tags, str) else list(tags)
+    encoded = [_tag_name(n, "each tag") for n in names]
+    return (ctypes.c_char_p * len(encoded))(*encoded), len(encoded)
+
+
+class tag:
+    """`with streamalloc.tag("kv_cache"): ...`: the allocations the calling thread makes inside
+    the block (through any face of the library: PyTorch's, CuPy's, `allocate`) come from a pool
+    of the tag's own, which `sleep` and `wake` act on. Blocks nest; the tag is the thread's
+    own. Where the configuration cannot sleep (strategy=plain or async, a backing other than
+    stitched, a device without virtual memory management) tags are not looked at."""
+
+    def __init__(self, name):
+        self.name = name
+        self._encoded = _tag_name(name)
+
+    def __enter__(self):
+        check(load().streamalloc_tag_push(self._encoded))
+        return self
+
+    def __exit__(self, *exc):
+        check(load().streamalloc_tag_pop())
+
+    def __repr__(self):
+        return f"streamalloc.tag({self.name!r})"
+
+
+def sleep(tags, offload=False, device=0):
+    """Puts `tags` (a name or names) to sleep on `device`: once the work already queued on the
+    streams that use their memory is done (waited for through events, the host waiting at most
+    the configuration's wait_timeout), their device memory goes back to the driver and their
+    addresses stay reserved; with `offload`, their contents are first copied to pinned host
+    memory, and `wake` copies them back. Allocating in a sleeping tag raises (INVALID_ARGUMENT,
+    naming it); freeing its tensors is allowed. A tag asleep already is left as it is."""
+    names, n = _tag_names(tags)
+    check(load().streamalloc_sleep(_device(device), names, n, 1 if offload else 0))
+
+
+def wake(tags, device=0):
+    """Wakes `tags` on `device`: fresh memory at the addresses they slept, their offloaded
+    contents copied back before this returns (CUDA graphs captured over them replay as
+    before). All their memory is mapped or none (OUT_OF_MEMORY: they sleep on, contents kept).
+    An awake tag is left as it is."""
+    names, n = _tag_names(tags)
+    check(load().streamalloc_wake(_device(device), names, n))
+
+
+def tag_stats(name, device=0):
+    """The figures of tag `name` on `device`, as a dict: `asleep`, `offloaded` (bools),
+    `slept` (bytes given back at their addresses while it sleeps), and `stats()`'s keys for
+    the tag's pool (while it sleeps, `reserved` and `cached` count nothing)."""
+    out = TagStats()
+    check(load().streamalloc_tag_stats(_device(device), _tag_name(name), ctypes.byref(out)))
+    figures = {name: getattr(out.stats, name) for name, _ in Stats._fields_}
+    return {"asleep": bool(out.asleep), "offloaded": bool(out.offloaded), "slept": out.slept, **figures}
 
 
 class _PinnedBlock:

@@ -38,6 +38,14 @@ fallback), `backend` (the backend or an error) or `pluggable` (the fallback, alw
 `allocator()` gives the pluggable allocator without making it current, for
 `torch.cuda.MemPool(streamalloc.torch.allocator().allocator())` under PyTorch's own allocator.
 
+Tags: tensors created under `with streamalloc.torch.tag("kv_cache"):` (torch allocates on the
+calling thread, so the thread's tag applies) live in a pool of the tag's own;
+`streamalloc.torch.sleep(["kv_cache"], offload=True)` gives that memory back to the driver,
+keeping the tensors' addresses (and their contents in pinned host memory, with offload), and
+`streamalloc.torch.wake(["kv_cache"])` maps it again at the same addresses, so CUDA graphs
+captured over those tensors replay as before. A sleeping tag's tensors must not be used (their
+memory is gone: a kernel on them faults) but may be freed.
+
 An unmodified script runs under streamalloc with
 
     python -m streamalloc.torch [--conf STREAMALLOC_CONF] train.py ARGS...
@@ -257,6 +265,39 @@ def enable(conf=None, backend=None):
 def active():
     """Which path `enable()` installed in this process: "backend", "pluggable" or None."""
     return _active
+
+
+tag = streamalloc.tag
+"""`with streamalloc.torch.tag(name):` the tensors this thread creates inside the block live in
+the tag's pool (`streamalloc.tag`)."""
+
+
+def _device_index(device):
+    """`device` (None: torch's current CUDA device; an int, a str or a torch.device) as an
+    ordinal."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return device
+    import torch
+
+    if device is None:
+        return torch.cuda.current_device()
+    index = torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
+
+
+def sleep(tags, offload=False, device=None):
+    """`streamalloc.sleep` on `device` (torch's current CUDA device by default): the tags'
+    memory goes back to the driver once the work queued on the streams that use it is done,
+    their tensors keeping their addresses; with `offload` their contents wait in pinned host
+    memory for `wake`."""
+    streamalloc.sleep(tags, offload, _device_index(device))
+
+
+def wake(tags, device=None):
+    """`streamalloc.wake` on `device` (torch's current CUDA device by default): the tags'
+    tensors have memory again, at the same addresses, their offloaded contents copied back
+    before this returns."""
+    streamalloc.wake(tags, _device_index(device))
 
 
 def memory_stats(device=0):

@@ -97,6 +97,20 @@ typedef ptrdiff_t (*streamalloc_cupy_stream_source)(void);
 // which are never destroyed.
 typedef void (*CupyStreamKeeper)(ptrdiff_t stream, int delta);
 
+// The figures of one tag on one device ([`streamalloc_tag_stats`]).
+typedef struct streamalloc_tag_stats_t {
+  // 1 while the tag sleeps, else 0.
+  int asleep;
+  // 1 while it sleeps with its contents offloaded to host memory (the wake copies them
+  // back), else 0.
+  int offloaded;
+  // Bytes given back to the device at their addresses while it sleeps (0 awake).
+  size_t slept;
+  // The tag's pool's figures; while the tag sleeps, `reserved` counts only what could not
+  // be given back (0 normally) and `cached` nothing.
+  struct streamalloc_stats_t stats;
+} streamalloc_tag_stats_t;
+
 // Decides whether an allocation on a stream goes to a private pool (see
 // [`streamalloc_pool_begin`]).
 typedef bool (*streamalloc_filter_fn)(void *context, cudaStream_t stream);
@@ -367,6 +381,61 @@ enum streamalloc_status_t streamalloc_sim_advance(int device, uint64_t ns);
 // # Safety
 // `out` is null (an error) or valid for writing a `uint64_t`.
 enum streamalloc_status_t streamalloc_sim_violations(int device, uint64_t *out);
+
+// Makes the tag named `tag` the calling thread's current tag, until the matching
+// [`streamalloc_tag_pop`]: the allocations the thread makes meanwhile, on any device, come
+// from the tag's pool. Pushes nest. A name is UTF-8 text, not empty, without control
+// characters.
+//
+// # Safety
+// `tag` is null (an error) or a NUL-terminated string.
+enum streamalloc_status_t streamalloc_tag_push(const char *tag);
+
+// Restores the tag that was current before the calling thread's latest
+// [`streamalloc_tag_push`]; `STREAMALLOC_INVALID_ARGUMENT` when the thread pushed none.
+enum streamalloc_status_t streamalloc_tag_pop(void);
+
+// Puts the `ntags` tags named at `tags` to sleep on `device`: once the work enqueued so far
+// on the streams that use their memory has completed (the owning streams of their pools,
+// the streams recorded on their allocations, the frees pending on recorded streams; an
+// internal stream waits on events recorded on them, and the host waits for that stream
+// alone, at most `wait_timeout`, else `STREAMALLOC_TIMEOUT` naming the streams and nothing
+// sleeps), their memory goes back to the device and their addresses stay reserved. With
+// `offload` not 0, their contents are first copied to page-locked host memory, and
+// [`streamalloc_wake`] copies them back. Meanwhile allocating in a sleeping tag is
+// `STREAMALLOC_INVALID_ARGUMENT` naming the tag; freeing its allocations is allowed; other
+// tags and untagged allocations go on; `streamalloc_release` leaves it alone. A tag asleep
+// already is left as it is. Work enqueued on a tag's memory after the call is the caller's
+// error.
+//
+// # Safety
+// `tags` is null (an error unless `ntags` is 0) or valid for reading `ntags` pointers, each
+// null (an error) or a NUL-terminated string.
+enum streamalloc_status_t streamalloc_sleep(int device,
+                                            const char *const *tags,
+                                            size_t ntags,
+                                            int offload);
+
+// Wakes the `ntags` tags named at `tags` on `device`: fresh memory mapped at the addresses
+// they slept and, where the sleep offloaded them, their contents copied back; it returns once
+// the copies have completed, so work enqueued afterwards on any stream sees them. All the
+// tags' memory is mapped or none (`STREAMALLOC_OUT_OF_MEMORY` when the device lacks it even
+// after the other pools gave their free memory back: the tags sleep on, their contents
+// kept). An awake tag is left as it is. Without offload the contents are undefined.
+//
+// # Safety
+// As [`streamalloc_sleep`]'s `tags`.
+enum streamalloc_status_t streamalloc_wake(int device, const char *const *tags, size_t ntags);
+
+// Writes the figures of the tag named `tag` on `device` to `*out` (zeros for a tag that
+// allocated nothing there); `STREAMALLOC_UNSUPPORTED` where the configuration has no tags.
+//
+// # Safety
+// `tag` is null (an error) or a NUL-terminated string; `out` is null (an error) or valid for
+// writing a `streamalloc_tag_stats_t`.
+enum streamalloc_status_t streamalloc_tag_stats(int device,
+                                                const char *tag,
+                                                struct streamalloc_tag_stats_t *out);
 
 extern void *streamalloc_shim_take_filter(void *by_value);
 

@@ -7,7 +7,9 @@
 //!   `_deallocate`, `_record_stream`, `_release`, `_stats`, `_reset_peak_stats`, `_configure`,
 //!   `_last_error`; with `trace=`, rows a program adds to the trace (`streamalloc_trace_*`, see
 //!   [`trace`]); sharing mapped memory with another process (`streamalloc_ipc_*`, see
-//!   [`ipc`]); a pool of page-locked host memory (`streamalloc_host_*`, see [`host`]); and with
+//!   [`ipc`]); a pool of page-locked host memory (`streamalloc_host_*`, see [`host`]); tags
+//!   whose memory sleeps and wakes at the same addresses (`streamalloc_tag_*`,
+//!   `streamalloc_sleep`, `streamalloc_wake`, see [`sleep`]); and with
 //!   `device=sim`, the simulator (`streamalloc_sim_*`, see [`sim`]).
 //!
 //! All three share one process-wide facade (per-device allocator stacks), configured by
@@ -36,6 +38,7 @@ mod host;
 mod ipc;
 mod sim;
 mod sim_streams;
+mod sleep;
 mod state;
 mod status;
 mod torch;
@@ -65,6 +68,10 @@ pub use sim::{
     streamalloc_sim_advance, streamalloc_sim_create_stream, streamalloc_sim_destroy_stream,
     streamalloc_sim_synchronize, streamalloc_sim_use, streamalloc_sim_violations,
     STREAMALLOC_SIM_MAX_TIME_NS,
+};
+pub use sleep::{
+    streamalloc_sleep, streamalloc_tag_pop, streamalloc_tag_push, streamalloc_tag_stats, streamalloc_wake,
+    StreamallocTagStats,
 };
 use state::State;
 pub use status::{StreamallocStats, StreamallocStatus};

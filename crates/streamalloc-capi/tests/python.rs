@@ -53,6 +53,12 @@ fn pinned_host_on_the_simulator() {
     python_tests("test_host_pool.py");
 }
 
+/// Tags, sleep and wake from Python (issue 36), in a process of its own.
+#[test]
+fn sleep_on_the_simulator() {
+    python_tests("test_sleep.py");
+}
+
 /// Runs `python/tests/SCRIPT` against the package; it must report no failure.
 fn python_tests(script: &str) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");

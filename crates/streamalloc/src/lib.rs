@@ -12,6 +12,8 @@
 //!   [`SingleStream`](adaptors::SingleStream), over any allocator.
 //! * [`facade`]: per-device stacks built from a typed [`Config`](facade::Config), the one
 //!   place that reads `STREAMALLOC_CONF`.
+//! * [`tags`]: the calling thread's tag, which puts allocations in pools that sleep and wake
+//!   ([`Tagged`](allocators::Tagged)).
 //! * [`trace`]: the trace format (RMM's logging CSV) the Trace layer writes; reading and
 //!   replaying traces is the `streamalloc-replay` crate's part.
 //!
@@ -53,6 +55,7 @@ pub mod device;
 pub mod error;
 pub mod facade;
 pub mod policy;
+pub mod tags;
 pub mod text;
 pub mod trace;
 

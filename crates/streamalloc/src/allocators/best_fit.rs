@@ -396,6 +396,37 @@ impl BestFit {
         Ok(())
     }
 
+    /// Another handle on the same pool (a sleep keeps the pools it put to sleep).
+    pub(crate) fn handle(&self) -> BestFit {
+        BestFit { inner: self.inner.clone() }
+    }
+
+    /// Makes `waiter` wait for the events of the frees pending on recorded streams (the last
+    /// uses of their blocks), for a sleep. The caller keeps the pool from polling meanwhile
+    /// (no allocation or release of it runs): an event polled complete goes back to the
+    /// pool's events, and waiting on it once recorded again would wait for later work too.
+    pub(crate) fn order_after_pending(&self, waiter: Stream) -> Result<()> {
+        let st = self.inner.state.lock();
+        let events: Vec<Event> = st.pending.iter().flat_map(|p| p.events.iter().copied()).collect();
+        drop(st);
+        events.into_iter().try_for_each(|e| self.inner.device.stream_wait_event(waiter, e))
+    }
+
+    /// [`Backing::sleep_begin`] over the pool's books: the mapped ranges that hold its data.
+    pub(crate) fn sleep_begin(&self) -> Result<Vec<(DevicePtr, usize)>> {
+        self.inner.backing.sleep_begin(&PoolLedger { inner: &self.inner, request: None })
+    }
+
+    /// [`Backing::sleep_end`] over the pool's books: the bytes given back at their addresses.
+    pub(crate) fn sleep_end(&self, commit: bool) -> Result<usize> {
+        self.inner.backing.sleep_end(&PoolLedger { inner: &self.inner, request: None }, commit)
+    }
+
+    /// [`Backing::wake`]: the ranges mapped again.
+    pub(crate) fn wake(&self) -> Result<Vec<(DevicePtr, usize)>> {
+        self.inner.backing.wake()
+    }
+
     fn round(size: usize) -> Result<u64> {
         u64::try_from(size)
             .ok()

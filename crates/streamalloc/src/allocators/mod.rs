@@ -1,6 +1,7 @@
 //! The allocators: each implements [`Allocator`](crate::Allocator), and the stream-aware
 //! ones [`StreamAllocator`](crate::StreamAllocator); [`PinnedHost`], a pool of page-locked
-//! host memory, has methods of its own (host memory is not device memory).
+//! host memory, has methods of its own (host memory is not device memory); [`Tagged`] serves
+//! tagged allocations from pools that sleep and wake, the others from the allocator it wraps.
 
 pub mod async_pool;
 pub mod backing;
@@ -9,6 +10,7 @@ mod pinned_host;
 mod plain;
 pub(crate) mod retry;
 mod stream_safe;
+mod tagged;
 
 pub use async_pool::{AsyncPool, AsyncPoolConfig, Capture, CapturedGraph, PoolMode, ReuseFlags};
 pub use backing::{Backing, BackingKind, ChunkSource, DeviceChunks, Ledger, Want};
@@ -16,6 +18,7 @@ pub use best_fit::{BestFit, BestFitConfig, FreeChunk};
 pub use pinned_host::{PinnedBuffer, PinnedHost, PinnedHostConfig};
 pub use plain::Plain;
 pub use stream_safe::{StreamSafe, StreamSafeConfig};
+pub use tagged::{TagStats, Tagged};
 
 use std::hash::Hash;
 use std::time::{Duration, Instant};

@@ -351,6 +351,22 @@ impl StreamSafe {
         self.pools.lock().len()
     }
 
+    /// Every pool held (live and retired), as handles of their own, each with its stream
+    /// while it is live (a retired one's may be gone), for a sleep, during which the caller
+    /// keeps allocations, releases and retirements of this allocator from running.
+    pub(crate) fn pools_held(&self) -> Vec<(Option<Stream>, BestFit)> {
+        let pools = self.snapshot();
+        pools.iter().map(|p| (p.naming(|| p.stream), p.pool.handle())).collect()
+    }
+
+    /// The streams recorded on the allocations kept by pointer, each once.
+    pub(crate) fn recorded_streams(&self) -> Vec<Stream> {
+        let mut streams: Vec<Stream> = self.recorded.lock().values().flatten().copied().collect();
+        streams.sort_unstable();
+        streams.dedup();
+        streams
+    }
+
     /// Counts `made`: a failure, or a success that came only after a retry.
     fn count<T>(&self, made: Result<(T, bool)>) -> Result<T> {
         match made {

@@ -104,9 +104,7 @@ const SYMBOLS: &[&str] = &[
     "cuEventSynchronize",
     #[cfg(feature = "test-util")]
     "cuMemsetD8Async",
-    #[cfg(feature = "test-util")]
     "cuMemcpyDtoHAsync_v2",
-    #[cfg(feature = "test-util")]
     "cuMemcpyHtoDAsync_v2",
     "cuStreamBeginCapture_v2",
     "cuStreamEndCapture",
@@ -280,6 +278,9 @@ pub struct CudaDevice {
     /// Whether [`Device::map`] creates memory that can be exported to another process
     /// (`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`): until the device refuses it.
     exportable: AtomicBool,
+    /// The page-locked host allocations of [`Device::host_alloc`] not yet freed: address ->
+    /// size. The copies to and from them ([`Device::copy_to_pinned`]) are checked against it.
+    pinned: Mutex<BTreeMap<HostPtr, usize>>,
 }
 
 /// What a [`CudaDevice`] knows of its mappings, for [`Device::grant_mapped_access`] and
@@ -350,6 +351,7 @@ impl CudaDevice {
             peers: Mutex::new(BTreeMap::new()),
             vmm: Mutex::new(Vmm::default()),
             exportable: AtomicBool::new(true),
+            pinned: Mutex::new(BTreeMap::new()),
         }))
     }
 
@@ -402,6 +404,32 @@ impl CudaDevice {
             "cuThreadExchangeStreamCaptureMode",
         )?;
         Ok(Relaxed { previous: mode, _bound: bound })
+    }
+
+    /// `Err(Unsupported)` when `s` is capturing: `what` cannot be captured.
+    fn refuse_capture(&self, s: Stream, what: &str) -> Result<()> {
+        if self.capture_status(s)? == CaptureStatus::None {
+            Ok(())
+        } else {
+            Err(Error::Unsupported(format!("{what} on stream {:#x} while it is capturing a graph", s.0)))
+        }
+    }
+
+    /// Checks that `[ptr, ptr + len)` lies in one live page-locked allocation of this device
+    /// (what `call`, a copy to or from it, is given).
+    fn check_pinned(&self, ptr: HostPtr, len: usize, call: &str) -> Result<()> {
+        let pinned = self.pinned.lock();
+        let inside = pinned.range(..=ptr).next_back().is_some_and(|(&start, &size)| {
+            ptr.checked_add(len as u64).is_some_and(|end| end <= start + size as u64)
+        });
+        if inside {
+            return Ok(());
+        }
+        Err(Error::InvalidArgument(format!(
+            "{call} of {len} bytes at host address {ptr:#x}: not page-locked host memory that device {} \
+             allocated (Device::host_alloc)",
+            self.ordinal
+        )))
     }
 
     /// The mapping granularity, checked to divide `size` (see [`whole_granules`]).
@@ -721,7 +749,10 @@ impl Device for CudaDevice {
                     .into(),
                 ..OutOfMemory::default()
             })),
-            res => check(res, "cuMemHostAlloc").map(|()| handle(p)),
+            res => check(res, "cuMemHostAlloc").map(|()| {
+                self.pinned.lock().insert(handle(p), size);
+                handle(p)
+            }),
         }
     }
 
@@ -729,7 +760,43 @@ impl Device for CudaDevice {
         let _ctx = self.bind_relaxed()?;
         // SAFETY: a context is current; the driver refuses a pointer that cuMemHostAlloc did
         // not hand out, and the caller owns the memory it frees.
-        check(unsafe { sys::cuMemFreeHost(p as usize as *mut c_void) }, "cuMemFreeHost")
+        check(unsafe { sys::cuMemFreeHost(p as usize as *mut c_void) }, "cuMemFreeHost")?;
+        self.pinned.lock().remove(&p);
+        Ok(())
+    }
+
+    fn copy_to_pinned(&self, dst: HostPtr, src: DevicePtr, len: usize, s: Stream) -> Result<()> {
+        self.check_pinned(dst, len, "copy_to_pinned")?;
+        if len == 0 {
+            return Ok(());
+        }
+        self.refuse_capture(s, "copy_to_pinned")?;
+        let _ctx = self.bind()?;
+        // SAFETY: `[dst, dst + len)` lies in a live page-locked allocation of this device
+        // (checked above), which the caller keeps allocated and leaves alone until the copy has
+        // completed (the trait's contract); the stream does not capture (checked above), so the
+        // copy runs once, in its order; the driver checks that the source is device memory.
+        check(
+            unsafe { sys::cuMemcpyDtoHAsync_v2(dst as usize as *mut c_void, src, len, stream(s)) },
+            "cuMemcpyDtoHAsync",
+        )
+    }
+
+    fn copy_from_pinned(&self, dst: DevicePtr, src: HostPtr, len: usize, s: Stream) -> Result<()> {
+        self.check_pinned(src, len, "copy_from_pinned")?;
+        if len == 0 {
+            return Ok(());
+        }
+        self.refuse_capture(s, "copy_from_pinned")?;
+        let _ctx = self.bind()?;
+        // SAFETY: `[src, src + len)` lies in a live page-locked allocation of this device
+        // (checked above), which the caller keeps allocated and unwritten until the copy has
+        // completed; the stream does not capture (checked above); the driver checks that the
+        // destination is device memory.
+        check(
+            unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src as usize as *const c_void, len, stream(s)) },
+            "cuMemcpyHtoDAsync",
+        )
     }
 
     fn default_pool(&self) -> Result<Pool> {
@@ -1218,15 +1285,6 @@ mod test_util {
             )?;
             Ok((!p.is_null()).then(|| Pool(handle(p))))
         }
-
-        /// `Err(Unsupported)` when `s` is capturing: `what` cannot be captured.
-        fn capturing(&self, s: Stream, what: &str) -> Result<()> {
-            if self.capture_status(s)? == CaptureStatus::None {
-                Ok(())
-            } else {
-                Err(Error::Unsupported(format!("{what} on stream {:#x} while it is capturing a graph", s.0)))
-            }
-        }
     }
 
     impl DeviceTestExt for CudaDevice {
@@ -1318,7 +1376,7 @@ mod test_util {
             }
             // A captured copy would write into `dst` whenever the graph runs, long after this
             // borrow ends.
-            self.capturing(s, "copy_to_host")?;
+            self.refuse_capture(s, "copy_to_host")?;
             let _ctx = self.bind()?;
             // SAFETY: `dst` is valid for `dst.len()` bytes of writes and stays borrowed until the
             // stream is synchronized below, so the copy finishes before the borrow ends; the
@@ -1335,7 +1393,7 @@ mod test_util {
             if src.is_empty() {
                 return Ok(());
             }
-            self.capturing(s, "copy_from_host")?;
+            self.refuse_capture(s, "copy_from_host")?;
             let _ctx = self.bind()?;
             // SAFETY: `src` is valid for `src.len()` bytes of reads and stays borrowed until the
             // stream is synchronized below; the stream is not capturing (checked above).

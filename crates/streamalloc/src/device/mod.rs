@@ -158,6 +158,19 @@ pub trait Device: Send + Sync {
     /// Frees memory from [`Device::host_alloc`] (`cuMemFreeHost`); no work may use it any
     /// more. A pointer that `host_alloc` did not hand out is refused.
     fn host_free(&self, ptr: HostPtr) -> Result<()>;
+    /// Copies `len` bytes of device memory at `src` into page-locked host memory at `dst`,
+    /// which lies in one live [`Device::host_alloc`] allocation of this device, in the order
+    /// of `stream` (`cuMemcpyDtoHAsync`), and returns at once (what a sleeping tag offloads).
+    /// The host memory stays allocated, and the host leaves it alone, until the copy has
+    /// completed (an event recorded on `stream` after it). Refused on a capturing stream,
+    /// where the copy would run at each replay of the graph instead.
+    fn copy_to_pinned(&self, dst: HostPtr, src: DevicePtr, len: usize, stream: Stream) -> Result<()>;
+    /// Copies `len` bytes of page-locked host memory at `src`, in one live
+    /// [`Device::host_alloc`] allocation of this device, to device memory at `dst` in the
+    /// order of `stream` (`cuMemcpyHtoDAsync`), and returns at once (what a waking tag
+    /// restores). As [`Device::copy_to_pinned`], the host memory stays allocated and unwritten
+    /// until the copy has completed; refused on a capturing stream.
+    fn copy_from_pinned(&self, dst: DevicePtr, src: HostPtr, len: usize, stream: Stream) -> Result<()>;
 
     /// The device's default stream-ordered pool, shared with every library in the process.
     fn default_pool(&self) -> Result<Pool>;

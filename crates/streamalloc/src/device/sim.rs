@@ -38,7 +38,9 @@
 //!   [`SimDevice::check_host_handout`] records a [`Violation`] for a range handed to the host
 //!   again while such a use could still run; freeing it then is refused and recorded too.
 //!   Host uses are checked against host uses only (a host address may equal a simulated
-//!   device address), and only on the device that allocated the memory.
+//!   device address), and only on the device that allocated the memory. A copy between it and
+//!   device memory ([`Device::copy_to_pinned`], [`Device::copy_from_pinned`]) is a use of both
+//!   ranges on its stream, and with the `test-util` feature moves the bytes.
 //! * **Sharing with other processes.** [`Device::export_mapped`] gives each exported granule
 //!   of memory a real file descriptor (one end of a socket pair, which another process can
 //!   copy with `pidfd_getfd`), kept until the exporter's last mapping of the memory goes, as
@@ -726,6 +728,60 @@ impl SimDevice {
         n
     }
 
+    /// A copy of `len` bytes between device memory at `device` and page-locked host memory at
+    /// `host` (to the host when `to_host`) on `stream` ([`Device::copy_to_pinned`],
+    /// [`Device::copy_from_pinned`]): a use of both ranges for [`SimConfig::launch_ns`] and the
+    /// bytes at [`SimConfig::bandwidth_bytes_per_ns`]; with the `test-util` feature the bytes
+    /// move too, at once (the device's as mapped granules hold them). Refused for host memory
+    /// this device did not hand out, for device memory not its own, for a range of an address
+    /// reservation that is not all mapped (on a GPU, an illegal address), and on a capturing
+    /// stream.
+    fn copy_pinned(
+        &self,
+        device: DevicePtr,
+        host: HostPtr,
+        len: usize,
+        stream: Stream,
+        to_host: bool,
+    ) -> Result<()> {
+        let call = if to_host { "copy_to_pinned" } else { "copy_from_pinned" };
+        self.call(|st| {
+            let held = st.host.range(..=host).next_back().is_some_and(|(&start, pages)| {
+                host.checked_add(len as u64).is_some_and(|end| end <= start + (pages.len() * HOST_PAGE) as u64)
+            });
+            if !held {
+                return Err(Error::InvalidArgument(format!(
+                    "{call} of {len} bytes at host address {host:#x}: not page-locked host memory that \
+                     simulated device {} handed out",
+                    self.config.ordinal
+                )));
+            }
+            if !self.holds_range(st, device, len) || !st.mapped_where_reserved(device, len) {
+                return Err(Error::InvalidArgument(format!(
+                    "{call} of {len} bytes at {device:#x}: not memory of simulated device {} (or not all mapped)",
+                    self.config.ordinal
+                )));
+            }
+            if len == 0 {
+                return Ok(());
+            }
+            if st.stream_mut(stream)?.capture.is_some() {
+                return Err(Error::Unsupported(format!(
+                    "{call} on stream {:#x} while it is capturing a graph",
+                    stream.0
+                )));
+            }
+            let ns = self.config.launch_ns + len as u64 / self.config.bandwidth_bytes_per_ns.max(1);
+            #[cfg(feature = "test-util")]
+            st.move_pinned(device, host, len, to_host);
+            st.enqueue_use(device, len, stream, ns, false)?;
+            // The same span of the stream's time on the host memory.
+            let end = st.stream_mut(stream)?.ready;
+            st.uses.push(Use { ptr: host, len, stream, end, memory: vec![(host, len as u64)], host: true });
+            Ok(())
+        })
+    }
+
     /// How many calls of [`Device::host_alloc`], and of [`Device::host_free`], succeeded so
     /// far.
     pub fn host_calls(&self) -> (u64, u64) {
@@ -789,6 +845,18 @@ impl State {
         let memory = if host { vec![(ptr, len as u64)] } else { self.memory_of(ptr, len) };
         self.uses.push(Use { ptr, len, stream, end, memory, host });
         Ok(())
+    }
+
+    /// Whether every granule of `[ptr, ptr + len)` that lies in an address reservation is
+    /// mapped (the rest of the range is plain or pool memory).
+    fn mapped_where_reserved(&self, ptr: u64, len: usize) -> bool {
+        let end = ptr.saturating_add(len as u64);
+        let first = ptr - ptr % MAP_GRANULE as u64;
+        (first..end).step_by(MAP_GRANULE).all(|g| {
+            let reserved =
+                self.reservations.range(..=g).next_back().is_some_and(|(&start, &n)| g < start + n as u64);
+            !reserved || self.mapped.contains_key(&g)
+        })
     }
 
     /// Checks that `[addr, addr + size)` is granule-aligned, not empty and inside one
@@ -1053,6 +1121,18 @@ impl Device for SimDevice {
             st.host_calls.1 += 1;
             Ok(())
         })
+    }
+
+    /// A use of the device range and of the host range on `stream` for the copy's time: the
+    /// launch cost and the bytes at the configured bandwidth; with the `test-util` feature the
+    /// bytes move too, at once (see the [module docs](self)).
+    fn copy_to_pinned(&self, dst: HostPtr, src: DevicePtr, len: usize, stream: Stream) -> Result<()> {
+        self.copy_pinned(src, dst, len, stream, true)
+    }
+
+    /// As [`Device::copy_to_pinned`] here, the other way.
+    fn copy_from_pinned(&self, dst: DevicePtr, src: HostPtr, len: usize, stream: Stream) -> Result<()> {
+        self.copy_pinned(dst, src, len, stream, false)
     }
 
     fn default_pool(&self) -> Result<Pool> {
@@ -1897,6 +1977,32 @@ mod test_util {
                     Some(d) => b[off..off + n].copy_from_slice(&d[from..from + n]),
                     None => b[off..off + n].fill(value),
                 }
+            }
+        }
+
+        /// Moves `len` bytes between the mapped granules at `device` and the page-locked host
+        /// memory at `host` (checked to be one allocation), to the host when `to_host`.
+        pub(super) fn move_pinned(&mut self, device: u64, host: HostPtr, len: usize, to_host: bool) {
+            let Some((&start, _)) = self.host.range(..=host).next_back() else { return };
+            let mut bytes = vec![0; len];
+            if to_host {
+                self.read(device, &mut bytes);
+            }
+            let Some(pages) = self.host.get_mut(&start) else { return };
+            let offset = (host - start) as usize;
+            let mut done = 0;
+            while done < len {
+                let at = offset + done;
+                let n = (HOST_PAGE - at % HOST_PAGE).min(len - done);
+                let page = &mut pages[at / HOST_PAGE].0[at % HOST_PAGE..at % HOST_PAGE + n];
+                match to_host {
+                    true => page.copy_from_slice(&bytes[done..done + n]),
+                    false => bytes[done..done + n].copy_from_slice(page),
+                }
+                done += n;
+            }
+            if !to_host {
+                self.write(device, len, 0, Some(&bytes));
             }
         }
 

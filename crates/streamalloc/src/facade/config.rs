@@ -445,7 +445,7 @@ fn parse_backing(s: &str) -> Option<BackingKind> {
 }
 
 /// The name `backing=` takes for `backing`.
-fn backing_name(backing: BackingKind) -> &'static str {
+pub(crate) fn backing_name(backing: BackingKind) -> &'static str {
     match backing {
         BackingKind::Stitched => "stitched",
         BackingKind::Segments => "segments",

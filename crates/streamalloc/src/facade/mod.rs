@@ -3,14 +3,17 @@
 //! The stack for each device, outermost first (each layer only when configured):
 //!
 //! ```text
-//! Limit -> Retry -> Counted -> Trace -> strategy
+//! Limit -> Retry -> Counted -> Trace -> Tagged -> strategy
 //! ```
 //!
 //! Limit comes first so that a request over the limit fails at once, without making Retry
 //! wait; Retry wraps the statistics and trace layers so that its attempts are counted and
 //! logged as what they are; the strategy is the allocator itself. Strategies without stream
 //! methods (`plain`, `best_fit`) are wrapped in [`SingleStream`] so that every device offers
-//! a [`StreamAllocator`].
+//! a [`StreamAllocator`]. [`Tagged`] serves allocations made under a [tag](crate::tags) from
+//! pools that sleep and wake ([`Facade::sleep`]), where the configuration can: a caching
+//! strategy (`stream_safe`, `best_fit`) over stitched ranges; elsewhere tags are not looked at
+//! and [`Facade::sleep`] says why.
 
 mod config;
 mod presets;
@@ -33,12 +36,13 @@ use crate::adaptors::{Counted, Limit, Retry, SingleStream, StreamStats, Trace};
 use crate::allocation::{Allocation, PointerAllocator, Stats, StreamAllocator};
 use crate::allocators::{
     AsyncPool, AsyncPoolConfig, BackingKind, BestFit, BestFitConfig, Plain, PoolMode, ReuseFlags, StreamSafe,
-    StreamSafeConfig,
+    StreamSafeConfig, TagStats, Tagged,
 };
 use crate::device::cuda::CudaDevice;
 use crate::device::sim::{SimConfig, SimDevice};
 use crate::device::{Device, Stream};
 use crate::error::{Error, Result};
+use crate::tags::Tag;
 use crate::trace::TraceWriter;
 use private_pools::PrivatePools;
 
@@ -66,6 +70,31 @@ fn pool_config(config: &Config, device: &dyn Device) -> Result<BestFitConfig> {
     })
 }
 
+/// Whether the stack `config` describes on `device`, whose caching pools get `pool`, can put
+/// tags to sleep; else [`Error::Unsupported`] naming what in the configuration cannot.
+fn sleep_support(config: &Config, pool: &BestFitConfig, device: &dyn Device) -> Result<()> {
+    let why = match (config.strategy, config.backing, pool.backing) {
+        (Strategy::BestFit | Strategy::StreamSafe, BackingKind::Stitched, BackingKind::Stitched) => return Ok(()),
+        (Strategy::Plain, ..) => "strategy=plain allocates each block from the device, with no pool to put to sleep".into(),
+        (Strategy::Async, ..) => {
+            "strategy=async allocates from the driver's pool, whose memory cannot be given back at its addresses".into()
+        }
+        (_, BackingKind::Stitched, _) => format!(
+            "device {} has no virtual memory management, so backing=stitched fell back to chunks, which cannot be \
+             given back at their addresses",
+            device.ordinal()
+        ),
+        (_, backing, _) => format!(
+            "backing={} cannot give memory back at its addresses",
+            config::backing_name(backing)
+        ),
+    };
+    Err(Error::Unsupported(format!(
+        "tags do not sleep here: {why}; strategy=stream_safe (or best_fit) with backing=stitched, the default, on a \
+         device with virtual memory management can (tagged allocations are served as untagged ones meanwhile)"
+    )))
+}
+
 /// An allocator stack: allocations by handle on any stream ([`StreamAllocator`]) and by
 /// pointer ([`PointerAllocator`], for front ends that hand raw pointers out), through the
 /// same layers.
@@ -75,6 +104,9 @@ impl<T: StreamAllocator + PointerAllocator + ?Sized> StackAllocator for T {}
 
 /// A device's allocator stack.
 pub type DynAllocator = Arc<dyn StackAllocator>;
+
+/// The layer of a stack that serves tagged allocations and puts tags to sleep.
+pub type TagLayer = Arc<Tagged<DynAllocator>>;
 
 /// What the facade keeps for one device.
 pub struct DeviceStack {
@@ -91,6 +123,9 @@ pub struct DeviceStack {
     pub trace: Option<Arc<Trace<DynAllocator, File>>>,
     /// Pools apart from the stack, for CUDA graphs and frameworks' memory pools.
     pub private: PrivatePools,
+    /// The layer that serves tagged allocations, or why the configuration has none (tags
+    /// then are not looked at).
+    pub tags: Result<TagLayer>,
 }
 
 /// Per-device allocator stacks built from one [`Config`], created on first use of each
@@ -235,6 +270,63 @@ impl Facade {
         first_error.map_or(Ok(total), Err)
     }
 
+    /// The tag layer of device `ordinal` (its stack built if needed), or why its configuration
+    /// has none.
+    fn tag_layer(&self, ordinal: usize) -> Result<&TagLayer> {
+        self.stack(ordinal)?.tags.as_ref().map_err(Clone::clone)
+    }
+
+    /// The tags named `names`.
+    fn tags(names: &[&str]) -> Result<Vec<Tag>> {
+        names.iter().map(|n| Tag::new(n)).collect()
+    }
+
+    /// Puts the tags named `names` to sleep on device `ordinal` ([`Tagged::sleep`]): once the
+    /// work already enqueued on the streams that use their memory is done (the host waits at
+    /// most `wait_timeout`, for those streams only), their memory goes back to the device and
+    /// their addresses stay reserved; with `offload`, their contents are kept in page-locked
+    /// host memory until [`Facade::wake`]. The bytes given back at their addresses. A tag
+    /// asleep already is left as it is (0 bytes). [`Error::Unsupported`] naming the
+    /// configuration where it cannot sleep (strategy `plain` or `async`, a backing other than
+    /// stitched ranges, a device without virtual memory management).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use streamalloc::facade::{Config, Facade};
+    /// use streamalloc::{tags, Stream};
+    ///
+    /// let facade = Facade::new(Config::parse("device=sim,sim_capacity=1GiB")?);
+    /// let kv = {
+    ///     let _tag = tags::scope("kv_cache")?;
+    ///     facade.allocate(64 << 20, 0, Stream::DEFAULT)?
+    /// };
+    /// let reserved = facade.stats(0).reserved;
+    /// assert_eq!(facade.sleep(0, &["kv_cache"], true)?, 64 << 20);
+    /// assert_eq!(facade.stats(0).reserved, reserved - (64 << 20));
+    /// assert_eq!(facade.wake(0, &["kv_cache"])?, 64 << 20); // mapped again at kv.ptr()
+    /// # drop(kv);
+    /// # Ok::<(), streamalloc::Error>(())
+    /// ```
+    pub fn sleep(&self, ordinal: usize, names: &[&str], offload: bool) -> Result<usize> {
+        let tags = Self::tags(names)?;
+        self.tag_layer(ordinal)?.sleep(&tags, offload)
+    }
+
+    /// Wakes the tags named `names` on device `ordinal` ([`Tagged::wake`]): fresh memory at
+    /// the addresses they slept, their offloaded contents copied back before this returns. The
+    /// bytes mapped again. An awake tag is left as it is (0 bytes).
+    pub fn wake(&self, ordinal: usize, names: &[&str]) -> Result<usize> {
+        let tags = Self::tags(names)?;
+        self.tag_layer(ordinal)?.wake(&tags)
+    }
+
+    /// The figures of the tag named `name` on device `ordinal` ([`Tagged::tag_stats`]).
+    pub fn tag_stats(&self, ordinal: usize, name: &str) -> Result<TagStats> {
+        let tag = Tag::new(name)?;
+        Ok(self.tag_layer(ordinal)?.tag_stats(tag))
+    }
+
     /// Writes out what the trace layers have buffered (a process-wide facade is never
     /// dropped, so a front end calls this at exit). Every device is tried; the first error
     /// is returned after that.
@@ -312,6 +404,13 @@ impl Facade {
                 Arc::new(AsyncPool::new(device.clone(), config))
             }
         };
+        let tags = sleep_support(c, &pool, &*device).and_then(|()| {
+            let config = StreamSafeConfig { pool, ..Default::default() };
+            Ok(Arc::new(Tagged::new(a.clone(), device.clone(), config)?))
+        });
+        if let Ok(layer) = &tags {
+            a = layer.clone();
+        }
         let mut trace = None;
         if let Some(path) = &c.trace {
             let path = if ordinal == 0 {
@@ -336,6 +435,6 @@ impl Facade {
             a = Arc::new(Limit::new(a, limit.bytes(device.mem_info()?.total)));
         }
         let private = PrivatePools::new(device.clone(), pool, c.strategy == Strategy::Async);
-        Ok(DeviceStack { device, sim: None, allocator: a, stats, trace, private })
+        Ok(DeviceStack { device, sim: None, allocator: a, stats, trace, private, tags })
     }
 }

@@ -103,6 +103,33 @@ pub trait Backing: Send + Sync {
     fn classes(&self, configured: Classes) -> Classes {
         configured
     }
+    /// Puts the pool's memory to sleep, first step (see [`Tagged`](crate::allocators::Tagged)):
+    /// takes the pool's free memory out of its books, as a release does, and lists the mapped
+    /// ranges left, which hold the pool's data (live blocks, blocks whose frees wait on
+    /// events); [`Backing::sleep_end`] then gives their memory back and keeps their addresses.
+    /// Between the two the caller waits for every use of the pool's memory, and may copy the
+    /// ranges out. While the pool sleeps it neither grows nor releases. A backing whose memory
+    /// cannot be given back at its addresses (chunks, and segments, whose largest requests
+    /// have chunks of their own) cannot sleep: [`Error::Unsupported`], the default.
+    fn sleep_begin(&self, ledger: &dyn Ledger) -> Result<Vec<(DevicePtr, usize)>> {
+        let _ = ledger;
+        Err(Error::Unsupported("sleep: this backing's memory cannot be given back at its addresses".into()))
+    }
+    /// Second step of a sleep: with `commit` (the caller's wait succeeded), unmaps what
+    /// [`Backing::sleep_begin`] took out and listed, keeping the addresses of what it listed;
+    /// the bytes listed and given back. Without, the pool stays awake as it was (the free
+    /// memory goes back into its books) and 0 is returned.
+    fn sleep_end(&self, ledger: &dyn Ledger, commit: bool) -> Result<usize> {
+        let _ = (ledger, commit);
+        Err(Error::Unsupported("sleep: this backing cannot sleep".into()))
+    }
+    /// Wakes a sleeping pool: maps fresh memory at the addresses it slept, as they were
+    /// mapped (stitched ranges over their homes again); the ranges
+    /// [`Backing::sleep_begin`] listed, whose contents are undefined until the caller copies
+    /// them back. Maps all or nothing: on an error the pool still sleeps.
+    fn wake(&self) -> Result<Vec<(DevicePtr, usize)>> {
+        Err(Error::Unsupported("wake: this backing cannot sleep".into()))
+    }
     /// Gives back every chunk the pool holds and what its stitched chunks left out of them
     /// ([`BestFitPolicy::take_stitches`]), as `(addr, size)`, when the pool is dropped.
     /// Errors only leak memory: nothing is left to report them to.

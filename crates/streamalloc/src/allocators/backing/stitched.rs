@@ -10,7 +10,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use super::{Backing, Ledger, Want};
-use crate::device::{CaptureStatus, Device, Event, EventPool, Stream};
+use crate::device::{CaptureStatus, Device, DevicePtr, Event, EventPool, Stream};
 use crate::error::{Error, OutOfMemory, Result};
 use crate::policy::best_fit::{BestFitPolicy, Class, Classes, Grant};
 
@@ -53,6 +53,12 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Classes, Grant};
 ///   pool, then waits (bounded) for the work enqueued on the pool's stream until then, then
 ///   unmaps them (PyTorch's `empty_cache` over expandable segments); past the bound nothing
 ///   is unmapped.
+/// * **Sleep** ([`Backing::sleep_begin`]) takes out what a release would, and lists the home
+///   memory still mapped, which holds the pool's data; once the caller has waited for its
+///   uses, the sleep unmaps all of it, the stitched ranges in use included, keeping the whole
+///   reservation and a record of what was mapped where. A wake maps fresh memory at those home
+///   addresses and maps the stitched ranges over it again, as they were: every address the
+///   pool handed out is valid again, and a range and its homes share memory as before.
 ///
 /// # Why stitching needs no wait
 ///
@@ -96,6 +102,45 @@ struct State {
     mapped: u64,
     /// The most bytes mapped at once so far.
     high_water: u64,
+    /// The stitched ranges mapped now, by start: their mapped length, and the home ranges
+    /// they map ([`Device::map_alias`]'s sources), to be mapped again by a wake.
+    aliases: BTreeMap<u64, (u64, Sources)>,
+    /// Where the pool is in a sleep.
+    sleep: Sleep,
+}
+
+/// The home ranges a stitched range maps, in its order ([`Device::map_alias`]'s sources).
+type Sources = Vec<(u64, usize)>;
+
+/// Where a stitched pool is in a sleep ([`Backing::sleep_begin`]).
+#[derive(Default)]
+enum Sleep {
+    /// Awake: it grows and releases.
+    #[default]
+    Awake,
+    /// Between [`Backing::sleep_begin`] and [`Backing::sleep_end`]: what the sleep took.
+    Falling(Taken),
+    /// Asleep: what a wake maps again.
+    Asleep(Slept),
+}
+
+/// What [`Backing::sleep_begin`] took out of the pool, as a release does (given back by the
+/// sleep's end), and the home ranges it listed (their memory given back too, their addresses
+/// kept).
+struct Taken {
+    retired: Vec<Retired>,
+    idle: Vec<(u64, u64)>,
+    carved: Vec<(Class, u64, u64)>,
+    homes: Vec<(u64, u64)>,
+}
+
+/// What a sleeping pool gave back at its addresses: home ranges (runs of the unmapped home
+/// area meanwhile, which nothing takes while it sleeps), and the stitched ranges over them as
+/// `(start, mapped length, home ranges mapped)`.
+#[derive(Default)]
+struct Slept {
+    homes: Vec<(u64, u64)>,
+    aliases: Vec<(u64, u64, Sources)>,
 }
 
 /// Evicted stitched ranges and the event recorded on the pool's stream after their last
@@ -178,7 +223,10 @@ impl Stitched {
             let mut left = Vec::new();
             for (addr, len) in r.ranges {
                 match self.device.unmap(addr, len as usize) {
-                    Ok(()) => insert_hole(&mut st.stitch_holes, addr, len),
+                    Ok(()) => {
+                        insert_hole(&mut st.stitch_holes, addr, len);
+                        st.aliases.remove(&addr);
+                    }
                     Err(_) => left.push((addr, len)),
                 }
             }
@@ -318,6 +366,7 @@ impl Stitched {
             return served;
         }
         take_hole(&mut st.stitch_holes, at, mapped_len);
+        st.aliases.insert(at, (mapped_len, from));
         self.evict(st, ledger, &mut |p| p.take_stale_stitched(0..=u64::MAX, IDLE_KEPT))?;
         served
     }
@@ -330,6 +379,9 @@ impl Backing for Stitched {
 
     fn grow(&self, ledger: &dyn Ledger, want: &Want) -> Result<Option<Grant>> {
         let mut st = self.state.lock();
+        if !matches!(st.sleep, Sleep::Awake) {
+            return Err(Error::Internal("a sleeping stitched pool was asked to grow".into()));
+        }
         self.reserve(&mut st)?;
         self.poll_retired(&mut st)?;
         let g = st.granularity;
@@ -399,7 +451,8 @@ impl Backing for Stitched {
     fn release(&self, ledger: &dyn Ledger, wait: &dyn Fn() -> Result<()>) -> Result<usize> {
         let (g, retired, idle, carved) = {
             let mut st = self.state.lock();
-            if st.base == 0 {
+            // A sleeping pool holds no memory: its reservation is left alone.
+            if st.base == 0 || !matches!(st.sleep, Sleep::Awake) {
                 return Ok(0);
             }
             let (g, limit) = (st.granularity, st.stitch_area);
@@ -429,7 +482,10 @@ impl Backing for Stitched {
         let mut first_error = None;
         for (addr, size) in idle {
             match self.device.unmap(addr, size as usize) {
-                Ok(()) => insert_hole(&mut st.stitch_holes, addr, size),
+                Ok(()) => {
+                    insert_hole(&mut st.stitch_holes, addr, size);
+                    st.aliases.remove(&addr);
+                }
                 Err(e) => {
                     first_error.get_or_insert(e);
                     st.retired.push(Retired { event: None, ranges: vec![(addr, size)] });
@@ -454,9 +510,174 @@ impl Backing for Stitched {
         first_error.map_or(Ok(unmapped as usize), Err)
     }
 
+    /// Takes out what a release would (idle stitched ranges, free home granules, retired
+    /// ranges) and lists the home memory still mapped: the memory of every live block, at
+    /// home or in a stitched range (whose homes stay mapped at home too).
+    fn sleep_begin(&self, ledger: &dyn Ledger) -> Result<Vec<(DevicePtr, usize)>> {
+        let mut st = self.state.lock();
+        if !matches!(st.sleep, Sleep::Awake) {
+            return Err(Error::Internal("a stitched pool was put to sleep twice".into()));
+        }
+        let mut taken =
+            Taken { retired: Vec::new(), idle: Vec::new(), carved: Vec::new(), homes: Vec::new() };
+        if st.base != 0 {
+            let (g, limit) = (st.granularity, st.stitch_area);
+            let (mut idle, mut carved) = (Vec::new(), Vec::new());
+            ledger.update(&mut |p| {
+                idle = p.take_idle_stitched();
+                carved = carve_free_granules(p, g, u64::MAX, limit);
+                Ok(())
+            })?;
+            let mut cut: Vec<(u64, u64)> = carved.iter().map(|&(_, a, l)| (a, l)).collect();
+            cut.sort_unstable();
+            taken.homes = subtract(&mapped_homes(&st), &cut);
+            taken.idle = idle.into_iter().map(|(a, l)| extent(g, a, l)).collect();
+            taken.carved = carved;
+            taken.retired = std::mem::take(&mut st.retired);
+        }
+        let listed = taken.homes.iter().map(|&(a, l)| (a, l as usize)).collect();
+        st.sleep = Sleep::Falling(taken);
+        Ok(listed)
+    }
+
+    /// With `commit`, unmaps what the sleep took out (as a release would), then every
+    /// stitched range still mapped, then the listed homes, which join the unmapped runs while
+    /// the pool sleeps. Without, puts back what was taken, as a release whose wait failed.
+    /// An unmap that fails leaves the rest mapped (homes stay mapped while a stitched range
+    /// over them could not be unmapped); the first error is returned and the pool sleeps
+    /// with what was unmapped.
+    fn sleep_end(&self, ledger: &dyn Ledger, commit: bool) -> Result<usize> {
+        let mut st = self.state.lock();
+        let Sleep::Falling(taken) = std::mem::take(&mut st.sleep) else {
+            return Err(Error::Internal("the end of a sleep that did not begin".into()));
+        };
+        let Taken { retired, idle, carved, homes } = taken;
+        if !commit {
+            st.retired.extend(retired);
+            if !idle.is_empty() {
+                st.retired.push(Retired { event: None, ranges: idle });
+            }
+            let _ = ledger.update(&mut |p| carved.iter().try_for_each(|&(k, a, l)| p.add_joined(k, a, l)));
+            return Ok(0);
+        }
+        self.unmap_retired(&mut st, retired, true);
+        let mut first_error = None;
+        for (addr, size) in idle {
+            match self.device.unmap(addr, size as usize) {
+                Ok(()) => {
+                    insert_hole(&mut st.stitch_holes, addr, size);
+                    st.aliases.remove(&addr);
+                }
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                    st.retired.push(Retired { event: None, ranges: vec![(addr, size)] });
+                }
+            }
+        }
+        for (class, addr, len) in carved {
+            match self.device.unmap(addr, len as usize) {
+                Ok(()) => {
+                    insert_hole(&mut st.holes, addr, len);
+                    st.mapped -= len;
+                }
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                    let _ = ledger.update(&mut |p| p.add_joined(class, addr, len));
+                }
+            }
+        }
+        let mut slept = Slept::default();
+        for (at, (len, from)) in std::mem::take(&mut st.aliases) {
+            match self.device.unmap(at, len as usize) {
+                Ok(()) => slept.aliases.push((at, len, from)),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                    st.aliases.insert(at, (len, from));
+                }
+            }
+        }
+        let mut bytes = 0;
+        // Homes go only once no stitched range maps their memory any more.
+        if st.aliases.is_empty() {
+            for (addr, len) in homes {
+                match self.device.unmap(addr, len as usize) {
+                    Ok(()) => {
+                        insert_hole(&mut st.holes, addr, len);
+                        st.mapped -= len;
+                        bytes += len;
+                        slept.homes.push((addr, len));
+                    }
+                    Err(e) => {
+                        first_error.get_or_insert(e);
+                    }
+                }
+            }
+        }
+        st.sleep = Sleep::Asleep(slept);
+        first_error.map_or(Ok(bytes as usize), Err)
+    }
+
+    /// Maps fresh memory at every home range slept, then the stitched ranges over them; on a
+    /// failure, unmaps what it mapped and the pool sleeps on.
+    fn wake(&self) -> Result<Vec<(DevicePtr, usize)>> {
+        let mut st = self.state.lock();
+        let Sleep::Asleep(slept) = std::mem::take(&mut st.sleep) else {
+            return Err(Error::Internal("a stitched pool that does not sleep was woken".into()));
+        };
+        let mut homes_done = 0;
+        let mut aliases_done = 0;
+        let mut mapped = Ok(());
+        for &(addr, len) in &slept.homes {
+            mapped = self.device.map(addr, len as usize);
+            if mapped.is_err() {
+                break;
+            }
+            homes_done += 1;
+        }
+        if mapped.is_ok() {
+            for (at, _, from) in &slept.aliases {
+                mapped = self.device.map_alias(from, *at);
+                if mapped.is_err() {
+                    break;
+                }
+                aliases_done += 1;
+            }
+        }
+        if let Err(e) = mapped {
+            for &(at, len, _) in &slept.aliases[..aliases_done] {
+                let _ = self.device.unmap(at, len as usize);
+            }
+            for &(addr, len) in &slept.homes[..homes_done] {
+                let _ = self.device.unmap(addr, len as usize);
+            }
+            st.sleep = Sleep::Asleep(slept);
+            return Err(e);
+        }
+        for &(addr, len) in &slept.homes {
+            take_hole(&mut st.holes, addr, len);
+            st.mapped += len;
+        }
+        st.high_water = st.high_water.max(st.mapped);
+        let Slept { homes, aliases } = slept;
+        st.aliases.extend(aliases.into_iter().map(|(at, len, from)| (at, (len, from))));
+        Ok(homes.into_iter().map(|(a, l)| (a, l as usize)).collect())
+    }
+
     fn teardown(&mut self, chunks: Vec<(u64, u64)>) {
         let mut st = std::mem::take(self.state.get_mut());
         if st.base == 0 {
+            return;
+        }
+        if !matches!(st.sleep, Sleep::Awake) {
+            // Asleep, the books name memory given back: unmap what is still mapped.
+            let _ = self.device.synchronize();
+            let retired = std::mem::take(&mut st.retired);
+            self.unmap_retired(&mut st, retired, true);
+            let aliases: Vec<(u64, u64)> = st.aliases.iter().map(|(&at, &(len, _))| (at, len)).collect();
+            for (at, len) in aliases.into_iter().chain(mapped_homes(&st)) {
+                let _ = self.device.unmap(at, len as usize);
+            }
+            let _ = self.device.free_address(st.base, st.reservation as usize);
             return;
         }
         if !chunks.is_empty() || !st.retired.is_empty() {
@@ -630,6 +851,42 @@ fn carve_free_granules(p: &mut BestFitPolicy, g: u64, bytes: u64, limit: u64) ->
         }
     }
     carved
+}
+
+/// The mapped runs of the home area, in address order: what its unmapped runs leave.
+fn mapped_homes(st: &State) -> Vec<(u64, u64)> {
+    let end = st.stitch_area.saturating_sub(st.granularity);
+    let mut runs = Vec::new();
+    let mut at = st.base;
+    for (&hole, &len) in &st.holes {
+        if hole > at {
+            runs.push((at, hole - at));
+        }
+        at = hole + len;
+    }
+    if end > at {
+        runs.push((at, end - at));
+    }
+    runs
+}
+
+/// `runs` without `cut` (both sorted by address, each without overlaps within itself).
+fn subtract(runs: &[(u64, u64)], cut: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    for &(start, len) in runs {
+        let mut at = start;
+        let end = start + len;
+        for &(c, n) in cut.iter().filter(|&&(c, n)| c < end && c + n > start) {
+            if c > at {
+                out.push((at, c - at));
+            }
+            at = at.max(c + n);
+        }
+        if end > at {
+            out.push((at, end - at));
+        }
+    }
+    out
 }
 
 /// Adds the unmapped run `[addr, addr + len)` to `holes`, merged with the runs it meets.

@@ -1,0 +1,628 @@
+//! `Tagged`: allocations made under a [tag](crate::tags) come from a pool of the tag's own,
+//! which can sleep (its memory given back to the device, its addresses kept) and wake (fresh
+//! memory at the same addresses, the contents copied back where they were offloaded).
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::{Mutex, RwLock, RwLockWriteGuard};
+
+use super::best_fit::BestFit;
+use super::pinned_host::{PinnedBuffer, PinnedHost, PinnedHostConfig};
+use super::retry;
+use super::stream_safe::{StreamSafe, StreamSafeConfig};
+use super::BackingKind;
+use crate::allocation::{Allocation, Allocator, Freed, PointerAllocator, Stats, StreamAllocator};
+use crate::device::{CaptureStatus, Device, DevicePtr, EventPool, Stream};
+use crate::error::{Error, Result};
+use crate::tags::{self, Tag};
+
+/// Allocations under a tag ([`tags::scope`]) from a [`StreamSafe`] pool of the tag's own over
+/// stitched ranges; the others from the allocator it wraps, as if it were not there (one
+/// thread-local read more).
+///
+/// * **Pools apart.** A tag's allocations never share a granule with another tag's or with
+///   untagged ones, so that putting one tag to sleep takes no one else's memory. A tag's pool
+///   is made at its first allocation (or sleep). Frees and `record_stream` by pointer look in
+///   the wrapped allocator first, then in the tags' pools. When a tag's pool runs out of
+///   memory, the others (the wrapped allocator's and the awake tags') give their free memory
+///   back and the allocation is tried once more. An untagged allocation is the wrapped
+///   allocator's call and nothing more (even a look at its answer cost measurably on the
+///   simulator's fastest path): the `Retry` adaptor (`retry_timeout`), which releases the
+///   whole stack below it, makes the tags give their free memory back for it.
+/// * **Sleep** ([`Tagged::sleep`]) is stream-ordered, with no device-wide synchronization: an
+///   internal stream waits on events recorded on the streams that use the tags' memory (the
+///   owning stream of each of their pools, the streams recorded on their allocations kept by
+///   pointer, and the events of frees pending on recorded streams); with `offload`, it then
+///   copies the memory that holds data to page-locked host memory (a [`PinnedHost`] pool of
+///   its own); the host waits for that stream alone, at most the pools' `wait_timeout`. Then
+///   the tags' free memory goes back as a release would, and the rest is unmapped, its
+///   addresses kept ([`Backing::sleep_begin`](super::Backing::sleep_begin)). Other tags and
+///   untagged allocations go on meanwhile. A stream recorded on a handle
+///   ([`Allocation::record_stream`]) is known only at its free: free such handles, or wait for
+///   those streams, before a sleep. Work enqueued on a tag's memory after its sleep began is
+///   the caller's error.
+/// * **Wake** ([`Tagged::wake`]) maps fresh memory at the same addresses (all the tags' or
+///   none: on out-of-memory the others give their free memory back and it is tried once
+///   more), then, where the sleep offloaded, copies the contents back on the internal stream
+///   and returns once the copies have completed (the host waits, bounded), so work enqueued
+///   on any stream afterwards sees them. Without offload, the memory's contents are undefined.
+/// * **Defined answers.** Sleeping a sleeping tag, or waking an awake one, does nothing (0
+///   bytes). Allocating in a sleeping tag is an [`Error::InvalidArgument`] naming the tag.
+///   Freeing a sleeping tag's allocation is allowed: the block goes back to the pool's books,
+///   its memory already given back (a wake maps it again with the rest). A release
+///   (`empty_cache`) leaves sleeping tags alone (they hold no memory). A sleep or wake that
+///   fails leaves each tag as it was (but an unmap failing at the end of a sleep, which leaves
+///   the tag asleep with what it could give back, and reports the error).
+/// * **Statistics** ([`Allocator::stats`]) add the tags' pools to the wrapped allocator's: a
+///   sleeping tag counts its live allocations but no `reserved` or `cached` bytes;
+///   [`Tagged::tag_stats`] has each tag's, with the bytes slept.
+pub struct Tagged<A> {
+    main: A,
+    device: Arc<dyn Device>,
+    /// The settings of each tag's pool.
+    config: StreamSafeConfig,
+    /// The tags' pools, in the order made.
+    tags: RwLock<Vec<Arc<TagPool>>>,
+    /// `tags.len()`, read without the lock by the frees the wrapped allocator did not make.
+    count: AtomicUsize,
+    /// Serializes sleeps and wakes; holds the internal stream they order their work on.
+    moving: Mutex<Option<Stream>>,
+    events: EventPool,
+    /// Page-locked host memory for offloaded contents.
+    pinned: PinnedHost,
+    /// Allocations that failed in a pool and succeeded once the others gave memory back: the
+    /// pool counted a failure, which [`Allocator::stats`] counts as a retry instead.
+    recovered: AtomicU64,
+}
+
+/// A tag's pool.
+struct TagPool {
+    tag: Tag,
+    alloc: StreamSafe,
+    /// Read by allocations (and calls that reach the pool's books other than frees), written
+    /// by sleeps and wakes.
+    phase: RwLock<Phase>,
+}
+
+enum Phase {
+    Awake,
+    Asleep(Slumber),
+}
+
+/// What a sleeping tag gave back.
+struct Slumber {
+    /// Each pool put to sleep (kept, so that a wake finds it whatever its allocator did with
+    /// it meanwhile), with the copies of its contents when offloaded.
+    pools: Vec<(BestFit, Vec<Piece>)>,
+    /// Bytes given back at their addresses.
+    bytes: usize,
+    offloaded: bool,
+}
+
+/// Offloaded contents: the device range at `addr`, of the buffer's size.
+struct Piece {
+    addr: DevicePtr,
+    buffer: PinnedBuffer,
+}
+
+/// One tag's figures ([`Tagged::tag_stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TagStats {
+    /// Whether the tag sleeps.
+    pub asleep: bool,
+    /// Whether its contents were offloaded (they come back at the wake).
+    pub offloaded: bool,
+    /// Bytes given back to the device at their addresses while it sleeps (0 awake).
+    pub slept: usize,
+    /// Its pool's figures: while it sleeps, `reserved` is what could not be given back (0
+    /// normally) and `cached` 0.
+    pub stats: Stats,
+}
+
+/// A pool put to sleep by one call: the index of its tag among the call's, the pool, and the
+/// ranges that hold its data.
+type Falling = (usize, BestFit, Vec<(DevicePtr, usize)>);
+
+impl<A: StreamAllocator + PointerAllocator> Tagged<A> {
+    /// Tags over `main` on `device`; each tag's pool is a [`StreamSafe`] with `config`, whose
+    /// backing must be [`BackingKind::Stitched`] ([`Error::Unsupported`] otherwise: only
+    /// stitched ranges give memory back at its addresses). Makes no device call.
+    pub fn new(main: A, device: Arc<dyn Device>, config: StreamSafeConfig) -> Result<Self> {
+        if config.pool.backing != BackingKind::Stitched {
+            return Err(Error::Unsupported(format!(
+                "tags sleep over stitched ranges only, not {:?}",
+                config.pool.backing
+            )));
+        }
+        // Validates the settings once, up front.
+        StreamSafe::new(device.clone(), config)?;
+        let pinned = PinnedHost::new(
+            device.clone(),
+            PinnedHostConfig { wait_timeout: config.pool.wait_timeout, ..Default::default() },
+        )?;
+        Ok(Self {
+            main,
+            events: EventPool::new(device.clone()),
+            device,
+            config,
+            tags: RwLock::new(Vec::new()),
+            count: AtomicUsize::new(0),
+            moving: Mutex::new(None),
+            pinned,
+            recovered: AtomicU64::new(0),
+        })
+    }
+
+    /// The allocator that serves untagged allocations.
+    pub fn main(&self) -> &A {
+        &self.main
+    }
+
+    /// The pool of `tag`, made if it has none.
+    fn pool(&self, tag: Tag) -> Result<Arc<TagPool>> {
+        if let Some(p) = self.tags.read().iter().find(|p| p.tag == tag) {
+            return Ok(p.clone());
+        }
+        let mut tags = self.tags.write();
+        if let Some(p) = tags.iter().find(|p| p.tag == tag) {
+            return Ok(p.clone());
+        }
+        let alloc = StreamSafe::new(self.device.clone(), self.config)?;
+        let pool = Arc::new(TagPool { tag, alloc, phase: RwLock::new(Phase::Awake) });
+        tags.push(pool.clone());
+        self.count.store(tags.len(), Ordering::Release);
+        Ok(pool)
+    }
+
+    /// The tags' pools.
+    fn snapshot(&self) -> Vec<Arc<TagPool>> {
+        if self.count.load(Ordering::Acquire) == 0 {
+            return Vec::new();
+        }
+        self.tags.read().clone()
+    }
+
+    /// Runs `f` on `tag`'s pool unless the tag sleeps; on out-of-memory, the others give their
+    /// free memory back and `f` runs once more. Kept out of line: the untagged path stays as
+    /// small as the wrapped allocator's call.
+    #[inline(never)]
+    fn in_tag<T>(&self, tag: Tag, size: usize, f: impl Fn(&StreamSafe) -> Result<T>) -> Result<T> {
+        let pool = self.pool(tag)?;
+        let attempt = || match &*pool.phase.read() {
+            Phase::Awake => f(&pool.alloc),
+            Phase::Asleep(_) => Err(Error::InvalidArgument(format!(
+                "allocation of {size} bytes in tag `{tag}` on device {}, which sleeps: wake it first",
+                self.device.ordinal()
+            ))),
+        };
+        self.recover(attempt, &[tag], true)
+    }
+
+    /// Runs `attempt`; on out-of-memory, gives back the free memory of the wrapped allocator
+    /// (with `main`) and of the awake tags not in `except`, and runs it once more.
+    fn recover<T>(&self, attempt: impl FnMut() -> Result<T>, except: &[Tag], main: bool) -> Result<T> {
+        let release = || self.release_others(except, main).map(|_| None);
+        let retried = retry::on_out_of_memory(Duration::ZERO, attempt, release, |_| ());
+        if retried.retried() {
+            self.recovered.fetch_add(1, Ordering::Relaxed);
+        }
+        retried.result
+    }
+
+    /// Gives back the free memory of the wrapped allocator (with `main`) and of the awake tags
+    /// not in `except` (a tag busy with a sleep or wake is passed over); the bytes.
+    fn release_others(&self, except: &[Tag], main: bool) -> Result<usize> {
+        let mut total = 0;
+        let mut first_error = None;
+        let mut count = |released: Result<usize>| match released {
+            Ok(n) => total += n,
+            Err(e) => {
+                first_error.get_or_insert(e);
+            }
+        };
+        if main {
+            count(self.main.release());
+        }
+        for pool in self.snapshot().iter().filter(|p| !except.contains(&p.tag)) {
+            if let Some(phase) = pool.phase.try_read() {
+                if matches!(*phase, Phase::Awake) {
+                    count(pool.alloc.release());
+                }
+            }
+        }
+        first_error.map_or(Ok(total), Err)
+    }
+
+    /// The figures of `tag` (zeros for a tag that has allocated nothing here).
+    pub fn tag_stats(&self, tag: Tag) -> TagStats {
+        let pool = self.snapshot().into_iter().find(|p| p.tag == tag);
+        pool.map_or_else(TagStats::default, |p| p.stats())
+    }
+
+    /// The pools of `tags`, made where missing, each once, in the order of their tags (the
+    /// order their phases are locked in).
+    fn pools_of(&self, tags: &[Tag]) -> Result<Vec<Arc<TagPool>>> {
+        let mut tags = tags.to_vec();
+        tags.sort_unstable();
+        tags.dedup();
+        tags.into_iter().map(|t| self.pool(t)).collect()
+    }
+
+    /// The internal stream, made at the first sleep.
+    fn stream(&self, held: &mut Option<Stream>) -> Result<Stream> {
+        match *held {
+            Some(s) => Ok(s),
+            None => Ok(*held.insert(self.device.create_stream()?)),
+        }
+    }
+
+    /// Makes `waiter` wait for the work enqueued so far on `stream`, which uses `tag`'s memory.
+    /// A capturing stream is refused: its work does not run now, and recording on it would
+    /// join `waiter` to its capture.
+    fn order_after(&self, stream: Stream, waiter: Stream, tag: Tag) -> Result<()> {
+        if self.device.capture_status(stream)? != CaptureStatus::None {
+            return Err(Error::Unsupported(format!(
+                "sleep of tag `{tag}`: stream {:#x}, which uses its memory, is capturing a graph; sleep \
+                 after the capture ends",
+                stream.0
+            )));
+        }
+        let event = self.events.get()?;
+        let ordered = self
+            .device
+            .record_event(event, stream)
+            .and_then(|()| self.device.stream_wait_event(waiter, event));
+        // The wait captured the event's state; the event can be reused at once.
+        self.events.put(event);
+        ordered
+    }
+
+    /// Waits, at most the pools' `wait_timeout`, for the work enqueued so far on `stream`;
+    /// on a timeout, an [`Error::Timeout`] saying it waited for `what`.
+    fn wait(&self, stream: Stream, what: impl FnOnce() -> String) -> Result<()> {
+        let timeout = self.config.pool.wait_timeout;
+        let event = self.events.get()?;
+        let done =
+            self.device.record_event(event, stream).and_then(|()| self.device.wait_event(event, timeout));
+        self.events.put(event);
+        match done? {
+            true => Ok(()),
+            false => Err(Error::Timeout { waited_for: what(), after: timeout }),
+        }
+    }
+
+    /// Puts `tags` to sleep (see [`Tagged`]): their memory goes back to the device, their
+    /// addresses stay reserved, and with `offload` their contents are kept in page-locked host
+    /// memory until [`Tagged::wake`]. The bytes given back at their addresses. A tag asleep
+    /// already is left as it is.
+    pub fn sleep(&self, tags: &[Tag], offload: bool) -> Result<usize> {
+        let mut moving = self.moving.lock();
+        let pools = self.pools_of(tags)?;
+        let mut phases: Vec<RwLockWriteGuard<'_, Phase>> = pools.iter().map(|p| p.phase.write()).collect();
+        let falling: Vec<usize> = (0..pools.len()).filter(|&i| matches!(*phases[i], Phase::Awake)).collect();
+        if falling.is_empty() {
+            return Ok(0);
+        }
+        let stream = self.stream(&mut moving)?;
+        // The internal stream waits for every use of the tags' memory.
+        let mut users: Vec<Stream> = Vec::new();
+        let mut held = Vec::new();
+        for &i in &falling {
+            let (tag, alloc) = (pools[i].tag, &pools[i].alloc);
+            for (owner, pool) in alloc.pools_held() {
+                if let Some(owner) = owner {
+                    self.order_after(owner, stream, tag)?;
+                    users.push(owner);
+                }
+                pool.order_after_pending(stream)?;
+                held.push((i, pool));
+            }
+            for recorded in alloc.recorded_streams() {
+                self.order_after(recorded, stream, tag)?;
+                users.push(recorded);
+            }
+        }
+        users.sort_unstable();
+        users.dedup();
+        // The books: free memory taken out, the ranges with data listed.
+        let mut begun: Vec<Falling> = Vec::new();
+        for (i, pool) in held {
+            match pool.sleep_begin() {
+                Ok(ranges) => begun.push((i, pool, ranges)),
+                Err(e) => return Err(Self::fall_back(&begun, e)),
+            }
+        }
+        let mut pieces: Vec<Vec<Piece>> = Vec::new();
+        if offload {
+            for (_, _, ranges) in &begun {
+                match self.copy_out(ranges, stream) {
+                    Ok(p) => pieces.push(p),
+                    Err(e) => return Err(Self::fall_back(&begun, e)),
+                }
+            }
+        }
+        let waited = self.wait(stream, || {
+            let bytes: usize = begun.iter().flat_map(|(_, _, r)| r).map(|&(_, len)| len).sum();
+            let copies = if offload { format!(", and the copies of {bytes} bytes to host memory") } else { String::new() };
+            format!(
+                "the work enqueued on the streams that use the memory of tag(s) {} ({}){copies}, before putting \
+                 them to sleep; nothing was put to sleep",
+                names(falling.iter().map(|&i| pools[i].tag)),
+                users.iter().map(|s| format!("{:#x}", s.0)).collect::<Vec<_>>().join(", ")
+            )
+        });
+        if let Err(e) = waited {
+            // The copies may still run: their buffers go back once the stream is done.
+            return Err(Self::fall_back(&begun, e));
+        }
+        let mut total = 0;
+        let mut first_error = None;
+        let mut slumbers: Vec<Slumber> =
+            falling.iter().map(|_| Slumber { pools: Vec::new(), bytes: 0, offloaded: offload }).collect();
+        let mut pieces = pieces.into_iter();
+        for (i, pool, _) in begun {
+            let slumber = &mut slumbers[falling.iter().position(|&f| f == i).unwrap_or(0)];
+            match pool.sleep_end(true) {
+                Ok(bytes) => slumber.bytes += bytes,
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+            slumber.pools.push((pool, pieces.next().unwrap_or_default()));
+        }
+        for (&i, slumber) in falling.iter().zip(slumbers) {
+            total += slumber.bytes;
+            *phases[i] = Phase::Asleep(slumber);
+        }
+        first_error.map_or(Ok(total), Err)
+    }
+
+    /// Ends the sleeps `begun` without committing them (each pool awake as it was); `error`.
+    fn fall_back(begun: &[Falling], error: Error) -> Error {
+        for (_, pool, _) in begun {
+            let _ = pool.sleep_end(false);
+        }
+        error
+    }
+
+    /// Copies `ranges` to page-locked host memory on `stream`, in pieces of powers of two (the
+    /// pinned pool's blocks, so none is larger than its range).
+    fn copy_out(&self, ranges: &[(DevicePtr, usize)], stream: Stream) -> Result<Vec<Piece>> {
+        let mut pieces = Vec::new();
+        for &(addr, len) in ranges {
+            let mut at = 0;
+            while at < len {
+                let n = 1 << (len - at).ilog2();
+                let mut buffer = self.pinned.allocate(n)?;
+                // Reused only once the stream's copies from and to it are done.
+                buffer.record_stream(&self.device, stream)?;
+                self.device.copy_to_pinned(buffer.ptr(), addr + at as u64, n, stream)?;
+                pieces.push(Piece { addr: addr + at as u64, buffer });
+                at += n;
+            }
+        }
+        Ok(pieces)
+    }
+
+    /// Wakes `tags` (see [`Tagged`]): fresh memory at the addresses they slept, and, where
+    /// they were offloaded, their contents copied back before this returns. The bytes mapped
+    /// again. An awake tag is left as it is.
+    pub fn wake(&self, tags: &[Tag]) -> Result<usize> {
+        let mut moving = self.moving.lock();
+        let pools = self.pools_of(tags)?;
+        let mut phases: Vec<RwLockWriteGuard<'_, Phase>> = pools.iter().map(|p| p.phase.write()).collect();
+        let rising: Vec<usize> =
+            (0..pools.len()).filter(|&i| matches!(*phases[i], Phase::Asleep(_))).collect();
+        if rising.is_empty() {
+            return Ok(0);
+        }
+        let woken: Vec<Tag> = rising.iter().map(|&i| pools[i].tag).collect();
+        let mut slumbers: Vec<Slumber> = Vec::new();
+        for &i in &rising {
+            if let Phase::Asleep(slumber) = std::mem::replace(&mut *phases[i], Phase::Awake) {
+                slumbers.push(slumber);
+            }
+        }
+        // Every pool maps again, or none does: the ranges mapped, per pool of each slumber.
+        let mut mapped: Vec<Vec<Vec<(DevicePtr, usize)>>> = Vec::new();
+        let mut failed = None;
+        'map: for slumber in &slumbers {
+            let mut ranges = Vec::new();
+            for (pool, _) in &slumber.pools {
+                match self.recover(|| pool.wake(), &woken, true) {
+                    Ok(r) => ranges.push(r),
+                    Err(e) => {
+                        failed = Some(e);
+                        mapped.push(ranges);
+                        break 'map;
+                    }
+                }
+            }
+            mapped.push(ranges);
+        }
+        if let Some(e) = failed {
+            // Nothing used what was mapped: back to sleep at once, and the tags sleep on.
+            for (slumber, ranges) in slumbers.iter().zip(&mapped) {
+                for (pool, _) in &slumber.pools[..ranges.len()] {
+                    let _ = pool.sleep_begin().and_then(|_| pool.sleep_end(true));
+                }
+            }
+            for (&i, slumber) in rising.iter().zip(slumbers) {
+                *phases[i] = Phase::Asleep(slumber);
+            }
+            return Err(e);
+        }
+        let bytes: usize = mapped.iter().flatten().flatten().map(|&(_, len)| len).sum();
+        let mut copies = Vec::new();
+        for (slumber, ranges) in slumbers.iter().zip(&mapped) {
+            for ((_, pieces), ranges) in slumber.pools.iter().zip(ranges) {
+                copies.extend(pieces.iter().flat_map(|p| clip(p, ranges)));
+            }
+        }
+        if copies.is_empty() {
+            return Ok(bytes);
+        }
+        let stream = self.stream(&mut moving)?;
+        for &(dst, src, len) in &copies {
+            self.device.copy_from_pinned(dst, src, len, stream)?;
+        }
+        let copied: usize = copies.iter().map(|&(_, _, len)| len).sum();
+        // The buffers go back to the pinned pool as the slumbers drop, reused once the copies
+        // are done (they recorded the stream).
+        self.wait(stream, || {
+            format!(
+                "the copies of {copied} bytes from host memory back into tag(s) {}; they are awake, their \
+                 contents complete once the copies are",
+                names(woken.iter().copied())
+            )
+        })?;
+        Ok(bytes)
+    }
+}
+
+/// The parts of `piece` that lie in `ranges`, as copies `(device address, host address,
+/// bytes)`.
+fn clip(piece: &Piece, ranges: &[(DevicePtr, usize)]) -> Vec<(DevicePtr, u64, usize)> {
+    let (start, end) = (piece.addr, piece.addr + piece.buffer.size() as u64);
+    ranges
+        .iter()
+        .filter_map(|&(a, len)| {
+            let (from, to) = (start.max(a), end.min(a + len as u64));
+            (from < to).then(|| (from, piece.buffer.ptr() + (from - start), (to - from) as usize))
+        })
+        .collect()
+}
+
+/// `tags` as an error lists them: `a`, `b`.
+fn names(tags: impl Iterator<Item = Tag>) -> String {
+    tags.map(|t| format!("`{t}`")).collect::<Vec<_>>().join(", ")
+}
+
+impl TagPool {
+    fn stats(&self) -> TagStats {
+        let mut stats = self.alloc.stats();
+        match &*self.phase.read() {
+            Phase::Awake => TagStats { stats, ..TagStats::default() },
+            Phase::Asleep(s) => {
+                stats.reserved = stats.reserved.saturating_sub(s.bytes);
+                stats.cached = 0;
+                stats.largest_free_block = 0;
+                TagStats { asleep: true, offloaded: s.offloaded, slept: s.bytes, stats }
+            }
+        }
+    }
+}
+
+impl<A: StreamAllocator + PointerAllocator> Allocator for Tagged<A> {
+    fn allocate(&self, size: usize) -> Result<Allocation> {
+        self.allocate_on(size, self.main.default_stream())
+    }
+
+    /// The wrapped allocator's release, then each awake tag's; the pinned memory kept for
+    /// offloads goes back too (not counted: it is host memory).
+    fn release(&self) -> Result<usize> {
+        let released = self.release_others(&[], true);
+        let pinned = self.pinned.release();
+        let released = released?;
+        pinned?;
+        Ok(released)
+    }
+
+    /// The wrapped allocator's figures and every tag's ([`TagStats::stats`]).
+    fn stats(&self) -> Stats {
+        let mut stats: Stats =
+            std::iter::once(self.main.stats()).chain(self.snapshot().iter().map(|p| p.stats().stats)).sum();
+        let recovered = self.recovered.load(Ordering::Relaxed);
+        stats.failures = stats.failures.saturating_sub(recovered);
+        stats.retries += recovered;
+        stats
+    }
+
+    fn reset_peak_stats(&self) {
+        self.main.reset_peak_stats();
+        for p in self.snapshot() {
+            p.alloc.reset_peak_stats();
+        }
+    }
+
+    fn device(&self) -> usize {
+        self.main.device()
+    }
+}
+
+impl<A: StreamAllocator + PointerAllocator> StreamAllocator for Tagged<A> {
+    fn allocate_on(&self, size: usize, stream: Stream) -> Result<Allocation> {
+        if let Some(tag) = tags::current() {
+            return self.in_tag(tag, size, |pool| pool.allocate_on(size, stream));
+        }
+        self.main.allocate_on(size, stream)
+    }
+
+    fn default_stream(&self) -> Stream {
+        self.main.default_stream()
+    }
+
+    fn set_default_stream(&self, stream: Stream) {
+        self.main.set_default_stream(stream);
+    }
+
+    /// The wrapped allocator and every tag's pool forget `stream`; the first error.
+    fn retire_stream(&self, stream: Stream) -> Result<()> {
+        let mut first = self.main.retire_stream(stream).err();
+        for p in self.snapshot() {
+            let _phase = p.phase.read();
+            if let Err(e) = p.alloc.retire_stream(stream) {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+}
+
+impl<A: StreamAllocator + PointerAllocator> PointerAllocator for Tagged<A> {
+    fn allocate_ptr(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
+        if let Some(tag) = tags::current() {
+            return self.in_tag(tag, size, |pool| pool.allocate_ptr(size, stream));
+        }
+        self.main.allocate_ptr(size, stream)
+    }
+
+    fn free_ptr(&self, ptr: DevicePtr, owner: Stream) -> Option<Freed> {
+        if let Some(freed) = self.main.free_ptr(ptr, owner) {
+            return Some(freed);
+        }
+        self.snapshot().iter().find_map(|p| p.alloc.free_ptr(ptr, owner))
+    }
+
+    fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> Result<bool> {
+        if self.main.record_stream_ptr(ptr, stream)? {
+            return Ok(true);
+        }
+        for p in self.snapshot() {
+            if p.alloc.record_stream_ptr(ptr, stream)? {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// The asking stream under a tag (the tags' pools are stream-safe), else the wrapped
+    /// allocator's answer.
+    fn owning_stream(&self, asked: Stream) -> Stream {
+        match tags::current() {
+            Some(_) => asked,
+            None => self.main.owning_stream(asked),
+        }
+    }
+}
+
+impl<A> Drop for Tagged<A> {
+    fn drop(&mut self) {
+        if let Some(stream) = self.moving.get_mut().take() {
+            // Work enqueued on it still completes; the pinned buffers wait for it as they go.
+            let _ = self.device.destroy_stream(stream);
+        }
+    }
+}

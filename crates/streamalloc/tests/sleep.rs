@@ -1,0 +1,410 @@
+//! Tags, sleep and wake (issue 36) on the simulator: a tag's memory goes back to the device
+//! and comes back at the same addresses, its contents with it where offloaded; the sleep waits
+//! for the streams that use the memory and for no other; every misuse has its answer; the
+//! ordering checker sees no early reuse and no unmap under a kernel, with threads at work.
+
+use std::sync::Arc;
+use std::thread;
+use std::time::Duration;
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use streamalloc::device::sim::{SimConfig, SimDevice};
+use streamalloc::device::DeviceTestExt;
+use streamalloc::facade::{Config, Facade};
+use streamalloc::{tags, Allocation, Allocator, Device, Error, PointerAllocator, Stream};
+
+const MIB: usize = 1 << 20;
+const GRANULE: usize = 2 * MIB;
+
+/// A facade on a simulated device (of 1 GiB unless `conf` says) configured by `conf`; its
+/// simulator.
+fn facade(conf: &str) -> (Facade, Arc<SimDevice>) {
+    let capacity = if conf.contains("sim_capacity") { "" } else { ",sim_capacity=1GiB" };
+    let f = Facade::new(Config::parse(&format!("device=sim{capacity},{conf}")).expect("config"));
+    let sim = f.stack(0).expect("stack").sim.clone().expect("simulator");
+    (f, sim)
+}
+
+/// Allocates `size` bytes on `stream` under `tag` (untagged for `None`).
+fn alloc(f: &Facade, tag: Option<&str>, size: usize, stream: Stream) -> streamalloc::Result<Allocation> {
+    let _scope = tag.map(|t| tags::scope(t).expect("tag"));
+    f.allocate(size, 0, stream)
+}
+
+/// Bytes that differ from one allocation to the next.
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i % 251) as u8 ^ seed).collect()
+}
+
+fn read(sim: &SimDevice, a: &Allocation, stream: Stream) -> Vec<u8> {
+    let mut out = vec![0; a.size()];
+    sim.copy_to_host(&mut out, a.ptr(), stream).expect("read");
+    out
+}
+
+fn used(sim: &SimDevice) -> usize {
+    sim.mem_info().expect("mem_info").used()
+}
+
+/// Blocks of a stitched range and of the home area of a tag: small blocks, two of 6 MiB of
+/// which the first and the small ones are freed, and a block of 12 MiB that the freed memory
+/// pays for, mapped a second time (a stitched range).
+fn stitched_blocks(f: &Facade, sim: &SimDevice, tag: &str, s: Stream) -> (Allocation, Allocation) {
+    let small: Vec<Allocation> = (0..8).map(|_| alloc(f, Some(tag), 256 << 10, s).expect("small")).collect();
+    let a = alloc(f, Some(tag), 6 * MIB, s).expect("a");
+    let b = alloc(f, Some(tag), 6 * MIB, s).expect("b");
+    drop(a);
+    drop(small);
+    let aliases = sim.aliases();
+    let c = alloc(f, Some(tag), 12 * MIB, s).expect("c");
+    assert_eq!(sim.aliases(), aliases + 1, "c is a stitched range");
+    (b, c)
+}
+
+#[test]
+fn an_offloaded_sleep_gives_the_memory_back_and_the_wake_restores_it_at_the_same_addresses() {
+    let (f, sim) = facade("");
+    let s = sim.create_stream().unwrap();
+    let (b, c) = stitched_blocks(&f, &sim, "kv_cache", s);
+    let weights = alloc(&f, Some("weights"), 40 * MIB, s).unwrap();
+    let plain = alloc(&f, None, 20 * MIB, s).unwrap();
+    let data: Vec<Vec<u8>> =
+        [&b, &c, &weights, &plain].iter().enumerate().map(|(i, a)| pattern(a.size(), i as u8)).collect();
+    for (a, d) in [&b, &c, &weights, &plain].iter().zip(&data) {
+        sim.copy_from_host(a.ptr(), d, s).unwrap();
+    }
+    let (used_before, reserved_before) = (used(&sim), f.stats(0).reserved);
+    let slept = f.sleep(0, &["kv_cache", "weights"], true).unwrap();
+    // Every home granule of the two tags held data: what went back is what they reserved.
+    assert!(slept >= b.size() + c.size() + weights.size(), "slept {slept}");
+    assert_eq!(used(&sim), used_before - slept, "the device's memory dropped by the bytes slept");
+    let reserved = f.stats(0).reserved;
+    assert!(
+        reserved_before - reserved >= slept && reserved_before - reserved - slept < GRANULE,
+        "{reserved_before} -> {reserved}, slept {slept}"
+    );
+    let kv = f.tag_stats(0, "kv_cache").unwrap();
+    assert!(kv.asleep && kv.offloaded && kv.slept > 0 && kv.stats.reserved == 0, "{kv:?}");
+    assert_eq!(kv.stats.live_allocations, 2);
+    assert_eq!(f.tag_stats(0, "weights").unwrap().slept + kv.slept, slept);
+    // Untagged memory stays.
+    assert_eq!(read(&sim, &plain, s), data[3]);
+
+    assert_eq!(f.wake(0, &["weights", "kv_cache"]).unwrap(), slept);
+    assert_eq!(used(&sim), used_before, "a stitched range and its homes share memory again");
+    assert_eq!(f.stats(0).reserved, reserved_before);
+    for (a, d) in [&b, &c, &weights, &plain].iter().zip(&data) {
+        assert!(read(&sim, a, s) == *d, "the contents at {:#x} came back", a.ptr());
+    }
+    assert!(!f.tag_stats(0, "kv_cache").unwrap().asleep);
+    // The memory is the tags' again: written through the stitched range, read back.
+    sim.memset_async(c.ptr(), 7, c.size(), s).unwrap();
+    assert!(read(&sim, &c, s).iter().all(|&x| x == 7));
+    drop((b, c, weights, plain));
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}
+
+#[test]
+fn without_offload_the_memory_comes_back_fresh_at_the_same_addresses() {
+    let (f, sim) = facade("");
+    let s = sim.create_stream().unwrap();
+    let a = alloc(&f, Some("activations"), 10 * MIB, s).unwrap();
+    sim.memset_async(a.ptr(), 9, a.size(), s).unwrap();
+    let slept = f.sleep(0, &["activations"], false).unwrap();
+    assert_eq!(slept, 10 * MIB);
+    assert!(!f.tag_stats(0, "activations").unwrap().offloaded);
+    assert_eq!(f.wake(0, &["activations"]).unwrap(), 10 * MIB);
+    assert!(read(&sim, &a, s).iter().all(|&x| x == 0), "fresh memory (the simulator's reads as 0)");
+    sim.memset_async(a.ptr(), 3, a.size(), s).unwrap();
+    assert!(read(&sim, &a, s).iter().all(|&x| x == 3));
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}
+
+/// The sleep waits for the owning stream's kernel, for a stream recorded on an allocation kept
+/// by pointer and for a free pending on a recorded stream (each the longest in one round), and
+/// not for a busy stream that never used the tag's memory. Had it not waited for one, the
+/// simulator would have refused the unmap under its kernel and recorded a violation.
+#[test]
+fn the_sleep_waits_for_the_streams_that_use_the_memory_and_for_no_other() {
+    for longest in 0..3 {
+        let (f, sim) = facade("wait_timeout=1s");
+        let [owner, recorded, pending, busy] = [0; 4].map(|_| sim.create_stream().unwrap());
+        let a = alloc(&f, Some("kv"), 8 * MIB, owner).unwrap();
+        let allocator = f.allocator(0).unwrap();
+        let kept = {
+            let _t = tags::scope("kv").unwrap();
+            allocator.allocate_ptr(4 * MIB, owner).unwrap()
+        };
+        assert!(allocator.record_stream_ptr(kept, recorded).unwrap());
+        let mut freed = alloc(&f, Some("kv"), 4 * MIB, owner).unwrap();
+        freed.record_stream(pending);
+        let other = alloc(&f, None, 8 * MIB, busy).unwrap();
+        let t0 = sim.now();
+        let ns = |i: usize| if i == longest { 3_000_000 } else { 1_000_000 };
+        sim.use_range(a.ptr(), a.size(), owner, ns(0)).unwrap();
+        sim.use_range(kept, 4 * MIB, recorded, ns(1)).unwrap();
+        sim.use_range(freed.ptr(), freed.size(), pending, ns(2)).unwrap();
+        sim.use_range(other.ptr(), other.size(), busy, 500_000_000).unwrap();
+        drop(freed); // pending on an event of `pending`
+        let waits = sim.host_waits();
+        f.sleep(0, &["kv"], true).unwrap_or_else(|e| panic!("round {longest}: {e}"));
+        let now = sim.now();
+        assert!(
+            now >= t0 + 3_000_000,
+            "round {longest}: the sleep returned at {now}, before the kernels ended"
+        );
+        assert!(now < t0 + 100_000_000, "round {longest}: the sleep waited for the busy stream: {now}");
+        assert_eq!(sim.host_waits(), waits + 1, "one host wait, for the internal stream");
+        assert!(sim.violations().is_empty(), "round {longest}: {:?}", sim.violations());
+        f.wake(0, &["kv"]).unwrap();
+        assert!(allocator.free_ptr(kept, owner).is_some());
+        drop((a, other));
+        assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    }
+}
+
+#[test]
+fn a_sleep_whose_streams_outlast_the_bound_names_them_and_leaves_the_tag_awake() {
+    let (f, sim) = facade("wait_timeout=10ms");
+    let s = sim.create_stream().unwrap();
+    let a = alloc(&f, Some("kv"), 8 * MIB, s).unwrap();
+    sim.use_range(a.ptr(), a.size(), s, 1_000_000_000).unwrap();
+    let used_before = used(&sim);
+    match f.sleep(0, &["kv"], true) {
+        Err(Error::Timeout { waited_for, .. }) => {
+            assert!(
+                waited_for.contains(&format!("{:#x}", s.0)) && waited_for.contains("`kv`"),
+                "{waited_for}"
+            )
+        }
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    assert_eq!(used(&sim), used_before, "nothing was given back");
+    assert!(!f.tag_stats(0, "kv").unwrap().asleep);
+    let more = alloc(&f, Some("kv"), MIB, s).expect("the tag is awake");
+    sim.synchronize_stream(s).unwrap();
+    assert!(f.sleep(0, &["kv"], false).unwrap() > 0);
+    drop((a, more));
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}
+
+#[test]
+fn each_misuse_has_its_answer_and_other_tags_go_on() {
+    let (f, sim) = facade("");
+    let s = sim.create_stream().unwrap();
+    let a = alloc(&f, Some("kv"), 8 * MIB, s).unwrap();
+    let b = alloc(&f, Some("kv"), 2 * MIB, s).unwrap();
+    let slept = f.sleep(0, &["kv"], true).unwrap();
+    // Sleeping what sleeps: nothing, no device call.
+    let calls = sim.calls();
+    assert_eq!(f.sleep(0, &["kv"], true).unwrap(), 0);
+    assert_eq!(sim.calls(), calls);
+    // Allocating in a sleeping tag: an error naming it.
+    match alloc(&f, Some("kv"), MIB, s) {
+        Err(Error::InvalidArgument(m)) => assert!(m.contains("`kv`") && m.contains("sleeps"), "{m}"),
+        other => panic!("expected an error, got {other:?}"),
+    }
+    // Other tags and untagged allocations go on.
+    let other = alloc(&f, Some("weights"), 4 * MIB, s).unwrap();
+    let plain = alloc(&f, None, 4 * MIB, s).unwrap();
+    // Freeing a sleeping tag's allocation: back to its books.
+    drop(b);
+    assert_eq!(f.tag_stats(0, "kv").unwrap().stats.live_allocations, 1);
+    // A release leaves the sleeping tag alone.
+    f.release_all().unwrap();
+    assert!(f.tag_stats(0, "kv").unwrap().asleep);
+    // A tag that never allocated sleeps and wakes for nothing.
+    assert_eq!(f.sleep(0, &["never"], true).unwrap(), 0);
+    assert!(f.tag_stats(0, "never").unwrap().asleep);
+    assert_eq!(f.wake(0, &["never", "kv"]).unwrap(), slept);
+    // Waking what is awake: nothing.
+    let calls = sim.calls();
+    assert_eq!(f.wake(0, &["kv"]).unwrap(), 0);
+    assert_eq!(sim.calls(), calls);
+    let c = alloc(&f, Some("kv"), MIB, s).expect("awake again");
+    // Bad names.
+    assert!(matches!(f.sleep(0, &[""], false), Err(Error::InvalidArgument(_))));
+    assert!(matches!(tags::scope("a\u{1b}b"), Err(Error::InvalidArgument(_))));
+    drop((a, c, other, plain));
+    f.release_all().unwrap();
+    assert_eq!(f.stats(0).reserved, 0);
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}
+
+#[test]
+fn memory_that_cannot_sleep_says_so_and_tags_are_served_untagged() {
+    for (conf, named) in [
+        ("strategy=async", "strategy=async"),
+        ("strategy=plain", "strategy=plain"),
+        ("backing=chunks", "backing=chunks"),
+        ("backing=segments", "backing=segments"),
+        ("strategy=best_fit,backing=chunks", "backing=chunks"),
+        ("sim_virtual_memory=false", "virtual memory management"),
+    ] {
+        let (f, sim) = facade(conf);
+        let s = sim.create_stream().unwrap();
+        let a = alloc(&f, Some("kv"), 4 * MIB, s).expect(conf);
+        for result in [f.sleep(0, &["kv"], true), f.wake(0, &["kv"])] {
+            match result {
+                Err(Error::Unsupported(m)) => assert!(m.contains(named), "{conf}: {m}"),
+                other => panic!("{conf}: expected unsupported, got {other:?}"),
+            }
+        }
+        assert!(f.tag_stats(0, "kv").is_err());
+        drop(a);
+    }
+    // Best fit over stitched ranges sleeps.
+    let (f, sim) = facade("strategy=best_fit");
+    let s = sim.create_stream().unwrap();
+    let a = alloc(&f, Some("kv"), 4 * MIB, s).unwrap();
+    assert_eq!(f.sleep(0, &["kv"], false).unwrap(), 4 * MIB);
+    f.wake(0, &["kv"]).unwrap();
+    drop(a);
+}
+
+/// A wake that finds the device full of untagged memory cached by the main stack makes it give
+/// that back and maps; one that finds it full of live memory fails, and the tag sleeps on with
+/// its contents until the memory is freed.
+#[test]
+fn a_wake_takes_back_cached_memory_or_fails_and_the_tag_sleeps_on() {
+    let (f, sim) = facade("sim_capacity=256MiB");
+    let s = sim.create_stream().unwrap();
+    let a = alloc(&f, Some("kv"), 128 * MIB, s).unwrap();
+    let data = pattern(a.size(), 5);
+    sim.copy_from_host(a.ptr(), &data, s).unwrap();
+    f.sleep(0, &["kv"], true).unwrap();
+    drop(alloc(&f, None, 200 * MIB, s).unwrap()); // cached by the main stack
+    assert_eq!(f.wake(0, &["kv"]).unwrap(), 128 * MIB);
+    assert!(read(&sim, &a, s) == data);
+    f.sleep(0, &["kv"], true).unwrap();
+    let live = alloc(&f, None, 200 * MIB, s).unwrap();
+    assert!(matches!(f.wake(0, &["kv"]), Err(Error::OutOfMemory(_))));
+    assert!(f.tag_stats(0, "kv").unwrap().asleep);
+    drop(live);
+    assert_eq!(f.wake(0, &["kv"]).unwrap(), 128 * MIB);
+    assert!(read(&sim, &a, s) == data, "the contents survived the failed wake");
+    // A tagged allocation that finds the device full of the main stack's cache takes it back.
+    drop(alloc(&f, None, 100 * MIB, s).unwrap());
+    let b = alloc(&f, Some("kv"), 100 * MIB, s).expect("the cache went back");
+    assert_eq!(f.stats(0).failures, 0, "recovered, counted as a retry");
+    drop((a, b));
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}
+
+/// Threads allocate, use (simulated kernels), record and free tagged and untagged memory on
+/// streams of their own while another puts tags to sleep and wakes them, offloaded or not, and
+/// checks a sentinel of each offloaded tag; the ordering checker must see nothing.
+#[test]
+fn threads_at_work_while_tags_sleep_and_wake() {
+    const TAGS: [&str; 3] = ["weights", "kv_cache", "activations"];
+    let seed = std::env::var("STREAMALLOC_FUZZ_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or(36);
+    let ops: u64 =
+        std::env::var("STREAMALLOC_FUZZ_THREAD_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(20_000);
+    let sim = SimDevice::new(SimConfig { seed, ..SimConfig::with_capacity(1 << 30) });
+    let config = Config::parse("device=sim,wait_timeout=10s").unwrap();
+    let stack = Arc::new(Facade::build_stack(&config, sim.clone()).unwrap());
+    let layer = stack.tags.as_ref().unwrap().clone();
+    let mut workers = Vec::new();
+    for w in 0..3u64 {
+        let (sim, stack) = (sim.clone(), stack.clone());
+        workers.push(thread::spawn(move || {
+            let mut rng = SmallRng::seed_from_u64(seed * 7 + w);
+            let stream = sim.create_stream().unwrap();
+            let side = sim.create_stream().unwrap();
+            let mut live: Vec<(Allocation, bool)> = Vec::new();
+            let mut refused = 0u64;
+            for _ in 0..ops {
+                // At most 24 live allocations of up to 6 MiB per thread: the device never fills.
+                let op = if live.len() >= 24 { 9 } else { rng.gen_range(0..10) };
+                match op {
+                    0..=4 => {
+                        let tag = TAGS.get(rng.gen_range(0..4)).copied();
+                        let size = rng.gen_range(1..(6 * MIB));
+                        let _scope = tag.map(|t| tags::scope(t).unwrap());
+                        match stack.allocator.allocate_on(size, stream) {
+                            Ok(a) => {
+                                sim.check_handout(a.ptr(), a.size(), stream);
+                                live.push((a, tag.is_some()));
+                            }
+                            Err(Error::InvalidArgument(m)) if m.contains("sleeps") => refused += 1,
+                            Err(e) => panic!("allocate: {e}"),
+                        }
+                    }
+                    5..=7 if !live.is_empty() => {
+                        let i = rng.gen_range(0..live.len());
+                        let (a, _) = &mut live[i];
+                        let on = if rng.gen_bool(0.3) {
+                            a.record_stream(side);
+                            side
+                        } else {
+                            stream
+                        };
+                        // A kernel on memory of a tag that may be asleep would be the
+                        // program's error: only untagged memory is used here at will.
+                        if !live[i].1 {
+                            sim.use_range(
+                                live[i].0.ptr(),
+                                live[i].0.size(),
+                                on,
+                                rng.gen_range(1_000..200_000),
+                            )
+                            .unwrap();
+                        }
+                    }
+                    _ if !live.is_empty() => {
+                        let i = rng.gen_range(0..live.len());
+                        drop(live.swap_remove(i));
+                    }
+                    _ => {}
+                }
+            }
+            drop(live);
+            refused
+        }));
+    }
+    // The sleeper: sentinels written before each offloaded sleep are read back after the wake.
+    let s = sim.create_stream().unwrap();
+    let sentinels: Vec<Allocation> = TAGS
+        .iter()
+        .map(|t| {
+            let _scope = tags::scope(t).unwrap();
+            stack.allocator.allocate_on(3 * MIB, s).unwrap()
+        })
+        .collect();
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let mut cycles = 0;
+    while !workers.iter().all(|w| w.is_finished()) || cycles < 20 {
+        let i = rng.gen_range(0..TAGS.len());
+        let data = pattern(3 * MIB, cycles as u8);
+        sim.copy_from_host(sentinels[i].ptr(), &data, s).unwrap();
+        let offload = rng.gen_bool(0.7);
+        match layer.sleep(&[tags::Tag::new(TAGS[i]).unwrap()], offload) {
+            Ok(_) | Err(Error::Timeout { .. }) => {}
+            Err(e) => panic!("sleep: {e}"),
+        }
+        thread::sleep(Duration::from_micros(rng.gen_range(0..500)));
+        layer.wake(&[tags::Tag::new(TAGS[i]).unwrap()]).unwrap();
+        if offload {
+            assert!(
+                read(&sim, &sentinels[i], s) == data,
+                "cycle {cycles}: the sentinel of {} came back",
+                TAGS[i]
+            );
+        }
+        cycles += 1;
+    }
+    let refused: u64 = workers.into_iter().map(|w| w.join().unwrap()).sum();
+    drop(sentinels);
+    stack.allocator.release().unwrap();
+    assert!(
+        sim.violations().is_empty(),
+        "{} violations, the first {:?}",
+        sim.violations().len(),
+        sim.violations().first()
+    );
+    assert!(
+        refused > 0 && cycles >= 20,
+        "the threads met sleeping tags ({refused} refusals, {cycles} cycles)"
+    );
+}
