@@ -8,7 +8,7 @@
 //!   [`StreamSafe`](allocators::StreamSafe) and [`AsyncPool`](allocators::AsyncPool), each
 //!   implementing [`Allocator`] and, where stream-aware, [`StreamAllocator`].
 //! * [`adaptors`]: [`Limit`](adaptors::Limit), [`Retry`](adaptors::Retry),
-//!   [`Counted`](adaptors::Counted), [`Trace`](adaptors::Trace) and
+//!   [`Counted`](adaptors::Counted), [`Traced`](adaptors::Traced) and
 //!   [`SingleStream`](adaptors::SingleStream), over any allocator.
 //! * [`facade`]: per-device stacks built from a typed [`Config`](facade::Config), the one
 //!   place that reads `STREAMALLOC_CONF`.

@@ -1,5 +1,5 @@
 //! Allocation traces in RMM's logging CSV format: what the Trace layer
-//! ([`Trace`](crate::adaptors::Trace)) writes.
+//! ([`Traced`](crate::adaptors::Traced)) writes.
 //!
 //! The format (see `DESIGN.md` and `traces/README.md`) is a header line
 //! `Thread,Time,Action,Pointer,Size,Stream` followed by one row per event. `Time` is in

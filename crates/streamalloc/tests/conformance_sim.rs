@@ -12,7 +12,7 @@ use conformance::{
 use parking_lot::Mutex;
 use std::time::Duration;
 
-use streamalloc::adaptors::{Counted, Limit, Retry, SingleStream, Trace};
+use streamalloc::adaptors::{Counted, Limit, Retry, SingleStream, Traced};
 use streamalloc::allocators::{BestFit, BestFitConfig, Plain, StreamSafe, StreamSafeConfig};
 use streamalloc::trace::TraceWriter;
 use streamalloc::{Allocation, Allocator, Block, BlockOwner, Device, Error, Stats, Stream, StreamAllocator};
@@ -100,7 +100,7 @@ fn best_fit_any_stream(device: Arc<dyn Device>) -> Made {
 /// Every adaptor stacked over StreamSafe, the facade's order.
 fn adaptor_stack(device: Arc<dyn Device>) -> Made {
     let inner = StreamSafe::new(device, StreamSafeConfig::default()).expect("allocator");
-    let traced = Trace::new(inner, TraceWriter::new(std::io::sink()).expect("writer"));
+    let traced = Traced::new(inner, TraceWriter::new(std::io::sink()).expect("writer"));
     let limited = Limit::new(Retry::new(Counted::new(traced), Duration::from_millis(10)), usize::MAX);
     Made::Streams(Arc::new(limited))
 }
@@ -132,7 +132,7 @@ fn stats(device: Arc<dyn Device>) -> Made {
 
 fn traced(device: Arc<dyn Device>) -> Made {
     let writer = TraceWriter::new(std::io::sink()).expect("writer");
-    Made::Streams(Arc::new(Trace::new(stream_safe_inner(device), writer)))
+    Made::Streams(Arc::new(Traced::new(stream_safe_inner(device), writer)))
 }
 
 // Each adaptor on its own too (over StreamSafe, whose allocations have one owner per stream).
@@ -147,7 +147,7 @@ conformance_tests!(async_pool_on_sim, async_pool);
 /// hands the call on to StreamSafe's own tables.
 fn stack_by_pointer(device: Arc<dyn Device>) -> Made {
     let inner = StreamSafe::new(device, StreamSafeConfig::default()).expect("allocator");
-    let traced = Trace::new(inner, TraceWriter::new(std::io::sink()).expect("writer"));
+    let traced = Traced::new(inner, TraceWriter::new(std::io::sink()).expect("writer"));
     let stack = Arc::new(Limit::new(Retry::new(Counted::new(traced), Duration::from_millis(10)), usize::MAX));
     Made::Streams(Arc::new(ByPointer { pointers: stack.clone(), base: stack }))
 }

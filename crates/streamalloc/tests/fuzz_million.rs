@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use streamalloc::adaptors::{Counted, Limit, Retry, SingleStream, Trace};
+use streamalloc::adaptors::{Counted, Limit, Retry, SingleStream, Traced};
 use streamalloc::allocators::{
     AsyncPool, AsyncPoolConfig, BackingKind, BestFit, BestFitConfig, Plain, StreamSafe, StreamSafeConfig,
 };
@@ -81,12 +81,12 @@ fn stats(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
     Arc::new(Counted::new(stream_safe(sim)))
 }
 fn trace(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
-    Arc::new(Trace::new(stream_safe(sim), TraceWriter::new(std::io::sink()).expect("writer")))
+    Arc::new(Traced::new(stream_safe(sim), TraceWriter::new(std::io::sink()).expect("writer")))
 }
 /// The facade's full stack over BestFit, driven by pointer as the C ABI drives it.
 fn full_stack(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
     let pool = BestFit::new(sim.clone(), BestFitConfig::default()).expect("pool");
-    let traced = Trace::new(
+    let traced = Traced::new(
         SingleStream::new(pool, sim, Stream::DEFAULT),
         TraceWriter::new(std::io::sink()).expect("writer"),
     );

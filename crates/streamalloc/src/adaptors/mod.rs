@@ -7,7 +7,7 @@
 //! * [`Retry`]: on out-of-memory, release caches and wait (bounded) for frees, then retry.
 //! * [`Counted`]: current / peak / total bytes and counts, per stream, resettable peaks
 //!   and nested scopes.
-//! * [`Trace`]: writes every allocation and free as RMM's logging CSV.
+//! * [`Traced`]: writes every allocation and free as RMM's logging CSV.
 //! * [`SingleStream`]: makes an allocator without stream methods usable on any stream.
 //!
 //! Each is named for what it adds to the allocator it wraps, without a suffix
@@ -70,7 +70,7 @@ pub use counted::{Counted, Scope, StreamStats};
 pub use limit::Limit;
 pub use retry::Retry;
 pub use single_stream::SingleStream;
-pub use trace::Trace;
+pub use trace::Traced;
 
 use std::sync::Arc;
 

@@ -1,4 +1,4 @@
-//! `Trace`: writes every allocation and free as RMM's logging CSV, and the streams recorded
+//! `Traced`: writes every allocation and free as RMM's logging CSV, and the streams recorded
 //! on allocations.
 
 use std::io::Write;
@@ -18,15 +18,15 @@ use crate::trace::{Action, Record, TraceWriter};
 
 /// Logs each allocation, failure, free and recorded stream (`record_stream` rows: by pointer
 /// when recorded, on a handle at its free) to a [`TraceWriter`], and the `use` and `wait`
-/// rows a program writes ([`Trace::write_use`], [`Trace::write_wait`]) (buffered; flushed by
-/// [`Trace::flush`] and when the adaptor and its last allocation are dropped). Safe
+/// rows a program writes ([`Traced::write_use`], [`Traced::write_wait`]) (buffered; flushed by
+/// [`Traced::flush`] and when the adaptor and its last allocation are dropped). Safe
 /// from many threads: rows are written under one lock. A write error is kept and returned by
-/// the next [`Trace::flush`]. Streams are written as their handle values.
+/// the next [`Traced::flush`]. Streams are written as their handle values.
 ///
 /// # Examples
 ///
 /// ```
-/// use streamalloc::adaptors::Trace;
+/// use streamalloc::adaptors::Traced;
 /// use streamalloc::allocators::Plain;
 /// use streamalloc::device::sim::{SimConfig, SimDevice};
 /// use streamalloc::trace::TraceWriter;
@@ -34,7 +34,7 @@ use crate::trace::{Action, Record, TraceWriter};
 ///
 /// let path = std::env::temp_dir().join(format!("streamalloc-doc-{}.csv", std::process::id()));
 /// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
-/// let traced = Trace::new(Plain::new(sim, Stream::DEFAULT), TraceWriter::create(&path)?);
+/// let traced = Traced::new(Plain::new(sim, Stream::DEFAULT), TraceWriter::create(&path)?);
 /// drop(traced.allocate(1 << 20)?);
 /// traced.flush()?;
 /// let csv = std::fs::read_to_string(&path).unwrap();
@@ -42,7 +42,7 @@ use crate::trace::{Action, Record, TraceWriter};
 /// # std::fs::remove_file(&path).unwrap();
 /// # Ok::<(), streamalloc::Error>(())
 /// ```
-pub struct Trace<A, W: Write + Send + 'static> {
+pub struct Traced<A, W: Write + Send + 'static> {
     inner: A,
     shared: Arc<Shared<W>>,
     owners: Owners<Shared<W>>,
@@ -81,7 +81,7 @@ impl<W: Write + Send + 'static> Shared<W> {
     }
 }
 
-impl<A: Allocator, W: Write + Send + 'static> Trace<A, W> {
+impl<A: Allocator, W: Write + Send + 'static> Traced<A, W> {
     /// Wraps `inner`, writing rows to `writer`.
     pub fn new(inner: A, writer: TraceWriter<W>) -> Self {
         let out = Mutex::new(Output { writer: Some(writer), error: None });
@@ -145,7 +145,7 @@ impl<W: Write + Send + 'static> FreeHook for Shared<W> {
     }
 }
 
-impl<A: Allocator, W: Write + Send + 'static> Allocator for Trace<A, W> {
+impl<A: Allocator, W: Write + Send + 'static> Allocator for Traced<A, W> {
     fn allocate(&self, size: usize) -> Result<Allocation> {
         let stream = Stream::DEFAULT;
         self.logged(size, stream, self.inner.allocate(size))
@@ -159,14 +159,14 @@ impl<A: Allocator, W: Write + Send + 'static> Allocator for Trace<A, W> {
     pass_through_allocator!();
 }
 
-impl<A: StreamAllocator, W: Write + Send + 'static> StreamAllocator for Trace<A, W> {
+impl<A: StreamAllocator, W: Write + Send + 'static> StreamAllocator for Traced<A, W> {
     fn allocate_on(&self, size: usize, stream: Stream) -> Result<Allocation> {
         self.logged(size, stream, self.inner.allocate_on(size, stream))
     }
     pass_through_default_stream!();
 }
 
-impl<A: Allocator + PointerAllocator, W: Write + Send + 'static> PointerAllocator for Trace<A, W> {
+impl<A: Allocator + PointerAllocator, W: Write + Send + 'static> PointerAllocator for Traced<A, W> {
     fn allocate_ptr(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
         let made = self.inner.allocate_ptr(size, stream);
         match &made {
@@ -218,7 +218,7 @@ mod tests {
     }
 
     /// The rows written so far, the header and the Thread and Time columns left out.
-    fn rows(traced: &Trace<StreamSafe, Shared>, out: &Shared) -> Vec<String> {
+    fn rows(traced: &Traced<StreamSafe, Shared>, out: &Shared) -> Vec<String> {
         traced.flush().unwrap();
         let text = String::from_utf8(out.0.lock().clone()).unwrap();
         text.lines().skip(1).map(|l| l.splitn(3, ',').nth(2).unwrap().to_owned()).collect()
@@ -231,7 +231,7 @@ mod tests {
         let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
         let side = sim.create_stream().unwrap();
         let out = Shared::default();
-        let traced = Trace::new(
+        let traced = Traced::new(
             StreamSafe::new(sim.clone(), StreamSafeConfig::default()).unwrap(),
             TraceWriter::new(out.clone()).unwrap(),
         );
@@ -263,7 +263,7 @@ mod tests {
         let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
         let side = sim.create_stream().unwrap();
         let out = Shared::default();
-        let traced = Trace::new(
+        let traced = Traced::new(
             StreamSafe::new(sim.clone(), StreamSafeConfig::default()).unwrap(),
             TraceWriter::new(out.clone()).unwrap(),
         );

@@ -60,7 +60,8 @@ pub struct BestFitConfig {
     pub stream: Stream,
     /// What the pool's blocks are backed with ([`backing`](super::backing)): chunks of plain
     /// allocations, expandable segments or stitched virtual-memory ranges. The memory of the
-    /// last two is mapped for this device alone: CUDA IPC does not apply to it. Default
+    /// last two is mapped: another process opens it through exported file descriptors
+    /// ([`share_mapped`](super::backing::share_mapped)), not CUDA IPC handles. Default
     /// [`BackingKind::Chunks`].
     pub backing: BackingKind,
     /// The longest the pool waits for its stream's work before giving memory back to the

@@ -3,7 +3,7 @@
 //! The stack for each device, outermost first (each layer only when configured):
 //!
 //! ```text
-//! Limit -> Retry -> Counted -> Trace -> Tagged -> strategy
+//! Limit -> Retry -> Counted -> Traced -> Tagged -> strategy
 //! ```
 //!
 //! Limit comes first so that a request over the limit fails at once, without making Retry
@@ -32,7 +32,7 @@ use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
-use crate::adaptors::{Counted, Limit, Retry, SingleStream, StreamStats, Trace};
+use crate::adaptors::{Counted, Limit, Retry, SingleStream, StreamStats, Traced};
 use crate::allocation::{Allocation, PointerAllocator, Stats, StreamAllocator};
 use crate::allocators::{
     AsyncPool, AsyncPoolConfig, BackingKind, BestFit, BestFitConfig, Plain, PoolMode, ReuseFlags, StreamSafe,
@@ -41,7 +41,7 @@ use crate::allocators::{
 use crate::device::cuda::CudaDevice;
 use crate::device::sim::{SimConfig, SimDevice};
 use crate::device::{Device, Stream};
-use crate::error::{Error, Result};
+use crate::error::{try_each, Error, Result};
 use crate::tags::Tag;
 use crate::trace::TraceWriter;
 use private_pools::PrivatePools;
@@ -120,7 +120,7 @@ pub struct DeviceStack {
     /// The per-stream statistics layer, with `stats=true`.
     pub stats: Option<Arc<Counted<DynAllocator>>>,
     /// The trace layer, with `trace=PATH`.
-    pub trace: Option<Arc<Trace<DynAllocator, File>>>,
+    pub trace: Option<Arc<Traced<DynAllocator, File>>>,
     /// Pools apart from the stack, for CUDA graphs and frameworks' memory pools.
     pub private: PrivatePools,
     /// The layer that serves tagged allocations, or why the configuration has none (tags
@@ -258,16 +258,11 @@ impl Facade {
     /// device is tried; the first error is returned after that.
     pub fn release_all(&self) -> Result<usize> {
         let mut total = 0;
-        let mut first_error = None;
-        for stack in self.built_stacks() {
-            match stack.allocator.release() {
-                Ok(n) => total += n,
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                }
-            }
-        }
-        first_error.map_or(Ok(total), Err)
+        try_each(self.built_stacks(), |stack| {
+            total += stack.allocator.release()?;
+            Ok(())
+        })?;
+        Ok(total)
     }
 
     /// The tag layer of device `ordinal` (its stack built if needed), or why its configuration
@@ -331,13 +326,7 @@ impl Facade {
     /// dropped, so a front end calls this at exit). Every device is tried; the first error
     /// is returned after that.
     pub fn flush(&self) -> Result<()> {
-        let mut first_error = None;
-        for trace in self.built_stacks().filter_map(|s| s.trace.as_ref()) {
-            if let Err(e) = trace.flush() {
-                first_error.get_or_insert(e);
-            }
-        }
-        first_error.map_or(Ok(()), Err)
+        try_each(self.built_stacks().filter_map(|s| s.trace.as_ref()), |trace| trace.flush())
     }
 
     /// The device, and the simulator behind it with `device=sim`.
@@ -418,7 +407,7 @@ impl Facade {
             } else {
                 PathBuf::from(format!("{}.{ordinal}", path.display()))
             };
-            let t = Arc::new(Trace::new(a, TraceWriter::create(path)?));
+            let t = Arc::new(Traced::new(a, TraceWriter::create(path)?));
             trace = Some(t.clone());
             a = t;
         }

@@ -11,7 +11,7 @@ use parking_lot::Mutex;
 
 use super::{Backing, Ledger, Want};
 use crate::device::{CaptureStatus, Device, DevicePtr, Event, EventPool, Stream};
-use crate::error::{Error, OutOfMemory, Result};
+use crate::error::{try_each, Error, OutOfMemory, Result};
 use crate::policy::best_fit::{BestFitPolicy, Class, Classes, Grant};
 
 /// The stitched backing. One address reservation per pool, in two areas: the *home* area
@@ -201,6 +201,39 @@ impl Stitched {
         st.holes.insert(st.base, 2 * memory);
         st.stitch_holes.insert(st.stitch_area, memory);
         Ok(())
+    }
+
+    /// Unmaps what a release or a sleep took out of the pool: idle stitched ranges (their
+    /// addresses join the stitch holes; one that fails to unmap waits as retired) and free
+    /// home granules (their addresses join the unmapped runs; one that fails goes back to the
+    /// pool, still mapped, where it was). Every range is tried; the bytes of home granules
+    /// unmapped, or the first error.
+    fn unmap_taken(
+        &self,
+        st: &mut State,
+        ledger: &dyn Ledger,
+        idle: Vec<(u64, u64)>,
+        carved: Vec<(Class, u64, u64)>,
+    ) -> Result<u64> {
+        let stitched = try_each(idle, |(addr, size)| {
+            self.device.unmap(addr, size as usize).inspect_err(|_| {
+                st.retired.push(Retired { event: None, ranges: vec![(addr, size)] });
+            })?;
+            insert_hole(&mut st.stitch_holes, addr, size);
+            st.aliases.remove(&addr);
+            Ok(())
+        });
+        let mut unmapped = 0;
+        let homes = try_each(carved, |(class, addr, len)| {
+            self.device.unmap(addr, len as usize).inspect_err(|_| {
+                let _ = ledger.update(&mut |p| p.add_joined(class, addr, len));
+            })?;
+            insert_hole(&mut st.holes, addr, len);
+            st.mapped -= len;
+            unmapped += len;
+            Ok(())
+        });
+        stitched.and(homes).map(|()| unmapped)
     }
 
     /// Unmaps the ranges of `retired` whose event has completed (all of them when `all`: the
@@ -479,35 +512,7 @@ impl Backing for Stitched {
             return Err(e);
         }
         self.unmap_retired(&mut st, retired, true);
-        let mut first_error = None;
-        for (addr, size) in idle {
-            match self.device.unmap(addr, size as usize) {
-                Ok(()) => {
-                    insert_hole(&mut st.stitch_holes, addr, size);
-                    st.aliases.remove(&addr);
-                }
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                    st.retired.push(Retired { event: None, ranges: vec![(addr, size)] });
-                }
-            }
-        }
-        let mut unmapped = 0;
-        for (class, addr, len) in carved {
-            match self.device.unmap(addr, len as usize) {
-                Ok(()) => {
-                    insert_hole(&mut st.holes, addr, len);
-                    st.mapped -= len;
-                    unmapped += len;
-                }
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                    // Still mapped: back into the pool, where it was.
-                    let _ = ledger.update(&mut |p| p.add_joined(class, addr, len));
-                }
-            }
-        }
-        first_error.map_or(Ok(unmapped as usize), Err)
+        self.unmap_taken(&mut st, ledger, idle, carved).map(|unmapped| unmapped as usize)
     }
 
     /// Takes out what a release would (idle stitched ranges, free home granules, retired
@@ -561,60 +566,34 @@ impl Backing for Stitched {
             return Ok(0);
         }
         self.unmap_retired(&mut st, retired, true);
-        let mut first_error = None;
-        for (addr, size) in idle {
-            match self.device.unmap(addr, size as usize) {
-                Ok(()) => {
-                    insert_hole(&mut st.stitch_holes, addr, size);
-                    st.aliases.remove(&addr);
-                }
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                    st.retired.push(Retired { event: None, ranges: vec![(addr, size)] });
-                }
-            }
-        }
-        for (class, addr, len) in carved {
-            match self.device.unmap(addr, len as usize) {
-                Ok(()) => {
-                    insert_hole(&mut st.holes, addr, len);
-                    st.mapped -= len;
-                }
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                    let _ = ledger.update(&mut |p| p.add_joined(class, addr, len));
-                }
-            }
-        }
+        let taken = self.unmap_taken(&mut st, ledger, idle, carved).map(drop);
         let mut slept = Slept::default();
-        for (at, (len, from)) in std::mem::take(&mut st.aliases) {
+        let aliases = try_each(std::mem::take(&mut st.aliases), |(at, (len, from))| {
             match self.device.unmap(at, len as usize) {
                 Ok(()) => slept.aliases.push((at, len, from)),
                 Err(e) => {
-                    first_error.get_or_insert(e);
                     st.aliases.insert(at, (len, from));
+                    return Err(e);
                 }
             }
-        }
+            Ok(())
+        });
         let mut bytes = 0;
         // Homes go only once no stitched range maps their memory any more.
-        if st.aliases.is_empty() {
-            for (addr, len) in homes {
-                match self.device.unmap(addr, len as usize) {
-                    Ok(()) => {
-                        insert_hole(&mut st.holes, addr, len);
-                        st.mapped -= len;
-                        bytes += len;
-                        slept.homes.push((addr, len));
-                    }
-                    Err(e) => {
-                        first_error.get_or_insert(e);
-                    }
-                }
-            }
-        }
+        let homes = if st.aliases.is_empty() {
+            try_each(homes, |(addr, len)| {
+                self.device.unmap(addr, len as usize)?;
+                insert_hole(&mut st.holes, addr, len);
+                st.mapped -= len;
+                bytes += len;
+                slept.homes.push((addr, len));
+                Ok(())
+            })
+        } else {
+            Ok(())
+        };
         st.sleep = Sleep::Asleep(slept);
-        first_error.map_or(Ok(bytes as usize), Err)
+        taken.and(aliases).and(homes).map(|()| bytes as usize)
     }
 
     /// Maps fresh memory at every home range slept, then the stitched ranges over them; on a
