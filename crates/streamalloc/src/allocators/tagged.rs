@@ -15,7 +15,7 @@ use super::stream_safe::{StreamSafe, StreamSafeConfig};
 use super::BackingKind;
 use crate::allocation::{Allocation, Allocator, Freed, PointerAllocator, Stats, StreamAllocator};
 use crate::device::{CaptureStatus, Device, DevicePtr, EventPool, Stream};
-use crate::error::{Error, Result};
+use crate::error::{try_each, Error, Result};
 use crate::tags::{self, Tag};
 
 /// Allocations under a tag ([`tags::scope`]) from a [`StreamSafe`] pool of the tag's own over
@@ -215,24 +215,17 @@ impl<A: StreamAllocator + PointerAllocator> Tagged<A> {
     /// not in `except` (a tag busy with a sleep or wake is passed over); the bytes.
     fn release_others(&self, except: &[Tag], main: bool) -> Result<usize> {
         let mut total = 0;
-        let mut first_error = None;
-        let mut count = |released: Result<usize>| match released {
-            Ok(n) => total += n,
-            Err(e) => {
-                first_error.get_or_insert(e);
-            }
-        };
-        if main {
-            count(self.main.release());
-        }
-        for pool in self.snapshot().iter().filter(|p| !except.contains(&p.tag)) {
+        let main = if main { self.main.release().map(|n| total += n) } else { Ok(()) };
+        let tags = try_each(self.snapshot().iter().filter(|p| !except.contains(&p.tag)), |pool| {
+            // Released under the read lock of its phase: no sleep or wake begins meanwhile.
             if let Some(phase) = pool.phase.try_read() {
                 if matches!(*phase, Phase::Awake) {
-                    count(pool.alloc.release());
+                    total += pool.alloc.release()?;
                 }
             }
-        }
-        first_error.map_or(Ok(total), Err)
+            Ok(())
+        });
+        main.and(tags).map(|()| total)
     }
 
     /// The figures of `tag` (zeros for a tag that has allocated nothing here).

@@ -8,7 +8,7 @@ use parking_lot::Mutex;
 use super::chunks::restore;
 use super::{Backing, Chunks, Ledger, Want};
 use crate::device::Device;
-use crate::error::{Error, OutOfMemory, Result};
+use crate::error::{try_each, Error, OutOfMemory, Result};
 use crate::policy::best_fit::{Grant, TakenChunk};
 
 /// The backing of expandable segments: each class (small, large) has one segment, a device
@@ -147,11 +147,11 @@ impl Backing for Segments {
             restore(ledger, &chunks);
             return Err(timeout);
         }
-        let (mut released, mut first_error) = (0, None);
-        for chunk in chunks {
+        let mut released = 0;
+        try_each(chunks, |chunk| {
             let TakenChunk { addr, size, .. } = chunk;
-            let result = match sg.base.iter().position(|&b| b == Some(addr)) {
-                None => self.chunks.shrink(addr, size),
+            match sg.base.iter().position(|&b| b == Some(addr)) {
+                None => self.chunks.shrink(addr, size)?,
                 Some(c) => {
                     // An unmap does not wait for the segment's last uses as a `cuMemFree` does:
                     // only after the wait.
@@ -162,19 +162,17 @@ impl Backing for Segments {
                     match unmapped {
                         Ok(()) => sg.mapped[c] = 0,
                         // Still mapped: the segment stays in the pool, wholly free.
-                        Err(_) => restore(ledger, &[chunk]),
+                        Err(e) => {
+                            restore(ledger, &[chunk]);
+                            return Err(e);
+                        }
                     }
-                    unmapped
-                }
-            };
-            match result {
-                Ok(()) => released += size as usize,
-                Err(e) => {
-                    first_error.get_or_insert(e);
                 }
             }
-        }
-        first_error.map_or(Ok(released), Err)
+            released += size as usize;
+            Ok(())
+        })?;
+        Ok(released)
     }
 
     fn teardown(&mut self, chunks: Vec<(u64, u64)>) {
