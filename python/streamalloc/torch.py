@@ -163,12 +163,19 @@ def build_backend(verbose=False):
     with_cuda, includes, ldflags = _cuda_headers(torch, cpp_extension)
     build_dir = _cache_dir(torch)
     os.makedirs(build_dir, exist_ok=True)
+    import hashlib
+
+    folder = os.path.dirname(backend_source())
+    with open(os.path.join(folder, "lib.h"), "rb") as header:
+        # torch's builder rebuilds when the sources or flags change: the header the sources share
+        # joins the flags as its hash, so that a change of it alone rebuilds too.
+        header_hash = hashlib.sha256(header.read()).hexdigest()[:16]
     try:
         return cpp_extension.load(
             name="streamalloc_torch_backend",
-            sources=[backend_source(), os.path.join(os.path.dirname(backend_source()), "host.cpp")],
+            sources=[backend_source(), os.path.join(folder, "host.cpp")],
             build_directory=build_dir,
-            extra_cflags=["-O2"],
+            extra_cflags=["-O2", f"-DSTREAMALLOC_LIB_H={header_hash}"],
             extra_include_paths=includes,
             # The shared libstdc++ first: a compiler that links it statically by default (as
             # some images' wrappers do) gives the library a copy of its own whose uninitialised

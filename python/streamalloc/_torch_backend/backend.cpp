@@ -9,7 +9,8 @@
 // libstreamalloc is not linked: install() dlopen()s the path it is given (the file ctypes has
 // already loaded, so the same handle and the same allocator state as streamalloc.stats() and
 // the other Python functions) and resolves every function it calls by name. The library's
-// structs are mirrored here field for field (see crates/streamalloc-capi/include/streamalloc.h).
+// structs are mirrored field for field in lib.h, which host.cpp shares (see
+// crates/streamalloc-capi/include/streamalloc.h).
 //
 // What each of torch's methods does here:
 //   allocate / raw_alloc*           streamalloc_allocate on torch's current stream; failure from
@@ -124,6 +125,8 @@
 #include <utility>
 #include <vector>
 
+#include "lib.h"
+
 namespace streamalloc_torch {
 
 namespace CCA = c10::cuda::CUDACachingAllocator;
@@ -134,14 +137,8 @@ using c10::CachingAllocator::StatType;
 
 // --- libstreamalloc's C ABI, resolved by name -------------------------------------------------
 
-// streamalloc_status_t (values as in streamalloc.h).
-enum Status : int {
-  OK = 0,
-  OUT_OF_MEMORY = 1,
-  LIMIT_EXCEEDED = 5,
-};
+using namespace streamalloc_lib;
 
-// streamalloc_stats_t, field for field.
 // A byte count as torch writes it ("1.50 GiB"). With snprintf, not an ostream: a backend
 // built by the system's compiler may meet an older libstdc++ in the process, and formatting a
 // double through its locale facets crashed there (seen on an H200 with torch 2.11).
@@ -161,23 +158,6 @@ std::string size_text(uint64_t bytes) {
   }
   return text;
 }
-
-struct LibStats {
-  size_t allocated;
-  size_t allocated_peak;
-  size_t reserved;
-  size_t reserved_peak;
-  size_t cached;
-  size_t largest_free_block;
-  size_t pending_release;
-  uint64_t live_allocations;
-  uint64_t total_allocations;
-  uint64_t total_frees;
-  uint64_t device_allocs;
-  uint64_t device_frees;
-  uint64_t failures;
-  uint64_t retries;
-};
 
 using FilterFn = bool (*)(void*, cudaStream_t);
 using DropFn = void (*)(void*);
@@ -202,14 +182,6 @@ struct Lib {
   int (*ipc_open)(const uint8_t*, size_t, void**) = nullptr;
   int (*ipc_close)(void*) = nullptr;
 };
-
-template <typename F>
-void resolve(void* handle, const char* name, F& out, std::string& missing) {
-  out = reinterpret_cast<F>(dlsym(handle, name));
-  if (out == nullptr) {
-    missing += missing.empty() ? name : std::string(", ") + name;
-  }
-}
 
 // --- the allocator ----------------------------------------------------------------------------
 

@@ -59,32 +59,11 @@
 #include <utility>
 #include <vector>
 
+#include "lib.h"
+
 namespace streamalloc_torch_host {
 
-// streamalloc_status_t values (see streamalloc.h).
-enum Status : int {
-  OK = 0,
-  OUT_OF_MEMORY = 1,
-  INVALID_ARGUMENT = 2,
-};
-
-// streamalloc_stats_t, field for field.
-struct LibStats {
-  size_t allocated;
-  size_t allocated_peak;
-  size_t reserved;
-  size_t reserved_peak;
-  size_t cached;
-  size_t largest_free_block;
-  size_t pending_release;
-  uint64_t live_allocations;
-  uint64_t total_allocations;
-  uint64_t total_frees;
-  uint64_t device_allocs;
-  uint64_t device_frees;
-  uint64_t failures;
-  uint64_t retries;
-};
+using namespace streamalloc_lib;
 
 struct Lib {
   int (*alloc)(size_t, int, void**) = nullptr;
@@ -280,14 +259,6 @@ HostAllocator* g_host = nullptr;
 void deleter(void* ctx) {
   if (ctx != nullptr) {
     g_host->free(ctx);
-  }
-}
-
-template <typename F>
-void resolve(void* handle, const char* name, F& out, std::string& missing) {
-  out = reinterpret_cast<F>(dlsym(handle, name));
-  if (out == nullptr) {
-    missing += missing.empty() ? name : std::string(", ") + name;
   }
 }
 

@@ -1,0 +1,50 @@
+// What backend.cpp and host.cpp share of libstreamalloc's C ABI, which they reach through
+// dlopen/dlsym (the library is not linked): its status values and statistics struct, mirrored
+// from crates/streamalloc-capi/include/streamalloc.h field for field, and the lookup of a
+// function by name.
+#pragma once
+
+#include <dlfcn.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace streamalloc_lib {
+
+// streamalloc_status_t (values as in streamalloc.h).
+enum Status : int {
+  OK = 0,
+  OUT_OF_MEMORY = 1,
+  INVALID_ARGUMENT = 2,
+  LIMIT_EXCEEDED = 5,
+};
+
+// streamalloc_stats_t, field for field.
+struct LibStats {
+  size_t allocated;
+  size_t allocated_peak;
+  size_t reserved;
+  size_t reserved_peak;
+  size_t cached;
+  size_t largest_free_block;
+  size_t pending_release;
+  uint64_t live_allocations;
+  uint64_t total_allocations;
+  uint64_t total_frees;
+  uint64_t device_allocs;
+  uint64_t device_frees;
+  uint64_t failures;
+  uint64_t retries;
+};
+
+// Sets `out` to the function `name` of the library `handle`; a name not found joins `missing`.
+template <typename F>
+void resolve(void* handle, const char* name, F& out, std::string& missing) {
+  out = reinterpret_cast<F>(dlsym(handle, name));
+  if (out == nullptr) {
+    missing += missing.empty() ? name : std::string(", ") + name;
+  }
+}
+
+} // namespace streamalloc_lib
