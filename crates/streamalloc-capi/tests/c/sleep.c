@@ -6,18 +6,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "streamalloc.h"
-
-static int failures;
-
-#define CHECK(cond)                                                                     \
-  do {                                                                                  \
-    if (!(cond)) {                                                                      \
-      failures++;                                                                       \
-      printf("FAILED %s:%d: %s (last error: %s)\n", __FILE__, __LINE__, #cond,         \
-             streamalloc_last_error());                                                 \
-    }                                                                                   \
-  } while (0)
+#include "check.h"
 
 #define MIB ((size_t)1 << 20)
 

@@ -8,19 +8,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "streamalloc.h"
-
-static int checks, failures;
-
-#define CHECK(cond)                                                                     \
-  do {                                                                                  \
-    checks++;                                                                           \
-    if (!(cond)) {                                                                      \
-      failures++;                                                                       \
-      printf("FAILED %s:%d: %s (last error: %s)\n", __FILE__, __LINE__, #cond,         \
-             streamalloc_last_error());                                                 \
-    }                                                                                   \
-  } while (0)
+#include "check.h"
 
 static streamalloc_stats_t stats(void) {
   streamalloc_stats_t s;

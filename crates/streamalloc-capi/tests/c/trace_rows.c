@@ -4,18 +4,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "streamalloc.h"
-
-static int failures;
-
-#define CHECK(cond)                                                                     \
-  do {                                                                                  \
-    if (!(cond)) {                                                                      \
-      failures++;                                                                       \
-      printf("FAILED %s:%d: %s (last error: %s)\n", __FILE__, __LINE__, #cond,         \
-             streamalloc_last_error());                                                 \
-    }                                                                                   \
-  } while (0)
+#include "check.h"
 
 int main(void) {
   cudaStream_t side = NULL;
