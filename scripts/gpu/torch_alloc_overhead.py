@@ -51,7 +51,8 @@ import threading
 import time
 import traceback
 
-from torch_runs import allocator_env, apply_env, child_env, enable_streamalloc, prebuild_backend, run_child, tail
+from torch_runs import (allocator_env, apply_env, child_env, enable_streamalloc, finish_run, prebuild_backend,
+                        run_child, tail)
 
 KIB, MIB = 1 << 10, 1 << 20
 HERE = os.path.abspath(__file__)
@@ -307,16 +308,7 @@ def main():
             parser.error(f"unknown allocator {name!r} (of {', '.join(ALLOCATORS)})")
     if args.one:
         r = one_process(args.one, args)
-        if r.get("traceback"):
-            print(r["traceback"], file=sys.stderr)
-        text = json.dumps(r)
-        if args.result:
-            with open(args.result, "w") as f:
-                f.write(text)
-        else:
-            print(text)
-        sys.stdout.flush()
-        os._exit(0 if r["ok"] else 3)
+        finish_run(r, args.result, r["ok"])
     sys.exit(drive(args))
 
 

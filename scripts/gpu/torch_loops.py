@@ -74,8 +74,8 @@ import sys
 import time
 import traceback
 
-from torch_runs import (NvmlSampler, allocator_env, apply_env, child_env, enable_streamalloc, prebuild_backend,
-                        run_child, tail)
+from torch_runs import (NvmlSampler, allocator_env, apply_env, child_env, enable_streamalloc, finish_run,
+                        prebuild_backend, run_child, tail)
 
 MIB = 1 << 20
 HERE = os.path.abspath(__file__)
@@ -585,18 +585,7 @@ def main():
         if loop not in LOOPS or allocator not in ALLOCATORS:
             parser.error(f"--one LOOP ALLOCATOR: LOOP of {', '.join(LOOPS)}, ALLOCATOR of {', '.join(ALLOCATORS)}")
         run = one_run(loop, allocator, args)
-        if run.get("traceback"):
-            print(run["traceback"], file=sys.stderr)
-        text = json.dumps(run)
-        if args.result:
-            with open(args.result, "w") as f:
-                f.write(text)
-        else:
-            print(text)
-        sys.stdout.flush()
-        # The result is written: skip the interpreter's teardown (a run torch refused may
-        # leave half-recorded CUDA graph state behind; nothing at exit matters here).
-        os._exit(0 if run["completed"] else 3)
+        finish_run(run, args.result, run["completed"])
     sys.exit(drive(args))
 
 

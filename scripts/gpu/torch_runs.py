@@ -80,6 +80,25 @@ def run_child(cmd, env, log_path, timeout):
     return rc, time.perf_counter() - start
 
 
+def finish_run(result, path, ok):
+    """Ends a child run (`--one`): its traceback, if any, to stderr; RESULT as JSON to PATH, or
+    to stdout without one; then exits at once with 0 if OK, else 3. The result is written, so
+    the interpreter's teardown is skipped (a run torch refused may leave half-recorded CUDA
+    graph state behind; nothing at exit matters here)."""
+    import json
+
+    if result.get("traceback"):
+        print(result["traceback"], file=sys.stderr)
+    text = json.dumps(result)
+    if path:
+        with open(path, "w") as f:
+            f.write(text)
+    else:
+        print(text)
+    sys.stdout.flush()
+    os._exit(0 if ok else 3)
+
+
 def tail(path, n=8):
     """The last N non-blank lines of the file at PATH, joined (at most 1,500 characters)."""
     try:
