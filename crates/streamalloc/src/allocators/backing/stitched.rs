@@ -130,7 +130,7 @@ enum Sleep {
 struct Taken {
     retired: Vec<Retired>,
     idle: Vec<(u64, u64)>,
-    carved: Vec<(Class, u64, u64)>,
+    carved: Carved,
     homes: Vec<(u64, u64)>,
 }
 
@@ -213,7 +213,7 @@ impl Stitched {
         st: &mut State,
         ledger: &dyn Ledger,
         idle: Vec<(u64, u64)>,
-        carved: Vec<(Class, u64, u64)>,
+        carved: Carved,
     ) -> Result<u64> {
         let stitched = try_each(idle, |(addr, size)| {
             self.device.unmap(addr, size as usize).inspect_err(|_| {
@@ -482,33 +482,22 @@ impl Backing for Stitched {
     /// runs), then unmaps them. If the wait fails, nothing is unmapped: the granules go back
     /// to the pool and the ranges wait for the next release.
     fn release(&self, ledger: &dyn Ledger, wait: &dyn Fn() -> Result<()>) -> Result<usize> {
-        let (g, retired, idle, carved) = {
+        let (retired, idle, carved) = {
             let mut st = self.state.lock();
             // A sleeping pool holds no memory: its reservation is left alone.
             if st.base == 0 || !matches!(st.sleep, Sleep::Awake) {
                 return Ok(0);
             }
-            let (g, limit) = (st.granularity, st.stitch_area);
-            let (mut idle, mut carved) = (Vec::new(), Vec::new());
-            ledger.update(&mut |p| {
-                idle = p.take_idle_stitched();
-                carved = carve_free_granules(p, g, u64::MAX, limit);
-                Ok(())
-            })?;
-            (g, std::mem::take(&mut st.retired), idle, carved)
+            let (idle, carved) = take_free(&st, ledger)?;
+            (std::mem::take(&mut st.retired), idle, carved)
         };
-        let idle: Vec<(u64, u64)> = idle.into_iter().map(|(a, l)| extent(g, a, l)).collect();
         if retired.is_empty() && idle.is_empty() && carved.is_empty() {
             return Ok(0);
         }
         let waited = wait();
         let mut st = self.state.lock();
         if let Err(e) = waited {
-            st.retired.extend(retired);
-            if !idle.is_empty() {
-                st.retired.push(Retired { event: None, ranges: idle });
-            }
-            let _ = ledger.update(&mut |p| carved.iter().try_for_each(|&(k, a, l)| p.add_joined(k, a, l)));
+            put_back(&mut st, ledger, retired, idle, carved);
             return Err(e);
         }
         self.unmap_retired(&mut st, retired, true);
@@ -526,17 +515,11 @@ impl Backing for Stitched {
         let mut taken =
             Taken { retired: Vec::new(), idle: Vec::new(), carved: Vec::new(), homes: Vec::new() };
         if st.base != 0 {
-            let (g, limit) = (st.granularity, st.stitch_area);
-            let (mut idle, mut carved) = (Vec::new(), Vec::new());
-            ledger.update(&mut |p| {
-                idle = p.take_idle_stitched();
-                carved = carve_free_granules(p, g, u64::MAX, limit);
-                Ok(())
-            })?;
+            let (idle, carved) = take_free(&st, ledger)?;
             let mut cut: Vec<(u64, u64)> = carved.iter().map(|&(_, a, l)| (a, l)).collect();
             cut.sort_unstable();
             taken.homes = subtract(&mapped_homes(&st), &cut);
-            taken.idle = idle.into_iter().map(|(a, l)| extent(g, a, l)).collect();
+            taken.idle = idle;
             taken.carved = carved;
             taken.retired = std::mem::take(&mut st.retired);
         }
@@ -558,11 +541,7 @@ impl Backing for Stitched {
         };
         let Taken { retired, idle, carved, homes } = taken;
         if !commit {
-            st.retired.extend(retired);
-            if !idle.is_empty() {
-                st.retired.push(Retired { event: None, ranges: idle });
-            }
-            let _ = ledger.update(&mut |p| carved.iter().try_for_each(|&(k, a, l)| p.add_joined(k, a, l)));
+            put_back(&mut st, ledger, retired, idle, carved);
             return Ok(0);
         }
         self.unmap_retired(&mut st, retired, true);
@@ -807,13 +786,45 @@ fn place(
     best.map(|(_, _, pl)| pl)
 }
 
+/// Free home granules taken out of the pool's books: class, address, length.
+type Carved = Vec<(Class, u64, u64)>;
+
+/// Takes out of the pool's books, for a release or a sleep, every idle stitched range (as the
+/// extents they map) and every free home granule; the backing's lock is held (`st`).
+fn take_free(st: &State, ledger: &dyn Ledger) -> Result<(Vec<(u64, u64)>, Carved)> {
+    let (g, limit) = (st.granularity, st.stitch_area);
+    let (mut idle, mut carved) = (Vec::new(), Vec::new());
+    ledger.update(&mut |p| {
+        idle = p.take_idle_stitched();
+        carved = carve_free_granules(p, g, u64::MAX, limit);
+        Ok(())
+    })?;
+    Ok((idle.into_iter().map(|(a, l)| extent(g, a, l)).collect(), carved))
+}
+
+/// Puts back what [`take_free`] and the retired list gave a release or a sleep that did not
+/// happen: the ranges wait as retired, the granules go back to the pool.
+fn put_back(
+    st: &mut State,
+    ledger: &dyn Ledger,
+    retired: Vec<Retired>,
+    idle: Vec<(u64, u64)>,
+    carved: Carved,
+) {
+    st.retired.extend(retired);
+    if !idle.is_empty() {
+        st.retired.push(Retired { event: None, ranges: idle });
+    }
+    let _ = ledger.update(&mut |p| carved.iter().try_for_each(|&(k, a, l)| p.add_joined(k, a, l)));
+}
+
 /// Takes up to `bytes` of whole free granules of home blocks (below `limit`) out of `p`,
 /// those of the largest free blocks first, each block's from its start; the ranges taken.
 /// Best fit hands the largest free blocks out last, so once the stitched range is idle its
 /// homes are the free memory least likely to be handed out before its next use: taken from
 /// the smallest blocks, they went to the next small requests and a repeated workload
 /// stitched again (bench/results/stitched.md).
-fn carve_free_granules(p: &mut BestFitPolicy, g: u64, bytes: u64, limit: u64) -> Vec<(Class, u64, u64)> {
+fn carve_free_granules(p: &mut BestFitPolicy, g: u64, bytes: u64, limit: u64) -> Carved {
     let mut candidates: Vec<(u64, u64, Class)> =
         whole_granules(p, g, limit).map(|(class, _, lo, hi)| (hi - lo, lo, class)).collect();
     candidates.sort_unstable_by_key(|&(len, lo, _)| (std::cmp::Reverse(len), lo));
