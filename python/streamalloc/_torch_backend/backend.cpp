@@ -1793,16 +1793,6 @@ void deleter(void* ptr) {
 
 } // namespace streamalloc_torch
 
-namespace {
-
-void set_error(char* err, size_t errlen, const std::string& message) {
-  if (err != nullptr && errlen > 0) {
-    std::snprintf(err, errlen, "%s", message.c_str());
-  }
-}
-
-} // namespace
-
 extern "C" {
 
 int streamalloc_torch_host_install(void* lib, char* err, size_t errlen); // host.cpp: the pinned pool

@@ -271,9 +271,7 @@ extern "C" {
 __attribute__((visibility("default"))) int streamalloc_torch_host_install(void* handle, char* err, size_t errlen) {
   using namespace streamalloc_torch_host;
   auto fail = [&](const std::string& message) {
-    if (err != nullptr && errlen > 0) {
-      std::snprintf(err, errlen, "%s", message.c_str());
-    }
+    set_error(err, errlen, message);
     return -1;
   };
   if (g_host != nullptr) {

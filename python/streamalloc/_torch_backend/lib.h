@@ -1,13 +1,14 @@
 // What backend.cpp and host.cpp share of libstreamalloc's C ABI, which they reach through
 // dlopen/dlsym (the library is not linked): its status values and statistics struct, mirrored
-// from crates/streamalloc-capi/include/streamalloc.h field for field, and the lookup of a
-// function by name.
+// from crates/streamalloc-capi/include/streamalloc.h field for field; the lookup of a function
+// by name; the message of an install that failed.
 #pragma once
 
 #include <dlfcn.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 
 namespace streamalloc_lib {
@@ -44,6 +45,13 @@ void resolve(void* handle, const char* name, F& out, std::string& missing) {
   out = reinterpret_cast<F>(dlsym(handle, name));
   if (out == nullptr) {
     missing += missing.empty() ? name : std::string(", ") + name;
+  }
+}
+
+// Writes `message` to the caller's buffer `err` of `errlen` bytes (cut to fit), if there is one.
+inline void set_error(char* err, size_t errlen, const std::string& message) {
+  if (err != nullptr && errlen > 0) {
+    std::snprintf(err, errlen, "%s", message.c_str());
   }
 }
 
