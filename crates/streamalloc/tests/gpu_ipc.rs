@@ -13,18 +13,18 @@
 //!
 //! Every wait is bounded: a peer's line is awaited at most [`LIMIT`], then the child is killed.
 
+mod gpu_common;
+
 use std::io::{BufRead, BufReader, Write};
 use std::os::fd::AsFd;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{self, Receiver};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use gpu_common::gpu;
 use streamalloc::allocators::backing::share_mapped;
 use streamalloc::allocators::{BackingKind, BestFit, BestFitConfig};
-use streamalloc::device::cuda::CudaDevice;
 use streamalloc::device::ipc::{fetch_fds, SharedPiece};
-use streamalloc::device::{Device, DeviceTestExt};
 use streamalloc::Allocator;
 
 /// The environment variable that makes the test executable a child in a role (`exporter` or
@@ -35,13 +35,6 @@ const LIMIT: Duration = Duration::from_secs(60);
 /// What the child's lines to its parent start with (the test harness prints other lines).
 const PREFIX: &str = "IPC ";
 const MIB: usize = 1 << 20;
-
-fn device() -> Arc<CudaDevice> {
-    match CudaDevice::new(0) {
-        Ok(d) => d,
-        Err(e) => panic!("this test needs a CUDA GPU (device 0): {e}"),
-    }
-}
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed)).collect()
@@ -148,7 +141,7 @@ impl Peer for Spawned {
 /// Allocates a block of a stitched pool, writes a pattern, exports it; then checks what the
 /// receiver wrote, frees the block and releases the pool while the receiver still maps it.
 fn export(peer: &mut dyn Peer) {
-    let dev = device();
+    let dev = gpu();
     let s = dev.create_stream().expect("create_stream");
     let config = BestFitConfig { backing: BackingKind::Stitched, stream: s, ..Default::default() };
     let pool = BestFit::new(dev.clone(), config).expect("a stitched pool");
@@ -193,7 +186,7 @@ fn receive(peer: &mut dyn Peer) {
             SharedPiece { fd: v[0] as i32, serial: v[1], offset: v[2], len: v[3] }
         })
         .collect();
-    let dev = device();
+    let dev = gpu();
     let fds = fetch_fds(pid, &pieces.iter().map(|p| p.fd).collect::<Vec<_>>())
         .unwrap_or_else(|e| panic!("copying the exporter's descriptors: {e}"));
     let total: u64 = pieces.iter().map(|p| p.len).sum();
