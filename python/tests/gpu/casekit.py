@@ -7,6 +7,7 @@ the case raised (the traceback is printed above the RESULT line). conftest.py re
 """
 
 import json
+import os
 import sys
 import traceback
 
@@ -54,3 +55,17 @@ class Report:
         sys.stderr.flush()
         print(RESULT_PREFIX + json.dumps(result), flush=True)
         sys.exit(status)
+
+
+def run_worker(argv, cases):
+    """A torch worker's `main`: ARGV is `worker CASE CONF [ARG]`; runs `cases[CASE](report, CONF
+    [, ARG])` with the case, the configuration, torch's backend path
+    (STREAMALLOC_TORCH_BACKEND) and the argument as the RESULT's identity, and exits with its
+    status."""
+    if len(argv) not in (3, 4) or argv[1] not in cases:
+        sys.exit(f"usage: {argv[0]} CASE CONF [ARG]  (CASE: {', '.join(cases)})")
+    case, conf, extra = argv[1], argv[2], argv[3:]
+    identity = dict(case=case, conf=conf, path=os.environ.get("STREAMALLOC_TORCH_BACKEND", "auto"))
+    if extra:
+        identity["arg"] = extra[0]
+    Report(**identity).run(cases[case], conf, *extra)

@@ -29,10 +29,9 @@ Cases (each checks real results, data read back):
 Output and exit status: see casekit.py.
 """
 
-import os
 import sys
 
-from casekit import MIB, Report
+from casekit import MIB, run_worker
 
 SIZE = 64 * MIB
 SLEEP_CYCLES = 400_000_000
@@ -180,12 +179,5 @@ def case_graph(report, conf):
 CASES = {name[len("case_"):]: f for name, f in globals().items() if name.startswith("case_") and name != "case_copy"}
 
 
-def main(argv):
-    if len(argv) != 3 or argv[1] not in CASES:
-        sys.exit(f"usage: {argv[0]} CASE CONF  (CASE: {', '.join(CASES)})")
-    case, conf = argv[1], argv[2]
-    Report(case=case, conf=conf, path=os.environ.get("STREAMALLOC_TORCH_BACKEND", "auto")).run(CASES[case], conf)
-
-
 if __name__ == "__main__":
-    main(sys.argv)
+    run_worker(sys.argv, CASES)

@@ -26,10 +26,9 @@ Cases (each checks real results, data read back):
 Output and exit status: see casekit.py.
 """
 
-import os
 import sys
 
-from casekit import MIB, Report
+from casekit import MIB, run_worker
 
 GRANULE = 2 * MIB
 """The mapping granularity of NVIDIA GPUs (cuMemGetAllocationGranularity): figures compared
@@ -180,12 +179,5 @@ def case_misuse(report, conf):
 CASES = {name[len("case_"):]: f for name, f in globals().items() if name.startswith("case_")}
 
 
-def main(argv):
-    if len(argv) != 3 or argv[1] not in CASES:
-        sys.exit(f"usage: {argv[0]} CASE CONF  (CASE: {', '.join(CASES)})")
-    case, conf = argv[1], argv[2]
-    Report(case=case, conf=conf, path=os.environ.get("STREAMALLOC_TORCH_BACKEND", "auto")).run(CASES[case], conf)
-
-
 if __name__ == "__main__":
-    main(sys.argv)
+    run_worker(sys.argv, CASES)

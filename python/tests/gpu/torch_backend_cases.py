@@ -71,7 +71,7 @@ import sys
 import tempfile
 import time
 
-from casekit import MIB, Report
+from casekit import MIB, run_worker
 
 
 def setup(conf):
@@ -667,15 +667,5 @@ def case_history(report, conf):
 CASES = {name[len("case_"):]: f for name, f in globals().items() if name.startswith("case_")}
 
 
-def main(argv):
-    if len(argv) not in (3, 4) or argv[1] not in CASES:
-        sys.exit(f"usage: {argv[0]} CASE CONF [ARG]  (CASE: {', '.join(CASES)})")
-    case, conf, extra = argv[1], argv[2], argv[3:]
-    identity = dict(case=case, conf=conf, path=os.environ.get("STREAMALLOC_TORCH_BACKEND", "auto"))
-    if extra:
-        identity["arg"] = extra[0]
-    Report(**identity).run(CASES[case], conf, *extra)
-
-
 if __name__ == "__main__":
-    main(sys.argv)
+    run_worker(sys.argv, CASES)
