@@ -1,19 +1,21 @@
 //! CPU cost per operation of the caching policy and allocators, replaying every trace of
 //! `traces/` (its subfolders included) on the simulator: the policy alone (no device at
 //! all), BestFit, StreamSafe on one stream (its overhead over BestFit is what the stream-safe
-//! layer costs), and StreamSafe by pointer (the C ABI's path: no handles, allocations kept in
-//! the pools), and StreamSafe over stitched virtual-memory ranges both ways.
+//! layer costs), and StreamSafe by pointer (the C ABI's path: handles kept in the `Pointers`
+//! table), and StreamSafe over stitched virtual-memory ranges both ways.
 //!
 //! Each iteration is one warm pass over a trace (everything freed at its end); throughput is
 //! in trace operations. Run: `cargo bench -p streamalloc-bench --bench replay`.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use streamalloc::adaptors::Pointers;
 use streamalloc::allocators::{BackingKind, BestFit, BestFitConfig, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice};
 use streamalloc::policy::best_fit::{BestFitPolicy, Classes};
-use streamalloc::{Allocation, Allocator, Device, PointerAllocator, Stream, StreamAllocator};
+use streamalloc::{Allocation, Allocator, Device, Stream, StreamAllocator};
 use streamalloc_replay::trace::{Op, Trace};
 
 fn traces() -> Vec<Trace> {
@@ -73,18 +75,18 @@ fn allocator_pass(trace: &Trace, live: &mut [Option<Allocation>], alloc: &dyn Fn
     live.iter_mut().for_each(|x| *x = None);
 }
 
-/// One pass of `trace` through a [`PointerAllocator`] on `stream`.
-fn pointer_pass(trace: &Trace, live: &mut [u64], a: &dyn PointerAllocator, stream: Stream) {
+/// One pass of `trace` by pointer ([`Pointers`]) on `stream`.
+fn pointer_pass<A: StreamAllocator>(trace: &Trace, live: &mut [u64], a: &Pointers<A>, stream: Stream) {
     for op in &trace.ops {
         match *op {
             Op::Allocate { slot, size, .. } => live[slot] = a.allocate_ptr(size, stream).expect("allocation"),
-            Op::Free { slot, .. } => assert!(a.free_ptr(std::mem::take(&mut live[slot]), stream).is_some()),
+            Op::Free { slot, .. } => assert!(a.free_ptr(std::mem::take(&mut live[slot]), stream)),
             // Stream rows (issue 37) time nothing here: allocations and frees are measured.
             Op::RecordStream { .. } | Op::Use { .. } | Op::Wait { .. } => {}
         }
     }
     for p in live.iter_mut().map(std::mem::take).filter(|&p| p != 0) {
-        assert!(a.free_ptr(p, stream).is_some());
+        assert!(a.free_ptr(p, stream));
     }
 }
 
@@ -116,8 +118,10 @@ fn bench(c: &mut Criterion) {
             })
         });
         let mut ptrs = vec![0; trace.slots];
+        let wait = Duration::from_secs(10);
+        let by_pointer = Pointers::new(stream_safe.clone(), sim.clone(), wait);
         group.bench_function("stream_safe_by_pointer", |b| {
-            b.iter(|| pointer_pass(&trace, &mut ptrs, stream_safe.as_ref(), s))
+            b.iter(|| pointer_pass(&trace, &mut ptrs, &by_pointer, s))
         });
         // The same on stitched virtual-memory ranges (`expandable=true` in the facade).
         let pool = BestFitConfig { backing: BackingKind::Stitched, ..Default::default() };
@@ -127,8 +131,9 @@ fn bench(c: &mut Criterion) {
         group.bench_function("stream_safe_stitched", |b| {
             b.iter(|| allocator_pass(&trace, &mut live, &|n| stitched.allocate_on(n, s).expect("allocation")))
         });
+        let by_pointer = Pointers::new(stitched.clone(), sim.clone(), wait);
         group.bench_function("stream_safe_stitched_by_pointer", |b| {
-            b.iter(|| pointer_pass(&trace, &mut ptrs, stitched.as_ref(), s))
+            b.iter(|| pointer_pass(&trace, &mut ptrs, &by_pointer, s))
         });
         group.finish();
     }

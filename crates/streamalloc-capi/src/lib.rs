@@ -14,11 +14,10 @@
 //!
 //! All three share one process-wide facade (per-device allocator stacks), configured by
 //! [`streamalloc_configure`] or else, at the first call, from `STREAMALLOC_CONF` (e.g.
-//! `device=sim,strategy=plain`). Each device's stack keeps its live allocations by pointer
-//! (a [`PointerAllocator`](core_alloc::PointerAllocator)): the strategy in one table under
-//! the lock it takes anyway (`stream_safe` one per stream's pool), every adaptor layer handing
-//! the call on, and no state per thread; so a pointer from any face can be freed by the free
-//! of any other, from any thread. No call unwinds into C or aborts: errors and
+//! `device=sim,strategy=plain`). Each device's stack keeps its live allocations by pointer in
+//! one table at its top ([`Pointers`](core_alloc::adaptors::Pointers), sharded by stream),
+//! with no state per thread; so a pointer from any face can be freed by the free of any
+//! other, from any thread. No call unwinds into C or aborts: errors and
 //! panics become a status (or a null pointer) and the thread's last error. Zero-size requests
 //! give a null pointer (PyTorch's convention), and freeing null does nothing. In a child
 //! forked after the library came into use every call fails at once, taking no lock (see

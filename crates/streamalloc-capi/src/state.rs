@@ -9,7 +9,7 @@ use core_alloc::device::EventPool;
 use core_alloc::error::try_each;
 use core_alloc::facade::private_pools::{PoolId, Routed, StreamFilter};
 use core_alloc::facade::{Config, DeviceKind, DeviceStack, Facade, MAX_DEVICES};
-use core_alloc::{DevicePtr, Error, PointerAllocator, Result, Stats, Stream};
+use core_alloc::{Allocator, DevicePtr, Error, Result, Stats, Stream};
 
 use crate::fork;
 use crate::ipc::Opened;
@@ -185,7 +185,7 @@ impl State {
             }
         };
         if let Some(sim) = &stack.sim {
-            sim.check_handout(ptr, size, stack.allocator.owning_stream(stream));
+            sim.check_handout(ptr, size, stack.allocator.owner_of(ptr, stream).unwrap_or(stream));
         }
         Ok(ptr)
     }
@@ -347,7 +347,7 @@ impl State {
         among: impl Fn(&DeviceStack) -> bool,
     ) -> bool {
         let mut stacks = self.stacks_from(device).filter(|s| among(s));
-        stacks.any(|s| s.allocator.free_ptr(ptr, owner.on(s)).is_some())
+        stacks.any(|s| s.allocator.free_ptr(ptr, owner.on(s)))
             || self.stacks_from(device).filter(|s| among(s)).any(|s| s.private.free(ptr, owner.on(s)))
     }
 
@@ -364,9 +364,7 @@ impl State {
         for stack in self.stacks_from(Some(device)) {
             // Recorded before the free, so that nobody can reuse the memory ahead of it.
             self.record_legacy(stack)?;
-            if stack.allocator.free_ptr(ptr, Stream::DEFAULT).is_some()
-                || stack.private.free(ptr, Stream::DEFAULT)
-            {
+            if stack.allocator.free_ptr(ptr, Stream::DEFAULT) || stack.private.free(ptr, Stream::DEFAULT) {
                 return Ok(());
             }
         }

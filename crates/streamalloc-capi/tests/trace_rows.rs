@@ -1,5 +1,6 @@
 //! Issue 37: the trace knows streams. Runs `tests/c/trace_rows.c` on the simulator with
-//! `trace=PATH`: `streamalloc_record_stream` writes a `record_stream` row, and
+//! `trace=PATH`: `streamalloc_record_stream` writes a `record_stream` row (just before the
+//! row of the free, where the allocation hands its recorded streams over), and
 //! `streamalloc_trace_use` / `streamalloc_trace_wait` write `use` and `wait` rows, with the
 //! stream values the allocation rows use; without `trace=` they succeed and write nothing.
 
@@ -22,13 +23,13 @@ fn stream_rows_reach_the_trace_through_the_c_api() {
         let rows: Vec<&str> = text.lines().skip(1).map(|l| l.splitn(3, ',').nth(2).unwrap()).collect();
         let p = stdout.split_whitespace().next().unwrap();
         assert_eq!(rows.len(), 5, "{strategy}: {text}");
-        let side = rows[1].rsplit(',').next().unwrap();
+        let side = rows[3].rsplit(',').next().unwrap();
         assert_ne!(side, "0", "{strategy}: {text}");
         assert_eq!(rows[0], format!("allocate,{p},1048576,0"), "{strategy}: {text}");
-        assert_eq!(rows[1], format!("record_stream,{p},0,{side}"), "{strategy}: {text}");
-        assert_eq!(rows[2], format!("use,{p},5000000,{side}"), "{strategy}: {text}");
+        assert_eq!(rows[1], format!("use,{p},5000000,{side}"), "{strategy}: {text}");
+        assert_eq!(rows[3], format!("record_stream,{p},0,{side}"), "{strategy}: {text}");
         let side: u64 = side.parse().unwrap();
-        assert_eq!(rows[3], format!("wait,{side:#x},0,0"), "{strategy}: {text}");
+        assert_eq!(rows[2], format!("wait,{side:#x},0,0"), "{strategy}: {text}");
         assert_eq!(rows[4], format!("free,{p},1048576,0"), "{strategy}: {text}");
     }
     let out = Command::new(&exe)

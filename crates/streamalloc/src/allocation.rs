@@ -31,15 +31,6 @@ pub fn align_up(size: usize) -> Option<usize> {
     size.checked_add(ALIGNMENT - 1).map(|s| s & !(ALIGNMENT - 1))
 }
 
-/// Adds `stream` to `recorded`, the streams using memory that `owner` owns, unless it is the
-/// owner or there already ([`Allocation::record_stream`], and allocators that keep
-/// allocations by pointer).
-pub(crate) fn record_user(recorded: &mut Vec<Stream>, owner: Stream, stream: Stream) {
-    if stream != owner && !recorded.contains(&stream) {
-        recorded.push(stream);
-    }
-}
-
 /// What an allocator gets back when an [`Allocation`] is dropped.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Block {
@@ -133,7 +124,9 @@ impl Allocation {
     /// exist then; before destroying one, erase it ([`Allocation::erase_stream`]) once its
     /// work on this memory is done.
     pub fn record_stream(&mut self, stream: Stream) {
-        record_user(&mut self.block.recorded, self.block.stream, stream);
+        if stream != self.block.stream && !self.block.recorded.contains(&stream) {
+            self.block.recorded.push(stream);
+        }
     }
 
     /// Undoes [`Allocation::record_stream`] for `stream` (the caller has ordered that
@@ -401,70 +394,13 @@ pub trait StreamAllocator: Allocator {
     /// so that no later call names it (a destroyed stream's handle is undefined in every
     /// driver call): [`StreamSafe`](crate::allocators::StreamSafe) waits (bounded) for the
     /// stream's work, then drops the stream's pool (its free memory goes back at once,
-    /// memory still handed out at a later release once freed) and takes the stream out of
-    /// the streams recorded on allocations it keeps by pointer
-    /// ([`PointerAllocator::record_stream_ptr`]); allocators that keep nothing per stream do
-    /// nothing. Call it once no allocation owned by `stream` is live, before destroying the
+    /// memory still handed out at a later release once freed);
+    /// [`Pointers`](crate::adaptors::Pointers) takes the stream out of the streams recorded
+    /// on the allocations it keeps; allocators that keep nothing per stream do nothing. Call it once no allocation owned by `stream` is live, before destroying the
     /// stream; handles that recorded it erase it themselves ([`Allocation::record_stream`]).
     /// An error (the stream's work outlasted the wait) means the stream must not be
     /// destroyed yet.
     fn retire_stream(&self, stream: Stream) -> Result<()>;
-}
-
-/// Allocations known by their pointer alone, for front ends that hand raw pointers to C:
-/// the allocator keeps each live allocation itself, so a free needs nothing but the pointer
-/// and the front end keeps no map of its own. The [ordering contract](self) is the same as
-/// for handles: a free is ordered on the owning stream and after every recorded stream.
-///
-/// Every allocator keeps its live allocations in one table by pointer, under the lock it
-/// takes anyway ([`StreamSafe`](crate::allocators::StreamSafe) one per stream's pool), with
-/// no state per thread; every adaptor does its own work and hands the call on to the
-/// allocator it wraps. Dropping the allocator frees the allocations it still keeps (their
-/// pointers must not be used after that).
-pub trait PointerAllocator: Send + Sync {
-    /// Allocates `size` bytes owned by `stream` and keeps the allocation until
-    /// [`PointerAllocator::free_ptr`]; the pointer. Size 0 gives the null pointer and keeps
-    /// nothing.
-    fn allocate_ptr(&self, size: usize, stream: Stream) -> Result<DevicePtr>;
-    /// Frees the allocation at `ptr`; what was freed, or `None` if no allocation of this
-    /// allocator lives at `ptr`. `owner` is the owning stream as the caller knows it, a hint
-    /// looked at first (any stream is correct, a wrong one only slower).
-    fn free_ptr(&self, ptr: DevicePtr, owner: Stream) -> Option<Freed>;
-    /// [`Allocation::record_stream`] for the allocation at `ptr`; `Ok(false)` if no
-    /// allocation of this allocator lives there. Fails, recording nothing, when `stream` is
-    /// not a live stream of the device (an event could not be recorded on it at the free).
-    /// [`StreamSafe`](crate::allocators::StreamSafe) takes it out again when the stream is
-    /// retired ([`StreamAllocator::retire_stream`]) before the free.
-    fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> Result<bool>;
-    /// The stream that owns an allocation asked for on `asked`: `asked` itself for
-    /// stream-aware allocators, the allocator's own stream for one that allocates on its own
-    /// stream only (which [`SingleStream`](crate::adaptors::SingleStream) orders `asked`
-    /// after).
-    fn owning_stream(&self, asked: Stream) -> Stream;
-}
-
-/// What [`PointerAllocator::free_ptr`] freed, for the adaptors' bookkeeping.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Freed {
-    /// The size asked for, in bytes.
-    pub size: usize,
-    /// The owning stream.
-    pub stream: Stream,
-}
-
-impl<A: PointerAllocator + ?Sized> PointerAllocator for Arc<A> {
-    fn allocate_ptr(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
-        (**self).allocate_ptr(size, stream)
-    }
-    fn free_ptr(&self, ptr: DevicePtr, owner: Stream) -> Option<Freed> {
-        (**self).free_ptr(ptr, owner)
-    }
-    fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> Result<bool> {
-        (**self).record_stream_ptr(ptr, stream)
-    }
-    fn owning_stream(&self, asked: Stream) -> Stream {
-        (**self).owning_stream(asked)
-    }
 }
 
 impl<A: Allocator + ?Sized> Allocator for Arc<A> {

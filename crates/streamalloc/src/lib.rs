@@ -60,8 +60,7 @@ pub mod text;
 pub mod trace;
 
 pub use allocation::{
-    Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, ReservedGauge, Stats, StreamAllocator,
-    ALIGNMENT,
+    Allocation, Allocator, Block, BlockOwner, ReservedGauge, Stats, StreamAllocator, ALIGNMENT,
 };
 pub use device::{Device, DevicePtr, Stream};
 pub use error::{Error, HeldErrors, OutOfMemory, Result};

@@ -143,27 +143,26 @@ conformance_tests!(trace_on_sim, traced);
 
 conformance_tests!(async_pool_on_sim, async_pool);
 
-/// The adaptor stack by pointer (the C ABI's path when adaptors are configured): every layer
-/// hands the call on to StreamSafe's own tables.
+/// The adaptor stack by pointer (the C ABI's path when adaptors are configured).
 fn stack_by_pointer(device: Arc<dyn Device>) -> Made {
-    let inner = StreamSafe::new(device, StreamSafeConfig::default()).expect("allocator");
+    let inner = StreamSafe::new(device.clone(), StreamSafeConfig::default()).expect("allocator");
     let traced = Traced::new(inner, TraceWriter::new(std::io::sink()).expect("writer"));
     let stack = Arc::new(Limit::new(Retry::new(Counted::new(traced), Duration::from_millis(10)), usize::MAX));
-    Made::Streams(Arc::new(ByPointer { pointers: stack.clone(), base: stack }))
+    ByPointer::made(stack, device)
 }
 
 /// Plain by pointer on any stream (the C ABI's path with `strategy=plain,stats=true`).
 fn plain_by_pointer(device: Arc<dyn Device>) -> Made {
     let plain = Plain::new(device.clone(), Stream::DEFAULT);
-    let stack = Arc::new(Counted::new(SingleStream::new(plain, device, Stream::DEFAULT)));
-    Made::Streams(Arc::new(ByPointer { pointers: stack.clone(), base: stack }))
+    let stack = Arc::new(Counted::new(SingleStream::new(plain, device.clone(), Stream::DEFAULT)));
+    ByPointer::made(stack, device)
 }
 
 /// BestFit by pointer on any stream (the C ABI's path with `strategy=best_fit`).
 fn best_fit_by_pointer(device: Arc<dyn Device>) -> Made {
     let pool = BestFit::new(device.clone(), BestFitConfig::default()).expect("pool");
-    let stack = Arc::new(SingleStream::new(pool, device, Stream::DEFAULT));
-    Made::Streams(Arc::new(ByPointer { pointers: stack.clone(), base: stack }))
+    let stack = Arc::new(SingleStream::new(pool, device.clone(), Stream::DEFAULT));
+    ByPointer::made(stack, device)
 }
 
 conformance_tests!(stream_safe_by_pointer_on_sim, stream_safe_by_pointer);

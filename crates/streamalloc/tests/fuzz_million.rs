@@ -10,14 +10,13 @@ use std::time::Duration;
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use streamalloc::adaptors::{Counted, Limit, Retry, SingleStream, Traced};
+use streamalloc::adaptors::{Counted, Limit, Pointers, Retry, SingleStream, Traced};
 use streamalloc::allocators::{
     AsyncPool, AsyncPoolConfig, BackingKind, BestFit, BestFitConfig, Plain, StreamSafe, StreamSafeConfig,
 };
 use streamalloc::device::sim::{SimConfig, SimDevice};
-use streamalloc::facade::StackAllocator;
 use streamalloc::trace::TraceWriter;
-use streamalloc::{Allocation, Device, DevicePtr, Stream};
+use streamalloc::{Allocation, Allocator, Device, DevicePtr, Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
 const STREAMS: usize = 4;
@@ -31,7 +30,7 @@ fn seed() -> u64 {
 }
 
 /// The stack under test: allocated from by handle, or by pointer.
-type Make = fn(Arc<SimDevice>) -> Arc<dyn StackAllocator>;
+type Make = fn(Arc<SimDevice>) -> Arc<dyn StreamAllocator>;
 
 fn stream_safe(sim: Arc<SimDevice>) -> StreamSafe {
     StreamSafe::new(sim, StreamSafeConfig::default()).expect("allocator")
@@ -42,49 +41,49 @@ fn backed(backing: BackingKind) -> BestFitConfig {
     BestFitConfig { backing, growth: 8 * MIB, ..BestFitConfig::default() }
 }
 
-fn plain(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
+fn plain(sim: Arc<SimDevice>) -> Arc<dyn StreamAllocator> {
     Arc::new(SingleStream::new(Plain::new(sim.clone(), Stream::DEFAULT), sim, Stream::DEFAULT))
 }
-fn best_fit(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
+fn best_fit(sim: Arc<SimDevice>) -> Arc<dyn StreamAllocator> {
     let pool = BestFit::new(sim.clone(), BestFitConfig::default()).expect("pool");
     Arc::new(SingleStream::new(pool, sim, Stream::DEFAULT))
 }
-fn best_fit_expandable(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
+fn best_fit_expandable(sim: Arc<SimDevice>) -> Arc<dyn StreamAllocator> {
     let pool = BestFit::new(sim.clone(), backed(BackingKind::Segments)).expect("pool");
     Arc::new(SingleStream::new(pool, sim, Stream::DEFAULT))
 }
-fn best_fit_stitched(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
+fn best_fit_stitched(sim: Arc<SimDevice>) -> Arc<dyn StreamAllocator> {
     let pool = BestFit::new(sim.clone(), backed(BackingKind::Stitched)).expect("pool");
     Arc::new(SingleStream::new(pool, sim, Stream::DEFAULT))
 }
-fn stream_safe_plain(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
+fn stream_safe_plain(sim: Arc<SimDevice>) -> Arc<dyn StreamAllocator> {
     Arc::new(stream_safe(sim))
 }
-fn stream_safe_expandable(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
+fn stream_safe_expandable(sim: Arc<SimDevice>) -> Arc<dyn StreamAllocator> {
     let config = StreamSafeConfig { pool: backed(BackingKind::Segments), ..StreamSafeConfig::default() };
     Arc::new(StreamSafe::new(sim, config).expect("allocator"))
 }
-fn stream_safe_stitched(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
+fn stream_safe_stitched(sim: Arc<SimDevice>) -> Arc<dyn StreamAllocator> {
     let config = StreamSafeConfig { pool: backed(BackingKind::Stitched), ..StreamSafeConfig::default() };
     Arc::new(StreamSafe::new(sim, config).expect("allocator"))
 }
-fn async_pool(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
+fn async_pool(sim: Arc<SimDevice>) -> Arc<dyn StreamAllocator> {
     Arc::new(AsyncPool::new(sim, AsyncPoolConfig::default()))
 }
-fn limit(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
+fn limit(sim: Arc<SimDevice>) -> Arc<dyn StreamAllocator> {
     Arc::new(Limit::new(stream_safe(sim), 192 * MIB))
 }
-fn retry(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
+fn retry(sim: Arc<SimDevice>) -> Arc<dyn StreamAllocator> {
     Arc::new(Retry::new(stream_safe(sim), Duration::ZERO))
 }
-fn stats(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
+fn stats(sim: Arc<SimDevice>) -> Arc<dyn StreamAllocator> {
     Arc::new(Counted::new(stream_safe(sim)))
 }
-fn trace(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
+fn trace(sim: Arc<SimDevice>) -> Arc<dyn StreamAllocator> {
     Arc::new(Traced::new(stream_safe(sim), TraceWriter::new(std::io::sink()).expect("writer")))
 }
 /// The facade's full stack over BestFit, driven by pointer as the C ABI drives it.
-fn full_stack(sim: Arc<SimDevice>) -> Arc<dyn StackAllocator> {
+fn full_stack(sim: Arc<SimDevice>) -> Arc<dyn StreamAllocator> {
     let pool = BestFit::new(sim.clone(), BestFitConfig::default()).expect("pool");
     let traced = Traced::new(
         SingleStream::new(pool, sim, Stream::DEFAULT),
@@ -113,7 +112,7 @@ impl Live {
 /// `record`. Returns the checker's violations and the allocations that failed.
 fn run(make: Make, ops: u64, seed: u64, by_pointer: bool, record: bool) -> (usize, u64) {
     let sim = SimDevice::new(SimConfig { seed, ..SimConfig::with_capacity(256 * MIB) });
-    let a = make(sim.clone());
+    let a = Pointers::new(make(sim.clone()), sim.clone(), Duration::from_secs(10));
     let streams: Vec<Stream> = (0..STREAMS).map(|_| sim.create_stream().expect("stream")).collect();
     let mut rng = SmallRng::seed_from_u64(seed);
     let mut live: Vec<Live> = Vec::new();
@@ -131,7 +130,7 @@ fn run(make: Make, ops: u64, seed: u64, by_pointer: bool, record: bool) -> (usiz
                 a.allocate_ptr(size, stream).map(|ptr| Live::Pointer {
                     ptr,
                     size,
-                    owner: a.owning_stream(stream),
+                    owner: a.owner_of(ptr, stream).expect("live"),
                 })
             } else {
                 a.allocate_on(size, stream).map(Live::Handle)
@@ -149,7 +148,7 @@ fn run(make: Make, ops: u64, seed: u64, by_pointer: bool, record: bool) -> (usiz
             match live.swap_remove(rng.gen_range(0..live.len())) {
                 Live::Handle(h) => drop(h),
                 Live::Pointer { ptr, owner, .. } => {
-                    assert!(a.free_ptr(ptr, owner).is_some(), "{ptr:#x} not live")
+                    assert!(a.free_ptr(ptr, owner), "{ptr:#x} not live")
                 }
             }
         } else if r < 960 {
@@ -176,7 +175,7 @@ fn run(make: Make, ops: u64, seed: u64, by_pointer: bool, record: bool) -> (usiz
     }
     for x in live {
         if let Live::Pointer { ptr, owner, .. } = x {
-            assert!(a.free_ptr(ptr, owner).is_some(), "{ptr:#x} not live");
+            assert!(a.free_ptr(ptr, owner), "{ptr:#x} not live");
         }
     }
     let stats = a.stats();

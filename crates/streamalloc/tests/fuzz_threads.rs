@@ -12,15 +12,17 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread;
+use std::time::Duration;
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
+use streamalloc::adaptors::Pointers;
 use streamalloc::adaptors::SingleStream;
 use streamalloc::allocators::{BackingKind, BestFit, BestFitConfig, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice, ViolationKind};
 use streamalloc::facade::private_pools::{PrivatePools, Routed, StreamFilter};
 use streamalloc::facade::{Config, DynAllocator, Facade};
-use streamalloc::{Device, Error, Stream};
+use streamalloc::{Allocator, Device, Error, Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
 const WORKERS: usize = 3;
@@ -37,7 +39,7 @@ fn seed() -> u64 {
 /// it.
 struct Stack {
     sim: Arc<SimDevice>,
-    allocator: DynAllocator,
+    allocator: Arc<streamalloc::facade::Stack>,
     private: Option<PrivatePools>,
 }
 
@@ -63,13 +65,14 @@ fn segments(stream_safe: bool) -> Stack {
         let d: Arc<dyn Device> = sim.clone();
         Arc::new(SingleStream::new(BestFit::new(d.clone(), pool).expect("pool"), d, Stream::DEFAULT))
     };
+    let allocator = Arc::new(Pointers::new(allocator, sim.clone(), Duration::from_secs(10)));
     Stack { sim, allocator, private: None }
 }
 
 /// A release, which may meet only a bounded wait that ran out; but for `strict` false (the
 /// negative control, whose kernels use memory nobody announced), where the simulator refuses
 /// unmaps under them.
-fn release(a: &DynAllocator, strict: bool) {
+fn release(a: &streamalloc::facade::Stack, strict: bool) {
     match a.release() {
         Ok(_) | Err(Error::Timeout { .. }) => {}
         Err(e) => assert!(!strict, "release: {e}"),
@@ -100,13 +103,13 @@ fn worker(stack: &Stack, own: Stream, others: &[Stream], seed: u64, ops: u64, re
                 failed += 1;
                 continue;
             };
-            let owner = a.owning_stream(own);
+            let owner = a.owner_of(ptr, own).expect("live");
             sim.check_handout(ptr, n, owner);
             sim.use_range(ptr, n, owner, rng.gen_range(1..5_000)).expect("use");
             live.push((ptr, n, owner));
         } else if r < 70 {
             let (ptr, _, owner) = live.swap_remove(rng.gen_range(0..live.len()));
-            assert!(a.free_ptr(ptr, owner).is_some(), "{ptr:#x} not live");
+            assert!(a.free_ptr(ptr, owner), "{ptr:#x} not live");
         } else if r < 95 {
             let (ptr, n, _) = live[rng.gen_range(0..live.len())];
             let user = others[rng.gen_range(0..others.len())];
@@ -119,7 +122,7 @@ fn worker(stack: &Stack, own: Stream, others: &[Stream], seed: u64, ops: u64, re
         }
     }
     for (ptr, _, owner) in live {
-        assert!(a.free_ptr(ptr, owner).is_some(), "{ptr:#x} not live");
+        assert!(a.free_ptr(ptr, owner), "{ptr:#x} not live");
     }
     failed
 }
@@ -136,21 +139,21 @@ fn releaser(stack: &Stack, stream: Stream, seed: u64, strict: bool, done: &Atomi
             6..=7 => {
                 let n = size(&mut rng);
                 if let Ok(ptr) = a.allocate_ptr(n, stream) {
-                    let owner = a.owning_stream(stream);
+                    let owner = a.owner_of(ptr, stream).expect("live");
                     sim.check_handout(ptr, n, owner);
                     sim.use_range(ptr, n, owner, 1_000).expect("use");
                     release(a, strict);
-                    assert!(a.free_ptr(ptr, owner).is_some());
+                    assert!(a.free_ptr(ptr, owner));
                 }
             }
             _ => {
                 let s = sim.create_stream().expect("stream");
                 let n = size(&mut rng);
                 if let Ok(ptr) = a.allocate_ptr(n, s) {
-                    let owner = a.owning_stream(s);
+                    let owner = a.owner_of(ptr, s).expect("live");
                     sim.check_handout(ptr, n, owner);
                     sim.use_range(ptr, n, owner, 2_000).expect("use");
-                    assert!(a.free_ptr(ptr, owner).is_some());
+                    assert!(a.free_ptr(ptr, owner));
                 }
                 a.retire_stream(s).expect("retire");
                 if let Some(p) = &stack.private {

@@ -13,9 +13,10 @@ use std::time::{Duration, Instant};
 
 use conformance::ByPointer;
 use gpu_common::{all, block_stream, gpu};
+use streamalloc::adaptors::Pointers;
 use streamalloc::allocators::{AsyncPool, AsyncPoolConfig, PoolMode, ReuseFlags};
 use streamalloc::device::DeviceTestExt;
-use streamalloc::{Allocator, DevicePtr, PointerAllocator, Stream, StreamAllocator};
+use streamalloc::{Allocator, DevicePtr, Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
@@ -39,7 +40,7 @@ fn read(device: &Arc<dyn DeviceTestExt>, ptr: DevicePtr, len: usize, stream: Str
 fn delayed_user_then_reuse(record: bool, by_pointer: bool) -> (bool, Vec<u8>) {
     let device = gpu();
     let owned = Arc::new(owned_pool(&device));
-    let wrapped = ByPointer { pointers: owned.clone(), base: owned.clone() };
+    let wrapped = ByPointer::new(owned.clone(), device.clone());
     let pool: &dyn StreamAllocator = if by_pointer { &wrapped } else { owned.as_ref() };
     let (a, b) = (device.create_stream().unwrap(), device.create_stream().unwrap());
     const N: usize = 64 * MIB;
@@ -162,14 +163,16 @@ fn graph_case2_allocated_inside_freed_outside() {
 #[test]
 #[ignore = "needs a CUDA GPU: run by scripts/gpu-test.sh"]
 fn graph_case2_by_pointer() {
-    let (device, pool, s) = graph_setup();
-    let cap = pool.begin_capture(s).unwrap();
+    let (device, async_pool, s) = graph_setup();
+    let async_pool = Arc::new(async_pool);
+    let pool = Pointers::new(async_pool.clone(), device.clone(), Duration::from_secs(10));
+    let cap = async_pool.begin_capture(s).unwrap();
     let x = pool.allocate_ptr(16 * MIB, s).unwrap();
     device.memset_async(x, 0x44, 16 * MIB, s).unwrap();
     let g = cap.end().unwrap();
     g.launch(s).unwrap();
     assert!(all(&read(&device, x, 16 * MIB, s), 0x44), "graph memory holds the launch's data");
-    assert!(pool.free_ptr(x, s).is_some());
+    assert!(pool.free_ptr(x, s));
     g.launch(s).expect("auto-free-on-launch allows a relaunch");
     assert!(all(&read(&device, x, 16 * MIB, s), 0x44));
     g.destroy().unwrap();

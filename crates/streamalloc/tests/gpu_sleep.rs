@@ -16,7 +16,7 @@ use gpu_common::{all, block_stream, gpu};
 use streamalloc::device::DeviceTestExt;
 use streamalloc::facade::{Config, DeviceStack, Facade};
 use streamalloc::tags::{self, Tag};
-use streamalloc::{Allocation, Allocator, Error, Stream};
+use streamalloc::{Allocation, Allocator, Error, Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
 
@@ -59,7 +59,7 @@ fn contents_are_equal_after_an_offloaded_sleep_and_the_driver_sees_the_memory_go
     let s = gpu.create_stream().expect("stream");
     // A warm-up cycle: the internal stream, its events and the pinned blocks exist afterwards.
     let warm = tagged(&st, "kv_cache", 4 * MIB, s);
-    layer.sleep(&tag("kv_cache"), true).expect("sleep");
+    layer.sleep(&tag("kv_cache"), true, &[]).expect("sleep");
     layer.wake(&tag("kv_cache")).expect("wake");
     // Blocks of the home area and of a stitched range (the freed 6 MiB and small blocks pay for
     // the 12 MiB), a tag of weights, and untagged memory.
@@ -76,8 +76,9 @@ fn contents_are_equal_after_an_offloaded_sleep_and_the_driver_sees_the_memory_go
         gpu.copy_from_host(a.ptr(), d, s).expect("write");
     }
     let (used_before, reserved_before) = (used(&gpu), st.allocator.stats().reserved);
-    let slept =
-        layer.sleep(&[Tag::new("kv_cache").unwrap(), Tag::new("weights").unwrap()], true).expect("sleep");
+    let slept = layer
+        .sleep(&[Tag::new("kv_cache").unwrap(), Tag::new("weights").unwrap()], true, &[])
+        .expect("sleep");
     let used_asleep = used(&gpu);
     assert!(slept >= 4 * MIB + 18 * MIB + 96 * MIB, "slept {slept}");
     assert!(
@@ -122,7 +123,7 @@ fn a_sleep_waits_for_the_busy_stream_that_uses_the_memory_and_not_for_another() 
         "the memsets were done before the sleep: the case proves nothing"
     );
     let start = Instant::now();
-    let slept = layer.sleep(&tag("kv"), true).expect("sleep");
+    let slept = layer.sleep(&tag("kv"), true, &[]).expect("sleep");
     let took = start.elapsed();
     assert!(
         gpu.query_event(done_s).unwrap(),
@@ -156,7 +157,7 @@ fn a_sleep_past_the_bound_names_the_stream_and_gives_nothing_back() {
     let go = block_stream(&gpu, s);
     gpu.memset_async(kv.ptr(), 6, kv.size(), s).unwrap();
     let before = used(&gpu);
-    match layer.sleep(&tag("kv"), true) {
+    match layer.sleep(&tag("kv"), true, &[]) {
         Err(Error::Timeout { waited_for, .. }) => {
             assert!(waited_for.contains(&format!("{:#x}", s.0)), "{waited_for}")
         }
@@ -166,7 +167,7 @@ fn a_sleep_past_the_bound_names_the_stream_and_gives_nothing_back() {
     assert!(!layer.tag_stats(Tag::new("kv").unwrap()).asleep);
     go.store(true, Ordering::Release);
     gpu.synchronize_stream(s).unwrap();
-    layer.sleep(&tag("kv"), true).expect("sleep once the stream is done");
+    layer.sleep(&tag("kv"), true, &[]).expect("sleep once the stream is done");
     layer.wake(&tag("kv")).expect("wake");
     assert!(all(&read(&gpu, &kv, s), 6));
     drop(kv);
@@ -189,7 +190,7 @@ fn a_graph_captured_before_the_sleep_replays_after_the_wake() {
     let graph = gpu.end_capture(s).unwrap();
     let exec = gpu.instantiate_graph(graph).unwrap();
     gpu.synchronize_stream(s).unwrap();
-    layer.sleep(&tag("kv"), true).unwrap();
+    layer.sleep(&tag("kv"), true, &[]).unwrap();
     layer.wake(&tag("kv")).unwrap();
     gpu.launch_graph(exec, s).unwrap();
     let back = read(&gpu, &kv, s);
@@ -210,8 +211,8 @@ fn each_misuse_has_its_answer() {
     let s = gpu.create_stream().unwrap();
     let a = tagged(&st, "kv", 8 * MIB, s);
     let b = tagged(&st, "kv", 2 * MIB, s);
-    let slept = layer.sleep(&tag("kv"), true).unwrap();
-    assert_eq!(layer.sleep(&tag("kv"), true).unwrap(), 0, "sleeping what sleeps does nothing");
+    let slept = layer.sleep(&tag("kv"), true, &[]).unwrap();
+    assert_eq!(layer.sleep(&tag("kv"), true, &[]).unwrap(), 0, "sleeping what sleeps does nothing");
     let refused = {
         let _scope = tags::scope("kv").unwrap();
         st.allocator.allocate_on(MIB, s)

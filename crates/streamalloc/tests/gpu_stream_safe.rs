@@ -74,7 +74,7 @@ fn stream_safe_record_stream_prevents_early_reuse() {
 fn stream_safe_by_pointer_record_stream_prevents_early_reuse() {
     let device = gpu();
     let ss = Arc::new(stream_safe(&device));
-    let by_pointer = ByPointer { pointers: ss.clone(), base: ss };
+    let by_pointer = ByPointer::new(ss, device.clone());
     let (same, bytes) = delayed_user_then_reuse(&by_pointer, &device, true);
     assert!(!same, "the block was handed out while stream B still had work on it");
     assert!(all(&bytes, 0xCC), "B's delayed write landed in A's new allocation");

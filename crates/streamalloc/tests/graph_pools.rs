@@ -6,17 +6,18 @@
 
 use std::sync::Arc;
 
+use streamalloc::adaptors::Pointers;
 use streamalloc::allocators::{BestFitConfig, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice};
 use streamalloc::device::{CaptureStatus, Device, DeviceTestExt};
 use streamalloc::facade::private_pools::{PrivatePools, Routed};
-use streamalloc::{PointerAllocator, Stream};
+use streamalloc::Stream;
 
 const TEMP: usize = 256 << 20;
 
 struct Setup {
     sim: Arc<SimDevice>,
-    main: StreamSafe,
+    main: Pointers<StreamSafe>,
     pools: PrivatePools,
     capture: Stream,
     replay: Stream,
@@ -25,6 +26,7 @@ struct Setup {
 fn setup() -> Setup {
     let sim = SimDevice::new(SimConfig::with_capacity(16 << 30));
     let main = StreamSafe::new(sim.clone(), StreamSafeConfig::default()).unwrap();
+    let main = Pointers::new(main, sim.clone(), std::time::Duration::from_secs(10));
     let pools = PrivatePools::new(sim.clone(), BestFitConfig::default(), false);
     let (capture, replay) = (sim.create_stream().unwrap(), sim.create_stream().unwrap());
     Setup { sim, main, pools, capture, replay }
@@ -47,7 +49,7 @@ fn graph_then_eager(s: &Setup, private: bool) -> usize {
         Routed::Main { .. } => s.main.allocate_ptr(TEMP, s.capture).unwrap(),
     };
     s.sim.memset_async(temp, 7, TEMP, s.capture).unwrap();
-    assert!(s.pools.free(temp, s.capture) || s.main.free_ptr(temp, s.capture).is_some());
+    assert!(s.pools.free(temp, s.capture) || s.main.free_ptr(temp, s.capture));
     let graph = s.sim.end_capture(s.capture).unwrap();
     if private {
         s.pools.end((0, 1));

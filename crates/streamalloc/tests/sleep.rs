@@ -12,7 +12,7 @@ use rand::{Rng, SeedableRng};
 use streamalloc::device::sim::{SimConfig, SimDevice};
 use streamalloc::device::DeviceTestExt;
 use streamalloc::facade::{Config, Facade};
-use streamalloc::{tags, Allocation, Allocator, Device, Error, PointerAllocator, Stream};
+use streamalloc::{tags, Allocation, Allocator, Device, Error, Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
 const GRANULE: usize = 2 * MIB;
@@ -158,7 +158,7 @@ fn the_sleep_waits_for_the_streams_that_use_the_memory_and_for_no_other() {
         assert_eq!(sim.host_waits(), waits + 1, "one host wait, for the internal stream");
         assert!(sim.violations().is_empty(), "round {longest}: {:?}", sim.violations());
         f.wake(0, &["kv"]).unwrap();
-        assert!(allocator.free_ptr(kept, owner).is_some());
+        assert!(allocator.free_ptr(kept, owner));
         drop((a, other));
         assert!(sim.violations().is_empty(), "{:?}", sim.violations());
     }
@@ -379,7 +379,7 @@ fn threads_at_work_while_tags_sleep_and_wake() {
         let data = pattern(3 * MIB, cycles as u8);
         sim.copy_from_host(sentinels[i].ptr(), &data, s).unwrap();
         let offload = rng.gen_bool(0.7);
-        match layer.sleep(&[tags::Tag::new(TAGS[i]).unwrap()], offload) {
+        match layer.sleep(&[tags::Tag::new(TAGS[i]).unwrap()], offload, &[]) {
             Ok(_) | Err(Error::Timeout { .. }) => {}
             Err(e) => panic!("sleep: {e}"),
         }

@@ -6,15 +6,22 @@ mod conformance;
 use std::sync::Arc;
 
 use conformance::{run_program, Action, Made};
+use streamalloc::adaptors::Pointers;
 use streamalloc::allocators::{BestFitConfig, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice};
-use streamalloc::{Allocator, Device, Error, PointerAllocator, Stream, StreamAllocator};
+use streamalloc::{Allocator, Device, Error, Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
 
-fn setup(capacity: usize) -> (Arc<SimDevice>, StreamSafe, Stream, Stream) {
+/// A StreamSafe allocator, by pointer too ([`Pointers`], the C ABI's path).
+fn by_pointer(sim: &Arc<SimDevice>, config: StreamSafeConfig) -> Pointers<StreamSafe> {
+    let a = StreamSafe::new(sim.clone(), config).unwrap();
+    Pointers::new(a, sim.clone(), config.pool.wait_timeout)
+}
+
+fn setup(capacity: usize) -> (Arc<SimDevice>, Pointers<StreamSafe>, Stream, Stream) {
     let sim = SimDevice::new(SimConfig::with_capacity(capacity));
-    let a = StreamSafe::new(sim.clone(), StreamSafeConfig::default()).unwrap();
+    let a = by_pointer(&sim, StreamSafeConfig::default());
     let (s1, s2) = (sim.create_stream().unwrap(), sim.create_stream().unwrap());
     (sim, a, s1, s2)
 }
@@ -229,10 +236,10 @@ fn frees_by_pointer_find_the_pool_with_any_hint() {
     let p = a.allocate_ptr(3 * MIB, s1).unwrap();
     let q = a.allocate_ptr(3 * MIB, s2).unwrap();
     assert_eq!(a.stats().live_allocations, 2);
-    assert!(a.free_ptr(p, s1).is_some());
-    assert!(a.free_ptr(q, s1).is_some(), "a wrong hint still finds the allocation");
-    assert!(a.free_ptr(q, s2).is_none(), "freed twice");
-    assert!(a.free_ptr(0xdead_0000, s1).is_none());
+    assert!(a.free_ptr(p, s1));
+    assert!(a.free_ptr(q, s1), "a wrong hint still finds the allocation");
+    assert!(!a.free_ptr(q, s2), "freed twice");
+    assert!(!a.free_ptr(0xdead_0000, s1));
     assert!(!a.record_stream_ptr(p, s2).unwrap(), "record_stream on a freed pointer");
     assert_eq!(a.stats().live_allocations, 0);
     assert_eq!(a.allocate_ptr(3 * MIB, s2).unwrap(), q, "stream 2's block went back to stream 2");
@@ -247,7 +254,7 @@ fn record_stream_by_pointer_defers_reuse() {
     let p = a.allocate_ptr(3 * MIB, s1).unwrap();
     sim.use_range(p, 3 * MIB, s2, 5_000_000).unwrap();
     assert!(a.record_stream_ptr(p, s2).unwrap());
-    assert!(a.free_ptr(p, s1).is_some());
+    assert!(a.free_ptr(p, s1));
     assert_eq!(a.stats().pending_release, 3 * MIB);
     let q = a.allocate_ptr(3 * MIB, s1).unwrap();
     assert_ne!(q, p, "reused while stream 2 still used it");
@@ -264,7 +271,7 @@ fn pointers_of_a_retired_stream_are_freed() {
     let p = a.allocate_ptr(40 * MIB, s2).unwrap();
     a.retire_stream(s2).unwrap();
     sim.destroy_stream(s2).unwrap();
-    assert!(a.free_ptr(p, s2).is_some());
+    assert!(a.free_ptr(p, s2));
     a.release().unwrap();
     assert_eq!(a.stats().reserved, 0);
 }
@@ -281,7 +288,7 @@ fn pointers_cross_threads_and_growth() {
     let b = a.clone();
     std::thread::spawn(move || {
         for p in ptrs {
-            assert!(b.free_ptr(p, Stream::DEFAULT).is_some());
+            assert!(b.free_ptr(p, Stream::DEFAULT));
         }
     })
     .join()
@@ -295,7 +302,7 @@ fn pointers_cross_threads_and_growth() {
 #[test]
 fn streams_that_come_and_go_leave_no_pool_behind() {
     let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
-    let a = StreamSafe::new(sim.clone(), StreamSafeConfig::default()).unwrap();
+    let a = by_pointer(&sim, StreamSafeConfig::default());
     let side = sim.create_stream().unwrap();
     let kept = a.allocate_on(4096, side).unwrap();
     for i in 0..20_000 {
@@ -306,16 +313,16 @@ fn streams_that_come_and_go_leave_no_pool_behind() {
             assert!(a.record_stream_ptr(p, side).unwrap());
         }
         drop(x);
-        assert!(a.free_ptr(p, s).is_some());
+        assert!(a.free_ptr(p, s));
         a.retire_stream(s).unwrap();
         sim.destroy_stream(s).unwrap();
         if i % 5_000 == 0 {
-            assert!(a.pool_count() <= 2, "after {i} streams: {} pools held", a.pool_count());
+            assert!(a.inner().pool_count() <= 2, "after {i} streams: {} pools held", a.inner().pool_count());
         }
     }
     sim.synchronize_stream(side).unwrap();
     a.release().unwrap();
-    assert_eq!(a.pool_count(), 1, "only the side stream's pool is left");
+    assert_eq!(a.inner().pool_count(), 1, "only the side stream's pool is left");
     let s = a.stats();
     assert_eq!((s.allocated, s.live_allocations, s.pending_release), (4096, 1, 0));
     assert_eq!((s.total_allocations, s.total_frees), (40_001, 40_000), "counts of forgotten pools stay");
@@ -335,7 +342,7 @@ fn a_retired_recorded_stream_needs_no_event_at_the_free() {
     assert!(a.record_stream_ptr(p, s2).unwrap());
     a.retire_stream(s2).unwrap(); // waits for the kernel on s2
     sim.destroy_stream(s2).unwrap();
-    assert!(a.free_ptr(p, s1).is_some());
+    assert!(a.free_ptr(p, s1));
     assert_eq!(a.stats().pending_release, 0, "the block waits for a destroyed stream");
     let q = a.allocate_ptr(4096, s1).unwrap();
     assert_eq!(q, p, "the block is reused at once");
@@ -351,14 +358,14 @@ fn a_retired_recorded_stream_needs_no_event_at_the_free() {
 fn a_retirement_that_times_out_keeps_the_stream_recorded() {
     let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
     let pool = BestFitConfig { wait_timeout: std::time::Duration::from_millis(1), ..Default::default() };
-    let a = StreamSafe::new(sim.clone(), StreamSafeConfig { pool, ..Default::default() }).unwrap();
+    let a = by_pointer(&sim, StreamSafeConfig { pool, ..Default::default() });
     let (s1, s2) = (sim.create_stream().unwrap(), sim.create_stream().unwrap());
     let p = a.allocate_ptr(4096, s1).unwrap();
     sim.use_range(p, 4096, s2, 1_000_000_000).unwrap(); // 1 s, past the 1 ms wait
     assert!(a.record_stream_ptr(p, s2).unwrap());
     let err = a.retire_stream(s2).unwrap_err();
     assert!(matches!(err, Error::Timeout { .. }), "{err}");
-    assert!(a.free_ptr(p, s1).is_some());
+    assert!(a.free_ptr(p, s1));
     assert_eq!(a.stats().pending_release, 4096, "the free waits for the kernel on s2");
     let q = a.allocate_ptr(4096, s1).unwrap();
     assert_ne!(q, p);
@@ -392,7 +399,7 @@ fn a_block_stuck_on_a_destroyed_stream_returns_with_its_pool() {
     assert_eq!(sim.mem_info().unwrap().used(), 0, "the stuck block's chunk went back");
     let s = a.stats();
     assert_eq!((s.reserved, s.pending_release, s.allocated), (0, 0, 0));
-    assert_eq!(a.pool_count(), 0);
+    assert_eq!(a.inner().pool_count(), 0);
     assert!(sim.violations().is_empty());
 }
 
@@ -425,7 +432,7 @@ fn out_of_memory_with_many_streams_names_the_largest_holders_briefly() {
 #[test]
 fn promoted_pools_of_retired_streams_give_their_memory_back() {
     let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
-    let a = StreamSafe::new(sim.clone(), StreamSafeConfig::default()).unwrap();
+    let a = by_pointer(&sim, StreamSafeConfig::default());
     let side = sim.create_stream().unwrap();
     for _ in 0..40 {
         let s = sim.create_stream().unwrap();
@@ -434,16 +441,16 @@ fn promoted_pools_of_retired_streams_give_their_memory_back() {
             let p = a.allocate_ptr(3 * MIB, s).unwrap();
             sim.use_range(p, 3 * MIB, side, 1_000).unwrap();
             assert!(a.record_stream_ptr(p, side).unwrap());
-            assert!(a.free_ptr(p, s).is_some());
+            assert!(a.free_ptr(p, s));
         }
         let q = a.allocate_ptr(3 * MIB, s).unwrap();
         assert_eq!(sim.check_handout(q, 3 * MIB, s), 0);
-        assert!(a.free_ptr(q, s).is_some());
+        assert!(a.free_ptr(q, s));
         a.retire_stream(s).unwrap();
         sim.destroy_stream(s).unwrap();
         sim.synchronize_stream(side).unwrap();
         a.release().unwrap();
-        assert_eq!(a.pool_count(), 0);
+        assert_eq!(a.inner().pool_count(), 0);
         assert_eq!(sim.mem_info().unwrap().used(), 0, "the retired stream's memory went back");
     }
     let s = a.stats();

@@ -7,19 +7,20 @@
 //! Given trace files, it then replays each, alternating passes in this one process so that
 //! every subject sees the same pool and the same moment of the machine: the bare calls with
 //! the trace's sizes (what the anchors' raw cudaMallocAsync does), AsyncPool by handle, and
-//! AsyncPool by pointer (its own bookkeeping: the C ABI's path for `strategy=async`); the
+//! AsyncPool by pointer (through the `Pointers` table: the C ABI's path for `strategy=async`); the
 //! median pass of each, in ns per operation.
 //!
 //! A measurement to read, not a test: `cargo run --release -p streamalloc-bench --bin async_overhead [TRACE...]`
 //! (on the GPU machine, packed by scripts/gpu-test.sh: scripts/gpu/device-run.sh bench).
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
+use streamalloc::adaptors::Pointers;
 use streamalloc::allocators::{AsyncPool, AsyncPoolConfig, PoolMode};
 use streamalloc::device::cuda::CudaDevice;
 use streamalloc::device::{Pool, PoolAttr, Stream};
-use streamalloc::{Allocation, Device, Error, PointerAllocator, Result, StreamAllocator};
+use streamalloc::{Allocation, Device, Error, Result, StreamAllocator};
 use streamalloc_replay::trace::{Op, Trace};
 
 const N: u32 = 20_000;
@@ -78,7 +79,7 @@ fn replay(
     async_pool: &Arc<AsyncPool>,
     trace: &Trace,
 ) -> Result<()> {
-    let by_pointer: &dyn PointerAllocator = async_pool.as_ref();
+    let by_pointer = Pointers::new(async_pool.clone(), device.clone(), Duration::from_secs(10));
     let (mut raw, mut handles, mut pointers) = (Vec::new(), Vec::new(), Vec::new());
     let mut ptrs = vec![0u64; trace.slots];
     let mut allocations: Vec<Option<Allocation>> = (0..trace.slots).map(|_| None).collect();
@@ -105,7 +106,7 @@ fn replay(
             trace,
             &mut ptrs,
             |n| by_pointer.allocate_ptr(n, s),
-            |p| match p == 0 || by_pointer.free_ptr(p, s).is_some() {
+            |p| match p == 0 || by_pointer.free_ptr(p, s) {
                 true => Ok(()),
                 false => Err(Error::InvalidArgument(format!("{p:#x} not live"))),
             },

@@ -28,10 +28,8 @@ use std::time::Instant;
 
 use streamalloc::device::cuda::CudaDevice;
 use streamalloc::device::sim::{SimConfig, SimDevice};
-use streamalloc::facade::{Config, Facade};
-use streamalloc::{
-    Allocation, Allocator, Device, DevicePtr, PointerAllocator, Result, Stream, StreamAllocator,
-};
+use streamalloc::facade::{Config, Facade, Stack};
+use streamalloc::{Allocation, Allocator, Device, DevicePtr, Result, Stream, StreamAllocator};
 use streamalloc_replay::trace::{Op, Trace};
 
 /// Passes per run: a warm-up pass, then timed ones.
@@ -69,7 +67,7 @@ impl Subject {
 
 /// One thread's replay state for a subject.
 enum Replayer {
-    Pointer { alloc: Arc<dyn PointerAllocator>, live: Vec<DevicePtr> },
+    Pointer { alloc: Arc<Stack>, live: Vec<DevicePtr> },
     Handle { alloc: Arc<dyn StreamAllocator>, live: Vec<Option<Allocation>> },
     Baseline { free: HashMap<usize, Vec<DevicePtr>>, live: Vec<(usize, DevicePtr)>, next: DevicePtr },
 }
@@ -118,7 +116,7 @@ impl Replayer {
 
 /// The subject's allocator, shared by the threads, and its device-allocation counter.
 struct Shared {
-    pointer: Option<Arc<dyn PointerAllocator>>,
+    pointer: Option<Arc<Stack>>,
     handle: Option<Arc<dyn StreamAllocator>>,
     device_allocs: Box<dyn Fn() -> u64 + Send + Sync>,
 }
@@ -129,7 +127,7 @@ fn shared(subject: Subject, device: &Arc<dyn Device>) -> Result<Shared> {
             let stack = Facade::build_stack(&Config::default(), device.clone())?;
             let a = stack.allocator.clone();
             Shared {
-                pointer: Some(Arc::new(stack.allocator)),
+                pointer: Some(stack.allocator),
                 handle: None,
                 device_allocs: Box::new(move || a.stats().device_allocs),
             }

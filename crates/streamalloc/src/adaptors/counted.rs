@@ -6,10 +6,8 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use super::{FreeHook, Owners};
-use crate::allocation::{
-    Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats, StreamAllocator,
-};
-use crate::device::{DevicePtr, Stream};
+use crate::allocation::{Allocation, Allocator, Block, BlockOwner, Stats, StreamAllocator};
+use crate::device::Stream;
 use crate::error::Result;
 
 /// Figures for one stream, for all streams, or for one scope.
@@ -198,22 +196,6 @@ impl<A: StreamAllocator> StreamAllocator for Counted<A> {
         Ok(self.adopt(self.inner.allocate_on(size, stream)?))
     }
     pass_through_default_stream!();
-}
-
-impl<A: Allocator + PointerAllocator> PointerAllocator for Counted<A> {
-    fn allocate_ptr(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
-        let ptr = self.inner.allocate_ptr(size, stream)?;
-        if ptr != 0 {
-            self.shared.on_allocate(size, self.inner.owning_stream(stream));
-        }
-        Ok(ptr)
-    }
-    fn free_ptr(&self, ptr: DevicePtr, owner: Stream) -> Option<Freed> {
-        let freed = self.inner.free_ptr(ptr, owner)?;
-        self.shared.on_free(freed.size, freed.stream);
-        Some(freed)
-    }
-    pass_through_pointers!();
 }
 
 #[cfg(test)]

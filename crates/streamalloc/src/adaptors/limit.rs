@@ -4,10 +4,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use super::{FreeHook, Owners};
-use crate::allocation::{
-    Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats, StreamAllocator,
-};
-use crate::device::{DevicePtr, Stream};
+use crate::allocation::{Allocation, Allocator, Block, BlockOwner, Stats, StreamAllocator};
+use crate::device::Stream;
 use crate::error::{Error, Result};
 
 /// Fails allocations that would take the bytes handed out (as asked for) past a limit, with
@@ -105,16 +103,4 @@ impl<A: StreamAllocator> StreamAllocator for Limit<A> {
         Ok(self.owners.adopt(&self.shared, a, |_| ()))
     }
     pass_through_default_stream!();
-}
-
-impl<A: Allocator + PointerAllocator> PointerAllocator for Limit<A> {
-    fn allocate_ptr(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
-        self.within(size, || self.inner.allocate_ptr(size, stream))
-    }
-    fn free_ptr(&self, ptr: DevicePtr, owner: Stream) -> Option<Freed> {
-        let freed = self.inner.free_ptr(ptr, owner)?;
-        self.shared.in_use.fetch_sub(freed.size, Ordering::Relaxed);
-        Some(freed)
-    }
-    pass_through_pointers!();
 }

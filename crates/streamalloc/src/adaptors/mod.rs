@@ -14,9 +14,12 @@
 //! (`Limit<BestFit>`, `Counted<StreamSafe>`); the figures [`Counted`] keeps are
 //! [`StreamStats`], beside the [`Stats`](crate::Stats) every allocator reports.
 //!
-//! Each adaptor is also a [`PointerAllocator`](crate::PointerAllocator) when what it wraps is
-//! one: it does its work and hands the call on, so a stack frees by pointer through the
-//! table of live allocations its allocator keeps.
+//! * [`Pointers`]: allocations by pointer for front ends that hand raw pointers to C, kept
+//!   in one table at the top of a stack.
+//!
+//! An adaptor implements the allocation path once, by handle: a free by pointer
+//! ([`Pointers::free_ptr`]) drops the handle kept, which reaches each layer below as any
+//! handle's free does.
 
 /// The [`Allocator`](crate::Allocator) methods an adaptor passes to the allocator it wraps
 /// (`self.inner`) unchanged: the device, and the reset of the peaks.
@@ -47,27 +50,16 @@ macro_rules! pass_through_default_stream {
     };
 }
 
-/// The [`PointerAllocator`](crate::PointerAllocator) methods an adaptor passes to the
-/// allocator it wraps (`self.inner`) unchanged.
-macro_rules! pass_through_pointers {
-    () => {
-        fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> Result<bool> {
-            self.inner.record_stream_ptr(ptr, stream)
-        }
-        fn owning_stream(&self, asked: Stream) -> Stream {
-            self.inner.owning_stream(asked)
-        }
-    };
-}
-
 mod counted;
 mod limit;
+mod pointers;
 mod retry;
 mod single_stream;
 mod trace;
 
 pub use counted::{Counted, Scope, StreamStats};
 pub use limit::Limit;
+pub use pointers::Pointers;
 pub use retry::Retry;
 pub use single_stream::SingleStream;
 pub use trace::Traced;

@@ -7,11 +7,9 @@ use std::time::Duration;
 use parking_lot::{Condvar, Mutex};
 
 use super::{FreeHook, Owners};
-use crate::allocation::{
-    Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats, StreamAllocator,
-};
+use crate::allocation::{Allocation, Allocator, Block, BlockOwner, Stats, StreamAllocator};
 use crate::allocators::retry::on_out_of_memory;
-use crate::device::{DevicePtr, Stream};
+use crate::device::Stream;
 use crate::error::{Error, HeldErrors, Result};
 
 /// Longest single wait between two attempts: frees that complete on the device (pending
@@ -163,16 +161,4 @@ impl<A: StreamAllocator> StreamAllocator for Retry<A> {
         Ok(self.adopt(self.retry(|| self.inner.allocate_on(size, stream))?))
     }
     pass_through_default_stream!();
-}
-
-impl<A: Allocator + PointerAllocator> PointerAllocator for Retry<A> {
-    fn allocate_ptr(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
-        self.retry(|| self.inner.allocate_ptr(size, stream))
-    }
-    fn free_ptr(&self, ptr: DevicePtr, owner: Stream) -> Option<Freed> {
-        let freed = self.inner.free_ptr(ptr, owner)?;
-        self.shared.notify();
-        Some(freed)
-    }
-    pass_through_pointers!();
 }

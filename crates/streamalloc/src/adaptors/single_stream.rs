@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::allocation::{Allocation, Allocator, Freed, PointerAllocator, Stats, StreamAllocator};
-use crate::device::{Device, DevicePtr, EventPool, Stream};
+use crate::allocation::{Allocation, Allocator, Stats, StreamAllocator};
+use crate::device::{Device, EventPool, Stream};
 use crate::error::Result;
 
 /// Makes an [`Allocator`] without stream methods (e.g. [`BestFit`](crate::allocators::BestFit)
@@ -111,29 +111,5 @@ impl<A: Allocator> StreamAllocator for SingleStream<A> {
     /// streams are ordered after it at each allocation.
     fn retire_stream(&self, _stream: Stream) -> Result<()> {
         Ok(())
-    }
-}
-
-impl<A: Allocator + PointerAllocator> PointerAllocator for SingleStream<A> {
-    fn allocate_ptr(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
-        let ptr = self.inner.allocate_ptr(size, self.own)?;
-        if stream != self.own && ptr != 0 {
-            let ordered =
-                self.order(stream).and_then(|()| self.inner.record_stream_ptr(ptr, stream).map(drop));
-            if let Err(e) = ordered {
-                self.inner.free_ptr(ptr, self.own);
-                return Err(e);
-            }
-        }
-        Ok(ptr)
-    }
-    fn free_ptr(&self, ptr: DevicePtr, _owner: Stream) -> Option<Freed> {
-        self.inner.free_ptr(ptr, self.own)
-    }
-    fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> Result<bool> {
-        self.inner.record_stream_ptr(ptr, stream)
-    }
-    fn owning_stream(&self, _asked: Stream) -> Stream {
-        self.own
     }
 }

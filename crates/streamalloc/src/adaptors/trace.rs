@@ -9,15 +9,13 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use parking_lot::Mutex;
 
 use super::{FreeHook, Owners};
-use crate::allocation::{
-    Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats, StreamAllocator,
-};
+use crate::allocation::{Allocation, Allocator, Block, BlockOwner, Stats, StreamAllocator};
 use crate::device::{DevicePtr, Stream};
 use crate::error::{Error, Result};
 use crate::trace::{Action, Record, TraceWriter};
 
-/// Logs each allocation, failure, free and recorded stream (`record_stream` rows: by pointer
-/// when recorded, on a handle at its free) to a [`TraceWriter`], and the `use` and `wait`
+/// Logs each allocation, failure, free and recorded stream (`record_stream` rows, just before
+/// the free of the allocation that recorded them) to a [`TraceWriter`], and the `use` and `wait`
 /// rows a program writes ([`Traced::write_use`], [`Traced::write_wait`]) (buffered; flushed by
 /// [`Traced::flush`] and when the adaptor and its last allocation are dropped). Safe
 /// from many threads: rows are written under one lock. A write error is kept and returned by
@@ -130,9 +128,10 @@ impl<A: Allocator, W: Write + Send + 'static> Traced<A, W> {
 }
 
 impl<W: Write + Send + 'static> FreeHook for Shared<W> {
-    /// A handle keeps its recorded streams itself ([`Allocation::record_stream`] calls no
-    /// allocator), so their `record_stream` rows are written here, just before the free's:
-    /// what a replay needs, the streams recorded when the memory is freed.
+    /// An allocation keeps its recorded streams itself ([`Allocation::record_stream`] calls
+    /// no allocator, nor does a record by pointer), so their `record_stream` rows are written
+    /// here, just before the free's: what a replay needs, the streams recorded when the memory
+    /// is freed.
     fn free(&self, block: Block, inner: &dyn BlockOwner) {
         {
             let mut out = self.out.lock();
@@ -166,39 +165,10 @@ impl<A: StreamAllocator, W: Write + Send + 'static> StreamAllocator for Traced<A
     pass_through_default_stream!();
 }
 
-impl<A: Allocator + PointerAllocator, W: Write + Send + 'static> PointerAllocator for Traced<A, W> {
-    fn allocate_ptr(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
-        let made = self.inner.allocate_ptr(size, stream);
-        match &made {
-            Ok(0) => {}
-            Ok(ptr) => self.shared.log(Action::Allocate, *ptr, size, self.inner.owning_stream(stream)),
-            Err(_) => self.shared.log(Action::AllocateFailure, 0, size, stream),
-        }
-        made
-    }
-    /// The free is made under the trace's lock, so that its row comes before the row of
-    /// whoever gets the memory next.
-    fn free_ptr(&self, ptr: DevicePtr, owner: Stream) -> Option<Freed> {
-        let mut out = self.shared.out.lock();
-        let freed = self.inner.free_ptr(ptr, owner)?;
-        Shared::write(&mut out, Action::Free, ptr, freed.size, freed.stream);
-        Some(freed)
-    }
-    fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> Result<bool> {
-        let recorded = self.inner.record_stream_ptr(ptr, stream)?;
-        if recorded {
-            self.shared.log(Action::RecordStream, ptr, 0, stream);
-        }
-        Ok(recorded)
-    }
-    fn owning_stream(&self, asked: Stream) -> Stream {
-        self.inner.owning_stream(asked)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::adaptors::Pointers;
     use crate::allocators::{StreamSafe, StreamSafeConfig};
     use crate::device::sim::{SimConfig, SimDevice};
     use crate::device::Device;
@@ -231,15 +201,16 @@ mod tests {
         let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
         let side = sim.create_stream().unwrap();
         let out = Shared::default();
-        let traced = Traced::new(
+        let traced = Arc::new(Traced::new(
             StreamSafe::new(sim.clone(), StreamSafeConfig::default()).unwrap(),
             TraceWriter::new(out.clone()).unwrap(),
-        );
-        let p = traced.allocate_ptr(4096, Stream::DEFAULT).unwrap();
-        assert!(traced.record_stream_ptr(p, side).unwrap());
+        ));
+        let stack = Pointers::new(traced.clone(), sim.clone(), std::time::Duration::from_secs(1));
+        let p = stack.allocate_ptr(4096, Stream::DEFAULT).unwrap();
+        assert!(stack.record_stream_ptr(p, side).unwrap());
         // A pointer no allocation lives at records nothing and writes nothing.
-        assert!(!traced.record_stream_ptr(p + 1, side).unwrap());
-        traced.free_ptr(p, Stream::DEFAULT).unwrap();
+        assert!(!stack.record_stream_ptr(p + 1, side).unwrap());
+        assert!(stack.free_ptr(p, Stream::DEFAULT));
         let mut a = traced.allocate_on(8192, Stream::DEFAULT).unwrap();
         a.record_stream(side);
         let q = a.ptr();

@@ -12,9 +12,7 @@ use super::backing::{
     Backing, BackingKind, ChunkSource, Chunks, DeviceChunks, Ledger, Segments, Stitched, Want,
 };
 use super::retry;
-use crate::allocation::{
-    record_user, Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, ReservedGauge, Stats,
-};
+use crate::allocation::{Allocation, Allocator, Block, BlockOwner, ReservedGauge, Stats};
 use crate::device::{Device, DevicePtr, Event, EventPool, Stream};
 use crate::error::{Error, HeldErrors, OutOfMemory, Result};
 use crate::policy::best_fit::{BestFitPolicy, Class, Classes, Grant, Growth};
@@ -183,11 +181,6 @@ struct State {
     stuck_bytes: usize,
     /// Errors met where they could not be returned (frees), reported by the next release.
     held: HeldErrors,
-    /// Allocations kept by pointer ([`BestFit::allocate_kept`]): pointer -> (token, size as
-    /// asked for).
-    kept: FxHashMap<DevicePtr, (u64, usize)>,
-    /// The streams recorded on kept allocations that recorded any.
-    kept_recorded: FxHashMap<DevicePtr, Vec<Stream>>,
 }
 
 struct Pending {
@@ -235,8 +228,6 @@ impl BestFit {
             pending_bytes: 0,
             stuck_bytes: 0,
             held: HeldErrors::default(),
-            kept: FxHashMap::default(),
-            kept_recorded: FxHashMap::default(),
         };
         let inner = Inner {
             has_pending: AtomicBool::new(false),
@@ -302,66 +293,6 @@ impl BestFit {
         }
         let hit = self.cached_or_growth(size, Self::round(size)?, poll).ok();
         Ok(hit.map(|b| Allocation::new(b, self.inner.clone())))
-    }
-
-    /// Like [`BestFit::allocate_cached`] for a size that is not zero, but the pool keeps the
-    /// allocation by its pointer (for a [`PointerAllocator`](crate::PointerAllocator))
-    /// instead of returning a handle: a hit takes the pool's lock once and nothing else.
-    pub(crate) fn allocate_kept(&self, size: usize, poll: bool) -> Result<Option<DevicePtr>> {
-        let rounded = Self::round(size)?;
-        let mut st = self.lock_polled(poll);
-        let Some(grant) = st.allocate(rounded, size) else { return Ok(None) };
-        super::insert_roomy(&mut st.kept, grant.addr, (grant.token, size));
-        Ok(Some(grant.addr))
-    }
-
-    /// Keeps `allocation`, made by this pool, by its pointer as [`BestFit::allocate_kept`]
-    /// does; the pointer (null for a zero-size allocation). An allocation of another owner
-    /// is a bug in the caller: it is freed and an error returned.
-    pub(crate) fn keep(&self, allocation: Allocation) -> Result<DevicePtr> {
-        let Some((block, owner)) = allocation.into_parts() else { return Ok(0) };
-        if !std::ptr::addr_eq(Arc::as_ptr(&owner), Arc::as_ptr(&self.inner)) {
-            owner.free(block);
-            return Err(Error::Internal("BestFit::keep was given another pool's allocation".into()));
-        }
-        let mut st = self.inner.state.lock();
-        super::insert_roomy(&mut st.kept, block.ptr, (block.token, block.size));
-        if !block.recorded.is_empty() {
-            st.kept_recorded.insert(block.ptr, block.recorded);
-        }
-        Ok(block.ptr)
-    }
-
-    /// Frees the allocation kept at `ptr`, as dropping its handle would; the size asked for,
-    /// or `None` if the pool keeps none there.
-    pub(crate) fn free_kept(&self, ptr: DevicePtr) -> Option<usize> {
-        let inner = &self.inner;
-        let mut st = inner.state.lock();
-        let (token, size) = st.kept.remove(&ptr)?;
-        let recorded = if st.kept_recorded.is_empty() { None } else { st.kept_recorded.remove(&ptr) };
-        match recorded {
-            None => st.take_back(token, ptr, size),
-            Some(recorded) => {
-                drop(st);
-                let (stream, device) = (inner.stream, inner.ordinal);
-                inner.free_recorded(Block { ptr, size, stream, device, token, recorded });
-            }
-        }
-        Some(size)
-    }
-
-    /// [`Allocation::record_stream`] for the allocation kept at `ptr`; `false` if the pool
-    /// keeps none there. The caller has checked the stream.
-    pub(crate) fn record_kept(&self, ptr: DevicePtr, stream: Stream) -> bool {
-        let mut st = self.inner.state.lock();
-        if !st.kept.contains_key(&ptr) {
-            return false;
-        }
-        // The owning stream is not recorded: no entry made for it.
-        if stream != self.inner.stream {
-            record_user(st.kept_recorded.entry(ptr).or_default(), self.inner.stream, stream);
-        }
-        true
     }
 
     /// Moves pending frees whose events have completed to the free lists (event queries,
@@ -860,35 +791,6 @@ impl Allocator for BestFit {
 
     fn device(&self) -> usize {
         self.inner.ordinal
-    }
-}
-
-/// Allocations belong to the pool's stream whatever stream is asked for
-/// ([`SingleStream`](crate::adaptors::SingleStream) orders another stream after it); they are
-/// kept in the pool's table by pointer, under its lock.
-impl PointerAllocator for BestFit {
-    fn allocate_ptr(&self, size: usize, _stream: Stream) -> Result<DevicePtr> {
-        if size == 0 {
-            return Ok(0);
-        }
-        let hit = self.inner.count(self.allocate_kept(size, true).map(|h| (h, false)))?.0;
-        match hit {
-            Some(ptr) => Ok(ptr),
-            None => self.keep(self.allocate_polling(size, true)?),
-        }
-    }
-
-    fn free_ptr(&self, ptr: DevicePtr, _owner: Stream) -> Option<Freed> {
-        self.free_kept(ptr).map(|size| Freed { size, stream: self.inner.stream })
-    }
-
-    fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> Result<bool> {
-        self.inner.device.check_stream(stream)?;
-        Ok(self.record_kept(ptr, stream))
-    }
-
-    fn owning_stream(&self, _asked: Stream) -> Stream {
-        self.inner.stream
     }
 }
 

@@ -20,25 +20,10 @@ pub use plain::Plain;
 pub use stream_safe::{StreamSafe, StreamSafeConfig};
 pub use tagged::{TagStats, Tagged};
 
-use std::hash::Hash;
 use std::time::{Duration, Instant};
-
-use rustc_hash::FxHashMap;
 
 use crate::device::{Device, EventPool, Stream};
 use crate::error::{Error, Result};
-
-/// Inserts into a map of live allocations by pointer, first growing it to at most half full.
-/// Such a map churns (every key is removed again soon), and near hashbrown's maximum load the
-/// slots left by removals lengthen probes and force rehashes in place: kept at most half
-/// full, frees by pointer cost less (`bench/results/speed.md`, run 17 of 2026-12-02). The map's
-/// memory is twice the live count at most.
-pub(crate) fn insert_roomy<K: Hash + Eq, V>(map: &mut FxHashMap<K, V>, key: K, value: V) -> Option<V> {
-    if map.len() * 2 >= map.capacity() {
-        map.reserve(map.len().max(64));
-    }
-    map.insert(key, value)
-}
 
 /// Waits, at most `timeout` in all, for the work enqueued so far on each of `streams` (an
 /// event recorded on each, waited for with the time left). On a timeout, an

@@ -3,9 +3,8 @@
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use rustc_hash::FxHashMap;
 
-use crate::allocation::{align_up, Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats};
+use crate::allocation::{align_up, Allocation, Allocator, Block, BlockOwner, Stats};
 use crate::device::{Device, DevicePtr, Stream};
 use crate::error::{Error, HeldErrors, Result};
 
@@ -14,9 +13,6 @@ use crate::error::{Error, HeldErrors, Result};
 ///
 /// Recorded streams need no handling: a device free synchronizes the device, so work on
 /// every stream that could use the memory has completed before it can be handed out again.
-///
-/// Allocations made by pointer ([`PointerAllocator`]) are kept in one table under the lock
-/// the statistics take anyway, and freed when the allocator is dropped.
 ///
 /// # Examples
 ///
@@ -48,8 +44,6 @@ struct State {
     stats: Stats,
     /// Errors frees met, reported by the next [`Allocator::release`].
     held: HeldErrors,
-    /// Allocations kept by pointer: pointer -> (bytes allocated, size asked for).
-    kept: FxHashMap<DevicePtr, (usize, usize)>,
 }
 
 impl Plain {
@@ -125,58 +119,14 @@ impl Allocator for Plain {
     }
 }
 
-/// Allocations belong to the allocator's stream whatever stream is asked for
-/// ([`SingleStream`](crate::adaptors::SingleStream) orders another stream after it).
-impl PointerAllocator for Plain {
-    fn allocate_ptr(&self, size: usize, _stream: Stream) -> Result<DevicePtr> {
-        if size == 0 {
-            return Ok(0);
-        }
-        let (ptr, rounded) = self.allocate_device(size)?;
-        super::insert_roomy(&mut self.inner.state.lock().kept, ptr, (rounded, size));
-        Ok(ptr)
-    }
-
-    fn free_ptr(&self, ptr: DevicePtr, _owner: Stream) -> Option<Freed> {
-        let (rounded, size) = self.inner.state.lock().kept.remove(&ptr)?;
-        self.inner.free_device(ptr, size, rounded);
-        Some(Freed { size, stream: self.inner.stream })
-    }
-
-    /// Checks the stream; nothing to record, as a device free waits for every stream.
-    fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> Result<bool> {
-        self.inner.device.check_stream(stream)?;
-        Ok(self.inner.state.lock().kept.contains_key(&ptr))
-    }
-
-    fn owning_stream(&self, _asked: Stream) -> Stream {
-        self.inner.stream
-    }
-}
-
-impl Inner {
-    fn free_device(&self, ptr: DevicePtr, size: usize, rounded: usize) {
-        let result = self.device.free(ptr);
-        let mut state = self.state.lock();
-        state.stats.on_free(size);
-        state.stats.on_unreserve(rounded);
-        if let Err(e) = result {
-            state.held.hold(e);
-        }
-    }
-}
-
 impl BlockOwner for Inner {
     fn free(&self, block: Block) {
-        self.free_device(block.ptr, block.size, block.token as usize);
-    }
-}
-
-impl Drop for Inner {
-    fn drop(&mut self) {
-        for (ptr, _) in self.state.get_mut().kept.drain() {
-            // Nothing to report to at teardown: a failing free only leaks the allocation.
-            let _ = self.device.free(ptr);
+        let result = self.device.free(block.ptr);
+        let mut state = self.state.lock();
+        state.stats.on_free(block.size);
+        state.stats.on_unreserve(block.token as usize);
+        if let Err(e) = result {
+            state.held.hold(e);
         }
     }
 }

@@ -12,10 +12,8 @@ use rustc_hash::FxHashMap;
 
 use super::best_fit::{BestFit, BestFitConfig};
 use super::retry;
-use crate::allocation::{
-    record_user, Allocation, Allocator, Freed, PointerAllocator, ReservedGauge, Stats, StreamAllocator,
-};
-use crate::device::{CaptureStatus, Device, DevicePtr, EventPool, Stream};
+use crate::allocation::{Allocation, Allocator, ReservedGauge, Stats, StreamAllocator};
+use crate::device::{CaptureStatus, Device, EventPool, Stream};
 use crate::error::{Error, OutOfMemory, Result};
 
 /// Settings of a [`StreamSafe`] allocator.
@@ -126,9 +124,7 @@ const STREAMS_NAMED: usize = 8;
 ///   (a destroyed stream's handle is undefined in every driver call). It waits, at most the
 ///   pools' `wait_timeout`, for the stream's work; then the allocator forgets the stream:
 ///   its pool leaves the allocator (a new stream that the driver gives the same handle
-///   starts afresh) and gives its free memory back, and allocations kept by pointer that
-///   recorded the stream ([`PointerAllocator::record_stream_ptr`]) no longer wait for it
-///   when freed (its work up to the retirement is done, and none may follow). A pool that
+///   starts afresh) and gives its free memory back. A pool that
 ///   still holds memory then (allocations not yet freed, frees pending on other streams)
 ///   stays held until a later [`Allocator::release`] finds it empty, and is then dropped,
 ///   naming no stream (memory that was still mapped goes back after a wait for the device, as
@@ -196,13 +192,8 @@ pub struct StreamSafe {
     /// `overflow.len()`, read without the lock.
     overflowed: AtomicUsize,
     /// Every pool held: the live ones, and the retired ones that still hold memory. For
-    /// statistics, release, stealing and frees by pointer that miss their hint.
+    /// statistics, release and stealing.
     pools: Mutex<Vec<Arc<StreamPool>>>,
-    /// The streams recorded on allocations kept by pointer, by pointer: given to the pool at
-    /// the free, so that [`StreamSafe::retire_stream`] can take a stream out first.
-    recorded: Mutex<FxHashMap<DevicePtr, Vec<Stream>>>,
-    /// `recorded.len()`, read without the lock.
-    recorded_len: AtomicUsize,
     /// The figures of the pools dropped so far: their counts and peaks stay in the sums.
     forgotten: Mutex<Stats>,
     /// The reserved bytes of all pools together, and their true peak (the pools' own peaks
@@ -332,8 +323,6 @@ impl StreamSafe {
             overflow: Mutex::new(FxHashMap::default()),
             overflowed: AtomicUsize::new(0),
             pools: Mutex::new(Vec::new()),
-            recorded: Mutex::new(FxHashMap::default()),
-            recorded_len: AtomicUsize::new(0),
             forgotten: Mutex::new(Stats::default()),
             reserved: Arc::default(),
             clock: AtomicU64::new(0),
@@ -359,14 +348,6 @@ impl StreamSafe {
         pools.iter().map(|p| (p.naming(|| p.stream), p.pool.handle())).collect()
     }
 
-    /// The streams recorded on the allocations kept by pointer, each once.
-    pub(crate) fn recorded_streams(&self) -> Vec<Stream> {
-        let mut streams: Vec<Stream> = self.recorded.lock().values().flatten().copied().collect();
-        streams.sort_unstable();
-        streams.dedup();
-        streams
-    }
-
     /// Counts `made`: a failure, or a success that came only after a retry.
     fn count<T>(&self, made: Result<(T, bool)>) -> Result<T> {
         match made {
@@ -387,8 +368,7 @@ impl StreamSafe {
     /// retiring streams). Waits for the work enqueued on the stream so far, at most the pools'
     /// [`wait_timeout`](BestFitConfig::wait_timeout); then the stream's pool leaves the
     /// allocator and gives its free memory back (what is still in use goes back at a later
-    /// [`Allocator::release`] once freed), and allocations kept by pointer that recorded the
-    /// stream no longer wait for it at their free. Work enqueued on the stream after this
+    /// [`Allocator::release`] once freed). Work enqueued on the stream after this
     /// call must not use memory of this allocator. A stream the allocator knows nothing of
     /// costs no device call. (The retirement of a promoted pool's stream, see [`StreamSafe`]'s
     /// concurrency, also waits within the bound for the frees pending in its pool.)
@@ -399,22 +379,12 @@ impl StreamSafe {
     /// same, but the allocations that recorded it keep it, and their frees fail to record
     /// an event on it (see [`StreamSafe`]): the error is returned.
     pub fn retire_stream(&self, stream: Stream) -> Result<()> {
-        let pool = self.find_live(stream);
-        let recorded = self.recorded_len.load(Ordering::Acquire) > 0
-            && self.recorded.lock().values().any(|streams| streams.contains(&stream));
-        if pool.is_none() && !recorded {
-            return Ok(());
-        }
+        let Some(pool) = self.find_live(stream) else { return Ok(()) };
         let (start, timeout) = (Instant::now(), self.config.pool.wait_timeout);
         let waited = super::wait_for_streams(self.device.as_ref(), &self.events, &[stream], timeout);
-        match &waited {
-            Err(Error::Timeout { .. }) => return waited,
-            // The stream's work is done: the memory that recorded it need not wait for it.
-            Ok(()) => self.forget_recorded(stream),
-            // It cannot be waited for (gone already): what recorded it keeps it.
-            Err(_) => {}
+        if let Err(Error::Timeout { .. }) = waited {
+            return waited;
         }
-        let Some(pool) = pool else { return waited };
         {
             let _creating = self.creating.lock();
             self.unslot(&pool);
@@ -454,16 +424,6 @@ impl StreamSafe {
             std::thread::sleep(pause.min(left));
             pause = (pause * 2).min(RETRY_PAUSE);
         }
-    }
-
-    /// Takes `stream` out of the streams recorded on allocations kept by pointer.
-    fn forget_recorded(&self, stream: Stream) {
-        let mut recorded = self.recorded.lock();
-        recorded.retain(|_, streams| {
-            streams.retain(|s| *s != stream);
-            !streams.is_empty()
-        });
-        self.recorded_len.store(recorded.len(), Ordering::Release);
     }
 
     /// Takes `pool` out of the tables of live pools (under `creating`).
@@ -645,16 +605,6 @@ impl StreamSafe {
             return None;
         }
         self.overflow.lock().get(&stream).cloned()
-    }
-
-    /// The live pool of `stream`, if there is one.
-    fn live(&self, stream: Stream) -> Option<Found<'_>> {
-        if let Some(found) = self.slotted(stream) {
-            return Some(found);
-        }
-        let pool = self.overflowed_pool(stream)?;
-        self.count_use(&pool);
-        Some(Found::Owned(pool))
     }
 
     /// The live pool of `stream`, made on the stream's first use.
@@ -996,39 +946,6 @@ impl StreamSafe {
             None => self.allocate_slow(pool, size, stream),
         }
     }
-
-    fn allocate_ptr_uncounted(&self, size: usize, stream: Stream) -> Result<(DevicePtr, bool)> {
-        self.with_pool(stream, |pool| self.allocate_ptr_in(pool, size, stream))
-    }
-
-    fn allocate_ptr_in(&self, pool: &StreamPool, size: usize, stream: Stream) -> Result<(DevicePtr, bool)> {
-        self.note_allocation(pool);
-        match pool.pool.allocate_kept(size, self.polls(pool, stream)?)? {
-            Some(ptr) => Ok((ptr, false)),
-            None => {
-                let (a, retried) = self.allocate_slow(pool, size, stream)?;
-                Ok((pool.pool.keep(a)?, retried))
-            }
-        }
-    }
-
-    /// The streams recorded on the allocation kept at `ptr`, taken out of the allocator's
-    /// books (`None` without taking a lock when no allocation recorded any).
-    fn take_recorded(&self, ptr: DevicePtr) -> Option<Vec<Stream>> {
-        if self.recorded_len.load(Ordering::Acquire) == 0 {
-            return None;
-        }
-        let mut recorded = self.recorded.lock();
-        let streams = recorded.remove(&ptr);
-        self.recorded_len.store(recorded.len(), Ordering::Release);
-        streams
-    }
-
-    /// The pool that keeps the allocation at `ptr`, looked for in every pool held.
-    fn keeper(&self, ptr: DevicePtr) -> Option<Arc<StreamPool>> {
-        // Recording the owning stream records nothing: it says whether the pool keeps `ptr`.
-        self.pools.lock().iter().find(|p| p.pool.record_kept(ptr, p.stream)).cloned()
-    }
 }
 
 impl StreamAllocator for StreamSafe {
@@ -1049,53 +966,5 @@ impl StreamAllocator for StreamSafe {
 
     fn retire_stream(&self, stream: Stream) -> Result<()> {
         StreamSafe::retire_stream(self, stream)
-    }
-}
-
-/// Each stream's pool keeps the allocations made on it by pointer, under the lock it takes
-/// anyway: allocating and freeing take that one lock and nothing else (no map of handles, no
-/// reference count). A free looks in the pool of the stream it is given first, then in every
-/// pool. The streams recorded on them are kept by the allocator until the free (so that
-/// retiring a stream takes it out) and given to the pool then.
-impl PointerAllocator for StreamSafe {
-    fn allocate_ptr(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
-        if size == 0 {
-            return Ok(0);
-        }
-        self.count(self.allocate_ptr_uncounted(size, stream))
-    }
-
-    fn free_ptr(&self, ptr: DevicePtr, owner: Stream) -> Option<Freed> {
-        let recorded = self.take_recorded(ptr);
-        let free = |p: &StreamPool| {
-            // Recording on a pool that does not keep `ptr` records nothing.
-            for &s in recorded.iter().flatten() {
-                p.pool.record_kept(ptr, s);
-            }
-            p.pool.free_kept(ptr).map(|size| Freed { size, stream: p.stream })
-        };
-        let first = match self.hot_pool(owner) {
-            Some(pool) => free(pool),
-            None => self.live(owner).and_then(|found| found.get().ok().and_then(free)),
-        };
-        if first.is_some() {
-            return first;
-        }
-        self.keeper(ptr).and_then(|p| free(&p))
-    }
-
-    fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> Result<bool> {
-        self.device.check_stream(stream)?;
-        let Some(pool) = self.keeper(ptr) else { return Ok(false) };
-        let mut recorded = self.recorded.lock();
-        if stream != pool.stream {
-            record_user(recorded.entry(ptr).or_default(), pool.stream, stream);
-        }
-        self.recorded_len.store(recorded.len(), Ordering::Release);
-        Ok(true)
-    }
-
-    fn owning_stream(&self, asked: Stream) -> Stream {
-        asked
     }
 }

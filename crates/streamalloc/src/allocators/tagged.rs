@@ -13,7 +13,7 @@ use super::pinned_host::{PinnedBuffer, PinnedHost, PinnedHostConfig};
 use super::retry;
 use super::stream_safe::{StreamSafe, StreamSafeConfig};
 use super::BackingKind;
-use crate::allocation::{Allocation, Allocator, Freed, PointerAllocator, Stats, StreamAllocator};
+use crate::allocation::{Allocation, Allocator, Stats, StreamAllocator};
 use crate::device::{CaptureStatus, Device, DevicePtr, EventPool, Stream};
 use crate::error::{try_each, Error, Result};
 use crate::tags::{self, Tag};
@@ -24,8 +24,7 @@ use crate::tags::{self, Tag};
 ///
 /// * **Pools apart.** A tag's allocations never share a granule with another tag's or with
 ///   untagged ones, so that putting one tag to sleep takes no one else's memory. A tag's pool
-///   is made at its first allocation (or sleep). Frees and `record_stream` by pointer look in
-///   the wrapped allocator first, then in the tags' pools. When a tag's pool runs out of
+///   is made at its first allocation (or sleep). When a tag's pool runs out of
 ///   memory, the others (the wrapped allocator's and the awake tags') give their free memory
 ///   back and the allocation is tried once more. An untagged allocation is the wrapped
 ///   allocator's call and nothing more (even a look at its answer cost measurably on the
@@ -33,8 +32,8 @@ use crate::tags::{self, Tag};
 ///   whole stack below it, makes the tags give their free memory back for it.
 /// * **Sleep** ([`Tagged::sleep`]) is stream-ordered, with no device-wide synchronization: an
 ///   internal stream waits on events recorded on the streams that use the tags' memory (the
-///   owning stream of each of their pools, the streams recorded on their allocations kept by
-///   pointer, and the events of frees pending on recorded streams); with `offload`, it then
+///   owning stream of each of their pools, the streams recorded on allocations kept by
+///   pointer above, and the events of frees pending on recorded streams); with `offload`, it then
 ///   copies the memory that holds data to page-locked host memory (a [`PinnedHost`] pool of
 ///   its own); the host waits for that stream alone, at most the pools' `wait_timeout`. Then
 ///   the tags' free memory goes back as a release would, and the rest is unmapped, its
@@ -125,7 +124,7 @@ pub struct TagStats {
 /// ranges that hold its data.
 type Falling = (usize, BestFit, Vec<(DevicePtr, usize)>);
 
-impl<A: StreamAllocator + PointerAllocator> Tagged<A> {
+impl<A: StreamAllocator> Tagged<A> {
     /// Tags over `main` on `device`; each tag's pool is a [`StreamSafe`] with `config`, whose
     /// backing must be [`BackingKind::Stitched`] ([`Error::Unsupported`] otherwise: only
     /// stitched ranges give memory back at its addresses). Makes no device call.
@@ -289,8 +288,10 @@ impl<A: StreamAllocator + PointerAllocator> Tagged<A> {
     /// Puts `tags` to sleep (see [`Tagged`]): their memory goes back to the device, their
     /// addresses stay reserved, and with `offload` their contents are kept in page-locked host
     /// memory until [`Tagged::wake`]. The bytes given back at their addresses. A tag asleep
-    /// already is left as it is.
-    pub fn sleep(&self, tags: &[Tag], offload: bool) -> Result<usize> {
+    /// already is left as it is. `recorded`: the streams recorded on allocations kept above
+    /// this layer ([`Pointers::recorded_streams`](crate::adaptors::Pointers::recorded_streams)),
+    /// whose work the sleep waits for too.
+    pub fn sleep(&self, tags: &[Tag], offload: bool, recorded: &[Stream]) -> Result<usize> {
         let mut moving = self.moving.lock();
         let pools = self.pools_of(tags)?;
         let mut phases: Vec<RwLockWriteGuard<'_, Phase>> = pools.iter().map(|p| p.phase.write()).collect();
@@ -312,10 +313,10 @@ impl<A: StreamAllocator + PointerAllocator> Tagged<A> {
                 pool.order_after_pending(stream)?;
                 held.push((i, pool));
             }
-            for recorded in alloc.recorded_streams() {
-                self.order_after(recorded, stream, tag)?;
-                users.push(recorded);
-            }
+        }
+        for &s in recorded {
+            self.order_after(s, stream, pools[falling[0]].tag)?;
+            users.push(s);
         }
         users.sort_unstable();
         users.dedup();
@@ -508,7 +509,7 @@ impl TagPool {
     }
 }
 
-impl<A: StreamAllocator + PointerAllocator> Allocator for Tagged<A> {
+impl<A: StreamAllocator> Allocator for Tagged<A> {
     fn allocate(&self, size: usize) -> Result<Allocation> {
         self.allocate_on(size, self.main.default_stream())
     }
@@ -545,7 +546,7 @@ impl<A: StreamAllocator + PointerAllocator> Allocator for Tagged<A> {
     }
 }
 
-impl<A: StreamAllocator + PointerAllocator> StreamAllocator for Tagged<A> {
+impl<A: StreamAllocator> StreamAllocator for Tagged<A> {
     fn allocate_on(&self, size: usize, stream: Stream) -> Result<Allocation> {
         if let Some(tag) = tags::current() {
             return self.in_tag(tag, size, |pool| pool.allocate_on(size, stream));
@@ -571,43 +572,6 @@ impl<A: StreamAllocator + PointerAllocator> StreamAllocator for Tagged<A> {
             }
         }
         first.map_or(Ok(()), Err)
-    }
-}
-
-impl<A: StreamAllocator + PointerAllocator> PointerAllocator for Tagged<A> {
-    fn allocate_ptr(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
-        if let Some(tag) = tags::current() {
-            return self.in_tag(tag, size, |pool| pool.allocate_ptr(size, stream));
-        }
-        self.main.allocate_ptr(size, stream)
-    }
-
-    fn free_ptr(&self, ptr: DevicePtr, owner: Stream) -> Option<Freed> {
-        if let Some(freed) = self.main.free_ptr(ptr, owner) {
-            return Some(freed);
-        }
-        self.snapshot().iter().find_map(|p| p.alloc.free_ptr(ptr, owner))
-    }
-
-    fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> Result<bool> {
-        if self.main.record_stream_ptr(ptr, stream)? {
-            return Ok(true);
-        }
-        for p in self.snapshot() {
-            if p.alloc.record_stream_ptr(ptr, stream)? {
-                return Ok(true);
-            }
-        }
-        Ok(false)
-    }
-
-    /// The asking stream under a tag (the tags' pools are stream-safe), else the wrapped
-    /// allocator's answer.
-    fn owning_stream(&self, asked: Stream) -> Stream {
-        match tags::current() {
-            Some(_) => asked,
-            None => self.main.owning_stream(asked),
-        }
     }
 }
 

@@ -3,10 +3,12 @@
 //! The stack for each device, outermost first (each layer only when configured):
 //!
 //! ```text
-//! Limit -> Retry -> Counted -> Traced -> Tagged -> strategy
+//! Pointers -> Limit -> Retry -> Counted -> Traced -> Tagged -> strategy
 //! ```
 //!
-//! Limit comes first so that a request over the limit fails at once, without making Retry
+//! [`Pointers`] keeps the allocations a front end knows by pointer (the stack's one table
+//! from a pointer to its allocation); below it every layer has one allocation path, the
+//! handle's. Limit comes first so that a request over the limit fails at once, without making Retry
 //! wait; Retry wraps the statistics and trace layers so that its attempts are counted and
 //! logged as what they are; the strategy is the allocator itself. Strategies without stream
 //! methods (`plain`, `best_fit`) are wrapped in [`SingleStream`] so that every device offers
@@ -32,8 +34,8 @@ use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
-use crate::adaptors::{Counted, Limit, Retry, SingleStream, StreamStats, Traced};
-use crate::allocation::{Allocation, PointerAllocator, Stats, StreamAllocator};
+use crate::adaptors::{Counted, Limit, Pointers, Retry, SingleStream, StreamStats, Traced};
+use crate::allocation::{Allocation, Allocator, Stats, StreamAllocator};
 use crate::allocators::{
     AsyncPool, AsyncPoolConfig, BackingKind, BestFit, BestFitConfig, Plain, PoolMode, ReuseFlags, StreamSafe,
     StreamSafeConfig, TagStats, Tagged,
@@ -95,15 +97,13 @@ fn sleep_support(config: &Config, pool: &BestFitConfig, device: &dyn Device) -> 
     )))
 }
 
-/// An allocator stack: allocations by handle on any stream ([`StreamAllocator`]) and by
-/// pointer ([`PointerAllocator`], for front ends that hand raw pointers out), through the
-/// same layers.
-pub trait StackAllocator: StreamAllocator + PointerAllocator {}
+/// The layers of a device's stack below [`Pointers`].
+pub type DynAllocator = Arc<dyn StreamAllocator>;
 
-impl<T: StreamAllocator + PointerAllocator + ?Sized> StackAllocator for T {}
-
-/// A device's allocator stack.
-pub type DynAllocator = Arc<dyn StackAllocator>;
+/// A device's allocator stack: allocations by handle on any stream ([`StreamAllocator`]) and
+/// by pointer ([`Pointers`], for front ends that hand raw pointers out), through the same
+/// layers.
+pub type Stack = Pointers<DynAllocator>;
 
 /// The layer of a stack that serves tagged allocations and puts tags to sleep.
 pub type TagLayer = Arc<Tagged<DynAllocator>>;
@@ -114,9 +114,8 @@ pub struct DeviceStack {
     pub device: Arc<dyn Device>,
     /// The simulated device behind [`DeviceStack::device`], with `device=sim`.
     pub sim: Option<Arc<SimDevice>>,
-    /// The outermost layer of its stack. By pointer, every layer hands the call on to the
-    /// strategy, which keeps its live allocations in one table by pointer.
-    pub allocator: DynAllocator,
+    /// The outermost layer of its stack, which keeps the allocations made by pointer.
+    pub allocator: Arc<Stack>,
     /// The per-stream statistics layer, with `stats=true`.
     pub stats: Option<Arc<Counted<DynAllocator>>>,
     /// The trace layer, with `trace=PATH`.
@@ -225,7 +224,7 @@ impl Facade {
     }
 
     /// The allocator stack of device `ordinal`.
-    pub fn allocator(&self, ordinal: usize) -> Result<&DynAllocator> {
+    pub fn allocator(&self, ordinal: usize) -> Result<&Arc<Stack>> {
         Ok(&self.stack(ordinal)?.allocator)
     }
 
@@ -305,7 +304,8 @@ impl Facade {
     /// ```
     pub fn sleep(&self, ordinal: usize, names: &[&str], offload: bool) -> Result<usize> {
         let tags = Self::tags(names)?;
-        self.tag_layer(ordinal)?.sleep(&tags, offload)
+        let recorded = self.stack(ordinal)?.allocator.recorded_streams();
+        self.tag_layer(ordinal)?.sleep(&tags, offload, &recorded)
     }
 
     /// Wakes the tags named `names` on device `ordinal` ([`Tagged::wake`]): fresh memory at
@@ -424,6 +424,7 @@ impl Facade {
             a = Arc::new(Limit::new(a, limit.bytes(device.mem_info()?.total)));
         }
         let private = PrivatePools::new(device.clone(), pool, c.strategy == Strategy::Async);
-        Ok(DeviceStack { device, sim: None, allocator: a, stats, trace, private, tags })
+        let allocator = Arc::new(Pointers::new(a, device.clone(), c.wait_timeout));
+        Ok(DeviceStack { device, sim: None, allocator, stats, trace, private, tags })
     }
 }

@@ -37,7 +37,8 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::allocation::{PointerAllocator, Stats};
+use crate::adaptors::Pointers;
+use crate::allocation::{Stats, StreamAllocator};
 use crate::allocators::{BackingKind, BestFitConfig, StreamSafe, StreamSafeConfig};
 use crate::device::{CaptureStatus, Device, DevicePtr, Stream};
 use crate::error::{try_each, Result};
@@ -91,7 +92,7 @@ struct State {
 }
 
 struct Entry {
-    alloc: Arc<StreamSafe>,
+    alloc: Arc<Pointers<StreamSafe>>,
     /// `begin` calls not yet matched by `release`.
     uses: usize,
 }
@@ -126,7 +127,8 @@ impl PrivatePools {
             std::collections::hash_map::Entry::Vacant(v) => {
                 let config =
                     StreamSafeConfig { pool: self.pool, steal_below_free_percent: 0, ..Default::default() };
-                let alloc = Arc::new(StreamSafe::new(self.device.clone(), config)?);
+                let alloc = StreamSafe::new(self.device.clone(), config)?;
+                let alloc = Arc::new(Pointers::new(alloc, self.device.clone(), self.pool.wait_timeout));
                 self.pools.fetch_add(1, Ordering::Relaxed);
                 v.insert(Entry { alloc, uses: 0 })
             }
@@ -238,10 +240,9 @@ impl PrivatePools {
         if self.pools.load(Ordering::Relaxed) == 0 {
             return false;
         }
-        let allocs: Vec<(PoolId, Arc<StreamSafe>)> =
+        let allocs: Vec<(PoolId, Arc<Pointers<StreamSafe>>)> =
             self.state.lock().pools.iter().map(|(id, e)| (*id, e.alloc.clone())).collect();
-        let Some(id) = allocs.iter().find(|(_, a)| a.free_ptr(ptr, owner).is_some()).map(|(id, _)| *id)
-        else {
+        let Some(id) = allocs.iter().find(|(_, a)| a.free_ptr(ptr, owner)).map(|(id, _)| *id) else {
             return false;
         };
         drop(allocs);
@@ -262,7 +263,7 @@ impl PrivatePools {
         if self.pools.load(Ordering::Relaxed) == 0 {
             return Ok(false);
         }
-        let allocs: Vec<Arc<StreamSafe>> =
+        let allocs: Vec<Arc<Pointers<StreamSafe>>> =
             self.state.lock().pools.values().map(|e| e.alloc.clone()).collect();
         for a in allocs {
             if a.record_stream_ptr(ptr, stream)? {
@@ -275,7 +276,7 @@ impl PrivatePools {
     /// Retires `stream`'s pool in every private pool ([`StreamSafe::retire_stream`]): the
     /// caller is about to destroy it. Every pool is tried; the first error is returned.
     pub fn retire_stream(&self, stream: Stream) -> Result<()> {
-        let allocs: Vec<Arc<StreamSafe>> =
+        let allocs: Vec<Arc<Pointers<StreamSafe>>> =
             self.state.lock().pools.values().map(|e| e.alloc.clone()).collect();
         try_each(allocs, |a| a.retire_stream(stream))
     }

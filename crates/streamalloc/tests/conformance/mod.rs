@@ -10,14 +10,14 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 use proptest::prelude::*;
+use streamalloc::adaptors::Pointers;
 use streamalloc::allocators::{
     AsyncPool, AsyncPoolConfig, BackingKind, BestFit, BestFitConfig, Plain, StreamSafe, StreamSafeConfig,
 };
 use streamalloc::device::cuda::CudaDevice;
 use streamalloc::device::sim::{SimConfig, SimDevice};
 use streamalloc::{
-    Allocation, Allocator, Block, BlockOwner, Device, Error, PointerAllocator, Stats, Stream,
-    StreamAllocator, ALIGNMENT,
+    Allocation, Allocator, Block, BlockOwner, Device, Error, Stats, Stream, StreamAllocator, ALIGNMENT,
 };
 
 /// The allocator under test, as its widest interface.
@@ -45,16 +45,26 @@ impl Made {
     }
 }
 
-/// A [`PointerAllocator`] under the suite: its allocations are handles whose drop frees by
-/// pointer (after recording on it the streams recorded on the handle), so every check runs
-/// through `allocate_ptr`, `record_stream_ptr` and `free_ptr`. Releases, statistics and the
-/// default stream come from `base`, the allocator behind the pointers.
+/// An allocator by pointer ([`Pointers`]) under the suite: its allocations are handles whose
+/// drop frees by pointer (after recording on it the streams recorded on the handle), so every
+/// check runs through `allocate_ptr`, `record_stream_ptr` and `free_ptr`.
 pub struct ByPointer {
-    pub pointers: Arc<dyn PointerAllocator>,
-    pub base: Arc<dyn StreamAllocator>,
+    pub pointers: Arc<Pointers<Arc<dyn StreamAllocator>>>,
 }
 
-struct FreeByPointer(Arc<dyn PointerAllocator>);
+impl ByPointer {
+    /// `base` by pointer.
+    pub fn new(base: Arc<dyn StreamAllocator>, device: Arc<dyn Device>) -> Self {
+        Self { pointers: Arc::new(Pointers::new(base, device, std::time::Duration::from_secs(10))) }
+    }
+
+    /// `base` under the suite by pointer.
+    pub fn made(base: Arc<dyn StreamAllocator>, device: Arc<dyn Device>) -> Made {
+        Made::Streams(Arc::new(Self::new(base, device)))
+    }
+}
+
+struct FreeByPointer(Arc<Pointers<Arc<dyn StreamAllocator>>>);
 
 impl BlockOwner for FreeByPointer {
     fn free(&self, block: Block) {
@@ -62,31 +72,31 @@ impl BlockOwner for FreeByPointer {
             let recorded = self.0.record_stream_ptr(block.ptr, s).expect("a live stream");
             assert!(recorded, "{:#x} not live at record_stream_ptr", block.ptr);
         }
-        assert!(self.0.free_ptr(block.ptr, block.stream).is_some(), "{:#x} not live at free_ptr", block.ptr);
+        assert!(self.0.free_ptr(block.ptr, block.stream), "{:#x} not live at free_ptr", block.ptr);
     }
 }
 
 impl Allocator for ByPointer {
     fn allocate(&self, size: usize) -> streamalloc::Result<Allocation> {
-        self.allocate_on(size, self.base.default_stream())
+        self.allocate_on(size, self.pointers.default_stream())
     }
     fn release(&self) -> streamalloc::Result<usize> {
-        self.base.release()
+        self.pointers.release()
     }
     fn stats(&self) -> Stats {
-        self.base.stats()
+        self.pointers.stats()
     }
     fn reset_peak_stats(&self) {
-        self.base.reset_peak_stats()
+        self.pointers.reset_peak_stats()
     }
     fn device(&self) -> usize {
-        self.base.device()
+        self.pointers.device()
     }
 }
 
 impl StreamAllocator for ByPointer {
     fn allocate_on(&self, size: usize, stream: Stream) -> streamalloc::Result<Allocation> {
-        let device = self.base.device();
+        let device = self.pointers.device();
         let ptr = self.pointers.allocate_ptr(size, stream)?;
         if ptr == 0 {
             assert_eq!(size, 0, "a null pointer for {size} bytes");
@@ -96,13 +106,13 @@ impl StreamAllocator for ByPointer {
         Ok(Allocation::new(block, Arc::new(FreeByPointer(self.pointers.clone()))))
     }
     fn default_stream(&self) -> Stream {
-        self.base.default_stream()
+        self.pointers.default_stream()
     }
     fn set_default_stream(&self, stream: Stream) {
-        self.base.set_default_stream(stream)
+        self.pointers.set_default_stream(stream)
     }
     fn retire_stream(&self, stream: Stream) -> streamalloc::Result<()> {
-        self.base.retire_stream(stream)
+        self.pointers.retire_stream(stream)
     }
 }
 
@@ -386,14 +396,14 @@ pub fn async_pool(device: Arc<dyn Device>) -> Made {
 
 /// StreamSafe through its own pointer bookkeeping (the C ABI's path with `stream_safe`).
 pub fn stream_safe_by_pointer(device: Arc<dyn Device>) -> Made {
-    let ss = Arc::new(StreamSafe::new(device, StreamSafeConfig::default()).expect("allocator"));
-    Made::Streams(Arc::new(ByPointer { pointers: ss.clone(), base: ss }))
+    let ss = Arc::new(StreamSafe::new(device.clone(), StreamSafeConfig::default()).expect("allocator"));
+    ByPointer::made(ss, device)
 }
 
-/// AsyncPool through its own pointer bookkeeping (the C ABI's path with `async`).
+/// AsyncPool by pointer (the C ABI's path with `async`).
 pub fn async_pool_by_pointer(device: Arc<dyn Device>) -> Made {
-    let pool = Arc::new(AsyncPool::new(device, AsyncPoolConfig::default()));
-    Made::Streams(Arc::new(ByPointer { pointers: pool.clone(), base: pool }))
+    let pool = Arc::new(AsyncPool::new(device.clone(), AsyncPoolConfig::default()));
+    ByPointer::made(pool, device)
 }
 
 /// Generates the suite's `#[test]` functions for one allocator: `conformance_tests!(name,

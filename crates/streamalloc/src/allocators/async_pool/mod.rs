@@ -74,16 +74,12 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use rustc_hash::FxHashMap;
 
 pub use graph::{Capture, CapturedGraph};
 use graph::{CaptureOwner, GraphShared};
 
 use super::retry;
-use crate::allocation::{
-    align_up, record_user, Allocation, Allocator, Block, BlockOwner, Freed, PointerAllocator, Stats,
-    StreamAllocator,
-};
+use crate::allocation::{align_up, Allocation, Allocator, Block, BlockOwner, Stats, StreamAllocator};
 use crate::device::{CaptureStatus, Device, DevicePtr, EventPool, Pool, PoolAttr, PoolProps, Stream};
 use crate::error::{Error, HeldErrors, OutOfMemory, Result};
 
@@ -213,19 +209,11 @@ struct Counters {
     throttle_limit: usize,
     /// Errors frees met, reported by the next [`Allocator::release`].
     held: HeldErrors,
-    /// Allocations kept by pointer ([`PointerAllocator`]).
-    kept: FxHashMap<DevicePtr, Kept>,
 }
 
 impl Default for Counters {
     fn default() -> Self {
-        Self {
-            stats: Stats::default(),
-            pending: 0,
-            throttle_limit: usize::MAX,
-            held: HeldErrors::default(),
-            kept: FxHashMap::default(),
-        }
+        Self { stats: Stats::default(), pending: 0, throttle_limit: usize::MAX, held: HeldErrors::default() }
     }
 }
 
@@ -238,27 +226,6 @@ impl Counters {
     fn count_allocation(&mut self, size: usize) {
         self.stats.on_allocate(size);
         self.stats.device_allocs += 1;
-    }
-}
-
-/// An allocation kept by pointer. What few allocations have is boxed apart, so that the map's
-/// entries stay small (32 bytes with the key): a free touches less memory.
-struct Kept {
-    size: usize,
-    stream: Stream,
-    more: Option<Box<KeptMore>>,
-}
-
-#[derive(Default)]
-struct KeptMore {
-    recorded: Vec<Stream>,
-    /// The capture it was made in (cases 1 and 2 of the module docs), if any.
-    capture: Option<Arc<GraphShared>>,
-}
-
-impl Kept {
-    fn in_capture(&self) -> bool {
-        self.more.as_ref().is_some_and(|m| m.capture.is_some())
     }
 }
 
@@ -749,13 +716,6 @@ impl BlockOwner for Inner {
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        // Allocations still kept by pointer go with the allocator (those of a capture belong
-        // to its graph). Nothing to report a failure to.
-        for (ptr, kept) in std::mem::take(&mut self.counters.get_mut().kept) {
-            if !kept.in_capture() {
-                let _ = self.device.free_async(ptr, kept.stream);
-            }
-        }
         if let Some(ready) = self.ready.get() {
             // Nothing to report to: work already enqueued on the stream still completes, and
             // a pool with outstanding frees is released by the driver once they complete.
@@ -766,72 +726,5 @@ impl Drop for Inner {
                 let _ = self.device.destroy_pool(ready.pool);
             }
         }
-    }
-}
-
-/// The allocator keeps allocations by pointer under the lock its counters take anyway: an
-/// allocation or a free by pointer locks once, as one by handle does.
-impl PointerAllocator for AsyncPool {
-    fn allocate_ptr(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
-        if size == 0 {
-            return Ok(0);
-        }
-        let (ptr, owner) = self.count(self.allocate_uncounted(size, stream))?;
-        let capture = match owner {
-            Owner::Pool => None,
-            Owner::Capture(shared) => Some(shared),
-        };
-        let more = capture.map(|c| Box::new(KeptMore { recorded: Vec::new(), capture: Some(c) }));
-        self.inner.counted(|c| {
-            c.count_allocation(size);
-            crate::allocators::insert_roomy(&mut c.kept, ptr, Kept { size, stream, more });
-        });
-        Ok(ptr)
-    }
-
-    fn free_ptr(&self, ptr: DevicePtr, _owner: Stream) -> Option<Freed> {
-        let inner = &self.inner;
-        // Counted as a device free at once; taken back in the rare case that it is not one.
-        let kept = inner.counted(|c| {
-            let kept = c.kept.remove(&ptr)?;
-            if !kept.in_capture() {
-                c.stats.on_free(kept.size);
-                c.stats.device_frees += 1;
-            }
-            Some(kept)
-        });
-        let Kept { size, stream, more } = kept?;
-        let KeptMore { recorded, capture } = more.map(|m| *m).unwrap_or_default();
-        let block = Block { ptr, size, stream, device: inner.ordinal, token: 0, recorded };
-        match capture {
-            Some(shared) => CaptureOwner::new(inner.clone(), shared).free(block),
-            None => match inner.release_uncounted(block) {
-                Ok(true) => {}
-                // Deferred to the end of a capture, which counts it then.
-                Ok(false) => inner.counted(|c| c.stats.device_frees -= 1),
-                Err(e) => inner.counted(|c| {
-                    c.stats.device_frees -= 1;
-                    c.held.hold(e);
-                }),
-            },
-        }
-        Some(Freed { size, stream })
-    }
-
-    fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> Result<bool> {
-        self.inner.device.check_stream(stream)?;
-        Ok(self
-            .inner
-            .counted(|c| {
-                let kept = c.kept.get_mut(&ptr)?;
-                let more = kept.more.get_or_insert_with(Box::default);
-                record_user(&mut more.recorded, kept.stream, stream);
-                Some(())
-            })
-            .is_some())
-    }
-
-    fn owning_stream(&self, asked: Stream) -> Stream {
-        asked
     }
 }

@@ -1,0 +1,326 @@
+//! `Pointers`: allocations known by their pointer alone, for front ends that hand raw pointers
+//! to C. The one table in a stack that maps a pointer back to its allocation.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
+
+use crate::allocation::{Allocation, Allocator, Stats, StreamAllocator};
+use crate::device::{Device, DevicePtr, EventPool, Stream};
+use crate::error::{Error, Result};
+
+/// Shards of the table; a bit each in [`Pointers::occupied`].
+const SHARDS: usize = 64;
+const _: () = assert!(SHARDS <= u64::BITS as usize, "Pointers::occupied has a bit per shard");
+
+/// A stack's allocations by pointer: `allocate_ptr` makes an [`Allocation`] through the
+/// allocator it wraps and keeps it, `free_ptr` drops it, `record_stream_ptr` records a stream on
+/// it. A free by pointer is the free of a handle, so every allocator and adaptor below has one
+/// allocation path (the handle's), and a stack has this one table, on top.
+///
+/// * **Sharded by stream.** The table is 64 maps, each under a lock of its own on a cache line
+///   of its own, picked by the stream an allocation was asked for: threads on different streams
+///   take different locks, and a free given the stream it was allocated on finds it in one
+///   lookup. A free on another stream (or a `record_stream`, which names a user, not the
+///   owner) looks in the shards that hold anything.
+/// * **Bounded.** The table holds the live allocations and nothing per thread or per stream:
+///   threads and streams that come and go leave nothing behind; each map is kept at most half
+///   full, so its memory is at most twice its live count.
+/// * **Recorded streams** stay on the allocation kept here until its free (the allocator below
+///   orders the reuse after them then). [`StreamAllocator::retire_stream`] takes the stream
+///   out of them once its work is done: it waits for that work, at most the `wait_timeout`
+///   given, if an allocation kept recorded the stream.
+/// * Dropping the table frees the allocations it still keeps (their pointers must not be used
+///   after that).
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use streamalloc::adaptors::Pointers;
+/// use streamalloc::allocators::{StreamSafe, StreamSafeConfig};
+/// use streamalloc::device::sim::{SimConfig, SimDevice};
+/// use streamalloc::{Allocator, Device};
+///
+/// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+/// let alloc = StreamSafe::new(sim.clone(), StreamSafeConfig::default())?;
+/// let stack = Pointers::new(alloc, sim.clone(), Duration::from_secs(10));
+/// let (compute, copy) = (sim.create_stream()?, sim.create_stream()?);
+/// let ptr = stack.allocate_ptr(1 << 20, compute)?;
+/// assert!(stack.record_stream_ptr(ptr, copy)?); // `copy` uses it too
+/// assert_eq!(stack.stats().allocated, 1 << 20);
+/// assert!(stack.free_ptr(ptr, compute)); // reused once `copy`'s work is done
+/// assert!(!stack.free_ptr(ptr, compute)); // not live any more
+/// # Ok::<(), streamalloc::Error>(())
+/// ```
+pub struct Pointers<A> {
+    inner: A,
+    device: Arc<dyn Device>,
+    events: EventPool,
+    /// The longest [`StreamAllocator::retire_stream`] waits for the stream's work.
+    wait_timeout: Duration,
+    shards: Box<[Shard]>,
+    /// Bit `i` is set while shard `i` may hold an allocation: set by the insert that finds it
+    /// clear, cleared by a look through the shards that finds the shard empty (both under the
+    /// shard's lock), so a stream that allocates and frees one block writes no shared word.
+    occupied: AtomicU64,
+    /// Allocations kept that recorded a stream: [`StreamAllocator::retire_stream`] and
+    /// [`Pointers::recorded_streams`] look through the table only when this is not 0.
+    recording: AtomicUsize,
+}
+
+/// One map of the table, alone on its cache lines.
+#[repr(align(128))]
+#[derive(Default)]
+struct Shard {
+    live: Mutex<FxHashMap<DevicePtr, Allocation>>,
+}
+
+impl<A: StreamAllocator> Pointers<A> {
+    /// Keeps `inner`'s allocations by pointer; `device` is the device `inner` allocates on
+    /// (whose streams `record_stream_ptr` checks); `wait_timeout` bounds the wait of
+    /// [`StreamAllocator::retire_stream`] for a stream recorded on allocations kept.
+    pub fn new(inner: A, device: Arc<dyn Device>, wait_timeout: Duration) -> Self {
+        Self {
+            inner,
+            events: EventPool::new(device.clone()),
+            device,
+            wait_timeout,
+            shards: (0..SHARDS).map(|_| Shard::default()).collect(),
+            occupied: AtomicU64::new(0),
+            recording: AtomicUsize::new(0),
+        }
+    }
+
+    /// The allocator it wraps.
+    pub fn inner(&self) -> &A {
+        &self.inner
+    }
+
+    /// Allocates `size` bytes on `stream` ([`StreamAllocator::allocate_on`]) and keeps the
+    /// allocation until [`Pointers::free_ptr`]; the pointer. Size 0 gives the null pointer
+    /// and keeps nothing.
+    pub fn allocate_ptr(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
+        let allocation = self.inner.allocate_on(size, stream)?;
+        let ptr = allocation.ptr();
+        if ptr == 0 {
+            return Ok(0);
+        }
+        let i = shard_of(stream);
+        let mut live = self.shards[i].live.lock();
+        // Kept at most half full: the map churns (every key is removed again soon), and near
+        // hashbrown's maximum load the slots left by removals lengthen probes and force
+        // rehashes in place (`bench/results/speed.md`).
+        let len = live.len();
+        if len * 2 >= live.capacity() {
+            live.reserve(len.max(64));
+        }
+        live.insert(ptr, allocation);
+        let bit = 1u64 << i;
+        if self.occupied.load(Ordering::Relaxed) & bit == 0 {
+            self.occupied.fetch_or(bit, Ordering::Relaxed);
+        }
+        Ok(ptr)
+    }
+
+    /// Frees the allocation at `ptr`, as dropping its handle does; whether one was kept there.
+    /// `owner` is the stream it was asked for on, looked at first (any stream is correct, a
+    /// wrong one only slower).
+    pub fn free_ptr(&self, ptr: DevicePtr, owner: Stream) -> bool {
+        let Some(allocation) = self.find(Some(owner), |live| live.remove(&ptr)) else { return false };
+        if !allocation.recorded_streams().is_empty() {
+            self.recording.fetch_sub(1, Ordering::Relaxed);
+        }
+        // Freed outside the table's lock.
+        drop(allocation);
+        true
+    }
+
+    /// [`Allocation::record_stream`] for the allocation at `ptr`; `Ok(false)` if none is kept
+    /// there. Fails, recording nothing, when `stream` is not a live stream of the device (no
+    /// event could be recorded on it at the free).
+    pub fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> Result<bool> {
+        self.device.check_stream(stream)?;
+        let found = self.find(None, |live| {
+            let allocation = live.get_mut(&ptr)?;
+            let before = allocation.recorded_streams().len();
+            allocation.record_stream(stream);
+            Some(before == 0 && !allocation.recorded_streams().is_empty())
+        });
+        if found == Some(true) {
+            self.recording.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(found.is_some())
+    }
+
+    /// The owning stream of the allocation at `ptr`, if one is kept there.
+    pub fn owner_of(&self, ptr: DevicePtr, hint: Stream) -> Option<Stream> {
+        self.find(Some(hint), |live| live.get(&ptr).map(Allocation::owning_stream))
+    }
+
+    /// The streams recorded on the allocations kept, each once (what a sleep waits for
+    /// besides the owning streams).
+    pub fn recorded_streams(&self) -> Vec<Stream> {
+        let mut streams = Vec::new();
+        if self.recording.load(Ordering::Relaxed) == 0 {
+            return streams;
+        }
+        self.each_occupied(|live| {
+            for s in live.values().flat_map(|a| a.recorded_streams()) {
+                if !streams.contains(s) {
+                    streams.push(*s);
+                }
+            }
+        });
+        streams
+    }
+
+    /// Runs `f` on the shard of `hint` first (if given), then on every other shard that may
+    /// hold an allocation, until it returns `Some`.
+    fn find<T>(
+        &self,
+        hint: Option<Stream>,
+        mut f: impl FnMut(&mut FxHashMap<DevicePtr, Allocation>) -> Option<T>,
+    ) -> Option<T> {
+        let first = hint.map(shard_of);
+        if let Some(i) = first {
+            if let Some(found) = f(&mut self.shards[i].live.lock()) {
+                return Some(found);
+            }
+        }
+        let mut found = None;
+        self.each_occupied_until(first, |live| {
+            found = f(live);
+            found.is_some()
+        });
+        found
+    }
+
+    /// Runs `f` on every shard that may hold an allocation.
+    fn each_occupied(&self, mut f: impl FnMut(&mut FxHashMap<DevicePtr, Allocation>)) {
+        self.each_occupied_until(None, |live| {
+            f(live);
+            false
+        });
+    }
+
+    /// Runs `f` on every shard but `skip` that may hold an allocation, until it returns true;
+    /// clears the bit of each shard found empty.
+    fn each_occupied_until(
+        &self,
+        skip: Option<usize>,
+        mut f: impl FnMut(&mut FxHashMap<DevicePtr, Allocation>) -> bool,
+    ) {
+        let mut mask = self.occupied.load(Ordering::Relaxed);
+        while mask != 0 {
+            let i = mask.trailing_zeros() as usize;
+            mask &= mask - 1;
+            if Some(i) == skip {
+                continue;
+            }
+            let mut live = self.shards[i].live.lock();
+            if live.is_empty() {
+                self.occupied.fetch_and(!(1u64 << i), Ordering::Relaxed);
+                continue;
+            }
+            if f(&mut live) {
+                return;
+            }
+        }
+    }
+}
+
+/// The shard of allocations asked for on `stream`.
+fn shard_of(stream: Stream) -> usize {
+    // Fibonacci hashing: stream handles are pointers (aligned) or small integers.
+    (stream.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (u64::BITS - SHARDS.trailing_zeros())) as usize
+}
+
+impl<A: StreamAllocator> Allocator for Pointers<A> {
+    fn allocate(&self, size: usize) -> Result<Allocation> {
+        self.inner.allocate(size)
+    }
+    fn release(&self) -> Result<usize> {
+        self.inner.release()
+    }
+    fn stats(&self) -> Stats {
+        self.inner.stats()
+    }
+    pass_through_allocator!();
+}
+
+impl<A: StreamAllocator> StreamAllocator for Pointers<A> {
+    fn allocate_on(&self, size: usize, stream: Stream) -> Result<Allocation> {
+        self.inner.allocate_on(size, stream)
+    }
+    fn default_stream(&self) -> Stream {
+        self.inner.default_stream()
+    }
+    fn set_default_stream(&self, stream: Stream) {
+        self.inner.set_default_stream(stream)
+    }
+    /// Once the work enqueued so far on `stream` is done (the host waits, at most
+    /// `wait_timeout`, if an allocation kept recorded it), takes it out of the streams
+    /// recorded on the allocations kept (none may follow); then retires it below. A timeout
+    /// forgets nothing and is returned; a stream that cannot be waited for (destroyed
+    /// already) stays recorded, and the first error is returned after the retirement below.
+    fn retire_stream(&self, stream: Stream) -> Result<()> {
+        let mut waited = Ok(());
+        if self.recording.load(Ordering::Relaxed) != 0 && self.recorded_streams().contains(&stream) {
+            let device = self.device.as_ref();
+            waited = crate::allocators::wait_for_streams(device, &self.events, &[stream], self.wait_timeout);
+            match &waited {
+                Err(Error::Timeout { .. }) => return waited,
+                Err(_) => {}
+                Ok(()) => self.each_occupied(|live| {
+                    for a in live.values_mut().filter(|a| !a.recorded_streams().is_empty()) {
+                        a.erase_stream(stream);
+                        if a.recorded_streams().is_empty() {
+                            self.recording.fetch_sub(1, Ordering::Relaxed);
+                        }
+                    }
+                }),
+            }
+        }
+        let below = self.inner.retire_stream(stream);
+        waited.and(below)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::allocators::{StreamSafe, StreamSafeConfig};
+    use crate::device::sim::{SimConfig, SimDevice};
+
+    #[test]
+    fn frees_on_any_stream_and_forgets_retired_streams() {
+        let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+        let alloc = StreamSafe::new(sim.clone(), StreamSafeConfig::default()).unwrap();
+        let stack = Pointers::new(alloc, sim.clone(), Duration::from_secs(1));
+        let streams: Vec<Stream> = (0..4).map(|_| sim.create_stream().unwrap()).collect();
+        let ptrs: Vec<DevicePtr> = streams.iter().map(|&s| stack.allocate_ptr(4096, s).unwrap()).collect();
+        assert_eq!(stack.allocate_ptr(0, streams[0]).unwrap(), 0);
+        assert!(stack.record_stream_ptr(ptrs[0], streams[1]).unwrap());
+        assert!(stack.record_stream_ptr(ptrs[0], streams[2]).unwrap());
+        assert_eq!(stack.recorded_streams(), vec![streams[1], streams[2]]);
+        assert_eq!(stack.owner_of(ptrs[0], streams[3]), Some(streams[0]));
+        // The wrong stream: found all the same.
+        assert!(stack.free_ptr(ptrs[3], streams[0]));
+        assert!(!stack.free_ptr(ptrs[3], streams[3]));
+        stack.retire_stream(streams[3]).unwrap();
+        stack.retire_stream(streams[1]).unwrap();
+        assert_eq!(stack.recorded_streams(), vec![streams[2]]);
+        assert!(!stack.record_stream_ptr(0x1234, streams[2]).unwrap());
+        assert!(stack.record_stream_ptr(ptrs[1], Stream(0xdead)).is_err());
+        for (&p, &s) in ptrs[..3].iter().zip(&streams) {
+            assert!(stack.free_ptr(p, s));
+        }
+        assert_eq!(stack.recorded_streams(), Vec::<Stream>::new());
+        assert_eq!((stack.stats().allocated, stack.recording.load(Ordering::Relaxed)), (0, 0));
+        assert!(sim.violations().is_empty());
+    }
+}
