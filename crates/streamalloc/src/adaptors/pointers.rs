@@ -130,13 +130,15 @@ impl<A: StreamAllocator> Pointers<A> {
     /// `owner` is the stream it was asked for on, looked at first (any stream is correct, a
     /// wrong one only slower).
     pub fn free_ptr(&self, ptr: DevicePtr, owner: Stream) -> bool {
-        let Some(allocation) = self.find(Some(owner), |live| live.remove(&ptr)) else { return false };
-        if !allocation.recorded_streams().is_empty() {
-            self.recording.fetch_sub(1, Ordering::Relaxed);
-        }
+        let taken = self.find(Some(owner), |live| {
+            let allocation = live.remove(&ptr)?;
+            if !allocation.recorded_streams().is_empty() {
+                self.recording.fetch_sub(1, Ordering::Relaxed);
+            }
+            Some(allocation)
+        });
         // Freed outside the table's lock.
-        drop(allocation);
-        true
+        taken.is_some()
     }
 
     /// [`Allocation::record_stream`] for the allocation at `ptr`; `Ok(false)` if none is kept
@@ -148,11 +150,12 @@ impl<A: StreamAllocator> Pointers<A> {
             let allocation = live.get_mut(&ptr)?;
             let before = allocation.recorded_streams().len();
             allocation.record_stream(stream);
-            Some(before == 0 && !allocation.recorded_streams().is_empty())
+            if before == 0 && !allocation.recorded_streams().is_empty() {
+                // Counted under the shard's lock, as the free that takes it out counts.
+                self.recording.fetch_add(1, Ordering::Relaxed);
+            }
+            Some(())
         });
-        if found == Some(true) {
-            self.recording.fetch_add(1, Ordering::Relaxed);
-        }
         Ok(found.is_some())
     }
 
