@@ -124,7 +124,7 @@ fn bench(c: &mut Criterion) {
             b.iter(|| pointer_pass(&trace, &mut ptrs, &by_pointer, s))
         });
         // The same on stitched virtual-memory ranges (`expandable=true` in the facade).
-        let pool = BestFitConfig { backing: BackingKind::Stitched, ..Default::default() };
+        let pool = BestFitConfig { backing: BackingKind::STITCHED, ..Default::default() };
         let stitched = Arc::new(
             StreamSafe::new(sim.clone(), StreamSafeConfig { pool, ..Default::default() }).expect("allocator"),
         );

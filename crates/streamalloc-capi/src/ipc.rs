@@ -28,7 +28,6 @@ use std::ptr;
 
 use core_alloc::allocators::backing::share_mapped;
 use core_alloc::device::ipc::{fetch_fds, SharedPiece};
-use core_alloc::facade::Strategy;
 use core_alloc::{DevicePtr, Error, Result};
 use parking_lot::Mutex;
 
@@ -133,7 +132,7 @@ pub(crate) fn export(state: &State, ptr: DevicePtr, size: usize) -> Result<(Vec<
             Err(e) => return Err(e),
         }
     }
-    Err(Error::InvalidArgument(if state.config().strategy == Strategy::Async {
+    Err(Error::InvalidArgument(if state.config().strategy.spec().driver_pool {
         format!(
             "{ptr:#x} is memory of the driver's pool (strategy=async), which streamalloc cannot share with \
              another process; configure another strategy (stream_safe, the default, shares its mapped \

@@ -25,7 +25,7 @@ fn stitched_granules_per_pass(trace: &str, passes: usize) -> (Vec<u64>, f64) {
     let path = format!("{}/../../traces/{trace}", env!("CARGO_MANIFEST_DIR"));
     let trace = Trace::from_path(path).expect("trace");
     let sim = SimDevice::new(SimConfig::h200());
-    let pool = BestFitConfig { backing: BackingKind::Stitched, ..Default::default() };
+    let pool = BestFitConfig { backing: BackingKind::STITCHED, ..Default::default() };
     let alloc =
         StreamSafe::new(sim.clone(), StreamSafeConfig { pool, ..Default::default() }).expect("allocator");
     let target = ReplayTarget::Streams(Arc::new(alloc));

@@ -87,9 +87,9 @@ fn checker_catches_planted_early_reuse() {
         Free { idx: 0 },
         Alloc { stream: 0, size: 4096 },
     ];
-    assert_eq!(run_program(reuse_at_once, &program, true), 1);
+    assert_eq!(run_program(&reuse_at_once, &program, true), 1);
     // Plain synchronizes the device on free, so the same program is clean.
-    assert_eq!(run_program(plain, &program, true), 0);
+    assert_eq!(run_program(&plain, &program, true), 0);
 }
 
 fn best_fit_any_stream(device: Arc<dyn Device>) -> Made {
@@ -171,3 +171,21 @@ conformance_tests!(plain_by_pointer_on_sim, plain_by_pointer);
 conformance_tests!(best_fit_by_pointer_on_sim, best_fit_by_pointer);
 
 conformance_tests!(async_pool_by_pointer_on_sim, async_pool_by_pointer);
+
+#[test]
+fn every_registered_strategy_conforms() {
+    conformance::every_registered_strategy(conformance::sim_device);
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(16))]
+    /// Random programs against the ordering checker, through every configuration of the
+    /// registries.
+    #[test]
+    fn every_registered_strategy_keeps_stream_order(program in conformance::actions()) {
+        for config in conformance::registered() {
+            let name = config.to_string();
+            proptest::prop_assert_eq!(run_program(&conformance::facade_stack(config), &program, true), 0, "{}", name);
+        }
+    }
+}

@@ -155,7 +155,7 @@ fn the_same_stack_from_code_and_from_a_string() {
     let from_string =
         Config::parse("strategy=async,pool=owned,release_threshold=1GiB,throttle=0.8,limit=40GiB").unwrap();
     let from_code = Config {
-        strategy: Strategy::Async,
+        strategy: Strategy::ASYNC,
         pool: streamalloc::facade::PoolChoice::Owned,
         release_threshold: 1 << 30,
         throttle: 0.8,

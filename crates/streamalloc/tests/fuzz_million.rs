@@ -49,22 +49,22 @@ fn best_fit(sim: Arc<SimDevice>) -> Arc<dyn StreamAllocator> {
     Arc::new(SingleStream::new(pool, sim, Stream::DEFAULT))
 }
 fn best_fit_expandable(sim: Arc<SimDevice>) -> Arc<dyn StreamAllocator> {
-    let pool = BestFit::new(sim.clone(), backed(BackingKind::Segments)).expect("pool");
+    let pool = BestFit::new(sim.clone(), backed(BackingKind::SEGMENTS)).expect("pool");
     Arc::new(SingleStream::new(pool, sim, Stream::DEFAULT))
 }
 fn best_fit_stitched(sim: Arc<SimDevice>) -> Arc<dyn StreamAllocator> {
-    let pool = BestFit::new(sim.clone(), backed(BackingKind::Stitched)).expect("pool");
+    let pool = BestFit::new(sim.clone(), backed(BackingKind::STITCHED)).expect("pool");
     Arc::new(SingleStream::new(pool, sim, Stream::DEFAULT))
 }
 fn stream_safe_plain(sim: Arc<SimDevice>) -> Arc<dyn StreamAllocator> {
     Arc::new(stream_safe(sim))
 }
 fn stream_safe_expandable(sim: Arc<SimDevice>) -> Arc<dyn StreamAllocator> {
-    let config = StreamSafeConfig { pool: backed(BackingKind::Segments), ..StreamSafeConfig::default() };
+    let config = StreamSafeConfig { pool: backed(BackingKind::SEGMENTS), ..StreamSafeConfig::default() };
     Arc::new(StreamSafe::new(sim, config).expect("allocator"))
 }
 fn stream_safe_stitched(sim: Arc<SimDevice>) -> Arc<dyn StreamAllocator> {
-    let config = StreamSafeConfig { pool: backed(BackingKind::Stitched), ..StreamSafeConfig::default() };
+    let config = StreamSafeConfig { pool: backed(BackingKind::STITCHED), ..StreamSafeConfig::default() };
     Arc::new(StreamSafe::new(sim, config).expect("allocator"))
 }
 fn async_pool(sim: Arc<SimDevice>) -> Arc<dyn StreamAllocator> {

@@ -56,7 +56,7 @@ fn facade(conf: &str) -> Stack {
 /// over such pools, built directly.
 fn segments(stream_safe: bool) -> Stack {
     let sim = SimDevice::new(SimConfig { seed: seed(), ..SimConfig::with_capacity(512 * MIB) });
-    let pool = BestFitConfig { backing: BackingKind::Segments, growth: 8 * MIB, ..Default::default() };
+    let pool = BestFitConfig { backing: BackingKind::SEGMENTS, growth: 8 * MIB, ..Default::default() };
     let allocator: DynAllocator = if stream_safe {
         Arc::new(
             StreamSafe::new(sim.clone(), StreamSafeConfig { pool, ..Default::default() }).expect("alloc"),

@@ -18,3 +18,9 @@ conformance_tests!(gpu stream_safe_stitched_on_gpu, stream_safe_stitched);
 conformance_tests!(gpu async_pool_on_gpu, async_pool);
 conformance_tests!(gpu stream_safe_by_pointer_on_gpu, stream_safe_by_pointer);
 conformance_tests!(gpu async_pool_by_pointer_on_gpu, async_pool_by_pointer);
+
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-test.sh"]
+fn every_registered_strategy_conforms_on_gpu() {
+    conformance::every_registered_strategy(conformance::cuda_device);
+}

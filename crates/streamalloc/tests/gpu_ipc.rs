@@ -143,7 +143,7 @@ impl Peer for Spawned {
 fn export(peer: &mut dyn Peer) {
     let dev = gpu();
     let s = dev.create_stream().expect("create_stream");
-    let config = BestFitConfig { backing: BackingKind::Stitched, stream: s, ..Default::default() };
+    let config = BestFitConfig { backing: BackingKind::STITCHED, stream: s, ..Default::default() };
     let pool = BestFit::new(dev.clone(), config).expect("a stitched pool");
     // So that the block starts inside a granule, and ends inside another.
     let pad = pool.allocate(MIB + 4096).expect("allocate");

@@ -32,7 +32,7 @@ fn stitching_does_not_wait_for_the_pools_stream() {
     let device = gpu();
     let g = device.map_granularity().expect("granularity");
     let s = device.create_stream().expect("stream");
-    let config = BestFitConfig { backing: BackingKind::Stitched, stream: s, ..Default::default() };
+    let config = BestFitConfig { backing: BackingKind::STITCHED, stream: s, ..Default::default() };
     let pool = BestFit::new(device.clone(), config).expect("pool");
     let a = pool.allocate(4 * g).expect("a");
     let keep = pool.allocate(4 * g).expect("keep");

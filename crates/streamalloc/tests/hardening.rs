@@ -197,7 +197,7 @@ fn peaks_reset_on_every_stack() {
     }
 }
 
-const BACKINGS: [BackingKind; 3] = [BackingKind::Chunks, BackingKind::Segments, BackingKind::Stitched];
+const BACKINGS: [BackingKind; 3] = [BackingKind::CHUNKS, BackingKind::SEGMENTS, BackingKind::STITCHED];
 
 /// A pool over `backing` on a stream of its own of `sim`, waiting at most 100 ms.
 fn pool_on_own_stream(sim: &Arc<SimDevice>, backing: BackingKind) -> (BestFit, Stream) {
@@ -272,7 +272,7 @@ fn an_out_of_memory_waits_with_a_bound_on_every_backing() {
 #[test]
 fn stitching_does_not_wait_for_the_stream() {
     let sim = sim(1 << 30);
-    let (pool, s) = pool_on_own_stream(&sim, BackingKind::Stitched);
+    let (pool, s) = pool_on_own_stream(&sim, BackingKind::STITCHED);
     let a = pool.allocate(64 * MIB).unwrap();
     let _b = pool.allocate(4 * MIB).unwrap();
     sim.use_range(a.ptr(), a.size(), s, 10_000_000_000).unwrap();

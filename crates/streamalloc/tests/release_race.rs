@@ -13,7 +13,7 @@ use streamalloc::device::DeviceTestExt;
 use streamalloc::{Allocator, Device, Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
-const BACKINGS: [BackingKind; 3] = [BackingKind::Chunks, BackingKind::Segments, BackingKind::Stitched];
+const BACKINGS: [BackingKind; 3] = [BackingKind::CHUNKS, BackingKind::SEGMENTS, BackingKind::STITCHED];
 
 fn config(backing: BackingKind, stream: Stream) -> BestFitConfig {
     BestFitConfig {
@@ -115,7 +115,7 @@ fn the_simulator_counts_an_unmap_of_memory_in_use() {
 fn a_release_during_another_keeps_the_others_segment_out() {
     let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
     let s = sim.create_stream().unwrap();
-    let pool = Arc::new(BestFit::new(sim.clone(), config(BackingKind::Segments, s)).unwrap());
+    let pool = Arc::new(BestFit::new(sim.clone(), config(BackingKind::SEGMENTS, s)).unwrap());
     drop(pool.allocate(4096).unwrap());
     drop(pool.allocate(6 * MIB).unwrap());
     let scratch = sim.alloc(4096).unwrap();

@@ -15,7 +15,7 @@ use streamalloc::{Allocation, Allocator, Device, Error, Stream, StreamAllocator}
 const MIB: usize = 1 << 20;
 
 fn stitched() -> BestFitConfig {
-    BestFitConfig { backing: BackingKind::Stitched, ..Default::default() }
+    BestFitConfig { backing: BackingKind::STITCHED, ..Default::default() }
 }
 
 fn used(sim: &SimDevice) -> usize {
@@ -368,7 +368,7 @@ proptest! {
 /// crashed the process), and every mapping goes back.
 #[test]
 fn dropping_pools_names_no_destroyed_stream() {
-    for backing in [BackingKind::Chunks, BackingKind::Segments, BackingKind::Stitched] {
+    for backing in [BackingKind::CHUNKS, BackingKind::SEGMENTS, BackingKind::STITCHED] {
         let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
         let pool = BestFitConfig { backing, ..Default::default() };
         let alloc = StreamSafe::new(sim.clone(), StreamSafeConfig { pool, ..Default::default() }).unwrap();

@@ -73,8 +73,8 @@ fn omitting_record_stream_is_caught() {
         Action::Free { idx: 0 },
         Action::Alloc { stream: 0, size: 3 * MIB },
     ];
-    assert_eq!(run_program(stream_safe, &program, true), 0);
-    assert_eq!(run_program(stream_safe, &program, false), 1);
+    assert_eq!(run_program(&stream_safe, &program, true), 0);
+    assert_eq!(run_program(&stream_safe, &program, false), 1);
 }
 
 #[test]

@@ -18,12 +18,9 @@ use streamalloc_replay::replay::{replay, ReplayOptions, ReplayTarget};
 use streamalloc_replay::trace::Trace;
 
 fn main() -> streamalloc::Result<()> {
-    let backings = [
-        ("chunks", BackingKind::Chunks),
-        ("segments", BackingKind::Segments),
-        ("stitched", BackingKind::Stitched),
-    ];
-    println!("| trace | peak live MiB | {} |", backings.map(|(n, _)| n).join(" | "));
+    let backings: Vec<BackingKind> = BackingKind::all().collect();
+    let names: Vec<&str> = backings.iter().map(|b| b.name()).collect();
+    println!("| trace | peak live MiB | {} |", names.join(" | "));
     println!("| --- | --- |{}", " --- |".repeat(backings.len()));
     let mut args: Vec<String> = std::env::args().skip(1).collect();
     let mut passes = 3;
@@ -39,7 +36,7 @@ fn main() -> streamalloc::Result<()> {
         let trace = Trace::from_path(&path)?;
         let mut cells = Vec::new();
         let mut live = 0;
-        for (name, backing) in backings {
+        for &backing in &backings {
             let sim = SimDevice::new(SimConfig::h200());
             let pool = BestFitConfig { backing, ..Default::default() };
             let alloc = StreamSafe::new(sim.clone(), StreamSafeConfig { pool, ..Default::default() })?;
@@ -50,7 +47,7 @@ fn main() -> streamalloc::Result<()> {
                 per_pass.lock().expect("not poisoned").push((sim.mapping_calls(), sim.mapped_granules()));
             };
             let options = ReplayOptions { passes, pass_done: Some(&pass_done), ..Default::default() };
-            let r = replay(&trace, name, &target, sim.as_ref(), &options)?;
+            let r = replay(&trace, backing.name(), &target, sim.as_ref(), &options)?;
             live = r.peak_live;
             let per_pass = per_pass.into_inner().expect("not poisoned");
             // Mapping calls and granules per pass: "calls/granules" for each of the first four,

@@ -8,9 +8,7 @@ use std::time::Duration;
 use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
 
-use super::backing::{
-    Backing, BackingKind, ChunkSource, Chunks, DeviceChunks, Ledger, Segments, Stitched, Want,
-};
+use super::backing::{Backing, BackingKind, ChunkSource, DeviceChunks, Ledger, Want};
 use super::retry;
 use crate::allocation::{Allocation, Allocator, Block, BlockOwner, ReservedGauge, Stats};
 use crate::device::{Device, DevicePtr, Event, EventPool, Stream};
@@ -36,7 +34,7 @@ pub struct FreeChunk {
 ///
 /// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
 /// // Expandable segments that grow 16 MiB at a time (`backing=segments,growth=16MiB`).
-/// let config = BestFitConfig { growth: 16 << 20, backing: BackingKind::Segments, ..Default::default() };
+/// let config = BestFitConfig { growth: 16 << 20, backing: BackingKind::SEGMENTS, ..Default::default() };
 /// let pool = BestFit::new(sim, config)?;
 /// let a = pool.allocate(5 << 20)?;
 /// assert_eq!(pool.stats().allocated, 5 << 20);
@@ -60,7 +58,7 @@ pub struct BestFitConfig {
     /// allocations, expandable segments or stitched virtual-memory ranges. The memory of the
     /// last two is mapped: another process opens it through exported file descriptors
     /// ([`share_mapped`](super::backing::share_mapped)), not CUDA IPC handles. Default
-    /// [`BackingKind::Chunks`].
+    /// [`BackingKind::CHUNKS`].
     pub backing: BackingKind,
     /// The longest the pool waits for its stream's work before giving memory back to the
     /// device (see [`BestFit`]'s release). Default 2 s.
@@ -73,7 +71,7 @@ impl Default for BestFitConfig {
             growth: 32 << 20,
             small_chunk_size: 2 << 20,
             stream: Stream::DEFAULT,
-            backing: BackingKind::Chunks,
+            backing: BackingKind::CHUNKS,
             wait_timeout: Duration::from_secs(2),
         }
     }
@@ -202,11 +200,7 @@ impl BestFit {
     /// configured sizes are not multiples of [`ALIGNMENT`](crate::ALIGNMENT), the small chunk
     /// is under 1 MiB or the growth size is not above 1 MiB.
     pub fn with_source(source: Arc<dyn ChunkSource>, config: BestFitConfig) -> Result<Self> {
-        let backing: Box<dyn Backing> = match config.backing {
-            BackingKind::Chunks => Box::new(Chunks::new(source)),
-            BackingKind::Segments => Box::new(Segments::new(Chunks::new(source))),
-            BackingKind::Stitched => Box::new(Stitched::new(source.device().clone(), config.stream)),
-        };
+        let backing = (config.backing.spec().make)(source, config.stream);
         Self::with_backing(backing, config)
     }
 
@@ -845,7 +839,7 @@ mod tests {
         let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
         let stream = if on_own_stream { sim.create_stream().unwrap() } else { Stream::DEFAULT };
         let config =
-            BestFitConfig { growth: 20 * MIB, stream, backing: BackingKind::Segments, ..Default::default() };
+            BestFitConfig { growth: 20 * MIB, stream, backing: BackingKind::SEGMENTS, ..Default::default() };
         let pool = BestFit::new(sim.clone(), config).unwrap();
         (sim, pool, stream)
     }

@@ -12,7 +12,6 @@ use super::best_fit::BestFit;
 use super::pinned_host::{PinnedBuffer, PinnedHost, PinnedHostConfig};
 use super::retry;
 use super::stream_safe::{StreamSafe, StreamSafeConfig};
-use super::BackingKind;
 use crate::allocation::{Allocation, Allocator, Stats, StreamAllocator};
 use crate::device::{CaptureStatus, Device, DevicePtr, EventPool, Stream};
 use crate::error::{try_each, Error, Result};
@@ -126,13 +125,13 @@ type Falling = (usize, BestFit, Vec<(DevicePtr, usize)>);
 
 impl<A: StreamAllocator> Tagged<A> {
     /// Tags over `main` on `device`; each tag's pool is a [`StreamSafe`] with `config`, whose
-    /// backing must be [`BackingKind::Stitched`] ([`Error::Unsupported`] otherwise: only
-    /// stitched ranges give memory back at its addresses). Makes no device call.
+    /// backing must give memory back at its addresses ([`BackingSpec::sleeps`](super::backing::BackingSpec::sleeps):
+    /// stitched ranges; [`Error::Unsupported`] otherwise). Makes no device call.
     pub fn new(main: A, device: Arc<dyn Device>, config: StreamSafeConfig) -> Result<Self> {
-        if config.pool.backing != BackingKind::Stitched {
+        if !config.pool.backing.spec().sleeps {
             return Err(Error::Unsupported(format!(
-                "tags sleep over stitched ranges only, not {:?}",
-                config.pool.backing
+                "tags sleep over a backing that gives memory back at its addresses (stitched), not {}",
+                config.pool.backing.name()
             )));
         }
         // Validates the settings once, up front.

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
+use super::strategies::{self, StrategySpec};
 use crate::allocators::BackingKind;
 use crate::error::{Error, Result};
 use crate::policy::best_fit::Classes;
@@ -13,49 +14,58 @@ use crate::text::excerpt;
 /// The environment variable [`Config::from_env`] reads.
 pub const ENV_VAR: &str = "STREAMALLOC_CONF";
 
-/// Which allocator serves each device.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Strategy {
-    /// [`Plain`](crate::allocators::Plain): no caching.
-    Plain,
-    /// [`BestFit`](crate::allocators::BestFit): one caching pool, made usable from any stream
-    /// by [`SingleStream`](crate::adaptors::SingleStream).
-    BestFit,
-    /// [`StreamSafe`](crate::allocators::StreamSafe): a caching pool per stream.
-    StreamSafe,
-    /// [`AsyncPool`](crate::allocators::AsyncPool): the driver's stream-ordered pool.
-    Async,
-}
+/// Which allocator serves each device: an entry of the registry of strategies
+/// ([`STRATEGIES`](super::strategies::STRATEGIES)).
+#[derive(Clone, Copy)]
+pub struct Strategy(&'static StrategySpec);
 
 impl Strategy {
-    const NAMES: &'static str = "plain, best_fit, stream_safe, async";
+    /// [`Plain`](crate::allocators::Plain): no caching.
+    pub const PLAIN: Strategy = Strategy(&strategies::PLAIN);
+    /// [`BestFit`](crate::allocators::BestFit): one caching pool, made usable from any stream
+    /// by [`SingleStream`](crate::adaptors::SingleStream).
+    pub const BEST_FIT: Strategy = Strategy(&strategies::BEST_FIT);
+    /// [`StreamSafe`](crate::allocators::StreamSafe): a caching pool per stream.
+    pub const STREAM_SAFE: Strategy = Strategy(&strategies::STREAM_SAFE);
+    /// [`AsyncPool`](crate::allocators::AsyncPool): the driver's stream-ordered pool.
+    pub const ASYNC: Strategy = Strategy(&strategies::ASYNC);
+
+    /// Every strategy of the registry, in its order.
+    pub fn all() -> impl Iterator<Item = Strategy> {
+        strategies::STRATEGIES.iter().map(|spec| Strategy(spec))
+    }
 
     /// The name used in configuration strings.
     pub fn name(self) -> &'static str {
-        match self {
-            Strategy::Plain => "plain",
-            Strategy::BestFit => "best_fit",
-            Strategy::StreamSafe => "stream_safe",
-            Strategy::Async => "async",
-        }
+        self.0.name
+    }
+
+    /// What the registry says of it.
+    pub fn spec(self) -> &'static StrategySpec {
+        self.0
+    }
+}
+
+impl PartialEq for Strategy {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.name == other.0.name
+    }
+}
+
+impl Eq for Strategy {}
+
+impl fmt::Debug for Strategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.0.name)
     }
 }
 
 impl FromStr for Strategy {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        Ok(match s {
-            "plain" => Strategy::Plain,
-            "best_fit" => Strategy::BestFit,
-            "stream_safe" => Strategy::StreamSafe,
-            "async" => Strategy::Async,
-            _ => {
-                return Err(Error::Config(format!(
-                    "strategy={}: expected one of {}",
-                    excerpt(s),
-                    Strategy::NAMES
-                )))
-            }
+        Strategy::all().find(|strategy| strategy.name() == s).ok_or_else(|| {
+            let names: Vec<&str> = Strategy::all().map(Strategy::name).collect();
+            Error::Config(format!("strategy={}: expected one of {}", excerpt(s), names.join(", ")))
         })
     }
 }
@@ -106,7 +116,7 @@ impl LimitSpec {
 /// use streamalloc::facade::{Config, Strategy};
 ///
 /// let config = Config::parse("strategy=async,device=sim,limit=0.9")?;
-/// assert_eq!(config.strategy, Strategy::Async);
+/// assert_eq!(config.strategy, Strategy::ASYNC);
 /// // Unknown keys are errors that name the key.
 /// assert!(Config::parse("stratgy=async").unwrap_err().to_string().contains("stratgy"));
 /// # Ok::<(), streamalloc::Error>(())
@@ -170,12 +180,12 @@ pub struct Config {
 impl Default for Config {
     fn default() -> Self {
         Self {
-            strategy: Strategy::StreamSafe,
+            strategy: Strategy::STREAM_SAFE,
             device: DeviceKind::Cuda,
             sim_capacity: 143_771 << 20,
             sim_virtual_memory: true,
             growth: 32 << 20,
-            backing: BackingKind::Stitched,
+            backing: BackingKind::STITCHED,
             pool: PoolChoice::Default,
             release_threshold: u64::MAX,
             throttle: 0.8,
@@ -194,12 +204,12 @@ pub const DEFAULT_WAIT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The keys [`Config::parse`] accepts, with what each takes.
 pub const KEYS: &[(&str, &str)] = &[
-    ("strategy", "plain | best_fit | stream_safe | async"),
+    ("strategy", "the name of a strategy (facade::STRATEGIES)"),
     ("device", "cuda | sim"),
     ("sim_capacity", "a size of at least 64MiB, e.g. 80GiB"),
     ("sim_virtual_memory", "true | false"),
     ("growth", "a size above 1MiB that is a multiple of 256 bytes, e.g. 20MiB"),
-    ("backing", "stitched | segments | chunks"),
+    ("backing", "the name of a backing (allocators::backing::BACKINGS: stitched | segments | chunks)"),
     ("expandable", "true | false (an alias: backing=stitched | backing=chunks)"),
     ("pool", "default | owned"),
     ("release_threshold", "a size, or max"),
@@ -212,21 +222,10 @@ pub const KEYS: &[(&str, &str)] = &[
     ("trace", "a file path"),
 ];
 
-/// The keys only some strategies take, with those strategies; every other key applies to all.
-const STRATEGY_KEYS: &[(&str, &[Strategy])] = &[
-    ("growth", &[Strategy::BestFit, Strategy::StreamSafe]),
-    ("backing", &[Strategy::BestFit, Strategy::StreamSafe]),
-    ("expandable", &[Strategy::BestFit, Strategy::StreamSafe]),
-    ("wait_timeout", &[Strategy::BestFit, Strategy::StreamSafe]),
-    ("pool", &[Strategy::Async]),
-    ("release_threshold", &[Strategy::Async]),
-    ("throttle", &[Strategy::Async]),
-    ("trim_floor", &[Strategy::Async]),
-];
-
-/// The strategies that take `key`, if only some do.
-fn strategies_taking(key: &str) -> Option<&'static [Strategy]> {
-    STRATEGY_KEYS.iter().find(|(k, _)| *k == key).map(|&(_, strategies)| strategies)
+/// The strategies that take `key`, if only some do (those whose entry lists it).
+fn strategies_taking(key: &str) -> Option<Vec<Strategy>> {
+    let takers: Vec<Strategy> = Strategy::all().filter(|s| s.spec().keys.contains(&key)).collect();
+    (!takers.is_empty()).then_some(takers)
 }
 
 impl Strategy {
@@ -246,7 +245,7 @@ impl Config {
     /// use streamalloc::facade::{Config, Strategy};
     ///
     /// let c = Config::parse("strategy=async,release_threshold=8GiB")?;
-    /// assert_eq!(c.strategy, Strategy::Async);
+    /// assert_eq!(c.strategy, Strategy::ASYNC);
     /// let e = Config::parse("strategy=async,expandable=true").unwrap_err();
     /// assert!(e.to_string().contains("taken by best_fit, stream_safe"), "{e}");
     /// # Ok::<(), streamalloc::Error>(())
@@ -314,11 +313,11 @@ impl Config {
                 "retry_timeout" => c.retry_timeout = Some(parse_duration(value).ok_or_else(bad)?),
                 "wait_timeout" => c.wait_timeout = parse_duration(value).ok_or_else(bad)?,
                 "stats" => c.stats = value.parse().map_err(|_| bad())?,
-                "backing" => c.backing = parse_backing(value).ok_or_else(bad)?,
+                "backing" => c.backing = BackingKind::named(value).ok_or_else(bad)?,
                 "expandable" => {
                     c.backing = match value.parse().map_err(|_| bad())? {
-                        true => BackingKind::Stitched,
-                        false => BackingKind::Chunks,
+                        true => BackingKind::STITCHED,
+                        false => BackingKind::CHUNKS,
                     }
                 }
                 "trace" if !value.is_empty() => c.trace = Some(PathBuf::from(value)),
@@ -379,7 +378,7 @@ impl fmt::Display for Config {
                 f,
                 ",growth={},backing={},wait_timeout={}ms",
                 self.growth,
-                backing_name(self.backing),
+                self.backing.name(),
                 self.wait_timeout.as_millis()
             )?;
         }
@@ -432,25 +431,6 @@ fn parse_limit(value: &str) -> Option<LimitSpec> {
     let bytes = parse_size(value).filter(|n| *n > 0)?;
     let plain = value.chars().all(|ch| ch.is_ascii_digit());
     (!plain || bytes >= MIN_PLAIN_LIMIT).then_some(LimitSpec::Bytes(bytes))
-}
-
-/// The backing named `s` (`stitched`, `segments`, `chunks`).
-fn parse_backing(s: &str) -> Option<BackingKind> {
-    match s {
-        "stitched" => Some(BackingKind::Stitched),
-        "segments" => Some(BackingKind::Segments),
-        "chunks" => Some(BackingKind::Chunks),
-        _ => None,
-    }
-}
-
-/// The name `backing=` takes for `backing`.
-pub(crate) fn backing_name(backing: BackingKind) -> &'static str {
-    match backing {
-        BackingKind::Stitched => "stitched",
-        BackingKind::Segments => "segments",
-        BackingKind::Chunks => "chunks",
-    }
 }
 
 /// What to write instead of a `key:value` pair of PyTorch's `PYTORCH_CUDA_ALLOC_CONF`, if
@@ -554,26 +534,26 @@ mod tests {
         let caching =
             Config::parse("strategy=stream_safe, growth=2MiB, expandable=false, wait_timeout=100ms").unwrap();
         assert_eq!(caching.growth, 2 << 20);
-        assert_eq!(caching.backing, BackingKind::Chunks);
+        assert_eq!(caching.backing, BackingKind::CHUNKS);
         assert_eq!(caching.wait_timeout, Duration::from_millis(100));
         assert_eq!(Config::parse(&caching.to_string()).unwrap(), caching);
         for (name, backing) in [
-            ("stitched", BackingKind::Stitched),
-            ("segments", BackingKind::Segments),
-            ("chunks", BackingKind::Chunks),
+            ("stitched", BackingKind::STITCHED),
+            ("segments", BackingKind::SEGMENTS),
+            ("chunks", BackingKind::CHUNKS),
         ] {
             let c = Config::parse(&format!("strategy=best_fit,backing={name}")).unwrap();
             assert_eq!(c.backing, backing);
             assert_eq!(Config::parse(&c.to_string()).unwrap(), c);
         }
-        assert_eq!(Config::parse("expandable=true").unwrap().backing, BackingKind::Stitched);
+        assert_eq!(Config::parse("expandable=true").unwrap().backing, BackingKind::STITCHED);
         let c = Config::parse(
             "strategy=async, device=sim, sim_capacity=8GiB, sim_virtual_memory=false, pool=owned, \
              release_threshold=1GiB, throttle=0.5, trim_floor=64MiB, limit=40GiB, retry_timeout=250ms, \
              stats=true, trace=/tmp/t.csv",
         )
         .unwrap();
-        assert_eq!(c.strategy, Strategy::Async);
+        assert_eq!(c.strategy, Strategy::ASYNC);
         assert_eq!(c.device, DeviceKind::Sim);
         assert_eq!(c.sim_capacity, 8 << 30);
         assert!(!c.sim_virtual_memory);
@@ -692,7 +672,7 @@ mod tests {
             assert!(e.contains(what) && e.contains(by), "{conf}: {e}");
         }
         // Keys of every strategy are taken by all.
-        for s in Strategy::NAMES.split(", ") {
+        for s in Strategy::all().map(Strategy::name) {
             Config::parse(&format!("strategy={s},limit=1GiB,retry_timeout=1s,stats=true,device=sim"))
                 .unwrap();
         }

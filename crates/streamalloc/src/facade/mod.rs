@@ -11,7 +11,7 @@
 //! handle's. Limit comes first so that a request over the limit fails at once, without making Retry
 //! wait; Retry wraps the statistics and trace layers so that its attempts are counted and
 //! logged as what they are; the strategy is the allocator itself. Strategies without stream
-//! methods (`plain`, `best_fit`) are wrapped in [`SingleStream`] so that every device offers
+//! methods (`plain`, `best_fit`) are wrapped in [`SingleStream`](crate::adaptors::SingleStream) so that every device offers
 //! a [`StreamAllocator`]. [`Tagged`] serves allocations made under a [tag](crate::tags) from
 //! pools that sleep and wake ([`Facade::sleep`]), where the configuration can: a caching
 //! strategy (`stream_safe`, `best_fit`) over stitched ranges; elsewhere tags are not looked at
@@ -20,12 +20,14 @@
 mod config;
 mod presets;
 pub mod private_pools;
+pub mod strategies;
 
 pub use config::{
     parse_duration, parse_size, Config, DeviceKind, LimitSpec, PoolChoice, Strategy, DEFAULT_WAIT_TIMEOUT,
     ENV_VAR, KEYS,
 };
 pub use presets::Preset;
+pub use strategies::{StrategySpec, STRATEGIES};
 
 use std::fs::File;
 use std::path::PathBuf;
@@ -34,12 +36,9 @@ use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
-use crate::adaptors::{Counted, Limit, Pointers, Retry, SingleStream, StreamStats, Traced};
+use crate::adaptors::{Counted, Limit, Pointers, Retry, StreamStats, Traced};
 use crate::allocation::{Allocation, Allocator, Stats, StreamAllocator};
-use crate::allocators::{
-    AsyncPool, AsyncPoolConfig, BackingKind, BestFit, BestFitConfig, Plain, PoolMode, ReuseFlags, StreamSafe,
-    StreamSafeConfig, TagStats, Tagged,
-};
+use crate::allocators::{BackingKind, BestFitConfig, StreamSafeConfig, TagStats, Tagged};
 use crate::device::cuda::CudaDevice;
 use crate::device::sim::{SimConfig, SimDevice};
 use crate::device::{Device, Stream};
@@ -59,11 +58,9 @@ const _: () = assert!(MAX_DEVICES <= u64::BITS as usize, "Facade::built_mask has
 /// on `device`: the backing `config` names, but chunks on a device without virtual memory
 /// management (which stitched ranges and segments need).
 fn pool_config(config: &Config, device: &dyn Device) -> Result<BestFitConfig> {
-    let backing = match config.backing {
-        BackingKind::Chunks => BackingKind::Chunks,
-        mapped if device.supports_virtual_memory()? => mapped,
-        _ => BackingKind::Chunks,
-    };
+    let mapped = config.backing.spec().mapped;
+    let backing =
+        if mapped && !device.supports_virtual_memory()? { BackingKind::CHUNKS } else { config.backing };
     Ok(BestFitConfig {
         growth: config.growth,
         backing,
@@ -75,21 +72,16 @@ fn pool_config(config: &Config, device: &dyn Device) -> Result<BestFitConfig> {
 /// Whether the stack `config` describes on `device`, whose caching pools get `pool`, can put
 /// tags to sleep; else [`Error::Unsupported`] naming what in the configuration cannot.
 fn sleep_support(config: &Config, pool: &BestFitConfig, device: &dyn Device) -> Result<()> {
-    let why = match (config.strategy, config.backing, pool.backing) {
-        (Strategy::BestFit | Strategy::StreamSafe, BackingKind::Stitched, BackingKind::Stitched) => return Ok(()),
-        (Strategy::Plain, ..) => "strategy=plain allocates each block from the device, with no pool to put to sleep".into(),
-        (Strategy::Async, ..) => {
-            "strategy=async allocates from the driver's pool, whose memory cannot be given back at its addresses".into()
-        }
-        (_, BackingKind::Stitched, _) => format!(
-            "device {} has no virtual memory management, so backing=stitched fell back to chunks, which cannot be \
+    let why = match config.strategy.spec().no_sleep {
+        Some(why) => why.to_string(),
+        None if config.backing.spec().sleeps && pool.backing == config.backing => return Ok(()),
+        None if config.backing.spec().sleeps => format!(
+            "device {} has no virtual memory management, so backing={} fell back to chunks, which cannot be \
              given back at their addresses",
-            device.ordinal()
+            device.ordinal(),
+            config.backing.name()
         ),
-        (_, backing, _) => format!(
-            "backing={} cannot give memory back at its addresses",
-            config::backing_name(backing)
-        ),
+        None => format!("backing={} cannot give memory back at its addresses", config.backing.name()),
     };
     Err(Error::Unsupported(format!(
         "tags do not sleep here: {why}; strategy=stream_safe (or best_fit) with backing=stitched, the default, on a \
@@ -207,7 +199,7 @@ impl Facade {
     /// the stack if needed. Plain allocations (`expandable=false`, private pools) follow the
     /// context-level peer access the program enables itself (`cudaDeviceEnablePeerAccess`);
     /// mapped memory does not, and needs this call too. The driver's pools (`strategy=async`)
-    /// are not covered: see [`AsyncPool::grant_peer_access`].
+    /// are not covered: see [`AsyncPool::grant_peer_access`](crate::allocators::AsyncPool::grant_peer_access).
     pub fn enable_peer_access(&self, ordinal: usize, peer: usize) -> Result<()> {
         self.stack(ordinal)?.device.grant_mapped_access(peer)
     }
@@ -359,40 +351,7 @@ impl Facade {
         let c = config;
         let ordinal = device.ordinal();
         let pool = pool_config(c, &*device)?;
-        let mut a: DynAllocator = match c.strategy {
-            Strategy::Plain => Arc::new(SingleStream::new(
-                Plain::new(device.clone(), Stream::DEFAULT),
-                device.clone(),
-                Stream::DEFAULT,
-            )),
-            Strategy::BestFit => Arc::new(SingleStream::new(
-                BestFit::new(device.clone(), pool)?,
-                device.clone(),
-                Stream::DEFAULT,
-            )),
-            Strategy::StreamSafe => {
-                Arc::new(StreamSafe::new(device.clone(), StreamSafeConfig { pool, ..Default::default() })?)
-            }
-            Strategy::Async => {
-                let mode = match c.pool {
-                    PoolChoice::Default => PoolMode::DefaultPool {
-                        release_threshold: Some(usize::try_from(c.release_threshold).unwrap_or(usize::MAX)),
-                    },
-                    PoolChoice::Owned => PoolMode::Owned {
-                        release_threshold: usize::try_from(c.release_threshold).unwrap_or(usize::MAX),
-                        reuse: ReuseFlags::default(),
-                        max_size: 0,
-                    },
-                };
-                let config = AsyncPoolConfig {
-                    mode,
-                    throttle_ratio: c.throttle,
-                    trim_floor: c.trim_floor,
-                    ..Default::default()
-                };
-                Arc::new(AsyncPool::new(device.clone(), config))
-            }
-        };
+        let mut a = (c.strategy.spec().build)(c, &device, pool)?;
         let tags = sleep_support(c, &pool, &*device).and_then(|()| {
             let config = StreamSafeConfig { pool, ..Default::default() };
             Ok(Arc::new(Tagged::new(a.clone(), device.clone(), config)?))
@@ -423,7 +382,7 @@ impl Facade {
         if let Some(limit) = c.limit {
             a = Arc::new(Limit::new(a, limit.bytes(device.mem_info()?.total)));
         }
-        let private = PrivatePools::new(device.clone(), pool, c.strategy == Strategy::Async);
+        let private = PrivatePools::new(device.clone(), pool, c.strategy.spec().driver_pool);
         let allocator = Arc::new(Pointers::new(a, device.clone(), c.wait_timeout));
         Ok(DeviceStack { device, sim: None, allocator, stats, trace, private, tags })
     }

@@ -14,21 +14,21 @@ pub struct Preset {
 }
 
 impl Config {
-    /// One preset per [`Strategy`] with its defaults, named after it, and `stream_safe`
-    /// over chunks of plain allocations (`stream_safe_chunks`, `backing=chunks`), in that
-    /// order.
+    /// One preset per [`Strategy`] of the registry with its defaults, named after it, and,
+    /// after `stream_safe`, `stream_safe` over chunks of plain allocations
+    /// (`stream_safe_chunks`, `backing=chunks`, what it falls back to on a device without
+    /// virtual memory management).
     pub fn presets() -> Vec<Preset> {
-        let strategy = |strategy| Config { strategy, ..Config::default() };
-        vec![
-            Preset { name: Strategy::Plain.name(), config: strategy(Strategy::Plain) },
-            Preset { name: Strategy::BestFit.name(), config: strategy(Strategy::BestFit) },
-            Preset { name: Strategy::StreamSafe.name(), config: strategy(Strategy::StreamSafe) },
-            Preset {
-                name: "stream_safe_chunks",
-                config: Config { backing: BackingKind::Chunks, ..strategy(Strategy::StreamSafe) },
-            },
-            Preset { name: Strategy::Async.name(), config: strategy(Strategy::Async) },
-        ]
+        let mut presets = Vec::new();
+        for strategy in Strategy::all() {
+            let config = Config { strategy, ..Config::default() };
+            presets.push(Preset { name: strategy.name(), config: config.clone() });
+            if strategy == Strategy::STREAM_SAFE {
+                let config = Config { backing: BackingKind::CHUNKS, ..config };
+                presets.push(Preset { name: "stream_safe_chunks", config });
+            }
+        }
+        presets
     }
 
     /// The preset called `name`, or an error listing them all.
@@ -56,11 +56,11 @@ mod tests {
             assert_eq!(Config::preset(p.name).unwrap(), p.config);
             assert_eq!(Config::parse(&p.config.to_string()).unwrap(), p.config);
         }
-        for strategy in [Strategy::Plain, Strategy::BestFit, Strategy::StreamSafe, Strategy::Async] {
+        for strategy in Strategy::all() {
             assert!(presets.iter().any(|p| p.name == strategy.name() && p.config.strategy == strategy));
         }
-        assert_eq!(Config::preset("stream_safe").unwrap().backing, BackingKind::Stitched);
-        assert_eq!(Config::preset("stream_safe_chunks").unwrap().backing, BackingKind::Chunks);
+        assert_eq!(Config::preset("stream_safe").unwrap().backing, BackingKind::STITCHED);
+        assert_eq!(Config::preset("stream_safe_chunks").unwrap().backing, BackingKind::CHUNKS);
         let err = Config::preset("fast").unwrap_err().to_string();
         assert!(err.contains("unknown preset `fast`; presets: plain, best_fit, stream_safe"), "{err}");
     }

@@ -110,7 +110,7 @@ impl PrivatePools {
     pub fn new(device: Arc<dyn Device>, pool: BestFitConfig, driver_captures: bool) -> Self {
         Self {
             device,
-            pool: BestFitConfig { backing: BackingKind::Chunks, ..pool },
+            pool: BestFitConfig { backing: BackingKind::CHUNKS, ..pool },
             driver_captures,
             active: AtomicUsize::new(0),
             pools: AtomicUsize::new(0),

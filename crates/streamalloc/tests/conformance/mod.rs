@@ -16,6 +16,7 @@ use streamalloc::allocators::{
 };
 use streamalloc::device::cuda::CudaDevice;
 use streamalloc::device::sim::{SimConfig, SimDevice};
+use streamalloc::facade::{Config, Facade, PoolChoice, Strategy as Registered};
 use streamalloc::{
     Allocation, Allocator, Block, BlockOwner, Device, Error, Stats, Stream, StreamAllocator, ALIGNMENT,
 };
@@ -117,7 +118,7 @@ impl StreamAllocator for ByPointer {
 }
 
 /// Makes the allocator under test on a device.
-pub type Factory = fn(Arc<dyn Device>) -> Made;
+pub type Factory<'a> = &'a dyn Fn(Arc<dyn Device>) -> Made;
 
 /// A device for the suite: the simulator (with its checker) or a CUDA GPU.
 pub struct TestDevice {
@@ -144,7 +145,7 @@ fn overlaps(live: &BTreeMap<u64, usize>, ptr: u64, len: usize) -> bool {
 }
 
 /// Live ranges are distinct and non-overlapping, and aligned to [`ALIGNMENT`].
-pub fn distinct_aligned_ranges(dev: TestDevice, make: Factory) {
+pub fn distinct_aligned_ranges(dev: TestDevice, make: Factory<'_>) {
     let made = make(dev.device.clone());
     let a = made.allocator();
     let mut rng = 12345u64;
@@ -167,7 +168,7 @@ pub fn distinct_aligned_ranges(dev: TestDevice, make: Factory) {
 }
 
 /// Size 0 gives a null pointer, costs nothing and frees for nothing.
-pub fn size_zero(dev: TestDevice, make: Factory) {
+pub fn size_zero(dev: TestDevice, make: Factory<'_>) {
     let made = make(dev.device.clone());
     let a = made.allocator();
     let before = a.stats();
@@ -179,7 +180,7 @@ pub fn size_zero(dev: TestDevice, make: Factory) {
 
 /// A request larger than the device is an out-of-memory error with figures, not a panic,
 /// and the allocator still works afterwards.
-pub fn out_of_memory_is_an_error(dev: TestDevice, make: Factory) {
+pub fn out_of_memory_is_an_error(dev: TestDevice, make: Factory<'_>) {
     let made = make(dev.device.clone());
     let a = made.allocator();
     let keep = a.allocate(1 << 20).expect("small allocation");
@@ -201,7 +202,7 @@ pub fn out_of_memory_is_an_error(dev: TestDevice, make: Factory) {
 }
 
 /// Byte and count statistics add up through a sequence of allocations and frees.
-pub fn stats_add_up(dev: TestDevice, make: Factory) {
+pub fn stats_add_up(dev: TestDevice, make: Factory<'_>) {
     let made = make(dev.device.clone());
     let a = made.allocator();
     let sizes = [1usize, 255, 256, 4097, 1 << 20, 3 << 20, 100, 77 << 20];
@@ -224,7 +225,7 @@ pub fn stats_add_up(dev: TestDevice, make: Factory) {
 }
 
 /// Many threads allocating and freeing at once never get overlapping live ranges.
-pub fn many_threads(dev: TestDevice, make: Factory) {
+pub fn many_threads(dev: TestDevice, make: Factory<'_>) {
     let made = Arc::new(make(dev.device.clone()));
     let live = Arc::new(Mutex::new(BTreeMap::<u64, usize>::new()));
     let threads: Vec<_> = (0..8u64)
@@ -263,7 +264,7 @@ pub fn many_threads(dev: TestDevice, make: Factory) {
 }
 
 /// Dropping the allocator after its allocations returns every byte to the device.
-pub fn nothing_leaked(dev: TestDevice, make: Factory) {
+pub fn nothing_leaked(dev: TestDevice, make: Factory<'_>) {
     dev.device.synchronize_stream(Stream::DEFAULT).expect("sync");
     let before = dev.device.mem_info().expect("mem_info").used();
     {
@@ -316,7 +317,7 @@ pub fn actions() -> impl Strategy<Value = Vec<Action>> {
 
 /// Runs a program on the simulator, checking every handout; `record` says whether uses on
 /// other streams are announced with `record_stream`. Returns the violations found.
-pub fn run_program(make: Factory, program: &[Action], record: bool) -> usize {
+pub fn run_program(make: Factory<'_>, program: &[Action], record: bool) -> usize {
     let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
     let made = make(sim.clone());
     let streams: Vec<Stream> = (0..4).map(|_| sim.create_stream().expect("stream")).collect();
@@ -373,20 +374,20 @@ fn backed(backing: BackingKind) -> BestFitConfig {
 }
 
 pub fn best_fit_expandable(device: Arc<dyn Device>) -> Made {
-    Made::Plain(Arc::new(BestFit::new(device, backed(BackingKind::Segments)).expect("pool")))
+    Made::Plain(Arc::new(BestFit::new(device, backed(BackingKind::SEGMENTS)).expect("pool")))
 }
 
 pub fn stream_safe_expandable(device: Arc<dyn Device>) -> Made {
-    let config = StreamSafeConfig { pool: backed(BackingKind::Segments), ..StreamSafeConfig::default() };
+    let config = StreamSafeConfig { pool: backed(BackingKind::SEGMENTS), ..StreamSafeConfig::default() };
     Made::Streams(Arc::new(StreamSafe::new(device, config).expect("allocator")))
 }
 
 pub fn best_fit_stitched(device: Arc<dyn Device>) -> Made {
-    Made::Plain(Arc::new(BestFit::new(device, backed(BackingKind::Stitched)).expect("pool")))
+    Made::Plain(Arc::new(BestFit::new(device, backed(BackingKind::STITCHED)).expect("pool")))
 }
 
 pub fn stream_safe_stitched(device: Arc<dyn Device>) -> Made {
-    let config = StreamSafeConfig { pool: backed(BackingKind::Stitched), ..StreamSafeConfig::default() };
+    let config = StreamSafeConfig { pool: backed(BackingKind::STITCHED), ..StreamSafeConfig::default() };
     Made::Streams(Arc::new(StreamSafe::new(device, config).expect("allocator")))
 }
 
@@ -406,6 +407,44 @@ pub fn async_pool_by_pointer(device: Arc<dyn Device>) -> Made {
     ByPointer::made(pool, device)
 }
 
+/// Every configuration of the registries: each strategy of
+/// [`STRATEGIES`](streamalloc::facade::STRATEGIES), and a strategy that takes a backing once
+/// over each of [`BACKINGS`](streamalloc::allocators::backing::BACKINGS). So a strategy or a
+/// backing joins the suite with its registry entry, with no list to add it to. The driver's
+/// pool is one of the allocator's own (`pool=owned`): the device's default pool, shared with
+/// the rest of the process, keeps its memory past the allocator by design.
+pub fn registered() -> Vec<Config> {
+    let mut configs = Vec::new();
+    for strategy in Registered::all() {
+        let config = Config { strategy, pool: PoolChoice::Owned, ..Config::default() };
+        match strategy.takes("backing") {
+            true => configs.extend(BackingKind::all().map(|backing| Config { backing, ..config.clone() })),
+            false => configs.push(config),
+        }
+    }
+    configs
+}
+
+/// The stack the facade builds for `config` (the stack of the C ABI, by handle here).
+pub fn facade_stack(config: Config) -> impl Fn(Arc<dyn Device>) -> Made {
+    move |device| Made::Streams(Facade::build_stack(&config, device).expect("stack").allocator)
+}
+
+/// Every check on every configuration of the registries ([`registered`]), each on a fresh
+/// `device()`.
+pub fn every_registered_strategy(device: fn() -> TestDevice) {
+    for config in registered() {
+        eprintln!("{config}");
+        let make = facade_stack(config);
+        distinct_aligned_ranges(device(), &make);
+        size_zero(device(), &make);
+        out_of_memory_is_an_error(device(), &make);
+        stats_add_up(device(), &make);
+        many_threads(device(), &make);
+        nothing_leaked(device(), &make);
+    }
+}
+
 /// Generates the suite's `#[test]` functions for one allocator: `conformance_tests!(name,
 /// factory)` on the simulator, `conformance_tests!(gpu name, factory)` on CUDA (ignored
 /// unless run with `--ignored`).
@@ -417,32 +456,32 @@ macro_rules! conformance_tests {
             #[test]
             #[ignore = "needs a CUDA GPU: run by scripts/gpu-test.sh"]
             fn distinct_aligned_ranges() {
-                super::conformance::distinct_aligned_ranges(cuda_device(), super::$factory)
+                super::conformance::distinct_aligned_ranges(cuda_device(), &super::$factory)
             }
             #[test]
             #[ignore = "needs a CUDA GPU: run by scripts/gpu-test.sh"]
             fn size_zero() {
-                super::conformance::size_zero(cuda_device(), super::$factory)
+                super::conformance::size_zero(cuda_device(), &super::$factory)
             }
             #[test]
             #[ignore = "needs a CUDA GPU: run by scripts/gpu-test.sh"]
             fn out_of_memory_is_an_error() {
-                super::conformance::out_of_memory_is_an_error(cuda_device(), super::$factory)
+                super::conformance::out_of_memory_is_an_error(cuda_device(), &super::$factory)
             }
             #[test]
             #[ignore = "needs a CUDA GPU: run by scripts/gpu-test.sh"]
             fn stats_add_up() {
-                super::conformance::stats_add_up(cuda_device(), super::$factory)
+                super::conformance::stats_add_up(cuda_device(), &super::$factory)
             }
             #[test]
             #[ignore = "needs a CUDA GPU: run by scripts/gpu-test.sh"]
             fn many_threads() {
-                super::conformance::many_threads(cuda_device(), super::$factory)
+                super::conformance::many_threads(cuda_device(), &super::$factory)
             }
             #[test]
             #[ignore = "needs a CUDA GPU: run by scripts/gpu-test.sh"]
             fn nothing_leaked() {
-                super::conformance::nothing_leaked(cuda_device(), super::$factory)
+                super::conformance::nothing_leaked(cuda_device(), &super::$factory)
             }
         }
     };
@@ -452,33 +491,33 @@ macro_rules! conformance_tests {
             use proptest::prelude::*;
             #[test]
             fn distinct_aligned_ranges() {
-                super::conformance::distinct_aligned_ranges(sim_device(), super::$factory)
+                super::conformance::distinct_aligned_ranges(sim_device(), &super::$factory)
             }
             #[test]
             fn size_zero() {
-                super::conformance::size_zero(sim_device(), super::$factory)
+                super::conformance::size_zero(sim_device(), &super::$factory)
             }
             #[test]
             fn out_of_memory_is_an_error() {
-                super::conformance::out_of_memory_is_an_error(sim_device(), super::$factory)
+                super::conformance::out_of_memory_is_an_error(sim_device(), &super::$factory)
             }
             #[test]
             fn stats_add_up() {
-                super::conformance::stats_add_up(sim_device(), super::$factory)
+                super::conformance::stats_add_up(sim_device(), &super::$factory)
             }
             #[test]
             fn many_threads() {
-                super::conformance::many_threads(sim_device(), super::$factory)
+                super::conformance::many_threads(sim_device(), &super::$factory)
             }
             #[test]
             fn nothing_leaked() {
-                super::conformance::nothing_leaked(sim_device(), super::$factory)
+                super::conformance::nothing_leaked(sim_device(), &super::$factory)
             }
             proptest! {
                 #![proptest_config(ProptestConfig::with_cases(64))]
                 #[test]
                 fn ordering_checker_finds_no_violation(program in actions()) {
-                    prop_assert_eq!(run_program(super::$factory, &program, true), 0);
+                    prop_assert_eq!(run_program(&super::$factory, &program, true), 0);
                 }
             }
         }

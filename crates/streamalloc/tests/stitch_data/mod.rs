@@ -33,7 +33,7 @@ fn read(device: &dyn DeviceTestExt, x: &Allocation, stream: Stream) -> Vec<u8> {
 pub fn stitched_growth_keeps_data(device: Arc<dyn DeviceTestExt>, stream: Stream) {
     let d = device.as_ref();
     let g = device.map_granularity().expect("granularity");
-    let config = BestFitConfig { backing: BackingKind::Stitched, stream, ..Default::default() };
+    let config = BestFitConfig { backing: BackingKind::STITCHED, stream, ..Default::default() };
     let pool = BestFit::new(device.clone(), config).expect("pool");
     let blocks: Vec<Allocation> = (0..8).map(|_| pool.allocate(3 * g).expect("block")).collect();
     let data: Vec<Vec<u8>> = blocks.iter().enumerate().map(|(i, x)| write(d, x, i as u8, stream)).collect();
@@ -82,7 +82,7 @@ pub fn stitched_growth_keeps_data(device: Arc<dyn DeviceTestExt>, stream: Stream
 pub fn stitched_head_keeps_its_neighbour(device: Arc<dyn DeviceTestExt>, stream: Stream) {
     let d = device.as_ref();
     let g = device.map_granularity().expect("granularity");
-    let config = BestFitConfig { backing: BackingKind::Stitched, stream, ..Default::default() };
+    let config = BestFitConfig { backing: BackingKind::STITCHED, stream, ..Default::default() };
     let pool = BestFit::new(device.clone(), config).expect("pool");
     let two = pool.allocate(2 * g).expect("two granules");
     let between = pool.allocate(g).expect("a granule between");

@@ -26,20 +26,106 @@ pub use stitched::Stitched;
 use std::sync::Arc;
 
 use crate::device::ipc::SharedPiece;
-use crate::device::{Device, DevicePtr};
+use crate::device::{Device, DevicePtr, Stream};
 use crate::error::{Error, Result};
 use crate::policy::best_fit::{BestFitPolicy, Class, Classes, Grant};
 
-/// Which [`Backing`] a pool built from a [`BestFitConfig`](super::BestFitConfig) gets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum BackingKind {
-    /// [`Chunks`] of plain device allocations.
-    #[default]
-    Chunks,
+/// What a pool knows of a backing: one entry each in [`BACKINGS`], which the configuration
+/// (`backing=NAME`) and the presets take every backing from, so adding one is its file and
+/// its entry here (DESIGN.md, "Adding a strategy or a backing").
+#[derive(Debug)]
+pub struct BackingSpec {
+    /// The name `backing=` takes.
+    pub name: &'static str,
+    /// Whether it maps memory with virtual memory management: on a device without it, the
+    /// facade's pools fall back to [`BackingKind::CHUNKS`].
+    pub mapped: bool,
+    /// Whether it can give memory back at its addresses and map it there again (what a tag's
+    /// sleep needs).
+    pub sleeps: bool,
+    /// Makes it for a pool whose chunks come from `source`, on `stream` (the pool's).
+    pub make: fn(source: Arc<dyn ChunkSource>, stream: Stream) -> Box<dyn Backing>,
+}
+
+/// [`Chunks`] of plain device allocations.
+pub static CHUNKS: BackingSpec = BackingSpec {
+    name: "chunks",
+    mapped: false,
+    sleeps: false,
+    make: |source, _| Box::new(Chunks::new(source)),
+};
+
+/// [`Segments`]: expandable segments.
+pub static SEGMENTS: BackingSpec = BackingSpec {
+    name: "segments",
+    mapped: true,
+    sleeps: false,
+    make: |source, _| Box::new(Segments::new(Chunks::new(source))),
+};
+
+/// [`Stitched`]: stitched virtual-memory ranges.
+pub static STITCHED: BackingSpec = BackingSpec {
+    name: "stitched",
+    mapped: true,
+    sleeps: true,
+    make: |source, stream| Box::new(Stitched::new(source.device().clone(), stream)),
+};
+
+/// Every backing, in the order the configuration lists them.
+pub static BACKINGS: &[&BackingSpec] = &[&STITCHED, &SEGMENTS, &CHUNKS];
+
+/// Which [`Backing`] a pool built from a [`BestFitConfig`](super::BestFitConfig) gets: an
+/// entry of [`BACKINGS`].
+#[derive(Clone, Copy)]
+pub struct BackingKind(&'static BackingSpec);
+
+impl BackingKind {
+    /// [`Chunks`] of plain device allocations (the default of a bare pool).
+    pub const CHUNKS: BackingKind = BackingKind(&CHUNKS);
     /// [`Segments`]: expandable segments.
-    Segments,
+    pub const SEGMENTS: BackingKind = BackingKind(&SEGMENTS);
     /// [`Stitched`]: stitched virtual-memory ranges.
-    Stitched,
+    pub const STITCHED: BackingKind = BackingKind(&STITCHED);
+
+    /// Every backing of the registry, in its order.
+    pub fn all() -> impl Iterator<Item = BackingKind> {
+        BACKINGS.iter().map(|spec| BackingKind(spec))
+    }
+
+    /// The backing named `name`, if there is one.
+    pub fn named(name: &str) -> Option<BackingKind> {
+        Self::all().find(|b| b.name() == name)
+    }
+
+    /// The name `backing=` takes.
+    pub fn name(self) -> &'static str {
+        self.0.name
+    }
+
+    /// What the registry says of it.
+    pub fn spec(self) -> &'static BackingSpec {
+        self.0
+    }
+}
+
+impl Default for BackingKind {
+    fn default() -> Self {
+        Self::CHUNKS
+    }
+}
+
+impl PartialEq for BackingKind {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.name == other.0.name
+    }
+}
+
+impl Eq for BackingKind {}
+
+impl std::fmt::Debug for BackingKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0.name)
+    }
 }
 
 /// A request the pool found no free block for.
@@ -227,7 +313,7 @@ mod tests {
     /// mapped elsewhere the same bytes both ways.
     #[test]
     fn blocks_of_mapped_pools_are_shared_by_their_granules() {
-        for backing in [BackingKind::Stitched, BackingKind::Segments] {
+        for backing in [BackingKind::STITCHED, BackingKind::SEGMENTS] {
             let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
             let s = sim.create_stream().unwrap();
             let g = sim.map_granularity().unwrap() as u64;
@@ -270,7 +356,7 @@ mod tests {
     fn a_block_of_a_stitched_range_shares_its_homes() {
         let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
         let s = sim.create_stream().unwrap();
-        let pool = pool(&sim, BackingKind::Stitched, s);
+        let pool = pool(&sim, BackingKind::STITCHED, s);
         let small: Vec<Allocation> = (0..8).map(|_| pool.allocate(256 << 10).unwrap()).collect();
         let a = pool.allocate(6 * MIB).unwrap();
         let b = pool.allocate(6 * MIB).unwrap();
@@ -296,7 +382,7 @@ mod tests {
     #[test]
     fn memory_that_is_not_mapped_is_not_shared() {
         let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
-        let chunks = pool(&sim, BackingKind::Chunks, Stream::DEFAULT);
+        let chunks = pool(&sim, BackingKind::CHUNKS, Stream::DEFAULT);
         let block = chunks.allocate(MIB).unwrap();
         let e = share_mapped(&*sim, block.ptr(), block.size()).unwrap_err();
         assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
