@@ -125,8 +125,9 @@ type Falling = (usize, BestFit, Vec<(DevicePtr, usize)>);
 
 impl<A: StreamAllocator> Tagged<A> {
     /// Tags over `main` on `device`; each tag's pool is a [`StreamSafe`] with `config`, whose
-    /// backing must give memory back at its addresses ([`BackingSpec::sleeps`](super::backing::BackingSpec::sleeps):
-    /// stitched ranges; [`Error::Unsupported`] otherwise). Makes no device call.
+    /// backing must give memory back at its addresses
+    /// ([`BackingSpec::sleeps`](super::backing::BackingSpec::sleeps): stitched ranges;
+    /// [`Error::Unsupported`] otherwise). Makes no device call.
     pub fn new(main: A, device: Arc<dyn Device>, config: StreamSafeConfig) -> Result<Self> {
         if !config.pool.backing.spec().sleeps {
             return Err(Error::Unsupported(format!(

@@ -209,7 +209,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ("sim_capacity", "a size of at least 64MiB, e.g. 80GiB"),
     ("sim_virtual_memory", "true | false"),
     ("growth", "a size above 1MiB that is a multiple of 256 bytes, e.g. 20MiB"),
-    ("backing", "the name of a backing (allocators::backing::BACKINGS: stitched | segments | chunks)"),
+    ("backing", "the name of a backing (allocators::backing::BACKINGS)"),
     ("expandable", "true | false (an alias: backing=stitched | backing=chunks)"),
     ("pool", "default | owned"),
     ("release_threshold", "a size, or max"),
@@ -313,7 +313,16 @@ impl Config {
                 "retry_timeout" => c.retry_timeout = Some(parse_duration(value).ok_or_else(bad)?),
                 "wait_timeout" => c.wait_timeout = parse_duration(value).ok_or_else(bad)?,
                 "stats" => c.stats = value.parse().map_err(|_| bad())?,
-                "backing" => c.backing = BackingKind::named(value).ok_or_else(bad)?,
+                "backing" => {
+                    c.backing = BackingKind::named(value).ok_or_else(|| {
+                        let names: Vec<&str> = BackingKind::all().map(BackingKind::name).collect();
+                        Error::Config(format!(
+                            "backing={}: expected one of {}",
+                            excerpt(value),
+                            names.join(", ")
+                        ))
+                    })?
+                }
                 "expandable" => {
                     c.backing = match value.parse().map_err(|_| bad())? {
                         true => BackingKind::STITCHED,
@@ -613,7 +622,7 @@ mod tests {
         let e = Config::parse("backing=segments,expandable=false").unwrap_err().to_string();
         assert!(e.contains("give one"), "{e}");
         let e = Config::parse("backing=mapped").unwrap_err().to_string();
-        assert!(e.contains("stitched | segments | chunks"), "{e}");
+        assert!(e.contains("expected one of stitched, segments, chunks"), "{e}");
         let e = Config::parse("expandable_segments:True").unwrap_err().to_string();
         assert!(e.contains("backing=segments") && e.contains("PYTORCH_CUDA_ALLOC_CONF"), "{e}");
         let e = Config::parse("strategy=async,backing=chunks").unwrap_err().to_string();

@@ -8,10 +8,11 @@
 //!
 //! [`Pointers`] keeps the allocations a front end knows by pointer (the stack's one table
 //! from a pointer to its allocation); below it every layer has one allocation path, the
-//! handle's. Limit comes first so that a request over the limit fails at once, without making Retry
-//! wait; Retry wraps the statistics and trace layers so that its attempts are counted and
-//! logged as what they are; the strategy is the allocator itself. Strategies without stream
-//! methods (`plain`, `best_fit`) are wrapped in [`SingleStream`](crate::adaptors::SingleStream) so that every device offers
+//! handle's. Limit comes first so that a request over the limit fails at once, without making
+//! Retry wait; Retry wraps the statistics and trace layers so that its attempts are counted
+//! and logged as what they are; the strategy is the allocator itself, built by its entry in
+//! [`STRATEGIES`]. Strategies without stream methods (`plain`, `best_fit`) are wrapped in
+//! [`SingleStream`](crate::adaptors::SingleStream) so that every device offers
 //! a [`StreamAllocator`]. [`Tagged`] serves allocations made under a [tag](crate::tags) from
 //! pools that sleep and wake ([`Facade::sleep`]), where the configuration can: a caching
 //! strategy (`stream_safe`, `best_fit`) over stitched ranges; elsewhere tags are not looked at
