@@ -27,8 +27,9 @@ const _: () = assert!(SHARDS <= u64::BITS as usize, "Pointers::occupied has a bi
 ///   lookup. A free on another stream (or a `record_stream`, which names a user, not the
 ///   owner) looks in the shards that hold anything.
 /// * **Bounded.** The table holds the live allocations and nothing per thread or per stream:
-///   threads and streams that come and go leave nothing behind; each map is kept at most half
-///   full, so its memory is at most twice its live count.
+///   threads and streams that come and go leave nothing behind; each map grows to at most twice
+///   the most allocations its shard held at once (kept at most half full, as a map that churns
+///   is cheaper so).
 /// * **Recorded streams** stay on the allocation kept here until its free (the allocator below
 ///   orders the reuse after them then). [`StreamAllocator::retire_stream`] takes the stream
 ///   out of them once its work is done: it waits for that work, at most the `wait_timeout`
