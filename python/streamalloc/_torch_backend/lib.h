@@ -1,6 +1,7 @@
 // What backend.cpp and host.cpp share of libstreamalloc's C ABI, which they reach through
 // dlopen/dlsym (the library is not linked): its status values and statistics struct, mirrored
-// from crates/streamalloc-capi/include/streamalloc.h field for field; the lookup of a function
+// from crates/streamalloc-capi/include/streamalloc.h field for field (CI checks that they stay
+// so: crates/streamalloc-capi/tests/header.rs); the lookup of a function
 // by name; the message of an install that failed.
 #pragma once
 
