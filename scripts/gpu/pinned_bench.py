@@ -40,7 +40,7 @@ import sys
 import time
 import traceback
 
-from torch_runs import child_env, prebuild_backend, run_child, tail
+from torch_runs import child_env, prebuild_backend, run_child, tail, write_results
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 HERE = os.path.abspath(__file__)
@@ -237,13 +237,7 @@ def main():
             continue
         with open(result) as f:
             rows += [json.loads(line) for line in f if line.strip()]
-    with open(os.path.join(args.out, "pinned_bench.jsonl"), "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    text = table(rows)
-    with open(os.path.join(args.out, "pinned_bench.md"), "w") as f:
-        f.write(text + "\n")
-    print(text)
+    write_results(args.out, "pinned_bench", rows, table(rows))
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
         sys.exit(1)

@@ -39,7 +39,7 @@ import sys
 import time
 import traceback
 
-from torch_runs import NvmlSampler, child_env, prebuild_backend, run_child, tail
+from torch_runs import NvmlSampler, child_env, prebuild_backend, run_child, tail, write_results
 
 GIB = 1 << 30
 HERE = os.path.abspath(__file__)
@@ -226,13 +226,7 @@ def main():
         failed |= rc != 0 or bool(row.get("failures"))
         print(json.dumps(row), flush=True)
         rows.append(row)
-    with open(os.path.join(args.out, "sleep_phases.jsonl"), "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    text = table(rows)
-    with open(os.path.join(args.out, "sleep_phases.md"), "w") as f:
-        f.write(text + "\n")
-    print(text)
+    write_results(args.out, "sleep_phases", rows, table(rows))
     sys.exit(1 if failed else 0)
 
 

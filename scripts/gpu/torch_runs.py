@@ -99,6 +99,19 @@ def finish_run(result, path, ok):
     os._exit(0 if ok else 3)
 
 
+def write_results(out, name, rows, text):
+    """Writes ROWS as JSON lines to OUT/NAME.jsonl and TEXT (their table) to OUT/NAME.md, and
+    prints TEXT."""
+    import json
+
+    with open(os.path.join(out, f"{name}.jsonl"), "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+
+
 def tail(path, n=8):
     """The last N non-blank lines of the file at PATH, joined (at most 1,500 characters)."""
     try:
