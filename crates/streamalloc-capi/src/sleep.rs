@@ -135,9 +135,7 @@ pub unsafe extern "C" fn streamalloc_sleep(
         let state = State::get()?;
         // SAFETY: by the caller's contract.
         let tags = unsafe { tags_at(tags, ntags) }?;
-        // The streams recorded by pointer: the sleep waits for their work too.
-        let recorded = state.stack(device)?.allocator.recorded_streams();
-        layer(state, device)?.sleep(&tags, offload != 0, &recorded).map(drop)
+        state.stack(device)?.sleep(&tags, offload != 0).map(drop)
     })
 }
 

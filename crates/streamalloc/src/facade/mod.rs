@@ -120,6 +120,16 @@ pub struct DeviceStack {
     pub tags: Result<TagLayer>,
 }
 
+impl DeviceStack {
+    /// Puts `tags` to sleep ([`Tagged::sleep`]): after the work of the streams that use their
+    /// memory, the streams recorded on the stack's allocations by pointer included. Why not,
+    /// where the configuration has no tags.
+    pub fn sleep(&self, tags: &[Tag], offload: bool) -> Result<usize> {
+        let layer = self.tags.as_ref().map_err(Clone::clone)?;
+        layer.sleep(tags, offload, &self.allocator.recorded_streams())
+    }
+}
+
 /// Per-device allocator stacks built from one [`Config`], created on first use of each
 /// device, thread-safely. The constructor makes no driver call.
 ///
@@ -297,8 +307,7 @@ impl Facade {
     /// ```
     pub fn sleep(&self, ordinal: usize, names: &[&str], offload: bool) -> Result<usize> {
         let tags = Self::tags(names)?;
-        let recorded = self.stack(ordinal)?.allocator.recorded_streams();
-        self.tag_layer(ordinal)?.sleep(&tags, offload, &recorded)
+        self.stack(ordinal)?.sleep(&tags, offload)
     }
 
     /// Wakes the tags named `names` on device `ordinal` ([`Tagged::wake`]): fresh memory at
