@@ -183,14 +183,14 @@ impl<A: StreamAllocator> Tagged<A> {
         self.tags.read().clone()
     }
 
-    /// Runs `f` on `tag`'s pool unless the tag sleeps; on out-of-memory, the others give their
-    /// free memory back and `f` runs once more. Kept out of line: the untagged path stays as
-    /// small as the wrapped allocator's call.
+    /// Allocates from `tag`'s pool unless the tag sleeps; on out-of-memory, the others give
+    /// their free memory back and it is tried once more. Kept out of line: the untagged path
+    /// stays as small as the wrapped allocator's call.
     #[inline(never)]
-    fn in_tag<T>(&self, tag: Tag, size: usize, f: impl Fn(&StreamSafe) -> Result<T>) -> Result<T> {
+    fn allocate_in_tag(&self, tag: Tag, size: usize, stream: Stream) -> Result<Allocation> {
         let pool = self.pool(tag)?;
         let attempt = || match &*pool.phase.read() {
-            Phase::Awake => f(&pool.alloc),
+            Phase::Awake => pool.alloc.allocate_on(size, stream),
             Phase::Asleep(_) => Err(Error::InvalidArgument(format!(
                 "allocation of {size} bytes in tag `{tag}` on device {}, which sleeps: wake it first",
                 self.device.ordinal()
@@ -549,7 +549,7 @@ impl<A: StreamAllocator> Allocator for Tagged<A> {
 impl<A: StreamAllocator> StreamAllocator for Tagged<A> {
     fn allocate_on(&self, size: usize, stream: Stream) -> Result<Allocation> {
         if let Some(tag) = tags::current() {
-            return self.in_tag(tag, size, |pool| pool.allocate_on(size, stream));
+            return self.allocate_in_tag(tag, size, stream);
         }
         self.main.allocate_on(size, stream)
     }
