@@ -5,10 +5,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use parking_lot::{Mutex, MutexGuard};
+use parking_lot::{Mutex, MutexGuard, RwLock};
 use rustc_hash::FxHashMap;
 
-use super::backing::{Backing, BackingKind, ChunkSource, DeviceChunks, Ledger, Want};
+use super::backing::{Backing, BackingKind, ChunkSource, DeviceChunks, Want};
 use super::retry;
 use crate::allocation::{Allocation, Allocator, Block, BlockOwner, ReservedGauge, Stats};
 use crate::device::{Device, DevicePtr, Event, EventPool, Stream};
@@ -116,8 +116,11 @@ impl Default for BestFitConfig {
 ///   large request in four), so parking them cost more than it saved. On the sample traces
 ///   (`streamalloc replay --device sim`), parking leaves the peak reserved as it was and
 ///   lowers the CPU cost per operation (`bench/results/`).
-/// * **Concurrency.** One lock guards the pool; device calls are made outside it. Reusing a
-///   cached block takes the lock once and allocates nothing on the heap.
+/// * **Concurrency.** One lock guards the pool. Reusing a cached block takes it once and
+///   allocates nothing on the heap. A growth runs under it, the pool calling its backing
+///   with its books in hand (the backing never calls back), as RMM's pool and PyTorch's
+///   caching allocator grow under theirs; a release waits for the pool's stream without it,
+///   between the backing's two steps, so frees never wait for the device.
 ///
 /// # Examples
 ///
@@ -157,8 +160,12 @@ struct Inner {
     ordinal: usize,
     /// [`BestFitConfig::wait_timeout`].
     wait: Duration,
-    /// The pool's books. The backing locks its own state before this one where it holds
-    /// both; the pool never calls the backing with this one locked.
+    /// Held, shared, by each release from its first step to its last
+    /// ([`Backing::release_begin`]), and alone by the first step of a sleep, which begins
+    /// once no release is under way.
+    releases: RwLock<()>,
+    /// The pool's books. Locked before the backing's own state: the pool calls its backing
+    /// with it held, and the backing never calls the pool.
     state: Mutex<State>,
 }
 
@@ -232,6 +239,7 @@ impl BestFit {
             device,
             stream: config.stream,
             wait: config.wait_timeout,
+            releases: RwLock::new(()),
             state: Mutex::new(state),
         };
         Ok(Self { inner: Arc::new(inner) })
@@ -338,14 +346,22 @@ impl BestFit {
         events.into_iter().try_for_each(|e| self.inner.device.stream_wait_event(waiter, e))
     }
 
-    /// [`Backing::sleep_begin`] over the pool's books: the mapped ranges that hold its data.
+    /// [`Backing::sleep_begin`] over the pool's books, once no release is under way: the
+    /// mapped ranges that hold its data.
     pub(crate) fn sleep_begin(&self) -> Result<Vec<(DevicePtr, usize)>> {
-        self.inner.backing.sleep_begin(&PoolLedger { inner: &self.inner, request: None })
+        let inner = &self.inner;
+        let bound = inner.wait.saturating_mul(2);
+        let _between_releases = inner.releases.try_write_for(bound).ok_or_else(|| Error::Timeout {
+            waited_for: format!("the releases under way of the pool of stream {:?}", inner.stream),
+            after: bound,
+        })?;
+        inner.with_backing(&mut inner.state.lock(), |backing, books| backing.sleep_begin(books))
     }
 
     /// [`Backing::sleep_end`] over the pool's books: the bytes given back at their addresses.
     pub(crate) fn sleep_end(&self, commit: bool) -> Result<usize> {
-        self.inner.backing.sleep_end(&PoolLedger { inner: &self.inner, request: None }, commit)
+        let inner = &self.inner;
+        inner.with_backing(&mut inner.state.lock(), |backing, books| backing.sleep_end(books, commit))
     }
 
     /// [`Backing::wake`]: the ranges mapped again.
@@ -362,6 +378,7 @@ impl BestFit {
 
     /// The cached path: a hit, or on a miss the growth the pool would need (`None` if the
     /// size is too large to grow for).
+    #[inline(always)]
     fn cached_or_growth(
         &self,
         size: usize,
@@ -399,10 +416,13 @@ impl BestFit {
         }
     }
 
-    /// The slow path: the backing adds memory and the request is served from it; on
-    /// out-of-memory, once (the shared loop with a zero timeout): what was freed meanwhile is
-    /// looked at, then what is free goes back through the backing and the backing is tried
-    /// again. The block, and whether it came only after that retry.
+    /// The slow path: under the pool's lock, a block freed meanwhile, else the backing adds
+    /// memory and the request is served from it; on out-of-memory, once (the shared loop with
+    /// a zero timeout): what was freed meanwhile is looked at, then what is free goes back
+    /// through the backing and the backing is tried again. The block, and whether it came
+    /// only after that retry.
+    #[cold]
+    #[inline(never)]
     fn grow_and_allocate(
         &self,
         size: usize,
@@ -411,20 +431,17 @@ impl BestFit {
         poll: bool,
     ) -> Result<(Block, bool)> {
         let inner = &self.inner;
-        let class = inner.state.lock().policy.class_of(rounded);
-        let want = Want { class, rounded, chunk: growth.size, own: growth.own };
-        let ledger = PoolLedger { inner, request: Some((rounded, size)) };
-        // Memory added is served under the lock that adds it, so only a bug in a backing
-        // makes a round serve nothing; the bound keeps such a bug from spinning.
         let grow = || {
-            for _ in 0..GROWTH_ROUNDS {
-                if let Some(grant) = inner.backing.grow(&ledger, &want)? {
-                    return Ok(grant);
-                }
+            let mut st = inner.state.lock();
+            if let Some(grant) = st.allocate(rounded, size) {
+                return Ok(grant);
             }
-            Err(Error::Internal(format!(
-                "the backing grew the pool {GROWTH_ROUNDS} times and {size} bytes still did not fit"
-            )))
+            let want =
+                Want { class: st.policy.class_of(rounded), rounded, chunk: growth.size, own: growth.own };
+            inner.with_backing(&mut st, |backing, books| backing.grow(books, &want))?;
+            st.allocate(rounded, size).ok_or_else(|| {
+                Error::Internal(format!("the backing grew the pool for {size} bytes and they did not fit"))
+            })
         };
         let release = || {
             // Memory freed meanwhile (by other threads or completed events) may fit now;
@@ -443,51 +460,6 @@ impl BestFit {
             Ok(grant) => Ok((self.handout(grant, size), again)),
             Err(e) => Err(inner.failure(e, size, growth.size as usize, retried.release_error)),
         }
-    }
-}
-
-/// Rounds of growth [`BestFit::grow_and_allocate`] tries.
-const GROWTH_ROUNDS: usize = 8;
-
-/// The pool's books as its backing sees them: a [`Ledger`] over the pool's state, serving
-/// `request` (rounded size, size asked for) if there is one.
-struct PoolLedger<'a> {
-    inner: &'a Inner,
-    request: Option<(u64, usize)>,
-}
-
-impl PoolLedger<'_> {
-    /// Runs `f` under the pool's lock; then, when `serve`, allocates the request if it fits.
-    fn run(&self, f: &mut dyn FnMut(&mut BestFitPolicy) -> Result<()>, serve: bool) -> Result<Option<Grant>> {
-        let mut st = self.inner.state.lock();
-        st.unpark();
-        let before = st.policy.figures();
-        let done = f(&mut st.policy);
-        let after = st.policy.figures();
-        if after.reserved > before.reserved {
-            st.stats.on_reserve((after.reserved - before.reserved) as usize);
-            if let Some(gauge) = self.inner.gauge.get() {
-                gauge.add((after.reserved - before.reserved) as usize);
-            }
-        } else if after.reserved < before.reserved {
-            st.stats.on_unreserve((before.reserved - after.reserved) as usize);
-            if let Some(gauge) = self.inner.gauge.get() {
-                gauge.sub((before.reserved - after.reserved) as usize);
-            }
-            // One device call per chunk given back whole.
-            st.stats.device_frees += before.chunks.saturating_sub(after.chunks).max(1) as u64 - 1;
-        }
-        done?;
-        Ok(self.request.filter(|_| serve).and_then(|(rounded, size)| st.allocate(rounded, size)))
-    }
-}
-
-impl Ledger for PoolLedger<'_> {
-    fn update(&self, f: &mut dyn FnMut(&mut BestFitPolicy) -> Result<()>) -> Result<()> {
-        self.run(f, false).map(drop)
-    }
-    fn update_and_serve(&self, f: &mut dyn FnMut(&mut BestFitPolicy) -> Result<()>) -> Result<Option<Grant>> {
-        self.run(f, true)
     }
 }
 
@@ -648,24 +620,55 @@ impl Inner {
     }
 
     /// Gives free memory back through the backing; the bytes given back, or the first error
-    /// met (after trying everything). The backing takes what goes back out of the books,
-    /// then waits, at most [`BestFitConfig::wait_timeout`], for the work enqueued on the
-    /// pool's stream until then, where every use of a free block is ordered (blocks freed
-    /// with recorded streams join the free lists after their events), and only then unmaps
-    /// or frees it ([`Backing::release`]): a chunk's `cuMemFree` would wait for that work
-    /// without a bound, and an unmap would not wait at all. Past the bound nothing is given
-    /// back and the error ([`Error::Timeout`]) says what was waited for.
+    /// met (after trying everything). The backing takes what goes back out of the books
+    /// ([`Backing::release_begin`]), then the pool waits, without its lock and at most
+    /// [`BestFitConfig::wait_timeout`], for the work enqueued on its stream until then, where
+    /// every use of a free block is ordered (blocks freed with recorded streams join the free
+    /// lists after their events), and only then does the backing unmap or free it
+    /// ([`Backing::release_end`]): a chunk's `cuMemFree` would wait for that work without a
+    /// bound, and an unmap would not wait at all. Past the bound nothing is given back and
+    /// the error ([`Error::Timeout`]) says what was waited for.
     fn release_free(&self) -> Result<usize> {
-        let nothing_free = {
-            let st = self.state.lock();
-            st.policy.figures().cached == 0 && st.parked.bytes == 0
+        // Only the first step of a sleep holds it alone, and not for long.
+        let _under_way = self.releases.try_read_recursive_for(self.wait).ok_or_else(|| Error::Timeout {
+            waited_for: format!("a sleep of the pool of stream {:?} to begin", self.stream),
+            after: self.wait,
+        })?;
+        let taken = {
+            let mut st = self.state.lock();
+            if st.policy.figures().cached == 0 && st.parked.bytes == 0 {
+                return Ok(0);
+            }
+            self.with_backing(&mut st, |backing, books| backing.release_begin(books))?
         };
-        if nothing_free {
+        if taken.is_empty() {
             return Ok(0);
         }
-        let ledger = PoolLedger { inner: self, request: None };
-        let wait = || super::wait_for_streams(self.device.as_ref(), &self.events, &[self.stream], self.wait);
-        self.backing.release(&ledger, &wait)
+        let waited = super::wait_for_streams(self.device.as_ref(), &self.events, &[self.stream], self.wait);
+        self.with_backing(&mut self.state.lock(), |backing, books| backing.release_end(books, taken, waited))
+    }
+
+    /// Runs `f`, a call of the backing, on the pool's books (`st`, locked) after parked
+    /// blocks went back to the policy; counts the bytes reserved that it added or gave back.
+    fn with_backing<T>(&self, st: &mut State, f: impl FnOnce(&dyn Backing, &mut BestFitPolicy) -> T) -> T {
+        st.unpark();
+        let before = st.policy.figures();
+        let done = f(self.backing.as_ref(), &mut st.policy);
+        let after = st.policy.figures();
+        if after.reserved > before.reserved {
+            st.stats.on_reserve((after.reserved - before.reserved) as usize);
+            if let Some(gauge) = self.gauge.get() {
+                gauge.add((after.reserved - before.reserved) as usize);
+            }
+        } else if after.reserved < before.reserved {
+            st.stats.on_unreserve((before.reserved - after.reserved) as usize);
+            if let Some(gauge) = self.gauge.get() {
+                gauge.sub((before.reserved - after.reserved) as usize);
+            }
+            // One device call per chunk given back whole.
+            st.stats.device_frees += before.chunks.saturating_sub(after.chunks).max(1) as u64 - 1;
+        }
+        done
     }
 
     /// Counts `made` in the statistics: a failure, or a success that came only after a
@@ -818,6 +821,7 @@ impl Drop for Inner {
 mod tests {
     use super::*;
     use crate::device::sim::{SimConfig, SimDevice};
+    use crate::device::DeviceTestExt;
 
     const MIB: usize = 1 << 20;
 
@@ -1095,5 +1099,48 @@ mod tests {
         assert_eq!((s.allocated, s.live_allocations, s.total_allocations, s.total_frees), (0, 0, 2000, 2000));
         assert_eq!(s.cached, s.reserved);
         assert_eq!(p.release().unwrap(), s.reserved);
+    }
+
+    /// A sleep that begins while a release waits for the pool's stream waits for that release
+    /// to end: it lists no memory the release took out, and gives none of it back twice. The
+    /// release's wait runs a host function that lets the sleep start, then sleeps itself.
+    #[test]
+    fn a_sleep_begins_once_the_release_under_way_has_ended() {
+        let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+        let g = sim.map_granularity().unwrap();
+        let s = sim.create_stream().unwrap();
+        let config = BestFitConfig {
+            growth: 20 * MIB,
+            stream: s,
+            backing: BackingKind::STITCHED,
+            wait_timeout: Duration::from_secs(10),
+            ..Default::default()
+        };
+        let pool = Arc::new(BestFit::new(sim.clone(), config).unwrap());
+        let live = pool.allocate(g).unwrap();
+        drop(pool.allocate(4 * g).unwrap());
+        let scratch = sim.alloc(4096).unwrap();
+        sim.use_range(scratch, 4096, s, 1_000).unwrap();
+        let (waiting, in_wait) = std::sync::mpsc::channel();
+        let wait_ends = Duration::from_millis(300);
+        let host = Box::new(move || {
+            waiting.send(()).unwrap();
+            std::thread::sleep(wait_ends);
+        });
+        sim.launch_host_func(s, host).unwrap();
+        let p = pool.clone();
+        let sleeper = std::thread::spawn(move || {
+            in_wait.recv().unwrap();
+            let listed = p.sleep_begin();
+            (listed, p.sleep_end(true))
+        });
+        let released = pool.release();
+        let (listed, slept) = sleeper.join().unwrap();
+        assert_eq!(released, Ok(4 * g));
+        assert_eq!(listed.unwrap(), vec![(live.ptr(), g)], "only the live block's granule holds data");
+        assert_eq!(slept, Ok(g));
+        assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+        pool.wake().unwrap();
+        drop(live);
     }
 }

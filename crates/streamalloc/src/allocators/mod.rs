@@ -13,7 +13,7 @@ mod stream_safe;
 mod tagged;
 
 pub use async_pool::{AsyncPool, AsyncPoolConfig, Capture, CapturedGraph, PoolMode, ReuseFlags};
-pub use backing::{Backing, BackingKind, ChunkSource, DeviceChunks, Ledger, Want};
+pub use backing::{Backing, BackingKind, ChunkSource, DeviceChunks, Want};
 pub use best_fit::{BestFit, BestFitConfig, FreeChunk};
 pub use pinned_host::{PinnedBuffer, PinnedHost, PinnedHostConfig};
 pub use plain::Plain;

@@ -2,10 +2,10 @@
 
 use std::sync::Arc;
 
-use super::{Backing, Ledger, Want};
+use super::{Backing, Taken, Want};
 use crate::device::{Device, DevicePtr};
 use crate::error::{try_each, Error, Result};
-use crate::policy::best_fit::{Grant, TakenChunk};
+use crate::policy::best_fit::{BestFitPolicy, TakenChunk};
 
 /// A source of chunks of device address space for a caching pool such as
 /// [`BestFit`](crate::allocators::BestFit), which the [`Chunks`] backing draws on. Today's
@@ -69,34 +69,27 @@ impl Backing for Chunks {
         self.source.device()
     }
 
-    fn grow(&self, ledger: &dyn Ledger, want: &Want) -> Result<Option<Grant>> {
+    fn grow(&self, books: &mut BestFitPolicy, want: &Want) -> Result<()> {
         let size = usize::try_from(want.chunk)
             .map_err(|_| Error::InvalidArgument(format!("a chunk of {} bytes", want.chunk)))?;
         let addr = self.source.grow(size)?;
-        match ledger.update_and_serve(&mut |p| p.add_chunk(want.class, addr, want.chunk)) {
-            Ok(grant) => Ok(grant),
-            Err(e) => {
-                // A bug: the policy refused a chunk just obtained; give it back.
-                let _ = self.source.shrink(addr, size);
-                Err(e)
-            }
-        }
+        books.add_chunk(want.class, addr, want.chunk).inspect_err(|_| {
+            // A bug: the policy refused a chunk just obtained; give it back.
+            let _ = self.source.shrink(addr, size);
+        })
+    }
+
+    fn release_begin(&self, books: &mut BestFitPolicy) -> Result<Taken> {
+        Ok(Taken { chunks: books.release_free_chunks(), ..Taken::default() })
     }
 
     /// A `cuMemFree` orders itself after the device's work, without a bound: the pool's
     /// stream is waited for first, with one. Chunks go back also when the stream cannot be
     /// waited for (an error other than a timeout).
-    fn release(&self, ledger: &dyn Ledger, wait: &dyn Fn() -> Result<()>) -> Result<usize> {
-        let mut chunks = Vec::new();
-        ledger.update(&mut |p| {
-            chunks = p.release_free_chunks();
-            Ok(())
-        })?;
-        if chunks.is_empty() {
-            return Ok(0);
-        }
-        if let Err(timeout @ Error::Timeout { .. }) = wait() {
-            restore(ledger, &chunks);
+    fn release_end(&self, books: &mut BestFitPolicy, taken: Taken, waited: Result<()>) -> Result<usize> {
+        let chunks = taken.chunks;
+        if let Err(timeout @ Error::Timeout { .. }) = waited {
+            restore(books, &chunks);
             return Err(timeout);
         }
         // A chunk that fails is out of the pool; the device keeps it (a leak the error reports).
@@ -116,13 +109,11 @@ impl Backing for Chunks {
     }
 }
 
-/// Puts `chunks`, taken out of the pool for a release that could not wait, back. Only a bug
-/// makes the policy refuse them (they were its own): the memory then stays out of the pool.
-pub(super) fn restore(ledger: &dyn Ledger, chunks: &[TakenChunk]) {
-    let _ = ledger.update(&mut |p| {
-        for &chunk in chunks {
-            let _ = p.restore_chunk(chunk);
-        }
-        Ok(())
-    });
+/// Puts `chunks`, taken out of the pool for a release that could not wait, back into
+/// `books`. Only a bug makes the policy refuse them (they were its own): the memory then
+/// stays out of the pool.
+pub(super) fn restore(books: &mut BestFitPolicy, chunks: &[TakenChunk]) {
+    for &chunk in chunks {
+        let _ = books.restore_chunk(chunk);
+    }
 }

@@ -1,6 +1,6 @@
 //! What a [`BestFit`](super::BestFit) pool backs its blocks with. The pool keeps the blocks
 //! (a [`BestFitPolicy`]); a [`Backing`] obtains the memory under them and gives it back,
-//! through the pool's [`Ledger`]. Three backings:
+//! into the pool's books, under the pool's lock. Three backings:
 //!
 //! * [`Chunks`]: chunks from a [`ChunkSource`] (plain device allocations by default), each
 //!   given back whole.
@@ -28,7 +28,7 @@ use std::sync::Arc;
 use crate::device::ipc::SharedPiece;
 use crate::device::{Device, DevicePtr, Stream};
 use crate::error::{Error, Result};
-use crate::policy::best_fit::{BestFitPolicy, Class, Classes, Grant};
+use crate::policy::best_fit::{BestFitPolicy, Class, Classes, TakenChunk};
 
 /// What a pool knows of a backing: one entry each in [`BACKINGS`], which the configuration
 /// (`backing=NAME`) and the presets take every backing from, so adding one is its file and
@@ -142,48 +142,64 @@ pub struct Want {
     pub own: bool,
 }
 
-/// The pool's books as a backing sees them.
-pub trait Ledger {
-    /// Runs `f` on the pool's policy under the pool's lock (blocks parked for exact reuse are
-    /// given back to the policy first). The pool's reserved bytes follow the policy's.
-    fn update(&self, f: &mut dyn FnMut(&mut BestFitPolicy) -> Result<()>) -> Result<()>;
-    /// [`Ledger::update`], then, under the same lock, serves the request being grown for if a
-    /// free block fits it (`None` when none does, or when no request is being grown for). The
-    /// grant is an allocation: the caller hands it on (dropping it would leak the block).
-    fn update_and_serve(&self, f: &mut dyn FnMut(&mut BestFitPolicy) -> Result<()>) -> Result<Option<Grant>>;
+/// What a release took out of a pool's books ([`Backing::release_begin`]): given back to the
+/// device by [`Backing::release_end`], or to the books if the pool's wait failed.
+#[derive(Debug, Default)]
+pub struct Taken {
+    /// Wholly free chunks (chunks of their own, segments).
+    pub chunks: Vec<TakenChunk>,
+    /// Free granules of mapped memory, as `(class, addr, len)`.
+    pub granules: Vec<(Class, u64, u64)>,
+    /// Mapped ranges that no block of the books holds (stitched ranges idle or evicted), as
+    /// `(addr, len)`.
+    pub ranges: Vec<(u64, u64)>,
+}
+
+impl Taken {
+    /// Whether nothing was taken.
+    pub fn is_empty(&self) -> bool {
+        self.chunks.is_empty() && self.granules.is_empty() && self.ranges.is_empty()
+    }
 }
 
 /// Where a [`BestFit`](super::BestFit) pool's memory comes from and goes back to.
 ///
-/// A backing adds memory to the pool and takes it away only through the [`Ledger`] the
-/// pool passes in, and makes its device calls outside the pool's lock. Memory in a free
-/// block was last used in the order of the pool's stream (blocks freed with recorded
-/// streams become free only once those streams' events completed), so free memory may be
-/// given back only after the pool's stream's work enqueued before it was taken out of the
-/// pool: a release takes it out first, then waits ([`Backing::release`]). A backing that
-/// reuses free memory while growing does so in the order of the pool's stream, without
-/// unmapping it ([`Stitched`] maps it a second time). No backing waits without a bound (but
-/// at teardown).
+/// The pool calls its backing with its lock held and its books in hand (`books`, the pool's
+/// [`BestFitPolicy`]); a backing adds memory to the books and takes memory out of them, and
+/// never calls back into the pool (the pool counts the bytes reserved from what the books
+/// hold before and after each call). Growing and giving memory back run under the pool's lock,
+/// as in RMM's pool and PyTorch's caching allocator; what waits for the device (a release's
+/// wait for the pool's stream, a sleep's wait for its users) runs without it, between two
+/// calls. Memory in a free block was last used in the order of the pool's stream (blocks freed
+/// with recorded streams become free only once those streams' events completed), so free
+/// memory may be given back only after the pool's stream's work enqueued before it was taken
+/// out of the books. A backing that reuses free memory while growing does so in the order of
+/// the pool's stream, without unmapping it ([`Stitched`] maps it a second time). No backing
+/// waits without a bound (but at teardown).
 pub trait Backing: Send + Sync {
     /// The device the memory lives on.
     fn device(&self) -> &Arc<dyn Device>;
-    /// Adds memory to the pool so that `want` fits, and serves it
-    /// ([`Ledger::update_and_serve`]).
-    /// `Ok(None)` when other threads took the memory added meanwhile: the pool asks again.
-    /// Out-of-memory errors are the device's; the pool releases and retries once.
-    fn grow(&self, ledger: &dyn Ledger, want: &Want) -> Result<Option<Grant>>;
-    /// Gives the pool's free memory back to the device: the bytes given back, or the first
-    /// error met after trying everything.
-    ///
-    /// What goes back is first taken out of the pool's books, so that no thread can allocate
-    /// it, use it on the pool's stream and free it again; then `wait` waits (with a bound)
-    /// for the work enqueued on the pool's stream until then, which holds every use of what
-    /// was taken; only then is it unmapped or freed. (Waiting first and taking what is free
-    /// afterwards would unmap blocks allocated, used and freed during the wait.) When `wait`
-    /// fails, what was taken goes back to the pool, but chunks whose `cuMemFree` orders
-    /// itself after the device's work when the error is not a [`Timeout`](crate::Error::Timeout) (a stream
-    /// that cannot be waited for), and the error is returned.
-    fn release(&self, ledger: &dyn Ledger, wait: &dyn Fn() -> Result<()>) -> Result<usize>;
+    /// Adds memory to `books` so that `want` fits there: the pool serves it from them under
+    /// the same lock. Out-of-memory errors are the device's; the pool releases and retries
+    /// once.
+    fn grow(&self, books: &mut BestFitPolicy, want: &Want) -> Result<()>;
+    /// Gives the pool's free memory back to the device, first step: takes what goes back out
+    /// of `books`, so that no thread can allocate it, use it on the pool's stream and free it
+    /// again. Unless nothing was taken, the pool then waits, with a bound and without its
+    /// lock, for the work enqueued on its stream until then, which holds every use of what was
+    /// taken, and ends the release ([`Backing::release_end`]). (Waiting first and taking what
+    /// is free afterwards would give back blocks allocated, used and freed during the wait.)
+    /// Growths, and other releases, go on during the wait: what was taken is in neither the
+    /// books nor the backing's free address space.
+    fn release_begin(&self, books: &mut BestFitPolicy) -> Result<Taken>;
+    /// Gives back what [`Backing::release_begin`] took (`taken`), once the pool's wait is over
+    /// (`waited`): the bytes given back, or the first error met after trying everything. An
+    /// unmap does not wait for the memory's last uses, so when the wait failed what was taken
+    /// goes back into `books` (chunks whose `cuMemFree` orders itself after the device's work
+    /// may still go back to the device when the error is not a
+    /// [`Timeout`](crate::Error::Timeout), a stream that cannot be waited for) and the error
+    /// is returned.
+    fn release_end(&self, books: &mut BestFitPolicy, taken: Taken, waited: Result<()>) -> Result<usize>;
     /// The size classes of a pool over this backing, from those its configuration asks for
     /// (unchanged by default).
     fn classes(&self, configured: Classes) -> Classes {
@@ -197,16 +213,16 @@ pub trait Backing: Send + Sync {
     /// ranges out. While the pool sleeps it neither grows nor releases. A backing whose memory
     /// cannot be given back at its addresses (chunks, and segments, whose largest requests
     /// have chunks of their own) cannot sleep: [`Error::Unsupported`], the default.
-    fn sleep_begin(&self, ledger: &dyn Ledger) -> Result<Vec<(DevicePtr, usize)>> {
-        let _ = ledger;
+    fn sleep_begin(&self, books: &mut BestFitPolicy) -> Result<Vec<(DevicePtr, usize)>> {
+        let _ = books;
         Err(Error::Unsupported("sleep: this backing's memory cannot be given back at its addresses".into()))
     }
     /// Second step of a sleep: with `commit` (the caller's wait succeeded), unmaps what
     /// [`Backing::sleep_begin`] took out and listed, keeping the addresses of what it listed;
     /// the bytes listed and given back. Without, the pool stays awake as it was (the free
     /// memory goes back into its books) and 0 is returned.
-    fn sleep_end(&self, ledger: &dyn Ledger, commit: bool) -> Result<usize> {
-        let _ = (ledger, commit);
+    fn sleep_end(&self, books: &mut BestFitPolicy, commit: bool) -> Result<usize> {
+        let _ = (books, commit);
         Err(Error::Unsupported("sleep: this backing cannot sleep".into()))
     }
     /// Wakes a sleeping pool: maps fresh memory at the addresses it slept, as they were

@@ -6,10 +6,10 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use super::chunks::restore;
-use super::{Backing, Chunks, Ledger, Want};
+use super::{Backing, Chunks, Taken, Want};
 use crate::device::Device;
 use crate::error::{try_each, Error, OutOfMemory, Result};
-use crate::policy::best_fit::{Grant, TakenChunk};
+use crate::policy::best_fit::{BestFitPolicy, TakenChunk};
 
 /// The backing of expandable segments: each class (small, large) has one segment, a device
 /// address reservation mapped from its start as needed ([`Device::map`]), grown at a miss by
@@ -57,11 +57,11 @@ impl Backing for Segments {
         &self.device
     }
 
-    fn grow(&self, ledger: &dyn Ledger, want: &Want) -> Result<Option<Grant>> {
+    fn grow(&self, books: &mut BestFitPolicy, want: &Want) -> Result<()> {
         let mut sg = self.state.lock();
         if want.own || sg.releasing[want.class.index()] {
             drop(sg);
-            return self.chunks.grow(ledger, want);
+            return self.chunks.grow(books, want);
         }
         let device = &self.device;
         if sg.granularity == 0 {
@@ -79,15 +79,7 @@ impl Backing for Segments {
                 base
             }
         };
-        let mut tail = 0;
-        let served = ledger.update_and_serve(&mut |p| {
-            tail = p.segment_tail_free(base).unwrap_or(0);
-            Ok(())
-        })?;
-        // Another thread may have grown the segment while this one waited for it.
-        if served.is_some() {
-            return Ok(served);
-        }
+        let tail = books.segment_tail_free(base).unwrap_or(0);
         let need = (want.rounded - tail.min(want.rounded)).div_ceil(sg.granularity) * sg.granularity;
         if sg.mapped[c] + need > sg.reservation {
             return Err(Error::oom(OutOfMemory {
@@ -99,52 +91,44 @@ impl Backing for Segments {
         }
         let at = base + sg.mapped[c];
         device.map(at, need as usize)?;
-        // The `need` bytes just mapped join the segment's end, and the request is served there.
-        let first = sg.mapped[c] == 0;
-        let added = ledger.update_and_serve(&mut |p| match first {
-            true => p.add_segment(want.class, base, need),
-            false => p.extend_segment(base, need),
-        });
-        if added.is_err() {
+        // The `need` bytes just mapped join the segment's end, where the request fits.
+        let added = match sg.mapped[c] == 0 {
+            true => books.add_segment(want.class, base, need),
+            false => books.extend_segment(base, need),
+        };
+        match added {
             // A bug: the policy refused memory that is mapped; give it back.
-            let _ = device.unmap(at, need as usize);
-        } else {
-            sg.mapped[c] += need;
+            Err(_) => drop(device.unmap(at, need as usize)),
+            Ok(()) => sg.mapped[c] += need,
         }
         added
     }
 
-    /// Wholly free segments are unmapped, and chunks of their own freed, after the wait. The
-    /// segments' lock is not held across it: a growth of a class whose segment is out for
-    /// the release meanwhile gets a chunk of its own instead.
-    fn release(&self, ledger: &dyn Ledger, wait: &dyn Fn() -> Result<()>) -> Result<usize> {
-        // The classes whose segment this release took (another release may hold the other's).
-        let mut mine = [false; 2];
-        let chunks = {
-            let mut sg = self.state.lock();
-            let mut chunks = Vec::new();
-            ledger.update(&mut |p| {
-                chunks = p.release_free_chunks();
-                Ok(())
-            })?;
-            for chunk in &chunks {
-                if let Some(c) = sg.base.iter().position(|&b| b == Some(chunk.addr)) {
-                    sg.releasing[c] = true;
-                    mine[c] = true;
-                }
-            }
-            chunks
-        };
-        if chunks.is_empty() {
-            return Ok(0);
-        }
-        let waited = wait();
+    /// Takes wholly free segments and chunks of their own out of the pool. A growth of a
+    /// class whose segment is out for the release gets a chunk of its own until it ends.
+    fn release_begin(&self, books: &mut BestFitPolicy) -> Result<Taken> {
         let mut sg = self.state.lock();
-        for (releasing, mine) in sg.releasing.iter_mut().zip(mine) {
-            *releasing &= !mine;
+        let chunks = books.release_free_chunks();
+        for chunk in &chunks {
+            if let Some(c) = sg.base.iter().position(|&b| b == Some(chunk.addr)) {
+                sg.releasing[c] = true;
+            }
+        }
+        Ok(Taken { chunks, ..Taken::default() })
+    }
+
+    /// Unmaps the segments taken and frees the chunks, after the wait.
+    fn release_end(&self, books: &mut BestFitPolicy, taken: Taken, waited: Result<()>) -> Result<usize> {
+        let mut sg = self.state.lock();
+        let chunks = taken.chunks;
+        // The classes whose segment this release took (another release may hold the other's).
+        for chunk in &chunks {
+            if let Some(c) = sg.base.iter().position(|&b| b == Some(chunk.addr)) {
+                sg.releasing[c] = false;
+            }
         }
         if let Err(timeout @ Error::Timeout { .. }) = waited {
-            restore(ledger, &chunks);
+            restore(books, &chunks);
             return Err(timeout);
         }
         let mut released = 0;
@@ -163,7 +147,7 @@ impl Backing for Segments {
                         Ok(()) => sg.mapped[c] = 0,
                         // Still mapped: the segment stays in the pool, wholly free.
                         Err(e) => {
-                            restore(ledger, &[chunk]);
+                            restore(books, &[chunk]);
                             return Err(e);
                         }
                     }

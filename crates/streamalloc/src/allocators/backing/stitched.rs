@@ -9,10 +9,10 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::{Backing, Ledger, Want};
+use super::{Backing, Taken, Want};
 use crate::device::{CaptureStatus, Device, DevicePtr, Event, EventPool, Stream};
 use crate::error::{try_each, Error, OutOfMemory, Result};
-use crate::policy::best_fit::{BestFitPolicy, Class, Classes, Grant};
+use crate::policy::best_fit::{BestFitPolicy, Class, Classes};
 
 /// The stitched backing. One address reservation per pool, in two areas: the *home* area
 /// (twice the device's memory) where memory is mapped fresh, in granules
@@ -119,7 +119,7 @@ enum Sleep {
     #[default]
     Awake,
     /// Between [`Backing::sleep_begin`] and [`Backing::sleep_end`]: what the sleep took.
-    Falling(Taken),
+    Falling(Falling),
     /// Asleep: what a wake maps again.
     Asleep(Slept),
 }
@@ -127,10 +127,9 @@ enum Sleep {
 /// What [`Backing::sleep_begin`] took out of the pool, as a release does (given back by the
 /// sleep's end), and the home ranges it listed (their memory given back too, their addresses
 /// kept).
-struct Taken {
-    retired: Vec<Retired>,
-    idle: Vec<(u64, u64)>,
-    carved: Carved,
+#[derive(Default)]
+struct Falling {
+    taken: Taken,
     homes: Vec<(u64, u64)>,
 }
 
@@ -203,19 +202,29 @@ impl Stitched {
         Ok(())
     }
 
-    /// Unmaps what a release or a sleep took out of the pool: idle stitched ranges (their
+    /// Takes out of the pool's books, for a release or a sleep, every idle stitched range (as
+    /// the extents they map) and every free home granule, and out of `st` the retired ranges
+    /// (their events go back: the caller waits for the pool's stream, which they follow).
+    fn take_free(&self, st: &mut State, books: &mut BestFitPolicy) -> Taken {
+        let (g, limit) = (st.granularity, st.stitch_area);
+        let mut ranges: Vec<(u64, u64)> =
+            books.take_idle_stitched().into_iter().map(|(a, l)| extent(g, a, l)).collect();
+        for r in std::mem::take(&mut st.retired) {
+            if let Some(e) = r.event {
+                self.events.put(e);
+            }
+            ranges.extend(r.ranges);
+        }
+        Taken { granules: carve_free_granules(books, g, u64::MAX, limit), ranges, chunks: Vec::new() }
+    }
+
+    /// Unmaps what a release or a sleep took out of the pool: stitched ranges (their
     /// addresses join the stitch holes; one that fails to unmap waits as retired) and free
     /// home granules (their addresses join the unmapped runs; one that fails goes back to the
     /// pool, still mapped, where it was). Every range is tried; the bytes of home granules
     /// unmapped, or the first error.
-    fn unmap_taken(
-        &self,
-        st: &mut State,
-        ledger: &dyn Ledger,
-        idle: Vec<(u64, u64)>,
-        carved: Carved,
-    ) -> Result<u64> {
-        let stitched = try_each(idle, |(addr, size)| {
+    fn unmap_taken(&self, st: &mut State, books: &mut BestFitPolicy, taken: Taken) -> Result<u64> {
+        let stitched = try_each(taken.ranges, |(addr, size)| {
             self.device.unmap(addr, size as usize).inspect_err(|_| {
                 st.retired.push(Retired { event: None, ranges: vec![(addr, size)] });
             })?;
@@ -224,9 +233,9 @@ impl Stitched {
             Ok(())
         });
         let mut unmapped = 0;
-        let homes = try_each(carved, |(class, addr, len)| {
+        let homes = try_each(taken.granules, |(class, addr, len)| {
             self.device.unmap(addr, len as usize).inspect_err(|_| {
-                let _ = ledger.update(&mut |p| p.add_joined(class, addr, len));
+                let _ = books.add_joined(class, addr, len);
             })?;
             insert_hole(&mut st.holes, addr, len);
             st.mapped -= len;
@@ -285,17 +294,13 @@ impl Stitched {
     fn evict(
         &self,
         st: &mut State,
-        ledger: &dyn Ledger,
-        take: &mut dyn FnMut(&mut BestFitPolicy) -> Vec<(u64, u64)>,
+        books: &mut BestFitPolicy,
+        take: impl FnOnce(&mut BestFitPolicy) -> Vec<(u64, u64)>,
     ) -> Result<()> {
         if self.device.capture_status(self.stream)? != CaptureStatus::None {
             return Ok(());
         }
-        let mut ranges = Vec::new();
-        ledger.update(&mut |p| {
-            ranges = take(p);
-            Ok(())
-        })?;
+        let ranges = take(books);
         if ranges.is_empty() {
             return Ok(());
         }
@@ -313,53 +318,41 @@ impl Stitched {
     }
 
     /// Maps `len` fresh bytes at `at` at home and adds them to the pool as free memory of
-    /// `class`, joined with the free blocks they meet (serving the request when `serve`).
+    /// `class`, joined with the free blocks they meet.
     fn grow_home(
         &self,
         st: &mut State,
-        ledger: &dyn Ledger,
+        books: &mut BestFitPolicy,
         class: Class,
         pl: Placement,
-        serve: bool,
-    ) -> Result<Option<Grant>> {
+    ) -> Result<()> {
         self.device.map(pl.at, pl.len as usize)?;
-        let add = &mut |p: &mut BestFitPolicy| p.add_joined(class, pl.at, pl.len);
-        let added = if serve { ledger.update_and_serve(add) } else { ledger.update(add).map(|()| None) };
-        if added.is_err() {
+        if let Err(e) = books.add_joined(class, pl.at, pl.len) {
             // A bug: the policy refused memory that is mapped; give it back.
             let _ = self.device.unmap(pl.at, pl.len as usize);
-            return added;
+            return Err(e);
         }
         take_hole(&mut st.holes, pl.at, pl.len);
         st.mapped += pl.len;
         st.high_water = st.high_water.max(st.mapped);
-        added
+        Ok(())
     }
 
     /// Stitches free home memory for a request of `rounded` bytes into a new range of the
-    /// stitch area and serves the request from it: whole free granules, and where they fall
-    /// short, the free head of a granule at the range's end ([`carve_stitch`]). `Ok(None)`
-    /// when other threads took the free memory meanwhile.
-    fn stitch(
-        &self,
-        st: &mut State,
-        ledger: &dyn Ledger,
-        class: Class,
-        rounded: u64,
-    ) -> Result<Option<Grant>> {
+    /// stitch area, a free chunk of the pool that the request fits: whole free granules, and
+    /// where they fall short, the free head of a granule at the range's end
+    /// ([`carve_stitch`]). `Ok(false)`, with nothing changed, when the free memory does not
+    /// make up the request.
+    fn stitch(&self, st: &mut State, books: &mut BestFitPolicy, class: Class, rounded: u64) -> Result<bool> {
         let (g, limit) = (st.granularity, st.stitch_area);
-        let mut homes = Vec::new();
-        ledger.update(&mut |p| {
-            homes = carve_stitch(p, g, rounded, limit);
-            Ok(())
-        })?;
-        let put_back = |homes: &[(Class, u64, u64)]| {
-            let _ = ledger.update(&mut |p| homes.iter().try_for_each(|&(k, a, l)| p.add_joined(k, a, l)));
+        let homes = carve_stitch(books, g, rounded, limit);
+        let put_back = |books: &mut BestFitPolicy, homes: &[(Class, u64, u64)]| {
+            let _ = homes.iter().try_for_each(|&(k, a, l)| books.add_joined(k, a, l));
         };
         let size: u64 = homes.iter().map(|&(_, _, l)| l).sum();
         if size < rounded {
-            put_back(&homes);
-            return Ok(None);
+            put_back(books, &homes);
+            return Ok(false);
         }
         // Every home starts at a granule and is mapped by whole granules (a head's granule
         // whole, though the chunk leaves out the rest of it).
@@ -367,18 +360,17 @@ impl Stitched {
         let at = match smallest_run(&st.stitch_holes, mapped_len) {
             Some(at) => Some(at),
             None => {
-                let evicted = self
-                    .evict(st, ledger, &mut |p| p.take_idle_stitched())
-                    .and_then(|()| self.poll_retired(st));
+                let evicted =
+                    self.evict(st, books, |p| p.take_idle_stitched()).and_then(|()| self.poll_retired(st));
                 if let Err(e) = evicted {
-                    put_back(&homes);
+                    put_back(books, &homes);
                     return Err(e);
                 }
                 smallest_run(&st.stitch_holes, mapped_len)
             }
         };
         let Some(at) = at else {
-            put_back(&homes);
+            put_back(books, &homes);
             return Err(Error::oom(OutOfMemory {
                 device: self.device.ordinal(),
                 requested: rounded as usize,
@@ -389,19 +381,18 @@ impl Stitched {
         let from: Vec<(u64, usize)> =
             homes.iter().map(|&(_, a, l)| extent(g, a, l)).map(|(a, l)| (a, l as usize)).collect();
         if let Err(e) = self.device.map_alias(&from, at) {
-            put_back(&homes);
+            put_back(books, &homes);
             return Err(e);
         }
-        let served = ledger.update_and_serve(&mut |p| p.add_stitched(class, at, size, g, homes.clone()));
-        if served.is_err() {
+        if let Err(e) = books.add_stitched(class, at, size, g, homes.clone()) {
             let _ = self.device.unmap(at, mapped_len as usize);
-            put_back(&homes);
-            return served;
+            put_back(books, &homes);
+            return Err(e);
         }
         take_hole(&mut st.stitch_holes, at, mapped_len);
         st.aliases.insert(at, (mapped_len, from));
-        self.evict(st, ledger, &mut |p| p.take_stale_stitched(0..=u64::MAX, IDLE_KEPT))?;
-        served
+        self.evict(st, books, |p| p.take_stale_stitched(0..=u64::MAX, IDLE_KEPT))?;
+        Ok(true)
     }
 }
 
@@ -410,7 +401,7 @@ impl Backing for Stitched {
         &self.device
     }
 
-    fn grow(&self, ledger: &dyn Ledger, want: &Want) -> Result<Option<Grant>> {
+    fn grow(&self, books: &mut BestFitPolicy, want: &Want) -> Result<()> {
         let mut st = self.state.lock();
         if !matches!(st.sleep, Sleep::Awake) {
             return Err(Error::Internal("a sleeping stitched pool was asked to grow".into()));
@@ -418,49 +409,45 @@ impl Backing for Stitched {
         self.reserve(&mut st)?;
         self.poll_retired(&mut st)?;
         let g = st.granularity;
-        let mut plan = None;
-        // The pool took no idle stitched range before asking (`BestFit`'s `allocate_harder`),
-        // but other threads may have freed blocks since: a free block or an idle range whose
-        // home granules are free now serves it, or a small request takes a free large
-        // granule; else the plan, under one lock.
-        let served = ledger.update_and_serve(&mut |p| {
-            if p.fits(want.rounded) || p.reuse_stitched(want.rounded)? {
-                return Ok(());
-            }
-            if want.class == Class::Small && reclass_granule(p, g, st.stitch_area)? {
-                return Ok(());
-            }
-            let placement = place(p, &st.holes, g, want.class, want.rounded);
-            // Mapping fresh memory is free up to the high-water mark; past it, what raises the
-            // mark less wins.
-            let raise = |len: u64| (st.mapped + len).saturating_sub(st.high_water);
-            let grow_raise = placement.map_or(u64::MAX, |pl| raise(pl.len));
-            // Whole granules the free home memory a stitch can take lacks for the request.
-            let (whole, head) = stitch_sources(p, g, want.rounded, st.stitch_area);
-            let lacking = want.rounded.saturating_sub(whole + head.map_or(0, |(_, _, l)| l)).div_ceil(g) * g;
-            plan = match placement {
-                Some(pl) if grow_raise == 0 => Some(Plan::Grow(pl)),
-                _ if raise(lacking) >= grow_raise => placement.map(Plan::Grow),
-                _ if lacking == 0 => Some(Plan::Stitch { fresh: None }),
-                _ => match smallest_run(&st.holes, lacking) {
-                    Some(at) => Some(Plan::Stitch { fresh: Some(Placement { at, len: lacking }) }),
-                    None => placement.map(Plan::Grow),
-                },
-            };
-            Ok(())
-        })?;
-        // Another thread may have grown the pool while this one waited for it.
-        if served.is_some() {
-            return Ok(served);
+        // The pool found no free block and no idle stitched range for the request: a small
+        // request takes a free large granule, else the plan.
+        if want.class == Class::Small && reclass_granule(books, g, st.stitch_area)? {
+            return Ok(());
         }
-        match plan {
-            Some(Plan::Grow(pl)) => self.grow_home(&mut st, ledger, want.class, pl, true),
+        let placement = place(books, &st.holes, g, want.class, want.rounded);
+        // Mapping fresh memory is free up to the high-water mark; past it, what raises the
+        // mark less wins.
+        let raise = |len: u64| (st.mapped + len).saturating_sub(st.high_water);
+        let grow_raise = placement.map_or(u64::MAX, |pl| raise(pl.len));
+        // Whole granules the free home memory a stitch can take lacks for the request.
+        let (whole, head) = stitch_sources(books, g, want.rounded, st.stitch_area);
+        let lacking = want.rounded.saturating_sub(whole + head.map_or(0, |(_, _, l)| l)).div_ceil(g) * g;
+        let plan = match placement {
+            Some(pl) if grow_raise == 0 => Some(Plan::Grow(pl)),
+            _ if raise(lacking) >= grow_raise => placement.map(Plan::Grow),
+            _ if lacking == 0 => Some(Plan::Stitch { fresh: None }),
+            _ => match smallest_run(&st.holes, lacking) {
+                Some(at) => Some(Plan::Stitch { fresh: Some(Placement { at, len: lacking }) }),
+                None => placement.map(Plan::Grow),
+            },
+        };
+        let placement = match plan {
+            Some(Plan::Grow(pl)) => Some(pl),
             Some(Plan::Stitch { fresh }) => {
                 if let Some(pl) = fresh {
-                    self.grow_home(&mut st, ledger, want.class, pl, false)?;
+                    self.grow_home(&mut st, books, want.class, pl)?;
                 }
-                self.stitch(&mut st, ledger, want.class, want.rounded)
+                if self.stitch(&mut st, books, want.class, want.rounded)? {
+                    return Ok(());
+                }
+                // The free granules did not make up the request after all: grow where it
+                // fits now.
+                place(books, &st.holes, g, want.class, want.rounded)
             }
+            None => None,
+        };
+        match placement {
+            Some(pl) => self.grow_home(&mut st, books, want.class, pl),
             None => Err(Error::oom(OutOfMemory {
                 device: self.device.ordinal(),
                 requested: want.rounded as usize,
@@ -476,55 +463,45 @@ impl Backing for Stitched {
         Classes { small_max: SMALL_MAX.min(configured.small_max), split_large_slivers: true, ..configured }
     }
 
-    /// Takes every idle stitched range, every free home granule and every retired range
-    /// out of the pool under the backing's lock, then waits without it (growths go on
-    /// meanwhile, elsewhere: what was taken is in neither the pool's books nor the unmapped
-    /// runs), then unmaps them. If the wait fails, nothing is unmapped: the granules go back
-    /// to the pool and the ranges wait for the next release.
-    fn release(&self, ledger: &dyn Ledger, wait: &dyn Fn() -> Result<()>) -> Result<usize> {
-        let (retired, idle, carved) = {
-            let mut st = self.state.lock();
-            // A sleeping pool holds no memory: its reservation is left alone.
-            if st.base == 0 || !matches!(st.sleep, Sleep::Awake) {
-                return Ok(0);
-            }
-            let (idle, carved) = take_free(&st, ledger)?;
-            (std::mem::take(&mut st.retired), idle, carved)
-        };
-        if retired.is_empty() && idle.is_empty() && carved.is_empty() {
-            return Ok(0);
+    /// Takes every idle stitched range, every free home granule and every retired range out
+    /// of the pool.
+    fn release_begin(&self, books: &mut BestFitPolicy) -> Result<Taken> {
+        let mut st = self.state.lock();
+        // A sleeping pool holds no memory: its reservation is left alone.
+        if st.base == 0 || !matches!(st.sleep, Sleep::Awake) {
+            return Ok(Taken::default());
         }
-        let waited = wait();
+        Ok(self.take_free(&mut st, books))
+    }
+
+    /// Unmaps what the release took. If the wait failed, nothing is unmapped: the granules go
+    /// back to the pool and the ranges wait for the next release.
+    fn release_end(&self, books: &mut BestFitPolicy, taken: Taken, waited: Result<()>) -> Result<usize> {
         let mut st = self.state.lock();
         if let Err(e) = waited {
-            put_back(&mut st, ledger, retired, idle, carved);
+            put_back(&mut st, books, taken);
             return Err(e);
         }
-        self.unmap_retired(&mut st, retired, true);
-        self.unmap_taken(&mut st, ledger, idle, carved).map(|unmapped| unmapped as usize)
+        self.unmap_taken(&mut st, books, taken).map(|unmapped| unmapped as usize)
     }
 
     /// Takes out what a release would (idle stitched ranges, free home granules, retired
     /// ranges) and lists the home memory still mapped: the memory of every live block, at
     /// home or in a stitched range (whose homes stay mapped at home too).
-    fn sleep_begin(&self, ledger: &dyn Ledger) -> Result<Vec<(DevicePtr, usize)>> {
+    fn sleep_begin(&self, books: &mut BestFitPolicy) -> Result<Vec<(DevicePtr, usize)>> {
         let mut st = self.state.lock();
         if !matches!(st.sleep, Sleep::Awake) {
             return Err(Error::Internal("a stitched pool was put to sleep twice".into()));
         }
-        let mut taken =
-            Taken { retired: Vec::new(), idle: Vec::new(), carved: Vec::new(), homes: Vec::new() };
+        let mut falling = Falling::default();
         if st.base != 0 {
-            let (idle, carved) = take_free(&st, ledger)?;
-            let mut cut: Vec<(u64, u64)> = carved.iter().map(|&(_, a, l)| (a, l)).collect();
+            falling.taken = self.take_free(&mut st, books);
+            let mut cut: Vec<(u64, u64)> = falling.taken.granules.iter().map(|&(_, a, l)| (a, l)).collect();
             cut.sort_unstable();
-            taken.homes = subtract(&mapped_homes(&st), &cut);
-            taken.idle = idle;
-            taken.carved = carved;
-            taken.retired = std::mem::take(&mut st.retired);
+            falling.homes = subtract(&mapped_homes(&st), &cut);
         }
-        let listed = taken.homes.iter().map(|&(a, l)| (a, l as usize)).collect();
-        st.sleep = Sleep::Falling(taken);
+        let listed = falling.homes.iter().map(|&(a, l)| (a, l as usize)).collect();
+        st.sleep = Sleep::Falling(falling);
         Ok(listed)
     }
 
@@ -534,18 +511,16 @@ impl Backing for Stitched {
     /// An unmap that fails leaves the rest mapped (homes stay mapped while a stitched range
     /// over them could not be unmapped); the first error is returned and the pool sleeps
     /// with what was unmapped.
-    fn sleep_end(&self, ledger: &dyn Ledger, commit: bool) -> Result<usize> {
+    fn sleep_end(&self, books: &mut BestFitPolicy, commit: bool) -> Result<usize> {
         let mut st = self.state.lock();
-        let Sleep::Falling(taken) = std::mem::take(&mut st.sleep) else {
+        let Sleep::Falling(Falling { taken, homes }) = std::mem::take(&mut st.sleep) else {
             return Err(Error::Internal("the end of a sleep that did not begin".into()));
         };
-        let Taken { retired, idle, carved, homes } = taken;
         if !commit {
-            put_back(&mut st, ledger, retired, idle, carved);
+            put_back(&mut st, books, taken);
             return Ok(0);
         }
-        self.unmap_retired(&mut st, retired, true);
-        let taken = self.unmap_taken(&mut st, ledger, idle, carved).map(drop);
+        let taken = self.unmap_taken(&mut st, books, taken).map(drop);
         let mut slept = Slept::default();
         let aliases = try_each(std::mem::take(&mut st.aliases), |(at, (len, from))| {
             match self.device.unmap(at, len as usize) {
@@ -786,36 +761,13 @@ fn place(
     best.map(|(_, _, pl)| pl)
 }
 
-/// Free home granules taken out of the pool's books: class, address, length.
-type Carved = Vec<(Class, u64, u64)>;
-
-/// Takes out of the pool's books, for a release or a sleep, every idle stitched range (as the
-/// extents they map) and every free home granule; the backing's lock is held (`st`).
-fn take_free(st: &State, ledger: &dyn Ledger) -> Result<(Vec<(u64, u64)>, Carved)> {
-    let (g, limit) = (st.granularity, st.stitch_area);
-    let (mut idle, mut carved) = (Vec::new(), Vec::new());
-    ledger.update(&mut |p| {
-        idle = p.take_idle_stitched();
-        carved = carve_free_granules(p, g, u64::MAX, limit);
-        Ok(())
-    })?;
-    Ok((idle.into_iter().map(|(a, l)| extent(g, a, l)).collect(), carved))
-}
-
-/// Puts back what [`take_free`] and the retired list gave a release or a sleep that did not
-/// happen: the ranges wait as retired, the granules go back to the pool.
-fn put_back(
-    st: &mut State,
-    ledger: &dyn Ledger,
-    retired: Vec<Retired>,
-    idle: Vec<(u64, u64)>,
-    carved: Carved,
-) {
-    st.retired.extend(retired);
-    if !idle.is_empty() {
-        st.retired.push(Retired { event: None, ranges: idle });
+/// Puts back what a release or a sleep that did not happen took: the ranges wait as retired,
+/// the granules go back to the pool.
+fn put_back(st: &mut State, books: &mut BestFitPolicy, taken: Taken) {
+    if !taken.ranges.is_empty() {
+        st.retired.push(Retired { event: None, ranges: taken.ranges });
     }
-    let _ = ledger.update(&mut |p| carved.iter().try_for_each(|&(k, a, l)| p.add_joined(k, a, l)));
+    let _ = taken.granules.iter().try_for_each(|&(k, a, l)| books.add_joined(k, a, l));
 }
 
 /// Takes up to `bytes` of whole free granules of home blocks (below `limit`) out of `p`,
@@ -824,7 +776,7 @@ fn put_back(
 /// homes are the free memory least likely to be handed out before its next use: taken from
 /// the smallest blocks, they went to the next small requests and a repeated workload
 /// stitched again (bench/results/stitched.md).
-fn carve_free_granules(p: &mut BestFitPolicy, g: u64, bytes: u64, limit: u64) -> Carved {
+fn carve_free_granules(p: &mut BestFitPolicy, g: u64, bytes: u64, limit: u64) -> Vec<(Class, u64, u64)> {
     let mut candidates: Vec<(u64, u64, Class)> =
         whole_granules(p, g, limit).map(|(class, _, lo, hi)| (hi - lo, lo, class)).collect();
     candidates.sort_unstable_by_key(|&(len, lo, _)| (std::cmp::Reverse(len), lo));
