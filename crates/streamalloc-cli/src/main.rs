@@ -1008,8 +1008,8 @@ fn import_snapshot(snapshot: &Path, output: &Path, gpu: Option<usize>) -> Result
     }
     let deferred = if s.deferred_frees > 0 {
         format!(
-            "{} frees waited for work on other streams: a record_stream and a use row on stream {} (the \
-             other streams) come before each\n",
+            "{} frees waited for work on other streams: a record_stream and a use row on a stand-in of them \
+             (stream {}, or one below for a wait overlapping others) come before each\n",
             s.deferred_frees,
             import::OTHER_STREAMS
         )

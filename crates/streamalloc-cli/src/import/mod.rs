@@ -21,8 +21,11 @@
 //! request's time, a `record_stream` of the block on [`OTHER_STREAMS`] and a `use` on it
 //! lasting until the completion's time come before the `free`. A snapshot does not say which
 //! streams used the block (torch records the stream of the free only), hence the one stream
-//! that stands for them all. Without `time_us`, and for a request whose completion was not
-//! recorded (pending at the dump), the free is written alone.
+//! that stands for them all. A request whose completion was not recorded (pending at the
+//! dump: the program had freed the block, the allocator still held it for another stream's
+//! work) is written so too, its `use` lasting until the last entry's time, the latest moment
+//! the snapshot knows the block was held (a replay that freed it at the request would reuse
+//! memory the GPU could not). Without `time_us`, the free is written alone.
 
 mod pickle;
 
@@ -38,7 +41,10 @@ use pickle::{Entry, Word};
 /// The stream of the `record_stream` and `use` rows of a free that waited for work on other
 /// streams: it stands for those streams, which a snapshot does not name. Its value (written
 /// 18446744073709551615; -1 as torch's signed integers) is no stream handle; a snapshot
-/// that records it as a stream is refused when such a free is to be written.
+/// that records it as a stream is refused when such a free is to be written. The waits of
+/// frees that overlap in time take the values below it, one each (`OTHER_STREAMS - 1`, ...),
+/// as many as overlap at most: on one stream, their `use` rows would run one after another
+/// and hold the blocks longer than the snapshot says.
 pub const OTHER_STREAMS: u64 = u64::MAX;
 
 /// What an import wrote and skipped.
@@ -124,11 +130,15 @@ pub fn import(input: &Path, output: &Path, device: Option<usize>, progress: bool
 }
 
 /// The free requests (by index) whose completion is recorded later, not as the next entry,
-/// with the completion's time; only those where both have a time.
+/// with the completion's time; only those where both have a time. A request still pending
+/// at the dump completes, as far as the snapshot knows, no sooner than its last entry: it
+/// gets that entry's time (when that is later than its own).
 fn deferred_completions(entries: impl Iterator<Item = Entry>) -> HashMap<usize, i64> {
     let mut requests: HashMap<i64, (usize, Option<i64>)> = HashMap::new();
     let mut completions = HashMap::new();
+    let mut last = None;
     for (index, e) in entries.enumerate() {
+        last = e.time_us.or(last);
         let Some(addr) = e.addr else { continue };
         match e.action {
             Word::FreeRequested => {
@@ -144,6 +154,10 @@ fn deferred_completions(entries: impl Iterator<Item = Entry>) -> HashMap<usize, 
             _ => {}
         }
     }
+    if let Some(last) = last {
+        let pending = requests.into_values().filter_map(|(request, time)| Some((request, time?)));
+        completions.extend(pending.filter(|&(_, time)| time < last).map(|(request, _)| (request, last)));
+    }
     completions
 }
 
@@ -158,6 +172,8 @@ fn convert(
     // Live block address -> (size, whether its free was requested).
     let mut live: HashMap<u64, (usize, bool)> = HashMap::new();
     let mut streams: Vec<u64> = Vec::new();
+    // When each stand-in stream of the other streams is done with the wait written on it last.
+    let mut lanes: Vec<u64> = Vec::new();
     for (index, e) in entries.enumerate() {
         let action = match e.action {
             Word::Alloc => Action::Allocate,
@@ -170,10 +186,11 @@ fn convert(
         };
         let ptr = field(e.addr, "addr")? as u64;
         let stream = e.stream.unwrap_or(0) as u64;
-        if stream == OTHER_STREAMS && !completions.is_empty() {
+        if stream > OTHER_STREAMS - completions.len() as u64 && !completions.is_empty() {
             return Err(format!(
-                "entry {index} (`{name}`) is on stream -1, which the import writes for the other streams a \
-                 free waited for"
+                "entry {index} (`{name}`) is on stream {}, one of those the import writes for the other \
+                 streams a free waited for",
+                stream as i64
             ));
         }
         let time_us = match e.time_us {
@@ -209,10 +226,19 @@ fn convert(
                     record.size = *size;
                     if e.action == Word::FreeRequested {
                         *requested = true;
-                        if let Some(done) = completions.get(&index) {
-                            let other = Record { stream: OTHER_STREAMS, size: 0, ..record };
+                        if let Some(&done) = completions.get(&index) {
+                            let done = done as u64;
+                            let lane = match lanes.iter().position(|&busy| busy <= time_us) {
+                                Some(lane) => lane,
+                                None => {
+                                    lanes.push(0);
+                                    lanes.len() - 1
+                                }
+                            };
+                            lanes[lane] = done;
+                            let other = Record { stream: OTHER_STREAMS - lane as u64, size: 0, ..record };
                             write(&Record { action: Action::RecordStream, ..other })?;
-                            let ns = (*done as u64).saturating_sub(time_us).saturating_mul(1000);
+                            let ns = done.saturating_sub(time_us).saturating_mul(1000);
                             let ns = usize::try_from(ns).unwrap_or(usize::MAX);
                             write(&Record { action: Action::Use, size: ns, ..other })?;
                             summary.deferred_frees += 1;
@@ -372,6 +398,62 @@ mod tests {
             timed(FreeCompleted, 0x100, 8, -1, 4),
         ];
         let err = convert(clash.into_iter(), 0, |_| Ok(())).unwrap_err();
-        assert!(err.contains("entry 0 (`alloc`) is on stream -1"), "{err}");
+        assert!(err.contains("entry 0 (`alloc`) is on stream -1, one of those the import writes"), "{err}");
+    }
+
+    /// A free still pending at the dump (requested, never completed) held its block, as far
+    /// as the snapshot knows, until the last entry: its wait lasts until then. Written as a
+    /// plain free, a replay would hand the block out again while the GPU still held it.
+    #[test]
+    fn a_free_pending_at_the_dump_waits_until_the_last_entry() {
+        let (s, out) = rows(&[
+            timed(Alloc, 0x100, 8, 0, 10),
+            timed(FreeRequested, 0x100, 8, 0, 12),
+            timed(Alloc, 0x200, 16, 0, 30),
+        ]);
+        let written: Vec<(u64, Action, u64, usize, u64)> =
+            out.iter().map(|r| (r.time_us, r.action, r.ptr, r.size, r.stream)).collect();
+        assert_eq!(
+            written,
+            [
+                (10, Action::Allocate, 0x100, 8, 0),
+                (12, Action::RecordStream, 0x100, 0, OTHER_STREAMS),
+                (12, Action::Use, 0x100, 18_000, OTHER_STREAMS),
+                (12, Action::Free, 0x100, 8, 0),
+                (30, Action::Allocate, 0x200, 16, 0),
+            ]
+        );
+        assert_eq!((s.frees, s.deferred_frees, s.live_at_end), (1, 1, 1));
+    }
+
+    /// Waits that overlap in time go on stand-ins of their own (on one stream the second
+    /// would start when the first ends, and hold its block longer than the snapshot says); a
+    /// stand-in whose wait has ended is used again.
+    #[test]
+    fn overlapping_waits_take_a_stand_in_each() {
+        let (_, out) = rows(&[
+            timed(Alloc, 0x100, 8, 0, 1),
+            timed(Alloc, 0x200, 8, 0, 2),
+            timed(Alloc, 0x300, 8, 0, 3),
+            timed(FreeRequested, 0x100, 8, 0, 10),
+            timed(FreeRequested, 0x200, 8, 0, 11),
+            timed(FreeCompleted, 0x100, 8, 0, 20),
+            timed(FreeRequested, 0x300, 8, 0, 21),
+            timed(FreeCompleted, 0x200, 8, 0, 30),
+            timed(FreeCompleted, 0x300, 8, 0, 40),
+        ]);
+        let waits: Vec<(u64, u64, usize, u64)> = out
+            .iter()
+            .filter(|r| r.action == Action::Use)
+            .map(|r| (r.time_us, r.ptr, r.size, r.stream))
+            .collect();
+        assert_eq!(
+            waits,
+            [
+                (10, 0x100, 10_000, OTHER_STREAMS),
+                (11, 0x200, 19_000, OTHER_STREAMS - 1),
+                (21, 0x300, 19_000, OTHER_STREAMS),
+            ]
+        );
     }
 }
