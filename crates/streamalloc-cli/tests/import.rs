@@ -150,7 +150,8 @@ fn frees_that_waited_for_other_streams_get_record_stream_and_use_rows() {
             let (addr, stream) = (d[0].as_u64().unwrap(), d[1].as_u64().unwrap());
             let (requested, completed) = (d[2].as_u64().unwrap(), d[3].as_u64().unwrap());
             let record = format!("0,{requested},record_stream,{addr:#x},0,");
-            let at = rows.iter().position(|r| r.starts_with(&record)).unwrap_or_else(|| panic!("no {record}"));
+            let at =
+                rows.iter().position(|r| r.starts_with(&record)).unwrap_or_else(|| panic!("no {record}"));
             let other: u64 = rows[at][record.len()..].parse().unwrap();
             assert!(other > OTHER_STREAMS - frees as u64, "{}", rows[at]);
             let ns = (completed - requested) * 1000;

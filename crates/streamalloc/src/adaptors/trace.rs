@@ -19,7 +19,11 @@ use crate::trace::{Action, Record, TraceWriter};
 /// rows a program writes ([`Traced::write_use`], [`Traced::write_wait`]) (buffered; flushed by
 /// [`Traced::flush`] and when the adaptor and its last allocation are dropped). Safe
 /// from many threads: rows are written under one lock. A write error is kept and returned by
-/// the next [`Traced::flush`]. Streams are written as their handle values.
+/// the next [`Traced::flush`]. Streams are written as their handle values: an allocation's
+/// row names the stream the caller asked for, its free's row the stream that owns the memory
+/// (the same, but under an allocator that serves every stream from one, such as
+/// [`SingleStream`](super::SingleStream), whose `record_stream` row of the asked stream comes
+/// before the free).
 ///
 /// # Examples
 ///
@@ -113,16 +117,18 @@ impl<A: Allocator, W: Write + Send + 'static> Traced<A, W> {
         self.shared.log(Action::Wait, other.0, 0, stream);
     }
 
-    fn logged(&self, size: usize, stream: Stream, made: Result<Allocation>) -> Result<Allocation> {
+    /// Logs `made`, asked for on `asked` (`None`: by [`Allocator::allocate`], on the
+    /// allocator's own stream).
+    fn logged(&self, size: usize, asked: Option<Stream>, made: Result<Allocation>) -> Result<Allocation> {
         let a = match made {
             Ok(a) => a,
             Err(e) => {
-                self.shared.log(Action::AllocateFailure, 0, size, stream);
+                self.shared.log(Action::AllocateFailure, 0, size, asked.unwrap_or(Stream::DEFAULT));
                 return Err(e);
             }
         };
         Ok(self.owners.adopt(&self.shared, a, |block| {
-            self.shared.log(Action::Allocate, block.ptr, block.size, block.stream)
+            self.shared.log(Action::Allocate, block.ptr, block.size, asked.unwrap_or(block.stream))
         }))
     }
 }
@@ -146,8 +152,7 @@ impl<W: Write + Send + 'static> FreeHook for Shared<W> {
 
 impl<A: Allocator, W: Write + Send + 'static> Allocator for Traced<A, W> {
     fn allocate(&self, size: usize) -> Result<Allocation> {
-        let stream = Stream::DEFAULT;
-        self.logged(size, stream, self.inner.allocate(size))
+        self.logged(size, None, self.inner.allocate(size))
     }
     fn release(&self) -> Result<usize> {
         self.inner.release()
@@ -160,7 +165,7 @@ impl<A: Allocator, W: Write + Send + 'static> Allocator for Traced<A, W> {
 
 impl<A: StreamAllocator, W: Write + Send + 'static> StreamAllocator for Traced<A, W> {
     fn allocate_on(&self, size: usize, stream: Stream) -> Result<Allocation> {
-        self.logged(size, stream, self.inner.allocate_on(size, stream))
+        self.logged(size, Some(stream), self.inner.allocate_on(size, stream))
     }
     pass_through_default_stream!();
 }
@@ -188,7 +193,7 @@ mod tests {
     }
 
     /// The rows written so far, the header and the Thread and Time columns left out.
-    fn rows(traced: &Traced<StreamSafe, Shared>, out: &Shared) -> Vec<String> {
+    fn rows<A: Allocator>(traced: &Traced<A, Shared>, out: &Shared) -> Vec<String> {
         traced.flush().unwrap();
         let text = String::from_utf8(out.0.lock().clone()).unwrap();
         text.lines().skip(1).map(|l| l.splitn(3, ',').nth(2).unwrap().to_owned()).collect()
@@ -225,6 +230,37 @@ mod tests {
                 format!("allocate,{q:#x},8192,0"),
                 format!("record_stream,{q:#x},0,{s}"),
                 format!("free,{q:#x},8192,0"),
+            ]
+        );
+    }
+
+    /// Under an allocator that serves every stream from one (best_fit, plain: `SingleStream`),
+    /// an allocation asked for on a side stream was written on the pool's stream, so a replay
+    /// through a stream-aware allocator put it in the wrong stream's pool. The allocate row
+    /// names the stream the program asked for; the free, the stream that owns the memory,
+    /// after the `record_stream` row of the asked stream that orders the reuse after it.
+    #[test]
+    fn an_allocate_row_names_the_stream_asked_for() {
+        use crate::adaptors::SingleStream;
+        use crate::allocators::{BestFit, BestFitConfig};
+        let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+        let side = sim.create_stream().unwrap();
+        let out = Shared::default();
+        let pool = BestFit::new(sim.clone(), BestFitConfig::default()).unwrap();
+        let traced = Traced::new(
+            SingleStream::new(pool, sim.clone(), Stream::DEFAULT),
+            TraceWriter::new(out.clone()).unwrap(),
+        );
+        let a = traced.allocate_on(4096, side).unwrap();
+        let p = a.ptr();
+        drop(a);
+        let s = side.0;
+        assert_eq!(
+            rows(&traced, &out),
+            [
+                format!("allocate,{p:#x},4096,{s}"),
+                format!("record_stream,{p:#x},0,{s}"),
+                format!("free,{p:#x},4096,0")
             ]
         );
     }
