@@ -288,7 +288,11 @@ fn a_wake_takes_back_cached_memory_or_fails_and_the_tag_sleeps_on() {
     drop(alloc(&f, None, 100 * MIB, s).unwrap());
     let b = alloc(&f, Some("kv"), 100 * MIB, s).expect("the cache went back");
     assert_eq!(f.stats(0).failures, 0, "recovered, counted as a retry");
-    drop((a, b));
+    // And an untagged one that finds it full of a tag's cache takes that back.
+    drop(b);
+    let c = alloc(&f, None, 100 * MIB, s).expect("the tag's cache went back");
+    assert_eq!(f.stats(0).failures, 0, "recovered, counted as a retry");
+    drop((a, c));
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
 }
 

@@ -551,7 +551,9 @@ impl<A: StreamAllocator> StreamAllocator for Tagged<A> {
         if let Some(tag) = tags::current() {
             return self.allocate_in_tag(tag, size, stream);
         }
-        self.main.allocate_on(size, stream)
+        // Out of memory, the wrapped allocator gave back its own free memory already; the
+        // tags' may fill the device.
+        self.recover(|| self.main.allocate_on(size, stream), &[], false)
     }
 
     fn default_stream(&self) -> Stream {
