@@ -3,6 +3,7 @@
 //! for the streams that use the memory and for no other; every misuse has its answer; the
 //! ordering checker sees no early reuse and no unmap under a kernel, with threads at work.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
@@ -298,7 +299,12 @@ fn a_wake_takes_back_cached_memory_or_fails_and_the_tag_sleeps_on() {
 
 /// Threads allocate, use (simulated kernels), record and free tagged and untagged memory on
 /// streams of their own while another puts tags to sleep and wakes them, offloaded or not, and
-/// checks a sentinel of each offloaded tag; the ordering checker must see nothing.
+/// checks a sentinel of each offloaded tag, and another releases the cache (a sleep begins
+/// only between releases of a pool); the ordering checker must see nothing. A tagged
+/// allocation is checked only when no sleep or wake ran while it was made and checked: a
+/// sleep that begins just after the hand-out copies the new block out on the layer's stream
+/// (its contents are the tag's), and a check made after that would take the copy for a use
+/// before the hand-out.
 #[test]
 fn threads_at_work_while_tags_sleep_and_wake() {
     const TAGS: [&str; 3] = ["weights", "kv_cache", "activations"];
@@ -309,9 +315,13 @@ fn threads_at_work_while_tags_sleep_and_wake() {
     let config = Config::parse("device=sim,wait_timeout=10s").unwrap();
     let stack = Arc::new(Facade::build_stack(&config, sim.clone()).unwrap());
     let layer = stack.tags.as_ref().unwrap().clone();
+    // Odd while the sleeper puts a tag to sleep or wakes it (a sequence lock's count).
+    let moving = Arc::new(AtomicU64::new(0));
+    // The early reuses found at tagged hand-outs checked so.
+    let early = Arc::new(std::sync::Mutex::new(Vec::new()));
     let mut workers = Vec::new();
     for w in 0..3u64 {
-        let (sim, stack) = (sim.clone(), stack.clone());
+        let (sim, stack, moving, early) = (sim.clone(), stack.clone(), moving.clone(), early.clone());
         workers.push(thread::spawn(move || {
             let mut rng = SmallRng::seed_from_u64(seed * 7 + w);
             let stream = sim.create_stream().unwrap();
@@ -326,9 +336,17 @@ fn threads_at_work_while_tags_sleep_and_wake() {
                         let tag = TAGS.get(rng.gen_range(0..4)).copied();
                         let size = rng.gen_range(1..(6 * MIB));
                         let _scope = tag.map(|t| tags::scope(t).unwrap());
+                        let before = moving.load(Ordering::SeqCst);
                         match stack.allocator.allocate_on(size, stream) {
                             Ok(a) => {
-                                sim.check_handout(a.ptr(), a.size(), stream);
+                                if tag.is_none() {
+                                    sim.check_handout(a.ptr(), a.size(), stream);
+                                } else if before % 2 == 0 {
+                                    let found = sim.early_reuses(a.ptr(), a.size(), stream);
+                                    if moving.load(Ordering::SeqCst) == before {
+                                        early.lock().unwrap().extend(found);
+                                    }
+                                }
                                 live.push((a, tag.is_some()));
                             }
                             Err(Error::InvalidArgument(m)) if m.contains("sleeps") => refused += 1,
@@ -367,6 +385,21 @@ fn threads_at_work_while_tags_sleep_and_wake() {
             refused
         }));
     }
+    let done = Arc::new(AtomicBool::new(false));
+    let releaser = {
+        let (stack, done) = (stack.clone(), done.clone());
+        thread::spawn(move || {
+            let mut releases = 0u64;
+            while !done.load(Ordering::Relaxed) {
+                match stack.allocator.release() {
+                    Ok(_) | Err(Error::Timeout { .. }) => releases += 1,
+                    Err(e) => panic!("release: {e}"),
+                }
+                thread::sleep(Duration::from_micros(200));
+            }
+            releases
+        })
+    };
     // The sleeper: sentinels written before each offloaded sleep are read back after the wake.
     let s = sim.create_stream().unwrap();
     let sentinels: Vec<Allocation> = TAGS
@@ -383,12 +416,17 @@ fn threads_at_work_while_tags_sleep_and_wake() {
         let data = pattern(3 * MIB, cycles as u8);
         sim.copy_from_host(sentinels[i].ptr(), &data, s).unwrap();
         let offload = rng.gen_bool(0.7);
-        match layer.sleep(&[tags::Tag::new(TAGS[i]).unwrap()], offload, &[]) {
+        moving.fetch_add(1, Ordering::SeqCst);
+        let slept = layer.sleep(&[tags::Tag::new(TAGS[i]).unwrap()], offload, &[]);
+        moving.fetch_add(1, Ordering::SeqCst);
+        match slept {
             Ok(_) | Err(Error::Timeout { .. }) => {}
             Err(e) => panic!("sleep: {e}"),
         }
         thread::sleep(Duration::from_micros(rng.gen_range(0..500)));
+        moving.fetch_add(1, Ordering::SeqCst);
         layer.wake(&[tags::Tag::new(TAGS[i]).unwrap()]).unwrap();
+        moving.fetch_add(1, Ordering::SeqCst);
         if offload {
             assert!(
                 read(&sim, &sentinels[i], s) == data,
@@ -399,8 +437,12 @@ fn threads_at_work_while_tags_sleep_and_wake() {
         cycles += 1;
     }
     let refused: u64 = workers.into_iter().map(|w| w.join().unwrap()).sum();
+    done.store(true, Ordering::Relaxed);
+    let releases = releaser.join().unwrap();
     drop(sentinels);
     stack.allocator.release().unwrap();
+    let early = early.lock().unwrap();
+    assert!(early.is_empty(), "{} early reuses of tagged memory, the first {:?}", early.len(), early.first());
     assert!(
         sim.violations().is_empty(),
         "{} violations, the first {:?}",
@@ -408,7 +450,7 @@ fn threads_at_work_while_tags_sleep_and_wake() {
         sim.violations().first()
     );
     assert!(
-        refused > 0 && cycles >= 20,
-        "the threads met sleeping tags ({refused} refusals, {cycles} cycles)"
+        refused > 0 && cycles >= 20 && releases > 0,
+        "the threads met sleeping tags ({refused} refusals, {cycles} cycles, {releases} releases)"
     );
 }

@@ -559,8 +559,18 @@ impl SimDevice {
 
     /// Tells the checker that `len` bytes at `ptr` were just handed to `stream`. Records a
     /// [`Violation`] for every earlier use on another stream that could still be running when
-    /// work on `stream` can start. Returns how many it recorded.
+    /// work on `stream` can start ([`SimDevice::early_reuses`]). Returns how many it recorded.
     pub fn check_handout(&self, ptr: DevicePtr, len: usize, stream: Stream) -> usize {
+        let found = self.early_reuses(ptr, len, stream);
+        let n = found.len();
+        self.state.lock().violations.extend(found);
+        n
+    }
+
+    /// The early reuses [`SimDevice::check_handout`] would record for `len` bytes at `ptr`
+    /// handed to `stream` now, without recording them: for a caller that can tell only
+    /// afterwards whether the check ran at the hand-out (nothing else used the memory between).
+    pub fn early_reuses(&self, ptr: DevicePtr, len: usize, stream: Stream) -> Vec<Violation> {
         let mut st = self.state.lock();
         let now = st.now;
         let usable_at = st.streams.get(&stream).map_or(now, |s| s.ready.max(now));
@@ -568,8 +578,7 @@ impl SimDevice {
         let memory = st.memory_of(ptr, len);
         let overlaps =
             |u: &Use| u.memory.iter().any(|&(a, n)| memory.iter().any(|&(b, m)| a < b + m && b < a + n));
-        let found: Vec<Violation> = st
-            .uses
+        st.uses
             .iter()
             .filter(|u| !u.host && u.stream != stream && u.end > usable_at)
             .filter(|u| overlaps(u))
@@ -583,10 +592,7 @@ impl SimDevice {
                 user_ptr: u.ptr,
                 use_ends_at: u.end,
             })
-            .collect();
-        let n = found.len();
-        st.violations.extend(found);
-        n
+            .collect()
     }
 
     /// Every violation the checker has recorded.
