@@ -106,6 +106,15 @@ fn failures_are_counted_once_per_failed_allocation() {
             assert_eq!(f.stats(0).failures, 2, "{conf}, by pointer");
         }
     }
+    // Tried again, in its tag's pool or the strategy's, after the others gave memory back.
+    let f = Facade::new(Config::parse("device=sim,sim_capacity=256MiB").unwrap());
+    {
+        let _kv = streamalloc::tags::scope("kv").unwrap();
+        f.allocate(300 * MIB, 0, Stream::DEFAULT).unwrap_err();
+    }
+    assert_eq!(f.stats(0).failures, 1, "a tagged allocation");
+    f.allocate(300 * MIB, 0, Stream::DEFAULT).unwrap_err();
+    assert_eq!(f.stats(0).failures, 2, "an untagged allocation beside a tag");
 }
 
 /// Dropping a stack frees what it still keeps by pointer, whatever its layers: the simulated

@@ -63,7 +63,8 @@ pub struct Tagged<A> {
     config: StreamSafeConfig,
     /// The tags' pools, in the order made.
     tags: RwLock<Vec<Arc<TagPool>>>,
-    /// `tags.len()`, read without the lock by the frees the wrapped allocator did not make.
+    /// `tags.len()`, read without the lock by the frees the wrapped allocator did not make
+    /// and by untagged allocations.
     count: AtomicUsize,
     /// Serializes sleeps and wakes; holds the internal stream they order their work on.
     moving: Mutex<Option<Stream>>,
@@ -73,6 +74,9 @@ pub struct Tagged<A> {
     /// Allocations that failed in a pool and succeeded once the others gave memory back: the
     /// pool counted a failure, which [`Allocator::stats`] counts as a retry instead.
     recovered: AtomicU64,
+    /// Allocations that failed in a pool again after the others gave memory back: the pool
+    /// counted two failures, which [`Allocator::stats`] counts as one.
+    repeated: AtomicU64,
 }
 
 /// A tag's pool.
@@ -151,6 +155,7 @@ impl<A: StreamAllocator> Tagged<A> {
             moving: Mutex::new(None),
             pinned,
             recovered: AtomicU64::new(0),
+            repeated: AtomicU64::new(0),
         })
     }
 
@@ -206,8 +211,25 @@ impl<A: StreamAllocator> Tagged<A> {
         let retried = retry::on_out_of_memory(Duration::ZERO, attempt, release, |_| ());
         if retried.retried() {
             self.recovered.fetch_add(1, Ordering::Relaxed);
+        } else if retried.result.is_err() && retried.failed > 1 {
+            self.repeated.fetch_add(retried.failed - 1, Ordering::Relaxed);
         }
         retried.result
+    }
+
+    /// An untagged allocation that ran out of memory, after the wrapped allocator
+    /// gave back its own free memory: the awake tags give back theirs, and it is tried once
+    /// more, as [`Tagged::recover`] does (kept off the untagged path, which looks at the
+    /// answer's kind only once a tag has a pool).
+    #[cold]
+    fn untagged_again(&self, size: usize, stream: Stream) -> Result<Allocation> {
+        // A release that failed gave back what it could: the retry says whether that was
+        // enough (its out-of-memory error, with the figures after the release, if not).
+        let _ = self.release_others(&[], false);
+        let made = self.main.allocate_on(size, stream);
+        let counter = if made.is_ok() { &self.recovered } else { &self.repeated };
+        counter.fetch_add(1, Ordering::Relaxed);
+        made
     }
 
     /// Gives back the free memory of the wrapped allocator (with `main`) and of the awake tags
@@ -529,7 +551,7 @@ impl<A: StreamAllocator> Allocator for Tagged<A> {
         let mut stats: Stats =
             std::iter::once(self.main.stats()).chain(self.snapshot().iter().map(|p| p.stats().stats)).sum();
         let recovered = self.recovered.load(Ordering::Relaxed);
-        stats.failures = stats.failures.saturating_sub(recovered);
+        stats.failures = stats.failures.saturating_sub(recovered + self.repeated.load(Ordering::Relaxed));
         stats.retries += recovered;
         stats
     }
@@ -551,9 +573,15 @@ impl<A: StreamAllocator> StreamAllocator for Tagged<A> {
         if let Some(tag) = tags::current() {
             return self.allocate_in_tag(tag, size, stream);
         }
-        // Out of memory, the wrapped allocator gave back its own free memory already; the
-        // tags' may fill the device.
-        self.recover(|| self.main.allocate_on(size, stream), &[], false)
+        if self.count.load(Ordering::Relaxed) == 0 {
+            // No tag holds memory: the strategy's answer, passed on as it is.
+            return self.main.allocate_on(size, stream);
+        }
+        let made = self.main.allocate_on(size, stream);
+        if matches!(&made, Err(e) if e.is_out_of_memory()) {
+            return self.untagged_again(size, stream);
+        }
+        made
     }
 
     fn default_stream(&self) -> Stream {
