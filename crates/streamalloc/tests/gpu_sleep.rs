@@ -163,7 +163,11 @@ fn a_sleep_past_the_bound_names_the_stream_and_gives_nothing_back() {
         }
         other => panic!("expected a timeout, got {other:?}"),
     }
-    assert_eq!(used(&gpu), before, "nothing was given back");
+    // Nothing given back: the device's memory in use did not drop. (The first sleep makes the
+    // layer's stream, for which the driver took a granule of its own on the H200: 2 MiB more.)
+    let after = used(&gpu);
+    let granule = gpu.map_granularity().unwrap();
+    assert!(after >= before && after - before <= granule, "nothing was given back: {before} -> {after}");
     assert!(!layer.tag_stats(Tag::new("kv").unwrap()).asleep);
     go.store(true, Ordering::Release);
     gpu.synchronize_stream(s).unwrap();

@@ -190,7 +190,8 @@ constexpr int kMaxDevices = 64;
 
 // Fails (as torch's allocators do) for a device index the backend keeps no books for.
 void check_device(c10::DeviceIndex device) {
-  TORCH_CHECK(device >= 0 && device < kMaxDevices, "streamalloc: device ", device, " out of range");
+  // A DeviceIndex is an int8_t, which a stream prints as a character: printed as an int.
+  TORCH_CHECK(device >= 0 && device < kMaxDevices, "streamalloc: device ", static_cast<int>(device), " out of range");
 }
 
 struct Alloc {
@@ -456,7 +457,8 @@ class Backend : public CCA::CUDAAllocator {
           if (oom) {
             out_of_memory(size, device, stream, message, a.context);
           }
-          TORCH_CHECK(false, "streamalloc: allocating ", size, " bytes on device ", device, " failed: ", message);
+          TORCH_CHECK(false, "streamalloc: allocating ", size, " bytes on device ", static_cast<int>(device),
+                      " failed: ", message);
         }
       }
     }
@@ -1327,7 +1329,8 @@ class Backend : public CCA::CUDAAllocator {
       std::shared_ptr<CCA::AllocatorState> as) override {
     auto state = std::dynamic_pointer_cast<PoolState>(as);
     TORCH_CHECK(state, "streamalloc: setCheckpointPoolState was given another allocator's state");
-    TORCH_CHECK(state->device == device, "streamalloc: checkpoint of device ", state->device, " set on ", device);
+    TORCH_CHECK(state->device == device, "streamalloc: checkpoint of device ", static_cast<int>(state->device),
+                " set on ", static_cast<int>(device));
     CCA::CheckpointDelta delta;
     std::vector<std::pair<void*, Alloc>> to_release;
     // History entries, recorded once mu_ is released: (action, address, allocation).

@@ -91,7 +91,7 @@ def case_graph(report, conf):
     asleep = free_bytes(torch)
     slept = sa.tag_stats("weights")["slept"] + sa.tag_stats("kv_cache")["slept"]
     report.info.update(slept=slept, freed=asleep - before)
-    report.expect(abs((asleep - before) - slept) < GRANULE,
+    report.expect(abs((asleep - before) - slept) <= GRANULE,
                   f"the driver's free memory grew by {asleep - before} bytes, not the {slept} slept")
     # A training step of another model takes the memory given back.
     other = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4096)).cuda()
@@ -132,14 +132,15 @@ def case_contents(report, conf):
     slept = sa.tag_stats("weights")["slept"] + sa.tag_stats("kv_cache")["slept"]
     report.info.update(slept=slept, freed=asleep - before)
     report.expect(slept >= sum(t.numel() * t.element_size() for t in tensors), f"only {slept} bytes slept")
-    report.expect(abs((asleep - before) - slept) < GRANULE,
+    report.expect(abs((asleep - before) - slept) <= GRANULE,
                   f"the driver's free memory grew by {asleep - before} bytes, not the {slept} slept")
     scratch = torch.full((slept // 4,), 7, dtype=torch.int32, device="cuda")  # reuses the physical memory
     del scratch
+    torch.cuda.empty_cache()  # the scratch's memory, cached by the untagged pools, goes back
     sa.torch.wake(["weights", "kv_cache"])
     after = settled_free_bytes(torch)
     report.info["free_after_wake"] = after
-    report.expect(abs(after - before) < GRANULE,
+    report.expect(abs(after - before) <= GRANULE,
                   f"after the wake the driver's free memory is {after} bytes, not the {before} of before the sleep")
     report.expect([t.data_ptr() for t in tensors] == ptrs, "a tensor moved")
     report.expect(all(torch.equal(t.cpu(), c) for t, c in zip(tensors, copies)), "contents differ after the wake")
