@@ -13,7 +13,7 @@
 #   mt       StreamSafe's multi-thread scaling in the anchors harness (1-8 threads, each on
 #            its own stream), MT_ROUNDS rounds (default 3, each replay a process of its own) on
 #            the traces MT_TRACES names (default "resnet50_train gpt2_train"; any trace of
-#            traces/, by file name without .csv)
+#            traces/, by file name without .csv); the table by scripts/gpu/mt_table.py
 #   mtx      the same scaling without the C ABI (crates/streamalloc-bench/src/bin/mt_replay.rs), on the simulator and
 #            on the GPU, with the device allocations made in the timed passes
 #   samerun  AsyncPool through the C ABI against raw cudaMallocAsync and the driver calls it
@@ -142,7 +142,7 @@ for part in "$@"; do
       build_anchors && for round in $(seq "${MT_ROUNDS:-3}"); do for tr in ${MT_TRACES:-resnet50_train gpt2_train}; do for n in 1 2 4 8; do
         THREADS=$n STREAMALLOC_CONF=strategy=stream_safe /tmp/anchor-bin/replay_core \
           "so:$PWD/.anchors/libstreamalloc.so:streamalloc_malloc:streamalloc_free" ".anchors/traces/$tr.csv"
-      done; done; done | tee "$OUT/mt_rounds.jsonl" ;;
+      done; done; done | tee "$OUT/mt_rounds.jsonl" && python3 scripts/gpu/mt_table.py < "$OUT/mt_rounds.jsonl" ;;
     torch)
       install_wheel && {
         if [ -n "${PYTEST_ARGS:-}" ]; then
