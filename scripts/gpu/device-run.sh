@@ -42,6 +42,12 @@
 #   graphmem device memory held by 8 captured graphs of 1 GiB temporaries each, per strategy
 #            and pool mode, against PyTorch native and backend:cudaMallocAsync
 #            (scripts/gpu/graph_memory.py) into $OUT/graph_memory.md
+#   sleep    sleep and wake in a program that alternates a generation phase with a training
+#            step (scripts/gpu/sleep_phases.py: peak device memory with and without sleeping,
+#            sleep and wake per GiB against the copy bandwidth of the same run) and the pinned
+#            host pool against cudaHostAlloc and torch's pinned allocator
+#            (scripts/gpu/pinned_bench.py), into $OUT/sleep_phases.md and $OUT/pinned_bench.md
+#            (JSON lines and logs beside them); SLEEP_ARGS (e.g. --quick) go to both
 #   snapshot a small real PyTorch memory snapshot (scripts/gpu/record_snapshot.py), the input
 #            of `streamalloc import`, into $OUT/snapshot.pickle
 #   record   RMM-format traces of four PyTorch workloads with varying shapes
@@ -184,6 +190,15 @@ for part in "$@"; do
         STREAMALLOC_CACHE=${STREAMALLOC_CACHE:-/tmp/streamalloc-cache} PYTHONPATH=/tmp/sa-site \
           python3 scripts/gpu/torch_alloc_overhead.py --out "$OUT" ${TORCHBENCH_ARGS:-} 2>&1 \
           | tee "$OUT/torch_alloc_overhead.log" && (exit $rc)
+      } ;;
+    sleep) # the figures issue 36 asks for; the backend built once into STREAMALLOC_CACHE
+      install_wheel && {
+        export STREAMALLOC_CACHE=${STREAMALLOC_CACHE:-/tmp/streamalloc-cache}
+        PYTHONPATH=/tmp/sa-site python3 scripts/gpu/sleep_phases.py --out "$OUT" ${SLEEP_ARGS:-} 2>&1 \
+          | tee "$OUT/sleep_phases.log"
+        rc=${PIPESTATUS[0]}
+        PYTHONPATH=/tmp/sa-site python3 scripts/gpu/pinned_bench.py --out "$OUT" ${SLEEP_ARGS:-} 2>&1 \
+          | tee "$OUT/pinned_bench.log" && (exit $rc)
       } ;;
     snapshot) python3 scripts/gpu/record_snapshot.py "$OUT/snapshot.pickle" --steps 4 --max-entries 20000 &&
       ls -l "$OUT/snapshot.pickle" ;;
