@@ -329,15 +329,17 @@ def host_record_stream(ptr, stream, device=0):
 
 
 def host_stats():
-    """The statistics of the pinned pool, as a dict with `stats()`'s keys (`reserved`: the bytes
-    pinned; zeros before its first allocation)."""
+    """The statistics of the pinned memory, as a dict with `stats()`'s keys (`reserved`: the bytes
+    pinned; zeros before its first allocation): the pool's, and that which `sleep` with
+    `offload` keeps for the next sleep."""
     out = Stats()
     check(load().streamalloc_host_stats(ctypes.byref(out)))
     return {name: getattr(out, name) for name, _ in Stats._fields_}
 
 
 def host_release():
-    """Gives the pinned memory no buffer uses (and no stream's work still reads) back; the bytes."""
+    """Gives the pinned memory no buffer uses (and no stream's work still reads) back, that kept
+    for offloads too but for a sleeping tag's contents (`empty_cache` leaves it); the bytes."""
     released = ctypes.c_size_t(0)
     check(load().streamalloc_host_release(ctypes.byref(released)))
     return released.value

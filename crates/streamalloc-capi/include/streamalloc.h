@@ -265,16 +265,19 @@ enum streamalloc_status_t streamalloc_host_record_stream(void *ptr,
                                                          int device,
                                                          cudaStream_t stream);
 
-// Gives the pinned memory no allocation uses back (`cuMemFreeHost`), and writes the bytes
-// given back to `*released` unless it is NULL. Waits for nothing: memory whose streams are
-// still at work stays.
+// Gives the pinned memory no allocation uses back (`cuMemFreeHost`): the pool's, and that
+// which sleeps with offload keep (`streamalloc_sleep`; no device's `streamalloc_empty_cache`
+// gives it back, so that the next sleep pins nothing), but for a sleeping tag's contents.
+// Writes the bytes given back to `*released` unless it is NULL. Waits for nothing: memory
+// whose streams are still at work stays.
 //
 // # Safety
 // `released` is null or valid for writing a `size_t`.
 enum streamalloc_status_t streamalloc_host_release(size_t *released);
 
-// Writes the statistics of the pinned pool to `*out` (zeros before its first allocation):
-// `allocated` the bytes asked for, `reserved` the bytes pinned, `cached` those free,
+// Writes the statistics of the pinned memory to `*out` (zeros before its first allocation),
+// the pool's and that kept for offloads together: `allocated` the bytes asked for (a
+// sleeping tag's contents included), `reserved` the bytes pinned, `cached` those free,
 // `pending_release` those waiting for streams' work (or kept for a CUDA graph),
 // `device_allocs` and `device_frees` the pinned allocations and frees.
 //
@@ -282,8 +285,8 @@ enum streamalloc_status_t streamalloc_host_release(size_t *released);
 // `out` is null (an error) or valid for writing a `streamalloc_stats_t`.
 enum streamalloc_status_t streamalloc_host_stats(struct streamalloc_stats_t *out);
 
-// Restarts the pinned pool's peak figures (`allocated_peak`, `reserved_peak`) from the
-// current ones.
+// Restarts the peak figures of the pinned memory (`allocated_peak`, `reserved_peak`: the
+// pool's and that kept for offloads) from the current ones.
 enum streamalloc_status_t streamalloc_host_reset_peak_stats(void);
 
 // With `device=sim`: enqueues on `stream` a simulated copy that uses `len` bytes of pinned

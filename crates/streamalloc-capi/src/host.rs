@@ -14,7 +14,7 @@ use std::sync::{Arc, OnceLock};
 
 use core_alloc::allocators::{PinnedHost, PinnedHostConfig};
 use core_alloc::device::sim::SimDevice;
-use core_alloc::{Error, Result};
+use core_alloc::{Error, Result, Stats};
 
 use crate::state::{ordinal, State};
 use crate::status::{self, StreamallocStats, StreamallocStatus};
@@ -132,19 +132,23 @@ pub extern "C" fn streamalloc_host_record_stream(
     })
 }
 
-/// Gives the pinned memory no allocation uses back (`cuMemFreeHost`), and writes the bytes
-/// given back to `*released` unless it is NULL. Waits for nothing: memory whose streams are
-/// still at work stays.
+/// Gives the pinned memory no allocation uses back (`cuMemFreeHost`): the pool's, and that
+/// which sleeps with offload keep (`streamalloc_sleep`; no device's `streamalloc_empty_cache`
+/// gives it back, so that the next sleep pins nothing), but for a sleeping tag's contents.
+/// Writes the bytes given back to `*released` unless it is NULL. Waits for nothing: memory
+/// whose streams are still at work stays.
 ///
 /// # Safety
 /// `released` is null or valid for writing a `size_t`.
 #[no_mangle]
 pub unsafe extern "C" fn streamalloc_host_release(released: *mut usize) -> StreamallocStatus {
     status::status(|| {
-        let bytes = match host()? {
-            Some(h) => h.pool.release()?,
-            None => 0,
+        let pool = match host()? {
+            Some(h) => h.pool.release(),
+            None => Ok(0),
         };
+        let offloads = State::get()?.facade().release_offload_memory();
+        let bytes = pool? + offloads?;
         if !released.is_null() {
             // SAFETY: non-null, and valid for writes by the caller's contract.
             unsafe { released.write(bytes) };
@@ -153,8 +157,9 @@ pub unsafe extern "C" fn streamalloc_host_release(released: *mut usize) -> Strea
     })
 }
 
-/// Writes the statistics of the pinned pool to `*out` (zeros before its first allocation):
-/// `allocated` the bytes asked for, `reserved` the bytes pinned, `cached` those free,
+/// Writes the statistics of the pinned memory to `*out` (zeros before its first allocation),
+/// the pool's and that kept for offloads together: `allocated` the bytes asked for (a
+/// sleeping tag's contents included), `reserved` the bytes pinned, `cached` those free,
 /// `pending_release` those waiting for streams' work (or kept for a CUDA graph),
 /// `device_allocs` and `device_frees` the pinned allocations and frees.
 ///
@@ -166,21 +171,23 @@ pub unsafe extern "C" fn streamalloc_host_stats(out: *mut StreamallocStats) -> S
         if out.is_null() {
             return Err(Error::InvalidArgument("out is null".into()));
         }
-        let stats = host()?.map(|h| h.pool.stats()).unwrap_or_default();
+        let pool = host()?.map(|h| h.pool.stats()).unwrap_or_default();
+        let stats: Stats = [pool, State::get()?.facade().offload_stats()].into_iter().sum();
         // SAFETY: `out` is non-null and, by the caller's contract, valid for writes.
         unsafe { out.write(stats.into()) };
         Ok(())
     })
 }
 
-/// Restarts the pinned pool's peak figures (`allocated_peak`, `reserved_peak`) from the
-/// current ones.
+/// Restarts the peak figures of the pinned memory (`allocated_peak`, `reserved_peak`: the
+/// pool's and that kept for offloads) from the current ones.
 #[no_mangle]
 pub extern "C" fn streamalloc_host_reset_peak_stats() -> StreamallocStatus {
     status::status(|| {
         if let Some(h) = host()? {
             h.pool.reset_peak_stats();
         }
+        State::get()?.facade().reset_offload_peak_stats();
         Ok(())
     })
 }

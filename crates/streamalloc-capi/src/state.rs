@@ -113,6 +113,11 @@ impl State {
         }
     }
 
+    /// The facade that serves every device.
+    pub(crate) fn facade(&self) -> &Facade {
+        &self.facade
+    }
+
     /// The configuration in force.
     pub(crate) fn config(&self) -> &Config {
         self.facade.config()

@@ -122,6 +122,48 @@ fn without_offload_the_memory_comes_back_fresh_at_the_same_addresses() {
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
 }
 
+/// The page-locked memory an offload copies into stays cached across a device's release
+/// (PyTorch's `empty_cache`, which phases that alternate call between them, leaves pinned
+/// memory alone too), so the next sleep pins nothing; the offload memory's own release gives it
+/// back, and its figures say so.
+#[test]
+fn offload_memory_outlives_the_device_release_and_the_next_sleep_pins_nothing() {
+    let (f, sim) = facade("");
+    let s = sim.create_stream().unwrap();
+    let kv = alloc(&f, Some("kv_cache"), 24 * MIB, s).unwrap();
+    sim.memset_async(kv.ptr(), 5, kv.size(), s).unwrap();
+    assert_eq!(f.offload_stats().reserved, 0, "nothing pinned before a sleep with offload");
+    let mut first = None;
+    for round in 0..3 {
+        f.sleep(0, &["kv_cache"], true).unwrap();
+        let pinned = f.offload_stats();
+        assert!(pinned.reserved >= kv.size() && pinned.allocated >= kv.size(), "round {round}: {pinned:?}");
+        let first = *first.get_or_insert(pinned);
+        assert_eq!(
+            (pinned.reserved, pinned.device_allocs),
+            (first.reserved, first.device_allocs),
+            "round {round}: the sleep reused the pinned blocks of the first"
+        );
+        f.wake(0, &["kv_cache"]).unwrap();
+        assert!(read(&sim, &kv, s).iter().all(|&x| x == 5), "round {round}: contents back");
+        assert_eq!(f.offload_stats().allocated, 0, "round {round}: the wake hands the blocks back");
+        f.release_all().unwrap();
+        assert_eq!(
+            f.offload_stats().reserved,
+            first.reserved,
+            "round {round}: the device's release keeps it"
+        );
+    }
+    f.sleep(0, &["kv_cache"], true).unwrap();
+    // Held by the sleeping tag: not given back.
+    assert_eq!(f.release_offload_memory().unwrap(), 0);
+    f.wake(0, &["kv_cache"]).unwrap();
+    assert_eq!(f.release_offload_memory().unwrap(), first.unwrap().reserved);
+    assert_eq!(f.offload_stats().reserved, 0);
+    drop(kv);
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}
+
 /// The sleep waits for the owning stream's kernel, for a stream recorded on an allocation kept
 /// by pointer and for a free pending on a recorded stream (each the longest in one round), and
 /// not for a busy stream that never used the tag's memory. Had it not waited for one, the

@@ -72,6 +72,16 @@ int main(int argc, char** argv) {
     CHECK(streamalloc_wake(0, both, 2) == STREAMALLOC_OK);
     CHECK(streamalloc_tag_stats(0, "kv_cache", &t) == STREAMALLOC_OK);
     CHECK(t.asleep == 0 && t.slept == 0 && t.stats.reserved >= 8 * MIB);
+    /* The pinned memory the offload copied into: in the host figures, kept by the device's
+     * release (the next offload pins nothing), given back by the host's. */
+    streamalloc_stats_t pinned, kept;
+    size_t released = 0;
+    CHECK(streamalloc_host_stats(&pinned) == STREAMALLOC_OK);
+    CHECK(pinned.reserved >= 12 * MIB && pinned.allocated == 0 && pinned.device_allocs > 0);
+    CHECK(streamalloc_release(0, NULL) == STREAMALLOC_OK);
+    CHECK(streamalloc_host_stats(&kept) == STREAMALLOC_OK && kept.reserved == pinned.reserved);
+    CHECK(streamalloc_host_release(&released) == STREAMALLOC_OK && released == pinned.reserved);
+    CHECK(streamalloc_host_stats(&kept) == STREAMALLOC_OK && kept.reserved == 0);
     void* b = tagged("kv_cache", MIB, s, &st);
     CHECK(st == STREAMALLOC_OK && b != NULL);
     CHECK(streamalloc_deallocate(b) == STREAMALLOC_OK);

@@ -307,6 +307,23 @@ impl<A: StreamAllocator> Tagged<A> {
         }
     }
 
+    /// The figures of the page-locked host memory kept for offloads (`reserved`: the bytes
+    /// pinned; `allocated`: those holding a sleeping tag's contents).
+    pub fn offload_stats(&self) -> Stats {
+        self.pinned.stats()
+    }
+
+    /// Restarts the peaks of [`Tagged::offload_stats`] from the current figures.
+    pub fn reset_offload_peak_stats(&self) {
+        self.pinned.reset_peak_stats();
+    }
+
+    /// Gives back the page-locked host memory kept for offloads that no sleeping tag holds;
+    /// the bytes. [`Allocator::release`] leaves it, so that the next sleep pins nothing.
+    pub fn release_offload_memory(&self) -> Result<usize> {
+        self.pinned.release()
+    }
+
     /// Puts `tags` to sleep (see [`Tagged`]): their memory goes back to the device, their
     /// addresses stay reserved, and with `offload` their contents are kept in page-locked host
     /// memory until [`Tagged::wake`]. The bytes given back at their addresses. A tag asleep
@@ -536,14 +553,12 @@ impl<A: StreamAllocator> Allocator for Tagged<A> {
         self.allocate_on(size, self.main.default_stream())
     }
 
-    /// The wrapped allocator's release, then each awake tag's; the pinned memory kept for
-    /// offloads goes back too (not counted: it is host memory).
+    /// The wrapped allocator's release, then each awake tag's. The page-locked memory kept for
+    /// offloads stays, cached for the next sleep ([`Tagged::release_offload_memory`] gives it
+    /// back): phases that alternate release device memory between them, and a sleep that
+    /// pinned its buffers afresh each time would run at the speed of pinning, not of copies.
     fn release(&self) -> Result<usize> {
-        let released = self.release_others(&[], true);
-        let pinned = self.pinned.release();
-        let released = released?;
-        pinned?;
-        Ok(released)
+        self.release_others(&[], true)
     }
 
     /// The wrapped allocator's figures and every tag's ([`TagStats::stats`]).

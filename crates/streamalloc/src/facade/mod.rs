@@ -267,6 +267,32 @@ impl Facade {
         Ok(total)
     }
 
+    /// The figures of the page-locked host memory the sleeps with offload keep, over every
+    /// device in use ([`Tagged::offload_stats`]). The device's release leaves that memory, as
+    /// PyTorch's `empty_cache` leaves pinned memory: the next sleep pins nothing.
+    pub fn offload_stats(&self) -> Stats {
+        self.built_stacks().filter_map(|stack| stack.tags.as_ref().ok()).map(|t| t.offload_stats()).sum()
+    }
+
+    /// Restarts the peaks of [`Facade::offload_stats`] from the current figures.
+    pub fn reset_offload_peak_stats(&self) {
+        self.built_stacks()
+            .filter_map(|stack| stack.tags.as_ref().ok())
+            .for_each(|t| t.reset_offload_peak_stats());
+    }
+
+    /// Gives back the page-locked host memory kept for offloads that no sleeping tag holds, on
+    /// every device in use; the bytes. Every device is tried; the first error is returned
+    /// after that.
+    pub fn release_offload_memory(&self) -> Result<usize> {
+        let mut total = 0;
+        try_each(self.built_stacks().filter_map(|stack| stack.tags.as_ref().ok()), |tags| {
+            total += tags.release_offload_memory()?;
+            Ok(())
+        })?;
+        Ok(total)
+    }
+
     /// The tag layer of device `ordinal` (its stack built if needed), or why its configuration
     /// has none.
     fn tag_layer(&self, ordinal: usize) -> Result<&TagLayer> {
