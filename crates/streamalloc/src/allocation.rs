@@ -46,7 +46,50 @@ pub struct Block {
     pub token: u64,
     /// Streams other than the owning one whose work uses the memory (see the
     /// [module docs](self)). Empty in the common case, and then it does not allocate.
-    pub recorded: Vec<Stream>,
+    pub recorded: Recorded,
+}
+
+/// The streams recorded on a block: one word, and no allocation, while there are none (the
+/// common case). A handle is then 64 bytes, one cache line, as it moves through the layers
+/// and into the pointer table (a `Vec` here made it 80, and the path by pointer 12-16% slower
+/// on the simulator: `bench/results/cpu-cost.md`).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+// A boxed `Vec` on purpose: one word where a `Vec` is three and a boxed slice two.
+#[allow(clippy::box_collection)]
+pub struct Recorded(Option<Box<Vec<Stream>>>);
+
+impl Recorded {
+    /// Adds `stream` at the end.
+    pub fn push(&mut self, stream: Stream) {
+        self.0.get_or_insert_with(Default::default).push(stream);
+    }
+
+    /// Keeps the streams `keep` says yes to.
+    pub fn retain(&mut self, keep: impl FnMut(&Stream) -> bool) {
+        if let Some(streams) = &mut self.0 {
+            streams.retain(keep);
+            if streams.is_empty() {
+                self.0 = None;
+            }
+        }
+    }
+}
+
+impl std::ops::Deref for Recorded {
+    type Target = [Stream];
+
+    fn deref(&self) -> &[Stream] {
+        self.0.as_deref().map_or(&[], Vec::as_slice)
+    }
+}
+
+impl<'a> IntoIterator for &'a Recorded {
+    type Item = &'a Stream;
+    type IntoIter = std::slice::Iter<'a, Stream>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
 }
 
 /// Takes blocks back when their [`Allocation`] is dropped.
@@ -440,6 +483,14 @@ impl<A: StreamAllocator + ?Sized> StreamAllocator for Arc<A> {
 mod tests {
     use super::*;
 
+    /// A handle fits one cache line (see [`Recorded`]); a field added to it costs every
+    /// allocation by pointer.
+    #[test]
+    fn a_handle_is_one_cache_line() {
+        assert_eq!(std::mem::size_of::<Allocation>(), 64);
+        assert_eq!(std::mem::size_of::<Recorded>(), 8);
+    }
+
     struct Keep(parking_lot::Mutex<Vec<Block>>);
 
     impl BlockOwner for Keep {
@@ -462,6 +513,6 @@ mod tests {
         assert_eq!((a.owning_stream(), a.recorded_streams()), (Stream(1), &[Stream(3)][..]));
         drop(a);
         let freed = owner.0.lock();
-        assert_eq!((freed.len(), freed[0].ptr, freed[0].recorded.as_slice()), (1, 0x1000, &[Stream(3)][..]));
+        assert_eq!((freed.len(), freed[0].ptr, &*freed[0].recorded), (1, 0x1000, &[Stream(3)][..]));
     }
 }

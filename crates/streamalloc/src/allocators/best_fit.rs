@@ -412,7 +412,7 @@ impl BestFit {
             stream: self.inner.stream,
             device: self.inner.ordinal,
             token: grant.token,
-            recorded: Vec::new(),
+            recorded: Default::default(),
         }
     }
 

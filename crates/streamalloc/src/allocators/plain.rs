@@ -95,7 +95,7 @@ impl Allocator for Plain {
             stream: self.inner.stream,
             device,
             token: rounded as u64,
-            recorded: Vec::new(),
+            recorded: Default::default(),
         };
         Ok(Allocation::new(block, self.inner.clone()))
     }

@@ -409,7 +409,7 @@ impl StreamAllocator for AsyncPool {
             Owner::Pool => inner.clone(),
             Owner::Capture(shared) => Arc::new(CaptureOwner::new(inner.clone(), shared)),
         };
-        let block = Block { ptr, size, stream, device, token: 0, recorded: Vec::new() };
+        let block = Block { ptr, size, stream, device, token: 0, recorded: Default::default() };
         Ok(Allocation::new(block, owner))
     }
 
