@@ -271,14 +271,12 @@ impl Facade {
     /// device in use ([`Tagged::offload_stats`]). The device's release leaves that memory, as
     /// PyTorch's `empty_cache` leaves pinned memory: the next sleep pins nothing.
     pub fn offload_stats(&self) -> Stats {
-        self.built_stacks().filter_map(|stack| stack.tags.as_ref().ok()).map(|t| t.offload_stats()).sum()
+        self.tag_layers().map(|t| t.offload_stats()).sum()
     }
 
     /// Restarts the peaks of [`Facade::offload_stats`] from the current figures.
     pub fn reset_offload_peak_stats(&self) {
-        self.built_stacks()
-            .filter_map(|stack| stack.tags.as_ref().ok())
-            .for_each(|t| t.reset_offload_peak_stats());
+        self.tag_layers().for_each(|t| t.reset_offload_peak_stats());
     }
 
     /// Gives back the page-locked host memory kept for offloads that no sleeping tag holds, on
@@ -286,11 +284,16 @@ impl Facade {
     /// after that.
     pub fn release_offload_memory(&self) -> Result<usize> {
         let mut total = 0;
-        try_each(self.built_stacks().filter_map(|stack| stack.tags.as_ref().ok()), |tags| {
+        try_each(self.tag_layers(), |tags| {
             total += tags.release_offload_memory()?;
             Ok(())
         })?;
         Ok(total)
+    }
+
+    /// The tag layers of the devices in use whose configuration has one.
+    fn tag_layers(&self) -> impl Iterator<Item = &TagLayer> {
+        self.built_stacks().filter_map(|stack| stack.tags.as_ref().ok())
     }
 
     /// The tag layer of device `ordinal` (its stack built if needed), or why its configuration
