@@ -11,6 +11,10 @@
 //!   loop over the same trace, so its scaling is what the machine gives a loop that shares
 //!   nothing (clock drop with more busy cores, caches), the ceiling of any allocator's.
 //!
+//! Each run also prints its passes one by one (`PASSES`: the slowest thread's nanoseconds per
+//! operation and, in brackets, the device allocations made during that pass, warm-up first),
+//! which shows when the stack stops calling the device and what a pass costs before and after.
+//!
 //! With `--profile`, the runs of 1 and of 8 threads make 6,000 timed passes, which are sampled
 //! (pprof, all threads): a thread's wall time per operation is shared out among the functions
 //! by their self samples (the sampled frame's own), and those taking at least 0.5 ns are
@@ -148,15 +152,30 @@ fn shared(subject: Subject, device: &Arc<dyn Device>) -> Result<Shared> {
 /// Self samples per function of one profiled run.
 type Profile = HashMap<String, u64>;
 
-/// The slowest thread's best timed pass, in seconds, the device allocations made during the
-/// timed passes, and the profile of the timed passes when asked for.
+/// What one run measured.
+struct Run {
+    /// Each pass's seconds, the slowest thread's, the warm-up first.
+    passes: Vec<f64>,
+    /// The device allocations made during each pass, the warm-up first.
+    device_allocs: Vec<u64>,
+    /// The profile of the timed passes, when asked for.
+    profile: Option<Profile>,
+}
+
+impl Run {
+    /// The best timed pass's seconds (the warm-up not counted).
+    fn best(&self) -> f64 {
+        self.passes[1..].iter().copied().fold(f64::MAX, f64::min)
+    }
+}
+
 fn run(
     subject: Subject,
     device: &Arc<dyn Device>,
     trace: &Arc<Trace>,
     threads: usize,
     profile: bool,
-) -> Result<(f64, u64, Option<Profile>)> {
+) -> Result<Run> {
     let shared = shared(subject, device)?;
     let passes = if profile { PROFILED_PASSES } else { PASSES };
     let barrier = Arc::new(Barrier::new(threads + 1));
@@ -171,48 +190,49 @@ fn run(
                 _ => Replayer::Baseline { free: HashMap::new(), live: vec![(0, 0); trace.slots], next: 0 },
             };
             let stream = device.create_stream();
-            std::thread::spawn(move || -> Result<f64> {
+            std::thread::spawn(move || -> Result<Vec<f64>> {
                 let stream = stream?;
-                let mut best = f64::MAX;
-                for pass in 0..passes {
+                let mut seconds = Vec::with_capacity(passes);
+                for _ in 0..passes {
                     barrier.wait();
                     let start = Instant::now();
                     for op in &trace.ops {
                         replayer.op(op, stream)?;
                     }
                     replayer.clear(stream);
-                    if pass > 0 {
-                        best = best.min(start.elapsed().as_secs_f64());
-                    }
+                    seconds.push(start.elapsed().as_secs_f64());
                     barrier.wait();
                 }
-                Ok(best)
+                Ok(seconds)
             })
         })
         .collect();
-    let mut device_allocs_after_warm_up = 0;
+    let mut device_allocs = Vec::with_capacity(passes);
+    let mut before = (shared.device_allocs)();
     let mut guard = None;
     for pass in 0..passes {
         barrier.wait();
         barrier.wait();
-        if pass == 0 {
-            device_allocs_after_warm_up = (shared.device_allocs)();
-            if profile {
-                guard = Some(
-                    pprof::ProfilerGuardBuilder::default()
-                        .frequency(PROFILE_HZ)
-                        .build()
-                        .map_err(|e| streamalloc::Error::InvalidArgument(format!("profiler: {e}")))?,
-                );
-            }
+        let after = (shared.device_allocs)();
+        device_allocs.push(after - before);
+        before = after;
+        if pass == 0 && profile {
+            guard = Some(
+                pprof::ProfilerGuardBuilder::default()
+                    .frequency(PROFILE_HZ)
+                    .build()
+                    .map_err(|e| streamalloc::Error::InvalidArgument(format!("profiler: {e}")))?,
+            );
         }
     }
-    let samples = guard.map(|g| self_samples(&g));
-    let mut slowest: f64 = 0.0;
+    let profile = guard.map(|g| self_samples(&g));
+    let mut slowest = vec![0.0f64; passes];
     for w in workers {
-        slowest = slowest.max(w.join().expect("a replay thread panicked")?);
+        for (s, t) in slowest.iter_mut().zip(w.join().expect("a replay thread panicked")?) {
+            *s = s.max(t);
+        }
     }
-    Ok((slowest, (shared.device_allocs)() - device_allocs_after_warm_up, samples))
+    Ok(Run { passes: slowest, device_allocs, profile })
 }
 
 /// Self samples per function (the innermost frame's symbol) of what the guard sampled.
@@ -255,19 +275,34 @@ fn main() -> Result<()> {
         let mut profiles = Vec::new();
         for threads in [1, 2, 4, 8] {
             let profiled = profile && (threads == 1 || threads == 8);
-            let (seconds, device_allocs, samples) = run(subject, &device, &trace, threads, profiled)?;
-            let mops = (threads * trace.len()) as f64 / seconds / 1e6;
+            let measured = run(subject, &device, &trace, threads, profiled)?;
+            let mops = (threads * trace.len()) as f64 / measured.best() / 1e6;
+            let timed_allocs: u64 = measured.device_allocs[1..].iter().sum();
             if threads == 1 {
                 one = mops;
             }
             println!(
                 "MT_REPLAY device={kind} subject={} trace={} threads={threads} mops_per_s={mops:.2} scaling={:.2} \
-                 device_allocs_in_timed_passes={device_allocs}",
+                 device_allocs_in_timed_passes={timed_allocs}",
                 subject.name(),
                 trace.name,
                 mops / one
             );
-            if let Some(samples) = samples {
+            if !profiled {
+                let passes: Vec<String> = measured
+                    .passes
+                    .iter()
+                    .zip(&measured.device_allocs)
+                    .map(|(s, d)| format!("{:.0}({d})", s * 1e9 / trace.len() as f64))
+                    .collect();
+                println!(
+                    "PASSES subject={} trace={} threads={threads} ns_per_op(device_allocs): {}",
+                    subject.name(),
+                    trace.name,
+                    passes.join(" ")
+                );
+            }
+            if let Some(samples) = measured.profile {
                 // A thread's wall time per operation, shared out by the samples.
                 profiles.push((samples, 1e3 * threads as f64 / mops));
             }
