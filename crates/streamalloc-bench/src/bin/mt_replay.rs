@@ -12,8 +12,9 @@
 //!   nothing (clock drop with more busy cores, caches), the ceiling of any allocator's.
 //!
 //! Each run also prints its passes one by one (`PASSES`: the slowest thread's nanoseconds per
-//! operation and, in brackets, the device allocations made during that pass, warm-up first),
-//! which shows when the stack stops calling the device and what a pass costs before and after.
+//! operation and, in brackets, the device allocations made during that pass and, on the
+//! simulator, its device calls of every kind, warm-up first), which shows when the stack stops
+//! calling the device and what a pass costs before and after.
 //!
 //! With `--profile`, the runs of 1 and of 8 threads make 6,000 timed passes, which are sampled
 //! (pprof, all threads): a thread's wall time per operation is shared out among the functions
@@ -158,6 +159,9 @@ struct Run {
     passes: Vec<f64>,
     /// The device allocations made during each pass, the warm-up first.
     device_allocs: Vec<u64>,
+    /// The device calls of every kind made during each pass, where the device counts them
+    /// (the simulator).
+    device_calls: Option<Vec<u64>>,
     /// The profile of the timed passes, when asked for.
     profile: Option<Profile>,
 }
@@ -172,6 +176,7 @@ impl Run {
 fn run(
     subject: Subject,
     device: &Arc<dyn Device>,
+    sim: Option<&Arc<SimDevice>>,
     trace: &Arc<Trace>,
     threads: usize,
     profile: bool,
@@ -208,7 +213,9 @@ fn run(
         })
         .collect();
     let mut device_allocs = Vec::with_capacity(passes);
+    let mut device_calls = sim.map(|_| Vec::with_capacity(passes));
     let mut before = (shared.device_allocs)();
+    let mut calls_before = sim.map_or(0, |s| s.calls());
     let mut guard = None;
     for pass in 0..passes {
         barrier.wait();
@@ -216,6 +223,11 @@ fn run(
         let after = (shared.device_allocs)();
         device_allocs.push(after - before);
         before = after;
+        if let (Some(sim), Some(calls)) = (sim, device_calls.as_mut()) {
+            let after = sim.calls();
+            calls.push(after - calls_before);
+            calls_before = after;
+        }
         if pass == 0 && profile {
             guard = Some(
                 pprof::ProfilerGuardBuilder::default()
@@ -232,7 +244,7 @@ fn run(
             *s = s.max(t);
         }
     }
-    Ok(Run { passes: slowest, device_allocs, profile })
+    Ok(Run { passes: slowest, device_allocs, device_calls, profile })
 }
 
 /// Self samples per function (the innermost frame's symbol) of what the guard sampled.
@@ -263,8 +275,11 @@ fn main() -> Result<()> {
     let path = args.first().expect(usage);
     let profile = args.iter().any(|a| a == "--profile");
     let kind = if args.iter().any(|a| a == "cuda") { "cuda" } else { "sim" };
-    let device: Arc<dyn Device> =
-        if kind == "cuda" { CudaDevice::new(0)? } else { SimDevice::new(SimConfig::h200()) };
+    let sim = (kind == "sim").then(|| SimDevice::new(SimConfig::h200()));
+    let device: Arc<dyn Device> = match &sim {
+        Some(sim) => sim.clone(),
+        None => CudaDevice::new(0)?,
+    };
     let mut subjects: Vec<Subject> = args.iter().skip(1).filter_map(|a| Subject::parse(a)).collect();
     if subjects.is_empty() {
         subjects = vec![Subject::Default, Subject::StreamSafe, Subject::Baseline];
@@ -275,7 +290,7 @@ fn main() -> Result<()> {
         let mut profiles = Vec::new();
         for threads in [1, 2, 4, 8] {
             let profiled = profile && (threads == 1 || threads == 8);
-            let measured = run(subject, &device, &trace, threads, profiled)?;
+            let measured = run(subject, &device, sim.as_ref(), &trace, threads, profiled)?;
             let mops = (threads * trace.len()) as f64 / measured.best() / 1e6;
             let timed_allocs: u64 = measured.device_allocs[1..].iter().sum();
             if threads == 1 {
@@ -289,14 +304,18 @@ fn main() -> Result<()> {
                 mops / one
             );
             if !profiled {
-                let passes: Vec<String> = measured
-                    .passes
-                    .iter()
-                    .zip(&measured.device_allocs)
-                    .map(|(s, d)| format!("{:.0}({d})", s * 1e9 / trace.len() as f64))
+                let passes: Vec<String> = (0..measured.passes.len())
+                    .map(|i| {
+                        let ns = measured.passes[i] * 1e9 / trace.len() as f64;
+                        match &measured.device_calls {
+                            Some(calls) => format!("{ns:.0}({}/{})", measured.device_allocs[i], calls[i]),
+                            None => format!("{ns:.0}({})", measured.device_allocs[i]),
+                        }
+                    })
                     .collect();
+                let what = if sim.is_some() { "device_allocs/device_calls" } else { "device_allocs" };
                 println!(
-                    "PASSES subject={} trace={} threads={threads} ns_per_op(device_allocs): {}",
+                    "PASSES subject={} trace={} threads={threads} ns_per_op({what}): {}",
                     subject.name(),
                     trace.name,
                     passes.join(" ")
