@@ -17,8 +17,7 @@ import importlib.util
 import os
 import sys
 
-ENV = "STREAMALLOC_TORCH"
-"""Environment variable that enables streamalloc at the import of torch (any value but 0)."""
+from streamalloc.torch import AUTOLOAD_ENV as ENV
 
 
 def requested():

@@ -55,7 +55,8 @@ or, with no command changed at all, `STREAMALLOC_TORCH=1` in the environment: th
 start-up hook (`streamalloc-autoload.pth`, see `streamalloc._autoload`) calls `enable()` as
 torch is imported, in every Python process that inherits the environment. The runner sets
 it (and `STREAMALLOC_CONF` from `--conf`) for the processes the script starts, so workers
-that `torch.multiprocessing` spawns run under streamalloc too.
+that `torch.multiprocessing` spawns run under streamalloc too; so does `enable()` itself (a
+worker under torch's own allocator could not open the mapped memory this process shares).
 """
 
 import os
@@ -74,6 +75,9 @@ BACKEND_ENV = "STREAMALLOC_TORCH_BACKEND"
 """Environment variable choosing the path of `enable()`: auto, backend or pluggable."""
 PREBUILT_ENV = "STREAMALLOC_TORCH_BACKEND_SO"
 """Environment variable naming a prebuilt backend library (skips the build)."""
+AUTOLOAD_ENV = "STREAMALLOC_TORCH"
+"""Environment variable that enables streamalloc as torch is imported, any value but 0
+(`streamalloc._autoload`); `enable()` sets it for the processes this one starts."""
 
 _HOOKS = (
     ("set_record_stream_fn", "streamalloc_torch_record_stream"),
@@ -237,6 +241,11 @@ def enable(conf=None, backend=None):
     "auto") picks the path: "backend" (streamalloc's torch backend, or an error), "pluggable"
     (torch's CUDAPluggableAllocator) or "auto" (the backend where it can be built, else the
     pluggable path with a warning). Returns torch's allocator object (`_CUDAAllocator`).
+
+    The Python processes this one starts enable streamalloc too, as `STREAMALLOC_TORCH=1`
+    would (unless the environment sets that variable already): `enable()` puts it, `conf`
+    (as `STREAMALLOC_CONF`) and `backend` into `os.environ`, so that workers which
+    `torch.multiprocessing` spawns can open the CUDA tensors this process shares with them.
     """
     global _active, _warned
     import torch
@@ -248,6 +257,7 @@ def enable(conf=None, backend=None):
         streamalloc.load()
         if conf is not None:
             streamalloc.configure(conf)
+        _export(conf, backend)
         if _active is not None:
             return torch.cuda.memory._get_current_allocator()
         if mode != "pluggable":
@@ -267,6 +277,16 @@ def enable(conf=None, backend=None):
         torch.cuda.memory.change_current_allocator(pluggable)
         _active = "pluggable"
         return pluggable
+
+
+def _export(conf, backend):
+    """Makes the processes this one starts enable streamalloc as this one did: a receiver of
+    mapped memory under torch's own allocator fails on streamalloc's handle format."""
+    os.environ.setdefault(AUTOLOAD_ENV, "1")
+    if conf is not None:
+        os.environ["STREAMALLOC_CONF"] = conf
+    if backend is not None:
+        os.environ[BACKEND_ENV] = backend
 
 
 def active():
@@ -393,15 +413,9 @@ def main(argv=None):
     if module is None and not args:
         print(USAGE, file=sys.stderr)
         return 2
+    # The processes the script starts (spawned workers, torchrun's) enable it as they import
+    # torch: enable() puts the settings into the environment.
     enable(conf, backend)
-    # The processes the script starts (spawned workers, torchrun's) enable it as they import torch.
-    from streamalloc import _autoload
-
-    os.environ[_autoload.ENV] = "1"
-    if conf is not None:
-        os.environ["STREAMALLOC_CONF"] = conf
-    if backend is not None:
-        os.environ[BACKEND_ENV] = backend
     if module is not None:
         sys.argv = [module, *args]
         runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -7,6 +7,7 @@ frameworks do (through ctypes, by name or by address), so the ABI wiring is exer
 """
 
 import ctypes
+import os
 import pathlib
 import re
 import sys
@@ -150,10 +151,19 @@ def test_configure_stats_release():
 def test_torch_enable():
     torch, calls = fake_torch()
     sys.modules["torch"] = torch
+    saved = {name: os.environ.pop(name, None) for name in ("STREAMALLOC_TORCH", "STREAMALLOC_CONF")}
     try:
         allocator = streamalloc.torch.enable(CONF)
+        # Processes this one starts (torch.multiprocessing's spawned workers, which open the CUDA
+        # tensors it shares) enable streamalloc too, with the same configuration.
+        exported = {name: os.environ.get(name) for name in saved}
     finally:
         del sys.modules["torch"]
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
+    assert exported == {"STREAMALLOC_TORCH": "1", "STREAMALLOC_CONF": CONF}, exported
     assert calls["current"] is allocator
     lib = streamalloc.load()
     address = {name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for _, name in streamalloc.torch._HOOKS}

@@ -496,3 +496,30 @@ fn threads_at_work_while_tags_sleep_and_wake() {
         "the threads met sleeping tags ({refused} refusals, {cycles} cycles, {releases} releases)"
     );
 }
+
+/// Untagged memory allocated while tags sleep may reuse the device memory they gave back;
+/// freed and released, it goes back to the device, and the wake takes the tags' bytes again:
+/// the device's memory in use ends where it was before the sleep (PyTorch's `test_sleep`
+/// contents case, whose tensors' sizes these are).
+#[test]
+fn memory_used_while_tags_sleep_goes_back_and_the_wake_ends_where_the_sleep_began() {
+    let (f, sim) = facade("");
+    let s = sim.create_stream().unwrap();
+    let untagged = alloc(&f, None, 512, s).unwrap();
+    let tagged =
+        [("weights", 5_457_408), ("weights", 77 * MIB + 512), ("kv_cache", 16 * MIB), ("kv_cache", 98_816)]
+            .map(|(tag, size)| alloc(&f, Some(tag), size, s).unwrap());
+    f.release_all().unwrap();
+    let before = used(&sim);
+    let slept = f.sleep(0, &["weights", "kv_cache"], true).unwrap();
+    assert_eq!(used(&sim), before - slept);
+    let scratch = alloc(&f, None, slept, s).unwrap();
+    assert_eq!(used(&sim), before, "the scratch took the memory the tags gave back");
+    drop(scratch);
+    f.release_all().unwrap();
+    assert_eq!(used(&sim), before - slept, "the release gave the scratch's memory back");
+    f.wake(0, &["weights", "kv_cache"]).unwrap();
+    assert_eq!(used(&sim), before);
+    drop((untagged, tagged));
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}

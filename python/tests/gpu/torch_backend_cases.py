@@ -385,7 +385,17 @@ def case_ipc(report, conf, child="native"):
     # here); what the child answers through a queue read with a bound.
     inbox, outbox = ctx.SimpleQueue(), ctx.Queue()
     proc = ctx.Process(target=ipc_child, args=(inbox, outbox, conf if child == "streamalloc" else "native", n))
-    proc.start()
+    # enable() made the processes this one starts enable streamalloc too: a native child opts out.
+    saved = os.environ.get("STREAMALLOC_TORCH")
+    if child == "native":
+        os.environ["STREAMALLOC_TORCH"] = "0"
+    try:
+        proc.start()
+    finally:
+        if saved is None:
+            os.environ.pop("STREAMALLOC_TORCH", None)
+        else:
+            os.environ["STREAMALLOC_TORCH"] = saved
 
     def answer(what):
         try:
