@@ -247,7 +247,6 @@ def enable(conf=None, backend=None):
     (as `STREAMALLOC_CONF`) and `backend` into `os.environ`, so that workers which
     `torch.multiprocessing` spawns can open the CUDA tensors this process shares with them.
     """
-    global _active, _warned
     import torch
 
     mode = (backend or os.environ.get(BACKEND_ENV) or "auto").strip().lower()
@@ -257,26 +256,35 @@ def enable(conf=None, backend=None):
         streamalloc.load()
         if conf is not None:
             streamalloc.configure(conf)
+        current = _install(torch, mode)
+        # Once enabled: a child told to enable what failed here would fail at its import of torch.
         _export(conf, backend)
-        if _active is not None:
+        return current
+
+
+def _install(torch, mode):
+    """Makes streamalloc torch's allocator along the path `mode` picks (under `_lock`); torch's
+    allocator object."""
+    global _active, _warned
+    if _active is not None:
+        return torch.cuda.memory._get_current_allocator()
+    if mode != "pluggable":
+        try:
+            _install_backend()
+            _active = "backend"
             return torch.cuda.memory._get_current_allocator()
-        if mode != "pluggable":
-            try:
-                _install_backend()
-                _active = "backend"
-                return torch.cuda.memory._get_current_allocator()
-            except BackendUnavailable as e:
-                if mode == "backend":
-                    raise
-                if not _warned:
-                    _warned = True
-                    warnings.warn(f"streamalloc.torch: the torch backend is unavailable: {e}. Falling back to "
-                                  f"torch's CUDAPluggableAllocator, under which {FALLBACK_LIMITS}.",
-                                  RuntimeWarning, stacklevel=2)
-        pluggable = allocator()
-        torch.cuda.memory.change_current_allocator(pluggable)
-        _active = "pluggable"
-        return pluggable
+        except BackendUnavailable as e:
+            if mode == "backend":
+                raise
+            if not _warned:
+                _warned = True
+                warnings.warn(f"streamalloc.torch: the torch backend is unavailable: {e}. Falling back to "
+                              f"torch's CUDAPluggableAllocator, under which {FALLBACK_LIMITS}.",
+                              RuntimeWarning, stacklevel=3)
+    pluggable = allocator()
+    torch.cuda.memory.change_current_allocator(pluggable)
+    _active = "pluggable"
+    return pluggable
 
 
 def _export(conf, backend):
