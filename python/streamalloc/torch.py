@@ -422,8 +422,10 @@ def main(argv=None):
         print(USAGE, file=sys.stderr)
         return 2
     # The processes the script starts (spawned workers, torchrun's) enable it as they import
-    # torch: enable() puts the settings into the environment.
+    # torch: enable() puts the settings into the environment, and the runner asks for
+    # streamalloc even where the environment said 0.
     enable(conf, backend)
+    os.environ[AUTOLOAD_ENV] = "1"
     if module is not None:
         sys.argv = [module, *args]
         runpy.run_module(module, run_name="__main__", alter_sys=True)
