@@ -12,11 +12,14 @@ use crate::allocation::{Allocation, Allocator, Stats, StreamAllocator};
 use crate::device::{Device, DevicePtr, EventPool, Stream};
 use crate::error::{Error, Result};
 
-/// Shards of the table (a bit each in [`Pointers::occupied`]): enough that threads on a few
-/// streams seldom share one (8 streams: 1 chance in 10 that two do, against 1 in 3 with 64).
+/// Shards of the table (a bit each in [`Pointers::occupied`]).
 const SHARDS: usize = 256;
 /// Words of [`Pointers::occupied`].
 const WORDS: usize = SHARDS / u64::BITS as usize;
+/// Shards a stream looks at, from its home on, for one it claimed or one to claim.
+const PROBE: usize = 8;
+/// No stream: the owner of a shard nobody claimed.
+const NO_STREAM: u64 = u64::MAX;
 
 /// A stack's allocations by pointer: `allocate_ptr` makes an [`Allocation`] through the
 /// allocator it wraps and keeps it, `free_ptr` drops it, `record_stream_ptr` records a stream on
@@ -24,10 +27,12 @@ const WORDS: usize = SHARDS / u64::BITS as usize;
 /// allocation path (the handle's), and a stack has this one table, on top.
 ///
 /// * **Sharded by stream.** The table is 256 maps, each under a lock of its own on a cache line
-///   of its own, picked by the stream an allocation was asked for: threads on different streams
-///   take different locks, and a free given the stream it was allocated on finds it in one
-///   lookup. A free on another stream (or a `record_stream`, which names a user, not the
-///   owner) looks in the shards that hold anything.
+///   of its own. A stream claims a shard, the first of the 8 from its home (a hash of its
+///   handle) that no stream claimed or whose stream keeps nothing in it: threads on different
+///   streams take different locks even where their handles hash alike (two streams sharing a
+///   lock run at a fifth of their speed on the simulator), and a free given the stream it was
+///   allocated on finds it in one lookup. A free on another stream (or a `record_stream`,
+///   which names a user, not the owner) looks in the shards that hold anything.
 /// * **Bounded.** The table holds the live allocations and nothing per thread or per stream:
 ///   threads and streams that come and go leave nothing behind; each map grows to at most twice
 ///   the most allocations its shard held at once (kept at most half full, as a map that churns
@@ -66,6 +71,9 @@ pub struct Pointers<A> {
     /// The longest [`StreamAllocator::retire_stream`] waits for the stream's work.
     wait_timeout: Duration,
     shards: Box<[Shard]>,
+    /// The stream that claimed each shard ([`NO_STREAM`] if none): read at every allocation
+    /// and free, written only by a claim, so apart from the shards' locks.
+    owners: Owners,
     /// Bit `i` is set while shard `i` may hold an allocation: set by the insert that finds it
     /// clear, cleared by a look through the shards that finds the shard empty (both under the
     /// shard's lock), so a stream that allocates and frees one block writes no shared word.
@@ -82,6 +90,10 @@ struct Shard {
     live: Mutex<FxHashMap<DevicePtr, Allocation>>,
 }
 
+/// The owners of the shards, on cache lines of their own.
+#[repr(align(128))]
+struct Owners([AtomicU64; SHARDS]);
+
 impl<A: StreamAllocator> Pointers<A> {
     /// Keeps `inner`'s allocations by pointer; `device` is the device `inner` allocates on
     /// (whose streams `record_stream_ptr` checks); `wait_timeout` bounds the wait of
@@ -93,6 +105,7 @@ impl<A: StreamAllocator> Pointers<A> {
             device,
             wait_timeout,
             shards: (0..SHARDS).map(|_| Shard::default()).collect(),
+            owners: Owners(std::array::from_fn(|_| AtomicU64::new(NO_STREAM))),
             occupied: Default::default(),
             recording: AtomicUsize::new(0),
         }
@@ -112,7 +125,7 @@ impl<A: StreamAllocator> Pointers<A> {
         if ptr == 0 {
             return Ok(0);
         }
-        let i = shard_of(stream);
+        let i = self.claim(stream);
         let mut live = self.shards[i].live.lock();
         // Kept at most half full: the map churns (every key is removed again soon), and near
         // hashbrown's maximum load the slots left by removals lengthen probes and force
@@ -191,7 +204,7 @@ impl<A: StreamAllocator> Pointers<A> {
         hint: Option<Stream>,
         mut f: impl FnMut(&mut FxHashMap<DevicePtr, Allocation>) -> Option<T>,
     ) -> Option<T> {
-        let first = hint.map(shard_of);
+        let first = hint.map(|stream| self.claimed(stream).unwrap_or_else(|| shard_of(stream)));
         if let Some(i) = first {
             if let Some(found) = f(&mut self.shards[i].live.lock()) {
                 return Some(found);
@@ -203,6 +216,53 @@ impl<A: StreamAllocator> Pointers<A> {
             found.is_some()
         });
         found
+    }
+
+    /// The shard `stream` claimed, if one of those it looks at is still its own: at its home,
+    /// where it mostly is, or in the rest ([`Pointers::claimed_past_home`]).
+    #[inline]
+    fn claimed(&self, stream: Stream) -> Option<usize> {
+        let home = shard_of(stream);
+        if self.owners.0[home].load(Ordering::Relaxed) == stream.0 {
+            return Some(home);
+        }
+        self.claimed_past_home(stream, home)
+    }
+
+    /// The shard `stream` claimed past its home, if any.
+    #[inline(never)]
+    fn claimed_past_home(&self, stream: Stream, home: usize) -> Option<usize> {
+        (1..PROBE)
+            .map(|k| (home + k) % SHARDS)
+            .find(|&i| self.owners.0[i].load(Ordering::Relaxed) == stream.0)
+    }
+
+    /// The shard `stream` allocates into: the one it claimed, else the first it looks at that
+    /// it can claim (no stream claimed it, or its stream keeps nothing in it), else its home,
+    /// shared. A shard is claimed again only once emptied, so the claims stay 256 however many
+    /// streams come and go. Which shard holds an allocation is a matter of speed only: a free
+    /// that misses the shard it looks in first looks in the others.
+    #[inline]
+    fn claim(&self, stream: Stream) -> usize {
+        self.claimed(stream).unwrap_or_else(|| self.claim_new(stream))
+    }
+
+    /// [`Pointers::claim`] for a stream that holds no claim.
+    #[cold]
+    #[inline(never)]
+    fn claim_new(&self, stream: Stream) -> usize {
+        let home = shard_of(stream);
+        (0..PROBE)
+            .map(|k| (home + k) % SHARDS)
+            .find(|&i| {
+                let owner = self.owners.0[i].load(Ordering::Relaxed);
+                let free =
+                    owner == NO_STREAM || self.shards[i].live.try_lock().is_some_and(|live| live.is_empty());
+                free && self.owners.0[i]
+                    .compare_exchange(owner, stream.0, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_ok()
+            })
+            .unwrap_or(home)
     }
 
     /// Runs `f` on every shard that may hold an allocation.
@@ -241,7 +301,7 @@ impl<A: StreamAllocator> Pointers<A> {
     }
 }
 
-/// The shard of allocations asked for on `stream`.
+/// The home shard of `stream`: where it starts looking for a shard of its own.
 fn shard_of(stream: Stream) -> usize {
     // Fibonacci hashing: stream handles are pointers (aligned) or small integers.
     (stream.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (u64::BITS - SHARDS.trailing_zeros())) as usize
@@ -330,5 +390,32 @@ mod tests {
         assert_eq!(stack.recorded_streams(), Vec::<Stream>::new());
         assert_eq!((stack.stats().allocated, stack.recording.load(Ordering::Relaxed)), (0, 0));
         assert!(sim.violations().is_empty());
+    }
+
+    #[test]
+    fn streams_whose_handles_hash_alike_take_shards_of_their_own() {
+        let sim = SimDevice::new(SimConfig::with_capacity(4 << 30));
+        let alloc = StreamSafe::new(sim.clone(), StreamSafeConfig::default()).unwrap();
+        let stack = Pointers::new(alloc, sim.clone(), Duration::from_secs(1));
+        let streams: Vec<Stream> = (0..2000).map(|_| sim.create_stream().unwrap()).collect();
+        // Three streams of one home shard: each takes a lock of its own.
+        let home = shard_of(streams[0]);
+        let alike: Vec<Stream> = streams.iter().copied().filter(|&s| shard_of(s) == home).take(3).collect();
+        assert_eq!(alike.len(), 3);
+        let ptrs: Vec<DevicePtr> = alike.iter().map(|&s| stack.allocate_ptr(4096, s).unwrap()).collect();
+        let used = || stack.shards.iter().filter(|s| !s.live.lock().is_empty()).count();
+        assert_eq!(used(), 3);
+        for (&p, &s) in ptrs.iter().zip(&alike) {
+            assert!(stack.free_ptr(p, s));
+        }
+        // Emptied, a shard goes to the next stream that needs one: the table stays 256 shards
+        // however many streams come and go.
+        let others: Vec<DevicePtr> =
+            streams[1600..].iter().map(|&s| stack.allocate_ptr(4096, s).unwrap()).collect();
+        assert!(used() <= SHARDS);
+        for (&p, &s) in others.iter().zip(&streams[1600..]) {
+            assert!(stack.free_ptr(p, s));
+        }
+        assert_eq!((used(), stack.stats().allocated), (0, 0));
     }
 }
