@@ -239,8 +239,9 @@ impl<A: StreamAllocator> Pointers<A> {
 
     /// The shard `stream` allocates into: the one it claimed, else the first it looks at that
     /// it can claim (no stream claimed it, or its stream keeps nothing in it), else its home,
-    /// shared (a stream finding 8 shards held by others tries their locks at each allocation:
-    /// a cost only where many more streams hold allocations at once). A shard is claimed
+    /// shared (a stream finding the 8 shards it looks at held by others tries their locks at
+    /// each allocation; with 256 shards, that takes many streams holding allocations at once).
+    /// A shard is claimed
     /// again only once emptied, so the claims stay 256 however many streams come and go. Which shard holds an allocation is a matter of speed only: a free
     /// that misses the shard it looks in first looks in the others.
     #[inline]
