@@ -241,9 +241,9 @@ impl<A: StreamAllocator> Pointers<A> {
     /// it can claim (no stream claimed it, or its stream keeps nothing in it), else its home,
     /// shared (a stream finding the 8 shards it looks at held by others tries their locks at
     /// each allocation; with 256 shards, that takes many streams holding allocations at once).
-    /// A shard is claimed
-    /// again only once emptied, so the claims stay 256 however many streams come and go. Which shard holds an allocation is a matter of speed only: a free
-    /// that misses the shard it looks in first looks in the others.
+    /// A shard is claimed again only once emptied, so the claims stay 256 however many streams
+    /// come and go. Which shard holds an allocation is a matter of speed only: a free that
+    /// misses the shard it looks in first looks in the others.
     #[inline]
     fn claim(&self, stream: Stream) -> usize {
         self.claimed(stream).unwrap_or_else(|| self.claim_new(stream))
