@@ -417,4 +417,74 @@ mod tests {
         assert!(stack.free_ptr(ptr, alike[3]));
         assert_eq!(stack.stats().allocated, 0);
     }
+
+    #[test]
+    fn threads_on_streams_that_hash_alike_find_every_allocation_while_claims_change_hands() {
+        let sim = SimDevice::new(SimConfig::with_capacity(4 << 30));
+        let alloc = StreamSafe::new(sim.clone(), StreamSafeConfig::default()).unwrap();
+        let stack = Pointers::new(alloc, sim.clone(), Duration::from_secs(1));
+        // 24 streams of one home shard, more than the 8 shards they look at: claims are taken,
+        // emptied and taken again by others while allocations stay where they were put.
+        let streams: Vec<Stream> = (0..20_000).map(|_| sim.create_stream().unwrap()).collect();
+        let home = shard_of(streams[0]);
+        let alike: Vec<Stream> = streams.iter().copied().filter(|&s| shard_of(s) == home).take(24).collect();
+        assert_eq!(alike.len(), 24);
+        let handed = std::sync::Mutex::new(Vec::<DevicePtr>::new());
+        std::thread::scope(|scope| {
+            for t in 0..4 {
+                let (stack, alike, handed) = (&stack, &alike, &handed);
+                scope.spawn(move || {
+                    let mut rng = 0x2545_F491_4F6C_DD1Du64 ^ t;
+                    let mut next = || {
+                        rng ^= rng << 13;
+                        rng ^= rng >> 7;
+                        rng ^= rng << 17;
+                        rng
+                    };
+                    let mut mine = Vec::new();
+                    for _ in 0..3000 {
+                        let stream = alike[(next() % 24) as usize];
+                        match next() % 4 {
+                            0 | 1 => mine.push((
+                                stack.allocate_ptr(256 + (next() % 4096) as usize, stream).unwrap(),
+                                stream,
+                            )),
+                            2 if !mine.is_empty() => {
+                                // Freed on its own stream, or on another (found all the same).
+                                let (ptr, owner) = mine.swap_remove((next() as usize) % mine.len());
+                                let on = if next() % 2 == 0 { owner } else { stream };
+                                assert!(stack.free_ptr(ptr, on), "an allocation was not found");
+                            }
+                            // Handed to another thread, which frees it.
+                            _ => {
+                                let taken = handed.lock().unwrap().pop();
+                                match taken {
+                                    Some(ptr) => {
+                                        assert!(
+                                            stack.free_ptr(ptr, stream),
+                                            "a handed allocation was not found"
+                                        )
+                                    }
+                                    None => {
+                                        if let Some((ptr, _)) = mine.pop() {
+                                            handed.lock().unwrap().push(ptr);
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    for (ptr, owner) in mine {
+                        assert!(stack.free_ptr(ptr, owner));
+                    }
+                });
+            }
+        });
+        for ptr in handed.into_inner().unwrap() {
+            assert!(stack.free_ptr(ptr, alike[0]));
+        }
+        assert_eq!(stack.stats().allocated, 0);
+        assert!(stack.shards.iter().all(|s| s.live.lock().is_empty()));
+        assert!(sim.violations().is_empty());
+    }
 }
