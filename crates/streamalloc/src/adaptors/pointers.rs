@@ -33,10 +33,10 @@ const NO_STREAM: u64 = u64::MAX;
 ///   lock run at a fifth of their speed on the simulator), and a free given the stream it was
 ///   allocated on finds it in one lookup. A free on another stream (or a `record_stream`,
 ///   which names a user, not the owner) looks in the shards that hold anything.
-/// * **Bounded.** The table holds the live allocations and nothing per thread or per stream:
-///   threads and streams that come and go leave nothing behind; each map grows to at most twice
-///   the most allocations its shard held at once (kept at most half full, as a map that churns
-///   is cheaper so).
+/// * **Bounded.** The table holds the live allocations and a claim per shard, nothing per
+///   thread or per stream: threads and streams that come and go leave nothing behind; each
+///   map grows to at most twice the most allocations its shard held at once (kept at most half
+///   full, as a map that churns is cheaper so).
 /// * **Recorded streams** stay on the allocation kept here until its free (the allocator below
 ///   orders the reuse after them then). [`StreamAllocator::retire_stream`] takes the stream
 ///   out of them once its work is done: it waits for that work, at most the `wait_timeout`
