@@ -12,6 +12,7 @@ import pathlib
 import re
 import sys
 import types
+from unittest import mock
 
 import streamalloc
 import streamalloc.cupy
@@ -151,18 +152,17 @@ def test_configure_stats_release():
 def test_torch_enable():
     torch, calls = fake_torch()
     sys.modules["torch"] = torch
-    saved = {name: os.environ.pop(name, None) for name in ("STREAMALLOC_TORCH", "STREAMALLOC_CONF")}
+    names = ("STREAMALLOC_TORCH", "STREAMALLOC_CONF")
     try:
-        allocator = streamalloc.torch.enable(CONF)
-        # Processes this one starts (torch.multiprocessing's spawned workers, which open the CUDA
-        # tensors it shares) enable streamalloc too, with the same configuration.
-        exported = {name: os.environ.get(name) for name in saved}
+        with mock.patch.dict(os.environ):  # the environment as it was, afterwards
+            for name in names:
+                os.environ.pop(name, None)
+            allocator = streamalloc.torch.enable(CONF)
+            # Processes this one starts (torch.multiprocessing's spawned workers, which open the
+            # CUDA tensors it shares) enable streamalloc too, with the same configuration.
+            exported = {name: os.environ.get(name) for name in names}
     finally:
         del sys.modules["torch"]
-        for name, value in saved.items():
-            os.environ.pop(name, None)
-            if value is not None:
-                os.environ[name] = value
     assert exported == {"STREAMALLOC_TORCH": "1", "STREAMALLOC_CONF": CONF}, exported
     assert calls["current"] is allocator
     lib = streamalloc.load()

@@ -394,16 +394,26 @@ mod tests {
         assert!(sim.violations().is_empty());
     }
 
-    #[test]
-    fn streams_whose_handles_hash_alike_take_shards_of_their_own() {
-        let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+    /// A table over a simulated device of `capacity` bytes, and `n` of the device's streams
+    /// whose handles hash to one home shard (its index last).
+    fn streams_of_one_home(
+        capacity: usize,
+        n: usize,
+    ) -> (Arc<SimDevice>, Pointers<StreamSafe>, Vec<Stream>, usize) {
+        let sim = SimDevice::new(SimConfig::with_capacity(capacity));
         let alloc = StreamSafe::new(sim.clone(), StreamSafeConfig::default()).unwrap();
         let stack = Pointers::new(alloc, sim.clone(), Duration::from_secs(1));
-        let streams: Vec<Stream> = (0..2000).map(|_| sim.create_stream().unwrap()).collect();
+        let first = sim.create_stream().unwrap();
+        let home = shard_of(first);
+        let others = std::iter::repeat_with(|| sim.create_stream().unwrap()).filter(|&s| shard_of(s) == home);
+        let alike: Vec<Stream> = std::iter::once(first).chain(others).take(n).collect();
+        (sim, stack, alike, home)
+    }
+
+    #[test]
+    fn streams_whose_handles_hash_alike_take_shards_of_their_own() {
         // Four streams of one home shard: the first three each take a lock of their own.
-        let home = shard_of(streams[0]);
-        let alike: Vec<Stream> = streams.iter().copied().filter(|&s| shard_of(s) == home).take(4).collect();
-        assert_eq!(alike.len(), 4);
+        let (_sim, stack, alike, home) = streams_of_one_home(1 << 30, 4);
         let ptrs: Vec<DevicePtr> = alike[..3].iter().map(|&s| stack.allocate_ptr(4096, s).unwrap()).collect();
         let held = |i: usize| stack.shards[i % SHARDS].live.lock().len();
         assert_eq!([held(home), held(home + 1), held(home + 2)], [1, 1, 1]);
@@ -420,15 +430,9 @@ mod tests {
 
     #[test]
     fn threads_on_streams_that_hash_alike_find_every_allocation_while_claims_change_hands() {
-        let sim = SimDevice::new(SimConfig::with_capacity(4 << 30));
-        let alloc = StreamSafe::new(sim.clone(), StreamSafeConfig::default()).unwrap();
-        let stack = Pointers::new(alloc, sim.clone(), Duration::from_secs(1));
         // 24 streams of one home shard, more than the 8 shards they look at: claims are taken,
         // emptied and taken again by others while allocations stay where they were put.
-        let streams: Vec<Stream> = (0..20_000).map(|_| sim.create_stream().unwrap()).collect();
-        let home = shard_of(streams[0]);
-        let alike: Vec<Stream> = streams.iter().copied().filter(|&s| shard_of(s) == home).take(24).collect();
-        assert_eq!(alike.len(), 24);
+        let (sim, stack, alike, _) = streams_of_one_home(4 << 30, 24);
         let handed = std::sync::Mutex::new(Vec::<DevicePtr>::new());
         std::thread::scope(|scope| {
             for t in 0..4 {
