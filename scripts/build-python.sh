@@ -4,6 +4,9 @@
 # py3-none-manylinux_2_N_<arch>, where 2.N is the newest glibc symbol version the library
 # references (read from its ELF version needs), so pip installs a wheel only on its
 # architecture with glibc >= 2.N. The version is Cargo's (python/setup.py reads Cargo.toml).
+# The x86-64 wheel also carries the torch backend compiled for each torch release of
+# python/torch-versions.txt (scripts/build_torch_backends.py downloads those torch wheels'
+# headers from PyPI; TORCH_BACKENDS=0 leaves the backend out, to be compiled on first use).
 #   bash scripts/build-python.sh            # the wheel of this machine (x86-64)
 #   bash scripts/build-python.sh aarch64    # and an aarch64 wheel, cross-compiled; needs
 #       rustup target add aarch64-unknown-linux-gnu
@@ -38,6 +41,7 @@ wheel() {
 }
 
 rm -f dist/streamalloc-*.whl
+rm -rf python/streamalloc/_torch_backend/prebuilt # x86-64's, compiled below
 for arch in "$@"; do
   case "$arch" in
     aarch64)
@@ -47,6 +51,13 @@ for arch in "$@"; do
     *) echo "build-python.sh: unknown architecture '$arch' (aarch64 is the one cross-built)" >&2; exit 2 ;;
   esac
 done
+# The torch backend, compiled for each torch release of python/torch-versions.txt (x86-64 only;
+# other architectures compile it on first use). TORCH_BACKENDS=0 leaves it out.
+if [ "${TORCH_BACKENDS:-1}" != 0 ]; then
+  python3 scripts/build_torch_backends.py
+else
+  rm -rf python/streamalloc/_torch_backend/prebuilt
+fi
 # This machine's wheel last, so python/streamalloc/ keeps this machine's library.
 cargo build --release -p streamalloc-capi
 wheel target/release/libstreamalloc.so strip

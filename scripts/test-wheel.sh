@@ -20,12 +20,45 @@ wheel=${native[0]}
 
 python3 -m venv "$tmp/audit"
 "$tmp/audit/bin/pip" install -q --disable-pip-version-check auditwheel
+# The torch backends the x86-64 wheel carries load only into a process that imported torch, whose
+# libraries (libc10, libtorch_cuda, libcudart of torch's CUDA) they link by name: auditwheel judges
+# the wheel without them, and each is checked on its own: torch's libraries and the system's
+# alone, and no newer glibc than the wheel's tag.
 for w in "${wheels[@]}"; do
   tag=${w##*-}; tag=${tag%.whl}
-  shown=$("$tmp/audit/bin/auditwheel" show "$w" | tr -s "\n " "  ") # joins its wrapped lines
+  audited=$tmp/audited/$(basename "$w")
+  mkdir -p "$tmp/audited" "$tmp/backends"
+  python3 - "$w" "$audited" "$tmp/backends" <<'PY'
+import sys, zipfile
+src, dst, backends = sys.argv[1:]
+with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as zout:
+    for item in zin.infolist():
+        data = zin.read(item)
+        if "/_torch_backend/prebuilt/" in item.filename:
+            zin.extract(item, backends)
+            continue
+        if item.filename.endswith(".dist-info/RECORD"):
+            data = b"".join(line for line in data.splitlines(keepends=True) if b"/_torch_backend/prebuilt/" not in line)
+        zout.writestr(item, data)
+PY
+  shown=$("$tmp/audit/bin/auditwheel" show "$audited" | tr -s "\n " "  ") # joins its wrapped lines
   grep -q "consistent with the following platform tag: \"$tag\"" <<<"$shown" \
     || { echo "$w: auditwheel disagrees with its tag $tag:" >&2; echo "$shown" >&2; exit 1; }
-  ok "$w: auditwheel confirms $tag"
+  ok "$w: auditwheel confirms $tag (the torch backends apart)"
+done
+glibc_of_tag=$(cut -d_ -f3 <<<"${tag}")
+for backend in $(find "$tmp/backends" -name '*.so'); do
+  needed=$(readelf -d "$backend" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p' | tr '\n' ' ')
+  for lib in $needed; do
+    case "$lib" in
+      libc10.so|libc10_cuda.so|libtorch_cpu.so|libtorch_cuda.so|libcudart.so.*) ;;
+      libstdc++.so.6|libgcc_s.so.1|libc.so.6|libm.so.6|ld-linux-*) ;;
+      *) echo "$(basename "$backend") needs $lib, neither torch's nor the system's" >&2; exit 1 ;;
+    esac
+  done
+  newest=$(readelf -V --wide "$backend" | grep -o 'GLIBC_2\.[0-9]*' | cut -d. -f2 | sort -n | tail -1)
+  [ "$newest" -le "$glibc_of_tag" ] || { echo "$(basename "$backend") needs glibc 2.$newest, the wheel says 2.$glibc_of_tag" >&2; exit 1; }
+  ok "$(basename "$backend"): links torch's libraries and the system's only, glibc 2.$newest"
 done
 
 # pip's own platform check, offline: the wheel's tag and nothing older or foreign.

@@ -200,6 +200,8 @@ def load():
             lib.streamalloc_stats.restype = status
             lib.streamalloc_configure.argtypes = [ctypes.c_char_p]
             lib.streamalloc_configure.restype = status
+            lib.streamalloc_check_configuration.argtypes = []
+            lib.streamalloc_check_configuration.restype = status
             lib.streamalloc_last_error.argtypes = []
             lib.streamalloc_last_error.restype = ctypes.c_char_p
             lib.streamalloc_cupy_free.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
@@ -260,6 +262,12 @@ def configure(conf):
     if "\0" in conf:
         raise ValueError("conf contains a NUL character, which would end it there")
     check(load().streamalloc_configure(conf.encode()))
+
+
+def check_configuration():
+    """Fixes the library's configuration now (`configure`'s, else `STREAMALLOC_CONF`) and raises
+    `StreamallocError` at once if it is bad, rather than at the first allocation."""
+    check(load().streamalloc_check_configuration())
 
 
 def stats(device=0):

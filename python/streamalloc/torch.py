@@ -3,11 +3,14 @@
 `enable()` makes streamalloc torch's CUDA allocator. By default it installs streamalloc's own
 torch backend: a C++ class implementing torch's whole allocator interface
 (`c10::cuda::CUDACachingAllocator::CUDAAllocator`, as torch's native and cudaMallocAsync
-backends do) over libstreamalloc's C ABI (`_torch_backend/backend.cpp`). It is built on first
-use against the installed torch's headers with torch's extension builder
-(`torch.utils.cpp_extension.load`, needs a C++ compiler, ninja and the CUDA runtime headers),
-cached per torch version under `~/.cache/streamalloc/` (`STREAMALLOC_CACHE` overrides), or
-taken prebuilt from `STREAMALLOC_TORCH_BACKEND_SO`. With it, torch's own functions work as
+backends do) over libstreamalloc's C ABI (`_torch_backend/backend.cpp`). The wheel carries it
+compiled for the torch releases it was built against (README lists them); for any other torch it
+is compiled on first use against the installed torch's headers (a C++ compiler and the CUDA
+runtime headers: `pip install 'streamalloc[torch-build]'` adds the headers torch's own
+dependencies lack; no ninja, no CUDA toolkit), cached per torch version under
+`~/.cache/streamalloc/` (`STREAMALLOC_CACHE` overrides), or taken from
+`STREAMALLOC_TORCH_BACKEND_SO`. `enable()` checks the configuration (`conf`, else
+`STREAMALLOC_CONF`) at once: a bad one raises there. With it, torch's own functions work as
 under torch's allocators:
 
 * `torch.cuda.memory_stats()` and everything built on it (`memory_allocated`,
@@ -26,8 +29,8 @@ under torch's allocators:
   cuMemAlloc chunks (`backing=chunks`, `strategy=plain`) in torch's own handle format; the
   driver's pool (`strategy=async`) cannot be shared, and sharing raises saying so.
 
-Where the backend cannot be built (no compiler, no ninja, no CUDA headers), `enable()` warns
-once, naming what is missing and what will not work, and falls back to torch's
+Where the backend cannot be had (no prebuilt one for this torch, and no compiler or no CUDA
+headers), `enable()` warns once, naming what is missing and what will not work, and falls back to torch's
 `CUDAPluggableAllocator` with every hook wired (the path of earlier versions): under it torch
 refuses its statistics functions, `cacheInfo` (cudnn.benchmark), `MemPool()`, cudagraph
 trees and IPC, and out of memory is a plain `RuntimeError`; `memory_stats()`,
@@ -65,6 +68,7 @@ import threading
 import warnings
 
 import streamalloc
+from streamalloc import _torch_build
 
 MALLOC = "streamalloc_torch_malloc"
 """The allocation function of the CUDAPluggableAllocator ABI (throws on failure)."""
@@ -111,88 +115,57 @@ class BackendUnavailable(RuntimeError):
 
 def backend_source():
     """The path of the backend's C++ source."""
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "_torch_backend", "backend.cpp")
+    return str(_torch_build.source_dir() / "backend.cpp")
 
 
 def _cache_dir(torch):
     root = os.environ.get("STREAMALLOC_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "streamalloc")
-    tag = f"torch-{torch.__version__}-cuda-{torch.version.cuda}-py{sys.version_info[0]}{sys.version_info[1]}"
+    tag = f"torch-{torch.__version__}-cuda-{torch.version.cuda}"
     return os.path.join(root, "torch-backend", tag.replace("+", "_"))
 
 
-def _cuda_headers(torch, cpp_extension):
-    """(with_cuda, include paths, link flags) for the CUDA runtime: CUDA_HOME's, else those
-    of the nvidia-cuda-runtime wheel torch depends on. Raises BackendUnavailable."""
-    if cpp_extension.CUDA_HOME and os.path.exists(os.path.join(cpp_extension.CUDA_HOME, "include",
-                                                               "cuda_runtime_api.h")):
-        return True, [], []
-    for entry in sys.path:
-        for sub in ("nvidia/cu13", "nvidia/cuda_runtime", "nvidia/cu12"):
-            include = os.path.join(entry, sub, "include")
-            if os.path.exists(os.path.join(include, "cuda_runtime_api.h")):
-                flags = [f"-L{os.path.join(os.path.dirname(torch.__file__), 'lib')}", "-lc10_cuda", "-ltorch_cuda"]
-                lib = os.path.join(entry, sub, "lib")
-                cudart = sorted(f for f in os.listdir(lib) if f.startswith("libcudart.so")) if os.path.isdir(lib) else []
-                if cudart:
-                    flags += [f"-L{lib}", f"-l:{cudart[0]}"]
-                return False, [include], flags
-    raise BackendUnavailable("the CUDA runtime headers (cuda_runtime_api.h: no CUDA_HOME, no nvidia-cuda-runtime wheel)")
+def _prebuilt(torch):
+    """The backend the wheel carries for this torch (release, CUDA major version, C++ ABI), or
+    None."""
+    name = _torch_build.prebuilt_name(torch.__version__, torch.version.cuda, torch._C._GLIBCXX_USE_CXX11_ABI)
+    path = _torch_build.prebuilt_dir() / name
+    return str(path) if path.is_file() else None
 
 
-def build_backend(verbose=False):
-    """Builds (or finds, already built for this torch) the backend library; returns its path.
-    Raises BackendUnavailable naming what is missing."""
+def build_backend():
+    """The backend library for the installed torch, as a path: `STREAMALLOC_TORCH_BACKEND_SO`,
+    else the one the wheel carries for this torch, else one compiled for it on first use (and
+    cached: see the module's doc). Raises BackendUnavailable naming what is missing."""
     prebuilt = os.environ.get(PREBUILT_ENV)
     if prebuilt:
         if not os.path.exists(prebuilt):
             raise BackendUnavailable(f"{PREBUILT_ENV}={prebuilt} does not exist")
         return prebuilt
-    import shutil
-
     import torch
 
+    if not getattr(getattr(torch, "version", None), "cuda", None):
+        raise BackendUnavailable(f"a CUDA build of torch (this torch, {getattr(torch, '__version__', '?')}, has none)")
+    shipped = _prebuilt(torch)
+    if shipped is not None:
+        return shipped
+    abi = bool(torch._C._GLIBCXX_USE_CXX11_ABI)
+    out = os.path.join(_cache_dir(torch), f"libstreamalloc_torch-{_torch_build.source_hash()}-abi{int(abi)}.so")
+    if os.path.isfile(out):
+        return out
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
     try:
         from torch.utils import cpp_extension
-    except Exception as e:  # a torch without its extension builder
-        raise BackendUnavailable(f"torch.utils.cpp_extension ({e})") from e
-    missing = []
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        missing.append(f"a C++ compiler ({compiler} not found)")
-    if not cpp_extension.is_ninja_available():
-        missing.append("ninja (pip install ninja)")
-    if missing:
-        raise BackendUnavailable(" and ".join(missing))
-    with_cuda, includes, ldflags = _cuda_headers(torch, cpp_extension)
-    build_dir = _cache_dir(torch)
-    os.makedirs(build_dir, exist_ok=True)
-    import hashlib
 
-    folder = os.path.dirname(backend_source())
-    with open(os.path.join(folder, "lib.h"), "rb") as header:
-        # torch's builder rebuilds when the sources or flags change: the header the sources share
-        # joins the flags as its hash, so that a change of it alone rebuilds too.
-        header_hash = hashlib.sha256(header.read()).hexdigest()[:16]
+        cuda_home = [cpp_extension.CUDA_HOME] if cpp_extension.CUDA_HOME else []
+    except Exception:  # a torch without its extension helpers: the packages alone
+        cuda_home = []
     try:
-        return cpp_extension.load(
-            name="streamalloc_torch_backend",
-            sources=[backend_source(), os.path.join(folder, "host.cpp")],
-            build_directory=build_dir,
-            extra_cflags=["-O2", f"-DSTREAMALLOC_LIB_H={header_hash}"],
-            extra_include_paths=includes,
-            # The shared libstdc++ first: a compiler that links it statically by default (as
-            # some images' wrappers do) gives the library a copy of its own whose uninitialised
-            # locale crashed formatting a number (seen on an H200 image, torch 2.11).
-            extra_ldflags=ldflags + ["-l:libstdc++.so.6", "-ldl"],
-            with_cuda=with_cuda,
-            is_python_module=False,
-            verbose=verbose,
-        )
-    except Exception as e:
-        lines = [line for line in str(e).splitlines() if line.strip()]
-        raise BackendUnavailable(f"building {backend_source()} in {build_dir} failed: "
-                                 + " | ".join(lines[-6:])) from e
+        include, lib = _torch_build.cuda_headers(cuda_home + [p for p in sys.path if p and os.path.isdir(p)])
+        _torch_build.compile_backend(out, torch_dir, include, lib, cxx11_abi=abi)
+    except _torch_build.BuildError as e:
+        raise BackendUnavailable(str(e)) from e
+    return out
 
 
 def _install_backend():
@@ -256,6 +229,7 @@ def enable(conf=None, backend=None):
         streamalloc.load()
         if conf is not None:
             streamalloc.configure(conf)
+        streamalloc.check_configuration()
         current = _install(torch, mode)
         # Once enabled: a child told to enable what failed here would fail at its import of torch.
         _export(conf, backend)

@@ -10,6 +10,7 @@ import ctypes
 import os
 import pathlib
 import re
+import subprocess
 import sys
 import types
 from unittest import mock
@@ -186,6 +187,24 @@ def test_torch_enable():
     assert allocator.alloc(0, 0, None) is None
     ctypes.CFUNCTYPE(None)(address["streamalloc_torch_empty_cache"])()
     assert streamalloc.stats(0)["reserved"] == 0
+
+
+def test_torch_enable_refuses_a_bad_configuration_at_once():
+    # In a process of its own: the library's configuration is fixed once per process.
+    script = (
+        "import sys, types, streamalloc, streamalloc.torch as t\n"
+        "sys.modules['torch'] = types.ModuleType('torch')\n"
+        "try:\n"
+        "    t.enable(backend='pluggable')\n"
+        "except streamalloc.StreamallocError as e:\n"
+        "    print('refused:', e)\n"
+        "else:\n"
+        "    print('enabled')\n")
+    env = dict(os.environ, STREAMALLOC_CONF="device=sim,strategy=warp")
+    env.pop("STREAMALLOC_TORCH", None)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("refused:") and "warp" in done.stdout, (done.stdout, done.stderr)
 
 
 def test_cupy_enable():

@@ -57,7 +57,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>
 # --- the backend ------------------------------------------------------------------------------
 start=$(date +%s)
 if STREAMALLOC_TORCH_BACKEND=backend python3 -c \
-  "import streamalloc.torch as t; print('backend built:', t.build_backend(verbose=True))" \
+  "import streamalloc.torch as t; print('backend built:', t.build_backend())" \
   > "$OUT/torch-backend-build.log" 2>&1; then
   build_ok=1
   echo "backend built in $(( $(date +%s) - start )) s: $(tail -n 1 "$OUT/torch-backend-build.log")"

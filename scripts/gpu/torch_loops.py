@@ -1,22 +1,24 @@
 #!/usr/bin/env python3
-"""Three real PyTorch training loops under torch's allocators and streamalloc's (issue 34).
+"""Real PyTorch training loops under torch's allocators and streamalloc's, step times with
+their spread across processes.
 
-    python3 scripts/gpu/torch_loops.py --out DIR [--quick] [--loops L,..] [--allocators A,..]
+    python3 scripts/gpu/torch_loops.py --out DIR [--quick] [--rounds N] [--loops L,..] [--allocators A,..]
     python3 scripts/gpu/torch_loops.py --one LOOP ALLOCATOR --result FILE [--quick]   # one run
 
 Loops (each logs torch.cuda.max_memory_allocated() after every step):
 
   resnet    torchvision ResNet-50 training (SGD with momentum, batch 32 of random 224x224
             images and labels, fp32), fixed shapes, torch.backends.cudnn.benchmark = True
-  compiled  a residual MLP (4 blocks of LayerNorm, 512 -> 2048 -> 512 with GELU; batch 64 x
-            128 tokens) with its MSE loss under torch.compile(mode="reduce-overhead") (CUDA
-            graph trees), AdamW outside the graph; compile time is in the warm-up steps
+  amp_cnn   torchvision EfficientNet-B0 training under mixed precision (torch.autocast
+            float16, GradScaler; SGD; batch 64 of 224x224), cudnn.benchmark = True
+  compiled  a causal transformer LM (4 pre-norm blocks, d=512, 8 heads, vocabulary 8192, batch
+            16 x 256 tokens) with its loss under torch.compile(mode="reduce-overhead") (CUDA
+            graph trees) and an AdamW step; compile time is in the warm-up steps
   varying   a causal transformer LM (nn.TransformerEncoder, 4 layers, d=512, 8 heads,
             vocabulary 8192, AdamW) whose batch (4-32) and sequence length (16-512) change
             every step, drawn from random.Random(seed): the same shapes in every run
 
-Allocators, each run in its own process (the allocator is fixed per process), one after
-another:
+Allocators, each run in its own process (the allocator is fixed per process):
 
   native      torch's caching allocator
   expandable  the same with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -24,43 +26,41 @@ another:
               (STREAMALLOC_TORCH_BACKEND=pluggable, streamalloc.torch.enable())
   backend     streamalloc's torch backend (STREAMALLOC_TORCH_BACKEND=backend: enable()
               installs it or fails, never a silent fallback)
-  rerun       torch's caching allocator again, a control: whether native reproduces its own
-              losses bitwise (by default for loop resnet only, --control LOOPS|all|none)
 
-streamalloc's configuration is the default unless STREAMALLOC_CONF is set. The backend is
-built once, before the runs, into STREAMALLOC_CACHE (default /tmp/streamalloc-cache here),
-which every run reuses.
+With cudnn.benchmark every process times cudnn's algorithms anew and may pick others, so one
+process per allocator says little: --rounds N (default 5) runs N processes of each (loop,
+allocator), interleaved (round 1: every allocator once, round 2: again, ...), and each
+process records which kernels one step after the timed ones launches (torch.profiler: the
+names and counts of its CUDA kernels, hashed), so rows are compared over processes that ran
+the same algorithms. streamalloc's configuration is the default unless STREAMALLOC_CONF is
+set.
 
 For each (loop, allocator), printed as a markdown table and written to DIR/torch_loops.md:
 
-* median step ms: the median over the timed steps (--steps, default 30) after --warmup
-  (default 10) warm-up steps; a step is timed from a synchronize to a synchronize.
-* peak device MiB (driver): device memory in use as the driver reports it, beyond the
-  process's baseline (taken after CUDA initialisation, before the model exists): total -
-  free of torch.cuda.mem_get_info() (cudaMemGetInfo) sampled after each forward, each
-  backward and each step, and, when pynvml (nvidia-ml-py) is importable, NVML's used memory
-  sampled every 2 ms from a thread (over its own baseline); the larger of the two peaks,
-  warm-up included (cudnn's benchmark workspaces and CUDA graph recording count). Every
-  process on the GPU counts: run nothing else on it.
-* max_memory_allocated MiB (torch): torch.cuda.max_memory_allocated() after the last step,
-  or "refused" when torch raised (it does under the pluggable fallback), with its message
-  in the notes.
-* losses equal native: every step's loss (warm-up included) as an exact float against the
-  native run's: "equal", or "differ" with the steps that differ and the largest absolute
-  difference. Seeds are fixed, torch.use_deterministic_algorithms(True, warn_only=True),
-  cudnn.deterministic = True (with benchmark = True cudnn still times the deterministic
-  algorithms and may pick another one in another process, so loop resnet may differ
-  legitimately: the rerun row shows whether native differs from itself), attention on
-  PyTorch's math kernel.
+* step ms: the median over processes of each process's median step (over --steps timed
+  steps, default 30, after --warmup warm-up steps, default 10; a step is timed from a
+  synchronize to a synchronize), with the range over processes;
+* vs fastest torch: that median over the fastest of native's and expandable's;
+* beyond native's spread: "slower" when every process of the row is slower than every native
+  process, "faster" when faster than every one, else "within";
+* pairs slower: in how many rounds the row's process was slower than native's of the same round;
+* kernel sets: how many distinct kernel fingerprints the row's processes had, and the
+  comparison over processes whose fingerprint native's processes share, where any do;
+* peak device MiB (driver): device memory in use as the driver reports it beyond the
+  process's baseline (cudaMemGetInfo after each forward, backward and step, and NVML every 2
+  ms when pynvml is importable), warm-up included, median over processes;
+* max_memory_allocated MiB (torch), or "refused" when torch raised (under the pluggable
+  fallback);
+* losses equal native: every step's loss against the first native process's, bitwise, in
+  how many processes (seeds fixed, deterministic algorithms where torch has them; with
+  cudnn.benchmark another algorithm may give other bits).
 
-A loop that torch refuses under an allocator (cudnn.benchmark and reduce-overhead under the
-pluggable fallback) shows "refused" and the error in the notes; that is a result, not a
-crash. Each run writes its log to DIR/torch_loops-logs/LOOP-ALLOCATOR.log, and its result as
-one JSON line to DIR/torch_loops.jsonl (per-step times, losses as hex floats, memory samples,
-max_memory_allocated per step). Exits 1 if a run of native, expandable, backend or rerun did
-not complete.
+A loop that torch refuses under an allocator shows "refused" and the error in the notes; that
+is a result, not a crash. Each run writes its log to DIR/torch_loops-logs/LOOP-ALLOCATOR-rN.log
+and its result as one JSON line to DIR/torch_loops.jsonl. Exits 1 if a run of native,
+expandable or backend did not complete.
 
---quick: small models, 3 warm-up and 5 timed steps (a smoke run of a minute or two).
+--quick: small models, 3 warm-up and 5 timed steps, 2 rounds (a smoke run).
 --device cpu: a smoke test of this script's own logic on a machine without a GPU (tiny
 models, no allocator applied, no memory figures): its numbers mean nothing.
 """
@@ -80,14 +80,13 @@ from torch_runs import (NvmlSampler, allocator_env, apply_env, child_env, enable
 MIB = 1 << 20
 HERE = os.path.abspath(__file__)
 
-LOOPS = ("resnet", "compiled", "varying")
-ALLOCATORS = ("native", "expandable", "pluggable", "backend", "rerun")
-MUST_COMPLETE = ("native", "expandable", "backend", "rerun")
+LOOPS = ("resnet", "amp_cnn", "compiled", "varying")
+ALLOCATORS = ("native", "expandable", "pluggable", "backend")
+MUST_COMPLETE = ("native", "expandable", "backend")
 """Allocators whose runs must complete: the pluggable fallback is expected to be refused."""
 
 ENV = {
     "native": allocator_env(),
-    "rerun": allocator_env(),
     "expandable": allocator_env("expandable_segments:True"),
     "pluggable": allocator_env(backend="pluggable"),
     "backend": allocator_env(backend="backend"),
@@ -97,8 +96,10 @@ ENV = {
 SIZES = {
     # loop: (full, quick) parameters
     "resnet": ({"arch": "resnet50", "batch": 32, "image": 224}, {"arch": "resnet18", "batch": 8, "image": 64}),
-    "compiled": ({"dim": 512, "hidden": 2048, "blocks": 4, "batch": 64, "tokens": 128},
-                 {"dim": 64, "hidden": 256, "blocks": 2, "batch": 8, "tokens": 16}),
+    "amp_cnn": ({"arch": "efficientnet_b0", "batch": 64, "image": 224},
+                {"arch": "efficientnet_b0", "batch": 4, "image": 64}),
+    "compiled": ({"dim": 512, "heads": 8, "blocks": 4, "vocab": 8192, "batch": 16, "tokens": 256},
+                 {"dim": 64, "heads": 4, "blocks": 1, "vocab": 256, "batch": 4, "tokens": 16}),
     "varying": ({"dim": 512, "heads": 8, "layers": 4, "ff": 2048, "vocab": 8192, "batch": (4, 32), "seq": (16, 512)},
                 {"dim": 64, "heads": 4, "layers": 1, "ff": 128, "vocab": 512, "batch": (2, 8), "seq": (8, 64)}),
 }
@@ -156,41 +157,78 @@ def build_resnet(torch, dev, p, seed, steps):
     return step
 
 
+def build_amp_cnn(torch, dev, p, seed, steps):
+    import torchvision
+
+    torch.backends.cudnn.benchmark = True
+    torch.manual_seed(seed)
+    model = getattr(torchvision.models, p["arch"])(num_classes=1000).to(dev)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    cuda = dev.type == "cuda"
+    scaler = torch.amp.GradScaler("cuda", enabled=cuda)
+    gen = torch.Generator(device=dev).manual_seed(seed + 1)
+    b, hw = p["batch"], p["image"]
+
+    def step(i, sample):
+        x = torch.randn(b, 3, hw, hw, device=dev, generator=gen)
+        y = torch.randint(0, 1000, (b,), device=dev, generator=gen)
+        with torch.autocast(dev.type, dtype=torch.float16 if cuda else torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        sample()
+        scaler.scale(loss).backward()
+        sample()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach().float()
+
+    return step
+
+
 def build_compiled(torch, dev, p, seed, steps):
     nn, F = torch.nn, torch.nn.functional
-    d, h = p["dim"], p["hidden"]
+    d, heads, vocab, t = p["dim"], p["heads"], p["vocab"], p["tokens"]
 
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
-            self.ln, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, h), nn.Linear(h, d)
+            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+            self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
 
         def forward(self, x):
-            return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+            b, n, _ = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(b, n, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(a.transpose(1, 2).reshape(b, n, d))
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
-    class WithLoss(nn.Module):
+    class LM(nn.Module):
         def __init__(self):
             super().__init__()
-            self.body = nn.Sequential(*[Block() for _ in range(p["blocks"])], nn.LayerNorm(d))
+            self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(t, d)
+            self.blocks = nn.Sequential(*[Block() for _ in range(p["blocks"])], nn.LayerNorm(d))
+            self.head = nn.Linear(d, vocab)
 
-        def forward(self, x, y):
-            return F.mse_loss(self.body(x), y)
+        def forward(self, tokens, targets):
+            x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+            logits = self.head(self.blocks(x))
+            return F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1))
 
     torch.manual_seed(seed)
-    model = WithLoss().to(dev)
+    model = LM().to(dev)
     model.train()
     compiled = torch.compile(model, mode="reduce-overhead")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator(device=dev).manual_seed(seed + 1)
-    shape = (p["batch"], p["tokens"], d)
     cuda = dev.type == "cuda"
 
     def step(i, sample):
         if cuda:
             torch.compiler.cudagraph_mark_step_begin()
-        x = torch.randn(shape, device=dev, generator=gen)
-        y = torch.randn(shape, device=dev, generator=gen)
-        loss = compiled(x, y)
+        tokens = torch.randint(0, vocab, (p["batch"], t + 1), device=dev, generator=gen)
+        loss = compiled(tokens[:, :-1], tokens[:, 1:])
         sample()
         loss.backward()
         sample()
@@ -250,13 +288,35 @@ def build_varying(torch, dev, p, seed, steps):
     return step
 
 
-BUILDERS = {"resnet": build_resnet, "compiled": build_compiled, "varying": build_varying}
+BUILDERS = {"resnet": build_resnet, "amp_cnn": build_amp_cnn, "compiled": build_compiled,
+            "varying": build_varying}
 
 
 def short(e):
     """An exception's type and first line (torch's messages run long)."""
     lines = [line for line in str(e).splitlines() if line.strip()]
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:400]
+
+
+def kernel_fingerprint(torch, step, i, sample):
+    """The CUDA kernels one more step launches (torch.profiler), as {"kernels": {name: count},
+    "kernel_fp": a hash of them}: processes with the same hash ran the same algorithms."""
+    import hashlib
+
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step(i, sample)
+            torch.cuda.synchronize()
+        kernels = {}
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                kernels[event.name] = kernels.get(event.name, 0) + 1
+    except Exception as e:  # the figure is lost, not the run
+        return {"kernel_fp": None, "kernel_fp_error": short(e)}
+    text = "\n".join(f"{name} {count}" for name, count in sorted(kernels.items()))
+    return {"kernels": kernels, "kernel_fp": hashlib.sha1(text.encode()).hexdigest()[:10]}
 
 
 def one_run(loop, allocator, args):
@@ -347,6 +407,8 @@ def one_run(loop, allocator, args):
                       flush=True)
         if sampler is not None:
             sampler.stop()
+        if cuda and step is not None and r["error"] is None and len(step_ms) == total:
+            r.update(kernel_fingerprint(torch, step, total, sample))
         if cuda and not mma and mma_error is None:  # the loop stopped before its first step ended
             try:
                 mma.append(torch.cuda.max_memory_allocated(dev))
@@ -402,78 +464,94 @@ def mib(v):
     return "—" if v is None else f"{v / MIB:,.0f}"
 
 
-def compare(run, reference):
-    """The 'losses equal native' cell."""
-    if run["allocator"] == "native":
-        return "(reference)" if run["losses_hex"] else "—"
-    if reference is None or not reference.get("losses_hex"):
-        return "n/a (no native run)"
-    mine, ref = run.get("losses_hex") or [], reference["losses_hex"]
-    if not mine:
-        return "—"
-    n = min(len(mine), len(ref))
-    differ = [i for i in range(n) if mine[i] != ref[i]]
-    partial = f" (first {n} steps)" if n < max(len(mine), len(ref)) else ""
-    if not differ:
-        return "equal" + partial
-    diff = max(abs(float.fromhex(mine[i]) - float.fromhex(ref[i])) for i in differ)
-    return f"differ on {len(differ)} of {n} steps from step {differ[0]} (max abs diff {diff:.3g}){partial}"
+def losses_equal(run, reference):
+    """Whether RUN's losses equal REFERENCE's bitwise (None when either has none)."""
+    mine, ref = run.get("losses_hex") or [], (reference or {}).get("losses_hex") or []
+    if not mine or not ref or run is reference:
+        return None
+    return mine == ref
 
 
-def cells(run, reference):
-    """loop | allocator | median | peak | max_memory_allocated | losses."""
-    refusal = "refused" if run["allocator"] == "pluggable" else "ERROR"
-    if run["completed"]:
-        median = f"{run['median_step_ms']:.2f}"
-    elif run.get("error"):
-        median = f"{refusal} (step {run['error_step']})" if run.get("error_step") is not None else refusal
+def row_cells(loop, allocator, runs, fastest, natives):
+    """The table's cells for one (loop, allocator) over its processes."""
+    done = [r for r in runs if r["completed"]]
+    refusal = "refused" if allocator == "pluggable" else "ERROR"
+    if not done:
+        return [loop, allocator, f"{refusal} ({len(runs)} of {len(runs)})"] + ["—"] * 7
+    medians = [r["median_step_ms"] for r in done]
+    mid = statistics.median(medians)
+    step = f"{mid:.2f} ({min(medians):.2f}-{max(medians):.2f}, {len(done)}" + \
+        (f" of {len(runs)})" if len(done) < len(runs) else ")")
+    ratio = f"{mid / fastest:.3f}" if fastest else "—"
+    native_done = [r for r in natives if r["completed"]]
+    if allocator == "native" or not native_done:
+        spread = pairs = "—"
     else:
-        median = "—"
-    peak = mib(run.get("peak_over_baseline")) if run["completed"] else "—"
-    if run.get("max_memory_allocated_error"):
+        lo, hi = min(r["median_step_ms"] for r in native_done), max(r["median_step_ms"] for r in native_done)
+        spread = "slower" if min(medians) > hi else "faster" if max(medians) < lo else "within"
+        by_round = {r["round"]: r["median_step_ms"] for r in native_done}
+        paired = [(r["median_step_ms"], by_round[r["round"]]) for r in done if r["round"] in by_round]
+        pairs = f"{sum(a > b for a, b in paired)} of {len(paired)}"
+    fps = [r.get("kernel_fp") for r in done]
+    native_fps = {r.get("kernel_fp") for r in native_done} - {None}
+    shared = [r["median_step_ms"] for r in done if r.get("kernel_fp") in native_fps]
+    kernels = f"{len(set(fps) - {None})}"
+    if allocator != "native" and native_fps:
+        same_native = [r["median_step_ms"] for r in native_done if r.get("kernel_fp") in set(fps)]
+        kernels += (f"; {len(shared)} share native's: {statistics.median(shared):.2f} vs native "
+                    f"{statistics.median(same_native):.2f}" if shared else "; none shares native's")
+    peak = statistics.median([r["peak_over_baseline"] for r in done if r.get("peak_over_baseline") is not None]
+                             or [None]) if any(r.get("peak_over_baseline") for r in done) else None
+    if any(r.get("max_memory_allocated_error") for r in done):
         mma = "refused"
-    elif run.get("max_memory_allocated"):
-        mma = mib(run["max_memory_allocated"][-1]) + ("" if run["completed"] else " (partial)")
     else:
-        mma = "—"
-    extra = ""
-    if run["loop"] == "compiled" and run.get("cudagraphs") is False and run["completed"]:
-        extra = " (no CUDA graphs were used)"
-    return [run["loop"], run["allocator"], median, peak, mma, compare(run, reference) + extra]
+        values = [r["max_memory_allocated"][-1] for r in done if r.get("max_memory_allocated")]
+        mma = mib(statistics.median(values)) if values else "—"
+    reference = next((r for r in natives if r.get("losses_hex")), None)
+    equal = [losses_equal(r, reference) for r in done]
+    compared = [e for e in equal if e is not None]
+    losses = "(reference)" if allocator == "native" and not compared else \
+        (f"{sum(compared)} of {len(compared)}" if compared else "—")
+    return [loop, allocator, step, ratio, spread, pairs, kernels, mib(peak), mma, losses]
 
 
 def table(runs, args, header):
     out = [header, "",
-           "| loop | allocator | median step ms | peak device MiB (driver) | max_memory_allocated MiB (torch) "
-           "| losses equal native |",
-           "| --- | --- | ---: | ---: | ---: | --- |"]
+           "| loop | allocator | step ms: median (range, processes) | vs fastest torch | beyond native's spread "
+           "| pairs slower than native | kernel sets | peak device MiB (driver) | max_memory_allocated MiB (torch) "
+           "| losses equal native's |",
+           "| --- | --- | --- | ---: | --- | --- | --- | ---: | ---: | --- |"]
     notes = []
-    for run in runs:
-        reference = next((r for r in runs if r["loop"] == run["loop"] and r["allocator"] == "native"), None)
-        out.append("| " + " | ".join(cells(run, reference)) + " |")
-        if run.get("error"):
-            where = f" at step {run['error_step']}" if run.get("error_step") is not None else \
-                f" in {run.get('error_phase', 'the run')}"
-            kind = "refused" if run["allocator"] == "pluggable" else "ERROR"
-            notes.append(f"- {run['loop']}/{run['allocator']}: {kind}{where}: {run['error']}")
-        if run.get("max_memory_allocated_error"):
-            notes.append(f"- {run['loop']}/{run['allocator']}: torch.cuda.max_memory_allocated() raised: "
-                         f"{run['max_memory_allocated_error']}")
-        if run.get("nondeterministic_ops") and run["allocator"] == "native":
-            notes.append(f"- {run['loop']}: ops without a deterministic implementation (warned): "
-                         + "; ".join(run["nondeterministic_ops"])[:600])
-    out += ["", f"Median over {args.steps} timed steps after {args.warmup} warm-up steps; peak device memory "
-            "beyond the process's baseline (driver: cudaMemGetInfo after each forward, backward and step"
+    for loop in dict.fromkeys(r["loop"] for r in runs):
+        of_loop = [r for r in runs if r["loop"] == loop]
+        natives = [r for r in of_loop if r["allocator"] == "native"]
+        torch_rows = [statistics.median(r["median_step_ms"] for r in of_loop if r["allocator"] == a and r["completed"])
+                      for a in ("native", "expandable")
+                      if any(r["allocator"] == a and r["completed"] for r in of_loop)]
+        fastest = min(torch_rows) if torch_rows else None
+        for allocator in dict.fromkeys(r["allocator"] for r in of_loop):
+            mine = [r for r in of_loop if r["allocator"] == allocator]
+            out.append("| " + " | ".join(row_cells(loop, allocator, mine, fastest, natives)) + " |")
+            for run in mine:
+                if run.get("error"):
+                    where = f" at step {run['error_step']}" if run.get("error_step") is not None else \
+                        f" in {run.get('error_phase', 'the run')}"
+                    kind = "refused" if allocator == "pluggable" else "ERROR"
+                    notes.append(f"- {loop}/{allocator} round {run['round']}: {kind}{where}: {run['error']}")
+                if run.get("max_memory_allocated_error") and run["round"] == 1:
+                    notes.append(f"- {loop}/{allocator}: torch.cuda.max_memory_allocated() raised: "
+                                 f"{run['max_memory_allocated_error']}")
+                if loop == "compiled" and run.get("cudagraphs") is False and run["completed"]:
+                    notes.append(f"- compiled/{allocator} round {run['round']}: no CUDA graphs were used")
+    out += ["", f"Each process: the median of {args.steps} timed steps after {args.warmup} warm-up steps; "
+            f"{args.rounds} rounds, allocators interleaved within each round. Peak device memory beyond the "
+            "process's baseline (cudaMemGetInfo after each forward, backward and step"
             + (", NVML every 2 ms" if any(r.get("nvml_peak") for r in runs) else ", no NVML")
-            + "; warm-up included); max_memory_allocated after "
-            "the last step; losses of every step compared bitwise with the native run."]
+            + "; warm-up included)."]
     warm = [f"{r['allocator']} {r['warmup_ms_total'] / 1e3:.1f} s" for r in runs
-            if r["loop"] == "compiled" and r.get("warmup_ms_total") is not None and r.get("steps_done")]
+            if r["loop"] == "compiled" and r["round"] == 1 and r.get("warmup_ms_total") is not None and r.get("steps_done")]
     if warm:
-        out.append(f"compiled: the warm-up steps (compilation, CUDA graph recording) took {', '.join(warm)}.")
-    if any(r["allocator"] == "rerun" for r in runs):
-        out.append("rerun: torch's native allocator again, in a new process: whether native reproduces its own "
-                   "losses (with cudnn.benchmark each process times cudnn's algorithms anew and may pick others).")
+        out.append(f"compiled, round 1: the warm-up steps (compilation, CUDA graph recording) took {', '.join(warm)}.")
     if notes:
         out += ["", "Notes:", *notes]
     return "\n".join(out)
@@ -494,40 +572,40 @@ def drive(args):
     runs = []
     with open(jsonl_path, "w") as jsonl:
         for loop in loops:
-            control = ["rerun"] if loop in args.control and "rerun" not in allocators else []
-            for allocator in allocators + control:
-                result_path = os.path.join(logs, f"{loop}-{allocator}.json")
-                log_path = os.path.join(logs, f"{loop}-{allocator}.log")
-                if os.path.exists(result_path):
-                    os.remove(result_path)
-                cmd = [sys.executable, HERE, "--one", loop, allocator, "--result", result_path,
-                       "--warmup", str(args.warmup), "--steps", str(args.steps), "--seed", str(args.seed),
-                       "--device", args.device] + (["--quick"] if args.quick else []) + \
-                      ([] if args.nvml else ["--no-nvml"])
-                rc, secs = run_child(cmd, child_env_of(allocator), log_path, args.timeout)
-                try:
-                    with open(result_path) as f:
-                        run = json.load(f)
-                except (OSError, ValueError):
-                    why = f"timed out after {args.timeout} s" if rc is None else f"exited {rc} without a result"
-                    run = {"loop": loop, "allocator": allocator, "completed": False,
-                           "error": f"{why}: {tail(log_path)}", "error_phase": "process", "error_step": None}
-                    if allocator == "backend" and build_problem:
-                        run["error"] += f" [{build_problem}]"
-                run["process_s"] = secs
-                runs.append(run)
-                jsonl.write(json.dumps(run) + "\n")
-                jsonl.flush()
-                state = ("ok" if run["completed"] else
-                         ("refused" if allocator == "pluggable" else "FAILED") + f": {run.get('error')}")
-                median = run.get("median_step_ms")
-                if run.get("step_ms"):
-                    print(f"{loop:>9} / {allocator:<10} first step {run['step_ms'][0] / 1e3:.1f} s, "
-                          f"warm-up {run['warmup_ms_total'] / 1e3:.1f} s", flush=True)
-                print(f"{loop:>9} / {allocator:<10} {secs:6.1f} s  "
-                      + (f"median {median:8.2f} ms  " if median is not None else "")
-                      + (f"peak {mib(run.get('peak_over_baseline'))} MiB  " if run.get("peak_over_baseline") else "")
-                      + state, flush=True)
+            for n in range(1, args.rounds + 1):
+                for allocator in allocators:
+                    name = f"{loop}-{allocator}-r{n}"
+                    result_path = os.path.join(logs, f"{name}.json")
+                    log_path = os.path.join(logs, f"{name}.log")
+                    if os.path.exists(result_path):
+                        os.remove(result_path)
+                    cmd = [sys.executable, HERE, "--one", loop, allocator, "--result", result_path,
+                           "--warmup", str(args.warmup), "--steps", str(args.steps), "--seed", str(args.seed),
+                           "--device", args.device] + (["--quick"] if args.quick else []) + \
+                          ([] if args.nvml else ["--no-nvml"])
+                    rc, secs = run_child(cmd, child_env_of(allocator), log_path, args.timeout)
+                    try:
+                        with open(result_path) as f:
+                            run = json.load(f)
+                    except (OSError, ValueError):
+                        why = f"timed out after {args.timeout} s" if rc is None else f"exited {rc} without a result"
+                        run = {"loop": loop, "allocator": allocator, "completed": False,
+                               "error": f"{why}: {tail(log_path)}", "error_phase": "process", "error_step": None}
+                        if allocator == "backend" and build_problem:
+                            run["error"] += f" [{build_problem}]"
+                    run["process_s"], run["round"] = secs, n
+                    run.pop("kernels", None) if n > 1 else None  # the names once per row are enough
+                    runs.append(run)
+                    jsonl.write(json.dumps(run) + "\n")
+                    jsonl.flush()
+                    state = ("ok" if run["completed"] else
+                             ("refused" if allocator == "pluggable" else "FAILED") + f": {run.get('error')}")
+                    median = run.get("median_step_ms")
+                    print(f"{loop:>9} / {allocator:<10} r{n} {secs:6.1f} s  "
+                          + (f"median {median:8.2f} ms  " if median is not None else "")
+                          + (f"kernels {run.get('kernel_fp')}  " if run.get("kernel_fp") else "")
+                          + (f"peak {mib(run.get('peak_over_baseline'))} MiB  " if run.get("peak_over_baseline") else "")
+                          + state, flush=True)
     first = next((r for r in runs if r.get("torch")), {})
     header = (f"## Training loops under each allocator ({'quick' if args.quick else 'full'} run"
               f"{', CPU DRY RUN: figures meaningless' if args.device == 'cpu' else ''})\n\n"
@@ -538,7 +616,8 @@ def drive(args):
     with open(md_path, "w") as f:
         f.write(text + "\n")
     print(f"\nwritten: {md_path}, {jsonl_path}, logs in {logs}")
-    failed = [f"{r['loop']}/{r['allocator']}" for r in runs if r["allocator"] in MUST_COMPLETE and not r["completed"]]
+    failed = sorted({f"{r['loop']}/{r['allocator']}" for r in runs
+                     if r["allocator"] in MUST_COMPLETE and not r["completed"]})
     if failed:
         print(f"runs that did not complete: {', '.join(failed)}")
     return 1 if failed else 0
@@ -550,11 +629,9 @@ def main():
     parser.add_argument("--out", default="/tmp/streamalloc-gpu", help="folder for torch_loops.md/.jsonl and logs")
     parser.add_argument("--quick", action="store_true", help="small models, 3 warm-up and 5 timed steps")
     parser.add_argument("--loops", default=",".join(LOOPS), help=f"comma-separated, of {', '.join(LOOPS)}")
-    parser.add_argument("--allocators", default=",".join(a for a in ALLOCATORS if a != "rerun"),
-                        help=f"comma-separated, of {', '.join(ALLOCATORS)} (run in this order)")
-    parser.add_argument("--control", default="resnet",
-                        help="loops that get a rerun of native after the others: comma-separated, all or none "
-                             "(default resnet)")
+    parser.add_argument("--allocators", default="native,expandable,backend",
+                        help=f"comma-separated, of {', '.join(ALLOCATORS)} (run in this order in each round)")
+    parser.add_argument("--rounds", type=int, help="processes per (loop, allocator), interleaved (default 5, quick 2)")
     parser.add_argument("--warmup", type=int, help="warm-up steps (default 10, quick 3)")
     parser.add_argument("--steps", type=int, help="timed steps (default 30, quick 5)")
     parser.add_argument("--seed", type=int, default=1234)
@@ -569,9 +646,9 @@ def main():
     args = parser.parse_args()
     args.warmup = args.warmup if args.warmup is not None else (3 if args.quick else 10)
     args.steps = args.steps if args.steps is not None else (5 if args.quick else 30)
-    args.control = {"all": list(LOOPS), "none": []}.get(args.control, args.control.split(","))
-    if any(name not in LOOPS for name in args.control):
-        parser.error(f"--control: loops of {', '.join(LOOPS)}, all or none")
+    args.rounds = args.rounds if args.rounds is not None else (2 if args.quick else 5)
+    if args.rounds < 1:
+        parser.error("--rounds >= 1")
     if args.warmup < 0 or args.steps < 1:
         parser.error("--warmup >= 0 and --steps >= 1")
     for name in args.loops.split(","):

@@ -199,6 +199,11 @@ enum streamalloc_status_t streamalloc_enable_peer_access(int device,
 // `conf` is null (an error) or a NUL-terminated string.
 enum streamalloc_status_t streamalloc_configure(const char *conf);
 
+// Fixes the configuration now (from [`streamalloc_configure`], else `STREAMALLOC_CONF`) and
+// reports a bad one at once, rather than at the first allocation. Touches no device: each
+// device's allocators are still built at its first use.
+enum streamalloc_status_t streamalloc_check_configuration(void);
+
 // The message of the last failed call on the calling thread (an empty string if none). The
 // string belongs to the library and stays valid until the next call on this thread.
 const char *streamalloc_last_error(void);

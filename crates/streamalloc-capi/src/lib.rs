@@ -231,6 +231,14 @@ pub unsafe extern "C" fn streamalloc_configure(conf: *const c_char) -> Streamall
     })
 }
 
+/// Fixes the configuration now (from [`streamalloc_configure`], else `STREAMALLOC_CONF`) and
+/// reports a bad one at once, rather than at the first allocation. Touches no device: each
+/// device's allocators are still built at its first use.
+#[no_mangle]
+pub extern "C" fn streamalloc_check_configuration() -> StreamallocStatus {
+    status::status(|| State::get().map(|_| ()))
+}
+
 /// The message of the last failed call on the calling thread (an empty string if none). The
 /// string belongs to the library and stays valid until the next call on this thread.
 #[no_mangle]
