@@ -133,10 +133,11 @@ def _prebuilt(torch):
     return str(path) if path.is_file() else None
 
 
-def build_backend():
+def build_backend(shipped=True):
     """The backend library for the installed torch, as a path: `STREAMALLOC_TORCH_BACKEND_SO`,
-    else the one the wheel carries for this torch, else one compiled for it on first use (and
-    cached: see the module's doc). Raises BackendUnavailable naming what is missing."""
+    else the one the wheel carries for this torch (unless `shipped` is false), else one compiled
+    for it on first use (and cached: see the module's doc). Raises BackendUnavailable naming
+    what is missing."""
     prebuilt = os.environ.get(PREBUILT_ENV)
     if prebuilt:
         if not os.path.exists(prebuilt):
@@ -146,9 +147,9 @@ def build_backend():
 
     if not getattr(getattr(torch, "version", None), "cuda", None):
         raise BackendUnavailable(f"a CUDA build of torch (this torch, {getattr(torch, '__version__', '?')}, has none)")
-    shipped = _prebuilt(torch)
-    if shipped is not None:
-        return shipped
+    prebuilt = _prebuilt(torch) if shipped else None
+    if prebuilt is not None:
+        return prebuilt
     abi = bool(torch._C._GLIBCXX_USE_CXX11_ABI)
     out = os.path.join(_cache_dir(torch), f"libstreamalloc_torch-{_torch_build.source_hash()}-abi{int(abi)}.so")
     if os.path.isfile(out):
@@ -173,12 +174,23 @@ def _install_backend():
     be built or loaded; RuntimeError when torch refuses it (an allocator already in use)."""
     import ctypes
 
+    import torch
+
     path = build_backend()
     try:
         lib = ctypes.CDLL(path)
         install = lib.streamalloc_torch_backend_install
     except (OSError, AttributeError) as e:
-        raise BackendUnavailable(f"loading {path} failed: {e}") from e
+        if path != _prebuilt(torch):
+            raise BackendUnavailable(f"loading {path} failed: {e}") from e
+        # The wheel's backend does not load here (an older libstdc++ than it was built with,
+        # say): the one compiled for this machine.
+        path = build_backend(shipped=False)
+        try:
+            lib = ctypes.CDLL(path)
+            install = lib.streamalloc_torch_backend_install
+        except (OSError, AttributeError) as again:
+            raise BackendUnavailable(f"loading {path} failed: {again} (and the wheel's: {e})") from again
     install.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
     install.restype = ctypes.c_int
     err = ctypes.create_string_buffer(4096)
