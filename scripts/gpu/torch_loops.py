@@ -40,6 +40,9 @@ For each (loop, allocator), printed as a markdown table and written to DIR/torch
 * step ms: the median over processes of each process's median step (over --steps timed
   steps, default 30, after --warmup warm-up steps, default 10; a step is timed from a
   synchronize to a synchronize), with the range over processes;
+* host ms: the median over processes of the host's part of a step (from its start until its
+  last launch returned, before the synchronize): near the step's whole, the loop is bound by
+  the host, allocator calls included;
 * vs fastest torch: that median over the fastest of native's and expandable's;
 * beyond native's spread: "slower" when every process of the row is slower than every native
   process, "faster" when faster than every one, else "within";
@@ -366,7 +369,7 @@ def one_run(loop, allocator, args):
             if timed[0]:
                 peak["timed"] = max(peak["timed"], u)
 
-    step_ms, losses, used_after, mma, mma_error = [], [], [], [], None
+    step_ms, host_ms, losses, used_after, mma, mma_error = [], [], [], [], [], None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -376,13 +379,20 @@ def one_run(loop, allocator, args):
             step = None
         if sampler is not None:
             sampler.start()
+        allocations = {}
         for i in range(total if step else 0):
             timed[0] = i >= args.warmup
+            if cuda and i in (args.warmup, total - 1) and mma_error is None:
+                try:  # torch's count of its allocations: how many a step makes
+                    allocations[i] = torch.cuda.memory_stats(dev).get("allocation.all.allocated")
+                except Exception:
+                    pass
             try:
                 if cuda:
                     torch.cuda.synchronize(dev)
                 t0 = time.perf_counter()
                 loss = step(i, sample)
+                host_ms.append((time.perf_counter() - t0) * 1e3)
                 if cuda:
                     torch.cuda.synchronize(dev)
                 ms = (time.perf_counter() - t0) * 1e3
@@ -419,9 +429,14 @@ def one_run(loop, allocator, args):
         print(f"warning: {m}", file=sys.stderr)
     r["nondeterministic_ops"] = [m for m in messages if "determinis" in m]
     r["completed"] = r["error"] is None and len(step_ms) == total
+    if len(allocations) == 2 and None not in allocations.values() and total - 1 > args.warmup:
+        r["allocations_per_step"] = (allocations[total - 1] - allocations[args.warmup]) / (total - 1 - args.warmup)
     timed_ms = step_ms[args.warmup:]
     r.update(step_ms=step_ms, losses_hex=losses, steps_done=len(step_ms),
              median_step_ms=statistics.median(timed_ms) if r["completed"] and timed_ms else None,
+             # The host's part: from the step's start until its last launch returned (a step
+             # whose host part nears its whole is bound by the host, allocator calls included).
+             median_host_ms=statistics.median(host_ms[args.warmup:]) if r["completed"] and timed_ms else None,
              warmup_ms_total=sum(step_ms[:args.warmup]))
     if cuda:
         r.update(baseline_used=baseline, used_after_step=used_after,
@@ -477,7 +492,7 @@ def row_cells(loop, allocator, runs, fastest, natives):
     done = [r for r in runs if r["completed"]]
     refusal = "refused" if allocator == "pluggable" else "ERROR"
     if not done:
-        return [loop, allocator, f"{refusal} ({len(runs)} of {len(runs)})"] + ["—"] * 7
+        return [loop, allocator, f"{refusal} ({len(runs)} of {len(runs)})"] + ["—"] * 8
     medians = [r["median_step_ms"] for r in done]
     mid = statistics.median(medians)
     step = f"{mid:.2f} ({min(medians):.2f}-{max(medians):.2f}, {len(done)}" + \
@@ -512,15 +527,17 @@ def row_cells(loop, allocator, runs, fastest, natives):
     compared = [e for e in equal if e is not None]
     losses = "(reference)" if allocator == "native" and not compared else \
         (f"{sum(compared)} of {len(compared)}" if compared else "—")
-    return [loop, allocator, step, ratio, spread, pairs, kernels, mib(peak), mma, losses]
+    host = f"{statistics.median(r['median_host_ms'] for r in done):.2f}" if all(r.get("median_host_ms") is not None
+                                                                            for r in done) else "—"
+    return [loop, allocator, step, host, ratio, spread, pairs, kernels, mib(peak), mma, losses]
 
 
 def table(runs, args, header):
     out = [header, "",
-           "| loop | allocator | step ms: median (range, processes) | vs fastest torch | beyond native's spread "
+           "| loop | allocator | step ms: median (range, processes) | host ms | vs fastest torch | beyond native's spread "
            "| pairs slower than native | kernel sets | peak device MiB (driver) | max_memory_allocated MiB (torch) "
            "| losses equal native's |",
-           "| --- | --- | --- | ---: | --- | --- | --- | ---: | ---: | --- |"]
+           "| --- | --- | --- | ---: | ---: | --- | --- | --- | ---: | ---: | --- |"]
     notes = []
     for loop in dict.fromkeys(r["loop"] for r in runs):
         of_loop = [r for r in runs if r["loop"] == loop]
@@ -602,8 +619,9 @@ def drive(args):
                              ("refused" if allocator == "pluggable" else "FAILED") + f": {run.get('error')}")
                     median = run.get("median_step_ms")
                     print(f"{loop:>9} / {allocator:<10} r{n} {secs:6.1f} s  "
-                          + (f"median {median:8.2f} ms  " if median is not None else "")
+                          + (f"median {median:8.2f} ms (host {run['median_host_ms']:.2f})  " if median is not None else "")
                           + (f"kernels {run.get('kernel_fp')}  " if run.get("kernel_fp") else "")
+                          + (f"{run['allocations_per_step']:.0f} allocations/step  " if run.get("allocations_per_step") else "")
                           + (f"peak {mib(run.get('peak_over_baseline'))} MiB  " if run.get("peak_over_baseline") else "")
                           + state, flush=True)
     first = next((r for r in runs if r.get("torch")), {})
