@@ -15,7 +15,7 @@ _owners = StreamOwners()
 """The live allocations of the manager, by stream."""
 
 _current = threading.local()
-"""The calling thread's `stream()`, if any (`stream` attribute)."""
+"""The calling thread's `stream()`, if any: its `stream` attribute, (the stream, its handle)."""
 
 
 @contextlib.contextmanager
@@ -27,14 +27,22 @@ def stream(s):
     on `s` before the free. Numba's memory manager interface passes no stream, so outside such
     a block memory is owned by the legacy default stream, which is right for work on blocking
     streams (`cuda.stream()`, the default streams) and not on non-blocking ones
-    (`cuda.external_stream` of a non-blocking stream). Blocks nest."""
-    streamalloc._stream(s, "s")  # checked now, not at the first allocation
+    (`cuda.external_stream` of a non-blocking stream). Blocks nest. Numba's streams before
+    numba-cuda 0.21 (no `__cuda_stream__`) are taken by their handle, `int(s)`."""
     previous = getattr(_current, "stream", None)
-    _current.stream = s
+    _current.stream = (s, _handle(s))
     try:
         yield s
     finally:
         _current.stream = previous
+
+
+def _handle(s):
+    """The handle of stream `s`, checked: `streamalloc.allocate`'s streams, and Numba's streams
+    without the CUDA stream protocol (a `handle` attribute; `int()` gives its value)."""
+    if hasattr(s, "handle") and not hasattr(s, "__cuda_stream__") and hasattr(type(s), "__int__"):
+        return streamalloc._stream(int(s), "s")
+    return streamalloc._stream(s, "s")
 
 
 class StreamallocManager(cuda.HostOnlyCUDAMemoryManager):
@@ -53,8 +61,8 @@ class StreamallocManager(cuda.HostOnlyCUDAMemoryManager):
 
     def memalloc(self, size):
         """`size` bytes on the context's device, owned by the calling thread's `stream()`."""
-        owner = getattr(_current, "stream", None)
-        ptr = _owners.allocate(size, self.context.device.id, owner, holder=owner)
+        owner, handle = getattr(_current, "stream", None) or (None, None)
+        ptr = _owners.allocate(size, self.context.device.id, handle, holder=owner)
         return cuda.MemoryPointer(self.context, ctypes.c_void_p(ptr), size, finalizer=_freer(ptr))
 
     def get_memory_info(self):

@@ -195,6 +195,42 @@ def test_threads_have_their_own_stream():
     with_numba(test)
 
 
+def test_streams_of_numba_before_the_protocol():
+    """numba-cuda before 0.21 (and Numba's own cuda before it) has streams without
+    `__cuda_stream__`, whose handle `int()` gives: stream() takes them too, and orders on them."""
+
+    def test(cuda, manager):
+        import streamalloc.numba
+
+        class OldStream:
+            """numba.cuda's Stream before the CUDA stream protocol: `handle` and `__int__`."""
+
+            def __init__(self, handle):
+                self.handle = handle
+
+            def __int__(self):
+                return self.handle
+
+        s1, s2 = OldStream(sim.create_stream()), OldStream(sim.create_stream())
+        with streamalloc.numba.stream(s1):
+            first = manager.memalloc(64 * MIB)
+        sim.use(first.device_pointer, first.size, s1.handle, 5_000_000)
+        del first
+        with streamalloc.numba.stream(s2):
+            second = manager.memalloc(64 * MIB)
+        sim.use(second.device_pointer, second.size, s2.handle, 1_000)
+        del second
+        gc.collect()
+        for s in (s1, s2):
+            sim.synchronize(s.handle)
+        assert sim.violations(0) == 0, f"{sim.violations(0)} early reuses"
+        for s in (s1, s2):
+            sim.destroy_stream(s.handle)
+        streamalloc.release(0)
+
+    with_numba(test)
+
+
 def test_environment_variable_form():
     """NUMBA_CUDA_MEMORY_MANAGER=streamalloc.numba: Numba takes the module's
     `_numba_memory_manager`, which must be the manager enable() installs."""

@@ -4,7 +4,9 @@
     python3 python/tests/gpu/numba_cases.py CASE CONF
 
 test_clients.py runs it. CONF is a streamalloc configuration, made Numba's memory manager
-with streamalloc.numba.enable(CONF), or "numba_own" (Numba's own manager, the control).
+with streamalloc.numba.enable(CONF), or "numba_own" (Numba's own manager, the control);
+"unplugged:CONF" configures streamalloc without making it Numba's manager, so its count of
+allocations must fail the case (the negative control of that check).
 Numba's kernels do not compile on the GPU machine (its NumPy), so CuPy runs the kernels, on
 Numba's arrays (`cupy.asarray`), and Numba allocates and copies.
 
@@ -39,16 +41,22 @@ from casekit import MIB, Report, frees_synchronize  # noqa: E402
 from cupy_cases import SPIN, intact, spin_cycles  # noqa: E402
 
 CONTROL = "numba_own"
+UNPLUGGED = "unplugged:"
 
 
 def setup(conf):
-    """Makes CONF Numba's memory manager (before Numba's first use of the GPU); whether
-    streamalloc is it."""
+    """Makes CONF Numba's memory manager (before Numba's first use of the GPU); whether the
+    case checks streamalloc's counts (also for "unplugged:CONF", the negative control:
+    streamalloc configured with CONF but not made Numba's manager, so the counts must catch
+    it)."""
     if conf == CONTROL:
         return False
     import streamalloc.numba
 
-    streamalloc.numba.enable(conf)
+    if conf.startswith(UNPLUGGED):
+        streamalloc.configure(conf[len(UNPLUGGED):])
+    else:
+        streamalloc.numba.enable(conf)
     return True
 
 

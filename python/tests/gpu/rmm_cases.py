@@ -6,7 +6,8 @@
 test_clients.py runs it. CONF is a streamalloc configuration, made RMM's resource with
 streamalloc.rmm.enable(CONF), or one of RMM's own resources as controls: "rmm_default"
 (RMM's default, cudaMalloc and cudaFree) or "rmm_async" (CudaAsyncMemoryResource, stream
-ordered). CuPy runs the kernels, on views of the buffers (it allocates nothing itself).
+ordered); "unplugged:CONF" configures streamalloc without making it RMM's resource, so its
+count of allocations must fail the case (the negative control of that check). CuPy runs the kernels, on views of the buffers (it allocates nothing itself).
 
 CASE nonblocking: s1 and s2 are non-blocking RMM streams. x, a DeviceBuffer on s1, is
 filled, s1 is kept busy (a clock64 spin, about a second) and then reads x into y; x is freed.
@@ -35,10 +36,13 @@ from casekit import MIB, Report, frees_synchronize  # noqa: E402
 from cupy_cases import SPIN, intact, spin_cycles  # noqa: E402
 
 CONTROLS = ("rmm_default", "rmm_async")
+UNPLUGGED = "unplugged:"
 
 
 def setup(conf):
-    """Makes CONF RMM's resource on device 0; whether streamalloc is it."""
+    """Makes CONF RMM's resource on device 0; whether the case checks streamalloc's counts
+    (also for "unplugged:CONF", the negative control: streamalloc configured with CONF but
+    not made RMM's resource, so the counts must catch it)."""
     import rmm
 
     if conf == "rmm_default":
@@ -48,7 +52,10 @@ def setup(conf):
         return False
     import streamalloc.rmm
 
-    streamalloc.rmm.enable(conf)
+    if conf.startswith(UNPLUGGED):
+        streamalloc.configure(conf[len(UNPLUGGED):])
+    else:
+        streamalloc.rmm.enable(conf)
     return True
 
 
@@ -109,7 +116,8 @@ def case_nonblocking(report, conf):
     s1.synchronize()
     s2.synchronize()
     report.info.update(s1_busy_at_reuse=s1_busy, same_address=z.ptr == x_ptr)
-    report.expect(s1_busy or frees_synchronize(conf) or conf == "rmm_default",
+    report.expect(s1_busy or frees_synchronize(conf) or conf == "rmm_default"
+                  or conf.startswith(UNPLUGGED),
                   "s1 was idle when s2 allocated: the case proves nothing (spin longer)")
     report.expect(intact(ya, 6.0), "s1 read wrong data: x's memory went to s2 and was overwritten while s1 still read it")
     report.expect(intact(za, -1.0), "the buffer made on s2 does not hold what was written to it")

@@ -8,7 +8,14 @@ scripts/fetch-client-wheels.sh), numba-cuda, streamalloc importable.
     python3 -m pytest -q -rA python/tests/gpu/test_clients.py
 """
 
+import json
+import subprocess
+import sys
+
 import pytest
+
+from casekit import RESULT_PREFIX
+from conftest import HERE, WORKER_TIMEOUT
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -47,3 +54,18 @@ def test_numba_workload_matches_numba(run_case, strategy):
     own = control(run_case, "numba_cases.py", "numba_own")
     ours = run_case("numba_cases.py", "workload", strategy)
     assert ours["digest"] == own["digest"], f"results differ from Numba's own manager's: {ours} vs {own}"
+
+
+@pytest.mark.parametrize("worker", ["rmm_cases.py", "numba_cases.py"])
+def test_counts_catch_an_unplugged_client(worker):
+    """The negative control of the cases' check that every allocation went through streamalloc:
+    streamalloc configured but not plugged into the client, the case must fail on that check
+    alone."""
+    done = subprocess.run([sys.executable, str(HERE / worker), "nonblocking", "unplugged:strategy=stream_safe"],
+                          capture_output=True, text=True, timeout=WORKER_TIMEOUT)
+    print(done.stdout, done.stderr)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    assert lines, f"{worker}: no RESULT line (exit status {done.returncode})"
+    result = json.loads(lines[-1][len(RESULT_PREFIX):])
+    assert done.returncode == 1 and len(result["failures"]) == 1, result
+    assert "did not allocate through it" in result["failures"][0], result
