@@ -29,11 +29,13 @@ class StreamOwners:
     def allocate(self, size, device, stream, holder=None):
         """`streamalloc.allocate(size, device, stream)`, counted against `stream`."""
         handle = streamalloc._stream(stream)
+        if handle is None or handle < _DEFAULT_STREAMS:
+            return streamalloc.allocate(size, device, handle)
         # Under the lock: a free of the stream's last allocation must not retire the stream
         # while this allocation is made on it.
         with self._lock:
             ptr = streamalloc.allocate(size, device, handle)
-            if ptr and handle is not None and handle >= _DEFAULT_STREAMS:
+            if ptr:
                 key = (device, handle)
                 self._owner[ptr] = key
                 self._live.setdefault(key, [0, holder])[0] += 1
