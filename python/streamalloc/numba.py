@@ -28,9 +28,16 @@ def stream(s):
     a block memory is owned by the legacy default stream, which is right for work on blocking
     streams (`cuda.stream()`, the default streams) and not on non-blocking ones
     (`cuda.external_stream` of a non-blocking stream). Blocks nest. Numba's streams before
-    numba-cuda 0.21 (no `__cuda_stream__`) are taken by their handle, `int(s)`."""
+    numba-cuda 0.21 (no `__cuda_stream__`) are taken by their handle, `int(s)`.
+
+    A stream Numba made (`cuda.stream()`) is held while memory allocated on it is live, and
+    retired (`streamalloc.retire_stream`) once it is not and nothing else holds it, before it
+    can be destroyed. Any other stream (`cuda.external_stream`, a handle) is retired at the
+    free of its last allocation: its owner must not destroy it before that free."""
     previous = getattr(_current, "stream", None)
-    _current.stream = (s, _handle(s))
+    # A stream Numba made (not external) lives as long as its object, which the manager can
+    # hold; any other is retired at its last free.
+    _current.stream = (s if getattr(s, "external", None) is False else None, _handle(s))
     try:
         yield s
     finally:
@@ -49,10 +56,8 @@ class StreamallocManager(cuda.HostOnlyCUDAMemoryManager):
     """Numba's device allocations through streamalloc (host allocations stay Numba's own).
 
     Each allocation is owned by the calling thread's `stream()` (the legacy default stream
-    outside one) and freed, in that stream's order, when Numba lets go of it. A stream object
-    is held while memory allocated on it is live, and retired
-    (`streamalloc.retire_stream`) at the free of its last allocation, before Numba may destroy
-    it. A failed allocation raises `streamalloc.StreamallocError`.
+    outside one; see `stream` for when a stream is retired) and freed, in that stream's order,
+    when Numba lets go of it. A failed allocation raises `streamalloc.StreamallocError`.
     """
 
     def initialize(self):

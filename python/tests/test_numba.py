@@ -55,6 +55,8 @@ def fake_numba():
         """numba.cuda's Stream over a simulated stream (CUDA stream protocol); the stand-in
         destroys the simulated stream when the object goes, as Numba destroys its streams."""
 
+        external = False  # made by Numba (cuda.stream()), not cuda.external_stream
+
         def __init__(self):
             self.handle = sim.create_stream()
             weakref.finalize(self, sim.destroy_stream, self.handle)
@@ -146,6 +148,40 @@ def test_streams_outlive_their_memory_and_are_retired():
         del b
         gc.collect()
         assert gone() is None, "the stream was kept after its memory was freed"
+        streamalloc.release(0)
+
+    with_numba(test)
+
+
+def test_a_held_stream_keeps_its_cache():
+    """A stream the program still holds is not retired when its last allocation is freed (a
+    retirement waits for the stream's work and gives its pool's cache back, at every burst):
+    its cache stays; once the program lets go of it, the next allocation or free retires it
+    and lets it go."""
+
+    def test(cuda, manager):
+        import streamalloc.numba
+
+        s = cuda.stream()
+        with streamalloc.numba.stream(s):
+            a = manager.memalloc(64 * MIB)
+        sim.use(a.device_pointer, a.size, s.handle, 1_000)
+        del a
+        gc.collect()
+        reserved = streamalloc.stats(0)["reserved"]
+        assert reserved >= 64 * MIB, f"{reserved} bytes reserved after a free of 64 MiB on a held stream: retired"
+        with streamalloc.numba.stream(s):
+            again = manager.memalloc(64 * MIB)  # from the stream's cache
+        assert streamalloc.stats(0)["reserved"] == reserved, "the second allocation did not come from the cache"
+        del again
+        gone = weakref.ref(s)
+        del s
+        gc.collect()
+        other = manager.memalloc(4096)  # the next allocation lets the dropped stream go
+        del other
+        gc.collect()
+        assert gone() is None, "the stream was kept after the program let go of it"
+        assert streamalloc.stats(0)["reserved"] < reserved, "the dropped stream's cache was not given back"
         streamalloc.release(0)
 
     with_numba(test)
