@@ -20,8 +20,9 @@ rose by the arrays made).
 
 CASE workload: a fixed sequence of host arrays of varying sizes copied to the device
 (`cuda.to_device(..., stream=s)`), copied on the device (`copy_to_device`), transformed by
-kernels into arrays from `cuda.device_array(..., stream=s)` and copied back, alternately on a
-non-blocking stream and Numba's default stream, with a rolling set of live arrays; every
+kernels into arrays from `cuda.device_array(..., stream=s)` and copied back, in turn on a
+non-blocking stream (external to Numba), Numba's default stream and a stream Numba made, with
+a rolling set of live arrays; every
 result is hashed (`digest`, to compare with Numba's own manager), and the peak of device
 memory in use (cudaMemGetInfo after each step, over the start: `peak_used_mib`) is reported,
 with streamalloc's own peak (`reserved_peak_mib`).
@@ -139,7 +140,9 @@ def case_workload(report, conf, iterations=200):
 
     ours = setup(conf)
     side = cupy.cuda.Stream(non_blocking=True)
-    streams = [(cuda.external_stream(side.ptr), side), (cuda.default_stream(), cupy.cuda.Stream.null)]
+    own = cuda.stream()  # made by Numba: held by streamalloc.numba, not retired between bursts
+    streams = [(cuda.external_stream(side.ptr), side), (cuda.default_stream(), cupy.cuda.Stream.null),
+               (own, cupy.cuda.ExternalStream(int(own)))]
     rng = numpy.random.default_rng(7)
     digest = hashlib.sha256()
     sizes = [4, 100, 4096, 65536, 1 << 20, 3 << 20, 16 << 20, 64 << 20]
@@ -149,7 +152,7 @@ def case_workload(report, conf, iterations=200):
     before = allocations() if ours else 0
     live = []
     for i in range(iterations):
-        stream, cs = streams[i % 2]
+        stream, cs = streams[i % 3]
         n = sizes[(i * 5) % len(sizes)] // 4
         host = rng.standard_normal(n, dtype=numpy.float32)
         with owned_by(ours, stream):
