@@ -101,7 +101,8 @@ def test_buffers_are_ordered_on_their_streams():
             del on_default
         sim.synchronize(s1)
         sim.synchronize(s2)
-        assert sim.violations(0) == 0, f"{sim.violations(0)} early reuses: the buffers were not ordered on their streams"
+        violations = sim.violations(0)
+        assert violations == 0, f"{violations} early reuses: the buffers were not ordered on their streams"
         after = streamalloc.stats(0)
         assert after["total_allocations"] - before["total_allocations"] == 9, (before, after)
         assert after["live_allocations"] == before["live_allocations"], (before, after)

@@ -114,13 +114,16 @@ def case_nonblocking(report, conf):
     c1.synchronize()
     c2.synchronize()
     report.info.update(s1_busy_at_reuse=s1_busy, same_address=z.device_ctypes_pointer.value == x_ptr)
-    report.expect(s1_busy or frees_synchronize(conf), "s1 was idle when s2 allocated: the case proves nothing (spin longer)")
-    report.expect(intact(ya, 6.0), "s1 read wrong data: x's memory went to s2 and was overwritten while s1 still read it")
+    report.expect(s1_busy or frees_synchronize(conf),
+                  "s1 was idle when s2 allocated: the case proves nothing (spin longer)")
+    report.expect(intact(ya, 6.0),
+                  "s1 read wrong data: x's memory went to s2 and was overwritten while s1 still read it")
     report.expect(intact(za, -1.0), "the array made on s2 does not hold what was written to it")
     if ours:
         made = allocations() - before
         report.info["streamalloc_allocations"] = made
-        report.expect(made == 3, f"streamalloc made {made} allocations for the 3 arrays: Numba did not allocate through it")
+        report.expect(made == 3,
+                      f"streamalloc made {made} allocations for the 3 arrays: Numba did not allocate through it")
     # The streams go before the arrays made on them, and a release after the arrays are
     # freed must not name them.
     del ya, za, s1, s2

@@ -7,7 +7,8 @@ test_clients.py runs it. CONF is a streamalloc configuration, made RMM's resourc
 streamalloc.rmm.enable(CONF), or one of RMM's own resources as controls: "rmm_default"
 (RMM's default, cudaMalloc and cudaFree) or "rmm_async" (CudaAsyncMemoryResource, stream
 ordered); "unplugged:CONF" configures streamalloc without making it RMM's resource, so its
-count of allocations must fail the case (the negative control of that check). CuPy runs the kernels, on views of the buffers (it allocates nothing itself).
+count of allocations must fail the case (the negative control of that check). CuPy runs the
+kernels, on views of the buffers (it allocates nothing itself).
 
 CASE nonblocking: s1 and s2 are non-blocking RMM streams. x, a DeviceBuffer on s1, is
 filled, s1 is kept busy (a clock64 spin, about a second) and then reads x into y; x is freed.
@@ -119,7 +120,8 @@ def case_nonblocking(report, conf):
     report.expect(s1_busy or frees_synchronize(conf) or conf == "rmm_default"
                   or conf.startswith(UNPLUGGED),
                   "s1 was idle when s2 allocated: the case proves nothing (spin longer)")
-    report.expect(intact(ya, 6.0), "s1 read wrong data: x's memory went to s2 and was overwritten while s1 still read it")
+    report.expect(intact(ya, 6.0),
+                  "s1 read wrong data: x's memory went to s2 and was overwritten while s1 still read it")
     report.expect(intact(za, -1.0), "the buffer made on s2 does not hold what was written to it")
     if ours:
         made = allocations() - before
