@@ -126,7 +126,8 @@ def case_nonblocking(report, conf):
     if ours:
         made = allocations() - before
         report.info["streamalloc_allocations"] = made
-        report.expect(made == 3, f"streamalloc made {made} allocations for the 3 DeviceBuffers: RMM did not allocate through it")
+        report.expect(made == 3,
+                      f"streamalloc made {made} allocations for the 3 DeviceBuffers: RMM did not allocate through it")
     # The streams go before the buffers made on them (each buffer holds its own), and a
     # release after the buffers are freed must not name them.
     del ya, za, s1, s2, c1, c2
