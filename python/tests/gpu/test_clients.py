@@ -37,6 +37,7 @@ def test_rmm_nonblocking_streams(run_case, conf):
     run_case("rmm_cases.py", "nonblocking", conf)
 
 
+@pytest.mark.serial  # its peak is of the whole device's memory
 def test_rmm_workload_matches_rmm(run_case, strategy):
     own = control(run_case, "rmm_cases.py", "rmm_default")
     ours = run_case("rmm_cases.py", "workload", strategy)
@@ -50,6 +51,7 @@ def test_numba_nonblocking_streams(run_case, conf):
     run_case("numba_cases.py", "nonblocking", conf)
 
 
+@pytest.mark.serial  # its peak is of the whole device's memory
 def test_numba_workload_matches_numba(run_case, strategy):
     own = control(run_case, "numba_cases.py", "numba_own")
     ours = run_case("numba_cases.py", "workload", strategy)
