@@ -71,6 +71,12 @@ pick "$tag" || { echo "pip does not pick $wheel for $tag" >&2; exit 1; }
 ! pick "manylinux_2_${glibc}_riscv64" || { echo "pip picks $wheel for riscv64" >&2; exit 1; }
 ok "pip picks $wheel for $tag only (not glibc 2.$((glibc - 1)), not another architecture)"
 
+# The licenses travel in the wheel (pyproject.toml's license-files).
+licenses=$(python3 -m zipfile -l "$wheel" | grep -o 'dist-info/licenses/LICENSE-[A-Z]*' | sort | tr '\n' ' ')
+[ "$licenses" = "dist-info/licenses/LICENSE-APACHE dist-info/licenses/LICENSE-MIT " ] \
+  || { echo "$wheel carries the licenses: ${licenses:-none} (want LICENSE-APACHE and LICENSE-MIT)" >&2; exit 1; }
+ok "$wheel carries LICENSE-APACHE and LICENSE-MIT"
+
 python3 -m venv "$tmp/venv"
 "$tmp/venv/bin/pip" install -q --disable-pip-version-check --no-index --no-deps "$wheel"
 cd "$tmp" # away from python/, so the import finds the installed package only

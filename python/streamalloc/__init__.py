@@ -14,8 +14,9 @@ Every integer handed to the library is checked against its C type first (ctypes 
 it silently: a size of 2**64 + 4096 would be 4096): a value out of range raises
 `OverflowError`, one that is not an integer `TypeError`, each naming the argument. A stream is
 None (the legacy default stream), an int (a `cudaStream_t`'s value, or a handle from
-`sim.create_stream`), or a `torch.cuda.Stream` or `cupy.cuda.Stream` (their `cuda_stream` or
-`ptr`); nothing else.
+`sim.create_stream`), a `torch.cuda.Stream` or `cupy.cuda.Stream` (their `cuda_stream` or
+`ptr`), or an object of the CUDA stream protocol (`__cuda_stream__`, version 0: RMM's,
+numba-cuda's and cuda.core's streams); nothing else.
 """
 
 import ctypes
@@ -157,18 +158,25 @@ def _pointer(value, name="ptr"):
 
 def _stream(value, name="stream"):
     """A stream argument: None (the legacy default stream), an int (a `cudaStream_t`'s value or
-    a handle from `sim.create_stream`), or a `torch.cuda.Stream` (its `cuda_stream`) or
-    `cupy.cuda.Stream` (its `ptr`); anything else is a TypeError, never an object's address."""
+    a handle from `sim.create_stream`), a `torch.cuda.Stream` (its `cuda_stream`) or
+    `cupy.cuda.Stream` (its `ptr`), or an object of the CUDA stream protocol (its
+    `__cuda_stream__()`, version 0); anything else is a TypeError, never an object's address."""
     if value is None:
         return None
     if not isinstance(value, bool) and hasattr(type(value), "__index__"):
         return _unsigned(value, name, _POINTER_BITS)
+    protocol = getattr(value, "__cuda_stream__", None)
+    if protocol is not None:
+        version, handle = protocol()
+        if version != 0:
+            raise TypeError(f"{name}.__cuda_stream__() is of version {version}; version 0 is the one known")
+        return _unsigned(handle, f"{name}.__cuda_stream__()", _POINTER_BITS)
     for attribute in ("cuda_stream", "ptr"):
         handle = getattr(value, attribute, None)
         if handle is not None:
             return _unsigned(handle, f"{name}.{attribute}", _POINTER_BITS)
-    raise TypeError(
-        f"{name} must be None, an int, or a torch.cuda.Stream or cupy.cuda.Stream, not {type(value).__name__}")
+    raise TypeError(f"{name} must be None, an int, a torch.cuda.Stream, a cupy.cuda.Stream or an object "
+                    f"with __cuda_stream__, not {type(value).__name__}")
 
 
 def library_path():

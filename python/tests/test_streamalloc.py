@@ -328,6 +328,20 @@ def test_integers_are_range_checked():
     sim.use(p, 4096, s, 1_000, device)
     streamalloc.record_stream(p, types.SimpleNamespace(ptr=s))  # a cupy.cuda.Stream
     streamalloc.record_stream(p, types.SimpleNamespace(cuda_stream=s))  # a torch.cuda.Stream
+
+    class ProtocolStream:
+        """A stream of the CUDA stream protocol (`__cuda_stream__`: rmm, numba-cuda, cuda.core)."""
+
+        def __init__(self, handle, version=0):
+            self.handle, self.version = handle, version
+
+        def __cuda_stream__(self):
+            return self.version, self.handle
+
+    streamalloc.record_stream(p, ProtocolStream(s))
+    raises(OverflowError, lambda: streamalloc.record_stream(p, ProtocolStream(2**64)), "stream")
+    raises(TypeError, lambda: streamalloc.record_stream(p, ProtocolStream("0")), "stream")
+    raises(TypeError, lambda: streamalloc.record_stream(p, ProtocolStream(s, version=1)), "version 1")
     raises(OverflowError, lambda: streamalloc.record_stream(p, types.SimpleNamespace(ptr=2**64)), "stream")
     raises(TypeError, lambda: streamalloc.record_stream(p, types.SimpleNamespace(ptr="0")), "stream")
     streamalloc.deallocate(p)

@@ -31,7 +31,9 @@
 #            (PROCS: processes per trace, summarised when more than one)
 #   torch    the Python front ends' GPU tests (python/tests/gpu: PyTorch's record_stream,
 #            CUDA graphs, MemPool, IPC, empty_cache, memory fraction and stats, CuPy on
-#            non-blocking streams; every strategy, each case in its own process) with pytest
+#            non-blocking streams, RMM and Numba through streamalloc against their own allocators
+#            (RMM's wheels carried in .client-wheels/: scripts/fetch-client-wheels.sh); every
+#            strategy, each case in its own process) with pytest
 #            (pytest-xdist), the cases marked serial after the others, alone;
 #            $OUT/torch-tests.log, and $OUT/torch-summary.txt (outcomes and each case's
 #            RESULT line). PYTEST_ARGS (shell words) replaces both runs with one: e.g.
@@ -77,9 +79,11 @@ lscpu | grep -E '^(Model name|CPU\(s\)|Thread|Core|Socket)' | tee "$OUT/cpu.txt"
 build_anchors() {
   [ -x /tmp/anchor-bin/replay_core ] || bash .anchors/build.sh .anchors/wheels
 }
-# The wheel from dist/ installed afresh into /tmp/sa-site (use with PYTHONPATH=/tmp/sa-site).
+# The wheel from dist/ installed afresh into /tmp/sa-site (use with PYTHONPATH=/tmp/sa-site),
+# with RMM's wheels from .client-wheels/ (scripts/fetch-client-wheels.sh) where carried.
 install_wheel() {
   rm -rf /tmp/sa-site && python3 -m pip install -q --no-index --no-deps --target /tmp/sa-site ${WHEEL:-dist/streamalloc-*x86_64.whl} &&
+    { [ ! -d .client-wheels ] || python3 -m pip install -q --no-index --no-deps --target /tmp/sa-site .client-wheels/*.whl; } &&
     # A --target folder on PYTHONPATH is not a site folder: its .pth files (the wheel's autoload,
     # which spawned children such as the IPC case's receiver rely on) are read only so.
     printf 'import site\nsite.addsitedir("/tmp/sa-site")\n' > /tmp/sa-site/sitecustomize.py

@@ -40,6 +40,20 @@ fn cupy_streams_on_the_simulator() {
     python_tests("test_cupy_streams.py");
 }
 
+/// The RMM front end (a stand-in for rmm calling its resource as RMM does) under a pool per
+/// stream, in a process of its own.
+#[test]
+fn rmm_on_the_simulator() {
+    python_tests("test_rmm.py");
+}
+
+/// The Numba front end (a stand-in for numba.cuda driving its memory manager as Numba does)
+/// under a pool per stream, in a process of its own.
+#[test]
+fn numba_on_the_simulator() {
+    python_tests("test_numba.py");
+}
+
 /// fork() while another thread is inside the library: every child exits at once (issue 33),
 /// in a process of its own.
 #[test]
