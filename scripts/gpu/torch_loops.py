@@ -26,6 +26,8 @@ Allocators, each run in its own process (the allocator is fixed per process):
               (STREAMALLOC_TORCH_BACKEND=pluggable, streamalloc.torch.enable())
   backend     streamalloc's torch backend (STREAMALLOC_TORCH_BACKEND=backend: enable()
               installs it or fails, never a silent fallback)
+  backend_chunks  the same over chunks of plain device allocations (STREAMALLOC_CONF=
+              backing=chunks) instead of mapped ranges: whether a gap is the mapping's
 
 With cudnn.benchmark every process times cudnn's algorithms anew and may pick others, so one
 process per allocator says little: --rounds N (default 5) runs N processes of each (loop,
@@ -84,8 +86,8 @@ MIB = 1 << 20
 HERE = os.path.abspath(__file__)
 
 LOOPS = ("resnet", "amp_cnn", "compiled", "varying")
-ALLOCATORS = ("native", "expandable", "pluggable", "backend")
-MUST_COMPLETE = ("native", "expandable", "backend")
+ALLOCATORS = ("native", "expandable", "pluggable", "backend", "backend_chunks")
+MUST_COMPLETE = ("native", "expandable", "backend", "backend_chunks")
 """Allocators whose runs must complete: the pluggable fallback is expected to be refused."""
 
 ENV = {
@@ -93,6 +95,7 @@ ENV = {
     "expandable": allocator_env("expandable_segments:True"),
     "pluggable": allocator_env(backend="pluggable"),
     "backend": allocator_env(backend="backend"),
+    "backend_chunks": {**allocator_env(backend="backend"), "STREAMALLOC_CONF": "backing=chunks"},
 }
 """The environment of each allocator's process (None: removed)."""
 
@@ -126,8 +129,8 @@ def setup_allocator(allocator, device_kind):
         return torch, info
     if not torch.cuda.is_available():
         raise RuntimeError("CUDA is not available to torch (use --device cpu for a dry run of the script)")
-    if allocator in ("pluggable", "backend"):
-        enable_streamalloc(allocator, info)
+    if allocator in ("pluggable", "backend", "backend_chunks"):
+        enable_streamalloc(allocator.split("_")[0], info)
     torch.cuda.init()
     info["allocator_backend"] = torch.cuda.get_allocator_backend()
     info["gpu"] = torch.cuda.get_device_name()
@@ -583,7 +586,7 @@ def drive(args):
     loops = args.loops.split(",")
     allocators = args.allocators.split(",")
     build_problem = None
-    if args.device == "cuda" and "backend" in allocators:
+    if args.device == "cuda" and any(a.startswith("backend") for a in allocators):
         build_problem = prebuild_backend(child_env_of("backend"), os.path.join(logs, "backend-build.log"),
                                          args.build_timeout)
     runs = []
@@ -608,7 +611,7 @@ def drive(args):
                         why = f"timed out after {args.timeout} s" if rc is None else f"exited {rc} without a result"
                         run = {"loop": loop, "allocator": allocator, "completed": False,
                                "error": f"{why}: {tail(log_path)}", "error_phase": "process", "error_step": None}
-                        if allocator == "backend" and build_problem:
+                        if allocator.startswith("backend") and build_problem:
                             run["error"] += f" [{build_problem}]"
                     run["process_s"], run["round"] = secs, n
                     run.pop("kernels", None) if n > 1 else None  # the names once per row are enough
