@@ -59,15 +59,7 @@ impl<A: Allocator> SingleStream<A> {
 
     /// Makes `stream` wait for the work enqueued so far on the own stream; counts a failure.
     fn order(&self, stream: Stream) -> Result<()> {
-        let ordered = self.events.get().and_then(|event| {
-            let ordered = self
-                .device
-                .record_event(event, self.own)
-                .and_then(|()| self.device.stream_wait_event(stream, event));
-            // The wait captured the event's state; the event can be reused at once.
-            self.events.put(event);
-            ordered
-        });
+        let ordered = self.events.order_after(stream, self.own);
         if ordered.is_err() {
             self.failures.fetch_add(1, Ordering::Relaxed);
         }
