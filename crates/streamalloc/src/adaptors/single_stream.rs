@@ -41,7 +41,6 @@ use crate::error::Result;
 /// ```
 pub struct SingleStream<A> {
     inner: A,
-    device: Arc<dyn Device>,
     events: EventPool,
     own: Stream,
     default: Mutex<Stream>,
@@ -53,8 +52,8 @@ pub struct SingleStream<A> {
 impl<A: Allocator> SingleStream<A> {
     /// Wraps `inner`, whose allocations belong to `own`, on `device`.
     pub fn new(inner: A, device: Arc<dyn Device>, own: Stream) -> Self {
-        let events = EventPool::new(device.clone());
-        Self { inner, device, events, own, default: Mutex::new(own), failures: AtomicU64::new(0) }
+        let events = EventPool::new(device);
+        Self { inner, events, own, default: Mutex::new(own), failures: AtomicU64::new(0) }
     }
 
     /// Makes `stream` wait for the work enqueued so far on the own stream; counts a failure.

@@ -39,8 +39,10 @@ impl EventPool {
     /// took its state), whether or not the record and the wait succeeded.
     pub fn order_after(&self, waiter: Stream, stream: Stream) -> Result<()> {
         let event = self.get()?;
-        let ordered =
-            self.device.record_event(event, stream).and_then(|()| self.device.stream_wait_event(waiter, event));
+        let ordered = self
+            .device
+            .record_event(event, stream)
+            .and_then(|()| self.device.stream_wait_event(waiter, event));
         self.put(event);
         ordered
     }
