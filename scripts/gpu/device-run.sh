@@ -13,15 +13,19 @@
 #   mt       StreamSafe's multi-thread scaling in the anchors harness (1-8 threads, each on
 #            its own stream), MT_ROUNDS rounds (default 3, each replay a process of its own) on
 #            the traces MT_TRACES names (default "resnet50_train gpt2_train"; any trace of
-#            traces/, by file name without .csv); the table by scripts/gpu/mt_table.py
+#            traces/, by file name without .csv), beside the harness's floor and (unless
+#            MT_REFS=0) PyTorch native and RMM pool and binning in the same rounds; the tables
+#            (scaling, and ns per operation above the floor) by scripts/gpu/mt_table.py
 #   mtx      the same scaling without the C ABI (crates/streamalloc-bench/src/bin/mt_replay.rs), on the simulator and
-#            on the GPU, with the device allocations made in the timed passes
+#            on the GPU, with the device allocations made in the timed passes and each subject's
+#            ns per operation above mt_replay's own floor
 #   samerun  AsyncPool through the C ABI against raw cudaMallocAsync and the driver calls it
 #            makes, in one process, passes alternating, 31 rounds per trace
 #            (scripts/gpu/async_same_run.cpp; ROUNDS, SUBJECTS and EXTRA override)
 #   speed    StreamSafe through the C ABI against the fast anchors (PyTorch native and
-#            expandable, RMM pool and binning), SPEED_ROUNDS rounds (default 3; each replay
-#            its own process) into $OUT/speed_rounds.jsonl, tables (scripts/gpu/speed_table.py);
+#            expandable, RMM pool and binning) and the harness's floor, SPEED_ROUNDS rounds
+#            (default 3; each replay its own process) into $OUT/speed_rounds.jsonl, tables of
+#            ns per operation above the floor (scripts/gpu/speed_table.py);
 #            SPEED_CONFS (space-separated STREAMALLOC_CONF strings) replaces strategy=stream_safe
 #            (the default configuration: stitched ranges)
 #            (WHEEL overrides the wheel the Python parts install, default dist/streamalloc-*x86_64.whl)
@@ -136,6 +140,7 @@ for part in "$@"; do
         done) > "$OUT/samerun.jsonl" && grep -E 'summary|probe' "$OUT/samerun.jsonl" ;;
     speed)
       build_anchors && for round in $(seq "${SPEED_ROUNDS:-3}"); do echo "{\"round\":$round}"; for tr in .anchors/traces/*.csv; do
+        /tmp/anchor-bin/replay_core floor "$tr"
         /tmp/anchor-bin/replay_torch "$tr"
         PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True /tmp/anchor-bin/replay_torch "$tr"
         /tmp/anchor-bin/replay_rmm pool "$tr" && /tmp/anchor-bin/replay_rmm binning "$tr"
@@ -150,8 +155,14 @@ for part in "$@"; do
         bash scripts/capi-replay.sh | tee "$OUT/capi.txt" ;;
     mt)
       build_anchors && for round in $(seq "${MT_ROUNDS:-3}"); do for tr in ${MT_TRACES:-resnet50_train gpt2_train}; do for n in 1 2 4 8; do
+        t=".anchors/traces/$tr.csv"
+        THREADS=$n /tmp/anchor-bin/replay_core floor "$t"
+        if [ "${MT_REFS:-1}" != 0 ]; then
+          THREADS=$n /tmp/anchor-bin/replay_torch "$t"
+          for r in pool binning; do THREADS=$n /tmp/anchor-bin/replay_rmm $r "$t"; done
+        fi
         THREADS=$n STREAMALLOC_CONF=strategy=stream_safe /tmp/anchor-bin/replay_core \
-          "so:$PWD/.anchors/libstreamalloc.so:streamalloc_malloc:streamalloc_free" ".anchors/traces/$tr.csv"
+          "so:$PWD/.anchors/libstreamalloc.so:streamalloc_malloc:streamalloc_free" "$t"
       done; done; done | tee "$OUT/mt_rounds.jsonl" && python3 scripts/gpu/mt_table.py < "$OUT/mt_rounds.jsonl" ;;
     torch)
       install_wheel && {

@@ -12,7 +12,7 @@ import statistics
 import sys
 from collections import defaultdict
 
-from speed_table import fastest_anchor, per_trace, read_rounds
+from speed_table import FLOOR, fastest_anchor, per_trace, read_rounds
 
 STITCHED = "streamalloc:strategy=stream_safe,expandable=true"
 # Chunks: named explicitly since stitched ranges became the default; runs 1-35 wrote the
@@ -39,7 +39,8 @@ def main(anchors, rounds):
         if STITCHED not in footprint[trace] or not speed[trace].get(STITCHED):
             continue
         n += 1
-        refs = {k: v for k, v in footprint[trace].items() if not k.startswith("streamalloc")}
+        # The floor maps nothing (footprint 0): not a reference.
+        refs = {k: v for k, v in footprint[trace].items() if not k.startswith("streamalloc") and k != FLOOR}
         name, best = min(refs.items(), key=lambda kv: kv[1])
         ours = footprint[trace][STITCHED]
         goal = ours <= min(1.05, best)

@@ -9,7 +9,15 @@
 //! - `stream_safe`: a bare `StreamSafe` by handle;
 //! - `baseline`: no allocator, a free list per size in each thread (nothing shared): the same
 //!   loop over the same trace, so its scaling is what the machine gives a loop that shares
-//!   nothing (clock drop with more busy cores, caches), the ceiling of any allocator's.
+//!   nothing (clock drop with more busy cores, caches), the ceiling of any allocator's;
+//! - `floor`: the anchors harness's floor (`replay_core floor`): a bump pointer per thread
+//!   that never reuses, locks or calls the device, through the same loop and call frame. Its
+//!   nanoseconds per operation are what this replayer itself costs.
+//!
+//! The floor always runs first, and each other subject's lines give its nanoseconds per
+//! operation (a thread's, from the slowest thread's best pass) and those above the floor's at
+//! the same thread count, measured in the same run: the allocator's own work, in the terms of
+//! the anchors harness (its README, "The floor").
 //!
 //! Each run also prints its passes one by one (`PASSES`: the slowest thread's nanoseconds per
 //! operation and, in brackets, the device allocations made during that pass and, on the
@@ -20,7 +28,8 @@
 //! (pprof, all threads): a thread's wall time per operation is shared out among the functions
 //! by their self samples (the sampled frame's own), and those taking at least 0.5 ns are
 //! listed, the largest growth from 1 to 8 threads first: what costs more per operation with 8
-//! threads is what stands in the way of scaling.
+//! threads is what stands in the way of scaling. The header gives each figure above the
+//! floor's (measured without the profiler).
 //!
 //! On the simulator the device costs nothing and no call takes a driver lock, which separates
 //! the allocator's own scaling from the driver's. A measurement to read, not a test:
@@ -49,6 +58,7 @@ enum Subject {
     Default,
     StreamSafe,
     Baseline,
+    Floor,
 }
 
 impl Subject {
@@ -57,6 +67,7 @@ impl Subject {
             "default" => Some(Self::Default),
             "stream_safe" => Some(Self::StreamSafe),
             "baseline" => Some(Self::Baseline),
+            "floor" => Some(Self::Floor),
             _ => None,
         }
     }
@@ -66,15 +77,18 @@ impl Subject {
             Self::Default => "default",
             Self::StreamSafe => "stream_safe",
             Self::Baseline => "baseline",
+            Self::Floor => "floor",
         }
     }
 }
 
-/// One thread's replay state for a subject.
+/// One thread's replay state for a subject (the floor's: the next address of its bump pointer,
+/// never reused, and what each slot holds).
 enum Replayer {
     Pointer { alloc: Arc<Stack>, live: Vec<DevicePtr> },
     Handle { alloc: Arc<dyn StreamAllocator>, live: Vec<Option<Allocation>> },
     Baseline { free: HashMap<usize, Vec<DevicePtr>>, live: Vec<(usize, DevicePtr)>, next: DevicePtr },
+    Floor { next: DevicePtr, live: Vec<DevicePtr> },
 }
 
 impl Replayer {
@@ -101,6 +115,13 @@ impl Replayer {
                 let (size, ptr) = live[slot];
                 free.entry(size).or_default().push(ptr);
             }
+            (Self::Floor { next, live }, Op::Allocate { slot, size, .. }) => {
+                live[slot] = std::hint::black_box(*next);
+                *next += (size as DevicePtr + 511) & !511;
+            }
+            (Self::Floor { live, .. }, Op::Free { slot, .. }) => {
+                std::hint::black_box(std::mem::take(&mut live[slot]));
+            }
             // Streams' use of memory and waits: not what this measures.
             _ => {}
         }
@@ -114,6 +135,7 @@ impl Replayer {
                 alloc.free_ptr(std::mem::take(p), stream);
             }),
             Self::Handle { live, .. } => live.iter_mut().for_each(|a| *a = None),
+            Self::Floor { live, .. } => live.iter_mut().for_each(|p| *p = 0),
             Self::Baseline { .. } => {}
         }
     }
@@ -146,7 +168,9 @@ fn shared(subject: Subject, device: &Arc<dyn Device>) -> Result<Shared> {
                 device_allocs: Box::new(move || counter.stats().device_allocs),
             }
         }
-        Subject::Baseline => Shared { pointer: None, handle: None, device_allocs: Box::new(|| 0) },
+        Subject::Baseline | Subject::Floor => {
+            Shared { pointer: None, handle: None, device_allocs: Box::new(|| 0) }
+        }
     })
 }
 
@@ -185,12 +209,16 @@ fn run(
     let passes = if profile { PROFILED_PASSES } else { PASSES };
     let barrier = Arc::new(Barrier::new(threads + 1));
     let workers: Vec<_> = (0..threads)
-        .map(|_| {
+        .map(|thread| {
             let (trace, barrier) = (trace.clone(), barrier.clone());
             let mut replayer = match (&shared.pointer, &shared.handle) {
                 (Some(alloc), _) => Replayer::Pointer { alloc: alloc.clone(), live: vec![0; trace.slots] },
                 (_, Some(alloc)) => {
                     Replayer::Handle { alloc: alloc.clone(), live: (0..trace.slots).map(|_| None).collect() }
+                }
+                _ if subject == Subject::Floor => {
+                    // Each thread's addresses a region of its own, as the harness's floor.
+                    Replayer::Floor { next: (thread as DevicePtr + 1) << 40, live: vec![0; trace.slots] }
                 }
                 _ => Replayer::Baseline { free: HashMap::new(), live: vec![(0, 0); trace.slots], next: 0 },
             };
@@ -271,7 +299,7 @@ fn short(name: &str) -> String {
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: mt_replay TRACE [sim|cuda] [default|stream_safe|baseline ...] [--profile]";
+    let usage = "usage: mt_replay TRACE [sim|cuda] [default|stream_safe|baseline|floor ...] [--profile]";
     let path = args.first().expect(usage);
     let profile = args.iter().any(|a| a == "--profile");
     let kind = if args.iter().any(|a| a == "cuda") { "cuda" } else { "sim" };
@@ -284,21 +312,33 @@ fn main() -> Result<()> {
     if subjects.is_empty() {
         subjects = vec![Subject::Default, Subject::StreamSafe, Subject::Baseline];
     }
+    // The floor first, once: the others are measured above it.
+    subjects.retain(|&s| s != Subject::Floor);
+    subjects.insert(0, Subject::Floor);
     let trace = Arc::new(Trace::from_path(path)?);
+    // The floor's ns per operation (a thread's) at 1, 2, 4 and 8 threads.
+    let mut floor = [0.0f64; 4];
     for subject in subjects {
         let mut one = 0.0;
         let mut profiles = Vec::new();
-        for threads in [1, 2, 4, 8] {
-            let profiled = profile && (threads == 1 || threads == 8);
+        for (i, threads) in [1, 2, 4, 8].into_iter().enumerate() {
+            let profiled = profile && subject != Subject::Floor && (threads == 1 || threads == 8);
             let measured = run(subject, &device, sim.as_ref(), &trace, threads, profiled)?;
             let mops = (threads * trace.len()) as f64 / measured.best() / 1e6;
+            let ns = measured.best() * 1e9 / trace.len() as f64;
             let timed_allocs: u64 = measured.device_allocs[1..].iter().sum();
             if threads == 1 {
                 one = mops;
             }
+            let above = if subject == Subject::Floor {
+                floor[i] = ns;
+                String::new()
+            } else {
+                format!(" floor_ns_per_op={:.1} above_floor_ns_per_op={:.1}", floor[i], ns - floor[i])
+            };
             println!(
                 "MT_REPLAY device={kind} subject={} trace={} threads={threads} mops_per_s={mops:.2} scaling={:.2} \
-                 device_allocs_in_timed_passes={timed_allocs}",
+                 ns_per_op={ns:.1}{above} device_allocs_in_timed_passes={timed_allocs}",
                 subject.name(),
                 trace.name,
                 mops / one
@@ -337,10 +377,14 @@ fn main() -> Result<()> {
                 names.into_iter().map(|f| (ns(one, f, *ns1), ns(eight, f, *ns8), f)).collect();
             rows.sort_by(|a, b| (b.1 - b.0).total_cmp(&(a.1 - a.0)));
             println!(
-                "PROFILE subject={} trace={} ns per operation and thread: 1 thread {ns1:.1}, 8 threads {ns8:.1}, \
-                 shared out by self samples ({} and {})",
+                "PROFILE subject={} trace={} ns per operation and thread: 1 thread {ns1:.1} ({:.1} above the floor's \
+                 {:.1}), 8 threads {ns8:.1} ({:.1} above {:.1}), shared out by self samples ({} and {})",
                 subject.name(),
                 trace.name,
+                ns1 - floor[0],
+                floor[0],
+                ns8 - floor[3],
+                floor[3],
                 one.values().sum::<u64>(),
                 eight.values().sum::<u64>()
             );

@@ -41,7 +41,6 @@ use crate::error::Result;
 /// ```
 pub struct SingleStream<A> {
     inner: A,
-    device: Arc<dyn Device>,
     events: EventPool,
     own: Stream,
     default: Mutex<Stream>,
@@ -53,21 +52,13 @@ pub struct SingleStream<A> {
 impl<A: Allocator> SingleStream<A> {
     /// Wraps `inner`, whose allocations belong to `own`, on `device`.
     pub fn new(inner: A, device: Arc<dyn Device>, own: Stream) -> Self {
-        let events = EventPool::new(device.clone());
-        Self { inner, device, events, own, default: Mutex::new(own), failures: AtomicU64::new(0) }
+        let events = EventPool::new(device);
+        Self { inner, events, own, default: Mutex::new(own), failures: AtomicU64::new(0) }
     }
 
     /// Makes `stream` wait for the work enqueued so far on the own stream; counts a failure.
     fn order(&self, stream: Stream) -> Result<()> {
-        let ordered = self.events.get().and_then(|event| {
-            let ordered = self
-                .device
-                .record_event(event, self.own)
-                .and_then(|()| self.device.stream_wait_event(stream, event));
-            // The wait captured the event's state; the event can be reused at once.
-            self.events.put(event);
-            ordered
-        });
+        let ordered = self.events.order_after(stream, self.own);
         if ordered.is_err() {
             self.failures.fetch_add(1, Ordering::Relaxed);
         }

@@ -14,7 +14,7 @@ use super::best_fit::{BestFit, BestFitConfig};
 use super::retry;
 use crate::allocation::{Allocation, Allocator, ReservedGauge, Stats, StreamAllocator};
 use crate::device::{CaptureStatus, Device, EventPool, Stream};
-use crate::error::{Error, OutOfMemory, Result};
+use crate::error::{try_each, Error, OutOfMemory, Result};
 
 /// Settings of a [`StreamSafe`] allocator.
 ///
@@ -722,16 +722,10 @@ impl StreamSafe {
             }
             let took = other.naming(|| {
                 let Some(chunk) = other.pool.take_free_chunk(size) else { return Ok(false) };
-                let event = self.events.get()?;
-                let ordered = self
-                    .device
-                    .record_event(event, other.stream)
-                    .and_then(|()| self.device.stream_wait_event(pool.stream, event));
-                // The wait captured the event's state; the event can be reused at once.
-                self.events.put(event);
-                if ordered.is_err() {
+                if self.events.order_after(pool.stream, other.stream).is_err() {
                     // The giving stream cannot be waited on (e.g. it was destroyed without
-                    // retire_stream): its chunk stays where it is, and another is tried.
+                    // retire_stream), or no event could be had: its chunk stays where it is,
+                    // and another is tried.
                     other.pool.adopt_chunk(chunk)?;
                     return Ok(false);
                 }
@@ -882,17 +876,14 @@ impl Allocator for StreamSafe {
             }
         }
         let mut total = 0;
-        let mut first_error = None;
-        for p in &pools {
+        let released = try_each(&pools, |p| {
             match p.naming(|| p.pool.release()) {
-                Some(Ok(n)) => total += n,
-                Some(Err(e)) => {
-                    first_error.get_or_insert(e);
-                }
+                Some(n) => total += n?,
                 None => total += self.drop_if_empty(p),
             }
-        }
-        first_error.map_or(Ok(total), Err)
+            Ok(())
+        });
+        released.map(|()| total)
     }
 
     /// The sum over every pool held and every pool dropped (peaks are sums of each pool's

@@ -283,14 +283,7 @@ impl<A: StreamAllocator> Tagged<A> {
                 stream.0
             )));
         }
-        let event = self.events.get()?;
-        let ordered = self
-            .device
-            .record_event(event, stream)
-            .and_then(|()| self.device.stream_wait_event(waiter, event));
-        // The wait captured the event's state; the event can be reused at once.
-        self.events.put(event);
-        ordered
+        self.events.order_after(waiter, stream)
     }
 
     /// Waits, at most the pools' `wait_timeout`, for the work enqueued so far on `stream`;
@@ -609,14 +602,12 @@ impl<A: StreamAllocator> StreamAllocator for Tagged<A> {
 
     /// The wrapped allocator and every tag's pool forget `stream`; the first error.
     fn retire_stream(&self, stream: Stream) -> Result<()> {
-        let mut first = self.main.retire_stream(stream).err();
-        for p in self.snapshot() {
+        let main = self.main.retire_stream(stream);
+        let tags = try_each(self.snapshot(), |p| {
             let _phase = p.phase.read();
-            if let Err(e) = p.alloc.retire_stream(stream) {
-                first.get_or_insert(e);
-            }
-        }
-        first.map_or(Ok(()), Err)
+            p.alloc.retire_stream(stream)
+        });
+        main.and(tags)
     }
 }
 

@@ -533,17 +533,7 @@ impl Inner {
 
     /// Makes later work on `waiter` wait for the work enqueued so far on each of `streams`.
     fn order_after(&self, waiter: Stream, streams: impl IntoIterator<Item = Stream>) -> Result<()> {
-        for s in streams {
-            let event = self.events.get()?;
-            let waited = self
-                .device
-                .record_event(event, s)
-                .and_then(|()| self.device.stream_wait_event(waiter, event));
-            // The wait (if made) took the event's state; the event may be recorded again.
-            self.events.put(event);
-            waited?;
-        }
-        Ok(())
+        streams.into_iter().try_for_each(|s| self.events.order_after(waiter, s))
     }
 
     /// When `over` (allocated plus pending-release bytes past the throttle ratio), makes
