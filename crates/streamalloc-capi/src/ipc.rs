@@ -616,6 +616,26 @@ mod tests {
         state.free(keep, Some(0), 0).unwrap();
     }
 
+    /// Issue 52 #3: a tag whose live memory is exported refuses to sleep (the receiver would
+    /// keep the old memory while the wake maps fresh); once the shared allocation is freed and
+    /// its granules released, the tag sleeps.
+    #[test]
+    fn a_tag_with_exported_live_memory_refuses_to_sleep() {
+        let state = sim("strategy=stream_safe");
+        let tag = core_alloc::tags::Tag::new("ipc-sleep").unwrap();
+        core_alloc::tags::push("ipc-sleep").unwrap();
+        let p = state.allocate(3 << 20, 0, 0);
+        core_alloc::tags::pop().unwrap();
+        let p = p.unwrap();
+        export(&state, p, 3 << 20).unwrap();
+        let stack = state.stack(0).unwrap();
+        let e = stack.sleep(&[tag], false).unwrap_err().to_string();
+        assert!(e.contains("shared with another process"), "{e}");
+        state.free(p, Some(0), 0).unwrap();
+        state.release(0).unwrap();
+        stack.sleep(&[tag], false).unwrap();
+    }
+
     #[test]
     fn what_cannot_be_shared_says_why() {
         let chunks = sim("strategy=stream_safe,backing=chunks");

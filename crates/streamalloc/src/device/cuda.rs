@@ -1052,6 +1052,12 @@ impl Device for CudaDevice {
         Ok(pieces)
     }
 
+    fn exports_any(&self, addr: DevicePtr, size: usize) -> Result<bool> {
+        let vmm = self.vmm.lock();
+        let end = addr.saturating_add(size as u64);
+        Ok(vmm.granules.range(addr..end).any(|(_, id)| vmm.physical.get(id).is_some_and(|p| p.export.is_some())))
+    }
+
     /// Imports the allocation (`cuMemImportFromShareableHandle`, which leaves `fd` open) and
     /// maps it as [`Device::map`] maps its own.
     fn map_shared(&self, addr: DevicePtr, fd: BorrowedFd<'_>, offset: usize, len: usize) -> Result<()> {

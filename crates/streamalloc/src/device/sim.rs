@@ -1409,6 +1409,13 @@ impl Device for SimDevice {
         })
     }
 
+    fn exports_any(&self, addr: DevicePtr, size: usize) -> Result<bool> {
+        self.call(|st| {
+            let end = addr.saturating_add(size as u64);
+            Ok(st.mapped.range(addr..end).any(|(_, m)| st.shared.exports.contains_key(m)))
+        })
+    }
+
     fn map_shared(&self, addr: DevicePtr, fd: BorrowedFd<'_>, offset: usize, len: usize) -> Result<()> {
         let file = file_of(fd)?;
         self.call(|st| {
