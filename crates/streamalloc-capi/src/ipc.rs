@@ -122,9 +122,10 @@ impl Handle {
             return Err(bad(format!("pieces of {segment} bytes (at most {MAX_SEGMENT})")));
         }
         let count = u64_at(18);
-        let n = usize::try_from(count).ok().filter(|&n| n > 0 && n <= MAX_PIECES).ok_or_else(|| {
-            bad(format!("{count} pieces (from 1 to {MAX_PIECES})"))
-        })?;
+        let n = usize::try_from(count)
+            .ok()
+            .filter(|&n| n > 0 && n <= MAX_PIECES)
+            .ok_or_else(|| bad(format!("{count} pieces (from 1 to {MAX_PIECES})")))?;
         let fds_end = HEADER + 4 * n;
         let trailer = match bytes.len().checked_sub(fds_end) {
             Some(0) => None,
@@ -135,7 +136,12 @@ impl Handle {
         };
         let serial = |i: usize| trailer.map_or(0, |_| u64_at(fds_end + TRAILER + 8 * i));
         let pieces = (0..n)
-            .map(|i| SharedPiece { fd: u32_at(HEADER + 4 * i) as i32, serial: serial(i), offset: 0, len: segment })
+            .map(|i| SharedPiece {
+                fd: u32_at(HEADER + 4 * i) as i32,
+                serial: serial(i),
+                offset: 0,
+                len: segment,
+            })
             .collect();
         Ok(Handle { pid, segment, trailer, pieces })
     }
@@ -254,8 +260,9 @@ pub(crate) fn open(state: &State, bytes: &[u8], device: c_int) -> Result<DeviceP
 fn check_foreign(pid: u32, fds: &[i32]) -> Result<()> {
     for fd in fds {
         let path = format!("/proc/{pid}/fd/{fd}");
-        let link = std::fs::read_link(&path)
-            .map_err(|e| Error::InvalidArgument(format!("IPC handle of process {pid} refused: {path}: {e}")))?;
+        let link = std::fs::read_link(&path).map_err(|e| {
+            Error::InvalidArgument(format!("IPC handle of process {pid} refused: {path}: {e}"))
+        })?;
         let link = link.to_string_lossy();
         if !(link.starts_with("anon_inode:") || link.starts_with("/dev/")) {
             return Err(Error::InvalidArgument(format!(
@@ -283,7 +290,10 @@ pub(crate) fn close(state: &State, base: DevicePtr) -> Result<()> {
     let timeout = state.config().wait_timeout;
     let (done, finished) = std::sync::mpsc::channel();
     let spawned = std::thread::Builder::new().name("streamalloc-ipc-close".into()).spawn(move || {
-        let result = dev.synchronize().and_then(|()| dev.unmap(base, size)).and_then(|()| dev.free_address(base, size));
+        let result = dev
+            .synchronize()
+            .and_then(|()| dev.unmap(base, size))
+            .and_then(|()| dev.free_address(base, size));
         // The caller may have stopped waiting: the range is unmapped late, not leaked.
         let _ = done.send(result);
     });
@@ -439,11 +449,19 @@ mod tests {
     #[test]
     fn handles_round_trip_and_bad_ones_are_refused() {
         let piece = |fd, serial| SharedPiece { fd, serial, offset: 0, len: 2 << 20 };
-        let handle =
-            Handle { pid: 4242, segment: 2 << 20, trailer: Some((3, 11)), pieces: vec![piece(7, 1), piece(9, 2)] };
+        let handle = Handle {
+            pid: 4242,
+            segment: 2 << 20,
+            trailer: Some((3, 11)),
+            pieces: vec![piece(7, 1), piece(9, 2)],
+        };
         let bytes = handle.encode();
         assert_eq!(bytes.len(), HEADER + 2 * 4 + TRAILER + 2 * 8);
-        assert_eq!(&bytes[..2], &[2, b'e'], "torch's SHAREABLE_HANDLE_VERSION and SHAREABLE_CUDA_EXPANDABLE_SEGMENT");
+        assert_eq!(
+            &bytes[..2],
+            &[2, b'e'],
+            "torch's SHAREABLE_HANDLE_VERSION and SHAREABLE_CUDA_EXPANDABLE_SEGMENT"
+        );
         assert_eq!(&bytes[2..10], &[&4242i32.to_ne_bytes()[..], &[0; 4]].concat()[..], "pid_t, then padding");
         assert_eq!(&bytes[10..18], &(2u64 << 20).to_ne_bytes(), "segment_size");
         assert_eq!(&bytes[18..26], &2u64.to_ne_bytes(), "num_handles");
@@ -556,7 +574,10 @@ mod tests {
             for bit in 0..64 {
                 let mut flipped = b.clone();
                 flipped.pieces[piece].serial ^= 1 << bit;
-                assert!(open(&state, &flipped.encode(), 0).is_err(), "piece {piece}, bit {bit} flipped opened");
+                assert!(
+                    open(&state, &flipped.encode(), 0).is_err(),
+                    "piece {piece}, bit {bit} flipped opened"
+                );
             }
         }
         assert_eq!(used(&state), held, "nothing mapped by the refused opens");

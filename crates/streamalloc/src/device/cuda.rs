@@ -1055,7 +1055,10 @@ impl Device for CudaDevice {
     fn exports_any(&self, addr: DevicePtr, size: usize) -> Result<bool> {
         let vmm = self.vmm.lock();
         let end = addr.saturating_add(size as u64);
-        Ok(vmm.granules.range(addr..end).any(|(_, id)| vmm.physical.get(id).is_some_and(|p| p.export.is_some())))
+        Ok(vmm
+            .granules
+            .range(addr..end)
+            .any(|(_, id)| vmm.physical.get(id).is_some_and(|p| p.export.is_some())))
     }
 
     /// Imports the allocation (`cuMemImportFromShareableHandle`, which leaves `fd` open) and

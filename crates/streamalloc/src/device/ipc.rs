@@ -32,7 +32,8 @@ const ENTRY: u64 = 16;
 /// made anew in a child after `fork` (the parent's is not the child's).
 static REGISTRY: Mutex<Option<(u32, File)>> = Mutex::new(None);
 
-/// The last serial handed out, process-wide: serials are never reused, whatever device.
+/// The last serial handed out, process-wide: serials are never reused, whatever device, and
+/// start from the clock's nanoseconds when the registry is made.
 static LAST_SERIAL: AtomicU64 = AtomicU64::new(0);
 
 /// The name of the registry of process `pid`, as `/proc/PID/fd/N` shows it.
@@ -58,6 +59,10 @@ fn with_registry<T>(f: impl FnOnce(&File) -> std::io::Result<T>) -> Result<T> {
         }
         // SAFETY: the kernel returned a new descriptor that nothing else owns.
         *registry = Some((pid, File::from(unsafe { OwnedFd::from_raw_fd(raw) })));
+        // Serials start from the clock: another process that reuses this pid later (or a child
+        // of this one after fork) hands out others.
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        LAST_SERIAL.fetch_max(now.as_nanos() as u64, Ordering::Relaxed);
     }
     let (_, file) = registry.as_ref().ok_or_else(|| Error::Internal("no IPC export registry".into()))?;
     f(file).map_err(|e| Error::Io(format!("the IPC export registry: {e}")))
@@ -104,7 +109,9 @@ pub fn check_exports(pid: u32, registry: RawFd, pieces: &[SharedPiece]) -> Resul
         _ => refused(format!("its descriptor {registry} is no export registry ({e})")),
     })?;
     if link.as_os_str() != registry_link(pid).as_str() {
-        return Err(refused(format!("its descriptor {registry} is no streamalloc export registry ({link:?})")));
+        return Err(refused(format!(
+            "its descriptor {registry} is no streamalloc export registry ({link:?})"
+        )));
     }
     let file = File::open(&path).map_err(|e| refused(format!("opening {path}: {e}")))?;
     for p in pieces {
@@ -231,6 +238,29 @@ mod tests {
         assert_ne!(fetched[0].as_raw_fd(), a.as_raw_fd());
         let ino = |fd: &OwnedFd| std::fs::File::from(fd.try_clone().unwrap()).metadata().unwrap().ino();
         assert_eq!(ino(&fetched[0]), ino(&OwnedFd::from(a)));
+    }
+
+    /// The registry says which descriptors are exports, with which serial and length, and
+    /// forgets one before it closes; the check reads it without copying a descriptor.
+    #[test]
+    fn the_registry_checks_serials_lengths_and_forgotten_exports() {
+        let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let fd = a.as_raw_fd();
+        let serial = note_export(fd, 4096).unwrap();
+        let registry = registry_fd().unwrap();
+        let me = std::process::id();
+        let piece = |serial, len| SharedPiece { fd, serial, offset: 0, len };
+        check_exports(me, registry, &[piece(serial, 4096)]).unwrap();
+        let e = check_exports(me, registry, &[piece(serial ^ 1, 4096)]).unwrap_err().to_string();
+        assert!(e.contains("serial"), "{e}");
+        let e = check_exports(me, registry, &[piece(serial, 8192)]).unwrap_err().to_string();
+        assert!(e.contains("stands for 4096 bytes"), "{e}");
+        let e = check_exports(me, fd, &[piece(serial, 4096)]).unwrap_err().to_string();
+        assert!(e.contains("no streamalloc export registry"), "{e}");
+        assert!(note_export(fd, 4096).unwrap() > serial, "serials are never reused");
+        forget_export(fd);
+        let e = check_exports(me, registry, &[piece(serial, 4096)]).unwrap_err().to_string();
+        assert!(e.contains("not exported"), "{e}");
     }
 
     #[test]
