@@ -625,7 +625,7 @@ mod tests {
         let state = sim("strategy=stream_safe");
         let p = state.allocate(3 << 20, 0, 0).unwrap();
         let keep = state.allocate(1 << 20, 0, 0).unwrap();
-        for (ptr, size) in [(p + 1, 4096), (p, 3 << 20 + 1), (p + 4096, 4096)] {
+        for (ptr, size) in [(p + 1, 4096), (p, (3 << 20) + 1), (p + 4096, 4096)] {
             let e = export(&state, ptr, size).unwrap_err().to_string();
             assert!(e.contains("live allocation"), "{ptr:#x}+{size}: {e}");
         }
