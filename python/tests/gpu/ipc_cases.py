@@ -20,6 +20,11 @@ child's: `native` or `streamalloc` (the default config). Cases:
            saying so (case `large`)
   large    SENDER expandable, RECEIVER streamalloc: a 64 MiB tensor (torch's 20 MiB segments):
            the child's open fails with an error naming the segment size and what to do
+  sender_exits  the roles swapped: a child under SENDER's allocator shares a tensor with this
+           process (under RECEIVER's) and exits once it is opened; the tensor's view stays
+           valid here (sum and elements right, a write and read back), or, for CUDA IPC
+           handles (torch's 'c', whose memory the driver may reclaim when its exporter exits),
+           fails with a CUDA error, never a crash or wrong data (which of the two is recorded)
   cycles   1,000 share/close cycles (after 20 to warm up): the counts of open descriptors
            (/proc/self/fd) and of host mappings (/proc/self/maps) on both sides, the device's
            free memory, torch.cuda.memory_allocated on the sender and streamalloc's opened
@@ -117,8 +122,8 @@ class Cell:
         # makes started processes enable it), no expandable segments.
         saved = dict(os.environ)
         os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-        if RECEIVERS[receiver] is None:
-            os.environ["STREAMALLOC_TORCH"] = "0"
+        os.environ.pop("STREAMALLOC_CONF", None)
+        os.environ["STREAMALLOC_TORCH"] = "0"  # the child enables streamalloc itself, or not at all
         try:
             self.proc.start()
         finally:
@@ -276,7 +281,86 @@ def case_cycles(report, sender, receiver, warm=20, cycles=1000):
         cell.close()
 
 
-CASES = {"matrix": case_matrix, "large": case_large, "cycles": case_cycles}
+def sender_child(outbox, inbox, sender, nbytes):
+    """The sharing process of `sender_exits`: shares a filled tensor, exits once it is opened."""
+    try:
+        if sender == "expandable":
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        import torch
+
+        if SENDERS[sender] is not None:
+            import streamalloc.torch
+
+            streamalloc.torch.enable(SENDERS[sender])
+        x = filled(torch, nbytes)
+        torch.cuda.synchronize()
+        outbox.put(x)
+        inbox.get()  # opened by the parent
+    except Exception as e:
+        outbox.put(f"{type(e).__name__}: {str(e)[:2000]}")
+    os._exit(0)  # at once: no teardown that waits for the receiver
+
+
+def case_sender_exits(report, sender, receiver):
+    import torch.multiprocessing as mp
+
+    os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    if RECEIVERS[receiver] is None:
+        os.environ["STREAMALLOC_TORCH"] = "0"
+    import torch
+
+    if RECEIVERS[receiver] is not None:
+        import streamalloc.torch
+
+        streamalloc.torch.enable(RECEIVERS[receiver])
+    torch.cuda.init()
+    nbytes = MIB if sender == "expandable" else 32 * MIB
+    ctx = mp.get_context("spawn")
+    outbox, inbox = ctx.Queue(), ctx.SimpleQueue()
+    saved = dict(os.environ)
+    # The child's allocator is the sender's alone: it enables streamalloc itself, or not at all.
+    os.environ["STREAMALLOC_TORCH"] = "0"
+    os.environ.pop("STREAMALLOC_CONF", None)
+    proc = ctx.Process(target=sender_child, args=(outbox, inbox, sender, nbytes))
+    try:
+        proc.start()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    try:
+        try:
+            x = outbox.get(timeout=WAIT)
+        except queue.Empty:
+            report.failures.append("the sender sent nothing")
+            return
+        if isinstance(x, str):
+            report.expect(sender == "async", f"the sender failed: {x}")
+            report.info["sender_error"] = x[:500]
+            return
+        inbox.put("opened")
+        proc.join(60)
+        report.info["sender_exit"] = proc.exitcode
+        try:
+            want = filled(torch, nbytes)
+            same = bool(torch.equal(x, want))
+            x.add_(1)
+            torch.cuda.synchronize()
+            again = bool(torch.equal(x, want + 1))
+            report.info["after_sender_exit"] = "valid"
+            report.expect(same and again, f"wrong data after the sender exited: read {same}, write {again}")
+        except RuntimeError as e:
+            report.info["after_sender_exit"] = f"error: {str(e).splitlines()[0][:300]}"
+            report.expect(sender in ("native", "chunks"), f"mapped memory invalid after the sender exited: {e}")
+        del x
+        gc.collect()
+        torch.cuda.synchronize()
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+
+
+CASES = {"matrix": case_matrix, "large": case_large, "cycles": case_cycles, "sender_exits": case_sender_exits}
 
 
 if __name__ == "__main__":

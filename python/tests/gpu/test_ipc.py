@@ -33,3 +33,9 @@ def test_ipc_large_expandable_segments_refused_by_streamalloc_receiver(run_case)
 @pytest.mark.parametrize("sender", ["native", "expandable", "default", "chunks"])
 def test_ipc_thousand_cycles_leave_nothing_behind(run_case, sender, receiver):
     run_case(WORKER, "cycles", sender, receiver)
+
+
+@pytest.mark.parametrize("receiver", RECEIVERS)
+@pytest.mark.parametrize("sender", ["native", "expandable", "default", "chunks"])
+def test_ipc_receivers_view_outlives_the_sender(run_case, sender, receiver):
+    run_case(WORKER, "sender_exits", sender, receiver)

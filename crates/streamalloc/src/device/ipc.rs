@@ -101,6 +101,12 @@ pub fn registry_fd() -> Result<RawFd> {
 pub fn check_exports(pid: u32, registry: RawFd, pieces: &[SharedPiece]) -> Result<()> {
     let path = format!("/proc/{pid}/fd/{registry}");
     let refused = |why: String| Error::InvalidArgument(format!("IPC handle of process {pid} refused: {why}"));
+    if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+        return Err(Error::InvalidArgument(format!(
+            "IPC handle of process {pid}: the process has exited (a sender must live until the receiver has \
+             opened what it shared; once opened, the receiver's mapping keeps the memory)"
+        )));
+    }
     let link = std::fs::read_link(&path).map_err(|e| match e.raw_os_error() {
         Some(libc::EACCES) | Some(libc::EPERM) => Error::Unsupported(format!(
             "reading {path} was refused: receiving memory of another process needs permission to ptrace it \
@@ -257,6 +263,8 @@ mod tests {
         assert!(e.contains("stands for 4096 bytes"), "{e}");
         let e = check_exports(me, fd, &[piece(serial, 4096)]).unwrap_err().to_string();
         assert!(e.contains("no streamalloc export registry"), "{e}");
+        let e = check_exports(i32::MAX as u32, registry, &[piece(serial, 4096)]).unwrap_err().to_string();
+        assert!(e.contains("the process has exited"), "{e}");
         assert!(note_export(fd, 4096).unwrap() > serial, "serials are never reused");
         forget_export(fd);
         let e = check_exports(me, registry, &[piece(serial, 4096)]).unwrap_err().to_string();
