@@ -657,6 +657,73 @@ mod tests {
         stack.sleep(&[tag], false).unwrap();
     }
 
+    /// Threads export, open, close and free, while another releases and a third opens handles
+    /// of freed allocations (refused once released, else the same still-exported memory): no
+    /// call fails that should not, and at the end nothing is mapped, exported or reserved
+    /// beyond what was there before.
+    #[test]
+    fn threads_share_open_close_and_release_at_once() {
+        let state = sim("strategy=stream_safe");
+        let before = used(&state);
+        let sim = state.stack(0).unwrap().sim.clone().unwrap();
+        let stale: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let (opened, refused) =
+            (std::sync::atomic::AtomicUsize::new(0), std::sync::atomic::AtomicUsize::new(0));
+        let (state, sim, stale, opened, refused, stop) = (&state, &sim, &stale, &opened, &refused, &stop);
+        std::thread::scope(|scope| {
+            for t in 0..4u8 {
+                scope.spawn(move || {
+                    for i in 0..60u32 {
+                        let size = (1 + (i as usize + t as usize) % 5) << 20;
+                        let p = state.allocate(size, 0, 0).unwrap();
+                        let (bytes, _) = export(state, p, size).unwrap();
+                        let base = open(state, &bytes, 0).unwrap();
+                        assert!(sim.exported() > 0, "thread {t}, round {i}: exported while open");
+                        close(state, base).unwrap();
+                        state.free(p, Some(0), 0).unwrap();
+                        stale.lock().push(bytes);
+                        opened.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                });
+            }
+            scope.spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    state.release(0).unwrap();
+                    std::thread::yield_now();
+                }
+            });
+            scope.spawn(move || {
+                while opened.load(std::sync::atomic::Ordering::Relaxed) < 240 {
+                    let old = {
+                        let mut s = stale.lock();
+                        (!s.is_empty()).then(|| s.remove(0))
+                    };
+                    if let Some(bytes) = old {
+                        // Released, or still cached and exported (then the serials match and it
+                        // opens the same memory, still exported): either way not another's.
+                        match open(state, &bytes, 0) {
+                            Ok(base) => close(state, base).unwrap(),
+                            Err(_) => {
+                                refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            }
+                        }
+                    }
+                    std::thread::yield_now();
+                }
+            });
+            while opened.load(std::sync::atomic::Ordering::Relaxed) < 240 {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        });
+        state.release(0).unwrap();
+        assert!(state.opened().0.lock().is_empty(), "every range closed");
+        assert_eq!(sim.exported(), 0, "every export closed with its memory");
+        assert_eq!(used(state), before, "nothing left mapped");
+        eprintln!("opened 240, stale opens refused {}", refused.load(std::sync::atomic::Ordering::Relaxed));
+    }
+
     #[test]
     fn what_cannot_be_shared_says_why() {
         let chunks = sim("strategy=stream_safe,backing=chunks");
