@@ -274,8 +274,8 @@ def _install(torch, mode):
 
 
 def _export(conf, backend):
-    """Makes the processes this one starts enable streamalloc as this one did: a receiver of
-    mapped memory under torch's own allocator fails on streamalloc's handle format."""
+    """Makes the processes this one starts enable streamalloc as this one did (their memory then
+    behaves as this one's; IPC works either way, see DESIGN.md "IPC")."""
     os.environ.setdefault(AUTOLOAD_ENV, "1")
     if conf is not None:
         os.environ["STREAMALLOC_CONF"] = conf

@@ -10,13 +10,13 @@
 #include <sys/types.h>
 typedef struct CUstream_st *cudaStream_t;
 
-// The first byte of a handle of [`streamalloc_ipc_export`]: the version of its layout.
-#define STREAMALLOC_IPC_VERSION 1
+// The first byte of a handle of [`streamalloc_ipc_export`]: the version of its layout,
+// PyTorch's `SHAREABLE_HANDLE_VERSION` (a receiver refuses a later one).
+#define STREAMALLOC_IPC_VERSION 2
 
-// The second byte of a handle of [`streamalloc_ipc_export`] (`'s'`): streamalloc's mapped
-// memory, told apart from PyTorch's kinds (`'c'`, a CUDA IPC handle; `'e'`, an expandable
-// segment of PyTorch's own allocator).
-#define STREAMALLOC_IPC_KIND 115
+// The second byte of a handle of [`streamalloc_ipc_export`] (`'e'`): PyTorch's kind for
+// mapped memory (an expandable segment), apart from `'c'` (a CUDA IPC handle).
+#define STREAMALLOC_IPC_KIND 101
 
 // The latest virtual time, in ns, of the simulator's clock and of the work on its streams
 // (2^62 ns, about 146 years): [`streamalloc_sim_advance`] and [`streamalloc_sim_use`] refuse
@@ -333,25 +333,34 @@ enum streamalloc_status_t streamalloc_ipc_export(void *ptr,
                                                  size_t *offset);
 
 // Maps, in this process, the memory of a handle of [`streamalloc_ipc_export`] (made by
-// another process, or this one) into a range of its own, readable and writable by the
-// handle's device, and writes the range's base to `*ptr` (the exporter's allocation is at the
-// base plus the offset the export gave). The file descriptors are copied from the exporting
-// process (`pidfd_getfd`, Linux 5.6 or later), which needs permission to ptrace it: refused
-// (EPERM, e.g. a child under `kernel.yama.ptrace_scope` = 1), the call is
-// `STREAMALLOC_UNSUPPORTED` with that cause. The range keeps the memory alive until
-// [`streamalloc_ipc_close`], whatever the exporter does meanwhile. Each call maps the memory
-// anew (a receiver keeps one range per handle if it wants one).
+// another process, or this one) or of PyTorch's expandable segments (`'e'`, of 2 MiB
+// allocations) into a range of its own, readable and writable by the device, and writes the
+// range's base to `*ptr` (the exporter's allocation is at the base plus the offset the export
+// gave). The device is the handle's; `device` is used only for a handle of PyTorch's, which
+// names none. Before any descriptor is copied, a handle of streamalloc's is checked against
+// the exporter's export registry (each descriptor exported, with the handle's serial: a
+// handle of memory released since, or altered, is `STREAMALLOC_INVALID_ARGUMENT`); one of
+// PyTorch's is checked to name no regular file, socket or pipe. The descriptors are then
+// copied from the exporting process (`pidfd_getfd`, Linux 5.6 or later), which needs
+// permission to ptrace it: refused (EPERM, e.g. a child under `kernel.yama.ptrace_scope` =
+// 1), the call is `STREAMALLOC_UNSUPPORTED` with that cause. The range keeps the memory alive
+// until [`streamalloc_ipc_close`], whatever the exporter does meanwhile. Each call maps the
+// memory anew (a receiver keeps one range per handle if it wants one).
 //
 // # Safety
 // `handle` is valid for reading `len` bytes (NULL is an error); `ptr` is NULL (an error) or
 // valid for writing a pointer.
-enum streamalloc_status_t streamalloc_ipc_open(const uint8_t *handle, size_t len, void **ptr);
+enum streamalloc_status_t streamalloc_ipc_open(const uint8_t *handle,
+                                               size_t len,
+                                               int device,
+                                               void **ptr);
 
 // Unmaps a range that [`streamalloc_ipc_open`] mapped (its base), once the device's work that
-// may use it is done (the device is synchronized, waiting at most `wait_timeout`: past it,
-// `STREAMALLOC_TIMEOUT` and the range stays mapped), and frees its address range; the memory
-// goes back to its device when no process maps it any more. A pointer that is no such range
-// (closed twice) is `STREAMALLOC_INVALID_ARGUMENT` and changes nothing.
+// may use it is done (the device is synchronized on a thread of the library's, waited for at
+// most `wait_timeout`: past it, `STREAMALLOC_TIMEOUT`, and that thread unmaps the range once
+// the work is done), and frees its address range; the memory goes back to its device when no
+// process maps it any more. A pointer that is no such range (closed twice) is
+// `STREAMALLOC_INVALID_ARGUMENT` and changes nothing.
 enum streamalloc_status_t streamalloc_ipc_close(void *ptr);
 
 // Creates a simulated stream on `device` (`device=sim` only) and writes its handle to `*out`.
@@ -413,8 +422,10 @@ enum streamalloc_status_t streamalloc_tag_pop(void);
 // [`streamalloc_wake`] copies them back. Meanwhile allocating in a sleeping tag is
 // `STREAMALLOC_INVALID_ARGUMENT` naming the tag; freeing its allocations is allowed; other
 // tags and untagged allocations go on; `streamalloc_release` leaves it alone. A tag asleep
-// already is left as it is. Work enqueued on a tag's memory after the call is the caller's
-// error.
+// already is left as it is. A tag with live memory exported to another process
+// ([`streamalloc_ipc_export`](crate::streamalloc_ipc_export), until freed and released) is
+// `STREAMALLOC_INVALID_ARGUMENT` and nothing sleeps. Work enqueued on a tag's memory after
+// the call is the caller's error.
 //
 // # Safety
 // `tags` is null (an error unless `ntags` is 0) or valid for reading `ntags` pointers, each

@@ -1,111 +1,149 @@
 //! Sharing mapped memory with another process (IPC): [`streamalloc_ipc_export`] in the process
 //! that allocated it, [`streamalloc_ipc_open`] and [`streamalloc_ipc_close`] in the one that
-//! receives it, as PyTorch's expandable segments share theirs.
+//! receives it, in the format of PyTorch's expandable segments, so that a receiver under
+//! PyTorch's own allocator opens it too.
 //!
 //! Memory of `backing=stitched` (the default) or `backing=segments` pools is mapped into
 //! address reservations from physical allocations of one granule each. The exporter hands out
-//! a handle: a byte string naming its process, the device, and for each physical allocation
-//! under the granules that hold the allocation, the number of a file descriptor, open in the
-//! exporter, that stands for it (the device keeps it open while it maps the memory). The
-//! receiver copies those descriptors into itself (`pidfd_getfd`), imports and maps them into
-//! a reservation of its own, and closes the copies: its mappings keep the memory alive until
-//! it closes the range, whatever the exporter frees or releases meanwhile. Memory of
-//! `cuMemAlloc` chunks (`backing=chunks`, CUDA graphs' pools) is shared through CUDA IPC
-//! handles (`cudaIpcGetMemHandle`) instead; memory of the driver's pool (`strategy=async`) is
-//! not shared.
+//! a handle naming its process and, for each granule that holds the allocation, the number of
+//! a file descriptor, open in the exporter, that stands for the granule's physical allocation
+//! (the device keeps it open while it maps the memory). The receiver copies those descriptors
+//! into itself (`pidfd_getfd`), imports and maps them into a reservation of its own, and
+//! closes the copies: its mappings keep the memory alive until it closes the range, whatever
+//! the exporter frees or releases meanwhile. Memory of `cuMemAlloc` chunks (`backing=chunks`,
+//! CUDA graphs' pools) is shared through CUDA IPC handles (`cudaIpcGetMemHandle`) instead;
+//! memory of the driver's pool (`strategy=async`) is not shared.
 //!
-//! The handle, little-endian: the version ([`STREAMALLOC_IPC_VERSION`]), the kind
-//! ([`STREAMALLOC_IPC_KIND`], apart from PyTorch's own `'c'` and `'e'`), the exporter's process
-//! id (u32), the device ordinal (u32), the number of pieces (u32), then per piece the
-//! descriptor's number in the exporter (i32), the export's serial (u64: a descriptor number
-//! reused by a later export gives another handle), the piece's offset in its allocation and
-//! its length (u64 each). The receiver maps the pieces side by side, in order.
+//! The handle is PyTorch's (`ExpandableSegment::share`, `c10/cuda/CUDACachingAllocator.cpp`,
+//! torch 2.4 to 2.11), native-endian as there: the version ([`STREAMALLOC_IPC_VERSION`], torch's
+//! `SHAREABLE_HANDLE_VERSION`), the kind ([`STREAMALLOC_IPC_KIND`], `'e'`), a header of the
+//! exporter's process id (i32, then 4 bytes of zeros), the segment size (u64: the bytes of
+//! each physical allocation, one granule here) and the number of descriptors (u64), then the
+//! descriptors (i32 each). PyTorch's receiver reads that far. Then streamalloc's trailer,
+//! which a handle of PyTorch's own lacks: [`TRAILER_MAGIC`], the device ordinal (u32), the
+//! descriptor of the exporter's export registry (i32) and each descriptor's export serial
+//! (u64 each), which [`streamalloc_ipc_open`] checks before it copies any descriptor (see
+//! DESIGN.md, "IPC trust model").
 
 use std::collections::HashMap;
 use std::os::fd::AsFd;
-use std::os::raw::c_void;
+use std::os::raw::{c_int, c_void};
 use std::ptr;
 
 use core_alloc::allocators::backing::share_mapped;
-use core_alloc::device::ipc::{fetch_fds, SharedPiece};
+use core_alloc::device::ipc::{check_exports, fetch_fds, registry_fd, SharedPiece};
 use core_alloc::{DevicePtr, Error, Result};
 use parking_lot::Mutex;
 
 use crate::state::{ordinal, State};
 use crate::status::{self, StreamallocStatus};
 
-/// The first byte of a handle of [`streamalloc_ipc_export`]: the version of its layout.
-pub const STREAMALLOC_IPC_VERSION: u8 = 1;
+/// The first byte of a handle of [`streamalloc_ipc_export`]: the version of its layout,
+/// PyTorch's `SHAREABLE_HANDLE_VERSION` (a receiver refuses a later one).
+pub const STREAMALLOC_IPC_VERSION: u8 = 2;
 
-/// The second byte of a handle of [`streamalloc_ipc_export`] (`'s'`): streamalloc's mapped
-/// memory, told apart from PyTorch's kinds (`'c'`, a CUDA IPC handle; `'e'`, an expandable
-/// segment of PyTorch's own allocator).
-pub const STREAMALLOC_IPC_KIND: u8 = b's';
+/// The second byte of a handle of [`streamalloc_ipc_export`] (`'e'`): PyTorch's kind for
+/// mapped memory (an expandable segment), apart from `'c'` (a CUDA IPC handle).
+pub const STREAMALLOC_IPC_KIND: u8 = b'e';
 
-/// Bytes of a handle before its pieces.
-const HEADER: usize = 14;
-/// Bytes of a handle per piece.
-const PIECE: usize = 28;
+/// The start of streamalloc's trailer, after PyTorch's part of a handle.
+const TRAILER_MAGIC: &[u8; 8] = b"stralloc";
+/// Bytes of a handle before its descriptors: version, kind, PyTorch's `ShareHeader`.
+const HEADER: usize = 26;
+/// Bytes of the trailer before its serials.
+const TRAILER: usize = 16;
+/// The most pieces a handle may name: 1 TiB of 2 MiB granules.
+const MAX_PIECES: usize = 1 << 19;
+/// The largest segment a handle may name (PyTorch's are 2 or 20 MiB).
+const MAX_SEGMENT: u64 = 1 << 34;
 
 /// What a handle says.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Handle {
     pid: u32,
-    device: u32,
+    /// The bytes of each piece's allocation, mapped whole.
+    segment: u64,
+    /// The device and the exporter's registry descriptor: streamalloc's trailer, absent from
+    /// a handle of PyTorch's own allocator.
+    trailer: Option<(u32, i32)>,
+    /// Each descriptor, with its serial (0 without a trailer); offset 0 and length `segment`.
     pieces: Vec<SharedPiece>,
 }
 
 impl Handle {
     fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(HEADER + PIECE * self.pieces.len());
+        let n = self.pieces.len();
+        let mut out = Vec::with_capacity(HEADER + 4 * n + TRAILER + 8 * n);
         out.extend([STREAMALLOC_IPC_VERSION, STREAMALLOC_IPC_KIND]);
-        out.extend(self.pid.to_le_bytes());
-        out.extend(self.device.to_le_bytes());
-        out.extend((self.pieces.len() as u32).to_le_bytes());
-        for p in &self.pieces {
-            out.extend(p.fd.to_le_bytes());
-            out.extend(p.serial.to_le_bytes());
-            out.extend(p.offset.to_le_bytes());
-            out.extend(p.len.to_le_bytes());
+        out.extend((self.pid as i32).to_ne_bytes());
+        out.extend([0; 4]);
+        out.extend(self.segment.to_ne_bytes());
+        out.extend((n as u64).to_ne_bytes());
+        out.extend(self.pieces.iter().flat_map(|p| p.fd.to_ne_bytes()));
+        if let Some((device, registry)) = self.trailer {
+            out.extend(TRAILER_MAGIC);
+            out.extend(device.to_ne_bytes());
+            out.extend(registry.to_ne_bytes());
+            out.extend(self.pieces.iter().flat_map(|p| p.serial.to_ne_bytes()));
         }
         out
     }
 
     fn decode(bytes: &[u8]) -> Result<Handle> {
-        let bad = |why: String| Error::InvalidArgument(format!("not a streamalloc IPC handle: {why}"));
+        let bad = |why: String| Error::InvalidArgument(format!("not a handle of mapped memory: {why}"));
         let (version, kind) = match bytes {
             [version, kind, ..] if bytes.len() >= HEADER => (*version, *kind),
             _ => return Err(bad(format!("{} bytes", bytes.len()))),
         };
         if kind != STREAMALLOC_IPC_KIND {
-            return Err(bad(format!("its kind is {:?}, not 's'", char::from(kind))));
-        }
-        if version != STREAMALLOC_IPC_VERSION {
             return Err(bad(format!(
-                "version {version}, this library reads version {STREAMALLOC_IPC_VERSION} (the processes run \
-                 different versions of streamalloc)"
+                "its kind is {:?}, not 'e' ('c' is a CUDA IPC handle, opened with cudaIpcOpenMemHandle)",
+                char::from(kind)
             )));
         }
-        let u32_at = |at: usize| u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]);
+        if version > STREAMALLOC_IPC_VERSION {
+            return Err(bad(format!(
+                "version {version}, this library reads up to version {STREAMALLOC_IPC_VERSION} (a newer \
+                 PyTorch or streamalloc made it)"
+            )));
+        }
+        let u32_at = |at: usize| u32::from_ne_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]);
         let u64_at = |at: usize| {
             let mut b = [0; 8];
             b.copy_from_slice(&bytes[at..at + 8]);
-            u64::from_le_bytes(b)
+            u64::from_ne_bytes(b)
         };
-        let count = u32_at(10) as usize;
-        if count == 0 || bytes.len() != HEADER + PIECE * count {
-            return Err(bad(format!("{} bytes for {count} pieces", bytes.len())));
+        let pid = u32_at(2);
+        if pid == 0 || pid > i32::MAX as u32 {
+            return Err(bad(format!("process id {}", pid as i32)));
         }
-        let pieces = (0..count)
-            .map(|i| HEADER + PIECE * i)
-            .map(|at| SharedPiece {
-                fd: u32_at(at) as i32,
-                serial: u64_at(at + 4),
-                offset: u64_at(at + 12),
-                len: u64_at(at + 20),
+        let segment = u64_at(10);
+        if segment == 0 || segment > MAX_SEGMENT {
+            return Err(bad(format!("pieces of {segment} bytes (at most {MAX_SEGMENT})")));
+        }
+        let count = u64_at(18);
+        let n = usize::try_from(count)
+            .ok()
+            .filter(|&n| n > 0 && n <= MAX_PIECES)
+            .ok_or_else(|| bad(format!("{count} pieces (from 1 to {MAX_PIECES})")))?;
+        let fds_end = HEADER + 4 * n;
+        let trailer = match bytes.len().checked_sub(fds_end) {
+            Some(0) => None,
+            Some(rest) if rest == TRAILER + 8 * n && &bytes[fds_end..fds_end + 8] == TRAILER_MAGIC => {
+                Some((u32_at(fds_end + 8), u32_at(fds_end + 12) as i32))
+            }
+            _ => return Err(bad(format!("{} bytes for {n} pieces", bytes.len()))),
+        };
+        let serial = |i: usize| trailer.map_or(0, |_| u64_at(fds_end + TRAILER + 8 * i));
+        let pieces = (0..n)
+            .map(|i| SharedPiece {
+                fd: u32_at(HEADER + 4 * i) as i32,
+                serial: serial(i),
+                offset: 0,
+                len: segment,
             })
             .collect();
-        Ok(Handle { pid: u32_at(2), device: u32_at(6), pieces })
+        Ok(Handle { pid, segment, trailer, pieces })
     }
 }
 
@@ -114,23 +152,40 @@ impl Handle {
 #[derive(Default)]
 pub(crate) struct Opened(Mutex<HashMap<DevicePtr, (usize, usize)>>);
 
-/// The handle of the allocation at `[ptr, ptr + size)`, and the allocation's offset in the
-/// range the handle maps.
+/// The handle of the live allocation at `[ptr, ptr + size)` (its start, and at most its size),
+/// and the allocation's offset in the range the handle maps.
 pub(crate) fn export(state: &State, ptr: DevicePtr, size: usize) -> Result<(Vec<u8>, usize)> {
     if ptr == 0 || size == 0 {
         return Err(Error::InvalidArgument(format!("no allocation to share at {ptr:#x}+{size}")));
     }
     for stack in state.stacks() {
+        let Some(live) = stack.allocator.size_of(ptr) else { continue };
+        if size > live {
+            return Err(Error::InvalidArgument(format!(
+                "{ptr:#x}+{size} is larger than the live allocation there ({live} bytes)"
+            )));
+        }
         match share_mapped(&*stack.device, ptr, size) {
             Ok(range) => {
-                let device = stack.device.ordinal() as u32;
-                let handle = Handle { pid: std::process::id(), device, pieces: range.pieces };
+                let segment = range.pieces.first().map_or(0, |p| p.len);
+                if range.pieces.iter().any(|p| p.offset != 0 || p.len != segment) {
+                    return Err(Error::Internal(format!(
+                        "the granules under {ptr:#x}+{size} are not physical allocations of one size"
+                    )));
+                }
+                let trailer = Some((stack.device.ordinal() as u32, registry_fd()?));
+                let handle = Handle { pid: std::process::id(), segment, trailer, pieces: range.pieces };
                 return Ok((handle.encode(), (ptr - range.base) as usize));
             }
-            // Not memory this device maps: perhaps another's.
-            Err(Error::InvalidArgument(_)) => {}
+            // Not mapped memory: said below.
+            Err(Error::InvalidArgument(_)) => break,
             Err(e) => return Err(e),
         }
+    }
+    if !state.stacks().any(|s| s.allocator.size_of(ptr).is_some()) {
+        return Err(Error::InvalidArgument(format!(
+            "{ptr:#x} is not the start of a live allocation of streamalloc (freed, or inside one)"
+        )));
     }
     Err(Error::InvalidArgument(if state.config().strategy.spec().driver_pool {
         format!(
@@ -147,28 +202,41 @@ pub(crate) fn export(state: &State, ptr: DevicePtr, size: usize) -> Result<(Vec<
     }))
 }
 
-/// Maps the range `bytes` (a handle of [`export`], possibly of another process) describes; its
-/// base.
-pub(crate) fn open(state: &State, bytes: &[u8]) -> Result<DevicePtr> {
+/// Maps the range `bytes` (a handle of [`export`], or of PyTorch's expandable segments,
+/// possibly of another process) describes, on the handle's device or, for a handle of
+/// PyTorch's (which names none), on `device`; its base.
+pub(crate) fn open(state: &State, bytes: &[u8], device: c_int) -> Result<DevicePtr> {
     let handle = Handle::decode(bytes)?;
-    let device = ordinal(i32::try_from(handle.device).unwrap_or(i32::MAX))?;
+    let device = match handle.trailer {
+        Some((d, _)) => ordinal(i32::try_from(d).unwrap_or(i32::MAX))?,
+        None => ordinal(device)?,
+    };
     let dev = &state.stack(device as i32)?.device;
-    let size = handle
-        .pieces
-        .iter()
-        .try_fold(0usize, |sum, p| usize::try_from(p.len).ok().and_then(|len| sum.checked_add(len)))
-        .filter(|&size| size > 0)
-        .ok_or_else(|| Error::InvalidArgument("a streamalloc IPC handle of no bytes, or too many".into()))?;
+    let granularity = dev.map_granularity()? as u64;
+    if handle.segment != granularity {
+        return Err(Error::Unsupported(format!(
+            "the handle's memory is in allocations of {} bytes (PyTorch's expandable segments of its large \
+             pool); streamalloc maps allocations of one granule ({granularity} bytes): open it in a process \
+             under PyTorch's own allocator, or share tensors of at most 1 MiB",
+            handle.segment
+        )));
+    }
+    // At most MAX_PIECES of at most MAX_SEGMENT bytes: no overflow.
+    let size = handle.pieces.len() * handle.segment as usize;
     let fds: Vec<i32> = handle.pieces.iter().map(|p| p.fd).collect();
+    // Checked before any descriptor is copied, and again after: the copies are the exports.
+    let check = || match handle.trailer {
+        Some((_, registry)) => check_exports(handle.pid, registry, &handle.pieces),
+        None => check_foreign(handle.pid, &fds),
+    };
+    check()?;
     let copies = fetch_fds(handle.pid, &fds)?;
+    check()?;
     let base = dev.reserve_address(size)?;
     let mut mapped = 0usize;
     let result = handle.pieces.iter().zip(&copies).try_for_each(|(p, fd)| {
-        let len = p.len as usize;
-        let offset = usize::try_from(p.offset)
-            .map_err(|_| Error::InvalidArgument(format!("a piece at offset {}", p.offset)))?;
-        dev.map_shared(base + mapped as u64, fd.as_fd(), offset, len)?;
-        mapped += len;
+        dev.map_shared(base + mapped as u64, fd.as_fd(), 0, p.len as usize)?;
+        mapped += p.len as usize;
         Ok(())
     });
     // The copies close here: the mappings hold the memory.
@@ -185,35 +253,61 @@ pub(crate) fn open(state: &State, bytes: &[u8]) -> Result<DevicePtr> {
     Ok(base)
 }
 
+/// The check of a handle of PyTorch's own allocator, which names no registry: no descriptor
+/// may be a regular file, socket or pipe (what a forged handle would copy and close, dropping
+/// the process's POSIX locks on a file); CUDA's exported allocations are device files or
+/// anonymous inodes.
+fn check_foreign(pid: u32, fds: &[i32]) -> Result<()> {
+    for fd in fds {
+        let path = format!("/proc/{pid}/fd/{fd}");
+        let link = std::fs::read_link(&path).map_err(|e| {
+            Error::InvalidArgument(format!("IPC handle of process {pid} refused: {path}: {e}"))
+        })?;
+        let link = link.to_string_lossy();
+        if !(link.starts_with("anon_inode:") || link.starts_with("/dev/")) {
+            return Err(Error::InvalidArgument(format!(
+                "IPC handle of process {pid} refused: its descriptor {fd} is {link:?}, not exported device \
+                 memory"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Unmaps a range [`open`] mapped, once the device's work is done, and frees its reservation.
+/// The range is taken out of the books at once and the wait runs on a thread of its own, with
+/// no lock held: past `wait_timeout` the call fails and the thread unmaps it once the work is
+/// done (a hung kernel leaves the thread and the range behind, nothing else).
 pub(crate) fn close(state: &State, base: DevicePtr) -> Result<()> {
-    let mut opened = state.opened().0.lock();
-    let Some(&(device, size)) = opened.get(&base) else {
+    let Some((device, size)) = state.opened().0.lock().remove(&base) else {
         return Err(Error::InvalidArgument(format!(
             "{base:#x} is not a range streamalloc_ipc_open mapped (closed twice, or never opened)"
         )));
     };
-    let dev = &state.stack(device as i32)?.device;
+    let dev = state.stack(device as i32)?.device.clone();
     // An unmap does not wait for the work that uses the range, as cudaIpcCloseMemHandle does:
-    // the device's work is waited for, at most `wait_timeout` (a synchronize on a thread of
-    // its own, which a hung kernel leaves behind; the range stays open for a later close).
+    // the device's work is waited for first.
     let timeout = state.config().wait_timeout;
     let (done, finished) = std::sync::mpsc::channel();
-    let waiter = dev.clone();
-    std::thread::Builder::new()
-        .name("streamalloc-ipc-close".into())
-        .spawn(move || {
-            let _ = done.send(waiter.synchronize());
-        })
-        .map_err(|e| Error::Internal(format!("starting the thread that waits for the device: {e}")))?;
+    let spawned = std::thread::Builder::new().name("streamalloc-ipc-close".into()).spawn(move || {
+        let result = dev
+            .synchronize()
+            .and_then(|()| dev.unmap(base, size))
+            .and_then(|()| dev.free_address(base, size));
+        // The caller may have stopped waiting: the range is unmapped late, not leaked.
+        let _ = done.send(result);
+    });
+    if let Err(e) = spawned {
+        state.opened().0.lock().insert(base, (device, size));
+        return Err(Error::Internal(format!("starting the thread that waits for the device: {e}")));
+    }
     finished.recv_timeout(timeout).map_err(|_| Error::Timeout {
-        waited_for: format!("the device's work before unmapping the IPC range at {base:#x} (it stays open)"),
+        waited_for: format!(
+            "the device's work before unmapping the IPC range at {base:#x} (it is unmapped once that work is \
+             done)"
+        ),
         after: timeout,
-    })??;
-    dev.unmap(base, size)?;
-    opened.remove(&base);
-    drop(opened);
-    dev.free_address(base, size)
+    })?
 }
 
 /// Exports the allocation at `ptr` of `size` bytes (a live allocation of this library, as
@@ -287,14 +381,19 @@ unsafe fn export_to(
 }
 
 /// Maps, in this process, the memory of a handle of [`streamalloc_ipc_export`] (made by
-/// another process, or this one) into a range of its own, readable and writable by the
-/// handle's device, and writes the range's base to `*ptr` (the exporter's allocation is at the
-/// base plus the offset the export gave). The file descriptors are copied from the exporting
-/// process (`pidfd_getfd`, Linux 5.6 or later), which needs permission to ptrace it: refused
-/// (EPERM, e.g. a child under `kernel.yama.ptrace_scope` = 1), the call is
-/// `STREAMALLOC_UNSUPPORTED` with that cause. The range keeps the memory alive until
-/// [`streamalloc_ipc_close`], whatever the exporter does meanwhile. Each call maps the memory
-/// anew (a receiver keeps one range per handle if it wants one).
+/// another process, or this one) or of PyTorch's expandable segments (`'e'`, of 2 MiB
+/// allocations) into a range of its own, readable and writable by the device, and writes the
+/// range's base to `*ptr` (the exporter's allocation is at the base plus the offset the export
+/// gave). The device is the handle's; `device` is used only for a handle of PyTorch's, which
+/// names none. Before any descriptor is copied, a handle of streamalloc's is checked against
+/// the exporter's export registry (each descriptor exported, with the handle's serial: a
+/// handle of memory released since, or altered, is `STREAMALLOC_INVALID_ARGUMENT`); one of
+/// PyTorch's is checked to name no regular file, socket or pipe. The descriptors are then
+/// copied from the exporting process (`pidfd_getfd`, Linux 5.6 or later), which needs
+/// permission to ptrace it: refused (EPERM, e.g. a child under `kernel.yama.ptrace_scope` =
+/// 1), the call is `STREAMALLOC_UNSUPPORTED` with that cause. The range keeps the memory alive
+/// until [`streamalloc_ipc_close`], whatever the exporter does meanwhile. Each call maps the
+/// memory anew (a receiver keeps one range per handle if it wants one).
 ///
 /// # Safety
 /// `handle` is valid for reading `len` bytes (NULL is an error); `ptr` is NULL (an error) or
@@ -303,6 +402,7 @@ unsafe fn export_to(
 pub unsafe extern "C" fn streamalloc_ipc_open(
     handle: *const u8,
     len: usize,
+    device: c_int,
     ptr: *mut *mut c_void,
 ) -> StreamallocStatus {
     status::status(|| {
@@ -311,7 +411,7 @@ pub unsafe extern "C" fn streamalloc_ipc_open(
         }
         // SAFETY: non-null and valid for `len` bytes of reads by the caller's contract.
         let bytes = unsafe { std::slice::from_raw_parts(handle, len) };
-        let base = open(State::get()?, bytes)?;
+        let base = open(State::get()?, bytes, device)?;
         // SAFETY: non-null and valid for writes by the caller's contract.
         unsafe { ptr.write(base as *mut c_void) };
         Ok(())
@@ -319,10 +419,11 @@ pub unsafe extern "C" fn streamalloc_ipc_open(
 }
 
 /// Unmaps a range that [`streamalloc_ipc_open`] mapped (its base), once the device's work that
-/// may use it is done (the device is synchronized, waiting at most `wait_timeout`: past it,
-/// `STREAMALLOC_TIMEOUT` and the range stays mapped), and frees its address range; the memory
-/// goes back to its device when no process maps it any more. A pointer that is no such range
-/// (closed twice) is `STREAMALLOC_INVALID_ARGUMENT` and changes nothing.
+/// may use it is done (the device is synchronized on a thread of the library's, waited for at
+/// most `wait_timeout`: past it, `STREAMALLOC_TIMEOUT`, and that thread unmaps the range once
+/// the work is done), and frees its address range; the memory goes back to its device when no
+/// process maps it any more. A pointer that is no such range (closed twice) is
+/// `STREAMALLOC_INVALID_ARGUMENT` and changes nothing.
 #[no_mangle]
 pub extern "C" fn streamalloc_ipc_close(ptr: *mut c_void) -> StreamallocStatus {
     status::status(|| close(State::get()?, ptr as DevicePtr))
@@ -343,23 +444,57 @@ mod tests {
         state.stack(0).unwrap().device.mem_info().unwrap().used()
     }
 
+    /// The layout is PyTorch's `'e'` handle (version, kind, `ShareHeader`, descriptors) with
+    /// streamalloc's trailer after it; PyTorch's own (no trailer) decodes too.
     #[test]
     fn handles_round_trip_and_bad_ones_are_refused() {
         let piece = |fd, serial| SharedPiece { fd, serial, offset: 0, len: 2 << 20 };
-        let handle = Handle { pid: 4242, device: 3, pieces: vec![piece(7, 1), piece(9, 2)] };
+        let handle = Handle {
+            pid: 4242,
+            segment: 2 << 20,
+            trailer: Some((3, 11)),
+            pieces: vec![piece(7, 1), piece(9, 2)],
+        };
         let bytes = handle.encode();
-        assert_eq!(bytes.len(), HEADER + 2 * PIECE);
-        assert_eq!(&bytes[..2], &[STREAMALLOC_IPC_VERSION, b's']);
+        assert_eq!(bytes.len(), HEADER + 2 * 4 + TRAILER + 2 * 8);
+        assert_eq!(
+            &bytes[..2],
+            &[2, b'e'],
+            "torch's SHAREABLE_HANDLE_VERSION and SHAREABLE_CUDA_EXPANDABLE_SEGMENT"
+        );
+        assert_eq!(&bytes[2..10], &[&4242i32.to_ne_bytes()[..], &[0; 4]].concat()[..], "pid_t, then padding");
+        assert_eq!(&bytes[10..18], &(2u64 << 20).to_ne_bytes(), "segment_size");
+        assert_eq!(&bytes[18..26], &2u64.to_ne_bytes(), "num_handles");
+        assert_eq!(&bytes[26..34], &[&7i32.to_ne_bytes()[..], &9i32.to_ne_bytes()[..]].concat()[..]);
         assert_eq!(Handle::decode(&bytes).unwrap(), handle);
+        let torchs = Handle { trailer: None, pieces: vec![piece(7, 0), piece(9, 0)], ..handle.clone() };
+        assert_eq!(Handle::decode(&bytes[..HEADER + 8]).unwrap(), torchs, "PyTorch's own: no trailer");
+        let header = |version: u8, kind: u8, pid: i32, segment: u64, n: u64| {
+            let mut h = vec![version, kind];
+            h.extend(pid.to_ne_bytes());
+            h.extend([0; 4]);
+            h.extend(segment.to_ne_bytes());
+            h.extend(n.to_ne_bytes());
+            h.extend(std::iter::repeat_n(0u8, 4 * n.min(4) as usize));
+            h
+        };
         for (bad, why) in [
-            (&bytes[..HEADER + PIECE], "bytes for 2 pieces"),
-            (&bytes[..1], "1 bytes"),
-            (&[2, b'c', 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0][..], "kind is 'c'"),
-            (&[2, b's', 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0][..], "version 2"),
-            (&[1, b's', 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0][..], "for 0 pieces"),
+            (bytes[..HEADER + 4].to_vec(), "bytes for 2 pieces"),
+            (bytes[..bytes.len() - 1].to_vec(), "bytes for 2 pieces"),
+            (bytes[..1].to_vec(), "1 bytes"),
+            (header(2, b'c', 1, 2 << 20, 1), "kind is 'c'"),
+            (header(3, b'e', 1, 2 << 20, 1), "version 3"),
+            // A version byte of 0x80 or more is no older version (issue 52's signed char).
+            (header(0x80, b'e', 1, 2 << 20, 1), "version 128"),
+            (header(2, b'e', 1, 2 << 20, 0), "0 pieces"),
+            (header(2, b'e', 0, 2 << 20, 1), "process id 0"),
+            (header(2, b'e', -5, 2 << 20, 1), "process id -5"),
+            (header(2, b'e', 1, 0, 1), "pieces of 0 bytes"),
+            // Issue 52 #9: a length with bit 63 set.
+            (header(2, b'e', 1, (1 << 63) | (2 << 20), 1), "bytes (at most"),
         ] {
-            let e = Handle::decode(bad).unwrap_err().to_string();
-            assert!(e.contains(why), "{e}");
+            let e = Handle::decode(&bad).unwrap_err().to_string();
+            assert!(e.contains(why), "{why}: {e}");
         }
     }
 
@@ -376,7 +511,7 @@ mod tests {
         assert_eq!(bytes[1], STREAMALLOC_IPC_KIND);
         let shared: u64 = Handle::decode(&bytes).unwrap().pieces.iter().map(|p| p.len).sum();
         let held = used(&state);
-        let base = open(&state, &bytes).unwrap();
+        let base = open(&state, &bytes, 0).unwrap();
         assert_ne!(base, p - offset as u64, "a range of its own");
         assert_eq!(used(&state), held, "the same memory");
         state.free(p, Some(0), 0).unwrap();
@@ -389,7 +524,7 @@ mod tests {
         let e = close(&state, base).unwrap_err();
         assert!(e.to_string().contains("closed twice"), "{e}");
         assert_eq!(used(&state), before);
-        assert!(open(&state, &bytes).is_err(), "the exporter released it before this open");
+        assert!(open(&state, &bytes, 0).is_err(), "the exporter released it before this open");
         assert_eq!(used(&state), before, "a failed open leaves nothing mapped");
     }
 
@@ -414,6 +549,183 @@ mod tests {
         }
         assert_eq!(buf, handle);
         state.free(p, Some(0), 0).unwrap();
+    }
+
+    /// Issue 52 #2: a handle of an allocation freed and released before the receiver opened
+    /// it must not map a later allocation whose export got the same descriptor numbers; nor
+    /// may any single-bit flip of a serial open the memory.
+    #[test]
+    fn a_stale_or_altered_serial_opens_nothing() {
+        let state = sim("strategy=stream_safe");
+        let before = used(&state);
+        let p = state.allocate(5 << 20, 0, 0).unwrap();
+        let (stale, _) = export(&state, p, 5 << 20).unwrap();
+        state.free(p, Some(0), 0).unwrap();
+        assert!(state.release(0).unwrap() > 0);
+        let q = state.allocate(5 << 20, 0, 0).unwrap();
+        let (fresh, _) = export(&state, q, 5 << 20).unwrap();
+        let (a, b) = (Handle::decode(&stale).unwrap(), Handle::decode(&fresh).unwrap());
+        assert!(open(&state, &stale, 0).is_err(), "the stale handle as it is");
+        // Its descriptor numbers reused by the later export (as they are when no other thread
+        // opens descriptors meanwhile): the serials tell them apart.
+        assert_eq!(a.pieces.len(), b.pieces.len());
+        let mut reused = a.clone();
+        reused.pieces.iter_mut().zip(&b.pieces).for_each(|(p, q)| p.fd = q.fd);
+        let e = open(&state, &reused.encode(), 0).unwrap_err().to_string();
+        assert!(e.contains("serial"), "{e}");
+        let held = used(&state);
+        for piece in 0..b.pieces.len() {
+            for bit in 0..64 {
+                let mut flipped = b.clone();
+                flipped.pieces[piece].serial ^= 1 << bit;
+                assert!(
+                    open(&state, &flipped.encode(), 0).is_err(),
+                    "piece {piece}, bit {bit} flipped opened"
+                );
+            }
+        }
+        assert_eq!(used(&state), held, "nothing mapped by the refused opens");
+        let base = open(&state, &fresh, 0).unwrap();
+        close(&state, base).unwrap();
+        state.free(q, Some(0), 0).unwrap();
+        state.release(0).unwrap();
+        assert_eq!(used(&state), before);
+    }
+
+    /// Issue 52 #6 and #9: a forged handle names descriptors the exporter never exported (a
+    /// file of this process), too many pieces, or a length with bit 63 set: each is refused
+    /// before a descriptor is copied, and the process's own descriptor is untouched.
+    #[test]
+    fn forged_handles_are_refused_before_any_descriptor_is_copied() {
+        let state = sim("strategy=stream_safe");
+        let p = state.allocate(3 << 20, 0, 0).unwrap();
+        let (bytes, _) = export(&state, p, 3 << 20).unwrap();
+        let good = Handle::decode(&bytes).unwrap();
+        // A descriptor of this process that no export made.
+        let (mine, _peer) = std::os::unix::net::UnixStream::pair().unwrap();
+        let mut stranger = good.clone();
+        stranger.pieces[0].fd = std::os::fd::AsRawFd::as_raw_fd(&mine);
+        let e = open(&state, &stranger.encode(), 0).unwrap_err().to_string();
+        assert!(e.contains("not exported"), "{e}");
+        let mut huge = good.clone();
+        huge.segment |= 1 << 63;
+        let e = open(&state, &huge.encode(), 0).unwrap_err().to_string();
+        assert!(e.contains("bytes"), "{e}");
+        let mut many = good.clone();
+        many.pieces = vec![good.pieces[0]; MAX_PIECES + 1];
+        let e = open(&state, &many.encode(), 0).unwrap_err().to_string();
+        assert!(e.contains("pieces"), "{e}");
+        let mut elsewhere = good.clone();
+        elsewhere.pid = 1;
+        assert!(open(&state, &elsewhere.encode(), 0).is_err(), "init exported nothing of ours");
+        // The descriptor still works: nobody closed a copy of it.
+        std::io::Write::write_all(&mut &mine, b"x").unwrap();
+        state.free(p, Some(0), 0).unwrap();
+    }
+
+    /// Issue 52 #10: only a live allocation, from its start and no larger than it, is exported.
+    #[test]
+    fn only_live_allocations_are_exported() {
+        let state = sim("strategy=stream_safe");
+        let p = state.allocate(3 << 20, 0, 0).unwrap();
+        let keep = state.allocate(1 << 20, 0, 0).unwrap();
+        for (ptr, size) in [(p + 1, 4096), (p, (3 << 20) + 1), (p + 4096, 4096)] {
+            let e = export(&state, ptr, size).unwrap_err().to_string();
+            assert!(e.contains("live allocation"), "{ptr:#x}+{size}: {e}");
+        }
+        export(&state, p, 3 << 20).unwrap();
+        export(&state, p, 4096).unwrap();
+        state.free(p, Some(0), 0).unwrap();
+        let e = export(&state, p, 3 << 20).unwrap_err().to_string();
+        assert!(e.contains("live allocation"), "a freed, cached block: {e}");
+        state.free(keep, Some(0), 0).unwrap();
+    }
+
+    /// Issue 52 #3: a tag whose live memory is exported refuses to sleep (the receiver would
+    /// keep the old memory while the wake maps fresh); once the shared allocation is freed and
+    /// its granules released, the tag sleeps.
+    #[test]
+    fn a_tag_with_exported_live_memory_refuses_to_sleep() {
+        let state = sim("strategy=stream_safe");
+        let tag = core_alloc::tags::Tag::new("ipc-sleep").unwrap();
+        core_alloc::tags::push("ipc-sleep").unwrap();
+        let p = state.allocate(3 << 20, 0, 0);
+        core_alloc::tags::pop().unwrap();
+        let p = p.unwrap();
+        export(&state, p, 3 << 20).unwrap();
+        let stack = state.stack(0).unwrap();
+        let e = stack.sleep(&[tag], false).unwrap_err().to_string();
+        assert!(e.contains("shared with another process"), "{e}");
+        state.free(p, Some(0), 0).unwrap();
+        state.release(0).unwrap();
+        stack.sleep(&[tag], false).unwrap();
+    }
+
+    /// Threads export, open, close and free, while another releases and a third opens handles
+    /// of freed allocations (refused once released, else the same still-exported memory): no
+    /// call fails that should not, and at the end nothing is mapped, exported or reserved
+    /// beyond what was there before.
+    #[test]
+    fn threads_share_open_close_and_release_at_once() {
+        let state = sim("strategy=stream_safe");
+        let before = used(&state);
+        let sim = state.stack(0).unwrap().sim.clone().unwrap();
+        let stale: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let (opened, refused) =
+            (std::sync::atomic::AtomicUsize::new(0), std::sync::atomic::AtomicUsize::new(0));
+        let (state, sim, stale, opened, refused, stop) = (&state, &sim, &stale, &opened, &refused, &stop);
+        std::thread::scope(|scope| {
+            for t in 0..4u8 {
+                scope.spawn(move || {
+                    for i in 0..60u32 {
+                        let size = (1 + (i as usize + t as usize) % 5) << 20;
+                        let p = state.allocate(size, 0, 0).unwrap();
+                        let (bytes, _) = export(state, p, size).unwrap();
+                        let base = open(state, &bytes, 0).unwrap();
+                        assert!(sim.exported() > 0, "thread {t}, round {i}: exported while open");
+                        close(state, base).unwrap();
+                        state.free(p, Some(0), 0).unwrap();
+                        stale.lock().push(bytes);
+                        opened.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                });
+            }
+            scope.spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    state.release(0).unwrap();
+                    std::thread::yield_now();
+                }
+            });
+            scope.spawn(move || {
+                while opened.load(std::sync::atomic::Ordering::Relaxed) < 240 {
+                    let old = {
+                        let mut s = stale.lock();
+                        (!s.is_empty()).then(|| s.remove(0))
+                    };
+                    if let Some(bytes) = old {
+                        // Released, or still cached and exported (then the serials match and it
+                        // opens the same memory, still exported): either way not another's.
+                        match open(state, &bytes, 0) {
+                            Ok(base) => close(state, base).unwrap(),
+                            Err(_) => {
+                                refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            }
+                        }
+                    }
+                    std::thread::yield_now();
+                }
+            });
+            while opened.load(std::sync::atomic::Ordering::Relaxed) < 240 {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        });
+        state.release(0).unwrap();
+        assert!(state.opened().0.lock().is_empty(), "every range closed");
+        assert_eq!(sim.exported(), 0, "every export closed with its memory");
+        assert_eq!(used(state), before, "nothing left mapped");
+        eprintln!("opened 240, stale opens refused {}", refused.load(std::sync::atomic::Ordering::Relaxed));
     }
 
     #[test]

@@ -118,8 +118,10 @@ pub extern "C" fn streamalloc_tag_pop() -> StreamallocStatus {
 /// [`streamalloc_wake`] copies them back. Meanwhile allocating in a sleeping tag is
 /// `STREAMALLOC_INVALID_ARGUMENT` naming the tag; freeing its allocations is allowed; other
 /// tags and untagged allocations go on; `streamalloc_release` leaves it alone. A tag asleep
-/// already is left as it is. Work enqueued on a tag's memory after the call is the caller's
-/// error.
+/// already is left as it is. A tag with live memory exported to another process
+/// ([`streamalloc_ipc_export`](crate::streamalloc_ipc_export), until freed and released) is
+/// `STREAMALLOC_INVALID_ARGUMENT` and nothing sleeps. Work enqueued on a tag's memory after
+/// the call is the caller's error.
 ///
 /// # Safety
 /// `tags` is null (an error unless `ntags` is 0) or valid for reading `ntags` pointers, each

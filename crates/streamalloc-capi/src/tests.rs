@@ -414,10 +414,10 @@ fn ipc_refuses_bad_arguments_with_a_status() {
             streamalloc_ipc_export(ptr::null_mut(), 4096, ptr::null_mut(), 0, &mut written, &mut offset);
         assert_eq!(null, STREAMALLOC_INVALID_ARGUMENT);
         let mut out = ptr::dangling_mut::<c_void>();
-        assert_eq!(streamalloc_ipc_open(ptr::null(), 0, &mut out), STREAMALLOC_INVALID_ARGUMENT);
-        assert_eq!(streamalloc_ipc_open(buf.as_ptr(), 2, ptr::null_mut()), STREAMALLOC_INVALID_ARGUMENT);
-        assert_eq!(streamalloc_ipc_open(buf.as_ptr(), buf.len(), &mut out), STREAMALLOC_INVALID_ARGUMENT);
-        assert!(last_error().contains("not a streamalloc IPC handle"), "{}", last_error());
+        assert_eq!(streamalloc_ipc_open(ptr::null(), 0, 0, &mut out), STREAMALLOC_INVALID_ARGUMENT);
+        assert_eq!(streamalloc_ipc_open(buf.as_ptr(), 2, 0, ptr::null_mut()), STREAMALLOC_INVALID_ARGUMENT);
+        assert_eq!(streamalloc_ipc_open(buf.as_ptr(), buf.len(), 0, &mut out), STREAMALLOC_INVALID_ARGUMENT);
+        assert!(last_error().contains("not a handle of mapped memory"), "{}", last_error());
     }
     assert_eq!((written, offset), (usize::MAX, usize::MAX), "nothing written on failure");
     assert_eq!(streamalloc_ipc_close(p), STREAMALLOC_INVALID_ARGUMENT, "an allocation, not an opened range");

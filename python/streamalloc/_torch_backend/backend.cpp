@@ -39,17 +39,15 @@
 //   setCheckpointPoolState          while it exists their memory is not returned to the
 //                                   library when torch frees it, so that setting the state
 //                                   revives exactly those addresses
-//   shareIpcHandle / getIpcDevPtr   memory of cuMemAlloc chunks (strategy=plain, or
-//                                   backing=chunks) in torch's own handle format (version 2,
-//                                   'c': a cudaIpcMemHandle_t of the device allocation), so a
-//                                   process under torch's own allocator opens what this one
-//                                   shares; mapped memory (backing=stitched, the default, or
-//                                   segments) in the library's ('s', streamalloc_ipc_export:
-//                                   file descriptors of its physical memory, which a receiver
-//                                   running this backend copies with pidfd_getfd and maps,
-//                                   streamalloc_ipc_open, until its last tensor goes,
-//                                   streamalloc_ipc_close); the driver's pool (strategy=async)
-//                                   refused with the reason
+//   shareIpcHandle / getIpcDevPtr   in torch's own formats, so that a process under torch's
+//                                   allocator opens what this one shares and this one opens
+//                                   torch's: cuMemAlloc chunks (strategy=plain, backing=chunks)
+//                                   as 'c' (cudaIpcMemHandle_t), mapped memory (stitched, the
+//                                   default, or segments) as 'e' (torch's expandable-segment
+//                                   layout, streamalloc_ipc_export; the receiver copies file
+//                                   descriptors with pidfd_getfd); the driver's pool
+//                                   (strategy=async) refused with the reason. See Note [IPC
+//                                   formats]
 //   recordHistory / snapshot        torch's memory history (_record_memory_history, _snapshot,
 //                                   _dump_snapshot, memory_viz): see "History" below
 //   recordAnnotation, push/pop-     kept as native keeps them (annotations in the snapshot's
@@ -179,7 +177,7 @@ struct Lib {
   void (*empty_cache)() = nullptr;
   void (*init)(int) = nullptr;
   int (*ipc_export)(void*, size_t, uint8_t*, size_t, size_t*, size_t*) = nullptr;
-  int (*ipc_open)(const uint8_t*, size_t, void**) = nullptr;
+  int (*ipc_open)(const uint8_t*, size_t, int, void**) = nullptr;
   int (*ipc_close)(void*) = nullptr;
 };
 
@@ -1421,13 +1419,15 @@ class Backend : public CCA::CUDAAllocator {
 
   // --- IPC ---
 
-  static constexpr char kHandleVersion = 2; // torch <= 2.12's SHAREABLE_HANDLE_VERSION
+  static constexpr unsigned char kHandleVersion = 2; // torch <= 2.12's SHAREABLE_HANDLE_VERSION
   static constexpr char kCudaMalloc = 'c'; // SHAREABLE_CUDA_MALLOC
-  static constexpr char kMapped = 's'; // STREAMALLOC_IPC_KIND: the library's handle
+  static constexpr char kMapped = 'e'; // SHAREABLE_CUDA_EXPANDABLE_SEGMENT: streamalloc_ipc_export's
 
-  // Memory of cuMemAlloc chunks: a CUDA IPC handle in torch's format. Otherwise mapped memory
-  // of a live allocation: the library's handle, which a receiver opens only under this
-  // backend. Otherwise (the driver's pool) refused with both reasons.
+  // Note [IPC formats]: memory of cuMemAlloc chunks travels as torch's 'c' (a CUDA IPC handle
+  // of the chunk); mapped memory as torch's 'e' (ExpandableSegment::share's layout:
+  // streamalloc_ipc_export writes it, 2 MiB allocations exported as file descriptors, plus a
+  // trailer torch's receiver does not read), so a receiver under torch's own allocator opens
+  // either. The driver's pool (strategy=async) is refused at put, naming the configs that share.
   CCA::ShareableHandle shareIpcHandle(void* ptr) override {
     size_t size = 0;
     void* base = lib_.base_allocation(ptr, &size);
@@ -1435,7 +1435,7 @@ class Backend : public CCA::CUDAAllocator {
     cudaError_t err = cudaIpcGetMemHandle(&handle, base);
     if (err == cudaSuccess) {
       std::string s;
-      s.push_back(kHandleVersion);
+      s.push_back(static_cast<char>(kHandleVersion));
       s.push_back(kCudaMalloc);
       s.append(reinterpret_cast<const char*>(&handle), CUDA_IPC_HANDLE_SIZE);
       return CCA::ShareableHandle{static_cast<char*>(ptr) - static_cast<char*>(base), s};
@@ -1467,9 +1467,14 @@ class Backend : public CCA::CUDAAllocator {
     TORCH_CHECK(
         false,
         "streamalloc: this CUDA tensor's memory cannot be shared with another process (IPC): ",
-        why);
+        why,
+        ". Configurations that share: the default (stitched) and backing=segments (torch's expandable-"
+        "segment format: the receiver, under torch's allocator or streamalloc, copies file descriptors "
+        "with pidfd_getfd), backing=chunks or strategy=plain (CUDA IPC handles)");
   }
 
+  // As torch's native getIpcDevPtr: one mapping per handle while a tensor holds it, the cache
+  // entry erased by the deleter (an entry never erased would keep every handle ever opened).
   std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
     std::lock_guard<std::mutex> lock(ipc_mu_);
     auto found = ipc_.find(handle);
@@ -1478,38 +1483,54 @@ class Backend : public CCA::CUDAAllocator {
         return sp;
       }
     }
-    // A raw handle of an old torch is CUDA_IPC_HANDLE_SIZE bytes, which no handle of the
-    // library's is.
+    // A raw handle of an old torch is CUDA_IPC_HANDLE_SIZE bytes; ours and torch's 'e' are not.
     bool mapped = handle.size() != CUDA_IPC_HANDLE_SIZE && handle.size() >= 2 && handle[1] == kMapped;
-    std::shared_ptr<void> sp = mapped ? open_mapped(handle) : open_cuda_ipc(handle);
+    void* base = mapped ? open_mapped(handle) : open_cuda_ipc(handle);
+    c10::DeviceIndex device = 0;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    Lib lib = lib_;
+    std::shared_ptr<void> sp(base, [this, lib, handle, mapped, device](void* p) {
+      {
+        std::lock_guard<std::mutex> erase(ipc_mu_);
+        auto it = ipc_.find(handle);
+        if (it != ipc_.end() && it->second.expired()) {
+          ipc_.erase(it);
+        }
+      }
+      close_ipc(lib, p, mapped, device); // a deleter may not throw: close_ipc reports, never throws
+    });
     ipc_[handle] = sp;
     return sp;
   }
 
-  // The library's handle: the memory mapped here until the last tensor over it goes.
-  std::shared_ptr<void> open_mapped(const std::string& handle) {
+  // torch's 'e' (from streamalloc_ipc_export, or torch's own expandable segments): mapped here
+  // until the last tensor over it goes. PyTorch's own names no device: the current one.
+  void* open_mapped(const std::string& handle) {
+    TORCH_CHECK(
+        static_cast<unsigned char>(handle[0]) <= kHandleVersion,
+        "streamalloc: IPC handle of a newer torch (version ",
+        static_cast<int>(static_cast<unsigned char>(handle[0])),
+        ")");
+    c10::DeviceIndex device = 0;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
     void* base = nullptr;
-    int status = lib_.ipc_open(reinterpret_cast<const uint8_t*>(handle.data()), handle.size(), &base);
+    int status = lib_.ipc_open(reinterpret_cast<const uint8_t*>(handle.data()), handle.size(), device, &base);
     TORCH_CHECK(
         status == OK,
         "streamalloc: cannot open a CUDA tensor another process shared (IPC): ",
         last_error());
-    Lib lib = lib_;
-    return std::shared_ptr<void>(base, [lib](void* p) {
-      if (lib.ipc_close(p) != OK) { // a deleter may not throw
-        const char* e = lib.last_error();
-        std::fprintf(stderr, "streamalloc: closing a CUDA tensor of another process (IPC): %s\n", e ? e : "?");
-      }
-    });
+    return base;
   }
 
-  // torch's own format: a CUDA IPC handle.
-  std::shared_ptr<void> open_cuda_ipc(const std::string& handle) {
+  // torch's 'c': a CUDA IPC handle.
+  static void* open_cuda_ipc(const std::string& handle) {
     int type = kCudaMalloc;
     size_t at = 0;
     if (handle.size() != CUDA_IPC_HANDLE_SIZE) { // else a raw handle of an old torch
       TORCH_CHECK(handle.size() >= 2 + CUDA_IPC_HANDLE_SIZE, "streamalloc: ill-formed IPC handle");
-      TORCH_CHECK(handle[0] <= kHandleVersion, "streamalloc: IPC handle of a newer torch (version ", int(handle[0]), ")");
+      // Unsigned: a byte >= 0x80 is no older version.
+      auto version = static_cast<unsigned char>(handle[0]);
+      TORCH_CHECK(version <= kHandleVersion, "streamalloc: IPC handle of a newer torch (version ", int(version), ")");
       type = handle[1];
       at = 2;
     }
@@ -1517,20 +1538,34 @@ class Backend : public CCA::CUDAAllocator {
         type == kCudaMalloc,
         "streamalloc: cannot open this IPC handle (type '",
         static_cast<char>(type),
-        "': an expandable segment of PyTorch's own allocator); run the receiving process under "
-        "PyTorch's allocator or share from memory without expandable_segments");
+        "'): neither torch's 'c' (CUDA IPC) nor 'e' (mapped memory); a streamalloc older than the "
+        "receiver's made it ('s'), or it is no IPC handle");
     cudaIpcMemHandle_t cuda_handle;
     std::memcpy(&cuda_handle, handle.data() + at, CUDA_IPC_HANDLE_SIZE);
     void* dev = nullptr;
     C10_CUDA_CHECK(cudaIpcOpenMemHandle(&dev, cuda_handle, cudaIpcMemLazyEnablePeerAccess));
-    c10::DeviceIndex device = 0;
-    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
-    return std::shared_ptr<void>(dev, [device](void* p) {
+    return dev;
+  }
+
+  // Closes what getIpcDevPtr opened; reports on stderr, never throws (it runs in a deleter).
+  // streamalloc_ipc_close waits for the device's work on a thread of the library's, bounded by
+  // wait_timeout, and unmaps later past it.
+  static void close_ipc(const Lib& lib, void* p, bool mapped, c10::DeviceIndex device) {
+    if (mapped) {
+      if (lib.ipc_close(p) != OK) {
+        const char* e = lib.last_error();
+        std::fprintf(stderr, "streamalloc: closing a CUDA tensor of another process (IPC): %s\n", e ? e : "?");
+      }
+      return;
+    }
+    try {
       c10::cuda::CUDAGuard guard(device);
       if (cudaIpcCloseMemHandle(p) != cudaSuccess) {
         (void)cudaGetLastError();
       }
-    });
+    } catch (...) {
+      std::fprintf(stderr, "streamalloc: closing a CUDA IPC handle on device %d failed\n", int(device));
+    }
   }
 
   // --- history, observers, trackers ---

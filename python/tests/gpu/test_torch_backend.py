@@ -30,7 +30,8 @@ under torch's own allocator opens it too."""
 
 MAPPED = {"default": "", "segments": "strategy=stream_safe,backing=segments", "best_fit": "strategy=best_fit"}
 """Configurations whose memory is mapped (the default: stream_safe over stitched ranges): shared
-with streamalloc's own handles, which a child running streamalloc opens."""
+in torch's expandable-segment format, which a child under torch's own allocator or streamalloc
+opens (issue 54)."""
 
 UNSHAREABLE = {"async": "strategy=async"}
 """Configurations whose memory cannot be shared: the driver's pool."""
@@ -89,8 +90,9 @@ def test_ipc_share_with_child(run_case, conf, child):
 
 
 @confs(MAPPED)
-def test_ipc_of_mapped_memory_with_child(run_case, conf):
-    run_case(WORKER, "ipc", conf, "streamalloc")
+@pytest.mark.parametrize("child", ["native", "streamalloc"])
+def test_ipc_of_mapped_memory_with_child(run_case, conf, child):
+    run_case(WORKER, "ipc", conf, child)
 
 
 @confs(UNSHAREABLE)

@@ -36,10 +36,10 @@ Cases (each checks real results, data read back where there is data):
                    element and writes new values; the parent reads exactly what the child
                    wrote; once both dropped it (and torch.cuda.ipc_collect), the parent's
                    torch.cuda.memory_allocated and streamalloc's allocated bytes are back where
-                   they were. cuMemAlloc chunks go as CUDA IPC handles (a child under torch's
-                   own allocator opens them too), mapped memory (backing=stitched, the
-                   default, or segments) as streamalloc's own handles (the child runs
-                   streamalloc)
+                   they were. cuMemAlloc chunks go as CUDA IPC handles, mapped memory
+                   (backing=stitched, the default, or segments) in torch's expandable-segment
+                   format: a child under torch's own allocator or streamalloc opens either
+                   (ipc_cases.py runs every pair of allocators)
   ipc_refused      sharing memory that cannot be shared (the driver's pool) raises a
                    RuntimeError naming streamalloc and the configuration
   runner           `python -m streamalloc.torch SCRIPT ARGS` runs an unmodified script as

@@ -180,6 +180,11 @@ impl<A: StreamAllocator> Pointers<A> {
         self.find(Some(hint), |live| live.get(&ptr).map(Allocation::owning_stream))
     }
 
+    /// The size of the allocation kept at `ptr` (its start), if one is.
+    pub fn size_of(&self, ptr: DevicePtr) -> Option<usize> {
+        self.find(None, |live| live.get(&ptr).map(Allocation::size))
+    }
+
     /// The streams recorded on the allocations kept, each once (what a sleep waits for
     /// besides the owning streams).
     pub fn recorded_streams(&self) -> Vec<Stream> {

@@ -360,6 +360,11 @@ impl<A: StreamAllocator> Tagged<A> {
                 Err(e) => return Err(Self::fall_back(&begun, e)),
             }
         }
+        // Memory another process may map (issue 52 #3): the sleep would give it back here
+        // while that process keeps the old memory, and the wake would map fresh memory.
+        if let Err(e) = self.refuse_exported(&begun) {
+            return Err(Self::fall_back(&begun, e));
+        }
         let mut pieces: Vec<Vec<Piece>> = Vec::new();
         if offload {
             for (_, _, ranges) in &begun {
@@ -403,6 +408,27 @@ impl<A: StreamAllocator> Tagged<A> {
             *phases[i] = Phase::Asleep(slumber);
         }
         first_error.map_or(Ok(total), Err)
+    }
+
+    /// Refuses the sleep of `begun` when a range with data of theirs is exported
+    /// ([`Device::exports_any`]): see DESIGN.md, "IPC trust model".
+    fn refuse_exported(&self, begun: &[Falling]) -> Result<()> {
+        let granule = self.device.map_granularity()? as u64;
+        for (_, _, ranges) in begun {
+            for &(addr, len) in ranges {
+                let start = addr - addr % granule;
+                let end = (addr + len as u64).next_multiple_of(granule);
+                if self.device.exports_any(start, (end - start) as usize)? {
+                    return Err(Error::InvalidArgument(format!(
+                        "a tag's memory at {addr:#x}+{len} on device {} is shared with another process \
+                         (streamalloc_ipc_export): sleeping it would leave that process on memory the wake \
+                         does not bring back; free the shared allocations and release, then sleep",
+                        self.device.ordinal()
+                    )));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Ends the sleeps `begun` without committing them (each pool awake as it was); `error`.

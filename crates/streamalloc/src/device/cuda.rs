@@ -294,8 +294,6 @@ struct Vmm {
     physical: HashMap<u64, Physical>,
     /// The number of the last physical allocation mapped.
     last_physical: u64,
-    /// The serial of the last export ([`SharedPiece::serial`]).
-    last_serial: u64,
     /// Other devices granted access to every mapping: ordinal and device handle.
     peers: Vec<(usize, sys::CUdevice)>,
 }
@@ -507,8 +505,11 @@ impl CudaDevice {
             if let Some(p) = vmm.physical.get_mut(&id) {
                 p.mappings -= 1;
                 if p.mappings == 0 {
-                    // Its descriptor, if exported, closes: this was its last mapping here.
-                    vmm.physical.remove(&id);
+                    // Its descriptor, if exported, closes: this was its last mapping here. The
+                    // registry forgets it first, so no handle names the number once reused.
+                    if let Some((fd, _)) = vmm.physical.remove(&id).and_then(|p| p.export) {
+                        super::ipc::forget_export(fd.as_raw_fd());
+                    }
                 }
             }
         }
@@ -1040,15 +1041,24 @@ impl Device for CudaDevice {
                 Some((fd, serial)) => (fd.as_raw_fd(), *serial),
                 None => {
                     let fd = self.export_granule(at)?;
-                    vmm.last_serial += 1;
                     let raw = fd.as_raw_fd();
-                    physical.export = Some((fd, vmm.last_serial));
-                    (raw, vmm.last_serial)
+                    let serial = super::ipc::note_export(raw, granularity as u64)?;
+                    physical.export = Some((fd, serial));
+                    (raw, serial)
                 }
             };
             pieces.push(SharedPiece { fd, serial, offset: 0, len: granularity as u64 });
         }
         Ok(pieces)
+    }
+
+    fn exports_any(&self, addr: DevicePtr, size: usize) -> Result<bool> {
+        let vmm = self.vmm.lock();
+        let end = addr.saturating_add(size as u64);
+        Ok(vmm
+            .granules
+            .range(addr..end)
+            .any(|(_, id)| vmm.physical.get(id).is_some_and(|p| p.export.is_some())))
     }
 
     /// Imports the allocation (`cuMemImportFromShareableHandle`, which leaves `fd` open) and

@@ -2,13 +2,156 @@
 //! the copying of its file descriptors into the receiving process ([`fetch_fds`],
 //! `pidfd_open` and `pidfd_getfd`, as PyTorch's expandable segments do).
 //!
-//! The two system calls are this module's only `unsafe` code.
+//! Which descriptors this process exported, and with which serial, is kept in the process's
+//! export registry ([`note_export`], [`forget_export`]): a memory file (`memfd`) named after
+//! the process, whose descriptor a handle names too. A receiver reads it (through
+//! `/proc/PID/fd`, which opens the file anew and copies no descriptor) before it copies any
+//! descriptor: each piece's descriptor must be one the exporter exported, with the handle's
+//! serial and at least the handle's length ([`check_exports`]). See DESIGN.md, "IPC trust
+//! model".
+//!
+//! The system calls (`pidfd_open`, `pidfd_getfd`, `memfd_create`) are this module's only
+//! `unsafe` code.
 //!
 //! [`Device::export_mapped`]: super::Device::export_mapped
 
-use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
+
+/// Bytes of the registry per descriptor number: the serial and the length exported (u64
+/// each, little-endian); zeros where the descriptor is no export.
+const ENTRY: u64 = 16;
+
+/// The registry of this process (see the [module docs](self)), made at its first export and
+/// made anew in a child after `fork` (the parent's is not the child's).
+static REGISTRY: Mutex<Option<(u32, File)>> = Mutex::new(None);
+
+/// The last serial handed out, process-wide: serials are never reused, whatever device, and
+/// start from the clock's nanoseconds when the registry is made.
+static LAST_SERIAL: AtomicU64 = AtomicU64::new(0);
+
+/// The name of the registry of process `pid`, as `/proc/PID/fd/N` shows it.
+fn registry_link(pid: u32) -> String {
+    format!("/memfd:streamalloc-ipc-{pid} (deleted)")
+}
+
+/// Runs `f` on this process's registry, made if missing.
+fn with_registry<T>(f: impl FnOnce(&File) -> std::io::Result<T>) -> Result<T> {
+    let pid = std::process::id();
+    let mut registry = REGISTRY.lock();
+    if registry.as_ref().is_none_or(|(owner, _)| *owner != pid) {
+        let name = std::ffi::CString::new(format!("streamalloc-ipc-{pid}"))
+            .map_err(|e| Error::Internal(format!("the registry's name: {e}")))?;
+        // SAFETY: `name` is a NUL-terminated string that outlives the call; the flags are
+        // plain bits.
+        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(Error::Io(format!(
+                "memfd_create of the IPC export registry: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+        // SAFETY: the kernel returned a new descriptor that nothing else owns.
+        *registry = Some((pid, File::from(unsafe { OwnedFd::from_raw_fd(raw) })));
+        // Serials start from the clock: another process that reuses this pid later (or a child
+        // of this one after fork) hands out others.
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        LAST_SERIAL.fetch_max(now.as_nanos() as u64, Ordering::Relaxed);
+    }
+    let (_, file) = registry.as_ref().ok_or_else(|| Error::Internal("no IPC export registry".into()))?;
+    f(file).map_err(|e| Error::Io(format!("the IPC export registry: {e}")))
+}
+
+/// Notes that descriptor `fd`, open in this process, stands for exported memory of `len`
+/// bytes; the export's serial (new, never handed out before in this process).
+pub fn note_export(fd: RawFd, len: u64) -> Result<u64> {
+    let at = u64::try_from(fd).map_err(|_| Error::InvalidArgument(format!("descriptor {fd}")))? * ENTRY;
+    let serial = LAST_SERIAL.fetch_add(1, Ordering::Relaxed) + 1;
+    let mut entry = [0u8; ENTRY as usize];
+    entry[..8].copy_from_slice(&serial.to_le_bytes());
+    entry[8..].copy_from_slice(&len.to_le_bytes());
+    with_registry(|file| file.write_all_at(&entry, at))?;
+    Ok(serial)
+}
+
+/// Notes that descriptor `fd` is no export any more: called before it is closed, so that no
+/// handle names its number once the number is reused. Errors only leave an entry that no
+/// later export of the number matches (serials are never reused).
+pub fn forget_export(fd: RawFd) {
+    if let Ok(fd) = u64::try_from(fd) {
+        let _ = with_registry(|file| file.write_all_at(&[0; ENTRY as usize], fd * ENTRY));
+    }
+}
+
+/// The number of the descriptor of this process's registry, for a handle.
+pub fn registry_fd() -> Result<RawFd> {
+    with_registry(|file| Ok(file.as_raw_fd()))
+}
+
+/// Checks, without copying any descriptor of process `pid`, that its descriptor `registry` is
+/// its export registry and that each piece's descriptor is an export of it with the piece's
+/// serial and at least its offset plus length: the check of a handle before
+/// [`fetch_fds`] (whose copies the caller checks again after, see DESIGN.md).
+pub fn check_exports(pid: u32, registry: RawFd, pieces: &[SharedPiece]) -> Result<()> {
+    let path = format!("/proc/{pid}/fd/{registry}");
+    let refused = |why: String| Error::InvalidArgument(format!("IPC handle of process {pid} refused: {why}"));
+    if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+        return Err(Error::InvalidArgument(format!(
+            "IPC handle of process {pid}: the process has exited (a sender must live until the receiver has \
+             opened what it shared; once opened, the receiver's mapping keeps the memory)"
+        )));
+    }
+    let link = std::fs::read_link(&path).map_err(|e| match e.raw_os_error() {
+        Some(libc::EACCES) | Some(libc::EPERM) => Error::Unsupported(format!(
+            "reading {path} was refused: receiving memory of another process needs permission to ptrace it \
+             (see kernel.yama.ptrace_scope)"
+        )),
+        _ => refused(format!("its descriptor {registry} is no export registry ({e})")),
+    })?;
+    if link.as_os_str() != registry_link(pid).as_str() {
+        return Err(refused(format!(
+            "its descriptor {registry} is no streamalloc export registry ({link:?})"
+        )));
+    }
+    let file = File::open(&path).map_err(|e| refused(format!("opening {path}: {e}")))?;
+    for p in pieces {
+        let at = u64::try_from(p.fd).map_err(|_| refused(format!("descriptor {}", p.fd)))?;
+        let mut entry = [0u8; ENTRY as usize];
+        let (serial, len) = match file.read_exact_at(&mut entry, at * ENTRY) {
+            Ok(()) => {
+                let word = |i: usize| u64::from_le_bytes(entry[i..i + 8].try_into().unwrap_or_default());
+                (word(0), word(8))
+            }
+            Err(_) => (0, 0),
+        };
+        if serial == 0 {
+            return Err(refused(format!(
+                "its descriptor {} is not exported (released by the exporter, or never an export)",
+                p.fd
+            )));
+        }
+        if serial != p.serial {
+            return Err(refused(format!(
+                "descriptor {} has serial {serial}, the handle says {} (the memory the handle named was \
+                 released, and the number reused)",
+                p.fd, p.serial
+            )));
+        }
+        if p.offset.checked_add(p.len).is_none_or(|end| end > len) {
+            return Err(refused(format!(
+                "{} bytes from offset {} of descriptor {}, which stands for {len} bytes",
+                p.len, p.offset, p.fd
+            )));
+        }
+    }
+    Ok(())
+}
 
 /// One physical allocation under a range of mapped memory, exported for another process
 /// ([`Device::export_mapped`](super::Device::export_mapped)).
@@ -101,6 +244,31 @@ mod tests {
         assert_ne!(fetched[0].as_raw_fd(), a.as_raw_fd());
         let ino = |fd: &OwnedFd| std::fs::File::from(fd.try_clone().unwrap()).metadata().unwrap().ino();
         assert_eq!(ino(&fetched[0]), ino(&OwnedFd::from(a)));
+    }
+
+    /// The registry says which descriptors are exports, with which serial and length, and
+    /// forgets one before it closes; the check reads it without copying a descriptor.
+    #[test]
+    fn the_registry_checks_serials_lengths_and_forgotten_exports() {
+        let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let fd = a.as_raw_fd();
+        let serial = note_export(fd, 4096).unwrap();
+        let registry = registry_fd().unwrap();
+        let me = std::process::id();
+        let piece = |serial, len| SharedPiece { fd, serial, offset: 0, len };
+        check_exports(me, registry, &[piece(serial, 4096)]).unwrap();
+        let e = check_exports(me, registry, &[piece(serial ^ 1, 4096)]).unwrap_err().to_string();
+        assert!(e.contains("serial"), "{e}");
+        let e = check_exports(me, registry, &[piece(serial, 8192)]).unwrap_err().to_string();
+        assert!(e.contains("stands for 4096 bytes"), "{e}");
+        let e = check_exports(me, fd, &[piece(serial, 4096)]).unwrap_err().to_string();
+        assert!(e.contains("no streamalloc export registry"), "{e}");
+        let e = check_exports(i32::MAX as u32, registry, &[piece(serial, 4096)]).unwrap_err().to_string();
+        assert!(e.contains("the process has exited"), "{e}");
+        assert!(note_export(fd, 4096).unwrap() > serial, "serials are never reused");
+        forget_export(fd);
+        let e = check_exports(me, registry, &[piece(serial, 4096)]).unwrap_err().to_string();
+        assert!(e.contains("not exported"), "{e}");
     }
 
     #[test]

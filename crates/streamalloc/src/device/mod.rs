@@ -237,6 +237,10 @@ pub trait Device: Send + Sync {
     /// [`InvalidArgument`](crate::Error::InvalidArgument); memory the device could not create
     /// exportable is [`Unsupported`](crate::Error::Unsupported).
     fn export_mapped(&self, addr: DevicePtr, size: usize) -> Result<Vec<ipc::SharedPiece>>;
+    /// Whether any granule of `[addr, addr + size)` (granule-aligned) maps memory this device
+    /// exported ([`Device::export_mapped`]) and has not closed the export of: memory another
+    /// process may map. Unmapped granules are not.
+    fn exports_any(&self, addr: DevicePtr, size: usize) -> Result<bool>;
     /// Maps at `[addr, addr + len)`, inside a reservation and unmapped, `len` bytes from
     /// `offset` of the physical allocation that `fd` stands for (a descriptor of an
     /// [`ipc::SharedPiece`], possibly of another process, copied here by [`ipc::fetch_fds`]),

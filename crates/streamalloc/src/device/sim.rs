@@ -1409,6 +1409,13 @@ impl Device for SimDevice {
         })
     }
 
+    fn exports_any(&self, addr: DevicePtr, size: usize) -> Result<bool> {
+        self.call(|st| {
+            let end = addr.saturating_add(size as u64);
+            Ok(st.mapped.range(addr..end).any(|(_, m)| st.shared.exports.contains_key(m)))
+        })
+    }
+
     fn map_shared(&self, addr: DevicePtr, fd: BorrowedFd<'_>, offset: usize, len: usize) -> Result<()> {
         let file = file_of(fd)?;
         self.call(|st| {
@@ -1870,8 +1877,6 @@ struct Shared {
     received: HashMap<u64, u32>,
     /// Addresses of the granules `map_shared` mapped.
     at: BTreeSet<u64>,
-    /// The serial of the last export.
-    last_serial: u64,
 }
 
 impl Shared {
@@ -1890,11 +1895,11 @@ impl Shared {
                 let (end, _) = UnixStream::pair().map_err(io)?;
                 let fd = OwnedFd::from(end);
                 let file = file_of(fd.as_fd())?;
-                self.last_serial += 1;
                 let raw = fd.as_raw_fd();
+                let serial = super::ipc::note_export(raw, MAP_GRANULE as u64)?;
                 self.by_file.insert(file, memory);
-                self.exports.insert(memory, (fd, file, self.last_serial));
-                (raw, self.last_serial)
+                self.exports.insert(memory, (fd, file, serial));
+                (raw, serial)
             }
         };
         Ok(SharedPiece { fd, serial, offset: 0, len: MAP_GRANULE as u64 })
@@ -1913,7 +1918,8 @@ impl Shared {
             }
         }
         if left == self.received.get(&memory).copied().unwrap_or(0) {
-            if let Some((_, file, _)) = self.exports.remove(&memory) {
+            if let Some((fd, file, _)) = self.exports.remove(&memory) {
+                super::ipc::forget_export(fd.as_raw_fd());
                 self.by_file.remove(&file);
             }
         }

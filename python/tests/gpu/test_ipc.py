@@ -1,0 +1,41 @@
+"""CUDA tensors shared between processes under every pair of allocators (issue 54), each cell
+in its own process (see ipc_cases.py for what each case does and checks). Needs a GPU, torch,
+streamalloc importable (its torch backend built), pidfd_getfd allowed from a child to its
+parent (kernel.yama.ptrace_scope 0, or root), pytest-timeout.
+
+    python3 -m pytest -q -rA python/tests/gpu/test_ipc.py
+"""
+
+import pytest
+
+pytestmark = pytest.mark.timeout(600)
+
+WORKER = "ipc_cases.py"
+
+SENDERS = ["native", "expandable", "default", "chunks", "async"]
+RECEIVERS = ["native", "streamalloc"]
+
+
+@pytest.mark.parametrize("receiver", RECEIVERS)
+@pytest.mark.parametrize("sender", SENDERS)
+def test_ipc_matrix(run_case, sender, receiver):
+    """Opens with the right sum and sees the other side's write, or (sender async, by design)
+    the sender's refusal at put naming the configurations that share."""
+    run_case(WORKER, "matrix", sender, receiver)
+
+
+def test_ipc_large_expandable_segments_refused_by_streamalloc_receiver(run_case):
+    run_case(WORKER, "large", "expandable", "streamalloc")
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("receiver", RECEIVERS)
+@pytest.mark.parametrize("sender", ["native", "expandable", "default", "chunks"])
+def test_ipc_thousand_cycles_leave_nothing_behind(run_case, sender, receiver):
+    run_case(WORKER, "cycles", sender, receiver)
+
+
+@pytest.mark.parametrize("receiver", RECEIVERS)
+@pytest.mark.parametrize("sender", ["native", "expandable", "default", "chunks"])
+def test_ipc_receivers_view_outlives_the_sender(run_case, sender, receiver):
+    run_case(WORKER, "sender_exits", sender, receiver)
