@@ -3,7 +3,7 @@
 their spread across processes.
 
     python3 scripts/gpu/torch_loops.py --out DIR [--quick] [--rounds N] [--loops L,..] [--allocators A,..]
-    python3 scripts/gpu/torch_loops.py --one LOOP ALLOCATOR --result FILE [--quick]   # one run
+    python3 scripts/gpu/torch_loops.py --one LOOPS ALLOCATOR --result FILE [--quick]   # one process
 
 Loops (each logs torch.cuda.max_memory_allocated() after every step):
 
@@ -18,7 +18,8 @@ Loops (each logs torch.cuda.max_memory_allocated() after every step):
             vocabulary 8192, AdamW) whose batch (4-32) and sequence length (16-512) change
             every step, drawn from random.Random(seed): the same shapes in every run
 
-Allocators, each run in its own process (the allocator is fixed per process):
+Allocators, each in processes of its own (the allocator is fixed per process; a process runs
+every loop, one after another from an emptied cache, or one loop with --apart):
 
   native      torch's caching allocator
   expandable  the same with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -61,8 +62,8 @@ For each (loop, allocator), printed as a markdown table and written to DIR/torch
   cudnn.benchmark another algorithm may give other bits).
 
 A loop that torch refuses under an allocator shows "refused" and the error in the notes; that
-is a result, not a crash. Each run writes its log to DIR/torch_loops-logs/LOOP-ALLOCATOR-rN.log
-and its result as one JSON line to DIR/torch_loops.jsonl. Exits 1 if a run of native,
+is a result, not a crash. Each run writes its log to DIR/torch_loops-logs/LOOPS-ALLOCATOR-rN.log
+and its results as JSON lines to DIR/torch_loops.jsonl. Exits 1 if a run of native,
 expandable or backend did not complete.
 
 --quick: small models, 3 warm-up and 5 timed steps, 2 rounds (a smoke run).
@@ -305,28 +306,40 @@ def short(e):
 
 
 def kernel_fingerprint(torch, step, i, sample):
-    """The CUDA kernels one more step launches (torch.profiler), as {"kernels": {name: count},
-    "kernel_fp": a hash of them}: processes with the same hash ran the same algorithms."""
+    """What one more step does on the device, from torch.profiler: {"kernels": {name: count},
+    "kernel_fp": a hash of them (processes with the same hash ran the same algorithms),
+    "api_calls": {CUDA runtime or driver function: [calls, total us]}} (the allocator's device
+    calls, cuMemMap and the like, among them)."""
     import hashlib
 
     from torch.profiler import ProfilerActivity, profile
 
     try:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step(i, sample)
             torch.cuda.synchronize()
-        kernels = {}
+        kernels, api = {}, {}
         for event in prof.events():
             if event.device_type == torch.autograd.DeviceType.CUDA:
                 kernels[event.name] = kernels.get(event.name, 0) + 1
+            elif event.name.startswith("cu") and not event.name.startswith("cudnn"):
+                calls = api.setdefault(event.name, [0, 0.0])
+                calls[0] += 1
+                calls[1] += round(event.cpu_time_total, 1)
     except Exception as e:  # the figure is lost, not the run
         return {"kernel_fp": None, "kernel_fp_error": short(e)}
     text = "\n".join(f"{name} {count}" for name, count in sorted(kernels.items()))
-    return {"kernels": kernels, "kernel_fp": hashlib.sha1(text.encode()).hexdigest()[:10]}
+    return {"kernels": kernels, "kernel_fp": hashlib.sha1(text.encode()).hexdigest()[:10], "api_calls": api}
+
+
+SETUP = {}
+"""This process's torch and its allocator's description, set up by its first run."""
 
 
 def one_run(loop, allocator, args):
-    """Runs LOOP under ALLOCATOR in this process; returns the result (never raises)."""
+    """Runs LOOP under ALLOCATOR in this process; returns the result (never raises). A process
+    may run several loops one after another (`--one L1,L2 ALLOCATOR`): each starts from an
+    emptied cache (`forget`)."""
     import warnings
 
     started = time.perf_counter()
@@ -339,7 +352,9 @@ def one_run(loop, allocator, args):
     if loop == "varying":
         r["shapes"] = varying_shapes(params, args.seed, total)
     try:
-        torch, info = setup_allocator(allocator, args.device)
+        if "torch" not in SETUP:  # once per process: the allocator is fixed at the first CUDA allocation
+            SETUP["torch"], SETUP["info"] = setup_allocator(allocator, args.device)
+        torch, info = SETUP["torch"], SETUP["info"]
     except Exception as e:
         r.update(error=short(e), error_phase="setup", traceback=traceback.format_exc()[-3000:])
         return r
@@ -382,7 +397,7 @@ def one_run(loop, allocator, args):
             step = None
         if sampler is not None:
             sampler.start()
-        allocations = {}
+        allocations, library = {}, {}
         for i in range(total if step else 0):
             timed[0] = i >= args.warmup
             if cuda and i in (args.warmup, total - 1) and mma_error is None:
@@ -390,6 +405,10 @@ def one_run(loop, allocator, args):
                     allocations[i] = torch.cuda.memory_stats(dev).get("allocation.all.allocated")
                 except Exception:
                     pass
+            if cuda and allocator.startswith("backend") and i in (args.warmup, total - 1):
+                import streamalloc  # the library's own count of its device calls
+
+                library[i] = streamalloc.stats(dev.index)
             try:
                 if cuda:
                     torch.cuda.synchronize(dev)
@@ -434,6 +453,10 @@ def one_run(loop, allocator, args):
     r["completed"] = r["error"] is None and len(step_ms) == total
     if len(allocations) == 2 and None not in allocations.values() and total - 1 > args.warmup:
         r["allocations_per_step"] = (allocations[total - 1] - allocations[args.warmup]) / (total - 1 - args.warmup)
+    if len(library) == 2 and total - 1 > args.warmup:
+        before, after = library[args.warmup], library[total - 1]
+        r["device_calls_per_step"] = {key: (after[key] - before[key]) / (total - 1 - args.warmup)
+                                      for key in ("device_allocs", "device_frees") if key in after}
     timed_ms = step_ms[args.warmup:]
     r.update(step_ms=step_ms, losses_hex=losses, steps_done=len(step_ms),
              median_step_ms=statistics.median(timed_ms) if r["completed"] and timed_ms else None,
@@ -472,6 +495,21 @@ def one_run(loop, allocator, args):
 # ---------------------------------------------------------------------------------------------
 # The driver (parent process)
 # ---------------------------------------------------------------------------------------------
+
+def forget(torch):
+    """Frees what the previous loop of this process left: its objects, compiled graphs and their
+    CUDA graph pools, and the allocator's cache."""
+    import gc
+
+    try:
+        torch._dynamo.reset()
+    except Exception:
+        pass
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
 
 def child_env_of(allocator):
     """The environment of ALLOCATOR's child (cuBLAS made deterministic before it starts)."""
@@ -577,6 +615,22 @@ def table(runs, args, header):
     return "\n".join(out)
 
 
+def report(run, n, secs):
+    """One line for a finished run."""
+    allocator, median = run["allocator"], run.get("median_step_ms")
+    state = ("ok" if run["completed"] else
+             ("refused" if allocator == "pluggable" else "FAILED") + f": {run.get('error')}")
+    api = sorted((run.get("api_calls") or {}).items(), key=lambda kv: -kv[1][1])[:4]
+    print(f"{run['loop']:>9} / {allocator:<10} r{n} {run.get('wall_s', secs):6.1f} s  "
+          + (f"median {median:8.2f} ms (host {run['median_host_ms']:.2f})  " if median is not None else "")
+          + (f"kernels {run.get('kernel_fp')}  " if run.get("kernel_fp") else "")
+          + (f"{run['allocations_per_step']:.0f} allocations/step  " if run.get("allocations_per_step") else "")
+          + (f"device calls/step {run['device_calls_per_step']}  " if run.get("device_calls_per_step") else "")
+          + (f"api {api}  " if api else "")
+          + (f"peak {mib(run.get('peak_over_baseline'))} MiB  " if run.get("peak_over_baseline") else "")
+          + state, flush=True)
+
+
 def drive(args):
     os.makedirs(args.out, exist_ok=True)
     logs = os.path.join(args.out, "torch_loops-logs")
@@ -589,44 +643,45 @@ def drive(args):
     if args.device == "cuda" and any(a.startswith("backend") for a in allocators):
         build_problem = prebuild_backend(child_env_of("backend"), os.path.join(logs, "backend-build.log"),
                                          args.build_timeout)
+    # Each process runs one loop (--apart) or every loop, one after another (the default: a
+    # process's start, torch's import and CUDA's initialisation paid once).
+    groups = [[loop] for loop in loops] if args.apart else [loops]
     runs = []
     with open(jsonl_path, "w") as jsonl:
-        for loop in loops:
+        for group in groups:
             for n in range(1, args.rounds + 1):
                 for allocator in allocators:
-                    name = f"{loop}-{allocator}-r{n}"
+                    name = f"{'+'.join(group)}-{allocator}-r{n}"
                     result_path = os.path.join(logs, f"{name}.json")
                     log_path = os.path.join(logs, f"{name}.log")
                     if os.path.exists(result_path):
                         os.remove(result_path)
-                    cmd = [sys.executable, HERE, "--one", loop, allocator, "--result", result_path,
+                    cmd = [sys.executable, HERE, "--one", ",".join(group), allocator, "--result", result_path,
                            "--warmup", str(args.warmup), "--steps", str(args.steps), "--seed", str(args.seed),
                            "--device", args.device] + (["--quick"] if args.quick else []) + \
                           ([] if args.nvml else ["--no-nvml"])
-                    rc, secs = run_child(cmd, child_env_of(allocator), log_path, args.timeout)
+                    rc, secs = run_child(cmd, child_env_of(allocator), log_path, args.timeout * len(group))
                     try:
                         with open(result_path) as f:
-                            run = json.load(f)
-                    except (OSError, ValueError):
-                        why = f"timed out after {args.timeout} s" if rc is None else f"exited {rc} without a result"
-                        run = {"loop": loop, "allocator": allocator, "completed": False,
-                               "error": f"{why}: {tail(log_path)}", "error_phase": "process", "error_step": None}
-                        if allocator.startswith("backend") and build_problem:
-                            run["error"] += f" [{build_problem}]"
-                    run["process_s"], run["round"] = secs, n
-                    run.pop("kernels", None) if n > 1 else None  # the names once per row are enough
-                    runs.append(run)
-                    jsonl.write(json.dumps(run) + "\n")
-                    jsonl.flush()
-                    state = ("ok" if run["completed"] else
-                             ("refused" if allocator == "pluggable" else "FAILED") + f": {run.get('error')}")
-                    median = run.get("median_step_ms")
-                    print(f"{loop:>9} / {allocator:<10} r{n} {secs:6.1f} s  "
-                          + (f"median {median:8.2f} ms (host {run['median_host_ms']:.2f})  " if median is not None else "")
-                          + (f"kernels {run.get('kernel_fp')}  " if run.get("kernel_fp") else "")
-                          + (f"{run['allocations_per_step']:.0f} allocations/step  " if run.get("allocations_per_step") else "")
-                          + (f"peak {mib(run.get('peak_over_baseline'))} MiB  " if run.get("peak_over_baseline") else "")
-                          + state, flush=True)
+                            done = json.load(f)["runs"]
+                    except (OSError, ValueError, KeyError):
+                        done = []
+                    for loop in group:
+                        run = next((r for r in done if r["loop"] == loop), None)
+                        if run is None:
+                            why = (f"timed out after {args.timeout * len(group)} s" if rc is None
+                                   else f"exited {rc} without a result")
+                            run = {"loop": loop, "allocator": allocator, "completed": False,
+                                   "error": f"{why}: {tail(log_path)}", "error_phase": "process", "error_step": None}
+                            if allocator.startswith("backend") and build_problem:
+                                run["error"] += f" [{build_problem}]"
+                        run["process_s"], run["round"] = secs, n
+                        if n > 1:
+                            run.pop("kernels", None)  # the names once per row are enough
+                        runs.append(run)
+                        jsonl.write(json.dumps(run) + "\n")
+                        jsonl.flush()
+                        report(run, n, secs)
     first = next((r for r in runs if r.get("torch")), {})
     header = (f"## Training loops under each allocator ({'quick' if args.quick else 'full'} run"
               f"{', CPU DRY RUN: figures meaningless' if args.device == 'cpu' else ''})\n\n"
@@ -662,7 +717,10 @@ def main():
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: a dry run of this script's logic only (no allocator, meaningless figures)")
     parser.add_argument("--verbose", action="store_true", help="print every step")
-    parser.add_argument("--one", nargs=2, metavar=("LOOP", "ALLOCATOR"), help="one run in this process")
+    parser.add_argument("--one", nargs=2, metavar=("LOOPS", "ALLOCATOR"),
+                        help="run LOOPS (comma-separated, one after another) in this process")
+    parser.add_argument("--apart", action="store_true",
+                        help="one process per loop (default: a process runs every loop, one after another)")
     parser.add_argument("--result", help="with --one: write the result (JSON) here")
     args = parser.parse_args()
     args.warmup = args.warmup if args.warmup is not None else (3 if args.quick else 10)
@@ -679,11 +737,17 @@ def main():
         if name not in ALLOCATORS:
             parser.error(f"unknown allocator {name!r} (of {', '.join(ALLOCATORS)})")
     if args.one:
-        loop, allocator = args.one
-        if loop not in LOOPS or allocator not in ALLOCATORS:
-            parser.error(f"--one LOOP ALLOCATOR: LOOP of {', '.join(LOOPS)}, ALLOCATOR of {', '.join(ALLOCATORS)}")
-        run = one_run(loop, allocator, args)
-        finish_run(run, args.result, run["completed"])
+        group, allocator = args.one[0].split(","), args.one[1]
+        if any(loop not in LOOPS for loop in group) or allocator not in ALLOCATORS:
+            parser.error(f"--one LOOPS ALLOCATOR: LOOPS of {', '.join(LOOPS)} (comma-separated), "
+                         f"ALLOCATOR of {', '.join(ALLOCATORS)}")
+        done = []
+        for loop in group:
+            if done:
+                forget(SETUP["torch"]) if "torch" in SETUP else None
+            done.append(one_run(loop, allocator, args))
+        finish_run({"runs": done, "traceback": next((r.get("traceback") for r in done if r.get("traceback")), None)},
+                   args.result, all(r["completed"] for r in done))
     sys.exit(drive(args))
 
 
