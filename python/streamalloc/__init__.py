@@ -23,6 +23,7 @@ import importlib.metadata
 import operator
 import os
 import pathlib
+import re
 import threading
 
 __all__ = ["__version__", "StreamallocError", "library_path", "load", "configure", "stats", "release",
@@ -63,36 +64,44 @@ class StreamallocError(RuntimeError):
         super().__init__(f"{self.status}: {message}")
 
 
-class Stats(ctypes.Structure):
-    """`streamalloc_stats_t`, field for field."""
-
-    _fields_ = [
-        ("allocated", ctypes.c_size_t),
-        ("allocated_peak", ctypes.c_size_t),
-        ("reserved", ctypes.c_size_t),
-        ("reserved_peak", ctypes.c_size_t),
-        ("cached", ctypes.c_size_t),
-        ("largest_free_block", ctypes.c_size_t),
-        ("pending_release", ctypes.c_size_t),
-        ("live_allocations", ctypes.c_uint64),
-        ("total_allocations", ctypes.c_uint64),
-        ("total_frees", ctypes.c_uint64),
-        ("device_allocs", ctypes.c_uint64),
-        ("device_frees", ctypes.c_uint64),
-        ("failures", ctypes.c_uint64),
-        ("retries", ctypes.c_uint64),
-    ]
+_C_TYPES = {"size_t": ctypes.c_size_t, "uint64_t": ctypes.c_uint64, "bool": ctypes.c_bool, "int": ctypes.c_int}
 
 
-class TagStats(ctypes.Structure):
-    """`streamalloc_tag_stats_t`, field for field."""
+def _struct(header, name, known):
+    """A ctypes Structure of C struct `name` as `header` (the library's streamalloc.h) defines it;
+    `known` maps the structs it may hold by their C names."""
+    found = re.search(r"typedef struct %s \{(.*?)\} %s;" % (name, name), header, re.S)
+    if found is None:
+        raise RuntimeError(f"the library's header defines no {name}")
+    fields = []
+    for line in found.group(1).splitlines():
+        line = line.split("//")[0].strip()
+        if not line:
+            continue
+        member = re.fullmatch(r"(?:struct )?(\w+) (\w+);", line)
+        kind = member and (_C_TYPES.get(member.group(1)) or known.get(member.group(1)))
+        if kind is None:
+            raise RuntimeError(f"{name} in the library's header has a member this module cannot read: {line!r}")
+        fields.append((member.group(2), kind))
+    return type(name, (ctypes.Structure,), {"_fields_": fields, "__doc__": f"`{name}`, from the library's header."})
 
-    _fields_ = [
-        ("asleep", ctypes.c_int),
-        ("offloaded", ctypes.c_int),
-        ("slept", ctypes.c_size_t),
-        ("stats", Stats),
-    ]
+
+def _structs(lib):
+    """`streamalloc_stats_t` and `streamalloc_tag_stats_t`, built from the header the library
+    carries (`streamalloc_header()`, generated from its Rust structs): no copy kept here."""
+    lib.streamalloc_header.argtypes = []
+    lib.streamalloc_header.restype = ctypes.c_char_p
+    header = lib.streamalloc_header().decode()
+    stats = _struct(header, "streamalloc_stats_t", {})
+    return stats, _struct(header, "streamalloc_tag_stats_t", {"streamalloc_stats_t": stats})
+
+
+def __getattr__(name):
+    """`Stats` and `TagStats`: the library's structs (`_structs`), once it is loaded."""
+    if name in ("Stats", "TagStats"):
+        load()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _lock = threading.Lock()
@@ -188,6 +197,8 @@ def load():
             if not path.is_file():
                 raise FileNotFoundError(f"{path} is missing: build the package with scripts/build-python.sh")
             lib = ctypes.CDLL(str(path))
+            global Stats, TagStats
+            Stats, TagStats = _structs(lib)
             status = ctypes.c_int
             lib.streamalloc_allocate.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
                                                  ctypes.POINTER(ctypes.c_void_p)]
@@ -264,8 +275,9 @@ def configure(conf):
 
 def stats(device=0):
     """The statistics of `device`'s allocator, as a dict (zeros for a device not used yet)."""
+    lib = load()
     out = Stats()
-    check(load().streamalloc_stats(_device(device), ctypes.byref(out)))
+    check(lib.streamalloc_stats(_device(device), ctypes.byref(out)))
     return {name: getattr(out, name) for name, _ in Stats._fields_}
 
 
@@ -332,8 +344,9 @@ def host_stats():
     """The statistics of the pinned memory, as a dict with `stats()`'s keys (`reserved`: the bytes
     pinned; zeros before its first allocation): the pool's, and that which `sleep` with
     `offload` keeps for the next sleep."""
+    lib = load()
     out = Stats()
-    check(load().streamalloc_host_stats(ctypes.byref(out)))
+    check(lib.streamalloc_host_stats(ctypes.byref(out)))
     return {name: getattr(out, name) for name, _ in Stats._fields_}
 
 
@@ -412,8 +425,9 @@ def tag_stats(name, device=0):
     """The figures of tag `name` on `device`, as a dict: `asleep`, `offloaded` (bools),
     `slept` (bytes given back at their addresses while it sleeps), and `stats()`'s keys for
     the tag's pool (while it sleeps, `reserved` and `cached` count nothing)."""
+    lib = load()
     out = TagStats()
-    check(load().streamalloc_tag_stats(_device(device), _tag_name(name), ctypes.byref(out)))
+    check(lib.streamalloc_tag_stats(_device(device), _tag_name(name), ctypes.byref(out)))
     figures = {name: getattr(out.stats, name) for name, _ in Stats._fields_}
     return {"asleep": bool(out.asleep), "offloaded": bool(out.offloaded), "slept": out.slept, **figures}
 

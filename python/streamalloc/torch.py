@@ -59,7 +59,9 @@ that `torch.multiprocessing` spawns run under streamalloc too; so does `enable()
 worker under torch's own allocator could not open the mapped memory this process shares).
 """
 
+import ctypes
 import os
+import pathlib
 import sys
 import threading
 import warnings
@@ -170,17 +172,26 @@ def build_backend(verbose=False):
     import hashlib
 
     folder = os.path.dirname(backend_source())
+    # The library's own header (its types, generated from its Rust structs), beside the build.
+    lib = streamalloc.load()
+    lib.streamalloc_header.restype = ctypes.c_char_p
+    library_header = lib.streamalloc_header()
+    header_dir = os.path.join(build_dir, "include")
+    os.makedirs(header_dir, exist_ok=True)
+    header_path = pathlib.Path(header_dir, "streamalloc.h")
+    if not header_path.exists() or header_path.read_bytes() != library_header:
+        header_path.write_bytes(library_header)
     with open(os.path.join(folder, "lib.h"), "rb") as header:
-        # torch's builder rebuilds when the sources or flags change: the header the sources share
-        # joins the flags as its hash, so that a change of it alone rebuilds too.
-        header_hash = hashlib.sha256(header.read()).hexdigest()[:16]
+        # torch's builder rebuilds when the sources or flags change: the headers the sources
+        # share join the flags as their hash, so that a change of them alone rebuilds too.
+        header_hash = hashlib.sha256(header.read() + library_header).hexdigest()[:16]
     try:
         return cpp_extension.load(
             name="streamalloc_torch_backend",
             sources=[backend_source(), os.path.join(folder, "host.cpp")],
             build_directory=build_dir,
             extra_cflags=["-O2", f"-DSTREAMALLOC_LIB_H={header_hash}"],
-            extra_include_paths=includes,
+            extra_include_paths=includes + [header_dir],
             # The shared libstdc++ first: a compiler that links it statically by default (as
             # some images' wrappers do) gives the library a copy of its own whose uninitialised
             # locale crashed formatting a number (seen on an H200 image, torch 2.11).
@@ -198,8 +209,6 @@ def build_backend(verbose=False):
 def _install_backend():
     """Builds and installs the backend as torch's allocator. BackendUnavailable when it cannot
     be built or loaded; RuntimeError when torch refuses it (an allocator already in use)."""
-    import ctypes
-
     path = build_backend()
     try:
         lib = ctypes.CDLL(path)
@@ -220,8 +229,6 @@ def allocator(conf=None):
     `conf` is a `STREAMALLOC_CONF`-style string (e.g. "strategy=async"); without it the
     environment variable, or the defaults, apply.
     """
-    import ctypes
-
     import torch
 
     lib = streamalloc.load()

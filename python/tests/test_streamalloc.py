@@ -213,11 +213,14 @@ def test_cupy_enable():
         remove_fake_cupy(modules)
 
 
-def test_stats_struct_matches_header():
+def test_structs_come_from_the_librarys_header():
+    # The library carries the header it was built with; the ctypes structs are read from it.
+    lib = streamalloc.load()
+    assert lib.streamalloc_header().decode() == HEADER.read_text()
     body = re.search(r"typedef struct streamalloc_stats_t \{(.*?)\}", HEADER.read_text(), re.S).group(1)
-    fields = re.findall(r"^\s*(size_t|uint64_t) (\w+);", body, re.M)
-    ctype = {"size_t": ctypes.c_size_t, "uint64_t": ctypes.c_uint64}
-    assert [(n, ctype[t]) for t, n in fields] == streamalloc.Stats._fields_, fields
+    names = re.findall(r"^\s*\w+ (\w+);", body, re.M)
+    assert [n for n, _ in streamalloc.Stats._fields_] == names, names
+    assert [n for n, _ in streamalloc.TagStats._fields_] == ["asleep", "offloaded", "slept", "stats"]
 
 
 def test_reset_peak_stats_and_retries():

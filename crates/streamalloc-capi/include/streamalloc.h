@@ -52,37 +52,41 @@ typedef enum streamalloc_status_t {
   STREAMALLOC_INTERNAL = 10,
 } streamalloc_status_t;
 
-// The statistics of one device's allocator stack (mirrors the core crate's `Stats`; figures
-// the strategy does not track stay 0).
+// Statistics every allocator reports. Figures an allocator does not track stay 0. Laid out
+// as C lays it out: it is the C ABI's `streamalloc_stats_t` too.
 typedef struct streamalloc_stats_t {
-  // Bytes handed out and not yet freed (sizes as asked for).
+  // Bytes handed out to callers and not yet freed (sizes as asked for).
   size_t allocated;
-  // Peak of `allocated`.
+  // Peak of `allocated`. Of several pools (a sum of [`Stats`], or
+  // [`StreamSafe`](crate::allocators::StreamSafe)'s pools, one per stream), the sum of each
+  // one's peak: an upper bound of the peak of all together.
   size_t allocated_peak;
-  // Bytes held from the device.
+  // Bytes held from the device (by device allocations or pool reservations).
   size_t reserved;
-  // Peak of `reserved`.
+  // Peak of `reserved` (of [`StreamSafe`](crate::allocators::StreamSafe), the peak of all its
+  // pools together).
   size_t reserved_peak;
   // Bytes held from the device and free for reuse.
   size_t cached;
   // Largest single block in `cached`.
   size_t largest_free_block;
-  // Bytes freed whose reuse still waits on another stream's work.
+  // Bytes freed by callers whose reuse still waits on another stream's work.
   size_t pending_release;
   // Allocations live now.
   uint64_t live_allocations;
-  // Allocations made since the start.
+  // Allocations made since creation.
   uint64_t total_allocations;
-  // Frees since the start.
+  // Frees since creation.
   uint64_t total_frees;
   // Calls that allocated from the device.
   uint64_t device_allocs;
   // Calls that returned memory to the device.
   uint64_t device_frees;
-  // Allocations that failed, each counted once (refusals under `limit` included).
+  // Allocations that failed, each counted once by the allocator or adaptor the caller
+  // called (refusals under a limit included).
   uint64_t failures;
   // Allocations that succeeded only after the allocator released cached memory, waited
-  // or tried again.
+  // for pending frees or tried again.
   uint64_t retries;
 } streamalloc_stats_t;
 
@@ -97,17 +101,16 @@ typedef ptrdiff_t (*streamalloc_cupy_stream_source)(void);
 // which are never destroyed.
 typedef void (*CupyStreamKeeper)(ptrdiff_t stream, int delta);
 
-// The figures of one tag on one device ([`streamalloc_tag_stats`]).
+// One tag's figures ([`Tagged::tag_stats`]); the C ABI's `streamalloc_tag_stats_t` too.
 typedef struct streamalloc_tag_stats_t {
-  // 1 while the tag sleeps, else 0.
-  int asleep;
-  // 1 while it sleeps with its contents offloaded to host memory (the wake copies them
-  // back), else 0.
-  int offloaded;
+  // Whether the tag sleeps.
+  bool asleep;
+  // Whether its contents were offloaded (they come back at the wake).
+  bool offloaded;
   // Bytes given back to the device at their addresses while it sleeps (0 awake).
   size_t slept;
-  // The tag's pool's figures; while the tag sleeps, `reserved` counts only what could not
-  // be given back (0 normally) and `cached` nothing.
+  // Its pool's figures: while it sleeps, `reserved` is what could not be given back (0
+  // normally) and `cached` 0.
   struct streamalloc_stats_t stats;
 } streamalloc_tag_stats_t;
 
@@ -117,6 +120,8 @@ typedef bool (*streamalloc_filter_fn)(void *context, cudaStream_t stream);
 
 // Destroys a filter's context (see [`streamalloc_pool_begin`]).
 typedef void (*streamalloc_drop_fn)(void *context);
+
+
 
 #ifdef __cplusplus
 extern "C" {
@@ -198,6 +203,11 @@ enum streamalloc_status_t streamalloc_enable_peer_access(int device,
 // # Safety
 // `conf` is null (an error) or a NUL-terminated string.
 enum streamalloc_status_t streamalloc_configure(const char *conf);
+
+// The text of `streamalloc.h`, the header this library was built with (NUL-terminated, owned
+// by the library, never freed): front ends that reach the library without a compiler (Python's
+// ctypes) take its structs from here, and the torch backend is compiled against it.
+const char *streamalloc_header(void);
 
 // The message of the last failed call on the calling thread (an empty string if none). The
 // string belongs to the library and stays valid until the next call on this thread.

@@ -17,7 +17,7 @@ use core_alloc::device::sim::SimDevice;
 use core_alloc::{Error, Result, Stats};
 
 use crate::state::{ordinal, State};
-use crate::status::{self, StreamallocStats, StreamallocStatus};
+use crate::status::{self, StreamallocStatus};
 use crate::CudaStream;
 
 /// The process's pinned pool and what the C functions need beside it.
@@ -166,7 +166,7 @@ pub unsafe extern "C" fn streamalloc_host_release(released: *mut usize) -> Strea
 /// # Safety
 /// `out` is null (an error) or valid for writing a `streamalloc_stats_t`.
 #[no_mangle]
-pub unsafe extern "C" fn streamalloc_host_stats(out: *mut StreamallocStats) -> StreamallocStatus {
+pub unsafe extern "C" fn streamalloc_host_stats(out: *mut Stats) -> StreamallocStatus {
     status::status(|| {
         if out.is_null() {
             return Err(Error::InvalidArgument("out is null".into()));
@@ -174,7 +174,7 @@ pub unsafe extern "C" fn streamalloc_host_stats(out: *mut StreamallocStats) -> S
         let pool = host()?.map(|h| h.pool.stats()).unwrap_or_default();
         let stats: Stats = [pool, State::get()?.facade().offload_stats()].into_iter().sum();
         // SAFETY: `out` is non-null and, by the caller's contract, valid for writes.
-        unsafe { out.write(stats.into()) };
+        unsafe { out.write(stats) };
         Ok(())
     })
 }

@@ -70,10 +70,11 @@ pub use sim::{
 };
 pub use sleep::{
     streamalloc_sleep, streamalloc_tag_pop, streamalloc_tag_push, streamalloc_tag_stats, streamalloc_wake,
-    StreamallocTagStats,
 };
 use state::State;
-pub use status::{StreamallocStats, StreamallocStatus};
+pub use core_alloc::allocators::TagStats;
+pub use core_alloc::Stats;
+pub use status::StreamallocStatus;
 pub use torch::*;
 pub use trace::{streamalloc_trace_use, streamalloc_trace_wait};
 
@@ -177,14 +178,14 @@ pub extern "C" fn streamalloc_retire_stream(device: c_int, stream: CudaStream) -
 /// # Safety
 /// `out` is null (an error) or valid for writing a `streamalloc_stats_t`.
 #[no_mangle]
-pub unsafe extern "C" fn streamalloc_stats(device: c_int, out: *mut StreamallocStats) -> StreamallocStatus {
+pub unsafe extern "C" fn streamalloc_stats(device: c_int, out: *mut Stats) -> StreamallocStatus {
     status::status(|| {
         if out.is_null() {
             return Err(Error::InvalidArgument("out is null".into()));
         }
         let stats = State::get()?.stats(device)?;
         // SAFETY: `out` is non-null and, by the caller's contract, valid for writes.
-        unsafe { out.write(stats.into()) };
+        unsafe { out.write(stats) };
         Ok(())
     })
 }
@@ -229,6 +230,14 @@ pub unsafe extern "C" fn streamalloc_configure(conf: *const c_char) -> Streamall
         let conf = conf.to_str().map_err(|_| Error::Config("the configuration is not UTF-8".into()))?;
         State::configure(Config::parse(conf)?)
     })
+}
+
+/// The text of `streamalloc.h`, the header this library was built with (NUL-terminated, owned
+/// by the library, never freed): front ends that reach the library without a compiler (Python's
+/// ctypes) take its structs from here, and the torch backend is compiled against it.
+#[no_mangle]
+pub extern "C" fn streamalloc_header() -> *const c_char {
+    concat!(include_str!("../include/streamalloc.h"), "\0").as_ptr().cast()
 }
 
 /// The message of the last failed call on the calling thread (an empty string if none). The

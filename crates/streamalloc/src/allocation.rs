@@ -212,7 +212,9 @@ impl std::fmt::Debug for Allocation {
     }
 }
 
-/// Statistics every allocator reports. Figures an allocator does not track stay 0.
+/// Statistics every allocator reports. Figures an allocator does not track stay 0. Laid out
+/// as C lays it out: it is the C ABI's `streamalloc_stats_t` too.
+#[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Stats {
     /// Bytes handed out to callers and not yet freed (sizes as asked for).

@@ -109,7 +109,8 @@ struct Piece {
     buffer: PinnedBuffer,
 }
 
-/// One tag's figures ([`Tagged::tag_stats`]).
+/// One tag's figures ([`Tagged::tag_stats`]); the C ABI's `streamalloc_tag_stats_t` too.
+#[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TagStats {
     /// Whether the tag sleeps.
