@@ -52,6 +52,16 @@ typedef enum streamalloc_status_t {
   STREAMALLOC_INTERNAL = 10,
 } streamalloc_status_t;
 
+// What a block is now.
+typedef enum streamalloc_block_state_t {
+  // Free for reuse.
+  STREAMALLOC_BLOCK_FREE = 0,
+  // Handed out and not freed.
+  STREAMALLOC_BLOCK_ALLOCATED = 1,
+  // Freed; its reuse waits for the work of streams recorded on it.
+  STREAMALLOC_BLOCK_PENDING = 2,
+} streamalloc_block_state_t;
+
 // Statistics every allocator reports. Figures an allocator does not track stay 0. Laid out
 // as C lays it out: it is the C ABI's `streamalloc_stats_t` too.
 typedef struct streamalloc_stats_t {
@@ -100,6 +110,36 @@ typedef ptrdiff_t (*streamalloc_cupy_stream_source)(void);
 // is freed. Not called for the legacy and per-thread default streams (handles 0, 1 and 2),
 // which are never destroyed.
 typedef void (*CupyStreamKeeper)(ptrdiff_t stream, int delta);
+
+// A range of device memory the library holds (a device allocation, or a mapped range).
+typedef struct streamalloc_segment_t {
+  // Its first byte.
+  size_t addr;
+  // Its bytes.
+  size_t size;
+  // The stream whose pool holds it (with `device=sim`, its handle; NULL for one without).
+  cudaStream_t stream;
+  // Whether a private pool ([`crate::streamalloc_pool_begin`]) holds it, and which.
+  bool in_pool;
+  // The private pool's id, first half (0 outside a pool).
+  uint64_t pool_hi;
+  // The private pool's id, second half (0 outside a pool).
+  uint64_t pool_lo;
+  // Index of its first block in the blocks written by the same call.
+  size_t first_block;
+  // Its blocks, which tile it in address order.
+  size_t blocks;
+} streamalloc_segment_t;
+
+// One block of a [`StreamallocSegment`].
+typedef struct streamalloc_block_t {
+  // Its first byte.
+  size_t addr;
+  // Its bytes (as the allocator rounded the request).
+  size_t size;
+  // What it is now.
+  enum streamalloc_block_state_t state;
+} streamalloc_block_t;
 
 // One tag's figures ([`Tagged::tag_stats`]); the C ABI's `streamalloc_tag_stats_t` too.
 typedef struct streamalloc_tag_stats_t {
@@ -358,6 +398,27 @@ enum streamalloc_status_t streamalloc_ipc_open(const uint8_t *handle, size_t len
 // goes back to its device when no process maps it any more. A pointer that is no such range
 // (closed twice) is `STREAMALLOC_INVALID_ARGUMENT` and changes nothing.
 enum streamalloc_status_t streamalloc_ipc_close(void *ptr);
+
+// Lists the segments that `device`'s allocators and private pools hold from the device, in
+// address order, and their blocks: up to `max_segments` segments to `segments` and up to
+// `max_blocks` blocks to `blocks`, with the counts there are written to `*n_segments` and
+// `*n_blocks`. With too little room (NULL and 0 ask for the counts only) nothing is written
+// to the arrays and the status is `STREAMALLOC_INVALID_ARGUMENT`: call again with the counts
+// (they may have grown meanwhile). A device not used yet has none. `strategy=async` is
+// `STREAMALLOC_UNSUPPORTED` (the driver's pool does not say where its memory is). Taken pool
+// by pool: allocations on other threads meanwhile may show in some pools and not others.
+//
+// # Safety
+// `segments` is valid for writing `max_segments` segments, `blocks` for `max_blocks` blocks
+// (either may be NULL with 0); `n_segments` and `n_blocks` are NULL (an error) or valid for
+// writing a `size_t`.
+enum streamalloc_status_t streamalloc_segments(int device,
+                                               struct streamalloc_segment_t *segments,
+                                               size_t max_segments,
+                                               struct streamalloc_block_t *blocks,
+                                               size_t max_blocks,
+                                               size_t *n_segments,
+                                               size_t *n_blocks);
 
 // Creates a simulated stream on `device` (`device=sim` only) and writes its handle to `*out`.
 //

@@ -35,6 +35,7 @@ mod cupy;
 mod fork;
 mod host;
 mod ipc;
+mod segments;
 mod sim;
 mod sim_streams;
 mod sleep;
@@ -63,6 +64,7 @@ pub use ipc::{
     streamalloc_ipc_close, streamalloc_ipc_export, streamalloc_ipc_open, STREAMALLOC_IPC_KIND,
     STREAMALLOC_IPC_VERSION,
 };
+pub use segments::{streamalloc_segments, StreamallocBlock, StreamallocBlockState, StreamallocSegment};
 pub use sim::{
     streamalloc_sim_advance, streamalloc_sim_create_stream, streamalloc_sim_destroy_stream,
     streamalloc_sim_synchronize, streamalloc_sim_use, streamalloc_sim_violations,

@@ -155,6 +155,15 @@ impl State {
         }
     }
 
+    /// The C handle of `stream` of `device`: itself on CUDA; with `device=sim`, the handle
+    /// [`SimStreams`] gave it (0 for one it gave none).
+    pub(crate) fn handle(&self, device: usize, stream: Stream) -> u64 {
+        match self.config().device {
+            DeviceKind::Sim => self.sim_streams.handle_of(device, stream),
+            _ => stream.0,
+        }
+    }
+
     /// The stream a C handle stands for, with its device when the handle says which.
     fn named(&self, handle: u64) -> Result<Named> {
         if self.config().device != DeviceKind::Sim {

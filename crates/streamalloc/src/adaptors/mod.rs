@@ -31,6 +31,9 @@ macro_rules! pass_through_allocator {
         fn device(&self) -> usize {
             self.inner.device()
         }
+        fn segments(&self, out: &mut Vec<crate::allocation::Segment>) -> Result<()> {
+            self.inner.segments(out)
+        }
     };
 }
 

@@ -38,7 +38,7 @@ use std::sync::{Arc, OnceLock};
 use parking_lot::Mutex;
 
 use crate::adaptors::{Counted, Limit, Pointers, Retry, StreamStats, Traced};
-use crate::allocation::{Allocation, Allocator, Stats, StreamAllocator};
+use crate::allocation::{Allocation, Allocator, Segment, Stats, StreamAllocator};
 use crate::allocators::{BackingKind, BestFitConfig, StreamSafeConfig, TagStats, Tagged};
 use crate::device::cuda::CudaDevice;
 use crate::device::sim::{SimConfig, SimDevice};
@@ -46,7 +46,7 @@ use crate::device::{Device, Stream};
 use crate::error::{try_each, Error, Result};
 use crate::tags::Tag;
 use crate::trace::TraceWriter;
-use private_pools::PrivatePools;
+use private_pools::{PoolId, PrivatePools};
 
 /// A device as opened: the device, and the simulator behind it with `device=sim`.
 type Opened = (Arc<dyn Device>, Option<Arc<SimDevice>>);
@@ -127,6 +127,20 @@ impl DeviceStack {
     pub fn sleep(&self, tags: &[Tag], offload: bool) -> Result<usize> {
         let layer = self.tags.as_ref().map_err(Clone::clone)?;
         layer.sleep(tags, offload, &self.allocator.recorded_streams())
+    }
+
+    /// The segments the stack and its private pools hold from the device, with their blocks
+    /// ([`Allocator::segments`]), each with the private pool that holds it (`None`: the stack),
+    /// in address order.
+    pub fn segments(&self) -> Result<Vec<(Option<PoolId>, Segment)>> {
+        let mut main = Vec::new();
+        self.allocator.segments(&mut main)?;
+        let mut pools = Vec::new();
+        self.private.segments(&mut pools)?;
+        let mut all: Vec<_> =
+            main.into_iter().map(|s| (None, s)).chain(pools.into_iter().map(|(id, s)| (Some(id), s))).collect();
+        all.sort_by_key(|(_, s)| s.addr);
+        Ok(all)
     }
 }
 

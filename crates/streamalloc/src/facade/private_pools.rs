@@ -38,7 +38,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use crate::adaptors::Pointers;
-use crate::allocation::{Stats, StreamAllocator};
+use crate::allocation::{Segment, Stats, StreamAllocator};
 use crate::allocators::{BackingKind, BestFitConfig, StreamSafe, StreamSafeConfig};
 use crate::device::{CaptureStatus, Device, DevicePtr, Stream};
 use crate::error::{try_each, Result};
@@ -286,6 +286,17 @@ impl PrivatePools {
         for e in self.state.lock().pools.values() {
             e.alloc.reset_peak_stats();
         }
+    }
+
+    /// Every pool's segments ([`Allocator::segments`]), each with its pool's id.
+    pub fn segments(&self, out: &mut Vec<(PoolId, Segment)>) -> Result<()> {
+        let pools: Vec<_> = self.state.lock().pools.iter().map(|(id, e)| (*id, e.alloc.clone())).collect();
+        try_each(pools, |(id, alloc)| {
+            let mut segments = Vec::new();
+            alloc.segments(&mut segments)?;
+            out.extend(segments.into_iter().map(|s| (id, s)));
+            Ok(())
+        })
     }
 
     /// Statistics summed over the pools.

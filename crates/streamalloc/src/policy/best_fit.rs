@@ -850,6 +850,21 @@ impl BestFitPolicy {
         self.chunks.0.iter().map(|&(a, c)| (a, c.size))
     }
 
+    /// Every chunk held, as `(addr, size)`, with its blocks in address order as `(addr, size,
+    /// allocated)`.
+    pub fn chunk_blocks(&self) -> impl Iterator<Item = ((u64, u64), Vec<(u64, u64, bool)>)> + '_ {
+        self.chunks.0.iter().map(|&(addr, chunk)| {
+            let mut blocks = Vec::new();
+            let mut idx = chunk.first;
+            while idx != NIL {
+                let slot = self.slot(idx);
+                blocks.push((slot.addr, slot.size, slot.state == State::Allocated));
+                idx = slot.next;
+            }
+            ((addr, chunk.size), blocks)
+        })
+    }
+
     /// What the policy holds now. O(1).
     pub fn figures(&self) -> Figures {
         Figures {
