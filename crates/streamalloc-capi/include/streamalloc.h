@@ -111,6 +111,26 @@ typedef ptrdiff_t (*streamalloc_cupy_stream_source)(void);
 // which are never destroyed.
 typedef void (*CupyStreamKeeper)(ptrdiff_t stream, int delta);
 
+// What the library keeps for one allocation.
+typedef struct streamalloc_entry_t {
+  // Its size, as asked for.
+  size_t size;
+  // Its device.
+  int device;
+  // Its owning stream (with `device=sim`, its handle).
+  cudaStream_t stream;
+  // The front end's word given at [`streamalloc_allocate_word`] (0 for other allocations).
+  uint64_t word;
+  // Whether a stream was recorded on it (`streamalloc_record_stream`).
+  bool recorded;
+  // Whether a private pool ([`crate::streamalloc_pool_begin`]) holds it, and which.
+  bool in_pool;
+  // The private pool's id, first half (0 outside a pool).
+  uint64_t pool_hi;
+  // The private pool's id, second half (0 outside a pool).
+  uint64_t pool_lo;
+} streamalloc_entry_t;
+
 // A range of device memory the library holds (a device allocation, or a mapped range).
 typedef struct streamalloc_segment_t {
   // Its first byte.
@@ -288,6 +308,54 @@ void *streamalloc_cupy_malloc(void *param, size_t size, int device);
 // work on those streams after it, so the next user of the memory cannot overlap its last
 // one. The stream keeper, if any, is told after the free.
 void streamalloc_cupy_free(void *param, void *ptr, int device);
+
+// `streamalloc_allocate`, keeping `word` with the allocation; where it went (its private
+// pool, if one took it) is written to `*entry` unless NULL.
+//
+// # Safety
+// `out` is null (an error) or valid for writing a pointer; `entry` is null or valid for
+// writing a `streamalloc_entry_t`.
+enum streamalloc_status_t streamalloc_allocate_word(size_t size,
+                                                    int device,
+                                                    cudaStream_t stream,
+                                                    uint64_t word,
+                                                    void **out,
+                                                    struct streamalloc_entry_t *entry);
+
+// Frees the allocation at `ptr` as [`crate::streamalloc_free`] does (`device` and `stream`
+// where it was made, looked at first) and writes what the library kept for it to `*entry`
+// (unless NULL): its word among it. An unknown pointer is `STREAMALLOC_INVALID_ARGUMENT`,
+// nothing written; so is NULL.
+//
+// # Safety
+// `entry` is null or valid for writing a `streamalloc_entry_t`.
+enum streamalloc_status_t streamalloc_free_word(void *ptr,
+                                                int device,
+                                                cudaStream_t stream,
+                                                struct streamalloc_entry_t *entry);
+
+// Writes what the library keeps for the live allocation at `ptr` to `*entry`;
+// `STREAMALLOC_INVALID_ARGUMENT` for a pointer that is none.
+//
+// # Safety
+// `entry` is null (an error) or valid for writing a `streamalloc_entry_t`.
+enum streamalloc_status_t streamalloc_entry(void *ptr, struct streamalloc_entry_t *entry);
+
+// Lists the live allocations of private pool `(id_hi, id_lo)` of `device`: up to `max` to
+// `ptrs` and `entries` (each may be NULL), with their count written to `*n`. With too little
+// room nothing is written to the arrays and the status is `STREAMALLOC_INVALID_ARGUMENT`
+// (call again with the count). A pool that does not exist has none.
+//
+// # Safety
+// `ptrs` and `entries` are NULL or valid for writing `max` elements; `n` is NULL (an error)
+// or valid for writing a `size_t`.
+enum streamalloc_status_t streamalloc_pool_live(int device,
+                                                uint64_t id_hi,
+                                                uint64_t id_lo,
+                                                void **ptrs,
+                                                struct streamalloc_entry_t *entries,
+                                                size_t max,
+                                                size_t *n);
 
 // Allocates `size` bytes of page-locked host memory from the process's pinned pool and
 // writes the address to `*out` (NULL for size 0, which succeeds, and on failure). Blocks are

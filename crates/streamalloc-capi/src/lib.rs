@@ -32,6 +32,7 @@
 #![warn(missing_docs)]
 
 mod cupy;
+mod entries;
 mod fork;
 mod host;
 mod ipc;
@@ -55,6 +56,9 @@ use libc::ssize_t;
 pub use cupy::{
     streamalloc_cupy_free, streamalloc_cupy_malloc, streamalloc_cupy_set_stream_keeper,
     streamalloc_cupy_set_stream_source, CupyStreamKeeper, CupyStreamSource,
+};
+pub use entries::{
+    streamalloc_allocate_word, streamalloc_entry, streamalloc_free_word, streamalloc_pool_live, StreamallocEntry,
 };
 pub use host::{
     streamalloc_host_alloc, streamalloc_host_free, streamalloc_host_record_stream, streamalloc_host_release,

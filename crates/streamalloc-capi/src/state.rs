@@ -5,6 +5,7 @@ use std::os::raw::c_int;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
+use core_alloc::adaptors::PointerEntry;
 use core_alloc::device::EventPool;
 use core_alloc::error::try_each;
 use core_alloc::facade::private_pools::{PoolId, Routed, StreamFilter};
@@ -176,21 +177,35 @@ impl State {
     /// Allocates `size` bytes owned by the stream of C handle `stream`; 0 (null) for size 0.
     /// With `device=sim`, the ordering checker sees every handout.
     pub(crate) fn allocate(&self, size: usize, device: c_int, stream: u64) -> Result<DevicePtr> {
+        self.allocate_with(size, device, stream, 0).map(|(ptr, _)| ptr)
+    }
+
+    /// [`State::allocate`], keeping the front end's `word` with the allocation (see
+    /// [`Pointers::allocate_ptr_with`](core_alloc::adaptors::Pointers::allocate_ptr_with));
+    /// with the private pool that took it, if one did.
+    pub(crate) fn allocate_with(
+        &self,
+        size: usize,
+        device: c_int,
+        stream: u64,
+        word: u64,
+    ) -> Result<(DevicePtr, Option<PoolId>)> {
         let device = ordinal(device)?;
         if size == 0 {
-            return Ok(0);
+            return Ok((0, None));
         }
         if size > isize::MAX as usize {
             return Err(Error::InvalidArgument(format!("size {size} is larger than any allocation can be")));
         }
         let stream = self.stream(stream, Some(device))?;
         let stack = self.facade.stack(device)?;
-        let ptr = match stack.private.allocate(size, stream)? {
+        let (routed, pool) = stack.private.allocate_with(size, stream, word)?;
+        let ptr = match routed {
             Routed::Pool(ptr) => ptr,
             Routed::Main { graphed } => {
                 let ptr = match self.fraction_limits[device].load(Ordering::Relaxed) {
-                    0 => stack.allocator.allocate_ptr(size, stream)?,
-                    limit => self.allocate_limited(stack, size, stream, limit)?,
+                    0 => stack.allocator.allocate_ptr_with(size, stream, word)?,
+                    limit => self.allocate_limited(stack, size, stream, limit, word)?,
                 };
                 if graphed {
                     stack.private.note_graphed(ptr);
@@ -201,7 +216,7 @@ impl State {
         if let Some(sim) = &stack.sim {
             sim.check_handout(ptr, size, stack.allocator.owner_of(ptr, stream).unwrap_or(stream));
         }
-        Ok(ptr)
+        Ok((ptr, pool))
     }
 
     /// Allocates under the limit of [`State::set_memory_fraction`], on reserved memory as
@@ -221,6 +236,7 @@ impl State {
         size: usize,
         stream: Stream,
         limit: usize,
+        word: u64,
     ) -> Result<DevicePtr> {
         let exceeded = |in_use: usize| Error::LimitExceeded {
             device: stack.device.ordinal(),
@@ -232,7 +248,7 @@ impl State {
         if before.allocated.saturating_add(size) > limit {
             return Err(exceeded(before.allocated));
         }
-        let ptr = stack.allocator.allocate_ptr(size, stream)?;
+        let ptr = stack.allocator.allocate_ptr_with(size, stream, word)?;
         if stack.allocator.stats().reserved <= limit {
             return Ok(ptr);
         }
@@ -273,7 +289,7 @@ impl State {
         let Some(stack) = self.facade.built(ordinal) else { return Ok(()) };
         // `owner` is a stream of this device, which deferred the free.
         try_each(stack.private.end(id), |(ptr, owner)| {
-            self.free_now(ptr, Some(device), Named { device: Some(ordinal), stream: owner })
+            self.free_now(ptr, Some(device), Named { device: Some(ordinal), stream: owner }).map(drop)
         })
     }
 
@@ -316,25 +332,32 @@ impl State {
     /// `ptr` is none of the other stacks' (its memory then stays allocated rather than be
     /// freed into a graph): another device's error never cancels the free.
     pub(crate) fn free(&self, ptr: DevicePtr, device: Option<c_int>, owner: u64) -> Result<()> {
+        self.take(ptr, device, owner).map(drop)
+    }
+
+    /// [`State::free`], returning what the library kept for the allocation (`None` for null).
+    /// A free deferred to the end of the captures returns it too (the front end is done with
+    /// the allocation; the library frees it later).
+    pub(crate) fn take(&self, ptr: DevicePtr, device: Option<c_int>, owner: u64) -> Result<Option<Taken>> {
         // Only a hint: one that stands for no stream is no reason to keep the memory.
         let owner = self.named(owner).unwrap_or(Named::DEFAULT);
         if ptr == 0 {
-            return Ok(());
+            return Ok(None);
         }
         let mut undecided: Vec<(&DeviceStack, Error)> = Vec::new();
         for stack in self.stacks_from(device) {
             match stack.private.defer_free(ptr, owner.on(stack)) {
-                Ok(true) => return Ok(()),
+                Ok(true) => return Ok(self.entry_in(stack, ptr)),
                 Ok(false) => {}
                 Err(e) => undecided.push((stack, e)),
             }
         }
         if undecided.is_empty() {
-            return self.free_now(ptr, device, owner);
+            return self.free_now(ptr, device, owner).map(Some);
         }
         let decided = |s: &DeviceStack| !undecided.iter().any(|(u, _)| std::ptr::eq(*u, s));
-        if self.free_in(ptr, device, owner, decided) {
-            return Ok(());
+        if let Some(taken) = self.free_in(ptr, device, owner, decided) {
+            return Ok(Some(taken));
         }
         // The pointer is the memory of a stack that could not decide (whose device knows it),
         // or of none.
@@ -344,25 +367,41 @@ impl State {
 
     /// Frees the allocation at `ptr` (not null), of `owner`, from whichever stack or private
     /// pool made it (`device`'s first).
-    fn free_now(&self, ptr: DevicePtr, device: Option<c_int>, owner: Named) -> Result<()> {
-        match self.free_in(ptr, device, owner, |_| true) {
-            true => Ok(()),
-            false => Err(not_live(ptr)),
+    fn free_now(&self, ptr: DevicePtr, device: Option<c_int>, owner: Named) -> Result<Taken> {
+        self.free_in(ptr, device, owner, |_| true).ok_or_else(|| not_live(ptr))
+    }
+
+    /// What the library keeps for the live allocation at `ptr`, from whichever stack or
+    /// private pool holds it.
+    pub(crate) fn entry(&self, ptr: DevicePtr) -> Result<Taken> {
+        self.stacks_from(None).find_map(|s| self.entry_in(s, ptr)).ok_or_else(|| not_live(ptr))
+    }
+
+    /// What `stack` or its private pools keep for `ptr`, if they hold it.
+    fn entry_in(&self, stack: &DeviceStack, ptr: DevicePtr) -> Option<Taken> {
+        let device = stack.device.ordinal();
+        match stack.allocator.entry(ptr, None) {
+            Some(entry) => Some(Taken { device, entry, pool: None }),
+            None => stack.private.entry(ptr).map(|(id, entry)| Taken { device, entry, pool: Some(id) }),
         }
     }
 
     /// Frees the allocation at `ptr` (not null), of `owner`, from whichever of the stacks
-    /// `among` takes, or their private pools, made it (`device`'s first); whether one did.
+    /// `among` takes, or their private pools, made it (`device`'s first); what was kept for
+    /// it, if one did.
     fn free_in(
         &self,
         ptr: DevicePtr,
         device: Option<c_int>,
         owner: Named,
         among: impl Fn(&DeviceStack) -> bool,
-    ) -> bool {
+    ) -> Option<Taken> {
+        let taken = |s: &DeviceStack, entry, pool| Taken { device: s.device.ordinal(), entry, pool };
         let mut stacks = self.stacks_from(device).filter(|s| among(s));
-        stacks.any(|s| s.allocator.free_ptr(ptr, owner.on(s)))
-            || self.stacks_from(device).filter(|s| among(s)).any(|s| s.private.free(ptr, owner.on(s)))
+        stacks.find_map(|s| s.allocator.take_ptr(ptr, owner.on(s)).map(|e| taken(s, e, None))).or_else(|| {
+            let mut stacks = self.stacks_from(device).filter(|s| among(s));
+            stacks.find_map(|s| s.private.take(ptr, owner.on(s)).map(|(id, e)| taken(s, e, Some(id))))
+        })
     }
 
     /// Frees the allocation at `ptr` (null: nothing to do), made on the legacy default stream
@@ -479,6 +518,16 @@ impl State {
         let private = self.facade.built(ordinal).map(|s| s.private.stats()).unwrap_or_default();
         Ok([self.facade.stats(ordinal), private].into_iter().sum())
     }
+}
+
+/// What the library kept for an allocation, and where.
+pub(crate) struct Taken {
+    /// The device whose stack (or private pool) held it.
+    pub(crate) device: usize,
+    /// What its table kept.
+    pub(crate) entry: PointerEntry,
+    /// The private pool that held it, if one did.
+    pub(crate) pool: Option<PoolId>,
 }
 
 pub(crate) fn ordinal(device: c_int) -> Result<usize> {

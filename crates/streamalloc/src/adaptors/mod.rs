@@ -62,7 +62,7 @@ mod trace;
 
 pub use counted::{Counted, Scope, StreamStats};
 pub use limit::Limit;
-pub use pointers::Pointers;
+pub use pointers::{PointerEntry, Pointers};
 pub use retry::Retry;
 pub use single_stream::SingleStream;
 pub use trace::Traced;
