@@ -18,12 +18,10 @@ namespace streamalloc_lib {
 
 // The library's statistics struct and status values, from its generated header.
 using LibStats = streamalloc_stats_t;
-enum Status : int {
-  OK = STREAMALLOC_OK,
-  OUT_OF_MEMORY = STREAMALLOC_OUT_OF_MEMORY,
-  INVALID_ARGUMENT = STREAMALLOC_INVALID_ARGUMENT,
-  LIMIT_EXCEEDED = STREAMALLOC_LIMIT_EXCEEDED,
-};
+constexpr int OK = STREAMALLOC_OK;
+constexpr int OUT_OF_MEMORY = STREAMALLOC_OUT_OF_MEMORY;
+constexpr int INVALID_ARGUMENT = STREAMALLOC_INVALID_ARGUMENT;
+constexpr int LIMIT_EXCEEDED = STREAMALLOC_LIMIT_EXCEEDED;
 
 // Sets `out` to the function `name` of the library `handle`; a name not found joins `missing`.
 template <typename F>
