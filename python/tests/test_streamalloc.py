@@ -223,6 +223,31 @@ def test_structs_come_from_the_librarys_header():
     assert [n for n, _ in streamalloc.TagStats._fields_] == ["asleep", "offloaded", "slept", "stats"]
 
 
+def test_segments_tile_the_reserved_memory():
+    # The library's own list of its segments (what the torch backend's snapshot is drawn from):
+    # each live allocation an allocated block, the blocks tiling their segments, the segments
+    # adding up to the reserved bytes.
+    streamalloc.configure(CONF)
+    s = streamalloc.sim.create_stream(0)
+    ptrs = [streamalloc.allocate(size, 0, s) for size in (1 << 20, 3 << 20, 5 << 10)]
+    listed = streamalloc.segments(0)
+    assert sum(seg["size"] for seg in listed) == streamalloc.stats(0)["reserved"], listed
+    allocated = set()
+    for seg in listed:
+        at = seg["address"]
+        for block in seg["blocks"]:
+            assert block["address"] == at, seg
+            at += block["size"]
+            if block["state"] == "allocated":
+                allocated.add(block["address"])
+        assert at == seg["address"] + seg["size"], seg
+    assert set(ptrs) <= allocated, (ptrs, listed)
+    for p in ptrs:
+        streamalloc.deallocate(p)
+    assert not set(ptrs) & {b["address"] for seg in streamalloc.segments(0) for b in seg["blocks"]
+                            if b["state"] == "allocated"}
+
+
 def test_reset_peak_stats_and_retries():
     streamalloc.configure(CONF)
     p = streamalloc.allocate(3 << 20, 4)

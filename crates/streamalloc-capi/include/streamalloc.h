@@ -472,9 +472,10 @@ enum streamalloc_status_t streamalloc_ipc_close(void *ptr);
 // `max_blocks` blocks to `blocks`, with the counts there are written to `*n_segments` and
 // `*n_blocks`. With too little room (NULL and 0 ask for the counts only) nothing is written
 // to the arrays and the status is `STREAMALLOC_INVALID_ARGUMENT`: call again with the counts
-// (they may have grown meanwhile). A device not used yet has none. `strategy=async` is
-// `STREAMALLOC_UNSUPPORTED` (the driver's pool does not say where its memory is). Taken pool
-// by pool: allocations on other threads meanwhile may show in some pools and not others.
+// (they may have grown meanwhile). A device not used yet has none. Under `strategy=async`
+// (the driver's pool, which does not say where its memory is) each live allocation is a
+// segment of one block, its size as asked for, and the driver's cache is not listed. Taken
+// pool by pool: allocations on other threads meanwhile may show in some pools and not others.
 //
 // # Safety
 // `segments` is valid for writing `max_segments` segments, `blocks` for `max_blocks` blocks

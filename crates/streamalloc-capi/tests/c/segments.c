@@ -4,7 +4,8 @@
  * listing must tile the reserved bytes, show each live allocation as an allocated block of
  * its stream's (or its pool's) segment, the waiting free as pending, and nothing else
  * allocated. With the argument "one-pool" (best_fit) every segment is the default stream's;
- * with "plain" too, and a freed block is gone at once; with "unsupported" (strategy=async) the call says it cannot.
+ * with "plain" too, and a freed block is gone at once; with "driver-pool" (strategy=async)
+ * each live allocation is a segment of one block (the driver places the memory).
  * Prints one line per failed check; exits 0 when all pass, 1 otherwise. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -90,7 +91,7 @@ static size_t check_tiling(const listing_t* l) {
 }
 
 int main(int argc, char** argv) {
-  int unsupported = argc > 1 && strcmp(argv[1], "unsupported") == 0;
+  int driver_pool = argc > 1 && strcmp(argv[1], "driver-pool") == 0;
   /* One pool for every stream (best_fit, plain): its segments are the default stream's. */
   int plain = argc > 1 && strcmp(argv[1], "plain") == 0;
   int one_pool = plain || (argc > 1 && strcmp(argv[1], "one-pool") == 0);
@@ -99,11 +100,22 @@ int main(int argc, char** argv) {
   CHECK(streamalloc_sim_create_stream(0, &s2) == STREAMALLOC_OK);
   void *a = NULL, *b = NULL, *c = NULL, *d = NULL, *e = NULL, *f = NULL;
   CHECK(streamalloc_allocate(1 * MIB, 0, s1, &a) == STREAMALLOC_OK);
-  if (unsupported) {
-    size_t ns = 0, nb = 0;
-    CHECK(streamalloc_segments(0, NULL, 0, NULL, 0, &ns, &nb) == STREAMALLOC_UNSUPPORTED);
-    CHECK(strstr(streamalloc_last_error(), "strategy=async") != NULL);
+  if (driver_pool) {
+    CHECK(streamalloc_allocate(3 * MIB + 5, 0, s2, &b) == STREAMALLOC_OK);
+    listing_t l = list();
+    CHECK(l.n_segments == 2 && l.n_blocks == 2);
+    const streamalloc_segment_t* seg = NULL;
+    const streamalloc_block_t* blk = block_at(&l, b, &seg);
+    CHECK(blk != NULL && blk->size == 3 * MIB + 5 && blk->state == STREAMALLOC_BLOCK_ALLOCATED);
+    CHECK(seg != NULL && seg->addr == (uintptr_t)b && seg->size == 3 * MIB + 5 && seg->stream == s2);
+    blk = block_at(&l, a, &seg);
+    CHECK(blk != NULL && blk->size == 1 * MIB && seg->stream == s1);
+    free(l.segments);
+    free(l.blocks);
     CHECK(streamalloc_deallocate(a) == STREAMALLOC_OK);
+    CHECK(streamalloc_deallocate(b) == STREAMALLOC_OK);
+    l = list();
+    CHECK(l.n_segments == 0);
     printf("%d checks, %d failed\n", checks, failures);
     return failures ? 1 : 0;
   }

@@ -38,7 +38,7 @@ use std::sync::{Arc, OnceLock};
 use parking_lot::Mutex;
 
 use crate::adaptors::{Counted, Limit, Pointers, Retry, StreamStats, Traced};
-use crate::allocation::{Allocation, Allocator, Segment, Stats, StreamAllocator};
+use crate::allocation::{Allocation, Allocator, BlockState, Segment, SegmentBlock, Stats, StreamAllocator};
 use crate::allocators::{BackingKind, BestFitConfig, StreamSafeConfig, TagStats, Tagged};
 use crate::device::cuda::CudaDevice;
 use crate::device::sim::{SimConfig, SimDevice};
@@ -131,10 +131,24 @@ impl DeviceStack {
 
     /// The segments the stack and its private pools hold from the device, with their blocks
     /// ([`Allocator::segments`]), each with the private pool that holds it (`None`: the stack),
-    /// in address order.
+    /// in address order. Where the stack's memory is the driver's to place (`strategy=async`),
+    /// each of its live allocations is a segment of one block, its size as asked for: the
+    /// driver's cache is not listed.
     pub fn segments(&self) -> Result<Vec<(Option<PoolId>, Segment)>> {
         let mut main = Vec::new();
-        self.allocator.segments(&mut main)?;
+        if let Err(Error::Unsupported(_)) = self.allocator.segments(&mut main) {
+            main = self
+                .allocator
+                .entries()
+                .into_iter()
+                .map(|(addr, e)| Segment {
+                    addr,
+                    size: e.size,
+                    stream: e.stream,
+                    blocks: vec![SegmentBlock { addr, size: e.size, state: BlockState::Allocated }],
+                })
+                .collect();
+        }
         let mut pools = Vec::new();
         self.private.segments(&mut pools)?;
         let mut all: Vec<_> =
