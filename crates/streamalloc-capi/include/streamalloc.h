@@ -383,6 +383,12 @@ enum streamalloc_status_t streamalloc_host_record_stream(void *ptr,
                                                          int device,
                                                          cudaStream_t stream);
 
+// Whether `ptr` is a live pinned allocation of the pool (the address a block starts at, not
+// freed yet): what tells a pointer that is none of the pool's from a call refused for another
+// reason (a front end hands the former to another allocator, and reports the latter). False
+// before the pool's first allocation, and on any error.
+bool streamalloc_host_is_live(const void *ptr);
+
 // Gives the pinned memory no allocation uses back (`cuMemFreeHost`): the pool's, and that
 // which sleeps with offload keep (`streamalloc_sleep`; no device's `streamalloc_empty_cache`
 // gives it back, so that the next sleep pins nothing), but for a sleeping tag's contents.

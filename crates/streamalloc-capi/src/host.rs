@@ -132,6 +132,20 @@ pub extern "C" fn streamalloc_host_record_stream(
     })
 }
 
+/// Whether `ptr` is a live pinned allocation of the pool (the address a block starts at, not
+/// freed yet): what tells a pointer that is none of the pool's from a call refused for another
+/// reason (a front end hands the former to another allocator, and reports the latter). False
+/// before the pool's first allocation, and on any error.
+#[no_mangle]
+pub extern "C" fn streamalloc_host_is_live(ptr: *const c_void) -> bool {
+    let mut live = false;
+    status::status(|| {
+        live = host()?.is_some_and(|h| h.pool.is_live(ptr as u64));
+        Ok(())
+    });
+    live
+}
+
 /// Gives the pinned memory no allocation uses back (`cuMemFreeHost`): the pool's, and that
 /// which sleeps with offload keep (`streamalloc_sleep`; no device's `streamalloc_empty_cache`
 /// gives it back, so that the next sleep pins nothing), but for a sleeping tag's contents.

@@ -61,7 +61,7 @@ pub use entries::{
     streamalloc_allocate_word, streamalloc_entry, streamalloc_free_word, streamalloc_pool_live, StreamallocEntry,
 };
 pub use host::{
-    streamalloc_host_alloc, streamalloc_host_free, streamalloc_host_record_stream, streamalloc_host_release,
+    streamalloc_host_alloc, streamalloc_host_free, streamalloc_host_is_live, streamalloc_host_record_stream, streamalloc_host_release,
     streamalloc_host_reset_peak_stats, streamalloc_host_stats, streamalloc_sim_use_host,
 };
 pub use ipc::{

@@ -460,8 +460,13 @@ fn pinned_host_memory_through_the_c_abi() {
     );
     assert!(last_error().contains("not a live pinned allocation"), "{}", last_error());
     assert_eq!(streamalloc_host_record_stream(p, D, 0xbad0 as CudaStream), STREAMALLOC_INVALID_ARGUMENT);
+    // Issue 52: a record refused for its stream is told apart from a block that is not the
+    // pool's (the torch backend gave both to torch's previous allocator, dropping the record).
+    assert!(streamalloc_host_is_live(p), "refused for its stream, the block is still the pool's");
+    assert!(!streamalloc_host_is_live(p.wrapping_byte_add(64)));
     assert_eq!(streamalloc_host_record_stream(ptr::null_mut(), D, stream), STREAMALLOC_OK);
     assert_eq!(streamalloc_host_free(p), STREAMALLOC_OK);
+    assert!(!streamalloc_host_is_live(p), "freed");
     assert_eq!(streamalloc_host_free(p), STREAMALLOC_INVALID_ARGUMENT, "freed twice");
     assert_eq!(streamalloc_host_free(ptr::null_mut()), STREAMALLOC_OK);
     // The copy still reads the block: another one comes, then, once the copy is done, it.
