@@ -21,7 +21,6 @@
 //! reused by a later export gives another handle), the piece's offset in its allocation and
 //! its length (u64 each). The receiver maps the pieces side by side, in order.
 
-use std::collections::HashMap;
 use std::os::fd::AsFd;
 use std::os::raw::c_void;
 use std::ptr;
@@ -29,7 +28,6 @@ use std::ptr;
 use core_alloc::allocators::backing::share_mapped;
 use core_alloc::device::ipc::{fetch_fds, SharedPiece};
 use core_alloc::{DevicePtr, Error, Result};
-use parking_lot::Mutex;
 
 use crate::state::{ordinal, State};
 use crate::status::{self, StreamallocStatus};
@@ -108,11 +106,6 @@ impl Handle {
         Ok(Handle { pid: u32_at(2), device: u32_at(6), pieces })
     }
 }
-
-/// Ranges [`streamalloc_ipc_open`] mapped in this process and not yet closed: base -> device
-/// ordinal and bytes.
-#[derive(Default)]
-pub(crate) struct Opened(Mutex<HashMap<DevicePtr, (usize, usize)>>);
 
 /// The handle of the allocation at `[ptr, ptr + size)`, and the allocation's offset in the
 /// range the handle maps.

@@ -36,6 +36,7 @@ mod entries;
 mod fork;
 mod host;
 mod ipc;
+mod opened;
 mod segments;
 mod sim;
 mod sim_streams;

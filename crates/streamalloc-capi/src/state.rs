@@ -13,7 +13,7 @@ use core_alloc::facade::{Config, DeviceKind, DeviceStack, Facade, MAX_DEVICES};
 use core_alloc::{Allocator, DevicePtr, Error, Result, Stats, Stream};
 
 use crate::fork;
-use crate::ipc::Opened;
+use crate::opened::Opened;
 use crate::sim_streams::SimStreams;
 
 /// Everything the exported functions share.
@@ -86,18 +86,13 @@ impl State {
         }
     }
 
-    /// Builds the state from `config`; if it is already built, succeeds only when it was built
-    /// from an equal configuration. A `trace` key in `STREAMALLOC_CONF` is kept when `config`
-    /// has none: a trace asked for from outside (as `streamalloc record` does) is written
-    /// whatever configuration the program passes.
-    pub(crate) fn configure(mut config: Config) -> Result<()> {
+    /// Builds the state from `config` with the environment's trace
+    /// ([`Config::with_env_trace`]); if it is already built, succeeds only when it was built
+    /// from an equal configuration.
+    pub(crate) fn configure(config: Config) -> Result<()> {
         fork::check()?;
         fork::note_use();
-        if config.trace.is_none() {
-            if let Ok(Config { trace: Some(path), .. }) = Config::from_env() {
-                config.trace = Some(path);
-            }
-        }
+        let config = config.with_env_trace();
         let mut built_here = false;
         let state = STATE.get_or_init(|| {
             built_here = true;
