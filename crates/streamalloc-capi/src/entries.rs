@@ -6,9 +6,10 @@
 use std::os::raw::{c_int, c_void};
 
 use core_alloc::facade::private_pools::PoolId;
+use core_alloc::facade::Freed;
 use core_alloc::{DevicePtr, Error, Result};
 
-use crate::state::{ordinal, State, Taken};
+use crate::state::{ordinal, State};
 use crate::status::{self, StreamallocStatus};
 use crate::CudaStream;
 
@@ -35,7 +36,7 @@ pub struct StreamallocEntry {
 }
 
 impl StreamallocEntry {
-    fn of(state: &State, t: &Taken) -> Self {
+    fn of(state: &State, t: &Freed) -> Self {
         let (pool_hi, pool_lo) = t.pool.unwrap_or_default();
         Self {
             size: t.entry.size,
@@ -189,6 +190,6 @@ fn pool_live(state: &State, device: c_int, id: PoolId) -> Result<Vec<(DevicePtr,
         .private
         .live(id)
         .into_iter()
-        .map(|(ptr, entry)| (ptr, StreamallocEntry::of(state, &Taken { device: ordinal, entry, pool: Some(id) })))
+        .map(|(ptr, entry)| (ptr, StreamallocEntry::of(state, &Freed { device: ordinal, entry, pool: Some(id) })))
         .collect())
 }

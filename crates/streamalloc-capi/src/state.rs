@@ -5,11 +5,10 @@ use std::os::raw::c_int;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
-use core_alloc::adaptors::PointerEntry;
 use core_alloc::device::EventPool;
 use core_alloc::error::try_each;
 use core_alloc::facade::private_pools::{PoolId, Routed, StreamFilter};
-use core_alloc::facade::{Config, DeviceKind, DeviceStack, Facade, MAX_DEVICES};
+use core_alloc::facade::{Config, DeviceKind, DeviceStack, Facade, Freed, StreamHint, MAX_DEVICES};
 use core_alloc::{Allocator, DevicePtr, Error, Result, Stats, Stream};
 
 use crate::fork;
@@ -161,12 +160,12 @@ impl State {
     }
 
     /// The stream a C handle stands for, with its device when the handle says which.
-    fn named(&self, handle: u64) -> Result<Named> {
+    fn named(&self, handle: u64) -> Result<StreamHint> {
         if self.config().device != DeviceKind::Sim {
-            return Ok(Named { device: None, stream: Stream(handle) });
+            return Ok(StreamHint { device: None, stream: Stream(handle) });
         }
         let (device, stream) = self.sim_streams.get(handle)?;
-        Ok(Named { device, stream })
+        Ok(StreamHint { device, stream })
     }
 
     /// Allocates `size` bytes owned by the stream of C handle `stream`; 0 (null) for size 0.
@@ -284,7 +283,7 @@ impl State {
         let Some(stack) = self.facade.built(ordinal) else { return Ok(()) };
         // `owner` is a stream of this device, which deferred the free.
         try_each(stack.private.end(id), |(ptr, owner)| {
-            self.free_now(ptr, Some(device), Named { device: Some(ordinal), stream: owner }).map(drop)
+            self.facade.free_now(ptr, Some(ordinal), StreamHint { device: Some(ordinal), stream: owner }).map(drop)
         })
     }
 
@@ -330,73 +329,17 @@ impl State {
         self.take(ptr, device, owner).map(drop)
     }
 
-    /// [`State::free`], returning what the library kept for the allocation (`None` for null).
-    /// A free deferred to the end of the captures returns it too (the front end is done with
-    /// the allocation; the library frees it later).
-    pub(crate) fn take(&self, ptr: DevicePtr, device: Option<c_int>, owner: u64) -> Result<Option<Taken>> {
+    /// [`State::free`], returning what the library kept for the allocation (`None` for null):
+    /// [`Facade::free_ptr`] with `owner`'s stream as the C handle names it.
+    pub(crate) fn take(&self, ptr: DevicePtr, device: Option<c_int>, owner: u64) -> Result<Option<Freed>> {
         // Only a hint: one that stands for no stream is no reason to keep the memory.
-        let owner = self.named(owner).unwrap_or(Named::DEFAULT);
-        if ptr == 0 {
-            return Ok(None);
-        }
-        let mut undecided: Vec<(&DeviceStack, Error)> = Vec::new();
-        for stack in self.stacks_from(device) {
-            match stack.private.defer_free(ptr, owner.on(stack)) {
-                Ok(true) => return Ok(self.entry_in(stack, ptr)),
-                Ok(false) => {}
-                Err(e) => undecided.push((stack, e)),
-            }
-        }
-        if undecided.is_empty() {
-            return self.free_now(ptr, device, owner).map(Some);
-        }
-        let decided = |s: &DeviceStack| !undecided.iter().any(|(u, _)| std::ptr::eq(*u, s));
-        if let Some(taken) = self.free_in(ptr, device, owner, decided) {
-            return Ok(Some(taken));
-        }
-        // The pointer is the memory of a stack that could not decide (whose device knows it),
-        // or of none.
-        let holder = undecided.iter().position(|(s, _)| s.device.address_range(ptr).is_ok());
-        Err(holder.map_or_else(|| not_live(ptr), |i| undecided.swap_remove(i).1))
+        let owner = self.named(owner).unwrap_or(StreamHint::DEFAULT);
+        self.facade.free_ptr(ptr, device.and_then(|d| usize::try_from(d).ok()), owner)
     }
 
-    /// Frees the allocation at `ptr` (not null), of `owner`, from whichever stack or private
-    /// pool made it (`device`'s first).
-    fn free_now(&self, ptr: DevicePtr, device: Option<c_int>, owner: Named) -> Result<Taken> {
-        self.free_in(ptr, device, owner, |_| true).ok_or_else(|| not_live(ptr))
-    }
-
-    /// What the library keeps for the live allocation at `ptr`, from whichever stack or
-    /// private pool holds it.
-    pub(crate) fn entry(&self, ptr: DevicePtr) -> Result<Taken> {
-        self.stacks_from(None).find_map(|s| self.entry_in(s, ptr)).ok_or_else(|| not_live(ptr))
-    }
-
-    /// What `stack` or its private pools keep for `ptr`, if they hold it.
-    fn entry_in(&self, stack: &DeviceStack, ptr: DevicePtr) -> Option<Taken> {
-        let device = stack.device.ordinal();
-        match stack.allocator.entry(ptr, None) {
-            Some(entry) => Some(Taken { device, entry, pool: None }),
-            None => stack.private.entry(ptr).map(|(id, entry)| Taken { device, entry, pool: Some(id) }),
-        }
-    }
-
-    /// Frees the allocation at `ptr` (not null), of `owner`, from whichever of the stacks
-    /// `among` takes, or their private pools, made it (`device`'s first); what was kept for
-    /// it, if one did.
-    fn free_in(
-        &self,
-        ptr: DevicePtr,
-        device: Option<c_int>,
-        owner: Named,
-        among: impl Fn(&DeviceStack) -> bool,
-    ) -> Option<Taken> {
-        let taken = |s: &DeviceStack, entry, pool| Taken { device: s.device.ordinal(), entry, pool };
-        let mut stacks = self.stacks_from(device).filter(|s| among(s));
-        stacks.find_map(|s| s.allocator.take_ptr(ptr, owner.on(s)).map(|e| taken(s, e, None))).or_else(|| {
-            let mut stacks = self.stacks_from(device).filter(|s| among(s));
-            stacks.find_map(|s| s.private.take(ptr, owner.on(s)).map(|(id, e)| taken(s, e, Some(id))))
-        })
+    /// What the library keeps for the live allocation at `ptr` ([`Facade::entry`]).
+    pub(crate) fn entry(&self, ptr: DevicePtr) -> Result<Freed> {
+        self.facade.entry(ptr)
     }
 
     /// Frees the allocation at `ptr` (null: nothing to do), made on the legacy default stream
@@ -472,9 +415,7 @@ impl State {
 
     /// The stacks built so far, that of `device` (if it is one in use) first.
     fn stacks_from(&self, device: Option<c_int>) -> impl Iterator<Item = &DeviceStack> {
-        let first = device.and_then(|d| usize::try_from(d).ok()).and_then(|d| self.facade.built(d));
-        let rest = self.facade.built_stacks().filter(move |s| !first.is_some_and(|f| std::ptr::eq(f, *s)));
-        first.into_iter().chain(rest)
+        self.facade.stacks_from(device.and_then(|d| usize::try_from(d).ok()))
     }
 
     /// Returns cached memory of `device` to the driver; the bytes returned (0 for a device
@@ -515,44 +456,10 @@ impl State {
     }
 }
 
-/// What the library kept for an allocation, and where.
-pub(crate) struct Taken {
-    /// The device whose stack (or private pool) held it.
-    pub(crate) device: usize,
-    /// What its table kept.
-    pub(crate) entry: PointerEntry,
-    /// The private pool that held it, if one did.
-    pub(crate) pool: Option<PoolId>,
-}
-
 pub(crate) fn ordinal(device: c_int) -> Result<usize> {
     usize::try_from(device).ok().filter(|d| *d < MAX_DEVICES).ok_or_else(|| {
         Error::InvalidArgument(format!("device {device} is not a device ordinal in 0..{MAX_DEVICES}"))
     })
-}
-
-/// A stream as a C handle names it, with its device when the handle says (a simulated
-/// stream's handle); else (NULL, the legacy default stream of every device, or a CUDA stream)
-/// any device's.
-#[derive(Clone, Copy)]
-struct Named {
-    device: Option<usize>,
-    stream: Stream,
-}
-
-impl Named {
-    /// The legacy default stream.
-    const DEFAULT: Self = Self { device: None, stream: Stream::DEFAULT };
-
-    /// The stream as `stack` is to see it, as a hint of the stream an allocation was made on:
-    /// a stream of another device is none of its streams (the simulators number their
-    /// streams alike), and only the legacy default stream stands there for it.
-    fn on(self, stack: &DeviceStack) -> Stream {
-        match self.device {
-            Some(d) if d != stack.device.ordinal() => Stream::DEFAULT,
-            _ => self.stream,
-        }
-    }
 }
 
 fn not_live(ptr: DevicePtr) -> Error {
