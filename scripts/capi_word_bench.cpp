@@ -6,7 +6,8 @@
 //          with the allocation's device and stream
 //   word   the new path: streamalloc_allocate_word, then streamalloc_free_word hinted with the
 //          thread's stream, which hands back what the library kept (no table, no lock here)
-// Prints ns per allocate+free pair, the best of 5 runs, per path and thread count.
+// Prints wall-clock ns per allocate+free pair (all threads' pairs together), the best of 5
+// runs, per path and thread count.
 // Usage: capi_word_bench OPS_PER_THREAD THREADS...
 //   g++ -O2 -std=c++17 -pthread scripts/capi_word_bench.cpp -Icrates/streamalloc-capi/include \
 //     -Ltarget/release -lstreamalloc -Wl,-rpath,$PWD/target/release -o capi_word_bench
@@ -96,7 +97,7 @@ int main(int argc, char** argv) {
         double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
         best = std::min(best, ns / (static_cast<double>(ops) * threads));
       }
-      std::printf("%-5s threads=%d  %.1f ns per allocate+free (per thread)\n", word ? "word" : "table", threads, best);
+      std::printf("%-5s threads=%d  %.1f ns per allocate+free (wall time over all threads' pairs)\n", word ? "word" : "table", threads, best);
     }
   }
   return 0;
