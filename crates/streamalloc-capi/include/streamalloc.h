@@ -62,6 +62,11 @@ typedef enum streamalloc_block_state_t {
   STREAMALLOC_BLOCK_PENDING = 2,
 } streamalloc_block_state_t;
 
+// A stream as a front end names it where it frees: with its device when the name says which
+// (a simulated stream's handle), else (`None`: the legacy default stream, or a CUDA stream)
+// any device's.
+typedef struct StreamHint StreamHint;
+
 // Statistics every allocator reports. Figures an allocator does not track stay 0. Laid out
 // as C lays it out: it is the C ABI's `streamalloc_stats_t` too.
 typedef struct streamalloc_stats_t {
@@ -180,6 +185,8 @@ typedef bool (*streamalloc_filter_fn)(void *context, cudaStream_t stream);
 
 // Destroys a filter's context (see [`streamalloc_pool_begin`]).
 typedef void (*streamalloc_drop_fn)(void *context);
+
+
 
 
 

@@ -126,7 +126,10 @@ pub unsafe extern "C" fn streamalloc_free_word(
 /// # Safety
 /// `entry` is null (an error) or valid for writing a `streamalloc_entry_t`.
 #[no_mangle]
-pub unsafe extern "C" fn streamalloc_entry(ptr: *mut c_void, entry: *mut StreamallocEntry) -> StreamallocStatus {
+pub unsafe extern "C" fn streamalloc_entry(
+    ptr: *mut c_void,
+    entry: *mut StreamallocEntry,
+) -> StreamallocStatus {
     status::status(|| {
         if entry.is_null() {
             return Err(Error::InvalidArgument("entry is null".into()));
@@ -166,7 +169,10 @@ pub unsafe extern "C" fn streamalloc_pool_live(
         // SAFETY: non-null, and valid for writes by the caller's contract.
         unsafe { n.write(live.len()) };
         if live.len() > max {
-            return Err(Error::InvalidArgument(format!("room for {max} allocations; the pool has {}", live.len())));
+            return Err(Error::InvalidArgument(format!(
+                "room for {max} allocations; the pool has {}",
+                live.len()
+            )));
         }
         for (i, (ptr, entry)) in live.iter().enumerate() {
             // SAFETY: `i < live.len() <= max`, within the arrays by the caller's contract.
@@ -190,6 +196,8 @@ fn pool_live(state: &State, device: c_int, id: PoolId) -> Result<Vec<(DevicePtr,
         .private
         .live(id)
         .into_iter()
-        .map(|(ptr, entry)| (ptr, StreamallocEntry::of(state, &Freed { device: ordinal, entry, pool: Some(id) })))
+        .map(|(ptr, entry)| {
+            (ptr, StreamallocEntry::of(state, &Freed { device: ordinal, entry, pool: Some(id) }))
+        })
         .collect())
 }

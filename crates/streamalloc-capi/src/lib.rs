@@ -54,16 +54,20 @@ use core_alloc::facade::Config;
 use core_alloc::Error;
 use libc::ssize_t;
 
+pub use core_alloc::allocators::TagStats;
+pub use core_alloc::Stats;
 pub use cupy::{
     streamalloc_cupy_free, streamalloc_cupy_malloc, streamalloc_cupy_set_stream_keeper,
     streamalloc_cupy_set_stream_source, CupyStreamKeeper, CupyStreamSource,
 };
 pub use entries::{
-    streamalloc_allocate_word, streamalloc_entry, streamalloc_free_word, streamalloc_pool_live, StreamallocEntry,
+    streamalloc_allocate_word, streamalloc_entry, streamalloc_free_word, streamalloc_pool_live,
+    StreamallocEntry,
 };
 pub use host::{
-    streamalloc_host_alloc, streamalloc_host_free, streamalloc_host_is_live, streamalloc_host_record_stream, streamalloc_host_release,
-    streamalloc_host_reset_peak_stats, streamalloc_host_stats, streamalloc_sim_use_host,
+    streamalloc_host_alloc, streamalloc_host_free, streamalloc_host_is_live, streamalloc_host_record_stream,
+    streamalloc_host_release, streamalloc_host_reset_peak_stats, streamalloc_host_stats,
+    streamalloc_sim_use_host,
 };
 pub use ipc::{
     streamalloc_ipc_close, streamalloc_ipc_export, streamalloc_ipc_open, STREAMALLOC_IPC_KIND,
@@ -79,8 +83,6 @@ pub use sleep::{
     streamalloc_sleep, streamalloc_tag_pop, streamalloc_tag_push, streamalloc_tag_stats, streamalloc_wake,
 };
 use state::State;
-pub use core_alloc::allocators::TagStats;
-pub use core_alloc::Stats;
 pub use status::StreamallocStatus;
 pub use torch::*;
 pub use trace::{streamalloc_trace_use, streamalloc_trace_wait};

@@ -283,7 +283,9 @@ impl State {
         let Some(stack) = self.facade.built(ordinal) else { return Ok(()) };
         // `owner` is a stream of this device, which deferred the free.
         try_each(stack.private.end(id), |(ptr, owner)| {
-            self.facade.free_now(ptr, Some(ordinal), StreamHint { device: Some(ordinal), stream: owner }).map(drop)
+            self.facade
+                .free_now(ptr, Some(ordinal), StreamHint { device: Some(ordinal), stream: owner })
+                .map(drop)
         })
     }
 

@@ -56,10 +56,7 @@ fn devices() {
         // SAFETY: valid out-pointers.
         unsafe {
             assert_eq!(streamalloc_release(device, &mut released), STREAMALLOC_INVALID_ARGUMENT);
-            assert_eq!(
-                streamalloc_stats(device, &mut Stats::default()),
-                STREAMALLOC_INVALID_ARGUMENT
-            );
+            assert_eq!(streamalloc_stats(device, &mut Stats::default()), STREAMALLOC_INVALID_ARGUMENT);
         }
     }
     // Zero size still checks the device.

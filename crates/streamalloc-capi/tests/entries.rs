@@ -9,9 +9,10 @@ use std::process::Command;
 #[test]
 fn the_pointer_table_keeps_the_front_ends_word() {
     let exe = common::compile("tests/c/entries.c", "streamalloc-entries");
-    for (conf, args) in
-        [("device=sim,sim_capacity=4GiB", &[][..]), ("device=sim,sim_capacity=4GiB,strategy=best_fit", &["one-pool"])]
-    {
+    for (conf, args) in [
+        ("device=sim,sim_capacity=4GiB", &[][..]),
+        ("device=sim,sim_capacity=4GiB,strategy=best_fit", &["one-pool"]),
+    ] {
         let out = Command::new(&exe).args(args).env("STREAMALLOC_CONF", conf).output().expect("run entries");
         assert!(
             out.status.success(),

@@ -151,8 +151,11 @@ impl DeviceStack {
         }
         let mut pools = Vec::new();
         self.private.segments(&mut pools)?;
-        let mut all: Vec<_> =
-            main.into_iter().map(|s| (None, s)).chain(pools.into_iter().map(|(id, s)| (Some(id), s))).collect();
+        let mut all: Vec<_> = main
+            .into_iter()
+            .map(|s| (None, s))
+            .chain(pools.into_iter().map(|(id, s)| (Some(id), s)))
+            .collect();
         all.sort_by_key(|(_, s)| s.addr);
         Ok(all)
     }
@@ -321,7 +324,12 @@ impl Facade {
     /// `ptr` is none of the other stacks' (its memory then stays allocated rather than be
     /// freed into a graph): another device's error never cancels the free. A pointer no stack
     /// holds is [`Error::InvalidArgument`].
-    pub fn free_ptr(&self, ptr: DevicePtr, device: Option<usize>, owner: StreamHint) -> Result<Option<Freed>> {
+    pub fn free_ptr(
+        &self,
+        ptr: DevicePtr,
+        device: Option<usize>,
+        owner: StreamHint,
+    ) -> Result<Option<Freed>> {
         if ptr == 0 {
             return Ok(None);
         }

@@ -219,6 +219,9 @@ struct Chunk {
     segment: bool,
 }
 
+/// A block of a chunk ([`BestFitPolicy::chunk_blocks`]): `(addr, size, allocated)`.
+pub type ChunkBlock = (u64, u64, bool);
+
 /// A free-list entry: `(size, addr, slot)`.
 type Entry = (u64, u64, u32);
 
@@ -850,9 +853,8 @@ impl BestFitPolicy {
         self.chunks.0.iter().map(|&(a, c)| (a, c.size))
     }
 
-    /// Every chunk held, as `(addr, size)`, with its blocks in address order as `(addr, size,
-    /// allocated)`.
-    pub fn chunk_blocks(&self) -> impl Iterator<Item = ((u64, u64), Vec<(u64, u64, bool)>)> + '_ {
+    /// Every chunk held, as `(addr, size)`, with its blocks in address order.
+    pub fn chunk_blocks(&self) -> impl Iterator<Item = ((u64, u64), Vec<ChunkBlock>)> + '_ {
         self.chunks.0.iter().map(|&(addr, chunk)| {
             let mut blocks = Vec::new();
             let mut idx = chunk.first;

@@ -79,7 +79,9 @@ pub use graph::{Capture, CapturedGraph};
 use graph::{CaptureOwner, GraphShared};
 
 use super::retry;
-use crate::allocation::{align_up, Allocation, Allocator, Block, BlockOwner, Segment, Stats, StreamAllocator};
+use crate::allocation::{
+    align_up, Allocation, Allocator, Block, BlockOwner, Segment, Stats, StreamAllocator,
+};
 use crate::device::{CaptureStatus, Device, DevicePtr, EventPool, Pool, PoolAttr, PoolProps, Stream};
 use crate::error::{Error, HeldErrors, OutOfMemory, Result};
 
