@@ -515,6 +515,36 @@ mod tests {
         );
     }
 
+    /// Issue 48: the torch backend keeps no table, so its free names the current stream, not
+    /// the allocation's: the warm-up's output, freed inside the capture with the legacy default
+    /// stream as the hint, still waits for the capture's end (the allocation's own stream
+    /// decides), or every replay would free it.
+    #[test]
+    fn under_async_a_free_in_a_capture_is_deferred_whatever_stream_the_free_names() {
+        let state = State::new(Config::parse("device=sim,strategy=async,sim_capacity=4GiB").unwrap());
+        let stack = state.stack(0).unwrap();
+        let sim = stack.sim.clone().unwrap();
+        let s = sim.create_stream().unwrap();
+        let handle = state.sim_streams().insert(0, s);
+        let warm_up = state.allocate(4 << 20, 0, handle).unwrap();
+        let filter_sim = sim.clone();
+        let filter: StreamFilter =
+            Arc::new(move |x| filter_sim.capture_status(x).is_ok_and(|c| c != CaptureStatus::None));
+        state.pool_begin(0, (0, 1), filter).unwrap();
+        sim.begin_capture(s).unwrap();
+        let out = state.allocate(4 << 20, 0, handle).unwrap();
+        sim.use_range(out, 4 << 20, s, 1_000).unwrap();
+        let freed = state.take(warm_up, None, 0).unwrap().expect("the warm-up's entry");
+        assert_eq!(freed.entry.stream, s);
+        let graph = sim.end_capture(s).unwrap();
+        state.pool_end(0, (0, 1)).unwrap();
+        let exec = sim.instantiate_graph_auto_free(graph).unwrap();
+        sim.launch_graph(exec, s).unwrap();
+        sim.launch_graph(exec, s).expect("the second replay frees nothing the graph did not allocate");
+        sim.synchronize_stream(s).unwrap();
+        assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    }
+
     /// Issue 33: under a memory fraction, a release that failed inside an allocation returned
     /// its error and leaked the block just allocated. Here the release times out: the cache
     /// it would give back is still used by a kernel an hour long, and `wait_timeout` is 1 ms.

@@ -335,7 +335,13 @@ impl Facade {
         }
         let mut undecided: Vec<(&DeviceStack, Error)> = Vec::new();
         for stack in self.stacks_from(device) {
-            match stack.private.defer_free(ptr, owner.on(stack)) {
+            // While a pool is active the allocation's own stream decides, whatever the hint.
+            let hint = owner.on(stack);
+            let owner_here = match stack.private.is_active() {
+                true => stack.allocator.entry(ptr, Some(hint)).map_or(hint, |e| e.stream),
+                false => hint,
+            };
+            match stack.private.defer_free(ptr, owner_here) {
                 Ok(true) => return Ok(entry_in(stack, ptr)),
                 Ok(false) => {}
                 Err(e) => undecided.push((stack, e)),
