@@ -580,7 +580,8 @@ def case_history(report, conf):
     found = {addr: b for addr, b, _ in blocks_of(segments) if b["state"] != "inactive"}
     block = found.get(addrs["kept"])
     if report.expect(block is not None, "the live tensor is no block of the snapshot"):
-        report.expect(block["state"] == "active_allocated" and block["size"] == sizes["kept"]
+        # The library's block (its size as the allocator rounded it), of the tensor's request.
+        report.expect(block["state"] == "active_allocated" and block["size"] >= sizes["kept"]
                       and block["requested_size"] == sizes["kept"], f"the live tensor's block is {block}")
         if "address" in block:
             report.expect(block["address"] == addrs["kept"], f"the block's address {block['address']:#x} is not the tensor's")
