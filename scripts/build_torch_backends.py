@@ -24,6 +24,8 @@ sys.path.insert(0, str(ROOT / "python"))
 from streamalloc import _torch_build  # noqa: E402  (the package's own build code, from the tree)
 
 VERSIONS = ROOT / "python" / "torch-versions.txt"
+LIBRARY_HEADER = ROOT / "crates" / "streamalloc-capi" / "include" / "streamalloc.h"
+"""The C ABI's generated header, the one the wheel's library is built with (a test keeps it current)."""
 PLATFORMS = [f for tag in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
              for f in ("--platform", tag)]
 """The platforms whose wheels pip may take (it takes no other tag than those named)."""
@@ -71,7 +73,7 @@ def build(version, work):
         extract(wheel, site, lambda n: n.startswith("nvidia/") and ("/include/" in n or "/lib/libcudart.so" in n))
     include, lib = _torch_build.cuda_headers([site])
     out = _torch_build.prebuilt_dir() / "pending.so"
-    abi = _torch_build.compile_backend(out, site / "torch", include, lib)
+    abi = _torch_build.compile_backend(out, site / "torch", [include, LIBRARY_HEADER.parent], lib)
     final = out.with_name(_torch_build.prebuilt_name(version, cuda, abi))
     out.replace(final)
     return final

@@ -24,10 +24,11 @@ import importlib.metadata
 import operator
 import os
 import pathlib
+import re
 import threading
 
 __all__ = ["__version__", "StreamallocError", "library_path", "load", "configure", "stats", "release",
-           "reset_peak_stats", "allocate", "deallocate", "record_stream", "sim", "HostBuffer", "host_empty",
+           "reset_peak_stats", "allocate", "deallocate", "record_stream", "segments", "sim", "HostBuffer", "host_empty",
            "host_alloc", "host_free", "host_record_stream", "host_stats", "host_release", "host_reset_peak_stats",
            "tag", "sleep", "wake", "tag_stats"]
 
@@ -64,36 +65,49 @@ class StreamallocError(RuntimeError):
         super().__init__(f"{self.status}: {message}")
 
 
-class Stats(ctypes.Structure):
-    """`streamalloc_stats_t`, field for field."""
-
-    _fields_ = [
-        ("allocated", ctypes.c_size_t),
-        ("allocated_peak", ctypes.c_size_t),
-        ("reserved", ctypes.c_size_t),
-        ("reserved_peak", ctypes.c_size_t),
-        ("cached", ctypes.c_size_t),
-        ("largest_free_block", ctypes.c_size_t),
-        ("pending_release", ctypes.c_size_t),
-        ("live_allocations", ctypes.c_uint64),
-        ("total_allocations", ctypes.c_uint64),
-        ("total_frees", ctypes.c_uint64),
-        ("device_allocs", ctypes.c_uint64),
-        ("device_frees", ctypes.c_uint64),
-        ("failures", ctypes.c_uint64),
-        ("retries", ctypes.c_uint64),
-    ]
+_C_TYPES = {"size_t": ctypes.c_size_t, "uint64_t": ctypes.c_uint64, "bool": ctypes.c_bool, "int": ctypes.c_int,
+            "cudaStream_t": ctypes.c_void_p}
 
 
-class TagStats(ctypes.Structure):
-    """`streamalloc_tag_stats_t`, field for field."""
+def _struct(header, name, known):
+    """A ctypes Structure of C struct `name` as `header` (the library's streamalloc.h) defines it;
+    `known` maps the structs it may hold by their C names."""
+    found = re.search(r"typedef struct %s \{(.*?)\} %s;" % (name, name), header, re.S)
+    if found is None:
+        raise RuntimeError(f"the library's header defines no {name}")
+    fields = []
+    for line in found.group(1).splitlines():
+        line = line.split("//")[0].strip()
+        if not line:
+            continue
+        member = re.fullmatch(r"(struct |enum )?(\w+) (\w+);", line)
+        enum = member and member.group(1) == "enum "
+        kind = member and (ctypes.c_int if enum else _C_TYPES.get(member.group(2)) or known.get(member.group(2)))
+        if kind is None:
+            raise RuntimeError(f"{name} in the library's header has a member this module cannot read: {line!r}")
+        fields.append((member.group(3), kind))
+    return type(name, (ctypes.Structure,), {"_fields_": fields, "__doc__": f"`{name}`, from the library's header."})
 
-    _fields_ = [
-        ("asleep", ctypes.c_int),
-        ("offloaded", ctypes.c_int),
-        ("slept", ctypes.c_size_t),
-        ("stats", Stats),
-    ]
+
+def _structs(lib):
+    """`streamalloc_stats_t`, `streamalloc_tag_stats_t`, `streamalloc_segment_t` and
+    `streamalloc_block_t`, built from the header the library carries (`streamalloc_header()`,
+    generated from its Rust structs): no copy kept here."""
+    lib.streamalloc_header.argtypes = []
+    lib.streamalloc_header.restype = ctypes.c_char_p
+    header = lib.streamalloc_header().decode()
+    stats = _struct(header, "streamalloc_stats_t", {})
+    tag_stats = _struct(header, "streamalloc_tag_stats_t", {"streamalloc_stats_t": stats})
+    return stats, tag_stats, _struct(header, "streamalloc_segment_t", {}), _struct(header, "streamalloc_block_t", {})
+
+
+def __getattr__(name):
+    """`Stats`, `TagStats`, `Segment`, `Block`: the library's structs (`_structs`), once it is
+    loaded."""
+    if name in ("Stats", "TagStats", "Segment", "Block"):
+        load()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _lock = threading.Lock()
@@ -196,6 +210,8 @@ def load():
             if not path.is_file():
                 raise FileNotFoundError(f"{path} is missing: build the package with scripts/build-python.sh")
             lib = ctypes.CDLL(str(path))
+            global Stats, TagStats, Segment, Block
+            Stats, TagStats, Segment, Block = _structs(lib)
             status = ctypes.c_int
             lib.streamalloc_allocate.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
                                                  ctypes.POINTER(ctypes.c_void_p)]
@@ -206,6 +222,10 @@ def load():
             lib.streamalloc_release.restype = status
             lib.streamalloc_stats.argtypes = [ctypes.c_int, ctypes.POINTER(Stats)]
             lib.streamalloc_stats.restype = status
+            size_p = ctypes.POINTER(ctypes.c_size_t)
+            lib.streamalloc_segments.argtypes = [ctypes.c_int, ctypes.POINTER(Segment), ctypes.c_size_t,
+                                                 ctypes.POINTER(Block), ctypes.c_size_t, size_p, size_p]
+            lib.streamalloc_segments.restype = status
             lib.streamalloc_configure.argtypes = [ctypes.c_char_p]
             lib.streamalloc_configure.restype = status
             lib.streamalloc_check_configuration.argtypes = []
@@ -280,9 +300,41 @@ def check_configuration():
 
 def stats(device=0):
     """The statistics of `device`'s allocator, as a dict (zeros for a device not used yet)."""
+    lib = load()
     out = Stats()
-    check(load().streamalloc_stats(_device(device), ctypes.byref(out)))
+    check(lib.streamalloc_stats(_device(device), ctypes.byref(out)))
     return {name: getattr(out, name) for name, _ in Stats._fields_}
+
+
+BLOCK_STATES = ("free", "allocated", "pending")
+"""Names of `streamalloc_block_state_t`'s values, by value."""
+
+
+def segments(device=0):
+    """The segments `device`'s allocators and private pools hold from the device, in address
+    order (`streamalloc_segments`), as dicts: `address`, `size`, `stream` (an int, 0 for
+    none), `pool` (a private pool's id, or None) and `blocks`, which tile it: dicts of
+    `address`, `size` and `state` ("free", "allocated" or "pending": freed, its reuse waiting
+    for recorded streams)."""
+    lib = load()
+    device = _device(device)
+    segs, blocks = (Segment * 0)(), (Block * 0)()
+    while True:
+        ns, nb = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        status = lib.streamalloc_segments(device, segs, len(segs), blocks, len(blocks), ctypes.byref(ns),
+                                          ctypes.byref(nb))
+        if status == 0:
+            break
+        if status != STATUS_NAMES.index("INVALID_ARGUMENT") or (ns.value <= len(segs) and nb.value <= len(blocks)):
+            check(status)
+        segs, blocks = (Segment * (ns.value + 4))(), (Block * (nb.value + 4))()
+    out = []
+    for s in segs[:ns.value]:
+        listed = blocks[s.first_block:s.first_block + s.blocks]
+        out.append({"address": s.addr, "size": s.size, "stream": s.stream or 0,
+                    "pool": (s.pool_hi, s.pool_lo) if s.in_pool else None,
+                    "blocks": [{"address": b.addr, "size": b.size, "state": BLOCK_STATES[b.state]} for b in listed]})
+    return out
 
 
 def release(device=0):
@@ -348,8 +400,9 @@ def host_stats():
     """The statistics of the pinned memory, as a dict with `stats()`'s keys (`reserved`: the bytes
     pinned; zeros before its first allocation): the pool's, and that which `sleep` with
     `offload` keeps for the next sleep."""
+    lib = load()
     out = Stats()
-    check(load().streamalloc_host_stats(ctypes.byref(out)))
+    check(lib.streamalloc_host_stats(ctypes.byref(out)))
     return {name: getattr(out, name) for name, _ in Stats._fields_}
 
 
@@ -428,8 +481,9 @@ def tag_stats(name, device=0):
     """The figures of tag `name` on `device`, as a dict: `asleep`, `offloaded` (bools),
     `slept` (bytes given back at their addresses while it sleeps), and `stats()`'s keys for
     the tag's pool (while it sleeps, `reserved` and `cached` count nothing)."""
+    lib = load()
     out = TagStats()
-    check(load().streamalloc_tag_stats(_device(device), _tag_name(name), ctypes.byref(out)))
+    check(lib.streamalloc_tag_stats(_device(device), _tag_name(name), ctypes.byref(out)))
     figures = {name: getattr(out.stats, name) for name, _ in Stats._fields_}
     return {"asleep": bool(out.asleep), "offloaded": bool(out.offloaded), "slept": out.slept, **figures}
 

@@ -73,11 +73,12 @@ def cuda_headers(roots):
     raise BuildError("the CUDA runtime headers (cuda_runtime_api.h: no CUDA_HOME, no nvidia-cuda-runtime package)")
 
 
-def compile_backend(out, torch_dir, cuda_include, cuda_lib=None, cxx11_abi=None, compiler=None):
+def compile_backend(out, torch_dir, includes, cuda_lib=None, cxx11_abi=None, compiler=None):
     """Compiles the backend into `out` against the torch package at `torch_dir` (its include/
-    and lib/) and the CUDA runtime headers at `cuda_include`. `cxx11_abi` None tries the new
-    string ABI, then the old: only the one torch was built with links (every symbol is
-    resolved at link time). Returns the ABI it was built with. Raises BuildError."""
+    and lib/), with `includes` (the CUDA runtime headers' folder, and the folder of the
+    library's generated streamalloc.h). `cxx11_abi` None tries the new string ABI, then the old:
+    only the one torch was built with links (every symbol is resolved at link time). Returns
+    the ABI it was built with. Raises BuildError."""
     compiler = compiler or os.environ.get("CXX") or "c++"
     if shutil.which(compiler) is None:
         raise BuildError(f"a C++ compiler ({compiler} not found; set CXX)")
@@ -86,7 +87,7 @@ def compile_backend(out, torch_dir, cuda_include, cuda_lib=None, cxx11_abi=None,
     out.parent.mkdir(parents=True, exist_ok=True)
     base = [compiler, "-shared", "-fPIC", "-O2", "-std=c++17", "-Wno-interference-size",
             f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
-            f"-I{cuda_include}", *(str(source_dir() / s) for s in SOURCES),
+            *(f"-I{folder}" for folder in includes), *(str(source_dir() / s) for s in SOURCES),
             f"-L{torch_dir / 'lib'}", *(f"-l{name}" for name in TORCH_LIBRARIES)]
     if cuda_lib is not None:
         cudart = sorted(p.name for p in pathlib.Path(cuda_lib).glob("libcudart.so*"))
@@ -109,9 +110,10 @@ def compile_backend(out, torch_dir, cuda_include, cuda_lib=None, cxx11_abi=None,
     raise BuildError(f"compiling {source_dir()} against {torch_dir} failed " + "; ".join(failures))
 
 
-def source_hash():
-    """A hash of the sources and headers, naming a build of them in the cache."""
-    digest = hashlib.sha256()
+def source_hash(library_header):
+    """A hash of the sources, their headers and the library's header (bytes), naming a build
+    of them in the cache."""
+    digest = hashlib.sha256(library_header)
     for name in SOURCES + HEADERS:
         digest.update(name.encode())
         digest.update((source_dir() / name).read_bytes())

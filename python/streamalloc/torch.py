@@ -62,6 +62,7 @@ that `torch.multiprocessing` spawns run under streamalloc too; so does `enable()
 worker under torch's own allocator could not open the mapped memory this process shares).
 """
 
+import ctypes
 import os
 import sys
 import threading
@@ -151,9 +152,18 @@ def build_backend(shipped=True):
     if prebuilt is not None:
         return prebuilt
     abi = bool(torch._C._GLIBCXX_USE_CXX11_ABI)
-    out = os.path.join(_cache_dir(torch), f"libstreamalloc_torch-{_torch_build.source_hash()}-abi{int(abi)}.so")
+    # The library's own header (its types, generated from its Rust structs) beside the build.
+    lib = streamalloc.load()
+    lib.streamalloc_header.restype = ctypes.c_char_p
+    library_header = lib.streamalloc_header()
+    build = _torch_build.source_hash(library_header)
+    out = os.path.join(_cache_dir(torch), f"libstreamalloc_torch-{build}-abi{int(abi)}.so")
     if os.path.isfile(out):
         return out
+    header_dir = os.path.join(_cache_dir(torch), f"include-{build}")
+    os.makedirs(header_dir, exist_ok=True)
+    with open(os.path.join(header_dir, "streamalloc.h"), "wb") as f:
+        f.write(library_header)
     torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
     try:
         from torch.utils import cpp_extension
@@ -162,8 +172,8 @@ def build_backend(shipped=True):
     except Exception:  # a torch without its extension helpers: the packages alone
         cuda_home = []
     try:
-        include, lib = _torch_build.cuda_headers(cuda_home + [p for p in sys.path if p and os.path.isdir(p)])
-        _torch_build.compile_backend(out, torch_dir, include, lib, cxx11_abi=abi)
+        include, cudart = _torch_build.cuda_headers(cuda_home + [p for p in sys.path if p and os.path.isdir(p)])
+        _torch_build.compile_backend(out, torch_dir, [include, header_dir], cudart, cxx11_abi=abi)
     except _torch_build.BuildError as e:
         raise BackendUnavailable(str(e)) from e
     return out
@@ -172,8 +182,6 @@ def build_backend(shipped=True):
 def _install_backend():
     """Builds and installs the backend as torch's allocator. BackendUnavailable when it cannot
     be built or loaded; RuntimeError when torch refuses it (an allocator already in use)."""
-    import ctypes
-
     import torch
 
     path = build_backend()
@@ -205,8 +213,6 @@ def allocator(conf=None):
     `conf` is a `STREAMALLOC_CONF`-style string (e.g. "strategy=async"); without it the
     environment variable, or the defaults, apply.
     """
-    import ctypes
-
     import torch
 
     lib = streamalloc.load()

@@ -232,11 +232,39 @@ def test_cupy_enable():
         remove_fake_cupy(modules)
 
 
-def test_stats_struct_matches_header():
+def test_structs_come_from_the_librarys_header():
+    # The library carries the header it was built with; the ctypes structs are read from it.
+    lib = streamalloc.load()
+    assert lib.streamalloc_header().decode() == HEADER.read_text()
     body = re.search(r"typedef struct streamalloc_stats_t \{(.*?)\}", HEADER.read_text(), re.S).group(1)
-    fields = re.findall(r"^\s*(size_t|uint64_t) (\w+);", body, re.M)
-    ctype = {"size_t": ctypes.c_size_t, "uint64_t": ctypes.c_uint64}
-    assert [(n, ctype[t]) for t, n in fields] == streamalloc.Stats._fields_, fields
+    names = re.findall(r"^\s*\w+ (\w+);", body, re.M)
+    assert [n for n, _ in streamalloc.Stats._fields_] == names, names
+    assert [n for n, _ in streamalloc.TagStats._fields_] == ["asleep", "offloaded", "slept", "stats"]
+
+
+def test_segments_tile_the_reserved_memory():
+    # The library's own list of its segments (what the torch backend's snapshot is drawn from):
+    # each live allocation an allocated block, the blocks tiling their segments, the segments
+    # adding up to the reserved bytes.
+    streamalloc.configure(CONF)
+    s = streamalloc.sim.create_stream(0)
+    ptrs = [streamalloc.allocate(size, 0, s) for size in (1 << 20, 3 << 20, 5 << 10)]
+    listed = streamalloc.segments(0)
+    assert sum(seg["size"] for seg in listed) == streamalloc.stats(0)["reserved"], listed
+    allocated = set()
+    for seg in listed:
+        at = seg["address"]
+        for block in seg["blocks"]:
+            assert block["address"] == at, seg
+            at += block["size"]
+            if block["state"] == "allocated":
+                allocated.add(block["address"])
+        assert at == seg["address"] + seg["size"], seg
+    assert set(ptrs) <= allocated, (ptrs, listed)
+    for p in ptrs:
+        streamalloc.deallocate(p)
+    assert not set(ptrs) & {b["address"] for seg in streamalloc.segments(0) for b in seg["blocks"]
+                            if b["state"] == "allocated"}
 
 
 def test_reset_peak_stats_and_retries():

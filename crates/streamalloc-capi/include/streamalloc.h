@@ -52,37 +52,56 @@ typedef enum streamalloc_status_t {
   STREAMALLOC_INTERNAL = 10,
 } streamalloc_status_t;
 
-// The statistics of one device's allocator stack (mirrors the core crate's `Stats`; figures
-// the strategy does not track stay 0).
+// What a block is now.
+typedef enum streamalloc_block_state_t {
+  // Free for reuse.
+  STREAMALLOC_BLOCK_FREE = 0,
+  // Handed out and not freed.
+  STREAMALLOC_BLOCK_ALLOCATED = 1,
+  // Freed; its reuse waits for the work of streams recorded on it.
+  STREAMALLOC_BLOCK_PENDING = 2,
+} streamalloc_block_state_t;
+
+// A stream as a front end names it where it frees: with its device when the name says which
+// (a simulated stream's handle), else (`None`: the legacy default stream, or a CUDA stream)
+// any device's.
+typedef struct StreamHint StreamHint;
+
+// Statistics every allocator reports. Figures an allocator does not track stay 0. Laid out
+// as C lays it out: it is the C ABI's `streamalloc_stats_t` too.
 typedef struct streamalloc_stats_t {
-  // Bytes handed out and not yet freed (sizes as asked for).
+  // Bytes handed out to callers and not yet freed (sizes as asked for).
   size_t allocated;
-  // Peak of `allocated`.
+  // Peak of `allocated`. Of several pools (a sum of [`Stats`], or
+  // [`StreamSafe`](crate::allocators::StreamSafe)'s pools, one per stream), the sum of each
+  // one's peak: an upper bound of the peak of all together.
   size_t allocated_peak;
-  // Bytes held from the device.
+  // Bytes held from the device (by device allocations or pool reservations).
   size_t reserved;
-  // Peak of `reserved`.
+  // Peak of `reserved` (of [`StreamSafe`](crate::allocators::StreamSafe), the peak of all its
+  // pools together).
   size_t reserved_peak;
   // Bytes held from the device and free for reuse.
   size_t cached;
   // Largest single block in `cached`.
   size_t largest_free_block;
-  // Bytes freed whose reuse still waits on another stream's work.
+  // Bytes freed by callers whose reuse still waits on another stream's work.
   size_t pending_release;
   // Allocations live now.
   uint64_t live_allocations;
-  // Allocations made since the start.
+  // Allocations made since creation.
   uint64_t total_allocations;
-  // Frees since the start.
+  // Frees since creation.
   uint64_t total_frees;
   // Calls that allocated from the device.
   uint64_t device_allocs;
   // Calls that returned memory to the device.
   uint64_t device_frees;
-  // Allocations that failed, each counted once (refusals under `limit` included).
+  // Allocations that failed, each counted once by the allocator or adaptor the caller
+  // called (refusals under a limit included).
   uint64_t failures;
   // Allocations that succeeded only after the allocator released cached memory, waited
-  // or tried again.
+  // for pending frees or tried again.
   uint64_t retries;
 } streamalloc_stats_t;
 
@@ -97,17 +116,66 @@ typedef ptrdiff_t (*streamalloc_cupy_stream_source)(void);
 // which are never destroyed.
 typedef void (*CupyStreamKeeper)(ptrdiff_t stream, int delta);
 
-// The figures of one tag on one device ([`streamalloc_tag_stats`]).
+// What the library keeps for one allocation.
+typedef struct streamalloc_entry_t {
+  // Its size, as asked for.
+  size_t size;
+  // Its device.
+  int device;
+  // Its owning stream (with `device=sim`, its handle).
+  cudaStream_t stream;
+  // The front end's word given at [`streamalloc_allocate_word`] (0 for other allocations).
+  uint64_t word;
+  // Whether a stream was recorded on it (`streamalloc_record_stream`).
+  bool recorded;
+  // Whether a private pool ([`crate::streamalloc_pool_begin`]) holds it, and which.
+  bool in_pool;
+  // The private pool's id, first half (0 outside a pool).
+  uint64_t pool_hi;
+  // The private pool's id, second half (0 outside a pool).
+  uint64_t pool_lo;
+} streamalloc_entry_t;
+
+// A range of device memory the library holds (a device allocation, or a mapped range).
+typedef struct streamalloc_segment_t {
+  // Its first byte.
+  size_t addr;
+  // Its bytes.
+  size_t size;
+  // The stream whose pool holds it (with `device=sim`, its handle; NULL for one without).
+  cudaStream_t stream;
+  // Whether a private pool ([`crate::streamalloc_pool_begin`]) holds it, and which.
+  bool in_pool;
+  // The private pool's id, first half (0 outside a pool).
+  uint64_t pool_hi;
+  // The private pool's id, second half (0 outside a pool).
+  uint64_t pool_lo;
+  // Index of its first block in the blocks written by the same call.
+  size_t first_block;
+  // Its blocks, which tile it in address order.
+  size_t blocks;
+} streamalloc_segment_t;
+
+// One block of a [`StreamallocSegment`].
+typedef struct streamalloc_block_t {
+  // Its first byte.
+  size_t addr;
+  // Its bytes (as the allocator rounded the request).
+  size_t size;
+  // What it is now.
+  enum streamalloc_block_state_t state;
+} streamalloc_block_t;
+
+// One tag's figures ([`Tagged::tag_stats`]); the C ABI's `streamalloc_tag_stats_t` too.
 typedef struct streamalloc_tag_stats_t {
-  // 1 while the tag sleeps, else 0.
-  int asleep;
-  // 1 while it sleeps with its contents offloaded to host memory (the wake copies them
-  // back), else 0.
-  int offloaded;
+  // Whether the tag sleeps.
+  bool asleep;
+  // Whether its contents were offloaded (they come back at the wake).
+  bool offloaded;
   // Bytes given back to the device at their addresses while it sleeps (0 awake).
   size_t slept;
-  // The tag's pool's figures; while the tag sleeps, `reserved` counts only what could not
-  // be given back (0 normally) and `cached` nothing.
+  // Its pool's figures: while it sleeps, `reserved` is what could not be given back (0
+  // normally) and `cached` 0.
   struct streamalloc_stats_t stats;
 } streamalloc_tag_stats_t;
 
@@ -117,6 +185,10 @@ typedef bool (*streamalloc_filter_fn)(void *context, cudaStream_t stream);
 
 // Destroys a filter's context (see [`streamalloc_pool_begin`]).
 typedef void (*streamalloc_drop_fn)(void *context);
+
+
+
+
 
 #ifdef __cplusplus
 extern "C" {
@@ -204,6 +276,11 @@ enum streamalloc_status_t streamalloc_configure(const char *conf);
 // device's allocators are still built at its first use.
 enum streamalloc_status_t streamalloc_check_configuration(void);
 
+// The text of `streamalloc.h`, the header this library was built with (NUL-terminated, owned
+// by the library, never freed): front ends that reach the library without a compiler (Python's
+// ctypes) take its structs from here, and the torch backend is compiled against it.
+const char *streamalloc_header(void);
+
 // The message of the last failed call on the calling thread (an empty string if none). The
 // string belongs to the library and stays valid until the next call on this thread.
 const char *streamalloc_last_error(void);
@@ -244,6 +321,54 @@ void *streamalloc_cupy_malloc(void *param, size_t size, int device);
 // one. The stream keeper, if any, is told after the free.
 void streamalloc_cupy_free(void *param, void *ptr, int device);
 
+// `streamalloc_allocate`, keeping `word` with the allocation; where it went (its private
+// pool, if one took it) is written to `*entry` unless NULL.
+//
+// # Safety
+// `out` is null (an error) or valid for writing a pointer; `entry` is null or valid for
+// writing a `streamalloc_entry_t`.
+enum streamalloc_status_t streamalloc_allocate_word(size_t size,
+                                                    int device,
+                                                    cudaStream_t stream,
+                                                    uint64_t word,
+                                                    void **out,
+                                                    struct streamalloc_entry_t *entry);
+
+// Frees the allocation at `ptr` as [`crate::streamalloc_free`] does (`device` and `stream`
+// where it was made, looked at first) and writes what the library kept for it to `*entry`
+// (unless NULL): its word among it. An unknown pointer is `STREAMALLOC_INVALID_ARGUMENT`,
+// nothing written; so is NULL.
+//
+// # Safety
+// `entry` is null or valid for writing a `streamalloc_entry_t`.
+enum streamalloc_status_t streamalloc_free_word(void *ptr,
+                                                int device,
+                                                cudaStream_t stream,
+                                                struct streamalloc_entry_t *entry);
+
+// Writes what the library keeps for the live allocation at `ptr` to `*entry`;
+// `STREAMALLOC_INVALID_ARGUMENT` for a pointer that is none.
+//
+// # Safety
+// `entry` is null (an error) or valid for writing a `streamalloc_entry_t`.
+enum streamalloc_status_t streamalloc_entry(void *ptr, struct streamalloc_entry_t *entry);
+
+// Lists the live allocations of private pool `(id_hi, id_lo)` of `device`: up to `max` to
+// `ptrs` and `entries` (each may be NULL), with their count written to `*n`. With too little
+// room nothing is written to the arrays and the status is `STREAMALLOC_INVALID_ARGUMENT`
+// (call again with the count). A pool that does not exist has none.
+//
+// # Safety
+// `ptrs` and `entries` are NULL or valid for writing `max` elements; `n` is NULL (an error)
+// or valid for writing a `size_t`.
+enum streamalloc_status_t streamalloc_pool_live(int device,
+                                                uint64_t id_hi,
+                                                uint64_t id_lo,
+                                                void **ptrs,
+                                                struct streamalloc_entry_t *entries,
+                                                size_t max,
+                                                size_t *n);
+
 // Allocates `size` bytes of page-locked host memory from the process's pinned pool and
 // writes the address to `*out` (NULL for size 0, which succeeds, and on failure). Blocks are
 // powers of two and reused once the work of the streams recorded on them
@@ -269,6 +394,12 @@ enum streamalloc_status_t streamalloc_host_free(void *ptr);
 enum streamalloc_status_t streamalloc_host_record_stream(void *ptr,
                                                          int device,
                                                          cudaStream_t stream);
+
+// Whether `ptr` is a live pinned allocation of the pool (the address a block starts at, not
+// freed yet): what tells a pointer that is none of the pool's from a call refused for another
+// reason (a front end hands the former to another allocator, and reports the latter). False
+// before the pool's first allocation, and on any error.
+bool streamalloc_host_is_live(const void *ptr);
 
 // Gives the pinned memory no allocation uses back (`cuMemFreeHost`): the pool's, and that
 // which sleeps with offload keep (`streamalloc_sleep`; no device's `streamalloc_empty_cache`
@@ -362,6 +493,28 @@ enum streamalloc_status_t streamalloc_ipc_open(const uint8_t *handle,
 // process maps it any more. A pointer that is no such range (closed twice) is
 // `STREAMALLOC_INVALID_ARGUMENT` and changes nothing.
 enum streamalloc_status_t streamalloc_ipc_close(void *ptr);
+
+// Lists the segments that `device`'s allocators and private pools hold from the device, in
+// address order, and their blocks: up to `max_segments` segments to `segments` and up to
+// `max_blocks` blocks to `blocks`, with the counts there are written to `*n_segments` and
+// `*n_blocks`. With too little room (NULL and 0 ask for the counts only) nothing is written
+// to the arrays and the status is `STREAMALLOC_INVALID_ARGUMENT`: call again with the counts
+// (they may have grown meanwhile). A device not used yet has none. Under `strategy=async`
+// (the driver's pool, which does not say where its memory is) each live allocation is a
+// segment of one block, its size as asked for, and the driver's cache is not listed. Taken
+// pool by pool: allocations on other threads meanwhile may show in some pools and not others.
+//
+// # Safety
+// `segments` is valid for writing `max_segments` segments, `blocks` for `max_blocks` blocks
+// (either may be NULL with 0); `n_segments` and `n_blocks` are NULL (an error) or valid for
+// writing a `size_t`.
+enum streamalloc_status_t streamalloc_segments(int device,
+                                               struct streamalloc_segment_t *segments,
+                                               size_t max_segments,
+                                               struct streamalloc_block_t *blocks,
+                                               size_t max_blocks,
+                                               size_t *n_segments,
+                                               size_t *n_blocks);
 
 // Creates a simulated stream on `device` (`device=sim` only) and writes its handle to `*out`.
 //

@@ -17,7 +17,7 @@ use core_alloc::device::sim::SimDevice;
 use core_alloc::{Error, Result, Stats};
 
 use crate::state::{ordinal, State};
-use crate::status::{self, StreamallocStats, StreamallocStatus};
+use crate::status::{self, StreamallocStatus};
 use crate::CudaStream;
 
 /// The process's pinned pool and what the C functions need beside it.
@@ -132,6 +132,20 @@ pub extern "C" fn streamalloc_host_record_stream(
     })
 }
 
+/// Whether `ptr` is a live pinned allocation of the pool (the address a block starts at, not
+/// freed yet): what tells a pointer that is none of the pool's from a call refused for another
+/// reason (a front end hands the former to another allocator, and reports the latter). False
+/// before the pool's first allocation, and on any error.
+#[no_mangle]
+pub extern "C" fn streamalloc_host_is_live(ptr: *const c_void) -> bool {
+    let mut live = false;
+    status::status(|| {
+        live = host()?.is_some_and(|h| h.pool.is_live(ptr as u64));
+        Ok(())
+    });
+    live
+}
+
 /// Gives the pinned memory no allocation uses back (`cuMemFreeHost`): the pool's, and that
 /// which sleeps with offload keep (`streamalloc_sleep`; no device's `streamalloc_empty_cache`
 /// gives it back, so that the next sleep pins nothing), but for a sleeping tag's contents.
@@ -166,7 +180,7 @@ pub unsafe extern "C" fn streamalloc_host_release(released: *mut usize) -> Strea
 /// # Safety
 /// `out` is null (an error) or valid for writing a `streamalloc_stats_t`.
 #[no_mangle]
-pub unsafe extern "C" fn streamalloc_host_stats(out: *mut StreamallocStats) -> StreamallocStatus {
+pub unsafe extern "C" fn streamalloc_host_stats(out: *mut Stats) -> StreamallocStatus {
     status::status(|| {
         if out.is_null() {
             return Err(Error::InvalidArgument("out is null".into()));
@@ -174,7 +188,7 @@ pub unsafe extern "C" fn streamalloc_host_stats(out: *mut StreamallocStats) -> S
         let pool = host()?.map(|h| h.pool.stats()).unwrap_or_default();
         let stats: Stats = [pool, State::get()?.facade().offload_stats()].into_iter().sum();
         // SAFETY: `out` is non-null and, by the caller's contract, valid for writes.
-        unsafe { out.write(stats.into()) };
+        unsafe { out.write(stats) };
         Ok(())
     })
 }

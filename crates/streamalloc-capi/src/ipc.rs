@@ -25,7 +25,6 @@
 //! (u64 each), which [`streamalloc_ipc_open`] checks before it copies any descriptor (see
 //! DESIGN.md, "IPC trust model").
 
-use std::collections::HashMap;
 use std::os::fd::AsFd;
 use std::os::raw::{c_int, c_void};
 use std::ptr;
@@ -33,7 +32,6 @@ use std::ptr;
 use core_alloc::allocators::backing::share_mapped;
 use core_alloc::device::ipc::{check_exports, fetch_fds, registry_fd, SharedPiece};
 use core_alloc::{DevicePtr, Error, Result};
-use parking_lot::Mutex;
 
 use crate::state::{ordinal, State};
 use crate::status::{self, StreamallocStatus};
@@ -146,11 +144,6 @@ impl Handle {
         Ok(Handle { pid, segment, trailer, pieces })
     }
 }
-
-/// Ranges [`streamalloc_ipc_open`] mapped in this process and not yet closed: base -> device
-/// ordinal and bytes.
-#[derive(Default)]
-pub(crate) struct Opened(Mutex<HashMap<DevicePtr, (usize, usize)>>);
 
 /// The handle of the live allocation at `[ptr, ptr + size)` (its start, and at most its size),
 /// and the allocation's offset in the range the handle maps.

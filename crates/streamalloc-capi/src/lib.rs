@@ -32,9 +32,12 @@
 #![warn(missing_docs)]
 
 mod cupy;
+mod entries;
 mod fork;
 mod host;
 mod ipc;
+mod opened;
+mod segments;
 mod sim;
 mod sim_streams;
 mod sleep;
@@ -51,18 +54,26 @@ use core_alloc::facade::Config;
 use core_alloc::Error;
 use libc::ssize_t;
 
+pub use core_alloc::allocators::TagStats;
+pub use core_alloc::Stats;
 pub use cupy::{
     streamalloc_cupy_free, streamalloc_cupy_malloc, streamalloc_cupy_set_stream_keeper,
     streamalloc_cupy_set_stream_source, CupyStreamKeeper, CupyStreamSource,
 };
+pub use entries::{
+    streamalloc_allocate_word, streamalloc_entry, streamalloc_free_word, streamalloc_pool_live,
+    StreamallocEntry,
+};
 pub use host::{
-    streamalloc_host_alloc, streamalloc_host_free, streamalloc_host_record_stream, streamalloc_host_release,
-    streamalloc_host_reset_peak_stats, streamalloc_host_stats, streamalloc_sim_use_host,
+    streamalloc_host_alloc, streamalloc_host_free, streamalloc_host_is_live, streamalloc_host_record_stream,
+    streamalloc_host_release, streamalloc_host_reset_peak_stats, streamalloc_host_stats,
+    streamalloc_sim_use_host,
 };
 pub use ipc::{
     streamalloc_ipc_close, streamalloc_ipc_export, streamalloc_ipc_open, STREAMALLOC_IPC_KIND,
     STREAMALLOC_IPC_VERSION,
 };
+pub use segments::{streamalloc_segments, StreamallocBlock, StreamallocBlockState, StreamallocSegment};
 pub use sim::{
     streamalloc_sim_advance, streamalloc_sim_create_stream, streamalloc_sim_destroy_stream,
     streamalloc_sim_synchronize, streamalloc_sim_use, streamalloc_sim_violations,
@@ -70,10 +81,9 @@ pub use sim::{
 };
 pub use sleep::{
     streamalloc_sleep, streamalloc_tag_pop, streamalloc_tag_push, streamalloc_tag_stats, streamalloc_wake,
-    StreamallocTagStats,
 };
 use state::State;
-pub use status::{StreamallocStats, StreamallocStatus};
+pub use status::StreamallocStatus;
 pub use torch::*;
 pub use trace::{streamalloc_trace_use, streamalloc_trace_wait};
 
@@ -177,14 +187,14 @@ pub extern "C" fn streamalloc_retire_stream(device: c_int, stream: CudaStream) -
 /// # Safety
 /// `out` is null (an error) or valid for writing a `streamalloc_stats_t`.
 #[no_mangle]
-pub unsafe extern "C" fn streamalloc_stats(device: c_int, out: *mut StreamallocStats) -> StreamallocStatus {
+pub unsafe extern "C" fn streamalloc_stats(device: c_int, out: *mut Stats) -> StreamallocStatus {
     status::status(|| {
         if out.is_null() {
             return Err(Error::InvalidArgument("out is null".into()));
         }
         let stats = State::get()?.stats(device)?;
         // SAFETY: `out` is non-null and, by the caller's contract, valid for writes.
-        unsafe { out.write(stats.into()) };
+        unsafe { out.write(stats) };
         Ok(())
     })
 }
@@ -237,6 +247,14 @@ pub unsafe extern "C" fn streamalloc_configure(conf: *const c_char) -> Streamall
 #[no_mangle]
 pub extern "C" fn streamalloc_check_configuration() -> StreamallocStatus {
     status::status(|| State::get().map(|_| ()))
+}
+
+/// The text of `streamalloc.h`, the header this library was built with (NUL-terminated, owned
+/// by the library, never freed): front ends that reach the library without a compiler (Python's
+/// ctypes) take its structs from here, and the torch backend is compiled against it.
+#[no_mangle]
+pub extern "C" fn streamalloc_header() -> *const c_char {
+    concat!(include_str!("../include/streamalloc.h"), "\0").as_ptr().cast()
 }
 
 /// The message of the last failed call on the calling thread (an empty string if none). The

@@ -52,6 +52,13 @@ impl SimStreams {
         Ok((Some(device), stream))
     }
 
+    /// The handle of `stream` of `device` (0 for the legacy default stream, or a stream that
+    /// has none: made by the library itself, or its handle destroyed).
+    pub(crate) fn handle_of(&self, device: usize, stream: Stream) -> u64 {
+        let table = self.by_handle.lock();
+        table.iter().find(|(_, &(d, s))| d == device && s == stream).map_or(0, |(&h, _)| h)
+    }
+
     /// Forgets `handle`; its device and stream, if it was one.
     pub(crate) fn remove(&self, handle: u64) -> Option<(usize, Stream)> {
         self.by_handle.lock().remove(&handle)

@@ -18,34 +18,7 @@ use core_alloc::{Error, Result};
 
 use crate::fork;
 use crate::state::State;
-use crate::status::{self, StreamallocStats, StreamallocStatus};
-
-/// The figures of one tag on one device ([`streamalloc_tag_stats`]).
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-pub struct StreamallocTagStats {
-    /// 1 while the tag sleeps, else 0.
-    pub asleep: c_int,
-    /// 1 while it sleeps with its contents offloaded to host memory (the wake copies them
-    /// back), else 0.
-    pub offloaded: c_int,
-    /// Bytes given back to the device at their addresses while it sleeps (0 awake).
-    pub slept: usize,
-    /// The tag's pool's figures; while the tag sleeps, `reserved` counts only what could not
-    /// be given back (0 normally) and `cached` nothing.
-    pub stats: StreamallocStats,
-}
-
-impl From<TagStats> for StreamallocTagStats {
-    fn from(t: TagStats) -> Self {
-        Self {
-            asleep: c_int::from(t.asleep),
-            offloaded: c_int::from(t.offloaded),
-            slept: t.slept,
-            stats: t.stats.into(),
-        }
-    }
-}
+use crate::status::{self, StreamallocStatus};
 
 /// `s`, a tag name from C.
 ///
@@ -174,7 +147,7 @@ pub unsafe extern "C" fn streamalloc_wake(
 pub unsafe extern "C" fn streamalloc_tag_stats(
     device: c_int,
     tag: *const c_char,
-    out: *mut StreamallocTagStats,
+    out: *mut TagStats,
 ) -> StreamallocStatus {
     status::status(|| {
         if out.is_null() {
@@ -185,7 +158,7 @@ pub unsafe extern "C" fn streamalloc_tag_stats(
         let tag = Tag::new(unsafe { name(tag) }?)?;
         let stats = layer(state, device)?.tag_stats(tag);
         // SAFETY: `out` is non-null and, by the caller's contract, valid for writes.
-        unsafe { out.write(stats.into()) };
+        unsafe { out.write(stats) };
         Ok(())
     })
 }

@@ -8,11 +8,11 @@ use std::sync::OnceLock;
 use core_alloc::device::EventPool;
 use core_alloc::error::try_each;
 use core_alloc::facade::private_pools::{PoolId, Routed, StreamFilter};
-use core_alloc::facade::{Config, DeviceKind, DeviceStack, Facade, MAX_DEVICES};
+use core_alloc::facade::{Config, DeviceKind, DeviceStack, Facade, Freed, StreamHint, MAX_DEVICES};
 use core_alloc::{Allocator, DevicePtr, Error, Result, Stats, Stream};
 
 use crate::fork;
-use crate::ipc::Opened;
+use crate::opened::Opened;
 use crate::sim_streams::SimStreams;
 
 /// Everything the exported functions share.
@@ -85,18 +85,13 @@ impl State {
         }
     }
 
-    /// Builds the state from `config`; if it is already built, succeeds only when it was built
-    /// from an equal configuration. A `trace` key in `STREAMALLOC_CONF` is kept when `config`
-    /// has none: a trace asked for from outside (as `streamalloc record` does) is written
-    /// whatever configuration the program passes.
-    pub(crate) fn configure(mut config: Config) -> Result<()> {
+    /// Builds the state from `config` with the environment's trace
+    /// ([`Config::with_env_trace`]); if it is already built, succeeds only when it was built
+    /// from an equal configuration.
+    pub(crate) fn configure(config: Config) -> Result<()> {
         fork::check()?;
         fork::note_use();
-        if config.trace.is_none() {
-            if let Ok(Config { trace: Some(path), .. }) = Config::from_env() {
-                config.trace = Some(path);
-            }
-        }
+        let config = config.with_env_trace();
         let mut built_here = false;
         let state = STATE.get_or_init(|| {
             built_here = true;
@@ -155,33 +150,56 @@ impl State {
         }
     }
 
+    /// The C handle of `stream` of `device`: itself on CUDA; with `device=sim`, the handle
+    /// [`SimStreams`] gave it (0 for one it gave none).
+    pub(crate) fn handle(&self, device: usize, stream: Stream) -> u64 {
+        match self.config().device {
+            DeviceKind::Sim => self.sim_streams.handle_of(device, stream),
+            _ => stream.0,
+        }
+    }
+
     /// The stream a C handle stands for, with its device when the handle says which.
-    fn named(&self, handle: u64) -> Result<Named> {
+    fn named(&self, handle: u64) -> Result<StreamHint> {
         if self.config().device != DeviceKind::Sim {
-            return Ok(Named { device: None, stream: Stream(handle) });
+            return Ok(StreamHint { device: None, stream: Stream(handle) });
         }
         let (device, stream) = self.sim_streams.get(handle)?;
-        Ok(Named { device, stream })
+        Ok(StreamHint { device, stream })
     }
 
     /// Allocates `size` bytes owned by the stream of C handle `stream`; 0 (null) for size 0.
     /// With `device=sim`, the ordering checker sees every handout.
     pub(crate) fn allocate(&self, size: usize, device: c_int, stream: u64) -> Result<DevicePtr> {
+        self.allocate_with(size, device, stream, 0).map(|(ptr, _)| ptr)
+    }
+
+    /// [`State::allocate`], keeping the front end's `word` with the allocation (see
+    /// [`Pointers::allocate_ptr_with`](core_alloc::adaptors::Pointers::allocate_ptr_with));
+    /// with the private pool that took it, if one did.
+    pub(crate) fn allocate_with(
+        &self,
+        size: usize,
+        device: c_int,
+        stream: u64,
+        word: u64,
+    ) -> Result<(DevicePtr, Option<PoolId>)> {
         let device = ordinal(device)?;
         if size == 0 {
-            return Ok(0);
+            return Ok((0, None));
         }
         if size > isize::MAX as usize {
             return Err(Error::InvalidArgument(format!("size {size} is larger than any allocation can be")));
         }
         let stream = self.stream(stream, Some(device))?;
         let stack = self.facade.stack(device)?;
-        let ptr = match stack.private.allocate(size, stream)? {
+        let (routed, pool) = stack.private.allocate_with(size, stream, word)?;
+        let ptr = match routed {
             Routed::Pool(ptr) => ptr,
             Routed::Main { graphed } => {
                 let ptr = match self.fraction_limits[device].load(Ordering::Relaxed) {
-                    0 => stack.allocator.allocate_ptr(size, stream)?,
-                    limit => self.allocate_limited(stack, size, stream, limit)?,
+                    0 => stack.allocator.allocate_ptr_with(size, stream, word)?,
+                    limit => self.allocate_limited(stack, size, stream, limit, word)?,
                 };
                 if graphed {
                     stack.private.note_graphed(ptr);
@@ -192,7 +210,7 @@ impl State {
         if let Some(sim) = &stack.sim {
             sim.check_handout(ptr, size, stack.allocator.owner_of(ptr, stream).unwrap_or(stream));
         }
-        Ok(ptr)
+        Ok((ptr, pool))
     }
 
     /// Allocates under the limit of [`State::set_memory_fraction`], on reserved memory as
@@ -212,6 +230,7 @@ impl State {
         size: usize,
         stream: Stream,
         limit: usize,
+        word: u64,
     ) -> Result<DevicePtr> {
         let exceeded = |in_use: usize| Error::LimitExceeded {
             device: stack.device.ordinal(),
@@ -223,7 +242,7 @@ impl State {
         if before.allocated.saturating_add(size) > limit {
             return Err(exceeded(before.allocated));
         }
-        let ptr = stack.allocator.allocate_ptr(size, stream)?;
+        let ptr = stack.allocator.allocate_ptr_with(size, stream, word)?;
         if stack.allocator.stats().reserved <= limit {
             return Ok(ptr);
         }
@@ -264,7 +283,9 @@ impl State {
         let Some(stack) = self.facade.built(ordinal) else { return Ok(()) };
         // `owner` is a stream of this device, which deferred the free.
         try_each(stack.private.end(id), |(ptr, owner)| {
-            self.free_now(ptr, Some(device), Named { device: Some(ordinal), stream: owner })
+            self.facade
+                .free_now(ptr, Some(ordinal), StreamHint { device: Some(ordinal), stream: owner })
+                .map(drop)
         })
     }
 
@@ -307,53 +328,20 @@ impl State {
     /// `ptr` is none of the other stacks' (its memory then stays allocated rather than be
     /// freed into a graph): another device's error never cancels the free.
     pub(crate) fn free(&self, ptr: DevicePtr, device: Option<c_int>, owner: u64) -> Result<()> {
+        self.take(ptr, device, owner).map(drop)
+    }
+
+    /// [`State::free`], returning what the library kept for the allocation (`None` for null):
+    /// [`Facade::free_ptr`] with `owner`'s stream as the C handle names it.
+    pub(crate) fn take(&self, ptr: DevicePtr, device: Option<c_int>, owner: u64) -> Result<Option<Freed>> {
         // Only a hint: one that stands for no stream is no reason to keep the memory.
-        let owner = self.named(owner).unwrap_or(Named::DEFAULT);
-        if ptr == 0 {
-            return Ok(());
-        }
-        let mut undecided: Vec<(&DeviceStack, Error)> = Vec::new();
-        for stack in self.stacks_from(device) {
-            match stack.private.defer_free(ptr, owner.on(stack)) {
-                Ok(true) => return Ok(()),
-                Ok(false) => {}
-                Err(e) => undecided.push((stack, e)),
-            }
-        }
-        if undecided.is_empty() {
-            return self.free_now(ptr, device, owner);
-        }
-        let decided = |s: &DeviceStack| !undecided.iter().any(|(u, _)| std::ptr::eq(*u, s));
-        if self.free_in(ptr, device, owner, decided) {
-            return Ok(());
-        }
-        // The pointer is the memory of a stack that could not decide (whose device knows it),
-        // or of none.
-        let holder = undecided.iter().position(|(s, _)| s.device.address_range(ptr).is_ok());
-        Err(holder.map_or_else(|| not_live(ptr), |i| undecided.swap_remove(i).1))
+        let owner = self.named(owner).unwrap_or(StreamHint::DEFAULT);
+        self.facade.free_ptr(ptr, device.and_then(|d| usize::try_from(d).ok()), owner)
     }
 
-    /// Frees the allocation at `ptr` (not null), of `owner`, from whichever stack or private
-    /// pool made it (`device`'s first).
-    fn free_now(&self, ptr: DevicePtr, device: Option<c_int>, owner: Named) -> Result<()> {
-        match self.free_in(ptr, device, owner, |_| true) {
-            true => Ok(()),
-            false => Err(not_live(ptr)),
-        }
-    }
-
-    /// Frees the allocation at `ptr` (not null), of `owner`, from whichever of the stacks
-    /// `among` takes, or their private pools, made it (`device`'s first); whether one did.
-    fn free_in(
-        &self,
-        ptr: DevicePtr,
-        device: Option<c_int>,
-        owner: Named,
-        among: impl Fn(&DeviceStack) -> bool,
-    ) -> bool {
-        let mut stacks = self.stacks_from(device).filter(|s| among(s));
-        stacks.any(|s| s.allocator.free_ptr(ptr, owner.on(s)))
-            || self.stacks_from(device).filter(|s| among(s)).any(|s| s.private.free(ptr, owner.on(s)))
+    /// What the library keeps for the live allocation at `ptr` ([`Facade::entry`]).
+    pub(crate) fn entry(&self, ptr: DevicePtr) -> Result<Freed> {
+        self.facade.entry(ptr)
     }
 
     /// Frees the allocation at `ptr` (null: nothing to do), made on the legacy default stream
@@ -429,9 +417,7 @@ impl State {
 
     /// The stacks built so far, that of `device` (if it is one in use) first.
     fn stacks_from(&self, device: Option<c_int>) -> impl Iterator<Item = &DeviceStack> {
-        let first = device.and_then(|d| usize::try_from(d).ok()).and_then(|d| self.facade.built(d));
-        let rest = self.facade.built_stacks().filter(move |s| !first.is_some_and(|f| std::ptr::eq(f, *s)));
-        first.into_iter().chain(rest)
+        self.facade.stacks_from(device.and_then(|d| usize::try_from(d).ok()))
     }
 
     /// Returns cached memory of `device` to the driver; the bytes returned (0 for a device
@@ -476,30 +462,6 @@ pub(crate) fn ordinal(device: c_int) -> Result<usize> {
     usize::try_from(device).ok().filter(|d| *d < MAX_DEVICES).ok_or_else(|| {
         Error::InvalidArgument(format!("device {device} is not a device ordinal in 0..{MAX_DEVICES}"))
     })
-}
-
-/// A stream as a C handle names it, with its device when the handle says (a simulated
-/// stream's handle); else (NULL, the legacy default stream of every device, or a CUDA stream)
-/// any device's.
-#[derive(Clone, Copy)]
-struct Named {
-    device: Option<usize>,
-    stream: Stream,
-}
-
-impl Named {
-    /// The legacy default stream.
-    const DEFAULT: Self = Self { device: None, stream: Stream::DEFAULT };
-
-    /// The stream as `stack` is to see it, as a hint of the stream an allocation was made on:
-    /// a stream of another device is none of its streams (the simulators number their
-    /// streams alike), and only the legacy default stream stands there for it.
-    fn on(self, stack: &DeviceStack) -> Stream {
-        match self.device {
-            Some(d) if d != stack.device.ordinal() => Stream::DEFAULT,
-            _ => self.stream,
-        }
-    }
 }
 
 fn not_live(ptr: DevicePtr) -> Error {
@@ -551,6 +513,36 @@ mod tests {
             1,
             "the graph's output is live, the warm-up's freed"
         );
+    }
+
+    /// Issue 48: the torch backend keeps no table, so its free names the current stream, not
+    /// the allocation's: the warm-up's output, freed inside the capture with the legacy default
+    /// stream as the hint, still waits for the capture's end (the allocation's own stream
+    /// decides), or every replay would free it.
+    #[test]
+    fn under_async_a_free_in_a_capture_is_deferred_whatever_stream_the_free_names() {
+        let state = State::new(Config::parse("device=sim,strategy=async,sim_capacity=4GiB").unwrap());
+        let stack = state.stack(0).unwrap();
+        let sim = stack.sim.clone().unwrap();
+        let s = sim.create_stream().unwrap();
+        let handle = state.sim_streams().insert(0, s);
+        let warm_up = state.allocate(4 << 20, 0, handle).unwrap();
+        let filter_sim = sim.clone();
+        let filter: StreamFilter =
+            Arc::new(move |x| filter_sim.capture_status(x).is_ok_and(|c| c != CaptureStatus::None));
+        state.pool_begin(0, (0, 1), filter).unwrap();
+        sim.begin_capture(s).unwrap();
+        let out = state.allocate(4 << 20, 0, handle).unwrap();
+        sim.use_range(out, 4 << 20, s, 1_000).unwrap();
+        let freed = state.take(warm_up, None, 0).unwrap().expect("the warm-up's entry");
+        assert_eq!(freed.entry.stream, s);
+        let graph = sim.end_capture(s).unwrap();
+        state.pool_end(0, (0, 1)).unwrap();
+        let exec = sim.instantiate_graph_auto_free(graph).unwrap();
+        sim.launch_graph(exec, s).unwrap();
+        sim.launch_graph(exec, s).expect("the second replay frees nothing the graph did not allocate");
+        sim.synchronize_stream(s).unwrap();
+        assert!(sim.violations().is_empty(), "{:?}", sim.violations());
     }
 
     /// Issue 33: under a memory fraction, a release that failed inside an allocation returned

@@ -1,4 +1,4 @@
-//! Status codes, the statistics struct, the thread-local last error, and the guards that keep
+//! Status codes, the thread-local last error, and the guards that keep
 //! errors and panics from crossing the C boundary.
 
 use std::cell::RefCell;
@@ -6,7 +6,7 @@ use std::ffi::{CStr, CString};
 use std::os::raw::c_char;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use core_alloc::{Error, Result, Stats};
+use core_alloc::{Error, Result};
 
 /// What a C API call returns. The variants are named as C sees them.
 #[repr(C)]
@@ -54,63 +54,6 @@ impl StreamallocStatus {
             Error::Config(_) => Self::STREAMALLOC_CONFIG_ERROR,
             Error::Trace { .. } | Error::Io(_) => Self::STREAMALLOC_IO_ERROR,
             Error::HeldBack { first, .. } => Self::of(first),
-        }
-    }
-}
-
-/// The statistics of one device's allocator stack (mirrors the core crate's `Stats`; figures
-/// the strategy does not track stay 0).
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-pub struct StreamallocStats {
-    /// Bytes handed out and not yet freed (sizes as asked for).
-    pub allocated: usize,
-    /// Peak of `allocated`.
-    pub allocated_peak: usize,
-    /// Bytes held from the device.
-    pub reserved: usize,
-    /// Peak of `reserved`.
-    pub reserved_peak: usize,
-    /// Bytes held from the device and free for reuse.
-    pub cached: usize,
-    /// Largest single block in `cached`.
-    pub largest_free_block: usize,
-    /// Bytes freed whose reuse still waits on another stream's work.
-    pub pending_release: usize,
-    /// Allocations live now.
-    pub live_allocations: u64,
-    /// Allocations made since the start.
-    pub total_allocations: u64,
-    /// Frees since the start.
-    pub total_frees: u64,
-    /// Calls that allocated from the device.
-    pub device_allocs: u64,
-    /// Calls that returned memory to the device.
-    pub device_frees: u64,
-    /// Allocations that failed, each counted once (refusals under `limit` included).
-    pub failures: u64,
-    /// Allocations that succeeded only after the allocator released cached memory, waited
-    /// or tried again.
-    pub retries: u64,
-}
-
-impl From<Stats> for StreamallocStats {
-    fn from(s: Stats) -> Self {
-        Self {
-            allocated: s.allocated,
-            allocated_peak: s.allocated_peak,
-            reserved: s.reserved,
-            reserved_peak: s.reserved_peak,
-            cached: s.cached,
-            largest_free_block: s.largest_free_block,
-            pending_release: s.pending_release,
-            live_allocations: s.live_allocations,
-            total_allocations: s.total_allocations,
-            total_frees: s.total_frees,
-            device_allocs: s.device_allocs,
-            device_frees: s.device_frees,
-            failures: s.failures,
-            retries: s.retries,
         }
     }
 }

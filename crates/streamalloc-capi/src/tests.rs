@@ -56,10 +56,7 @@ fn devices() {
         // SAFETY: valid out-pointers.
         unsafe {
             assert_eq!(streamalloc_release(device, &mut released), STREAMALLOC_INVALID_ARGUMENT);
-            assert_eq!(
-                streamalloc_stats(device, &mut StreamallocStats::default()),
-                STREAMALLOC_INVALID_ARGUMENT
-            );
+            assert_eq!(streamalloc_stats(device, &mut Stats::default()), STREAMALLOC_INVALID_ARGUMENT);
         }
     }
     // Zero size still checks the device.
@@ -138,7 +135,7 @@ fn configuration() {
 fn stats_and_release() {
     setup();
     let (_, p) = allocate(1000, 3);
-    let mut s = StreamallocStats::default();
+    let mut s = Stats::default();
     // SAFETY: valid out-pointers.
     unsafe {
         assert_eq!(streamalloc_stats(3, &mut s), STREAMALLOC_OK);
@@ -193,7 +190,7 @@ fn threads_share_the_map() {
     for h in handles {
         h.join().unwrap();
     }
-    let mut s = StreamallocStats::default();
+    let mut s = Stats::default();
     // SAFETY: a valid out-pointer.
     assert_eq!(unsafe { streamalloc_stats(1, &mut s) }, STREAMALLOC_OK);
     assert_eq!((s.allocated, s.live_allocations, s.total_allocations), (0, 0, 16_000));
@@ -227,7 +224,7 @@ fn record_stream_on_an_unknown_stream_fails_at_that_call() {
     assert_eq!(streamalloc_record_stream(p, bogus), STREAMALLOC_INVALID_ARGUMENT);
     assert!(last_error().contains("stream 0x1234"), "{}", last_error());
     assert_eq!(streamalloc_deallocate(p), STREAMALLOC_OK);
-    let mut st = StreamallocStats::default();
+    let mut st = Stats::default();
     // SAFETY: a valid out-pointer.
     assert_eq!(unsafe { streamalloc_stats(6, &mut st) }, STREAMALLOC_OK);
     assert_eq!((st.allocated, st.pending_release, st.live_allocations), (0, 0, 0), "nothing kept back");
@@ -282,7 +279,7 @@ fn peaks_reset_and_retries_are_reported() {
     let device = 8;
     let (_, p) = allocate(3 << 20, device);
     assert_eq!(streamalloc_deallocate(p), STREAMALLOC_OK);
-    let mut s = StreamallocStats { retries: u64::MAX, ..StreamallocStats::default() };
+    let mut s = Stats { retries: u64::MAX, ..Stats::default() };
     // SAFETY: valid out-pointers.
     unsafe {
         assert_eq!(streamalloc_stats(device, &mut s), STREAMALLOC_OK);
@@ -382,7 +379,7 @@ fn a_stream_handle_of_one_device_is_no_stream_of_another() {
     assert_eq!(streamalloc_record_stream(p, ptr::null_mut()), STREAMALLOC_OK, "{}", last_error());
     // As a free's owner it is only a hint, and a wrong one.
     streamalloc_free(p, 4096, d0, s1);
-    let mut st = StreamallocStats::default();
+    let mut st = Stats::default();
     // SAFETY: a valid out-pointer.
     assert_eq!(unsafe { streamalloc_stats(d0, &mut st) }, STREAMALLOC_OK);
     assert_eq!(st.live_allocations, 0, "freed");
@@ -460,8 +457,13 @@ fn pinned_host_memory_through_the_c_abi() {
     );
     assert!(last_error().contains("not a live pinned allocation"), "{}", last_error());
     assert_eq!(streamalloc_host_record_stream(p, D, 0xbad0 as CudaStream), STREAMALLOC_INVALID_ARGUMENT);
+    // Issue 52: a record refused for its stream is told apart from a block that is not the
+    // pool's (the torch backend gave both to torch's previous allocator, dropping the record).
+    assert!(streamalloc_host_is_live(p), "refused for its stream, the block is still the pool's");
+    assert!(!streamalloc_host_is_live(p.wrapping_byte_add(64)));
     assert_eq!(streamalloc_host_record_stream(ptr::null_mut(), D, stream), STREAMALLOC_OK);
     assert_eq!(streamalloc_host_free(p), STREAMALLOC_OK);
+    assert!(!streamalloc_host_is_live(p), "freed");
     assert_eq!(streamalloc_host_free(p), STREAMALLOC_INVALID_ARGUMENT, "freed twice");
     assert_eq!(streamalloc_host_free(ptr::null_mut()), STREAMALLOC_OK);
     // The copy still reads the block: another one comes, then, once the copy is done, it.
@@ -470,7 +472,7 @@ fn pinned_host_memory_through_the_c_abi() {
     assert_eq!(streamalloc_sim_synchronize(D, stream), STREAMALLOC_OK);
     let (_, r) = alloc(1 << 20, D);
     assert_eq!(r, p);
-    let mut stats = StreamallocStats::default();
+    let mut stats = Stats::default();
     // SAFETY: a valid out-pointer.
     assert_eq!(unsafe { streamalloc_host_stats(&mut stats) }, STREAMALLOC_OK);
     assert_eq!((stats.allocated, stats.reserved, stats.device_allocs), (2 << 20, 2 << 20, 2));

@@ -884,6 +884,9 @@ mod tests {
         fn device(&self) -> usize {
             self.inner.device()
         }
+        fn segments(&self, out: &mut Vec<streamalloc::Segment>) -> Result<()> {
+            self.inner.segments(out)
+        }
     }
 
     /// Issue 18: the Thread column was ignored. On threads, each recorded thread allocates

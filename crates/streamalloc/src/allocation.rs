@@ -212,7 +212,45 @@ impl std::fmt::Debug for Allocation {
     }
 }
 
-/// Statistics every allocator reports. Figures an allocator does not track stay 0.
+/// A range of device memory an allocator holds (a device allocation, or a mapped range), with
+/// its blocks in address order, which tile it ([`Allocator::segments`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Segment {
+    /// Its first byte.
+    pub addr: DevicePtr,
+    /// Its bytes.
+    pub size: usize,
+    /// The stream whose pool holds it (the allocator's default stream where it has one pool).
+    pub stream: Stream,
+    /// Its blocks, in address order, from `addr` to `addr + size`.
+    pub blocks: Vec<SegmentBlock>,
+}
+
+/// One block of a [`Segment`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SegmentBlock {
+    /// Its first byte.
+    pub addr: DevicePtr,
+    /// Its bytes (as the allocator rounded the request).
+    pub size: usize,
+    /// What it is now.
+    pub state: BlockState,
+}
+
+/// What a [`SegmentBlock`] is now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockState {
+    /// Free for reuse.
+    Free,
+    /// Handed out and not freed.
+    Allocated,
+    /// Freed; its reuse waits for work of streams recorded on it.
+    Pending,
+}
+
+/// Statistics every allocator reports. Figures an allocator does not track stay 0. Laid out
+/// as C lays it out: it is the C ABI's `streamalloc_stats_t` too.
+#[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Stats {
     /// Bytes handed out to callers and not yet freed (sizes as asked for).
@@ -399,6 +437,10 @@ pub trait Allocator: Send + Sync {
     fn reset_peak_stats(&self);
     /// The device ordinal this allocator serves.
     fn device(&self) -> usize;
+    /// Appends the segments it holds from the device to `out`, each with its blocks;
+    /// [`Error::Unsupported`](crate::Error::Unsupported) where the memory is the driver's to
+    /// place (`AsyncPool`). Taken pool by pool: concurrent calls may move blocks meanwhile.
+    fn segments(&self, out: &mut Vec<Segment>) -> Result<()>;
 }
 
 /// An allocator that allocates on any stream, following the ordering contract of the
@@ -461,6 +503,9 @@ impl<A: Allocator + ?Sized> Allocator for Arc<A> {
     }
     fn device(&self) -> usize {
         (**self).device()
+    }
+    fn segments(&self, out: &mut Vec<Segment>) -> Result<()> {
+        (**self).segments(out)
     }
 }
 

@@ -48,6 +48,9 @@ impl Allocator for ReuseAtOnce {
     fn device(&self) -> usize {
         0
     }
+    fn segments(&self, _out: &mut Vec<streamalloc::Segment>) -> streamalloc::Result<()> {
+        Err(streamalloc::Error::Unsupported("a test double".into()))
+    }
 }
 
 impl StreamAllocator for ReuseAtOnce {

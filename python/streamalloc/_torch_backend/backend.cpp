@@ -8,16 +8,21 @@
 //
 // libstreamalloc is not linked: install() dlopen()s the path it is given (the file ctypes has
 // already loaded, so the same handle and the same allocator state as streamalloc.stats() and
-// the other Python functions) and resolves every function it calls by name. The library's
-// structs are mirrored field for field in lib.h, which host.cpp shares (see
-// crates/streamalloc-capi/include/streamalloc.h).
+// the other Python functions) and resolves every function it calls by name. Its types come
+// from its generated header (lib.h includes it; host.cpp shares it).
+//
+// The library keeps the books: what torch needs per allocation rides in its pointer table
+// (Note [the word]), which private pool takes an allocation is the library's routing, and the
+// snapshot is its list of segments. Allocation and free take no lock of the backend's own
+// (counts are atomics); the locks below serve private pools' books, checkpoints and history.
 //
 // What each of torch's methods does here:
-//   allocate / raw_alloc*           streamalloc_allocate on torch's current stream; failure from
+//   allocate / raw_alloc*           streamalloc_allocate_word on torch's current stream; failure from
 //                                   lack of memory (or the memory fraction) calls torch's OOM
 //                                   observers and throws c10::OutOfMemoryError
 //                                   (torch.cuda.OutOfMemoryError) with the library's diagnostic
-//   raw_delete / the deleter        streamalloc_free, with the allocation's device and stream
+//   raw_delete / the deleter        streamalloc_free_word (hinted with the current device and
+//                                   stream), which hands back what the library kept
 //   recordStream                    streamalloc_record_stream (ignored, as native does, for
 //                                   memory not deleted by this allocator: IPC-sent storages)
 //   emptyCache                      streamalloc_torch_empty_cache (every device; not while a
@@ -73,18 +78,13 @@
 //   SNAPSHOT        a snapshot was taken (in the next snapshot's traces, as native)
 // SEGMENT_ALLOC / SEGMENT_FREE / SEGMENT_MAP / SEGMENT_UNMAP are not recorded: the library's
 // counters say that it called the device, not which range it got or gave back.
-// snapshot() describes what the library holds as well as this side knows it. Segments are the
-// device allocations (cuMemGetAddressRange) that hold torch's live allocations; each live
-// allocation is an active_allocated block at its address (its size as asked for), each one
-// freed by torch and not yet completed an active_pending_free block, the bytes between them
-// inactive blocks. A range larger than all the library reserves is an address reservation,
-// of which the span of the blocks found in it is reported (is_expandable); a block the driver
-// gives no range holding it all (mapped memory, expandable=true, on an H200 with torch 2.11)
-// is a segment of its own, merged with those it overlaps. Of the library's reserved bytes on
-// a device, those in no segment found so (cached chunks that hold no live allocation, their
-// addresses unknown here) are one more segment at address 0 holding one inactive block (it
-// may hold other front ends', CuPy's, allocations too). device_traces are the rings, oldest
-// first, times in Unix microseconds.
+// Snapshot. snapshot() is the library's list of its segments and blocks
+// (streamalloc_segments), device by device: each segment as the library holds it (address,
+// size, stream, private pool), each block allocated (a live allocation, its requested size
+// and context from the library's entry), active_pending_free (freed, its reuse waiting for
+// recorded streams, or held for a cudagraph trees checkpoint) or inactive (free). Memory of a
+// MemPool allocator of its own is not the library's: each such allocation is a segment of one
+// block. device_traces are the rings, oldest first, times in Unix microseconds.
 //
 // Nothing here lets an exception escape into the library (the filter trampolines catch) and
 // every library error becomes a c10::Error with the library's message.
@@ -114,6 +114,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <shared_mutex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -160,25 +161,28 @@ std::string size_text(uint64_t bytes) {
 using FilterFn = bool (*)(void*, cudaStream_t);
 using DropFn = void (*)(void*);
 
+// The library's functions, typed by its header.
 struct Lib {
-  int (*allocate)(size_t, int, cudaStream_t, void**) = nullptr;
-  void (*free)(void*, ssize_t, int, cudaStream_t) = nullptr;
-  int (*deallocate)(void*) = nullptr;
-  int (*record_stream)(void*, cudaStream_t) = nullptr;
-  int (*stats)(int, LibStats*) = nullptr;
-  int (*reset_peak_stats)(int) = nullptr;
-  int (*enable_peer_access)(int, int) = nullptr;
-  const char* (*last_error)() = nullptr;
-  int (*pool_begin)(int, uint64_t, uint64_t, FilterFn, void*, DropFn) = nullptr;
-  int (*pool_end)(int, uint64_t, uint64_t) = nullptr;
-  int (*pool_release)(int, uint64_t, uint64_t) = nullptr;
-  int (*set_memory_fraction)(int, double) = nullptr;
-  void* (*base_allocation)(void*, size_t*) = nullptr;
-  void (*empty_cache)() = nullptr;
-  void (*init)(int) = nullptr;
-  int (*ipc_export)(void*, size_t, uint8_t*, size_t, size_t*, size_t*) = nullptr;
-  int (*ipc_open)(const uint8_t*, size_t, int, void**) = nullptr;
-  int (*ipc_close)(void*) = nullptr;
+  decltype(&::streamalloc_allocate_word) allocate_word = nullptr;
+  decltype(&::streamalloc_free_word) free_word = nullptr;
+  decltype(&::streamalloc_entry) entry = nullptr;
+  decltype(&::streamalloc_pool_live) pool_live = nullptr;
+  decltype(&::streamalloc_segments) segments = nullptr;
+  decltype(&::streamalloc_record_stream) record_stream = nullptr;
+  decltype(&::streamalloc_stats) stats = nullptr;
+  decltype(&::streamalloc_reset_peak_stats) reset_peak_stats = nullptr;
+  decltype(&::streamalloc_enable_peer_access) enable_peer_access = nullptr;
+  decltype(&::streamalloc_last_error) last_error = nullptr;
+  decltype(&::streamalloc_pool_begin) pool_begin = nullptr;
+  decltype(&::streamalloc_pool_end) pool_end = nullptr;
+  decltype(&::streamalloc_pool_release) pool_release = nullptr;
+  decltype(&::streamalloc_set_memory_fraction) set_memory_fraction = nullptr;
+  decltype(&::streamalloc_torch_base_allocation) base_allocation = nullptr;
+  decltype(&::streamalloc_torch_empty_cache) empty_cache = nullptr;
+  decltype(&::streamalloc_torch_init) init = nullptr;
+  decltype(&::streamalloc_ipc_export) ipc_export = nullptr;
+  decltype(&::streamalloc_ipc_open) ipc_open = nullptr;
+  decltype(&::streamalloc_ipc_close) ipc_close = nullptr;
 };
 
 // --- the allocator ----------------------------------------------------------------------------
@@ -192,15 +196,25 @@ void check_device(c10::DeviceIndex device) {
   TORCH_CHECK(device >= 0 && device < kMaxDevices, "streamalloc: device ", static_cast<int>(device), " out of range");
 }
 
+MempoolId_t pool_of(const streamalloc_entry_t& e) {
+  return e.in_pool ? MempoolId_t{e.pool_hi, e.pool_lo} : MempoolId_t{0, 0};
+}
+
+// What the backend knows of one allocation (from the library's entry, or its own for a
+// MemPool allocator's memory).
 struct Alloc {
   size_t size = 0;
   c10::DeviceIndex device = 0;
   cudaStream_t stream = nullptr;
-  bool in_pool = false; // made while a private pool's filter matched
   MempoolId_t pool{0, 0};
-  std::shared_ptr<CCA::CUDAAllocator> pool_allocator; // a MemPool's own allocator, if any
-  bool other_streams = false; // recordStream named a stream other than `stream`
+  bool recorded = false; // streams other than `stream` were recorded on it
   std::shared_ptr<c10::GatheredContext> context; // torch's context when allocated (history)
+};
+
+// The word the library keeps for an allocation made while history records contexts (else 0):
+// a pointer to this, deleted when the library's entry goes (see Note [the word]).
+struct Extra {
+  std::shared_ptr<c10::GatheredContext> context;
 };
 
 // An allocation torch freed whose memory the library may not hand out yet (see History).
@@ -258,21 +272,6 @@ struct Ring {
   }
 };
 
-// One block of a snapshot: an allocation torch holds, or freed and not yet completed.
-struct Piece {
-  uintptr_t addr = 0;
-  Alloc a;
-  bool allocated = true;
-  bool library_memory = true; // made by the library (else by a MemPool's own allocator)
-  // The range this block says the device holds: its device allocation, or itself.
-  uintptr_t start = 0;
-  uintptr_t end = 0;
-  uintptr_t reservation = 0; // the address reservation holding it, if that is all known
-};
-
-// cuMemGetAddressRange_v2 (CUresult, CUdeviceptr* base, size_t* size, CUdeviceptr ptr).
-using AddressRangeFn = int (*)(unsigned long long*, size_t*, unsigned long long);
-
 struct PoolKey {
   c10::DeviceIndex device;
   MempoolId_t id;
@@ -288,27 +287,68 @@ struct PoolKeyHash {
   }
 };
 
-// torch's bookkeeping of one private pool.
+using Filter = std::shared_ptr<std::function<bool(cudaStream_t)>>;
+
+// torch's bookkeeping of one private pool (use counts, flags); its allocations are the
+// library's, except with a MemPool allocator of its own (`allocator`), whose live ones the
+// backend keeps in `foreign`.
 struct Pool {
   int use_count = 0;
   bool use_on_oom = false;
   bool no_split = false;
   std::shared_ptr<CCA::CUDAAllocator> allocator; // MemPool(allocator): allocations go there
-  std::unordered_set<void*> live;
+  std::unordered_map<void*, Alloc> foreign; // with `allocator`: its live allocations
 };
 
-using Filter = std::shared_ptr<std::function<bool(cudaStream_t)>>;
+// One of torch's statistics kept without a lock: current and peak, allocated and freed.
+struct AtomicStat {
+  std::atomic<int64_t> current{0};
+  std::atomic<int64_t> peak{0};
+  std::atomic<int64_t> allocated{0};
+  std::atomic<int64_t> freed{0};
 
-// Per-device counts of torch's own allocations (the library counts every face's).
+  void add(int64_t n) {
+    int64_t now = current.fetch_add(n, std::memory_order_relaxed) + n;
+    allocated.fetch_add(n, std::memory_order_relaxed);
+    int64_t seen = peak.load(std::memory_order_relaxed);
+    while (now > seen && !peak.compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
+    }
+  }
+  void sub(int64_t n) {
+    current.fetch_sub(n, std::memory_order_relaxed);
+    freed.fetch_add(n, std::memory_order_relaxed);
+  }
+  Stat read() const {
+    Stat s;
+    s.current = current.load(std::memory_order_relaxed);
+    s.peak = peak.load(std::memory_order_relaxed);
+    s.allocated = allocated.load(std::memory_order_relaxed);
+    s.freed = freed.load(std::memory_order_relaxed);
+    return s;
+  }
+  void reset_peak() {
+    peak.store(current.load(std::memory_order_relaxed), std::memory_order_relaxed);
+  }
+  void reset_accumulated() {
+    allocated.store(0, std::memory_order_relaxed);
+    freed.store(0, std::memory_order_relaxed);
+  }
+};
+
+constexpr size_t kStatTypes = static_cast<size_t>(StatType::NUM_TYPES);
+
+// Per-device counts of torch's own allocations (the library counts every face's), updated
+// without a lock on the hot path.
 struct Counts {
-  c10::CachingAllocator::StatArray allocation;
-  c10::CachingAllocator::StatArray allocated_bytes;
+  AtomicStat allocation[kStatTypes];
+  AtomicStat allocated_bytes[kStatTypes];
+  // Out-of-memory errors raised (torch's num_ooms: the library does not count the memory
+  // fraction's refusals as failures).
+  std::atomic<int64_t> ooms{0};
+  std::mutex mu; // what follows (statistics calls only)
   Stat segment;
   // The library's accumulated counters when the accumulated statistics were last reset.
   LibStats base{};
-  // Out-of-memory errors raised (torch's num_ooms: the library does not count the memory
-  // fraction's refusals as failures).
-  int64_t ooms = 0;
 };
 
 void deleter(void* ptr);
@@ -348,6 +388,15 @@ void drop_thread(void* context) {
   delete static_cast<std::thread::id*>(context);
 }
 
+// Note [the word]: the library's pointer table keeps, per allocation, its size, stream,
+// private pool and one word of ours (streamalloc_allocate_word); the free hands them back
+// (streamalloc_free_word). So the backend keeps no table of allocations and takes no lock of
+// its own to allocate or free: the library's table is sharded by stream. The word is 0 unless
+// history records contexts, when it points to an Extra holding the allocation's context,
+// deleted once the library's entry is gone (its free, or a checkpoint's release); readers of
+// another thread's Extra (snapshot, checkpoints) hold extra_mu_ shared, and its deleters hold
+// it alone, only while history records contexts.
+
 class Backend : public CCA::CUDAAllocator {
  public:
   explicit Backend(Lib lib) : lib_(lib) {}
@@ -361,6 +410,35 @@ class Backend : public CCA::CUDAAllocator {
 
   void check(int status, const char* what) const {
     TORCH_CHECK(status == OK, "streamalloc: ", what, " failed: ", last_error());
+  }
+
+  // The library's entry for `ptr`, as an Alloc (context from its Extra; extra_mu_ held
+  // shared by the caller while history records contexts); false if it is none of the library's.
+  bool lookup(void* ptr, Alloc& a) {
+    streamalloc_entry_t e{};
+    if (lib_.entry(ptr, &e) != OK) {
+      return false;
+    }
+    a = from_entry(e, false);
+    return true;
+  }
+
+  // An entry as an Alloc; with `take`, its Extra is consumed (the entry is gone).
+  static Alloc from_entry(const streamalloc_entry_t& e, bool take) {
+    Alloc a;
+    a.size = e.size;
+    a.device = static_cast<c10::DeviceIndex>(e.device);
+    a.stream = e.stream;
+    a.pool = pool_of(e);
+    a.recorded = e.recorded;
+    if (e.word != 0) {
+      auto* extra = reinterpret_cast<Extra*>(static_cast<uintptr_t>(e.word));
+      a.context = extra->context;
+      if (take) {
+        delete extra;
+      }
+    }
+    return a;
   }
 
   // --- allocation ---
@@ -403,24 +481,27 @@ class Backend : public CCA::CUDAAllocator {
     C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
   }
 
-  // The private pool whose filter takes an allocation on `stream` (newest first, as the
-  // library decides), if one is active on `device`.
-  bool route(c10::DeviceIndex device, cudaStream_t stream, MempoolId_t& id) {
-    if (active_count_[device].load(std::memory_order_acquire) == 0) {
-      return false;
+  // The MemPool allocator of the pool whose filter takes an allocation on `stream`, if a pool
+  // with an allocator of its own is active on `device` (the library routes among its own
+  // pools; these it does not serve). Such pools are asked first.
+  std::shared_ptr<CCA::CUDAAllocator> foreign_route(c10::DeviceIndex device, cudaStream_t stream, MempoolId_t& id) {
+    if (foreign_active_[device].load(std::memory_order_acquire) == 0) {
+      return nullptr;
     }
     std::vector<std::pair<MempoolId_t, Filter>> active;
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      active = active_[device];
+      std::lock_guard<std::mutex> lock(pools_mu_);
+      active = foreign_filters_[device];
     }
     for (auto it = active.rbegin(); it != active.rend(); ++it) {
       if ((*it->second)(stream)) {
         id = it->first;
-        return true;
+        std::lock_guard<std::mutex> lock(pools_mu_);
+        auto pool = pools_.find(PoolKey{device, id});
+        return pool == pools_.end() ? nullptr : pool->second.allocator;
       }
     }
-    return false;
+    return nullptr;
   }
 
   void* malloc(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
@@ -429,29 +510,28 @@ class Backend : public CCA::CUDAAllocator {
     a.size = size;
     a.device = device;
     a.stream = stream;
-    a.in_pool = route(device, stream, a.pool);
     // Outside every lock: torch's recorder takes the GIL.
     a.context = gather(CCA::RecordContext::STATE);
     void* p = nullptr;
-    if (a.in_pool) {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = pools_.find(PoolKey{device, a.pool});
-      if (it != pools_.end()) {
-        a.pool_allocator = it->second.allocator;
-      }
-    }
-    if (a.pool_allocator) {
+    if (auto allocator = foreign_route(device, stream, a.pool)) {
       // torch.cuda.MemPool(allocator): the pool's own allocator serves it (it throws itself).
-      p = a.pool_allocator->raw_alloc_with_stream(size, stream);
+      p = allocator->raw_alloc_with_stream(size, stream);
+      std::lock_guard<std::mutex> lock(pools_mu_);
+      pools_[PoolKey{device, a.pool}].foreign[p] = a;
+      foreign_live_.fetch_add(1, std::memory_order_relaxed);
     } else {
-      int status = lib_.allocate(size, device, stream, &p);
+      Extra* extra = a.context ? new Extra{a.context} : nullptr;
+      uint64_t word = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(extra));
+      streamalloc_entry_t e{};
+      int status = lib_.allocate_word(size, device, stream, word, &p, &e);
       if (status != OK) {
         std::string message = last_error();
         bool oom = status == OUT_OF_MEMORY || status == LIMIT_EXCEEDED;
-        if (oom && !a.in_pool && try_oom_pools(size, device, stream, a, p)) {
+        if (oom && try_oom_pools(size, device, stream, word, p, e)) {
           status = OK;
         }
         if (status != OK) {
+          delete extra;
           if (oom) {
             out_of_memory(size, device, stream, message, a.context);
           }
@@ -459,34 +539,39 @@ class Backend : public CCA::CUDAAllocator {
                       " failed: ", message);
         }
       }
+      a.pool = pool_of(e);
     }
     note_alloc(p, a);
     return p;
   }
 
   // Pools made with use_on_oom=True take an allocation the device could not serve.
-  bool try_oom_pools(size_t size, c10::DeviceIndex device, cudaStream_t stream, Alloc& a, void*& p) {
+  bool try_oom_pools(
+      size_t size,
+      c10::DeviceIndex device,
+      cudaStream_t stream,
+      uint64_t word,
+      void*& p,
+      streamalloc_entry_t& e) {
     std::vector<MempoolId_t> ids;
+    std::lock_guard<std::mutex> order(pool_calls_mu_);
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::lock_guard<std::mutex> lock(pools_mu_);
       for (auto& [key, pool] : pools_) {
         if (key.device == device && pool.use_on_oom && pool.use_count > 0 && !pool.allocator) {
           ids.push_back(key.id);
         }
       }
     }
-    std::lock_guard<std::mutex> pools_lock(pool_mu_);
     for (const auto& id : ids) {
       auto* me = new std::thread::id(std::this_thread::get_id());
       if (lib_.pool_begin(device, id.first, id.second, &this_thread, me, &drop_thread) != OK) {
         continue;
       }
-      int status = lib_.allocate(size, device, stream, &p);
+      int status = lib_.allocate_word(size, device, stream, word, &p, &e);
       lib_.pool_end(device, id.first, id.second);
       lib_.pool_release(device, id.first, id.second);
       if (status == OK) {
-        a.in_pool = true;
-        a.pool = id;
         return true;
       }
     }
@@ -511,10 +596,10 @@ class Backend : public CCA::CUDAAllocator {
     }
     std::vector<CCA::OutOfMemoryObserver> observers;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::lock_guard<std::mutex> lock(pools_mu_);
       observers = oom_observers_;
-      counts_[device].ooms++;
     }
+    counts_[device].ooms.fetch_add(1, std::memory_order_relaxed);
     record(CCA::TraceEntry::OOM, device, device_free, size, stream, {0, 0}, std::move(context));
     for (const auto& observer : observers) {
       observer(device, s.allocated, device_total, device_free);
@@ -545,18 +630,15 @@ class Backend : public CCA::CUDAAllocator {
     if (p == nullptr) {
       return;
     }
+    count(a, +1);
+    if (!recording_.load(std::memory_order_acquire) && !have_trackers_.load(std::memory_order_acquire)) {
+      return;
+    }
     poll_awaiting(a.device);
     std::vector<std::pair<uintptr_t, Alloc>> reused;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      live_[p] = a;
-      if (a.in_pool) {
-        pools_[PoolKey{a.device, a.pool}].live.insert(p);
-      }
-      count(a, +1);
-      if (awaiting_count_[a.device].load(std::memory_order_relaxed) > 0) {
-        take_overlapping(a.device, reinterpret_cast<uintptr_t>(p), a.size, reused);
-      }
+    if (awaiting_count_[a.device].load(std::memory_order_relaxed) > 0) {
+      std::lock_guard<std::mutex> lock(awaiting_mu_);
+      take_overlapping(a.device, reinterpret_cast<uintptr_t>(p), a.size, reused);
     }
     // Memory the library handed out again: those frees completed before.
     for (auto& [addr, old] : reused) {
@@ -565,7 +647,8 @@ class Backend : public CCA::CUDAAllocator {
     record(CCA::TraceEntry::ALLOC, a.device, reinterpret_cast<size_t>(p), a.size, a.stream, a.pool, a.context);
   }
 
-  // Moves the awaiting frees of `device` that overlap [addr, addr + size) to `out`; mu_ held.
+  // Moves the awaiting frees of `device` that overlap [addr, addr + size) to `out`;
+  // awaiting_mu_ held.
   void take_overlapping(c10::DeviceIndex device, uintptr_t addr, size_t size, std::vector<std::pair<uintptr_t, Alloc>>& out) {
     auto& awaiting = awaiting_[device];
     auto it = awaiting.lower_bound(addr);
@@ -596,7 +679,7 @@ class Backend : public CCA::CUDAAllocator {
     }
     std::vector<std::pair<uintptr_t, Alloc>> done;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::lock_guard<std::mutex> lock(awaiting_mu_);
       auto& awaiting = awaiting_[device];
       for (auto it = awaiting.begin(); it != awaiting.end();) {
         if (it->second.seq < limit) {
@@ -613,107 +696,180 @@ class Backend : public CCA::CUDAAllocator {
     }
   }
 
-  // Adds (+1) or removes (-1) `a` from the counts; mu_ held.
+  // Adds (+1) or removes (-1) `a` from the counts, without a lock.
   void count(const Alloc& a, int sign) {
     Counts& c = counts_[a.device];
     auto kind = static_cast<size_t>(a.size <= kSmallSize ? StatType::SMALL_POOL : StatType::LARGE_POOL);
     for (size_t k : {static_cast<size_t>(StatType::AGGREGATE), kind}) {
       if (sign > 0) {
-        c.allocation[k].increase(1);
-        c.allocated_bytes[k].increase(a.size);
+        c.allocation[k].add(1);
+        c.allocated_bytes[k].add(static_cast<int64_t>(a.size));
       } else {
-        c.allocation[k].decrease(1);
-        c.allocated_bytes[k].decrease(a.size);
+        c.allocation[k].sub(1);
+        c.allocated_bytes[k].sub(static_cast<int64_t>(a.size));
       }
     }
   }
 
-  void free(void* ptr) {
+  // torch frees `ptr` (its deleter, raw_delete). A deleter must not throw: whatever fails
+  // (a trace tracker, a MemPool allocator's raw_delete, the library) is written to stderr.
+  void free(void* ptr) noexcept {
     if (ptr == nullptr) {
       return;
     }
+    try {
+      free_or_throw(ptr);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "streamalloc: freeing %p: %s\n", ptr, e.what());
+    } catch (...) {
+      std::fprintf(stderr, "streamalloc: freeing %p: an unknown C++ exception\n", ptr);
+    }
+  }
+
+  void free_or_throw(void* ptr) {
     // Outside every lock: torch's recorder takes the GIL.
     std::shared_ptr<c10::GatheredContext> context = gather(CCA::RecordContext::ALL);
-    Alloc a;
-    bool pinned = false;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = live_.find(ptr);
-      if (it == live_.end()) {
-        // Not made through this backend (nothing else hands torch streamalloc memory): let the
-        // library judge it.
-        // (A deleter must not throw: the reason goes to stderr.)
-        if (lib_.deallocate(ptr) != OK) {
-          std::fprintf(stderr, "streamalloc: freeing %p: %s\n", ptr, last_error().c_str());
-        }
+    if (pinned_.load(std::memory_order_acquire) > 0 && park(ptr, context)) {
+      return;
+    }
+    bool traced = recording_.load(std::memory_order_acquire) || have_trackers_.load(std::memory_order_acquire);
+    if (traced) {
+      // The request is recorded before the library may hand the memory out again.
+      Alloc a;
+      bool known = false;
+      {
+        std::shared_lock<std::shared_mutex> lock(extra_mu_);
+        known = lookup(ptr, a);
+      }
+      if (known) {
+        record(CCA::TraceEntry::FREE_REQUESTED, a.device, reinterpret_cast<size_t>(ptr), a.size, a.stream, a.pool,
+               context ? context : a.context);
+      }
+    }
+    streamalloc_entry_t e{};
+    int status = free_in_library(ptr, e);
+    if (status != OK) {
+      if (foreign_live_.load(std::memory_order_acquire) > 0 && free_foreign(ptr, context)) {
         return;
       }
-      a = std::move(it->second);
-      live_.erase(it);
-      count(a, -1);
-      if (a.in_pool) {
-        forget_in_pool(ptr, a);
-      }
-      auto pin = pins_.find(ptr);
-      if (pin != pins_.end() && pin->second > 0) {
-        pinned = true;
-        parked_[ptr] = a;
-      }
+      // Not made through this backend (nothing else hands torch streamalloc memory).
+      std::fprintf(stderr, "streamalloc: freeing %p: %s\n", ptr, last_error().c_str());
+      return;
     }
-    record(
-        CCA::TraceEntry::FREE_REQUESTED,
-        a.device,
-        reinterpret_cast<size_t>(ptr),
-        a.size,
-        a.stream,
-        a.pool,
-        context ? context : a.context);
-    if (!pinned) {
-      release_memory(ptr, a, context);
+    Alloc a = take_entry(e);
+    count(a, -1);
+    if (!traced) {
+      return;
     }
+    completed(ptr, a, context);
   }
 
-  // mu_ held.
-  void forget_in_pool(void* ptr, const Alloc& a) {
-    auto pool = pools_.find(PoolKey{a.device, a.pool});
-    if (pool != pools_.end()) {
-      pool->second.live.erase(ptr);
-      if (pool->second.use_count <= 0 && pool->second.live.empty()) {
-        pools_.erase(pool);
-      }
-    }
-  }
-
-  void release_memory(void* ptr, const Alloc& a, std::shared_ptr<c10::GatheredContext> context = nullptr) {
-    if (a.pool_allocator) {
-      a.pool_allocator->raw_delete(ptr);
+  // streamalloc_free_word with this thread's current device and stream as the hints (torch
+  // mostly frees where it allocated; any other is found too).
+  int free_in_library(void* ptr, streamalloc_entry_t& e) {
+    int device = -1;
+    cudaStream_t stream = nullptr;
+    if (cudaGetDevice(&device) == cudaSuccess) {
+      stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
     } else {
-      lib_.free(ptr, static_cast<ssize_t>(a.size), a.device, a.stream);
-      if (a.other_streams && recording_.load(std::memory_order_acquire)) {
-        // Its reuse waits for the other streams' work (see History; tracked while history
-        // is recorded).
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          Awaiting& w = awaiting_[a.device][reinterpret_cast<uintptr_t>(ptr)];
-          w.a = a;
-          if (context) {
-            w.a.context = context;
-          }
-          w.seq = awaiting_seq_.fetch_add(1, std::memory_order_acq_rel);
-          awaiting_count_[a.device].store(awaiting_[a.device].size(), std::memory_order_relaxed);
+      (void)cudaGetLastError();
+    }
+    return lib_.free_word(ptr, device, stream, &e);
+  }
+
+  // The Alloc of an entry the library gave back, its Extra consumed (Note [the word]).
+  Alloc take_entry(const streamalloc_entry_t& e) {
+    if (e.word == 0) {
+      return from_entry(e, false);
+    }
+    std::unique_lock<std::shared_mutex> lock(extra_mu_);
+    return from_entry(e, true);
+  }
+
+  // The completion of a free of `a` at `ptr` (see History).
+  void completed(void* ptr, const Alloc& a, const std::shared_ptr<c10::GatheredContext>& context) {
+    if (a.recorded && recording_.load(std::memory_order_acquire)) {
+      // Its reuse waits for the other streams' work (tracked while history is recorded).
+      {
+        std::lock_guard<std::mutex> lock(awaiting_mu_);
+        Awaiting& w = awaiting_[a.device][reinterpret_cast<uintptr_t>(ptr)];
+        w.a = a;
+        if (context) {
+          w.a.context = context;
         }
-        poll_awaiting(a.device);
-        return;
+        w.seq = awaiting_seq_.fetch_add(1, std::memory_order_acq_rel);
+        awaiting_count_[a.device].store(awaiting_[a.device].size(), std::memory_order_relaxed);
+      }
+      poll_awaiting(a.device);
+      return;
+    }
+    record(CCA::TraceEntry::FREE_COMPLETED, a.device, reinterpret_cast<size_t>(ptr), a.size, a.stream, a.pool,
+           context ? context : a.context);
+  }
+
+  // A free of memory a MemPool allocator of its own made; whether `ptr` was such.
+  bool free_foreign(void* ptr, const std::shared_ptr<c10::GatheredContext>& context) {
+    std::shared_ptr<CCA::CUDAAllocator> allocator;
+    Alloc a;
+    {
+      std::lock_guard<std::mutex> lock(pools_mu_);
+      for (auto it = pools_.begin(); it != pools_.end(); ++it) {
+        auto found = it->second.foreign.find(ptr);
+        if (found == it->second.foreign.end()) {
+          continue;
+        }
+        a = std::move(found->second);
+        allocator = it->second.allocator;
+        it->second.foreign.erase(found);
+        foreign_live_.fetch_sub(1, std::memory_order_relaxed);
+        if (it->second.use_count <= 0 && it->second.foreign.empty()) {
+          pools_.erase(it);
+        }
+        break;
       }
     }
-    record(
-        CCA::TraceEntry::FREE_COMPLETED,
-        a.device,
-        reinterpret_cast<size_t>(ptr),
-        a.size,
-        a.stream,
-        a.pool,
-        context ? context : a.context);
+    if (!allocator) {
+      return false;
+    }
+    count(a, -1);
+    record(CCA::TraceEntry::FREE_REQUESTED, a.device, reinterpret_cast<size_t>(ptr), a.size, a.stream, a.pool,
+           context ? context : a.context);
+    allocator->raw_delete(ptr);
+    record(CCA::TraceEntry::FREE_COMPLETED, a.device, reinterpret_cast<size_t>(ptr), a.size, a.stream, a.pool,
+           context ? context : a.context);
+    return true;
+  }
+
+  // A free of memory a checkpoint state holds (cudagraph trees): torch is done with it, the
+  // library keeps it until the state goes; whether `ptr` was such.
+  bool park(void* ptr, const std::shared_ptr<c10::GatheredContext>& context) {
+    Alloc a;
+    {
+      std::lock_guard<std::mutex> lock(pins_mu_);
+      auto pin = pins_.find(ptr);
+      if (pin == pins_.end() || pin->second <= 0 || parked_.count(ptr) != 0) {
+        return false;
+      }
+      std::shared_lock<std::shared_mutex> extra(extra_mu_);
+      if (!lookup(ptr, a)) {
+        return false;
+      }
+      parked_[ptr] = a;
+    }
+    count(a, -1);
+    record(CCA::TraceEntry::FREE_REQUESTED, a.device, reinterpret_cast<size_t>(ptr), a.size, a.stream, a.pool,
+           context ? context : a.context);
+    return true;
+  }
+
+  // Frees in the library memory held for a checkpoint (its FREE_REQUESTED recorded before).
+  void release_parked(void* ptr) {
+    streamalloc_entry_t e{};
+    if (free_in_library(ptr, e) != OK) {
+      std::fprintf(stderr, "streamalloc: freeing %p held for a checkpoint: %s\n", ptr, last_error().c_str());
+      return;
+    }
+    completed(ptr, take_entry(e), nullptr);
   }
 
   // --- setup ---
@@ -751,14 +907,14 @@ class Backend : public CCA::CUDAAllocator {
   }
 
   double getMemoryFraction(c10::DeviceIndex device) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(pools_mu_);
     auto it = fractions_.find(device);
     return it == fractions_.end() ? 1.0 : it->second;
   }
 
   void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
     check(lib_.set_memory_fraction(device, fraction), "set_per_process_memory_fraction");
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(pools_mu_);
     fractions_[device] = fraction;
   }
 
@@ -788,20 +944,21 @@ class Backend : public CCA::CUDAAllocator {
     if (ptr.get_deleter() != &deleter || ptr.get() == nullptr) {
       return;
     }
-    std::shared_ptr<CCA::CUDAAllocator> pool_allocator;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = live_.find(ptr.get());
-      if (it != live_.end()) {
-        pool_allocator = it->second.pool_allocator;
-        if (stream.stream() != it->second.stream) {
-          it->second.other_streams = true;
+    if (foreign_live_.load(std::memory_order_acquire) > 0) {
+      std::shared_ptr<CCA::CUDAAllocator> allocator;
+      {
+        std::lock_guard<std::mutex> lock(pools_mu_);
+        for (auto& [key, pool] : pools_) {
+          if (pool.foreign.count(ptr.get()) != 0) {
+            allocator = pool.allocator;
+            break;
+          }
         }
       }
-    }
-    if (pool_allocator) { // memory of a MemPool's own allocator: its record_stream
-      pool_allocator->recordStream(ptr, stream);
-      return;
+      if (allocator) { // memory of a MemPool's own allocator: its record_stream
+        allocator->recordStream(ptr, stream);
+        return;
+      }
     }
     check(lib_.record_stream(ptr.get(), stream.stream()), "record_stream");
   }
@@ -812,9 +969,7 @@ class Backend : public CCA::CUDAAllocator {
     check_device(device);
     LibStats s{};
     check(lib_.stats(device, &s), "memory_stats");
-    std::lock_guard<std::mutex> lock(mu_);
     Counts& c = counts_[device];
-    const LibStats& b = c.base;
     DeviceStats d;
     const auto all = static_cast<size_t>(StatType::AGGREGATE);
     const auto large = static_cast<size_t>(StatType::LARGE_POOL);
@@ -823,9 +978,11 @@ class Backend : public CCA::CUDAAllocator {
     // waits for a recorded stream or is held for a cudagraph trees checkpoint). Not the
     // library's allocated_peak: under a stream-ordered strategy that adds up the peaks of each
     // stream's pool, which overstates the peak of all of them together.
-    d.allocation = c.allocation;
-    d.active = c.allocation;
-    d.allocated_bytes = c.allocated_bytes;
+    for (size_t k = 0; k < kStatTypes; k++) {
+      d.allocation[k] = c.allocation[k].read();
+      d.allocated_bytes[k] = c.allocated_bytes[k].read();
+    }
+    d.active = d.allocation;
     d.active_bytes = d.allocated_bytes;
     d.requested_bytes = d.allocated_bytes; // the library counts sizes as asked for
     for (size_t k : {all, large}) { // reserved memory is not split by request size
@@ -833,6 +990,8 @@ class Backend : public CCA::CUDAAllocator {
       d.reserved_bytes[k].peak = static_cast<int64_t>(s.reserved_peak);
     }
     d.inactive_split_bytes[all].current = static_cast<int64_t>(s.cached);
+    std::lock_guard<std::mutex> lock(c.mu);
+    const LibStats& b = c.base;
     int64_t segments = static_cast<int64_t>(s.device_allocs) - static_cast<int64_t>(s.device_frees);
     c.segment.current = std::max<int64_t>(segments, 0);
     c.segment.peak = std::max(c.segment.peak, c.segment.current);
@@ -843,7 +1002,7 @@ class Backend : public CCA::CUDAAllocator {
       d.segment[k].freed = static_cast<int64_t>(s.device_frees - b.device_frees);
     }
     d.num_alloc_retries = static_cast<int64_t>(s.retries - b.retries);
-    d.num_ooms = c.ooms;
+    d.num_ooms = c.ooms.load(std::memory_order_relaxed);
     d.num_device_alloc = static_cast<int64_t>(s.device_allocs - b.device_allocs);
     d.num_device_free = static_cast<int64_t>(s.device_frees - b.device_frees);
     d.num_sync_all_streams = 0;
@@ -855,34 +1014,54 @@ class Backend : public CCA::CUDAAllocator {
     check_device(device);
     LibStats s{};
     check(lib_.stats(device, &s), "reset_accumulated_memory_stats");
-    std::lock_guard<std::mutex> lock(mu_);
     Counts& c = counts_[device];
-    for (auto& stat : c.allocation) {
-      stat.reset_accumulated();
+    for (size_t k = 0; k < kStatTypes; k++) {
+      c.allocation[k].reset_accumulated();
+      c.allocated_bytes[k].reset_accumulated();
     }
-    for (auto& stat : c.allocated_bytes) {
-      stat.reset_accumulated();
-    }
+    c.ooms.store(0, std::memory_order_relaxed);
+    std::lock_guard<std::mutex> lock(c.mu);
     c.segment.reset_accumulated();
-    c.ooms = 0;
     c.base = s;
   }
 
   void resetPeakStats(c10::DeviceIndex device) override {
     check_device(device);
     check(lib_.reset_peak_stats(device), "reset_peak_memory_stats");
-    std::lock_guard<std::mutex> lock(mu_);
     Counts& c = counts_[device];
-    for (auto& stat : c.allocation) {
-      stat.reset_peak();
+    for (size_t k = 0; k < kStatTypes; k++) {
+      c.allocation[k].reset_peak();
+      c.allocated_bytes[k].reset_peak();
     }
-    for (auto& stat : c.allocated_bytes) {
-      stat.reset_peak();
-    }
+    std::lock_guard<std::mutex> lock(c.mu);
     c.segment.reset_peak();
   }
 
-  // See History at the top of the file.
+  // The library's segments and blocks of `device` (streamalloc_segments), asked until the
+  // arrays it is given fit.
+  void library_segments(
+      int device,
+      std::vector<streamalloc_segment_t>& segments,
+      std::vector<streamalloc_block_t>& blocks) {
+    for (;;) {
+      size_t ns = 0;
+      size_t nb = 0;
+      int status = lib_.segments(device, segments.data(), segments.size(), blocks.data(), blocks.size(), &ns, &nb);
+      if (status == OK) {
+        segments.resize(ns);
+        blocks.resize(nb);
+        return;
+      }
+      TORCH_CHECK(
+          status == INVALID_ARGUMENT && (ns > segments.size() || nb > blocks.size()),
+          "streamalloc: memory snapshot of device ", device, " failed: ", last_error());
+      // Room for what it said, and for some growth meanwhile.
+      segments.resize(ns + ns / 4 + 4);
+      blocks.resize(nb + nb / 4 + 4);
+    }
+  }
+
+  // See "Snapshot" at the top of the file.
   CCA::SnapshotInfo snapshot(MempoolId_t mempool_id, bool include_traces) override {
     CCA::SnapshotInfo info;
     auto& md = info.config_metadata;
@@ -895,81 +1074,62 @@ class Backend : public CCA::CUDAAllocator {
     md.graph_capture_record_stream_reuse = false;
     md.last_allocator_settings = "";
     bool all_pools = mempool_id.first == 0 && mempool_id.second == 0;
-    for (c10::DeviceIndex d = 0; d < kMaxDevices; d++) {
+    int devices = std::min(std::max(device_count_, 0), kMaxDevices);
+    for (c10::DeviceIndex d = 0; d < devices; d++) {
       poll_awaiting(d);
     }
-
-    // What torch holds, and what it freed that the library may not hand out yet.
-    std::vector<Piece> pieces;
+    std::unordered_map<void*, Alloc> parked;
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      // `held`: the library still holds it for torch (live, or kept for a checkpoint), so
-      // it may be asked about it.
-      auto add = [&](uintptr_t addr, const Alloc& a, bool allocated, bool held) {
-        if (!all_pools && !(a.in_pool && a.pool == mempool_id)) {
-          return;
-        }
-        Piece piece;
-        piece.addr = addr;
-        piece.a = a;
-        piece.allocated = allocated;
-        piece.library_memory = held && !a.pool_allocator;
-        pieces.push_back(std::move(piece));
-      };
-      for (const auto& [p, a] : live_) {
-        add(reinterpret_cast<uintptr_t>(p), a, true, true);
-      }
-      for (const auto& [p, a] : parked_) {
-        add(reinterpret_cast<uintptr_t>(p), a, false, true);
-      }
-      for (const auto& awaiting : awaiting_) {
-        for (const auto& [addr, w] : awaiting) {
-          add(addr, w.a, false, false);
-        }
-      }
+      std::lock_guard<std::mutex> lock(pins_mu_);
+      parked = parked_;
     }
-    std::sort(pieces.begin(), pieces.end(), [](const Piece& x, const Piece& y) {
-      return x.a.device != y.a.device ? x.a.device < y.a.device : x.addr < y.addr;
-    });
-    int devices = std::max(device_count_, 0);
     std::vector<size_t> active_bytes(kMaxDevices, 0);
-    for (size_t i = 0; i < pieces.size();) {
-      size_t j = i;
-      while (j < pieces.size() && pieces[j].a.device == pieces[i].a.device) {
-        j++;
-      }
-      c10::DeviceIndex device = pieces[i].a.device;
-      devices = std::max(devices, static_cast<int>(device) + 1);
-      describe_device(device, pieces.data() + i, pieces.data() + j, info.segments, active_bytes[device]);
-      i = j;
-    }
-    devices = std::min(devices, kMaxDevices);
-    if (all_pools) {
-      // The library's other reserved bytes: where, not known here.
-      for (int d = 0; d < devices; d++) {
-        LibStats s{};
-        if (lib_.stats(d, &s) != OK) {
+    std::vector<streamalloc_segment_t> segments;
+    std::vector<streamalloc_block_t> blocks;
+    for (int d = 0; d < devices; d++) {
+      library_segments(d, segments, blocks);
+      std::shared_lock<std::shared_mutex> extra(extra_mu_);
+      for (const auto& s : segments) {
+        MempoolId_t pool = pool_of_segment(s);
+        if (!all_pools && pool != mempool_id) {
           continue;
         }
-        size_t known = 0;
-        for (const auto& seg : info.segments) {
-          if (seg.device == d) {
-            known += seg.total_size;
-          }
-        }
-        if (s.reserved > known) {
-          c10::CachingDeviceAllocator::SegmentInfo seg;
-          seg.device = static_cast<c10::DeviceIndex>(d);
-          seg.address = 0;
-          seg.total_size = s.reserved - known;
-          seg.is_large = true;
+        c10::CachingDeviceAllocator::SegmentInfo seg;
+        seg.device = static_cast<c10::DeviceIndex>(d);
+        seg.address = s.addr;
+        seg.total_size = s.size;
+        seg.stream = s.stream;
+        seg.owner_private_pool_id = pool;
+        seg.is_large = s.size > kSmallSize;
+        for (size_t i = s.first_block; i < s.first_block + s.blocks && i < blocks.size(); i++) {
+          const streamalloc_block_t& b = blocks[i];
           c10::CachingDeviceAllocator::BlockInfo block;
-          block.size = seg.total_size;
-          seg.blocks.push_back(block);
-          info.segments.push_back(std::move(seg));
+          block.size = b.size;
+          block.requested_size = b.size;
+          void* p = reinterpret_cast<void*>(b.addr);
+          Alloc a;
+          bool live = b.state == STREAMALLOC_BLOCK_ALLOCATED && lookup(p, a);
+          if (live) {
+            block.requested_size = a.size;
+            block.context_when_allocated = a.context;
+          }
+          bool held = parked.count(p) != 0; // freed by torch, held for a checkpoint
+          block.allocated = live && !held;
+          block.active = b.state != STREAMALLOC_BLOCK_FREE;
+          if (block.allocated) {
+            seg.allocated_size += b.size;
+            seg.requested_size += block.requested_size;
+            active_bytes[d] += b.size;
+          }
+          if (block.active) {
+            seg.active_size += b.size;
+          }
+          seg.blocks.push_back(std::move(block));
         }
+        info.segments.push_back(std::move(seg));
       }
     }
+    snapshot_foreign(mempool_id, info.segments, active_bytes);
 
     info.device_traces.resize(static_cast<size_t>(devices));
     if (include_traces) {
@@ -995,149 +1155,42 @@ class Backend : public CCA::CUDAAllocator {
     return info;
   }
 
-  // The driver's range of the device allocation holding `ptr` (cuMemGetAddressRange, current
-  // device's context): the driver's own function when found, else the library's (which
-  // reports a failure on stderr, so it is asked only about the library's live memory).
-  bool device_range(uintptr_t ptr, bool library_memory, uintptr_t& base, size_t& len) {
-    std::call_once(driver_once_, [this] {
-      void* driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-      if (driver != nullptr) {
-        address_range_ = reinterpret_cast<AddressRangeFn>(dlsym(driver, "cuMemGetAddressRange_v2"));
-      }
-    });
-    if (address_range_ != nullptr) {
-      unsigned long long b = 0;
-      size_t n = 0;
-      if (address_range_(&b, &n, static_cast<unsigned long long>(ptr)) == 0 && n > 0) {
-        base = static_cast<uintptr_t>(b);
-        len = n;
-        return true;
-      }
-      return false;
-    }
-    if (!library_memory) {
-      return false;
-    }
-    size_t n = 0;
-    void* b = lib_.base_allocation(reinterpret_cast<void*>(ptr), &n);
-    if (n == 0) {
-      return false;
-    }
-    base = reinterpret_cast<uintptr_t>(b);
-    len = n;
-    return true;
+  static MempoolId_t pool_of_segment(const streamalloc_segment_t& s) {
+    return s.in_pool ? MempoolId_t{s.pool_hi, s.pool_lo} : MempoolId_t{0, 0};
   }
 
-  // The segments of one device's pieces [first, last), sorted by address (see History).
-  void describe_device(
-      c10::DeviceIndex device,
-      Piece* first,
-      Piece* last,
+  // Memory of MemPool allocators of their own (not the library's): each allocation a segment
+  // of one block, as far as the backend knows it.
+  void snapshot_foreign(
+      MempoolId_t mempool_id,
       std::vector<c10::CachingDeviceAllocator::SegmentInfo>& segments,
-      size_t& active_bytes) {
-    LibStats s{};
-    bool have_stats = lib_.stats(device, &s) == OK;
-    {
-      c10::cuda::CUDAGuard guard(device);
-      uintptr_t known_base = 0;
-      size_t known_len = 0;
-      for (Piece* p = first; p != last; ++p) {
-        uintptr_t end = p->addr + p->a.size;
-        uintptr_t base = 0;
-        size_t len = 0;
-        bool found = false;
-        if (known_len > 0 && p->addr >= known_base && end <= known_base + known_len) {
-          base = known_base;
-          len = known_len;
-          found = true;
-        } else if (device_range(p->addr, p->library_memory, base, len)) {
-          known_base = base;
-          known_len = len;
-          found = true;
-        }
-        p->start = p->addr;
-        p->end = end;
-        if (found && base <= p->addr && end <= base + len) {
-          if (!have_stats || len <= s.reserved) {
-            p->start = base;
-            p->end = base + len;
-          } else {
-            p->reservation = base; // more than the library holds: an address reservation
-          }
-        }
+      std::vector<size_t>& active_bytes) {
+    if (foreign_live_.load(std::memory_order_acquire) == 0) {
+      return;
+    }
+    bool all_pools = mempool_id.first == 0 && mempool_id.second == 0;
+    std::lock_guard<std::mutex> lock(pools_mu_);
+    for (const auto& [key, pool] : pools_) {
+      if (!all_pools && key.id != mempool_id) {
+        continue;
       }
-    }
-    // Ranges that overlap, and blocks of one reservation, make one segment.
-    std::vector<Piece*> order;
-    for (Piece* p = first; p != last; ++p) {
-      order.push_back(p);
-    }
-    std::sort(order.begin(), order.end(), [](const Piece* x, const Piece* y) {
-      return x->start != y->start ? x->start < y->start : x->addr < y->addr;
-    });
-    std::vector<std::vector<Piece*>> groups;
-    uintptr_t start = 0;
-    uintptr_t end = 0;
-    uintptr_t reservation = 0;
-    std::vector<std::pair<uintptr_t, uintptr_t>> bounds;
-    for (Piece* p : order) {
-      bool joins = !groups.empty() &&
-          (p->start < end || (p->reservation != 0 && p->reservation == reservation));
-      if (joins) {
-        end = std::max(end, p->end);
-        reservation = reservation != 0 ? reservation : p->reservation;
-        groups.back().push_back(p);
-        bounds.back().second = end;
-      } else {
-        start = p->start;
-        end = p->end;
-        reservation = p->reservation;
-        groups.push_back({p});
-        bounds.emplace_back(start, end);
-      }
-    }
-    for (size_t g = 0; g < groups.size(); g++) {
-      auto& members = groups[g];
-      std::sort(members.begin(), members.end(), [](const Piece* x, const Piece* y) { return x->addr < y->addr; });
-      c10::CachingDeviceAllocator::SegmentInfo seg;
-      seg.device = device;
-      seg.address = bounds[g].first;
-      seg.total_size = bounds[g].second - bounds[g].first;
-      seg.stream = members.front()->a.stream;
-      seg.owner_private_pool_id = members.front()->a.in_pool ? members.front()->a.pool : MempoolId_t{0, 0};
-      uintptr_t cursor = bounds[g].first;
-      for (Piece* p : members) {
-        if (p->addr < cursor) {
-          continue; // overlaps the block before (cannot happen): not drawn twice
-        }
-        if (p->addr > cursor) {
-          c10::CachingDeviceAllocator::BlockInfo gap;
-          gap.size = p->addr - cursor;
-          seg.blocks.push_back(gap);
-        }
+      for (const auto& [p, a] : pool.foreign) {
+        c10::CachingDeviceAllocator::SegmentInfo seg;
+        seg.device = a.device;
+        seg.address = reinterpret_cast<size_t>(p);
+        seg.total_size = a.size;
+        seg.allocated_size = seg.active_size = seg.requested_size = a.size;
+        seg.stream = a.stream;
+        seg.owner_private_pool_id = key.id;
+        seg.is_large = a.size > kSmallSize;
         c10::CachingDeviceAllocator::BlockInfo block;
-        block.size = p->a.size;
-        block.requested_size = p->a.size;
-        block.allocated = p->allocated;
-        block.active = true;
-        block.context_when_allocated = p->a.context;
-        seg.blocks.push_back(block);
-        seg.active_size += p->a.size;
-        if (p->allocated) {
-          seg.allocated_size += p->a.size;
-          seg.requested_size += p->a.size;
-          active_bytes += p->a.size;
-        }
-        seg.is_large = seg.is_large || p->a.size > kSmallSize;
-        seg.is_expandable = seg.is_expandable || p->reservation != 0;
-        cursor = p->addr + p->a.size;
+        block.size = block.requested_size = a.size;
+        block.allocated = block.active = true;
+        block.context_when_allocated = a.context;
+        seg.blocks.push_back(std::move(block));
+        segments.push_back(std::move(seg));
+        active_bytes[a.device] += a.size;
       }
-      if (cursor < bounds[g].second) {
-        c10::CachingDeviceAllocator::BlockInfo gap;
-        gap.size = bounds[g].second - cursor;
-        seg.blocks.push_back(gap);
-      }
-      segments.push_back(std::move(seg));
     }
   }
 
@@ -1149,59 +1202,54 @@ class Backend : public CCA::CUDAAllocator {
       std::function<bool(cudaStream_t)> filter) override {
     check_device(device);
     auto shared = std::make_shared<std::function<bool(cudaStream_t)>>(std::move(filter));
-    std::lock_guard<std::mutex> pools_lock(pool_mu_);
+    std::lock_guard<std::mutex> order(pool_calls_mu_);
     bool own_allocator;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::lock_guard<std::mutex> lock(pools_mu_);
       Pool& pool = pools_[PoolKey{device, mempool_id}];
       own_allocator = static_cast<bool>(pool.allocator);
       pool.use_count += 1;
-      active_[device].emplace_back(mempool_id, shared);
-      active_count_[device].store(active_[device].size(), std::memory_order_release);
+      if (own_allocator) {
+        foreign_filters_[device].emplace_back(mempool_id, shared);
+        foreign_active_[device].store(foreign_filters_[device].size(), std::memory_order_release);
+      }
     }
     if (!own_allocator) {
       auto* context = new Filter(shared);
       int status = lib_.pool_begin(device, mempool_id.first, mempool_id.second, &call_filter, context, &drop_filter);
       if (status != OK) {
         std::string message = last_error();
-        undo_begin(device, mempool_id);
+        std::lock_guard<std::mutex> lock(pools_mu_);
+        pools_[PoolKey{device, mempool_id}].use_count -= 1;
         TORCH_CHECK(false, "streamalloc: beginAllocateToPool failed: ", message);
       }
     }
   }
 
-  // Removes the newest active filter of `id` on `device`; mu_ held.
-  void remove_active(c10::DeviceIndex device, MempoolId_t id) {
-    auto& active = active_[device];
+  // Removes the newest filter of `id` on `device` (a pool with an allocator of its own);
+  // pools_mu_ held.
+  void remove_foreign_filter(c10::DeviceIndex device, MempoolId_t id) {
+    auto& active = foreign_filters_[device];
     for (auto it = active.rbegin(); it != active.rend(); ++it) {
       if (it->first == id) {
         active.erase(std::next(it).base());
         break;
       }
     }
-    active_count_[device].store(active.size(), std::memory_order_release);
-  }
-
-  // Undoes a beginAllocateToPool the library refused: its filter, and the pool's use; mu_
-  // not held.
-  void undo_begin(c10::DeviceIndex device, MempoolId_t id) {
-    std::lock_guard<std::mutex> lock(mu_);
-    remove_active(device, id);
-    auto pool = pools_.find(PoolKey{device, id});
-    if (pool != pools_.end()) {
-      pool->second.use_count -= 1;
-    }
+    foreign_active_[device].store(active.size(), std::memory_order_release);
   }
 
   void endAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
     check_device(device);
-    std::lock_guard<std::mutex> pools_lock(pool_mu_);
+    std::lock_guard<std::mutex> order(pool_calls_mu_);
     bool own_allocator = false;
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      remove_active(device, mempool_id);
+      std::lock_guard<std::mutex> lock(pools_mu_);
       auto pool = pools_.find(PoolKey{device, mempool_id});
       own_allocator = pool != pools_.end() && pool->second.allocator;
+      if (own_allocator) {
+        remove_foreign_filter(device, mempool_id);
+      }
     }
     if (!own_allocator) {
       check(lib_.pool_end(device, mempool_id.first, mempool_id.second), "endAllocateToPool");
@@ -1210,17 +1258,17 @@ class Backend : public CCA::CUDAAllocator {
 
   void releasePool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
     check_device(device);
-    std::lock_guard<std::mutex> pools_lock(pool_mu_);
+    std::lock_guard<std::mutex> order(pool_calls_mu_);
     bool own_allocator = false;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::lock_guard<std::mutex> lock(pools_mu_);
       auto pool = pools_.find(PoolKey{device, mempool_id});
       if (pool == pools_.end()) {
         return;
       }
       own_allocator = static_cast<bool>(pool->second.allocator);
       pool->second.use_count = std::max(pool->second.use_count - 1, 0);
-      if (pool->second.use_count == 0 && pool->second.live.empty()) {
+      if (pool->second.use_count == 0 && pool->second.foreign.empty()) {
         pools_.erase(pool);
       }
     }
@@ -1234,10 +1282,10 @@ class Backend : public CCA::CUDAAllocator {
       MempoolId_t mempool_id,
       std::shared_ptr<CCA::CUDAAllocator> allocator) override {
     check_device(device);
-    std::lock_guard<std::mutex> pools_lock(pool_mu_);
+    std::lock_guard<std::mutex> order(pool_calls_mu_);
     bool own_allocator;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::lock_guard<std::mutex> lock(pools_mu_);
       auto [it, made] = pools_.try_emplace(PoolKey{device, mempool_id});
       Pool& pool = it->second;
       TORCH_CHECK(
@@ -1255,14 +1303,14 @@ class Backend : public CCA::CUDAAllocator {
     }
     if (!own_allocator) {
       // The library's pools gain a use with each begin: a begin that matches nothing, ended
-      // at once (no other begin of this pool can come between: pool_mu_ is held).
+      // at once (no other begin of this pool can come between: pool_calls_mu_ is held).
       int status = lib_.pool_begin(device, mempool_id.first, mempool_id.second, &never, nullptr, nullptr);
       if (status == OK) {
         status = lib_.pool_end(device, mempool_id.first, mempool_id.second);
       }
       if (status != OK) {
         std::string message = last_error();
-        std::lock_guard<std::mutex> lock(mu_);
+        std::lock_guard<std::mutex> lock(pools_mu_);
         pools_[PoolKey{device, mempool_id}].use_count -= 1;
         TORCH_CHECK(false, "streamalloc: createOrIncrefPool failed: ", message);
       }
@@ -1270,13 +1318,13 @@ class Backend : public CCA::CUDAAllocator {
   }
 
   int getPoolUseCount(c10::DeviceIndex device, MempoolId_t mempool_id) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(pools_mu_);
     auto pool = pools_.find(PoolKey{device, mempool_id});
     return pool == pools_.end() ? 0 : pool->second.use_count;
   }
 
   void setUseOnOOM(c10::DeviceIndex device, MempoolId_t mempool_id, bool use_on_oom) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(pools_mu_);
     auto pool = pools_.find(PoolKey{device, mempool_id});
     if (pool != pools_.end()) {
       pool->second.use_on_oom = use_on_oom;
@@ -1286,23 +1334,59 @@ class Backend : public CCA::CUDAAllocator {
   void setNoSplit(c10::DeviceIndex device, MempoolId_t mempool_id) override {
     // A private pool's blocks are split by the library as it sees fit; the flag is kept so
     // that it reads back, and has no other effect.
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(pools_mu_);
     auto pool = pools_.find(PoolKey{device, mempool_id});
     if (pool != pools_.end()) {
       pool->second.no_split = true;
     }
   }
 
+  // The live allocations of pool `id` of `device` as torch sees them: the library's (or the
+  // pool allocator's), less those torch freed that a checkpoint holds.
+  std::vector<std::pair<void*, Alloc>> pool_live(c10::DeviceIndex device, MempoolId_t id) {
+    std::vector<std::pair<void*, Alloc>> live;
+    {
+      std::lock_guard<std::mutex> lock(pools_mu_);
+      auto pool = pools_.find(PoolKey{device, id});
+      if (pool != pools_.end() && pool->second.allocator) {
+        live.assign(pool->second.foreign.begin(), pool->second.foreign.end());
+        return live;
+      }
+    }
+    std::vector<void*> ptrs;
+    std::vector<streamalloc_entry_t> entries;
+    for (;;) {
+      size_t n = 0;
+      int status = lib_.pool_live(device, id.first, id.second, ptrs.data(), entries.data(), ptrs.size(), &n);
+      if (status == OK) {
+        ptrs.resize(n);
+        entries.resize(n);
+        break;
+      }
+      TORCH_CHECK(status == INVALID_ARGUMENT && n > ptrs.size(), "streamalloc: listing pool (", id.first, ", ",
+                  id.second, ") failed: ", last_error());
+      ptrs.resize(n + n / 4 + 4);
+      entries.resize(ptrs.size());
+    }
+    std::lock_guard<std::mutex> pins(pins_mu_);
+    std::shared_lock<std::shared_mutex> extra(extra_mu_);
+    for (size_t i = 0; i < ptrs.size(); i++) {
+      if (parked_.count(ptrs[i]) == 0) {
+        live.emplace_back(ptrs[i], from_entry(entries[i], false));
+      }
+    }
+    return live;
+  }
+
   bool checkPoolLiveAllocations(
       c10::DeviceIndex device,
       MempoolId_t mempool_id,
       const std::unordered_set<void*>& expected_live_allocations) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto pool = pools_.find(PoolKey{device, mempool_id});
-    if (pool == pools_.end()) {
-      return expected_live_allocations.empty();
+    std::unordered_set<void*> live;
+    for (const auto& entry : pool_live(device, mempool_id)) {
+      live.insert(entry.first);
     }
-    return pool->second.live == expected_live_allocations;
+    return live == expected_live_allocations;
   }
 
   // --- cudagraph trees' checkpoints ---
@@ -1311,14 +1395,12 @@ class Backend : public CCA::CUDAAllocator {
     auto state = std::make_shared<PoolState>();
     state->device = device;
     state->id = id;
-    std::lock_guard<std::mutex> lock(mu_);
-    auto pool = pools_.find(PoolKey{device, id});
-    if (pool != pools_.end()) {
-      for (void* p : pool->second.live) {
-        state->allocs.emplace_back(p, live_.at(p));
-        pins_[p] += 1;
-      }
+    state->allocs = pool_live(device, id);
+    std::lock_guard<std::mutex> lock(pins_mu_);
+    for (const auto& entry : state->allocs) {
+      pins_[entry.first] += 1;
     }
+    pinned_.store(pins_.size(), std::memory_order_release);
     return state;
   }
 
@@ -1330,27 +1412,22 @@ class Backend : public CCA::CUDAAllocator {
     TORCH_CHECK(state->device == device, "streamalloc: checkpoint of device ", static_cast<int>(state->device),
                 " set on ", static_cast<int>(device));
     CCA::CheckpointDelta delta;
-    std::vector<std::pair<void*, Alloc>> to_release;
-    // History entries, recorded once mu_ is released: (action, address, allocation).
+    std::vector<void*> to_release;
+    // History entries, recorded once the locks are released: (action, address, allocation).
     std::vector<std::tuple<CCA::TraceEntry::Action, void*, Alloc>> events;
+    // Everything live in the pool now is freed (as native does); what the checkpoint wants
+    // keeps its memory, which is then handed out again below.
+    std::vector<std::pair<void*, Alloc>> now = pool_live(device, state->id);
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::lock_guard<std::mutex> lock(pins_mu_);
       std::unordered_set<void*> wanted;
       for (const auto& entry : state->allocs) {
         wanted.insert(entry.first);
       }
-      // Everything live in the pool now is freed (as native does); what the checkpoint wants
-      // keeps its memory, which is then handed out again below.
-      auto pool = pools_.find(PoolKey{device, state->id});
-      std::vector<void*> now;
-      if (pool != pools_.end()) {
-        now.assign(pool->second.live.begin(), pool->second.live.end());
-      }
-      for (void* p : now) {
-        Alloc a = live_.at(p);
-        live_.erase(p);
+      std::unordered_set<void*> live_now;
+      for (const auto& [p, a] : now) {
+        live_now.insert(p);
         count(a, -1);
-        pools_[PoolKey{device, state->id}].live.erase(p);
         delta.ptrs_freed.push_back(p);
         events.emplace_back(CCA::TraceEntry::FREE_REQUESTED, p, a);
         if (wanted.count(p)) {
@@ -1362,7 +1439,7 @@ class Backend : public CCA::CUDAAllocator {
         if (pin != pins_.end() && pin->second > 0) {
           parked_[p] = a;
         } else {
-          to_release.emplace_back(p, a);
+          to_release.push_back(p);
         }
       }
       for (const auto& [p, recorded] : state->allocs) {
@@ -1371,13 +1448,9 @@ class Backend : public CCA::CUDAAllocator {
           events.emplace_back(CCA::TraceEntry::FREE_COMPLETED, p, parked->second);
           parked_.erase(parked);
         } else {
-          TORCH_INTERNAL_ASSERT(
-              std::find(now.begin(), now.end(), p) != now.end(),
-              "streamalloc: a checkpointed allocation was neither live nor held");
+          TORCH_INTERNAL_ASSERT(live_now.count(p) != 0, "streamalloc: a checkpointed allocation was neither live nor held");
         }
-        live_[p] = recorded;
         count(recorded, +1);
-        pools_[PoolKey{device, state->id}].live.insert(p);
         delta.dataptrs_allocd.emplace_back(p, p, &deleter, c10::Device(c10::DeviceType::CUDA, device));
         events.emplace_back(CCA::TraceEntry::ALLOC, p, recorded);
       }
@@ -1385,17 +1458,17 @@ class Backend : public CCA::CUDAAllocator {
     for (const auto& [action, p, a] : events) {
       record(action, a.device, reinterpret_cast<size_t>(p), a.size, a.stream, a.pool, a.context);
     }
-    for (const auto& [p, a] : to_release) {
-      release_memory(p, a);
+    for (void* p : to_release) {
+      release_parked(p);
     }
     return delta;
   }
 
   // A checkpoint state is gone: its allocations that torch freed meanwhile go back now.
   void unpin(const std::vector<std::pair<void*, Alloc>>& allocs) {
-    std::vector<std::pair<void*, Alloc>> to_release;
+    std::vector<void*> to_release;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::lock_guard<std::mutex> lock(pins_mu_);
       for (const auto& entry : allocs) {
         auto pin = pins_.find(entry.first);
         if (pin == pins_.end()) {
@@ -1407,13 +1480,14 @@ class Backend : public CCA::CUDAAllocator {
         pins_.erase(pin);
         auto parked = parked_.find(entry.first);
         if (parked != parked_.end()) {
-          to_release.emplace_back(parked->first, parked->second);
+          to_release.push_back(parked->first);
           parked_.erase(parked);
         }
       }
+      pinned_.store(pins_.size(), std::memory_order_release);
     }
-    for (const auto& [p, a] : to_release) {
-      release_memory(p, a);
+    for (void* p : to_release) {
+      release_parked(p);
     }
   }
 
@@ -1443,12 +1517,9 @@ class Backend : public CCA::CUDAAllocator {
     (void)cudaGetLastError();
     std::string why = std::string("cudaIpcGetMemHandle failed: ") + cudaGetErrorString(err);
     size_t alloc_size = 0;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = live_.find(ptr);
-      if (it != live_.end() && !it->second.pool_allocator) {
-        alloc_size = it->second.size;
-      }
+    streamalloc_entry_t entry{};
+    if (lib_.entry(ptr, &entry) == OK) {
+      alloc_size = entry.size;
     }
     if (alloc_size > 0) {
       size_t needed = 0;
@@ -1616,7 +1687,7 @@ class Backend : public CCA::CUDAAllocator {
     }
     if (!enabled) {
       // Frees awaiting their completion are tracked only while recording.
-      std::lock_guard<std::mutex> lock(mu_);
+      std::lock_guard<std::mutex> lock(awaiting_mu_);
       for (int d = 0; d < kMaxDevices; d++) {
         dropped_awaiting[d].swap(awaiting_[d]);
         awaiting_count_[d].store(0, std::memory_order_relaxed);
@@ -1679,7 +1750,7 @@ class Backend : public CCA::CUDAAllocator {
   }
 
   void attachOutOfMemoryObserver(CCA::OutOfMemoryObserver observer) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(pools_mu_);
     oom_observers_.push_back(std::move(observer));
   }
 
@@ -1694,7 +1765,7 @@ class Backend : public CCA::CUDAAllocator {
 
   // One event: to torch's trace trackers, and into the device's ring while history is
   // recorded (native's record_trace). The context is kept when `when` is ALLOC or ALL. Call
-  // without mu_ held.
+  // without another lock of the backend held.
   void record(
       CCA::TraceEntry::Action action,
       c10::DeviceIndex device,
@@ -1781,18 +1852,28 @@ class Backend : public CCA::CUDAAllocator {
   bool enabled_ = true;
   int device_count_ = 0;
 
-  std::mutex mu_; // the tables below
-  std::mutex pool_mu_; // orders the library's pool calls (taken before mu_)
-  std::unordered_map<void*, Alloc> live_;
+  // Private pools (torch's books of them) and the rest set rarely; never on the hot path,
+  // except with a MemPool allocator of its own.
+  std::mutex pools_mu_;
+  std::mutex pool_calls_mu_; // orders the library's pool calls (taken before pools_mu_)
   std::unordered_map<PoolKey, Pool, PoolKeyHash> pools_;
-  std::vector<std::pair<MempoolId_t, Filter>> active_[kMaxDevices];
-  std::atomic<size_t> active_count_[kMaxDevices] = {};
-  Counts counts_[kMaxDevices];
+  // Active filters of pools with an allocator of their own, by device (the library routes
+  // among its own pools).
+  std::vector<std::pair<MempoolId_t, Filter>> foreign_filters_[kMaxDevices];
+  std::atomic<size_t> foreign_active_[kMaxDevices] = {};
+  std::atomic<size_t> foreign_live_{0}; // allocations of those pools' allocators
   std::map<c10::DeviceIndex, double> fractions_;
-  std::unordered_map<void*, int> pins_; // allocations in checkpoint states, how many
-  std::unordered_map<void*, Alloc> parked_; // of those, freed by torch
   std::vector<CCA::OutOfMemoryObserver> oom_observers_;
+  Counts counts_[kMaxDevices];
+  // cudagraph trees' checkpoints: allocations in checkpoint states, how many; of those, freed
+  // by torch (kept by the library until the states go).
+  std::mutex pins_mu_;
+  std::unordered_map<void*, int> pins_;
+  std::unordered_map<void*, Alloc> parked_;
+  std::atomic<size_t> pinned_{0}; // pins_.size(): frees look at the pins only when not 0
+  std::shared_mutex extra_mu_; // see Note [the word]
   // Allocations torch freed whose memory may not be reused yet (while history is recorded).
+  std::mutex awaiting_mu_;
   std::map<uintptr_t, Awaiting> awaiting_[kMaxDevices];
   std::atomic<size_t> awaiting_count_[kMaxDevices] = {};
   std::atomic<uint64_t> awaiting_seq_{0};
@@ -1812,16 +1893,20 @@ class Backend : public CCA::CUDAAllocator {
   std::atomic<bool> have_trackers_{false};
   c10::ApproximateClockToUnixTimeConverter clock_; // the entries' times to Unix time
 
-  std::once_flag driver_once_;
-  AddressRangeFn address_range_ = nullptr; // the driver's, when it can be found
-
   std::mutex ipc_mu_;
   std::unordered_map<std::string, std::weak_ptr<void>> ipc_;
 };
 
 PoolState::~PoolState() {
-  if (g_backend != nullptr) {
+  if (g_backend == nullptr) {
+    return;
+  }
+  try { // a destructor must not throw (a trace tracker may)
     g_backend->unpin(allocs);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "streamalloc: releasing a cudagraph trees checkpoint: %s\n", e.what());
+  } catch (...) {
+    std::fprintf(stderr, "streamalloc: releasing a cudagraph trees checkpoint: an unknown C++ exception\n");
   }
 }
 
@@ -1855,9 +1940,11 @@ __attribute__((visibility("default"))) int streamalloc_torch_backend_install(
     }
     Lib lib;
     std::string missing;
-    resolve(handle, "streamalloc_allocate", lib.allocate, missing);
-    resolve(handle, "streamalloc_free", lib.free, missing);
-    resolve(handle, "streamalloc_deallocate", lib.deallocate, missing);
+    resolve(handle, "streamalloc_allocate_word", lib.allocate_word, missing);
+    resolve(handle, "streamalloc_free_word", lib.free_word, missing);
+    resolve(handle, "streamalloc_entry", lib.entry, missing);
+    resolve(handle, "streamalloc_pool_live", lib.pool_live, missing);
+    resolve(handle, "streamalloc_segments", lib.segments, missing);
     resolve(handle, "streamalloc_record_stream", lib.record_stream, missing);
     resolve(handle, "streamalloc_stats", lib.stats, missing);
     resolve(handle, "streamalloc_reset_peak_stats", lib.reset_peak_stats, missing);

@@ -69,6 +69,7 @@ struct Lib {
   int (*alloc)(size_t, int, void**) = nullptr;
   int (*free)(void*) = nullptr;
   int (*record_stream)(void*, int, cudaStream_t) = nullptr;
+  decltype(&::streamalloc_host_is_live) is_live = nullptr;
   int (*release)(size_t*) = nullptr;
   int (*stats)(LibStats*) = nullptr;
   int (*reset_peak_stats)() = nullptr;
@@ -140,8 +141,10 @@ class HostAllocator final : public at::HostAllocator {
       Relaxed relaxed(capturing());
       status = lib_.record_stream(block, static_cast<int>(stream.device_index()), cuda.stream());
     }
-    if (status == INVALID_ARGUMENT) {
-      // Not a block of the pool: pinned by torch's own allocator before the install.
+    if (status == INVALID_ARGUMENT && !lib_.is_live(block)) {
+      // Not a block of the pool: pinned by torch's own allocator before the install. (A
+      // block of the pool refused for another reason, a bad stream, is an error: dropping
+      // the record would let the block be reused under the copy.)
       return previous_ != nullptr && previous_->record_event(ptr, ctx, stream);
     }
     check(status, "record_event");
@@ -283,6 +286,7 @@ __attribute__((visibility("default"))) int streamalloc_torch_host_install(void* 
     resolve(handle, "streamalloc_host_alloc", lib.alloc, missing);
     resolve(handle, "streamalloc_host_free", lib.free, missing);
     resolve(handle, "streamalloc_host_record_stream", lib.record_stream, missing);
+    resolve(handle, "streamalloc_host_is_live", lib.is_live, missing);
     resolve(handle, "streamalloc_host_release", lib.release, missing);
     resolve(handle, "streamalloc_host_stats", lib.stats, missing);
     resolve(handle, "streamalloc_host_reset_peak_stats", lib.reset_peak_stats, missing);

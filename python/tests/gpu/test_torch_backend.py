@@ -83,6 +83,11 @@ def test_memory_history_and_snapshot(run_case, conf):
     run_case(WORKER, "history", conf)
 
 
+@confs(CONFS)
+def test_snapshot_is_the_librarys_list(run_case, conf):
+    run_case(WORKER, "snapshot_exact", conf)
+
+
 @confs(SHAREABLE)
 @pytest.mark.parametrize("child", ["native", "streamalloc"])
 def test_ipc_share_with_child(run_case, conf, child):

@@ -57,6 +57,12 @@ Cases (each checks real results, data read back where there is data):
                    trace whose peak live bytes are what the case allocated; the ring keeps the
                    newest max_entries; context=None records no frames; disabling empties it
 
+  snapshot_exact   _snapshot()'s segments and blocks are the library's list (streamalloc.segments)
+                   exactly: addresses, sizes, streams, block sizes and states (a free waiting
+                   for a recorded stream active_pending_free); live tensors active_allocated with
+                   their requested sizes; no segment at address 0; the segments add up to the
+                   library's reserved bytes (except under async, whose driver pool is not listed)
+
 Output and exit status: see casekit.py.
 """
 
@@ -574,7 +580,8 @@ def case_history(report, conf):
     found = {addr: b for addr, b, _ in blocks_of(segments) if b["state"] != "inactive"}
     block = found.get(addrs["kept"])
     if report.expect(block is not None, "the live tensor is no block of the snapshot"):
-        report.expect(block["state"] == "active_allocated" and block["size"] == sizes["kept"]
+        # The library's block (its size as the allocator rounded it), of the tensor's request.
+        report.expect(block["state"] == "active_allocated" and block["size"] >= sizes["kept"]
                       and block["requested_size"] == sizes["kept"], f"the live tensor's block is {block}")
         if "address" in block:
             report.expect(block["address"] == addrs["kept"], f"the block's address {block['address']:#x} is not the tensor's")
@@ -672,6 +679,45 @@ def case_history(report, conf):
                                     "entries": [e["action"] for e in entries if e.get("addr") == shared_ptr]}
     del again, kept, plain
     torch.cuda.memory._record_memory_history(enabled=None)
+
+
+SNAPSHOT_STATES = {"allocated": "active_allocated", "pending": "active_pending_free", "free": "inactive"}
+"""A library block's state as torch's snapshot names it."""
+
+
+def case_snapshot_exact(report, conf):
+    torch = setup(conf)
+    import streamalloc
+
+    keep = [torch.full((size,), 3, dtype=torch.uint8, device="cuda") for size in (512, 3 * MIB, 20 * MIB)]
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        other = torch.full((6 * MIB,), 4, dtype=torch.uint8, device="cuda")
+    gone = torch.empty(9 * MIB, dtype=torch.uint8, device="cuda")
+    used = torch.empty(2 * MIB, dtype=torch.uint8, device="cuda")
+    used.record_stream(side)  # freed while the side stream may still use it: pending
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)
+    del gone, used
+    theirs = torch.cuda.memory._snapshot()["segments"]
+    ours = streamalloc.segments(0)
+    side.synchronize()
+    report.info.update(segments=len(ours), blocks=sum(len(s["blocks"]) for s in ours))
+    mine = [(s["address"], s["total_size"], s["stream"],
+             [(b["size"], b["state"]) for b in s["blocks"]]) for s in theirs if s["device"] == 0]
+    lib = [(s["address"], s["size"], s["stream"],
+            [(b["size"], SNAPSHOT_STATES[b["state"]]) for b in s["blocks"]]) for s in ours]
+    report.expect(sorted(mine) == sorted(lib),
+                  f"_snapshot()'s segments differ from the library's: {sorted(mine)[:8]} vs {sorted(lib)[:8]}")
+    report.expect(all(s["address"] != 0 for s in theirs), "a segment at address 0")
+    active = {addr: b for addr, b, _ in blocks_of(theirs) if b["state"] == "active_allocated"}
+    for t in keep + [other]:
+        b = active.get(t.data_ptr())
+        report.expect(b is not None and b["requested_size"] == t.numel(),
+                      f"the live tensor at {t.data_ptr():#x} of {t.numel()} bytes is {b}")
+    report.expect(sum(s["total_size"] for s in theirs) == streamalloc.stats(0)["reserved"]
+                  or "async" in conf, "the snapshot's segments do not add up to the reserved bytes")
+    report.expect(all(intact(t, 3.0) for t in keep) and intact(other, 4.0), "a tensor holds wrong data")
 
 
 CASES = {name[len("case_"):]: f for name, f in globals().items() if name.startswith("case_")}

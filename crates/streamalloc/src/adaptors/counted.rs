@@ -189,6 +189,9 @@ impl<A: Allocator> Allocator for Counted<A> {
     fn device(&self) -> usize {
         self.inner.device()
     }
+    fn segments(&self, out: &mut Vec<crate::allocation::Segment>) -> Result<()> {
+        self.inner.segments(out)
+    }
 }
 
 impl<A: StreamAllocator> StreamAllocator for Counted<A> {

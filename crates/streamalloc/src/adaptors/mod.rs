@@ -31,6 +31,9 @@ macro_rules! pass_through_allocator {
         fn device(&self) -> usize {
             self.inner.device()
         }
+        fn segments(&self, out: &mut Vec<crate::allocation::Segment>) -> Result<()> {
+            self.inner.segments(out)
+        }
     };
 }
 
@@ -59,7 +62,7 @@ mod trace;
 
 pub use counted::{Counted, Scope, StreamStats};
 pub use limit::Limit;
-pub use pointers::Pointers;
+pub use pointers::{PointerEntry, Pointers};
 pub use retry::Retry;
 pub use single_stream::SingleStream;
 pub use trace::Traced;

@@ -83,11 +83,46 @@ pub struct Pointers<A> {
     recording: AtomicUsize,
 }
 
+/// An allocation kept, with its front end's word.
+struct Kept {
+    allocation: Allocation,
+    /// The stream it was asked for on.
+    stream: Stream,
+    word: u64,
+}
+
+/// What [`Pointers`] kept for an allocation, as [`Pointers::take_ptr`] and
+/// [`Pointers::entry`] report it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PointerEntry {
+    /// Its size, as asked for.
+    pub size: usize,
+    /// The stream it was asked for on (its owning stream, except under an allocator of one
+    /// stream's pool, which owns it then).
+    pub stream: Stream,
+    /// The front end's word given at [`Pointers::allocate_ptr_with`] (0 otherwise).
+    pub word: u64,
+    /// Whether streams other than its owner were recorded on it ([`Pointers::record_stream_ptr`],
+    /// or the allocator below, for the stream it was asked for on).
+    pub recorded: bool,
+}
+
+impl Kept {
+    fn entry(&self) -> PointerEntry {
+        PointerEntry {
+            size: self.allocation.size(),
+            stream: self.stream,
+            word: self.word,
+            recorded: !self.allocation.recorded_streams().is_empty(),
+        }
+    }
+}
+
 /// One map of the table, alone on its cache lines.
 #[repr(align(128))]
 #[derive(Default)]
 struct Shard {
-    live: Mutex<FxHashMap<DevicePtr, Allocation>>,
+    live: Mutex<FxHashMap<DevicePtr, Kept>>,
 }
 
 /// The owners of the shards, on cache lines of their own.
@@ -120,6 +155,13 @@ impl<A: StreamAllocator> Pointers<A> {
     /// allocation until [`Pointers::free_ptr`]; the pointer. Size 0 gives the null pointer
     /// and keeps nothing.
     pub fn allocate_ptr(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
+        self.allocate_ptr_with(size, stream, 0)
+    }
+
+    /// [`Pointers::allocate_ptr`], keeping `word` with the allocation: a front end's own word
+    /// for it (an index, a pointer to its records), returned by [`Pointers::take_ptr`] and
+    /// [`Pointers::entry`], so that the front end keeps no table of its own.
+    pub fn allocate_ptr_with(&self, size: usize, stream: Stream, word: u64) -> Result<DevicePtr> {
         let allocation = self.inner.allocate_on(size, stream)?;
         let ptr = allocation.ptr();
         if ptr == 0 {
@@ -134,7 +176,7 @@ impl<A: StreamAllocator> Pointers<A> {
         if len * 2 >= live.capacity() {
             live.reserve(len.max(64));
         }
-        live.insert(ptr, allocation);
+        live.insert(ptr, Kept { allocation, stream, word });
         let (word, bit) = (&self.occupied[i / 64], 1u64 << (i % 64));
         if word.load(Ordering::Relaxed) & bit == 0 {
             word.fetch_or(bit, Ordering::Relaxed);
@@ -146,15 +188,28 @@ impl<A: StreamAllocator> Pointers<A> {
     /// `owner` is the stream it was asked for on, looked at first (any stream is correct, a
     /// wrong one only slower).
     pub fn free_ptr(&self, ptr: DevicePtr, owner: Stream) -> bool {
+        self.take_ptr(ptr, owner).is_some()
+    }
+
+    /// [`Pointers::free_ptr`], returning what was kept for the allocation.
+    pub fn take_ptr(&self, ptr: DevicePtr, owner: Stream) -> Option<PointerEntry> {
         let taken = self.find(Some(owner), |live| {
-            let allocation = live.remove(&ptr)?;
-            if !allocation.recorded_streams().is_empty() {
+            let kept = live.remove(&ptr)?;
+            if !kept.allocation.recorded_streams().is_empty() {
                 self.recording.fetch_sub(1, Ordering::Relaxed);
             }
-            Some(allocation)
-        });
+            Some(kept)
+        })?;
+        let entry = taken.entry();
         // Freed outside the table's lock.
-        taken.is_some()
+        drop(taken);
+        Some(entry)
+    }
+
+    /// What is kept for the allocation at `ptr`, if one is; `hint` is the stream looked at
+    /// first.
+    pub fn entry(&self, ptr: DevicePtr, hint: Option<Stream>) -> Option<PointerEntry> {
+        self.find(hint, |live| live.get(&ptr).map(Kept::entry))
     }
 
     /// [`Allocation::record_stream`] for the allocation at `ptr`; `Ok(false)` if none is kept
@@ -163,7 +218,7 @@ impl<A: StreamAllocator> Pointers<A> {
     pub fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> Result<bool> {
         self.device.check_stream(stream)?;
         let found = self.find(None, |live| {
-            let allocation = live.get_mut(&ptr)?;
+            let allocation = &mut live.get_mut(&ptr)?.allocation;
             let before = allocation.recorded_streams().len();
             allocation.record_stream(stream);
             if before == 0 && !allocation.recorded_streams().is_empty() {
@@ -177,12 +232,19 @@ impl<A: StreamAllocator> Pointers<A> {
 
     /// The owning stream of the allocation at `ptr`, if one is kept there.
     pub fn owner_of(&self, ptr: DevicePtr, hint: Stream) -> Option<Stream> {
-        self.find(Some(hint), |live| live.get(&ptr).map(Allocation::owning_stream))
+        self.find(Some(hint), |live| live.get(&ptr).map(|k| k.allocation.owning_stream()))
+    }
+
+    /// Every allocation kept, with what is kept for it.
+    pub fn entries(&self) -> Vec<(DevicePtr, PointerEntry)> {
+        let mut all = Vec::new();
+        self.each_occupied(|live| all.extend(live.iter().map(|(&p, k)| (p, k.entry()))));
+        all
     }
 
     /// The size of the allocation kept at `ptr` (its start), if one is.
     pub fn size_of(&self, ptr: DevicePtr) -> Option<usize> {
-        self.find(None, |live| live.get(&ptr).map(Allocation::size))
+        self.find(None, |live| live.get(&ptr).map(|k| k.allocation.size()))
     }
 
     /// The streams recorded on the allocations kept, each once (what a sleep waits for
@@ -193,7 +255,7 @@ impl<A: StreamAllocator> Pointers<A> {
             return streams;
         }
         self.each_occupied(|live| {
-            for s in live.values().flat_map(|a| a.recorded_streams()) {
+            for s in live.values().flat_map(|k| k.allocation.recorded_streams()) {
                 if !streams.contains(s) {
                     streams.push(*s);
                 }
@@ -207,7 +269,7 @@ impl<A: StreamAllocator> Pointers<A> {
     fn find<T>(
         &self,
         hint: Option<Stream>,
-        mut f: impl FnMut(&mut FxHashMap<DevicePtr, Allocation>) -> Option<T>,
+        mut f: impl FnMut(&mut FxHashMap<DevicePtr, Kept>) -> Option<T>,
     ) -> Option<T> {
         let first = hint.map(|stream| self.claimed(stream).unwrap_or_else(|| shard_of(stream)));
         if let Some(i) = first {
@@ -273,7 +335,7 @@ impl<A: StreamAllocator> Pointers<A> {
     }
 
     /// Runs `f` on every shard that may hold an allocation.
-    fn each_occupied(&self, mut f: impl FnMut(&mut FxHashMap<DevicePtr, Allocation>)) {
+    fn each_occupied(&self, mut f: impl FnMut(&mut FxHashMap<DevicePtr, Kept>)) {
         self.each_occupied_until(None, |live| {
             f(live);
             false
@@ -285,7 +347,7 @@ impl<A: StreamAllocator> Pointers<A> {
     fn each_occupied_until(
         &self,
         skip: Option<usize>,
-        mut f: impl FnMut(&mut FxHashMap<DevicePtr, Allocation>) -> bool,
+        mut f: impl FnMut(&mut FxHashMap<DevicePtr, Kept>) -> bool,
     ) {
         for (w, word) in self.occupied.iter().enumerate() {
             let mut mask = word.load(Ordering::Relaxed);
@@ -351,7 +413,8 @@ impl<A: StreamAllocator> StreamAllocator for Pointers<A> {
                 Err(Error::Timeout { .. }) => return waited,
                 Err(_) => {}
                 Ok(()) => self.each_occupied(|live| {
-                    for a in live.values_mut().filter(|a| !a.recorded_streams().is_empty()) {
+                    let kept = live.values_mut().map(|k| &mut k.allocation);
+                    for a in kept.filter(|a| !a.recorded_streams().is_empty()) {
                         a.erase_stream(stream);
                         if a.recorded_streams().is_empty() {
                             self.recording.fetch_sub(1, Ordering::Relaxed);

@@ -6,11 +6,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::{Mutex, MutexGuard, RwLock};
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::backing::{Backing, BackingKind, ChunkSource, DeviceChunks, Want};
 use super::retry;
-use crate::allocation::{Allocation, Allocator, Block, BlockOwner, ReservedGauge, Stats};
+use crate::allocation::{
+    Allocation, Allocator, Block, BlockOwner, BlockState, ReservedGauge, Segment, SegmentBlock, Stats,
+};
 use crate::device::{Device, DevicePtr, Event, EventPool, Stream};
 use crate::error::{Error, HeldErrors, OutOfMemory, Result};
 use crate::policy::best_fit::{BestFitPolicy, Class, Classes, Grant, Growth};
@@ -788,6 +790,33 @@ impl Allocator for BestFit {
 
     fn device(&self) -> usize {
         self.inner.ordinal
+    }
+
+    /// The policy's chunks, each a segment of the pool's stream; a block the policy counts
+    /// allocated is free here if parked for exact reuse, pending if its free waits for
+    /// recorded streams.
+    fn segments(&self, out: &mut Vec<Segment>) -> Result<()> {
+        let st = self.inner.state.lock();
+        let parked: FxHashSet<u64> =
+            st.parked.by_size.values().flat_map(|l| l.blocks.iter().map(|&(_, addr, _)| addr)).collect();
+        let pending: FxHashSet<u64> = st.pending.iter().map(|p| p.ptr).collect();
+        for ((addr, size), blocks) in st.policy.chunk_blocks() {
+            let blocks = blocks
+                .into_iter()
+                .map(|(addr, size, allocated)| SegmentBlock {
+                    addr,
+                    size: size as usize,
+                    state: match allocated {
+                        false => BlockState::Free,
+                        true if parked.contains(&addr) => BlockState::Free,
+                        true if pending.contains(&addr) => BlockState::Pending,
+                        true => BlockState::Allocated,
+                    },
+                })
+                .collect();
+            out.push(Segment { addr, size: size as usize, stream: self.inner.stream, blocks });
+        }
+        Ok(())
     }
 }
 

@@ -226,6 +226,11 @@ impl PinnedHost {
         self.inner.record(ptr, device, stream)
     }
 
+    /// Whether the pool handed out the block at `ptr` and it is not freed yet.
+    pub fn is_live(&self, ptr: HostPtr) -> bool {
+        self.inner.state.lock().blocks.get(&ptr).is_some_and(|b| b.live.is_some())
+    }
+
     /// Gives the free blocks back (`cuMemFreeHost`), after moving those whose streams' work
     /// has completed to the free lists; the bytes given back. Then reports the errors that
     /// frees met since the last release, if any. Waits for nothing.

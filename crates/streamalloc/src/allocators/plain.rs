@@ -3,8 +3,11 @@
 use std::sync::Arc;
 
 use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
 
-use crate::allocation::{align_up, Allocation, Allocator, Block, BlockOwner, Stats};
+use crate::allocation::{
+    align_up, Allocation, Allocator, Block, BlockOwner, BlockState, Segment, SegmentBlock, Stats,
+};
 use crate::device::{Device, DevicePtr, Stream};
 use crate::error::{Error, HeldErrors, Result};
 
@@ -44,6 +47,8 @@ struct State {
     stats: Stats,
     /// Errors frees met, reported by the next [`Allocator::release`].
     held: HeldErrors,
+    /// Each live allocation's device allocation, by pointer: its rounded size.
+    live: FxHashMap<DevicePtr, usize>,
 }
 
 impl Plain {
@@ -61,6 +66,7 @@ impl Plain {
         let mut state = self.inner.state.lock();
         match made {
             Ok((ptr, rounded)) => {
+                state.live.insert(ptr, rounded);
                 state.stats.on_allocate(size);
                 state.stats.on_reserve(rounded);
                 Ok((ptr, rounded))
@@ -117,12 +123,25 @@ impl Allocator for Plain {
     fn device(&self) -> usize {
         self.inner.device.ordinal()
     }
+
+    /// Each live allocation is a device allocation of its own: a segment of one block.
+    fn segments(&self, out: &mut Vec<Segment>) -> Result<()> {
+        let state = self.inner.state.lock();
+        out.extend(state.live.iter().map(|(&addr, &size)| Segment {
+            addr,
+            size,
+            stream: self.inner.stream,
+            blocks: vec![SegmentBlock { addr, size, state: BlockState::Allocated }],
+        }));
+        Ok(())
+    }
 }
 
 impl BlockOwner for Inner {
     fn free(&self, block: Block) {
         let result = self.device.free(block.ptr);
         let mut state = self.state.lock();
+        state.live.remove(&block.ptr);
         state.stats.on_free(block.size);
         state.stats.on_unreserve(block.token as usize);
         if let Err(e) = result {

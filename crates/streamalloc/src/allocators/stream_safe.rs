@@ -12,7 +12,7 @@ use rustc_hash::FxHashMap;
 
 use super::best_fit::{BestFit, BestFitConfig};
 use super::retry;
-use crate::allocation::{Allocation, Allocator, ReservedGauge, Stats, StreamAllocator};
+use crate::allocation::{Allocation, Allocator, ReservedGauge, Segment, Stats, StreamAllocator};
 use crate::device::{CaptureStatus, Device, EventPool, Stream};
 use crate::error::{try_each, Error, OutOfMemory, Result};
 
@@ -911,6 +911,11 @@ impl Allocator for StreamSafe {
 
     fn device(&self) -> usize {
         self.device.ordinal()
+    }
+
+    /// Every pool's, live and retired, each of its own stream.
+    fn segments(&self, out: &mut Vec<Segment>) -> Result<()> {
+        try_each(self.snapshot(), |p| p.pool.segments(out))
     }
 }
 

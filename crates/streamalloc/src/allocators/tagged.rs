@@ -12,7 +12,7 @@ use super::best_fit::BestFit;
 use super::pinned_host::{PinnedBuffer, PinnedHost, PinnedHostConfig};
 use super::retry;
 use super::stream_safe::{StreamSafe, StreamSafeConfig};
-use crate::allocation::{Allocation, Allocator, Stats, StreamAllocator};
+use crate::allocation::{Allocation, Allocator, Segment, Stats, StreamAllocator};
 use crate::device::{CaptureStatus, Device, DevicePtr, EventPool, Stream};
 use crate::error::{try_each, Error, Result};
 use crate::tags::{self, Tag};
@@ -109,7 +109,8 @@ struct Piece {
     buffer: PinnedBuffer,
 }
 
-/// One tag's figures ([`Tagged::tag_stats`]).
+/// One tag's figures ([`Tagged::tag_stats`]); the C ABI's `streamalloc_tag_stats_t` too.
+#[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TagStats {
     /// Whether the tag sleeps.
@@ -599,6 +600,15 @@ impl<A: StreamAllocator> Allocator for Tagged<A> {
 
     fn device(&self) -> usize {
         self.main.device()
+    }
+
+    /// The wrapped allocator's and every tag's pool's (a sleeping tag's: what it still holds).
+    fn segments(&self, out: &mut Vec<Segment>) -> Result<()> {
+        self.main.segments(out)?;
+        try_each(self.snapshot(), |p| {
+            let _phase = p.phase.read();
+            p.alloc.segments(out)
+        })
     }
 }
 

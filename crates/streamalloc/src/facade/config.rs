@@ -355,6 +355,18 @@ impl Config {
         }
     }
 
+    /// This configuration, given by a program, with the `trace` key of [`ENV_VAR`] when it
+    /// names none: a trace asked for from outside (as `streamalloc record` does) is written
+    /// whatever configuration the program passes. A bad [`ENV_VAR`] adds nothing.
+    pub fn with_env_trace(mut self) -> Self {
+        if self.trace.is_none() {
+            if let Ok(Config { trace: Some(path), .. }) = Config::from_env() {
+                self.trace = Some(path);
+            }
+        }
+        self
+    }
+
     /// The text of the environment variable [`ENV_VAR`], trimmed; `None` when it is unset or
     /// blank. The only place in the crate that reads the environment.
     pub fn env_text() -> Result<Option<String>> {

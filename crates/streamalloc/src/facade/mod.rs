@@ -37,16 +37,16 @@ use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
-use crate::adaptors::{Counted, Limit, Pointers, Retry, StreamStats, Traced};
-use crate::allocation::{Allocation, Allocator, Stats, StreamAllocator};
+use crate::adaptors::{Counted, Limit, PointerEntry, Pointers, Retry, StreamStats, Traced};
+use crate::allocation::{Allocation, Allocator, BlockState, Segment, SegmentBlock, Stats, StreamAllocator};
 use crate::allocators::{BackingKind, BestFitConfig, StreamSafeConfig, TagStats, Tagged};
 use crate::device::cuda::CudaDevice;
 use crate::device::sim::{SimConfig, SimDevice};
-use crate::device::{Device, Stream};
+use crate::device::{Device, DevicePtr, Stream};
 use crate::error::{try_each, Error, Result};
 use crate::tags::Tag;
 use crate::trace::TraceWriter;
-use private_pools::PrivatePools;
+use private_pools::{PoolId, PrivatePools};
 
 /// A device as opened: the device, and the simulator behind it with `device=sim`.
 type Opened = (Arc<dyn Device>, Option<Arc<SimDevice>>);
@@ -128,6 +128,75 @@ impl DeviceStack {
         let layer = self.tags.as_ref().map_err(Clone::clone)?;
         layer.sleep(tags, offload, &self.allocator.recorded_streams())
     }
+
+    /// The segments the stack and its private pools hold from the device, with their blocks
+    /// ([`Allocator::segments`]), each with the private pool that holds it (`None`: the stack),
+    /// in address order. Where the stack's memory is the driver's to place (`strategy=async`),
+    /// each of its live allocations is a segment of one block, its size as asked for: the
+    /// driver's cache is not listed.
+    pub fn segments(&self) -> Result<Vec<(Option<PoolId>, Segment)>> {
+        let mut main = Vec::new();
+        if let Err(Error::Unsupported(_)) = self.allocator.segments(&mut main) {
+            main = self
+                .allocator
+                .entries()
+                .into_iter()
+                .map(|(addr, e)| Segment {
+                    addr,
+                    size: e.size,
+                    stream: e.stream,
+                    blocks: vec![SegmentBlock { addr, size: e.size, state: BlockState::Allocated }],
+                })
+                .collect();
+        }
+        let mut pools = Vec::new();
+        self.private.segments(&mut pools)?;
+        let mut all: Vec<_> = main
+            .into_iter()
+            .map(|s| (None, s))
+            .chain(pools.into_iter().map(|(id, s)| (Some(id), s)))
+            .collect();
+        all.sort_by_key(|(_, s)| s.addr);
+        Ok(all)
+    }
+}
+
+/// A stream as a front end names it where it frees: with its device when the name says which
+/// (a simulated stream's handle), else (`None`: the legacy default stream, or a CUDA stream)
+/// any device's.
+#[derive(Debug, Clone, Copy)]
+pub struct StreamHint {
+    /// The device of the stream, if the name says.
+    pub device: Option<usize>,
+    /// The stream.
+    pub stream: Stream,
+}
+
+impl StreamHint {
+    /// The legacy default stream.
+    pub const DEFAULT: Self = Self { device: None, stream: Stream::DEFAULT };
+
+    /// The stream as `stack` is to see it, as a hint of the stream an allocation was made on:
+    /// a stream of another device is none of its streams (the simulators number their
+    /// streams alike), and only the legacy default stream stands there for it.
+    fn on(self, stack: &DeviceStack) -> Stream {
+        match self.device {
+            Some(d) if d != stack.device.ordinal() => Stream::DEFAULT,
+            _ => self.stream,
+        }
+    }
+}
+
+/// What a stack kept for an allocation freed or looked up by pointer ([`Facade::free_ptr`],
+/// [`Facade::entry`]), and where.
+#[derive(Debug, Clone, Copy)]
+pub struct Freed {
+    /// The device whose stack (or private pool) held it.
+    pub device: usize,
+    /// What its table kept.
+    pub entry: PointerEntry,
+    /// The private pool that held it, if one did.
+    pub pool: Option<PoolId>,
 }
 
 /// Per-device allocator stacks built from one [`Config`], created on first use of each
@@ -234,6 +303,90 @@ impl Facade {
     /// Allocates `size` bytes on device `ordinal`, owned by `stream`.
     pub fn allocate(&self, size: usize, ordinal: usize, stream: Stream) -> Result<Allocation> {
         self.allocator(ordinal)?.allocate_on(size, stream)
+    }
+
+    /// The stacks built so far, that of `device` (if it is one in use) first.
+    pub fn stacks_from(&self, device: Option<usize>) -> impl Iterator<Item = &DeviceStack> {
+        let first = device.and_then(|d| self.built(d));
+        let rest = self.built_stacks().filter(move |s| !first.is_some_and(|f| std::ptr::eq(f, *s)));
+        first.into_iter().chain(rest)
+    }
+
+    /// Frees the allocation at `ptr` (null: nothing to do), made by any stack or private pool;
+    /// `device` and `owner` are where the caller says it was made, looked at first. What the
+    /// stack kept for it, also for a free deferred to the end of the captures (the caller is
+    /// done with the allocation; the stack frees it later).
+    ///
+    /// Under `async`, memory from outside a capture freed on its capturing stream waits for
+    /// the capture's end (see `PrivatePools::defer_free`), which only the stack holding `ptr`
+    /// decides. The stacks are asked in turn; one that cannot tell (its device does not know
+    /// `owner`: a stream of another device) frees nothing here, and its error stands only if
+    /// `ptr` is none of the other stacks' (its memory then stays allocated rather than be
+    /// freed into a graph): another device's error never cancels the free. A pointer no stack
+    /// holds is [`Error::InvalidArgument`].
+    pub fn free_ptr(
+        &self,
+        ptr: DevicePtr,
+        device: Option<usize>,
+        owner: StreamHint,
+    ) -> Result<Option<Freed>> {
+        if ptr == 0 {
+            return Ok(None);
+        }
+        let mut undecided: Vec<(&DeviceStack, Error)> = Vec::new();
+        for stack in self.stacks_from(device) {
+            // While a pool is active the allocation's own stream decides, whatever the hint.
+            let hint = owner.on(stack);
+            let owner_here = match stack.private.is_active() {
+                true => stack.allocator.entry(ptr, Some(hint)).map_or(hint, |e| e.stream),
+                false => hint,
+            };
+            match stack.private.defer_free(ptr, owner_here) {
+                Ok(true) => return Ok(entry_in(stack, ptr)),
+                Ok(false) => {}
+                Err(e) => undecided.push((stack, e)),
+            }
+        }
+        if undecided.is_empty() {
+            return self.free_now(ptr, device, owner).map(Some);
+        }
+        let decided = |s: &DeviceStack| !undecided.iter().any(|(u, _)| std::ptr::eq(*u, s));
+        if let Some(freed) = self.free_in(ptr, device, owner, decided) {
+            return Ok(Some(freed));
+        }
+        // The pointer is the memory of a stack that could not decide (whose device knows it),
+        // or of none.
+        let holder = undecided.iter().position(|(s, _)| s.device.address_range(ptr).is_ok());
+        Err(holder.map_or_else(|| not_live(ptr), |i| undecided.swap_remove(i).1))
+    }
+
+    /// Frees the allocation at `ptr` (not null), of `owner`, from whichever stack or private
+    /// pool made it (`device`'s first), deferring nothing.
+    pub fn free_now(&self, ptr: DevicePtr, device: Option<usize>, owner: StreamHint) -> Result<Freed> {
+        self.free_in(ptr, device, owner, |_| true).ok_or_else(|| not_live(ptr))
+    }
+
+    /// What the stack or private pool holding the live allocation at `ptr` keeps for it.
+    pub fn entry(&self, ptr: DevicePtr) -> Result<Freed> {
+        self.built_stacks().find_map(|s| entry_in(s, ptr)).ok_or_else(|| not_live(ptr))
+    }
+
+    /// Frees the allocation at `ptr` (not null), of `owner`, from whichever of the stacks
+    /// `among` takes, or their private pools, made it (`device`'s first); what was kept for
+    /// it, if one did.
+    fn free_in(
+        &self,
+        ptr: DevicePtr,
+        device: Option<usize>,
+        owner: StreamHint,
+        among: impl Fn(&DeviceStack) -> bool,
+    ) -> Option<Freed> {
+        let freed = |s: &DeviceStack, entry, pool| Freed { device: s.device.ordinal(), entry, pool };
+        let mut stacks = self.stacks_from(device).filter(|s| among(s));
+        stacks.find_map(|s| s.allocator.take_ptr(ptr, owner.on(s)).map(|e| freed(s, e, None))).or_else(|| {
+            let mut stacks = self.stacks_from(device).filter(|s| among(s));
+            stacks.find_map(|s| s.private.take(ptr, owner.on(s)).map(|(id, e)| freed(s, e, Some(id))))
+        })
     }
 
     /// Statistics of device `ordinal` (zeros if it has not been used).
@@ -425,4 +578,19 @@ impl Facade {
         let allocator = Arc::new(Pointers::new(a, device.clone(), c.wait_timeout));
         Ok(DeviceStack { device, sim: None, allocator, stats, trace, private, tags })
     }
+}
+
+/// What `stack` or its private pools keep for `ptr`, if they hold it.
+fn entry_in(stack: &DeviceStack, ptr: DevicePtr) -> Option<Freed> {
+    let device = stack.device.ordinal();
+    match stack.allocator.entry(ptr, None) {
+        Some(entry) => Some(Freed { device, entry, pool: None }),
+        None => stack.private.entry(ptr).map(|(id, entry)| Freed { device, entry, pool: Some(id) }),
+    }
+}
+
+fn not_live(ptr: DevicePtr) -> Error {
+    Error::InvalidArgument(format!(
+        "{ptr:#x} is not a live streamalloc allocation (freed twice, or not made by streamalloc)"
+    ))
 }

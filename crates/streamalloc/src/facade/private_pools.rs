@@ -37,8 +37,8 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::adaptors::Pointers;
-use crate::allocation::{Stats, StreamAllocator};
+use crate::adaptors::{PointerEntry, Pointers};
+use crate::allocation::{Segment, Stats, StreamAllocator};
 use crate::allocators::{BackingKind, BestFitConfig, StreamSafe, StreamSafeConfig};
 use crate::device::{CaptureStatus, Device, DevicePtr, Stream};
 use crate::error::{try_each, Result};
@@ -219,32 +219,60 @@ impl PrivatePools {
     /// stack. With `driver_captures`, an allocation on a capturing stream stays on the main
     /// stack (whether the stream captures is asked once, and only while a pool is active).
     pub fn allocate(&self, size: usize, stream: Stream) -> Result<Routed> {
+        self.allocate_with(size, stream, 0).map(|(routed, _)| routed)
+    }
+
+    /// [`PrivatePools::allocate`], keeping `word` with a pool's allocation
+    /// ([`Pointers::allocate_ptr_with`]); with the pool that took it, if one did.
+    pub fn allocate_with(&self, size: usize, stream: Stream, word: u64) -> Result<(Routed, Option<PoolId>)> {
         if self.active.load(Ordering::Acquire) == 0 {
-            return Ok(Routed::Main { graphed: false });
+            return Ok((Routed::Main { graphed: false }, None));
         }
         if self.driver_captures && self.device.capture_status(stream)? != CaptureStatus::None {
-            return Ok(Routed::Main { graphed: true });
+            return Ok((Routed::Main { graphed: true }, None));
         }
         let active: Vec<(PoolId, StreamFilter)> = self.state.lock().active.clone();
         // Filters run unlocked: a framework's filter may call the driver.
         let id = active.iter().rev().find(|(_, f)| f(stream)).map(|(id, _)| *id);
-        let alloc = id.and_then(|id| self.state.lock().pools.get(&id).map(|e| e.alloc.clone()));
+        let alloc = id.and_then(|id| self.state.lock().pools.get(&id).map(|e| (id, e.alloc.clone())));
         match alloc {
-            Some(alloc) => Ok(Routed::Pool(alloc.allocate_ptr(size, stream)?)),
-            None => Ok(Routed::Main { graphed: false }),
+            Some((id, alloc)) => Ok((Routed::Pool(alloc.allocate_ptr_with(size, stream, word)?), Some(id))),
+            None => Ok((Routed::Main { graphed: false }, None)),
         }
     }
 
     /// Frees `ptr` if a pool made it; whether one did.
     pub fn free(&self, ptr: DevicePtr, owner: Stream) -> bool {
+        self.take(ptr, owner).is_some()
+    }
+
+    /// The pools' allocators, with their ids.
+    fn allocs(&self) -> Vec<(PoolId, Arc<Pointers<StreamSafe>>)> {
+        self.state.lock().pools.iter().map(|(id, e)| (*id, e.alloc.clone())).collect()
+    }
+
+    /// What a pool keeps for `ptr` ([`Pointers::entry`]), with the pool's id, if a pool made
+    /// it.
+    pub fn entry(&self, ptr: DevicePtr) -> Option<(PoolId, PointerEntry)> {
         if self.pools.load(Ordering::Relaxed) == 0 {
-            return false;
+            return None;
         }
-        let allocs: Vec<(PoolId, Arc<Pointers<StreamSafe>>)> =
-            self.state.lock().pools.iter().map(|(id, e)| (*id, e.alloc.clone())).collect();
-        let Some(id) = allocs.iter().find(|(_, a)| a.free_ptr(ptr, owner)).map(|(id, _)| *id) else {
-            return false;
-        };
+        self.allocs().into_iter().find_map(|(id, a)| a.entry(ptr, None).map(|e| (id, e)))
+    }
+
+    /// The live allocations of pool `id`, with what is kept for each.
+    pub fn live(&self, id: PoolId) -> Vec<(DevicePtr, PointerEntry)> {
+        let alloc = self.state.lock().pools.get(&id).map(|e| e.alloc.clone());
+        alloc.map(|a| a.entries()).unwrap_or_default()
+    }
+
+    /// [`PrivatePools::free`], returning the pool's id and what it kept for `ptr`.
+    pub fn take(&self, ptr: DevicePtr, owner: Stream) -> Option<(PoolId, PointerEntry)> {
+        if self.pools.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        let allocs = self.allocs();
+        let (id, entry) = allocs.iter().find_map(|(id, a)| a.take_ptr(ptr, owner).map(|e| (*id, e)))?;
         drop(allocs);
         let dead = {
             let mut st = self.state.lock();
@@ -254,7 +282,7 @@ impl PrivatePools {
             }
         };
         drop(dead);
-        true
+        Some((id, entry))
     }
 
     /// `record_stream` for `ptr` if a pool made it; whether one did. Fails, recording
@@ -286,6 +314,17 @@ impl PrivatePools {
         for e in self.state.lock().pools.values() {
             e.alloc.reset_peak_stats();
         }
+    }
+
+    /// Every pool's segments ([`Allocator::segments`]), each with its pool's id.
+    pub fn segments(&self, out: &mut Vec<(PoolId, Segment)>) -> Result<()> {
+        let pools: Vec<_> = self.state.lock().pools.iter().map(|(id, e)| (*id, e.alloc.clone())).collect();
+        try_each(pools, |(id, alloc)| {
+            let mut segments = Vec::new();
+            alloc.segments(&mut segments)?;
+            out.extend(segments.into_iter().map(|s| (id, s)));
+            Ok(())
+        })
     }
 
     /// Statistics summed over the pools.

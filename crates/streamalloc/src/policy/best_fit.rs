@@ -219,6 +219,9 @@ struct Chunk {
     segment: bool,
 }
 
+/// A block of a chunk ([`BestFitPolicy::chunk_blocks`]): `(addr, size, allocated)`.
+pub type ChunkBlock = (u64, u64, bool);
+
 /// A free-list entry: `(size, addr, slot)`.
 type Entry = (u64, u64, u32);
 
@@ -848,6 +851,20 @@ impl BestFitPolicy {
     /// Every chunk held, as `(addr, size)`, whether free or not.
     pub fn chunks(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         self.chunks.0.iter().map(|&(a, c)| (a, c.size))
+    }
+
+    /// Every chunk held, as `(addr, size)`, with its blocks in address order.
+    pub fn chunk_blocks(&self) -> impl Iterator<Item = ((u64, u64), Vec<ChunkBlock>)> + '_ {
+        self.chunks.0.iter().map(|&(addr, chunk)| {
+            let mut blocks = Vec::new();
+            let mut idx = chunk.first;
+            while idx != NIL {
+                let slot = self.slot(idx);
+                blocks.push((slot.addr, slot.size, slot.state == State::Allocated));
+                idx = slot.next;
+            }
+            ((addr, chunk.size), blocks)
+        })
     }
 
     /// What the policy holds now. O(1).

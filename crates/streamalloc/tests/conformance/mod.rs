@@ -93,6 +93,9 @@ impl Allocator for ByPointer {
     fn device(&self) -> usize {
         self.pointers.device()
     }
+    fn segments(&self, out: &mut Vec<streamalloc::Segment>) -> streamalloc::Result<()> {
+        self.pointers.segments(out)
+    }
 }
 
 impl StreamAllocator for ByPointer {

@@ -79,7 +79,9 @@ pub use graph::{Capture, CapturedGraph};
 use graph::{CaptureOwner, GraphShared};
 
 use super::retry;
-use crate::allocation::{align_up, Allocation, Allocator, Block, BlockOwner, Stats, StreamAllocator};
+use crate::allocation::{
+    align_up, Allocation, Allocator, Block, BlockOwner, Segment, Stats, StreamAllocator,
+};
 use crate::device::{CaptureStatus, Device, DevicePtr, EventPool, Pool, PoolAttr, PoolProps, Stream};
 use crate::error::{Error, HeldErrors, OutOfMemory, Result};
 
@@ -393,6 +395,13 @@ impl Allocator for AsyncPool {
 
     fn device(&self) -> usize {
         self.inner.ordinal
+    }
+
+    /// The driver's pool places its memory itself and does not say where.
+    fn segments(&self, _out: &mut Vec<Segment>) -> Result<()> {
+        Err(Error::Unsupported(
+            "strategy=async: the driver's pool does not list its segments and blocks".into(),
+        ))
     }
 }
 

@@ -1,0 +1,24 @@
+//! Issue 48: the pointer table keeps the front end's word (the torch backend's table of its
+//! own goes). Runs `tests/c/entries.c` on the simulator: words, sizes, streams and private
+//! pools handed back exactly, from 8 threads on 8 streams.
+
+mod common;
+
+use std::process::Command;
+
+#[test]
+fn the_pointer_table_keeps_the_front_ends_word() {
+    let exe = common::compile("tests/c/entries.c", "streamalloc-entries");
+    for (conf, args) in [
+        ("device=sim,sim_capacity=4GiB", &[][..]),
+        ("device=sim,sim_capacity=4GiB,strategy=best_fit", &["one-pool"]),
+    ] {
+        let out = Command::new(&exe).args(args).env("STREAMALLOC_CONF", conf).output().expect("run entries");
+        assert!(
+            out.status.success(),
+            "{conf}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
