@@ -426,6 +426,7 @@ pub extern "C" fn streamalloc_ipc_close(ptr: *mut c_void) -> StreamallocStatus {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use core_alloc::facade::Config;
+    use parking_lot::Mutex;
 
     use super::*;
 
