@@ -20,6 +20,7 @@
 
 mod device;
 mod import;
+mod output;
 mod plot;
 
 use std::io::{IsTerminal, Write};
@@ -317,8 +318,16 @@ fn configurations(chosen: &[Chosen]) -> Result<Vec<(String, Config)>, String> {
 /// The library keeps that trace key whatever configuration the program passes.
 fn record(output: &Path, command: &[String]) -> Result<(), String> {
     let mut config = Config::from_env().map_err(bounded)?;
-    let target = RecordTarget::check(output)?;
-    let pending = PendingTrace::create(&target.path, output)?;
+    let target = output::Target::check(output, "the trace")?;
+    let pending = output::Pending::create(&target, output, "the trace")?;
+    // The path travels in STREAMALLOC_CONF, whose keys are separated by commas.
+    if pending.path.to_str().is_none_or(|p| p.contains(',')) {
+        return Err(format!(
+            "cannot write the trace to {}: its directory must be a UTF-8 path without commas \
+             (STREAMALLOC_CONF takes it)",
+            output.display()
+        ));
+    }
     config.trace = Some(pending.path.clone());
     let status = std::process::Command::new(&command[0])
         .args(&command[1..])
@@ -365,128 +374,6 @@ fn record(output: &Path, command: &[String]) -> Result<(), String> {
         Err(format!("`{program}`: the program was {ended}; the trace it wrote so far is kept"))
     } else {
         Err(format!("`{program}` failed ({ended}); the trace it wrote so far is kept"))
-    }
-}
-
-/// The file `record -o OUTPUT` replaces, checked before the program runs.
-struct RecordTarget {
-    /// `OUTPUT`, or the file a symbolic link there points to.
-    path: PathBuf,
-    /// Whether it exists (then it is a regular file the user may write).
-    existed: bool,
-    /// Its permissions, which the trace replacing it takes.
-    permissions: Option<std::fs::Permissions>,
-}
-
-impl RecordTarget {
-    /// Follows a symbolic link at `output`; refuses what is not a regular file or missing (a
-    /// directory, a device, a FIFO, a link to nothing) and a file the user may not write.
-    fn check(output: &Path) -> Result<Self, String> {
-        let cannot =
-            |e: &dyn std::fmt::Display| format!("cannot write the trace to {}: {e}", output.display());
-        let (path, meta) = match std::fs::symlink_metadata(output) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Ok(Self { path: output.to_path_buf(), existed: false, permissions: None })
-            }
-            Err(e) => return Err(cannot(&e)),
-            Ok(meta) if meta.file_type().is_symlink() => {
-                let path = std::fs::canonicalize(output).map_err(|e| {
-                    format!(
-                        "{} is a symbolic link to nothing that can be written ({e}): give the path of the \
-                         trace file itself",
-                        output.display()
-                    )
-                })?;
-                let meta = std::fs::metadata(&path).map_err(|e| cannot(&e))?;
-                (path, meta)
-            }
-            Ok(meta) => (output.to_path_buf(), meta),
-        };
-        if !meta.is_file() {
-            return Err(cannot(&format!("it is not a regular file but {}", file_kind(&meta.file_type()))));
-        }
-        // Opened for writing, not truncated, and closed at once: may the user write it?
-        std::fs::OpenOptions::new().write(true).open(&path).map_err(|e| cannot(&e))?;
-        Ok(Self { path, existed: true, permissions: Some(meta.permissions()) })
-    }
-}
-
-/// What a file that is not a regular one is, for an error.
-fn file_kind(kind: &std::fs::FileType) -> &'static str {
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::FileTypeExt;
-        if kind.is_char_device() || kind.is_block_device() {
-            return "a device";
-        }
-        if kind.is_fifo() {
-            return "a FIFO";
-        }
-        if kind.is_socket() {
-            return "a socket";
-        }
-    }
-    if kind.is_dir() {
-        "a directory"
-    } else {
-        "neither a file nor a directory"
-    }
-}
-
-/// The hidden file a trace is recorded into, beside the file it is to replace; removed when
-/// dropped unless it replaced that file.
-struct PendingTrace {
-    /// Absolute, so that a program that changes directory writes it all the same.
-    path: PathBuf,
-    kept: bool,
-}
-
-impl PendingTrace {
-    /// Creates a new empty file (never an existing one) in the directory of `target`.
-    fn create(target: &Path, output: &Path) -> Result<Self, String> {
-        let cannot =
-            |e: &dyn std::fmt::Display| format!("cannot write the trace to {}: {e}", output.display());
-        let dir = target.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        let dir = std::path::absolute(dir).map_err(|e| cannot(&e))?;
-        // The path travels in STREAMALLOC_CONF, whose keys are separated by commas.
-        if dir.to_str().is_none_or(|d| d.contains(',')) {
-            return Err(cannot(
-                &"its directory must be a UTF-8 path without commas (STREAMALLOC_CONF takes it)",
-            ));
-        }
-        let mut n = 0;
-        loop {
-            let path = dir.join(format!(".streamalloc-record-{}-{n}.csv", std::process::id()));
-            match std::fs::OpenOptions::new().write(true).create_new(true).open(&path) {
-                Ok(_) => return Ok(Self { path, kept: false }),
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && n < 100 => n += 1,
-                Err(e) => return Err(cannot(&e)),
-            }
-        }
-    }
-
-    /// Moves the trace to `target`, with the permissions of the file it replaces.
-    fn replace(mut self, target: &RecordTarget) -> Result<(), String> {
-        let failed = |e: std::io::Error| {
-            format!(
-                "cannot move the trace recorded in {} to {}: {e}; it is kept where it is",
-                self.path.display(),
-                target.path.display()
-            )
-        };
-        if let Some(permissions) = &target.permissions {
-            std::fs::set_permissions(&self.path, permissions.clone()).map_err(failed)?;
-        }
-        self.kept = true;
-        std::fs::rename(&self.path, &target.path).map_err(failed)
-    }
-}
-
-impl Drop for PendingTrace {
-    fn drop(&mut self) {
-        if !self.kept {
-            let _ = std::fs::remove_file(&self.path);
-        }
     }
 }
 
@@ -572,6 +459,10 @@ fn run_replay(paths: &[PathBuf], configs: &[(String, Config)], o: &RunOptions) -
                 warn(&format!("error: {message}"));
             }
         }
+    }
+    if let Some(path) = &o.plot {
+        // Refused before the replays, not after (a FIFO would block until a reader came).
+        output::Target::check(path, "the plot")?;
     }
     let opened = device::open(o.device)?;
     if o.time == Some(true) && opened.simulator.is_none() {

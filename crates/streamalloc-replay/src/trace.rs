@@ -298,7 +298,7 @@ impl Trace {
                 Ok((event, time)) => {
                     let ops = state.trace.ops.len();
                     state.apply(event, options).map_err(fail)?;
-                    state.note_time(time, number, state.trace.ops.len() > ops);
+                    state.note_time(time, number, state.trace.ops.len() > ops).map_err(fail)?;
                 }
                 Err(_) if !ended && options.skip_truncated_last_row => {
                     state.trace.skipped_truncated_rows += 1
@@ -446,19 +446,24 @@ impl State {
         }
     }
 
-    /// Notes the time `written` of the row at `line`, for the operation it `added` if any.
-    fn note_time(&mut self, written: &str, line: usize, added: bool) {
+    /// Notes the time `written` of the row at `line`, for the operation it `added` if any; a
+    /// negative integer is an error (no clock time either, and no count of microseconds).
+    fn note_time(&mut self, written: &str, line: usize, added: bool) -> std::result::Result<(), String> {
+        if written.strip_prefix('-').is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit())) {
+            return Err(format!("negative Time `{}` (expected microseconds from 0)", excerpt(written)));
+        }
         if self.trace.untimed_line.is_some() {
-            return;
+            return Ok(());
         }
         let Ok(time) = written.parse::<u64>() else {
             self.trace.untimed_line = Some(line);
-            return;
+            return Ok(());
         };
         let origin = *self.origin.get_or_insert(time);
         if added {
             self.trace.times_us.push(time.saturating_sub(origin));
         }
+        Ok(())
     }
 }
 
