@@ -563,8 +563,10 @@ fn import_of_shared_references_is_bounded_by_its_output() {
     let dir = TempDir::new("laughs");
     let k = 100_000;
     let entry = Pickle::new().op(b"}(").str("device_traces").op(b"]").entry("alloc", 0x1000, 512, 1);
-    let list = entry.op(b"0](").op(&b"h\x01".repeat(k)).op(b"eq\x02"); // the entry k times
-    let bomb = list.op(b"0(").op(&b"h\x02".repeat(k)).op(b"eu.").0; // the list k times
+    // In batches of 1,000 between a mark and APPENDS, as Python's pickler writes lists.
+    let batches = |reference: &[u8]| [b"(", &reference.repeat(1000)[..], b"e"].concat().repeat(k / 1000);
+    let list = entry.op(b"0]").op(&batches(b"h\x01")).op(b"q\x02"); // the entry k times
+    let bomb = list.op(b"0").op(&batches(b"h\x02")).op(b"u.").0; // the list k times
     assert!(bomb.len() < 420_000, "{} bytes", bomb.len());
     let path = write_pickle(&dir, "laughs.pickle", &bomb);
     let (out, rss_kib) = import_bounded(&path, &dir, &["--gpu", "7"]);

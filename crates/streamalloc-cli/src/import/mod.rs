@@ -117,8 +117,7 @@ fn import_into(
         )
     })?;
     let devices = snapshot.devices();
-    let used: Vec<usize> =
-        (0..devices).filter(|d| snapshot.entries(*d).any(|e| e.action == Word::Alloc)).collect();
+    let used: Vec<usize> = snapshot.allocating().collect();
     let device = match (device, used.as_slice()) {
         (Some(d), _) if d < devices => d,
         (Some(d), _) => {
@@ -127,7 +126,11 @@ fn import_into(
         (None, [d]) => *d,
         (None, []) => return Err(format!("{}: the snapshot recorded no allocation", input.display())),
         (None, _) => {
-            let list: Vec<String> = used.iter().map(ToString::to_string).collect();
+            const SHOWN: usize = 8;
+            let mut list: Vec<String> = used.iter().take(SHOWN).map(ToString::to_string).collect();
+            if used.len() > SHOWN {
+                list.push(format!("... ({} in all)", used.len()));
+            }
             return Err(format!(
                 "{}: the snapshot has allocations on devices {}: choose one with --gpu",
                 input.display(),
