@@ -3,8 +3,9 @@
 //!
 //! ```text
 //! streamalloc replay TRACE... [--conf CONF]... [--allocator PRESET]... [--device sim|cuda]
-//!                    [--json] [--plot OUT.svg] [--passes N] [--threads] [--lenient]
-//!                    [--time | --no-time]
+//!                    [--capacity SIZE] [--expect-failures] [--json] [--plot OUT.svg]
+//!                    [--passes N] [--threads] [--lenient] [--time | --no-time]
+//! streamalloc fit TRACE... --capacity SIZE [--conf CONF]... [--allocator PRESET]...
 //! streamalloc compare A.json B.json
 //! streamalloc plot A.json [B.json...] -o OUT.svg
 //! streamalloc import SNAPSHOT.pickle -o TRACE.csv [--gpu N]
@@ -13,7 +14,8 @@
 //! ```
 //!
 //! Errors go to stderr as `error: ...` lines, with exit status 1 (2 for a command line clap
-//! cannot parse). Text from the user or a file that an error quotes is an excerpt
+//! cannot parse); a replay whose allocations failed exits with status 1 too, unless
+//! `--expect-failures`. Text from the user or a file that an error quotes is an excerpt
 //! (`streamalloc_replay::trace::excerpt`: at most 120 bytes, control characters escaped), and
 //! no control character of an error reaches the terminal. Output into a closed pipe ends the
 //! command quietly.
@@ -69,6 +71,13 @@ enum Command {
     /// trace with `use` or `wait` rows): the clock moves to each row's Time, `use` rows run as
     /// kernels on their streams, and the ordering checker counts early reuses (`violations`).
     /// The output says, for each trace with stream rows, whether its time was replayed.
+    ///
+    /// --capacity SIZE (or a configuration's `sim_capacity`) sizes the simulator: the output
+    /// then says per configuration whether the trace fits, and if not, the first operation
+    /// whose allocation failed and by how many bytes at least, else the headroom.
+    ///
+    /// Exit status: 1 when a trace cannot be read, a replay fails, or an allocation of a
+    /// replay fails (unless --expect-failures), after the output; else 0.
     Replay {
         /// Trace files (CSV: Thread,Time,Action,Pointer,Size,Stream).
         #[arg(required = true)]
@@ -82,9 +91,19 @@ enum Command {
         // The help lists the library's presets (`Config::presets`), the one registry.
         #[arg(long = "allocator", short = 'a', value_name = "PRESET", help = presets_help())]
         presets: Vec<String>,
-        /// Device to replay on (default: cuda when a GPU is found, else sim).
+        /// Device to replay on (default: cuda when a GPU is found, else sim; sim with
+        /// --capacity or a configuration's `sim_capacity`).
         #[arg(long, value_enum)]
         device: Option<DeviceChoice>,
+        /// Bytes of the simulator's device (e.g. 80GiB; at least 64MiB): does the trace fit
+        /// on a card of this size? Replays on the simulator; a configuration's
+        /// `sim_capacity` must agree.
+        #[arg(long, value_name = "SIZE", value_parser = capacity_arg)]
+        capacity: Option<usize>,
+        /// Exit with status 0 even when allocations of the replays failed (by default such a
+        /// replay makes the exit status 1).
+        #[arg(long)]
+        expect_failures: bool,
         /// Print a JSON array of results instead of a table.
         #[arg(long)]
         json: bool,
@@ -111,6 +130,27 @@ enum Command {
         /// replay).
         #[arg(long)]
         no_time: bool,
+    },
+    /// Does a trace fit on a device of SIZE, and under which configuration? Replays each
+    /// trace once on a simulator of that size through every preset (or the --allocator and
+    /// --conf given), and names the configuration that fits with the most headroom, or none.
+    /// Exit status 1 when a trace fits under no configuration.
+    Fit {
+        /// Trace files (CSV: Thread,Time,Action,Pointer,Size,Stream).
+        #[arg(required = true)]
+        traces: Vec<PathBuf>,
+        /// Bytes of the simulated device (e.g. 80GiB; at least 64MiB).
+        #[arg(long, value_name = "SIZE", value_parser = capacity_arg)]
+        capacity: usize,
+        /// A configuration to try, as STREAMALLOC_CONF takes it (repeatable).
+        #[arg(long = "conf", short = 'c', value_name = "CONF")]
+        confs: Vec<String>,
+        #[arg(long = "allocator", short = 'a', value_name = "PRESET", help = presets_help())]
+        presets: Vec<String>,
+        /// Skip (and count) frees, record_stream and use rows of pointers the trace never
+        /// allocated (or already freed), instead of failing.
+        #[arg(long)]
+        lenient: bool,
     },
     /// Shows two saved `replay --json` outputs side by side, with B/A ratios.
     Compare {
@@ -197,6 +237,8 @@ fn main() -> ExitCode {
             confs,
             presets,
             device,
+            capacity,
+            expect_failures,
             json,
             plot,
             passes,
@@ -206,9 +248,28 @@ fn main() -> ExitCode {
             no_time,
         } => {
             let time = (time || no_time).then_some(time);
-            let options = RunOptions { device, json, plot, passes: passes as usize, threads, lenient, time };
+            let options = RunOptions {
+                device,
+                capacity,
+                expect_failures,
+                json,
+                plot,
+                passes: passes as usize,
+                threads,
+                lenient,
+                time,
+            };
             let chosen = in_typed_order(matches.subcommand_matches("replay"), presets, confs);
             configurations(&chosen).and_then(|configs| run_replay(&traces, &configs, &options))
+        }
+        Command::Fit { traces, capacity, confs, presets, lenient } => {
+            let chosen = in_typed_order(matches.subcommand_matches("fit"), presets, confs);
+            let chosen = if chosen.is_empty() {
+                Config::presets().iter().map(|p| Chosen::Preset(p.name.to_owned())).collect()
+            } else {
+                chosen
+            };
+            configurations(&chosen).and_then(|configs| fit(&traces, &configs, capacity, lenient))
         }
         Command::Compare { a, b } => compare(&a, &b),
         Command::Plot { results, output } => plot_saved(&results, &output),
@@ -424,6 +485,9 @@ fn signal_name(n: i32) -> Option<&'static str> {
 /// How `replay` runs, from its flags.
 struct RunOptions {
     device: Option<DeviceChoice>,
+    /// `--capacity`: bytes of the simulator's device.
+    capacity: Option<usize>,
+    expect_failures: bool,
     json: bool,
     plot: Option<PathBuf>,
     passes: usize,
@@ -464,7 +528,16 @@ fn run_replay(paths: &[PathBuf], configs: &[(String, Config)], o: &RunOptions) -
         // Refused before the replays, not after (a FIFO would block until a reader came).
         output::Target::check(path, "the plot")?;
     }
-    let opened = device::open(o.device)?;
+    let capacity = sim_capacity(o.capacity, configs)?;
+    let opened = match (capacity, o.device) {
+        (Some(_), Some(DeviceChoice::Cuda)) => {
+            return Err("--capacity (or a configuration's sim_capacity) sizes the simulator: it does not \
+                        apply with --device cuda"
+                .into())
+        }
+        (Some(bytes), _) => device::open_simulator(bytes),
+        (None, choice) => device::open(choice)?,
+    };
     if o.time == Some(true) && opened.simulator.is_none() {
         return Err(format!(
             "--time replays a trace's time on the simulator only (--device sim): {} runs none of the \
@@ -570,6 +643,11 @@ fn run_replay(paths: &[PathBuf], configs: &[(String, Config)], o: &RunOptions) -
                 r.first_failure.as_deref().unwrap_or("?")
             ));
         }
+        if let Some(capacity) = capacity {
+            for r in &results {
+                text.push_str(&format!("{} on {}: {}\n", r.allocator, r.trace, fit_verdict(r, capacity)));
+            }
+        }
         emit(&text)?;
     }
     if let Some(path) = &o.plot {
@@ -589,10 +667,142 @@ fn run_replay(paths: &[PathBuf], configs: &[(String, Config)], o: &RunOptions) -
     if failed_runs > 0 {
         failures.push(format!("{failed_runs} of {} replays failed", traces.len() * configs.len()));
     }
+    let failing = rows.iter().filter(|r| r.result.failures > 0).count();
+    if failing > 0 && !o.expect_failures {
+        failures.push(format!(
+            "{failing} of {} replays had failed allocations (--expect-failures makes the exit status 0 \
+             all the same)",
+            traces.len() * configs.len()
+        ));
+    }
     if failures.is_empty() {
         Ok(())
     } else {
         Err(failures.join("; "))
+    }
+}
+
+/// A `--capacity` (or `fit`) argument: a size as the `sim_capacity` key takes it.
+fn capacity_arg(text: &str) -> Result<usize, String> {
+    Config::parse(&format!("sim_capacity={text}")).map(|c| c.sim_capacity).map_err(bounded)
+}
+
+/// The simulator's capacity for `configs`: `asked` (`--capacity`), else the `sim_capacity`
+/// the configurations set (all the same one), else `None` (the default simulator). A
+/// configuration whose `sim_capacity` is not the default is refused when it differs: the
+/// configurations of one replay share one simulator.
+fn sim_capacity(asked: Option<usize>, configs: &[(String, Config)]) -> Result<Option<usize>, String> {
+    let default = Config::default().sim_capacity;
+    let set: Vec<(&str, usize)> = configs
+        .iter()
+        .filter(|(_, c)| c.sim_capacity != default)
+        .map(|(label, c)| (label.as_str(), c.sim_capacity))
+        .collect();
+    let capacity = asked.or(set.first().map(|(_, bytes)| *bytes));
+    if let Some(capacity) = capacity {
+        if let Some((label, other)) = set.iter().find(|(_, bytes)| *bytes != capacity) {
+            let source = if asked.is_some() { "--capacity" } else { "another configuration's sim_capacity" };
+            return Err(format!(
+                "'{}': sim_capacity={other} differs from {source} ({capacity}): the configurations of one \
+                 replay share one simulator; give one size with --capacity",
+                excerpt(label)
+            ));
+        }
+    }
+    Ok(capacity)
+}
+
+/// Whether the replay `r` fit on a device of `capacity` bytes: the headroom, or the first
+/// operation that failed and by how much.
+fn fit_verdict(r: &ReplayResult, capacity: usize) -> String {
+    let size = bytes(capacity);
+    match (r.failures, r.first_failure_op) {
+        (0, _) => format!(
+            "fits in {size}, headroom {} (peak device use {})",
+            bytes(capacity.saturating_sub(r.peak_device_used)),
+            bytes(r.peak_device_used)
+        ),
+        (n, op) => {
+            let op = op.map_or_else(|| "an operation".to_owned(), |op| format!("operation {op}"));
+            let short =
+                r.first_failure_short.map_or_else(String::new, |s| format!(", at least {} short", bytes(s)));
+            format!("does not fit in {size}: {op} failed first{short} ({n} failed allocations)")
+        }
+    }
+}
+
+/// `fit`: replays each trace once through each configuration on a simulator of `capacity`
+/// bytes and names, per trace, the configuration that fits with the most headroom.
+fn fit(
+    paths: &[PathBuf],
+    configs: &[(String, Config)],
+    capacity: usize,
+    lenient: bool,
+) -> Result<(), String> {
+    sim_capacity(Some(capacity), configs)?;
+    let parse = if lenient { ParseOptions::lenient() } else { ParseOptions::default() };
+    let opened = device::open_simulator(capacity);
+    let idle = settle(opened.device.as_ref()).map_err(|e| format!("measuring the idle device: {e}"))?;
+    let mut text = format!("device: {}\n", opened.description);
+    let mut unfit = Vec::new();
+    for path in paths {
+        let trace = load(path, parse)?;
+        let mut rows = Vec::new();
+        let mut best: Option<(usize, &str)> = None;
+        let mut closest: Option<(usize, &str, usize)> = None;
+        for (label, config) in configs {
+            let time = time_choice(&trace, None, &opened).ok().and(opened.simulator.as_deref());
+            let options = ReplayOptions { passes: 1, time, ..Default::default() };
+            let verdict = match replay_one(&trace, label, config, &opened, idle, &options) {
+                Ok(r) => {
+                    if r.failures == 0 {
+                        let headroom = capacity.saturating_sub(r.peak_device_used);
+                        if best.is_none_or(|(h, _)| headroom > h) {
+                            best = Some((headroom, label));
+                        }
+                    } else {
+                        let short = r.first_failure_short.unwrap_or(usize::MAX);
+                        if closest.is_none_or(|(s, _, _)| short < s) {
+                            closest = Some((short, label, r.first_failure_op.unwrap_or(0)));
+                        }
+                    }
+                    fit_verdict(&r, capacity)
+                }
+                Err(message) => format!("replay failed: {message}"),
+            };
+            rows.push(vec![label.clone(), verdict]);
+        }
+        text.push_str(&columns(&["configuration", &trace.name], &rows));
+        let size = bytes(capacity);
+        match (best, closest) {
+            (Some((headroom, label)), _) => text.push_str(&format!(
+                "{} fits in {size}; most headroom: {} ({})\n\n",
+                trace.name,
+                excerpt(label),
+                bytes(headroom)
+            )),
+            (None, closest) => {
+                let hint = closest.map_or_else(String::new, |(short, label, op)| {
+                    format!(
+                        "; closest: {} (operation {op} failed first, at least {} short)",
+                        excerpt(label),
+                        bytes(short)
+                    )
+                });
+                text.push_str(&format!(
+                    "{} fits in {size} under none of the {} configurations{hint}\n\n",
+                    trace.name,
+                    configs.len()
+                ));
+                unfit.push(trace.name.clone());
+            }
+        }
+    }
+    emit(&text)?;
+    if unfit.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("{} fits in {} under no configuration tried", unfit.join(", "), bytes(capacity)))
     }
 }
 
