@@ -6,7 +6,7 @@
 //!                    [--capacity SIZE] [--expect-failures] [--json] [--plot OUT.svg]
 //!                    [--passes N] [--threads] [--lenient] [--time | --no-time]
 //! streamalloc fit TRACE... --capacity SIZE [--conf CONF]... [--allocator PRESET]...
-//! streamalloc compare A.json B.json
+//! streamalloc compare A.json B.json | compare RESULTS.json... --base CONF [--with CONF]...
 //! streamalloc plot A.json [B.json...] -o OUT.svg
 //! streamalloc import SNAPSHOT.pickle -o TRACE.csv [--gpu N]
 //! streamalloc record [-o TRACE.csv] -- COMMAND...
@@ -152,12 +152,23 @@ enum Command {
         #[arg(long)]
         lenient: bool,
     },
-    /// Shows two saved `replay --json` outputs side by side, with B/A ratios.
+    /// Compares saved `replay --json` outputs, row by row, with ratios to a base.
+    ///
+    /// With --base CONF, each result of a trace (in any of the files) is compared with the
+    /// trace's result of configuration CONF (the first found), or only those of the --with
+    /// configurations. Without it, two files: each result of B with A's result of the same
+    /// configuration and trace. Timings show the median of the timed passes and their
+    /// [min, max]; a ratio of medians within the spread of either side is marked `~`.
     Compare {
-        /// The baseline (`replay --json` output).
-        a: PathBuf,
-        /// The result compared with it.
-        b: PathBuf,
+        /// `replay --json` outputs (without --base: two, A the baseline and B).
+        #[arg(required = true)]
+        results: Vec<PathBuf>,
+        /// The configuration (its label in the results) the others are compared with.
+        #[arg(long, value_name = "CONF")]
+        base: Option<String>,
+        /// A configuration compared with the base (repeatable; default: all the others).
+        #[arg(long = "with", value_name = "CONF", requires = "base")]
+        with: Vec<String>,
     },
     /// Draws saved `replay --json` outputs side by side (one column per file, one row per
     /// trace, the columns of a row on the same scale) into an SVG file.
@@ -271,7 +282,7 @@ fn main() -> ExitCode {
             };
             configurations(&chosen).and_then(|configs| fit(&traces, &configs, capacity, lenient))
         }
-        Command::Compare { a, b } => compare(&a, &b),
+        Command::Compare { results, base, with } => compare(&results, base.as_deref(), &with),
         Command::Plot { results, output } => plot_saved(&results, &output),
         Command::Import { snapshot, output, gpu } => import_snapshot(&snapshot, &output, gpu),
         Command::Info => info(),
@@ -992,67 +1003,143 @@ fn ratio(a: f64, b: f64) -> String {
     }
 }
 
-fn compare(a_path: &Path, b_path: &Path) -> Result<(), String> {
-    let a = read_results(a_path)?;
-    let b = read_results(b_path)?;
-    let mut text =
-        format!("A: {} ({})\n", a_path.display(), a.first().map_or("empty", |r| r.device.as_str()));
-    text.push_str(&format!(
-        "B: {} ({})\n",
-        b_path.display(),
-        b.first().map_or("empty", |r| r.device.as_str())
-    ));
+/// The timed passes of `r` in ns/op: median, min and max (the best pass alone for results
+/// saved before every pass was).
+fn pass_spread(r: &ReplayResult) -> (f64, f64, f64) {
+    let mut passes =
+        if r.ns_per_op_passes.is_empty() { vec![r.ns_per_op_warm] } else { r.ns_per_op_passes.clone() };
+    passes.sort_by(f64::total_cmp);
+    let n = passes.len();
+    let median = if n % 2 == 1 { passes[n / 2] } else { (passes[n / 2 - 1] + passes[n / 2]) / 2.0 };
+    (median, passes[0], passes[n - 1])
+}
+
+/// `(max - min) / median` of a spread: 0 for one pass.
+fn relative_spread((median, min, max): (f64, f64, f64)) -> f64 {
+    if median > 0.0 {
+        (max - min) / median
+    } else {
+        0.0
+    }
+}
+
+/// Compares saved results (see `Command::Compare`).
+fn compare(paths: &[PathBuf], base: Option<&str>, with: &[String]) -> Result<(), String> {
+    let files = paths.iter().map(|p| read_results(p)).collect::<Result<Vec<_>, _>>()?;
+    let mut text = String::new();
+    for (path, rows) in paths.iter().zip(&files) {
+        text.push_str(&format!(
+            "{}: {} results ({})\n",
+            path.display(),
+            rows.len(),
+            rows.first().map_or("empty", |r| r.device.as_str())
+        ));
+    }
+    // (result, the base it is compared with).
+    let mut pairs: Vec<(&ReplayResult, &ReplayResult)> = Vec::new();
+    let mut unmatched = Vec::new();
+    match base {
+        Some(base) => {
+            let all: Vec<&ReplayResult> = files.iter().flatten().map(|r| &r.result).collect();
+            if !all.iter().any(|r| r.allocator == base) {
+                return Err(format!("no result of configuration {} in the files", excerpt(base)));
+            }
+            for r in &all {
+                if r.allocator == base || (!with.is_empty() && !with.contains(&r.allocator)) {
+                    continue;
+                }
+                match all.iter().find(|b| b.allocator == base && b.trace == r.trace) {
+                    Some(b) => pairs.push((r, b)),
+                    None => unmatched.push(format!(
+                        "no {} result for {} on {}\n",
+                        excerpt(base),
+                        r.allocator,
+                        r.trace
+                    )),
+                }
+            }
+        }
+        None => {
+            let [a, b] = files.as_slice() else {
+                return Err(format!("compare takes two files without --base, not {}", files.len()));
+            };
+            for x in a {
+                let x = &x.result;
+                match b
+                    .iter()
+                    .map(|y| &y.result)
+                    .find(|y| (&y.allocator, &y.trace) == (&x.allocator, &x.trace))
+                {
+                    Some(y) => pairs.push((y, x)),
+                    None => unmatched.push(format!("only in A: {} on {}\n", x.allocator, x.trace)),
+                }
+            }
+            for y in b.iter().map(|y| &y.result) {
+                if !a.iter().any(|x| x.result.allocator == y.allocator && x.result.trace == y.trace) {
+                    unmatched.push(format!("only in B: {} on {}\n", y.allocator, y.trace));
+                }
+            }
+        }
+    }
     let header = [
         "configuration",
         "trace",
-        "footprint A",
-        "footprint B",
-        "B/A",
-        "ns/op A",
-        "ns/op B",
-        "B/A",
-        "reserved A",
-        "reserved B",
-        "B/A",
-        "calls A",
-        "calls B",
-        "B/A",
+        "base",
+        "footprint",
+        "base",
+        "ratio",
+        "ns/op median [min, max]",
+        "base",
+        "ratio",
+        "reserved",
+        "base",
+        "ratio",
+        "calls",
+        "base",
+        "ratio",
     ];
-    let mut rows = Vec::new();
-    let mut unmatched = Vec::new();
-    for x in &a {
-        let (x, key) = (&x.result, (&x.result.allocator, &x.result.trace));
-        let Some(y) = b.iter().map(|y| &y.result).find(|y| (&y.allocator, &y.trace) == key) else {
-            unmatched.push(format!("only in A: {} on {}\n", x.allocator, x.trace));
-            continue;
-        };
-        rows.push(vec![
-            x.allocator.clone(),
-            x.trace.clone(),
-            format!("{:.3}", x.footprint_ratio),
-            format!("{:.3}", y.footprint_ratio),
-            ratio(x.footprint_ratio, y.footprint_ratio),
-            format!("{:.1}", x.ns_per_op_warm),
-            format!("{:.1}", y.ns_per_op_warm),
-            ratio(x.ns_per_op_warm, y.ns_per_op_warm),
-            bytes(x.reserved_peak),
-            bytes(y.reserved_peak),
-            ratio(x.reserved_peak as f64, y.reserved_peak as f64),
-            x.device_calls.to_string(),
-            y.device_calls.to_string(),
-            ratio(x.device_calls as f64, y.device_calls as f64),
-        ]);
-    }
-    for y in &b {
-        let y = &y.result;
-        if !a.iter().any(|x| x.result.allocator == y.allocator && x.result.trace == y.trace) {
-            unmatched.push(format!("only in B: {} on {}\n", y.allocator, y.trace));
-        }
-    }
+    let spread = |s: (f64, f64, f64)| format!("{:.1} [{:.1}, {:.1}]", s.0, s.1, s.2);
+    let mut within = false;
+    let rows: Vec<Vec<String>> = pairs
+        .iter()
+        .map(|(r, b)| {
+            let (rs, bs) = (pass_spread(r), pass_spread(b));
+            let noise = relative_spread(rs).max(relative_spread(bs));
+            let mut time_ratio = ratio(bs.0, rs.0);
+            if bs.0 > 0.0 && (rs.0 / bs.0 - 1.0).abs() <= noise {
+                time_ratio.push('~');
+                within = true;
+            }
+            let label = if base.is_some() { b.allocator.clone() } else { "A".into() };
+            vec![
+                r.allocator.clone(),
+                r.trace.clone(),
+                label,
+                format!("{:.3}", r.footprint_ratio),
+                format!("{:.3}", b.footprint_ratio),
+                ratio(b.footprint_ratio, r.footprint_ratio),
+                spread(rs),
+                spread(bs),
+                time_ratio,
+                bytes(r.reserved_peak),
+                bytes(b.reserved_peak),
+                ratio(b.reserved_peak as f64, r.reserved_peak as f64),
+                r.device_calls.to_string(),
+                b.device_calls.to_string(),
+                ratio(b.device_calls as f64, r.device_calls as f64),
+            ]
+        })
+        .collect();
     text.push_str(&columns(&header, &rows));
-    for (name, file) in [("A", &a), ("B", &b)] {
-        if let Some(note) = file.iter().find_map(|r| r.ns_per_op_note.as_deref()) {
-            text.push_str(&format!("{name}: {}\n", excerpt(note)));
+    if within {
+        text.push_str(
+            "~: the ratio of medians is within the spread of the passes ((max - min) / median of either \
+             side): no difference shown; replay with more --passes\n",
+        );
+    }
+    for (path, rows) in paths.iter().zip(&files) {
+        if let Some(note) = rows.iter().find_map(|r| r.ns_per_op_note.as_deref()) {
+            text.push_str(&format!("{}: {}\n", path.display(), excerpt(note)));
         }
     }
     text.extend(unmatched);
