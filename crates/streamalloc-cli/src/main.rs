@@ -870,8 +870,13 @@ fn replay_one(
         .map_err(|e| e.to_string())?;
     let stack =
         Facade::build_stack(config, opened.device.clone()).map_err(|e| format!("building the stack: {e}"))?;
-    replay(trace, label, &ReplayTarget::Streams(stack.allocator.clone()), device, options)
-        .map_err(|e| e.to_string())
+    let result = replay(trace, label, &ReplayTarget::Streams(stack.allocator.clone()), device, options)
+        .map_err(|e| e.to_string())?;
+    // A trace the configuration asks for that could not be written fails the replay.
+    if let (Some(traced), Some(path)) = (&stack.trace, &config.trace) {
+        traced.flush().map_err(|e| format!("writing the trace {}: {e}", path.display()))?;
+    }
+    Ok(result)
 }
 
 /// The first words of a device description, for a title.

@@ -591,3 +591,16 @@ fn a_pickle_stack_deeper_than_any_snapshot_is_refused() {
         assert!(rss_kib < 64 * 1024, "{name}: {rss_kib} KiB");
     }
 }
+
+/// Left from issue 52's previous round: `--conf trace=/dev/full` exited 0 though no row of the
+/// trace was written; a trace that cannot be written fails the replay.
+#[test]
+fn a_trace_that_cannot_be_written_fails_the_replay() {
+    let dir = TempDir::new("full");
+    let trace = dir.join("t.csv");
+    std::fs::write(&trace, format!("{HEADER}\n0,1,allocate,0x10,64,0\n0,2,free,0x10,64,0\n")).unwrap();
+    let conf = "strategy=plain,trace=/dev/full";
+    let out =
+        output(&mut streamalloc(&["replay", trace.to_str().unwrap(), "--conf", conf, "--device", "sim"]));
+    assert_fails_with(&out, &["writing the trace /dev/full", "No space left on device"]);
+}
