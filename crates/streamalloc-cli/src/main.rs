@@ -33,6 +33,7 @@ use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use streamalloc::facade::{Config, DeviceKind, Facade, ENV_VAR};
+use streamalloc_replay::compressed::{self, Compression};
 use streamalloc_replay::replay::{check_start, replay, settle, ReplayOptions, ReplayResult, ReplayTarget};
 use streamalloc_replay::trace::{
     excerpt, excerpt_within, ParseOptions, Trace, CUT_SHORT, EXCERPT, NOT_TEXT, PICKLE,
@@ -79,7 +80,8 @@ enum Command {
     /// Exit status: 1 when a trace cannot be read, a replay fails, or an allocation of a
     /// replay fails (unless --expect-failures), after the output; else 0.
     Replay {
-        /// Trace files (CSV: Thread,Time,Action,Pointer,Size,Stream).
+        /// Trace files (CSV: Thread,Time,Action,Pointer,Size,Stream; gzip or xz compressed
+        /// ones are read as such).
         #[arg(required = true)]
         traces: Vec<PathBuf>,
         /// A configuration, as STREAMALLOC_CONF takes it (e.g.
@@ -136,7 +138,7 @@ enum Command {
     /// --conf given), and names the configuration that fits with the most headroom, or none.
     /// Exit status 1 when a trace fits under no configuration.
     Fit {
-        /// Trace files (CSV: Thread,Time,Action,Pointer,Size,Stream).
+        /// Trace files (CSV: Thread,Time,Action,Pointer,Size,Stream; gzip or xz ones too).
         #[arg(required = true)]
         traces: Vec<PathBuf>,
         /// Bytes of the simulated device (e.g. 80GiB; at least 64MiB).
@@ -185,7 +187,8 @@ enum Command {
     Import {
         /// The snapshot (a pickle).
         snapshot: PathBuf,
-        /// The trace to write (RMM logging CSV).
+        /// The trace to write (RMM logging CSV; compressed when its name ends in `.gz` or
+        /// `.xz`).
         #[arg(long, short, value_name = "TRACE.csv")]
         output: PathBuf,
         /// The snapshot's device to convert (default: the only one with allocations).
@@ -208,7 +211,8 @@ enum Command {
         /// Where to write the trace (RMM logging CSV): a new file or a regular file, which is
         /// replaced (its permissions kept). A symbolic link is followed: the file it points to
         /// is replaced and the link kept. Anything else (a directory, a device, a FIFO, a link
-        /// to nothing) is refused before the program runs.
+        /// to nothing) is refused before the program runs. A name ending in `.gz` or `.xz`
+        /// is written compressed.
         #[arg(long, short, default_value = "streamalloc-trace.csv")]
         output: PathBuf,
         /// The program and its arguments.
@@ -430,7 +434,15 @@ fn record(output: &Path, command: &[String]) -> Result<(), String> {
             format!("`{program}` failed ({ended}) and wrote no trace to {}{kept}", output.display())
         });
     }
-    pending.replace(&target)?;
+    let compression = Compression::of_name(output);
+    if compression == Compression::None {
+        pending.replace(&target)?;
+    } else {
+        let packed = output::Pending::create(&target, output, "the trace")?;
+        compressed::compress_file(&pending.path, &packed.path, compression)
+            .map_err(|e| format!("compressing the trace into {}: {e}", output.display()))?;
+        packed.replace(&target)?;
+    }
     let trace = load(&target.path, ParseOptions::lenient())?;
     let cut = if trace.skipped_truncated_rows > 0 { "; its last row, cut short, skipped" } else { "" };
     emit(&format!(

@@ -29,8 +29,7 @@
 
 use std::borrow::Cow;
 use std::collections::HashMap;
-use std::fs::File;
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, Read};
 use std::path::Path;
 
 use streamalloc::trace::{Action, HEADER};
@@ -204,13 +203,15 @@ impl Trace {
         Self::from_path_with(path, ParseOptions::default())
     }
 
-    /// Parses the file at `path` with `options`; the trace is named after the file.
+    /// Parses the file at `path` with `options`, decompressed when it is gzip or xz (see
+    /// [`crate::compressed`]); the trace is named after the file.
     pub fn from_path_with(path: impl AsRef<Path>, options: ParseOptions) -> Result<Self> {
         let path = path.as_ref();
-        let file = File::open(path).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
+        let file =
+            crate::compressed::open(path).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
         let name =
             path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
-        Self::parse_with(BufReader::with_capacity(1 << 16, file), &name, options).map_err(|e| match e {
+        Self::parse_with(file, &name, options).map_err(|e| match e {
             Error::Io(msg) => Error::Io(format!("{}: {msg}", path.display())),
             other => other,
         })

@@ -36,6 +36,7 @@ use std::path::Path;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use streamalloc::trace::{Action, Record, TraceWriter};
+use streamalloc_replay::compressed::{Compression, Writer};
 
 use pickle::{Entry, Word};
 
@@ -75,16 +76,21 @@ pub struct Summary {
 
 /// Converts the snapshot at `input` into a trace at `output`; `device` picks the snapshot's
 /// device (default: the only one with allocations). With `progress`, a bar on stderr shows
-/// the bytes read. The output is written once the whole snapshot has been read, into a new
+/// the bytes read. The output is written once the whole snapshot has been read (compressed
+/// when its name ends in `.gz` or `.xz`), into a new
 /// file that replaces `output` when the import succeeds: a failed import leaves it as it was.
 pub fn import(input: &Path, output: &Path, device: Option<usize>, progress: bool) -> Result<Summary, String> {
-    crate::output::write_whole(output, "the trace", |path| import_into(input, path, device, progress))
+    let compression = Compression::of_name(output);
+    crate::output::write_whole(output, "the trace", |path| {
+        import_into(input, path, compression, device, progress)
+    })
 }
 
-/// [`import`], into the new file at `output`.
+/// [`import`], into the new file at `output`, written with `compression`.
 fn import_into(
     input: &Path,
     output: &Path,
+    compression: Compression,
     device: Option<usize>,
     progress: bool,
 ) -> Result<Summary, String> {
@@ -138,9 +144,11 @@ fn import_into(
             ));
         }
     };
-    let mut writer = TraceWriter::create(output).map_err(|e| e.to_string())?;
+    let written = |e: std::io::Error| format!("writing the trace: {e}");
+    let file = Writer::create(output, compression).map_err(written)?;
+    let mut writer = TraceWriter::new(file).map_err(|e| e.to_string())?;
     let summary = convert(snapshot.entries(device), device, |r| writer.write(r).map_err(|e| e.to_string()))?;
-    writer.finish().map_err(|e| e.to_string())?;
+    writer.finish().map_err(|e| e.to_string())?.finish().map_err(written)?;
     Ok(summary)
 }
 
