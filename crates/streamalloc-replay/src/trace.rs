@@ -204,13 +204,18 @@ impl Trace {
     }
 
     /// Parses the file at `path` with `options`, decompressed when it is gzip or xz (see
-    /// [`crate::compressed`]); the trace is named after the file.
+    /// [`crate::compressed`]); the trace is named after the file (without a `.gz` or `.xz`).
     pub fn from_path_with(path: impl AsRef<Path>, options: ParseOptions) -> Result<Self> {
         let path = path.as_ref();
         let file =
             crate::compressed::open(path).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
         let name =
             path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
+        // A compressed trace is named as the file it holds (`t.csv.xz` holds `t.csv`).
+        let name = match crate::compressed::Compression::of_name(path) {
+            crate::compressed::Compression::None => name,
+            _ => path.file_stem().map_or(name, |stem| stem.to_string_lossy().into_owned()),
+        };
         Self::parse_with(file, &name, options).map_err(|e| match e {
             Error::Io(msg) => Error::Io(format!("{}: {msg}", path.display())),
             other => other,
@@ -967,8 +972,8 @@ mod tests {
         for (file, ops, peak) in
             [("gpt2_train.csv", 11_911, 7_701_353_160), ("resnet50_train.csv", 6_620, 3_192_592_912)]
         {
-            let trace = Trace::from_path(dir.join(file)).unwrap();
-            assert_eq!(trace.name, file);
+            let trace = Trace::from_path(dir.join(format!("{file}.xz"))).unwrap();
+            assert_eq!(trace.name, file, "named as the file the .xz holds");
             assert_eq!(trace.allocations + trace.frees + trace.recorded_failures, ops);
             assert_eq!(trace.peak_live, peak);
         }

@@ -43,7 +43,7 @@ fn stitched_granules_per_pass(trace: &str, passes: usize) -> (Vec<u64>, f64) {
 #[test]
 fn footprint_stays_within_5_percent_when_shapes_change_every_step() {
     // Expandable segments held 1.454 and 1.169 of the peak live bytes here; chunks 1.463 and 1.235.
-    for trace in ["synthetic/bert_varlen_infer.csv", "synthetic/multiscale_train.csv"] {
+    for trace in ["synthetic/bert_varlen_infer.csv.xz", "synthetic/multiscale_train.csv.xz"] {
         let (_, f) = stitched_granules_per_pass(trace, 1);
         assert!(f <= 1.05, "{trace}: footprint {f:.3}");
     }
@@ -55,7 +55,7 @@ fn a_training_loop_whose_shapes_change_every_step_stops_mapping_once_warm() {
     // the small class and no headroom of fresh memory, the stitched pool mapped 123-154
     // granules at every pass (stitches, 20-40 us each on an H200): 10 times the operations'
     // own cost. With the small class up to 128 KiB it maps nothing after its first pass.
-    let (per_pass, footprint) = stitched_granules_per_pass("synthetic/multiscale_train.csv", 5);
+    let (per_pass, footprint) = stitched_granules_per_pass("synthetic/multiscale_train.csv.xz", 5);
     assert_eq!(per_pass[1..], [0; 5], "granules mapped or unmapped per pass: {per_pass:?}");
     // PyTorch's expandable segments held 1.010 of the peak live bytes on the H200.
     assert!(footprint <= 1.01, "footprint {footprint:.4}");
@@ -69,7 +69,7 @@ fn a_training_loop_whose_layout_drifts_from_pass_to_pass_stops_mapping_once_warm
     // that did costing 3-6 times one that did not. Now its first two warm passes stitch (65
     // and 42 granules), then nothing: the third, which the anchors harness's best of three
     // sees, maps none.
-    let (per_pass, footprint) = stitched_granules_per_pass("resnet50_train.csv", 12);
+    let (per_pass, footprint) = stitched_granules_per_pass("resnet50_train.csv.xz", 12);
     assert_eq!(per_pass[3..], [0; 10], "granules mapped or unmapped per pass: {per_pass:?}");
     // PyTorch's expandable segments held 1.017 of the peak live bytes on the H200.
     assert!(footprint <= 1.015, "footprint {footprint:.4}");
@@ -82,7 +82,7 @@ fn variable_length_inference_stops_mapping_from_its_second_warm_pass() {
     // range's homes and warm passes stitched again: 403, 83, 52, then 24 granules over 197
     // passes (the anchors harness times the best of warm passes 1-3, where 52 granules at
     // about 30 us each on an H200 add about 40 ns to each of the trace's operations).
-    let (per_pass, footprint) = stitched_granules_per_pass("recorded/bert_infer.csv", 8);
+    let (per_pass, footprint) = stitched_granules_per_pass("recorded/bert_infer.csv.xz", 8);
     assert_eq!(per_pass[2..], [0; 7], "granules mapped or unmapped per pass: {per_pass:?}");
     // The best reference allocator held 1.119 of the peak live bytes on the H200 (cudaMalloc).
     // With stitches of whole granules only it held 1.0501 here: one granule (2 MiB of 306)
