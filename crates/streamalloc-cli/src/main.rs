@@ -87,7 +87,8 @@ enum Command {
         /// A configuration, as STREAMALLOC_CONF takes it (e.g.
         /// 'strategy=stream_safe,expandable=true,growth=16MiB'); repeatable, each row is
         /// labelled by its string, rows in the order --conf and --allocator are given. Its
-        /// `device` and `sim_*` keys do not apply: --device chooses the device.
+        /// `device` key does not apply (--device chooses the device), nor `sim_virtual_memory`;
+        /// `sim_capacity` sizes the simulator (see --capacity).
         #[arg(long = "conf", short = 'c', value_name = "CONF")]
         confs: Vec<String>,
         // The help lists the library's presets (`Config::presets`), the one registry.
