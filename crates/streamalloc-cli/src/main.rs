@@ -136,7 +136,8 @@ enum Command {
     },
     /// Does a trace fit on a device of SIZE, and under which configuration? Replays each
     /// trace once on a simulator of that size through every preset (or the --allocator and
-    /// --conf given), and names the configuration that fits with the most headroom, or none.
+    /// --conf given), and names the configuration that fits with the most headroom, or, when
+    /// none does, the one that got furthest.
     /// Exit status 1 when a trace fits under no configuration.
     Fit {
         /// Trace files (CSV: Thread,Time,Action,Pointer,Size,Stream; gzip or xz ones too).
@@ -748,8 +749,13 @@ fn fit_verdict(r: &ReplayResult, capacity: usize) -> String {
         ),
         (n, op) => {
             let op = op.map_or_else(|| "an operation".to_owned(), |op| format!("operation {op}"));
-            let short =
-                r.first_failure_short.map_or_else(String::new, |s| format!(", at least {} short", bytes(s)));
+            let short = match r.first_failure_short {
+                None => String::new(),
+                Some(0) => {
+                    ", though the device had the bytes free (the allocator's limits or fragmentation)".into()
+                }
+                Some(s) => format!(", at least {} short", bytes(s)),
+            };
             format!("does not fit in {size}: {op} failed first{short} ({n} failed allocations)")
         }
     }
@@ -773,7 +779,7 @@ fn fit(
         let trace = load(path, parse)?;
         let mut rows = Vec::new();
         let mut best: Option<(usize, &str)> = None;
-        let mut closest: Option<(usize, &str, usize)> = None;
+        let mut closest: Option<(usize, &str)> = None;
         for (label, config) in configs {
             let time = time_choice(&trace, None, &opened).ok().and(opened.simulator.as_deref());
             let options = ReplayOptions { passes: 1, time, ..Default::default() };
@@ -785,9 +791,10 @@ fn fit(
                             best = Some((headroom, label));
                         }
                     } else {
-                        let short = r.first_failure_short.unwrap_or(usize::MAX);
-                        if closest.is_none_or(|(s, _, _)| short < s) {
-                            closest = Some((short, label, r.first_failure_op.unwrap_or(0)));
+                        // The one whose first failure came latest in the trace.
+                        let op = r.first_failure_op.unwrap_or(0);
+                        if closest.is_none_or(|(o, _)| op > o) {
+                            closest = Some((op, label));
                         }
                     }
                     fit_verdict(&r, capacity)
@@ -806,12 +813,8 @@ fn fit(
                 bytes(headroom)
             )),
             (None, closest) => {
-                let hint = closest.map_or_else(String::new, |(short, label, op)| {
-                    format!(
-                        "; closest: {} (operation {op} failed first, at least {} short)",
-                        excerpt(label),
-                        bytes(short)
-                    )
+                let hint = closest.map_or_else(String::new, |(op, label)| {
+                    format!("; furthest: {} (its first failure at operation {op})", excerpt(label))
                 });
                 text.push_str(&format!(
                     "{} fits in {size} under none of the {} configurations{hint}\n\n",

@@ -185,8 +185,10 @@ pub struct ReplayResult {
     /// The operation (from 1, in the trace's order) whose allocation failed first, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub first_failure_op: Option<usize>,
-    /// For a first failure out of memory, the bytes the device lacked at least: those handed
-    /// out plus those asked for, beyond its total.
+    /// For a first failure out of memory, the bytes the device lacked at least: those asked
+    /// for beyond the device's free bytes, or those handed out plus those asked for beyond its
+    /// total, whichever is more (0: the device had them free, the allocator's own limits or
+    /// fragmentation refused).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub first_failure_short: Option<usize>,
     /// Memory over pass 0.
@@ -323,9 +325,10 @@ impl Shared<'_> {
             Err(e) => {
                 self.failures.fetch_add(1, Ordering::Relaxed);
                 let short = match &e {
-                    Error::OutOfMemory(r) => {
-                        Some(r.allocated.saturating_add(r.requested).saturating_sub(r.device_total))
-                    }
+                    Error::OutOfMemory(r) => Some(
+                        (r.allocated.saturating_add(r.requested).saturating_sub(r.device_total))
+                            .max(r.requested.saturating_sub(r.device_free)),
+                    ),
                     _ => None,
                 };
                 let mut first = self.first_failure.lock();
