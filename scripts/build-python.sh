@@ -16,7 +16,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# manylinux tag of a shared library: its architecture and the newest GLIBC_2.N it needs.
+# manylinux tag of a shared library (and of the other binaries given): its architecture and
+# the newest GLIBC_2.N any of them needs.
 platform_tag() {
   local lib=$1 arch glibc
   case "$(readelf -h "$lib" | sed -n 's/^ *Machine: *//p')" in
@@ -24,17 +25,35 @@ platform_tag() {
     *AArch64*) arch=aarch64 ;;
     *) echo "build-python.sh: unknown architecture of $lib" >&2; return 1 ;;
   esac
-  glibc=$(readelf -V --wide "$lib" | grep -o 'GLIBC_2\.[0-9]*' | cut -d. -f2 | sort -n | tail -1)
+  glibc=$(readelf -V --wide "$@" | grep -o 'GLIBC_2\.[0-9]*' | cut -d. -f2 | sort -n | tail -1)
   # The oldest manylinux of each architecture: glibc 2.5 (x86-64), 2.17 (aarch64).
   local floor=5; [ "$arch" = aarch64 ] && floor=17
   echo "manylinux_2_$(( glibc > floor ? glibc : floor ))_$arch"
+}
+
+# bundle_cli TARGET STRIP: builds the `streamalloc` command for the Rust TARGET (empty: this
+# machine's) and strips it into the package (python/streamalloc/bin/), which the console script
+# `streamalloc` (streamalloc/_cli.py) runs: pip install gives the CLI without Rust.
+bundle_cli() {
+  local target=$1 strip=$2 dir=target/release
+  if [ -n "$target" ]; then
+    CC_aarch64_unknown_linux_gnu=aarch64-linux-gnu-gcc \
+      CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
+      cargo build --release -p streamalloc-cli --target "$target"
+    dir=target/$target/release
+  else
+    cargo build --release -p streamalloc-cli
+  fi
+  mkdir -p python/streamalloc/bin
+  "$strip" --strip-debug -o python/streamalloc/bin/streamalloc "$dir/streamalloc"
+  chmod 755 python/streamalloc/bin/streamalloc
 }
 
 # wheel LIB STRIP: strips LIB into the package and builds its wheel into dist/.
 wheel() {
   local lib=$1 strip=$2 tag
   "$strip" --strip-debug -o python/streamalloc/libstreamalloc.so "$lib" # symbols kept, debug info not
-  tag=$(platform_tag python/streamalloc/libstreamalloc.so)
+  tag=$(platform_tag python/streamalloc/libstreamalloc.so python/streamalloc/bin/streamalloc)
   rm -rf python/build python/streamalloc.egg-info
   python3 -m pip wheel -q --no-deps -w dist --config-settings=--build-option=--plat-name="$tag" python/
   rm -rf python/build python/streamalloc.egg-info
@@ -47,6 +66,7 @@ for arch in "$@"; do
     aarch64)
       CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
         cargo build --release -p streamalloc-capi --target aarch64-unknown-linux-gnu
+      bundle_cli aarch64-unknown-linux-gnu aarch64-linux-gnu-strip
       wheel target/aarch64-unknown-linux-gnu/release/libstreamalloc.so aarch64-linux-gnu-strip ;;
     *) echo "build-python.sh: unknown architecture '$arch' (aarch64 is the one cross-built)" >&2; exit 2 ;;
   esac
@@ -60,5 +80,6 @@ else
 fi
 # This machine's wheel last, so python/streamalloc/ keeps this machine's library.
 cargo build --release -p streamalloc-capi
+bundle_cli "" strip
 wheel target/release/libstreamalloc.so strip
 ls -l dist/streamalloc-*.whl

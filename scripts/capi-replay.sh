@@ -22,7 +22,17 @@ lib=$(cd "$lib" && pwd)
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 cc -O2 -o "$out/capi_replay" scripts/capi_replay.c -L"$lib" -lstreamalloc -Wl,-rpath,"$lib"
-[ $# -gt 0 ] || set -- traces/*.csv traces/recorded/*.csv traces/synthetic/*.csv
+[ $# -gt 0 ] || set -- traces/*.csv.xz traces/recorded/*.csv.xz traces/synthetic/*.csv.xz
+# capi_replay reads plain CSV: compressed traces are decompressed into $out first.
+plain=()
+for trace in "$@"; do
+  case "$trace" in
+    *.xz) xz -dc "$trace" > "$out/$(basename "$trace" .xz)" && plain+=("$out/$(basename "$trace" .xz)") ;;
+    *.gz) gzip -dc "$trace" > "$out/$(basename "$trace" .gz)" && plain+=("$out/$(basename "$trace" .gz)") ;;
+    *) plain+=("$trace") ;;
+  esac
+done
+set -- "${plain[@]}"
 for conf in ${CONFS:-device=sim,strategy=stream_safe,expandable=true device=sim,strategy=stream_safe,expandable=false}; do
   echo "== $conf"
   # One process per trace: the library's stacks live as long as the process, and a trace

@@ -5,6 +5,7 @@
 PyTorch program of that kind allocates and frees (bf16 activations, sizes rounded to 512
 bytes as PyTorch's allocator does); traces/synthetic/README.md says what each models.
 """
+import lzma
 import os
 import random
 
@@ -32,7 +33,7 @@ class Trace:
         self.rows.append(f"0,{self.t},free,{tensor[0]:#x},{tensor[1]},0")
 
     def write(self, name):
-        with open(os.path.join(OUT, name), "w") as f:
+        with lzma.open(os.path.join(OUT, name), "wt", preset=9) as f:
             f.write("Thread,Time,Action,Pointer,Size,Stream\n")
             f.write("\n".join(self.rows) + "\n")
 
@@ -185,10 +186,10 @@ def moe_routing(seed=4, steps=40):
 if __name__ == "__main__":
     os.makedirs(OUT, exist_ok=True)
     for name, make in [
-        ("bert_varlen_infer.csv", bert_varlen_infer),
-        ("multiscale_train.csv", multiscale_train),
-        ("llm_decode_kvcache.csv", llm_decode_kvcache),
-        ("moe_routing.csv", moe_routing),
+        ("bert_varlen_infer.csv.xz", bert_varlen_infer),
+        ("multiscale_train.csv.xz", multiscale_train),
+        ("llm_decode_kvcache.csv.xz", llm_decode_kvcache),
+        ("moe_routing.csv.xz", moe_routing),
     ]:
         tr = make()
         tr.write(name)

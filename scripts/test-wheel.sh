@@ -3,10 +3,11 @@
 # platform tag is the one auditwheel derives from its library (auditwheel is fetched from PyPI
 # into a scratch environment); pip takes this machine's wheel for its own platform and refuses
 # it for an older glibc and for another architecture; installed into a fresh virtual
-# environment, it has the version of Cargo.toml, and its library loads and allocates on the
-# simulator.
+# environment, it has the version of Cargo.toml, its library loads and allocates on the
+# simulator, and its `streamalloc` command (the bundled CLI) replays, imports and plots.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+repo=$PWD
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 passed=0
@@ -98,6 +99,21 @@ assert streamalloc.stats(0)["allocated"] == 0
 print("ok: its libstreamalloc.so allocates and frees on the simulator")
 PY
 passed=$((passed + 2))
+
+# The `streamalloc` command of the wheel (a console script running the bundled CLI), with no
+# Rust toolchain on the PATH: replay (an xz trace), import (a snapshot), plot (replay's JSON).
+cli() { PATH="$tmp/venv/bin:/usr/bin:/bin" STREAMALLOC_CONF= streamalloc "$@"; }
+[ "$(PATH="$tmp/venv/bin:/usr/bin:/bin" command -v streamalloc)" = "$tmp/venv/bin/streamalloc" ] \
+  || { echo "the wheel installs no streamalloc command" >&2; exit 1; }
+cli replay "$repo/traces/resnet50_train.csv.xz" --device sim -a stream_safe --passes 1 --json >"$tmp/r.json"
+grep -q '"trace": "resnet50_train.csv"' "$tmp/r.json" || { echo "replay: $(head -c 300 "$tmp/r.json")" >&2; exit 1; }
+ok "streamalloc replay (the wheel's command) replays traces/resnet50_train.csv.xz"
+cli import "$repo/traces/snapshots/mlp_train_side_stream.pickle" -o "$tmp/mlp.csv.xz"
+cli replay "$tmp/mlp.csv.xz" --device sim -a plain --passes 1 >/dev/null
+ok "streamalloc import writes a trace (xz) that streamalloc replay reads"
+cli plot "$tmp/r.json" -o "$tmp/r.svg"
+grep -q '<svg' "$tmp/r.svg" || { echo "plot wrote no SVG" >&2; exit 1; }
+ok "streamalloc plot draws replay's JSON"
 
 # STREAMALLOC_TORCH=1 enables streamalloc as torch is imported (the wheel's .pth start-up hook),
 # in the process and in the processes it starts. A stand-in for torch (no torch here) records

@@ -511,12 +511,16 @@ class HostBuffer:
     `__array_interface__` lets numpy wrap it (`numpy.asarray(buf)`, uint8). The memory goes back
     to the pool when the buffer and every view of it are gone (or after `close()`, once the
     views are gone), and is reused only after the work of the streams recorded on it
-    (`record_stream`) has completed.
+    (`record_stream`) has completed. An array made through `__array_interface__` holds the
+    buffer itself (numpy keeps it as the array's base): once one was made, `close()` leaves
+    the memory to the buffer, which gives it back when it is gone.
     """
 
     def __init__(self, nbytes, device=0):
         self.nbytes = _size(nbytes, "nbytes")
         self._block = _PinnedBlock(host_alloc(self.nbytes, device))
+        # The block kept for the arrays made through __array_interface__ (they hold self).
+        self._exported = None
 
     @property
     def ptr(self):
@@ -533,7 +537,9 @@ class HostBuffer:
 
     @property
     def __array_interface__(self):
-        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3}
+        ptr = self.ptr
+        self._exported = self._block  # the array made from it holds self, which holds the block
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
 
     def record_stream(self, stream, device=0):
         """Marks `stream`, a stream of `device`, as a user of the buffer (a copy from or to it)
@@ -542,8 +548,9 @@ class HostBuffer:
             host_record_stream(self.ptr, stream, device)
 
     def close(self):
-        """Drops the buffer's hold on the memory: it goes back to the pool now, or when the last
-        view of it goes."""
+        """Closes the buffer (`ptr` raises then): the memory goes back to the pool now, or when
+        the last view of it goes, or, when an array was made through `__array_interface__`,
+        when the buffer (the base of such arrays) is gone."""
         self._block = None
 
     def __enter__(self):

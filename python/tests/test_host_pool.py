@@ -55,6 +55,44 @@ def test_the_memory_lives_while_a_view_does():
     assert streamalloc.host_empty(0).view().nbytes == 0
 
 
+def test_an_exported_array_keeps_the_memory_after_close():
+    """Issue 52 #4: `__array_interface__` handed numpy the address without a hold on the block:
+    after `close()` the block went back to the pool while the array (whose base is the buffer)
+    still pointed at it, and the next `host_empty()` returned the same memory. The buffer an
+    array was made from keeps the memory until it is gone (numpy holds it as the array's
+    base), closed or not."""
+    setup()
+    before = streamalloc.host_stats()["live_allocations"]
+    buf = streamalloc.host_empty(MIB)
+    address = buf.__array_interface__["data"][0]  # what numpy.asarray(buf) reads; it keeps buf
+    ctypes.memset(address, 7, 16)
+    buf.close()
+    raises(ValueError, lambda: buf.ptr, "closed")
+    raises(ValueError, lambda: buf.__array_interface__, "closed")
+    with streamalloc.host_empty(MIB) as other:
+        assert other.ptr != address, "the exported memory was handed out again"
+        ctypes.memset(other.ptr, 1, 16)
+    assert ctypes.string_at(address, 16) == b"\x07" * 16
+    assert streamalloc.host_stats()["live_allocations"] == before + 1, "the exported block stays"
+    del buf  # the last array made from it gone
+    assert streamalloc.host_stats()["live_allocations"] == before
+    try:
+        import numpy
+    except ImportError:
+        return
+    buf = streamalloc.host_empty(MIB)
+    array = numpy.asarray(buf)
+    array[:] = 9
+    buf.close()
+    del buf
+    with streamalloc.host_empty(MIB) as other:
+        assert other.ptr != array.ctypes.data
+        ctypes.memset(other.ptr, 1, MIB)
+    assert int(array.min()) == 9 and int(array.max()) == 9
+    del array
+    assert streamalloc.host_stats()["live_allocations"] == before
+
+
 def test_reuse_waits_for_the_recorded_copy():
     sim = setup()
     s = sim.create_stream()

@@ -73,9 +73,13 @@ export OUT=${OUT:-/tmp/streamalloc-gpu}
 mkdir -p "$OUT"
 # scripts/gpu-test.sh leaves .gpu/ and the same compressed; copy either.
 [ -d .gpu ] || { [ -f .gpu.tar.xz ] && tar xJf .gpu.tar.xz; }
-# The harness replays every trace of traces/ (subfolders included) from one folder.
+# The harness replays every trace of traces/ (subfolders included) from one folder, as plain
+# CSV: the repository keeps them xz-compressed, so they are decompressed there.
 if [ -d .anchors ] && [ ! -d .anchors/traces ]; then
-  mkdir .anchors/traces && find traces -name '*.csv' -exec ln -s "$PWD/{}" .anchors/traces/ \;
+  mkdir .anchors/traces && for f in $(find traces -name '*.csv.xz'); do
+    python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+      "$f" ".anchors/traces/$(basename "$f" .xz)"
+  done
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 lscpu | grep -E '^(Model name|CPU\(s\)|Thread|Core|Socket)' | tee "$OUT/cpu.txt"

@@ -1,11 +1,18 @@
-//! Parsing speed of the largest sample trace (gpt2_generate.csv, 161k rows), from memory.
+//! Parsing speed of the largest sample trace (gpt2_generate.csv.xz, 161k rows), from memory
+//! (decompressed first).
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use streamalloc_replay::trace::Trace;
 
 fn parse(c: &mut Criterion) {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../traces/gpt2_generate.csv");
-    let bytes = std::fs::read(path).expect("the sample trace is in the repository");
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../traces/gpt2_generate.csv.xz");
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(
+        &mut streamalloc_replay::compressed::open(path.as_ref())
+            .expect("the sample trace is in the repository"),
+        &mut bytes,
+    )
+    .expect("the sample trace decompresses");
     let mut group = c.benchmark_group("parse");
     group.throughput(Throughput::Bytes(bytes.len() as u64));
     group.sample_size(20);

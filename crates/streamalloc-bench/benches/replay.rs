@@ -26,7 +26,7 @@ fn traces() -> Vec<Trace> {
         .iter()
         .flat_map(|sub| std::fs::read_dir(format!("{dir}{sub}")).expect("traces folder"))
         .map(|e| e.expect("folder entry").path())
-        .filter(|p| p.extension().is_some_and(|x| x == "csv"))
+        .filter(|p| p.to_string_lossy().ends_with(".csv.xz"))
         .collect();
     paths.sort();
     paths.iter().map(|p| Trace::from_path(p).expect("trace")).collect()

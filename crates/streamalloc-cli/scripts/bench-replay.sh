@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Times `streamalloc replay` of the largest sample trace (gpt2_generate.csv, 161k operations)
+# Times `streamalloc replay` of the largest sample trace (gpt2_generate.csv.xz, 161k operations)
 # through every allocator on the simulator, end to end (parse, pass 0 with a memory sample
 # after every operation, 3 timed passes), and the parse alone (criterion).
 #
@@ -7,8 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 cargo build --release --quiet -p streamalloc-cli
-echo "== streamalloc replay traces/gpt2_generate.csv --device sim (wall clock)"
-time target/release/streamalloc replay traces/gpt2_generate.csv --device sim
+echo "== streamalloc replay traces/gpt2_generate.csv.xz --device sim (wall clock)"
+time target/release/streamalloc replay traces/gpt2_generate.csv.xz --device sim
 if [[ "${1:-}" != "--no-criterion" ]]; then
     echo "== parse (criterion)"
     cargo bench --quiet -p streamalloc-cli --bench parse

@@ -81,6 +81,15 @@ pub fn describe_simulator(config: &SimConfig) -> String {
     )
 }
 
+/// Opens a simulator of `capacity` bytes (otherwise [`simulator_config`]'s).
+pub fn open_simulator(capacity: usize) -> Opened {
+    let config = SimConfig { capacity, ..simulator_config() };
+    let description = format!("simulator of {} MiB (--capacity), otherwise H200-like", capacity >> 20);
+    let simulator = SimDevice::new(config.clone());
+    let device: Arc<dyn Device> = simulator.clone();
+    Opened { device, description, start_slack: 0, sim: Some(config), simulator: Some(simulator) }
+}
+
 /// Opens the device `choice` names; with no choice, CUDA when a GPU is found, else the
 /// simulator.
 pub fn open(choice: Option<DeviceChoice>) -> Result<Opened, String> {

@@ -3,9 +3,10 @@
 //!
 //! ```text
 //! streamalloc replay TRACE... [--conf CONF]... [--allocator PRESET]... [--device sim|cuda]
-//!                    [--json] [--plot OUT.svg] [--passes N] [--threads] [--lenient]
-//!                    [--time | --no-time]
-//! streamalloc compare A.json B.json
+//!                    [--capacity SIZE] [--expect-failures] [--json] [--plot OUT.svg]
+//!                    [--passes N] [--threads] [--lenient] [--time | --no-time]
+//! streamalloc fit TRACE... --capacity SIZE [--conf CONF]... [--allocator PRESET]...
+//! streamalloc compare A.json B.json | compare RESULTS.json... --base CONF [--with CONF]...
 //! streamalloc plot A.json [B.json...] -o OUT.svg
 //! streamalloc import SNAPSHOT.pickle -o TRACE.csv [--gpu N]
 //! streamalloc record [-o TRACE.csv] -- COMMAND...
@@ -13,13 +14,15 @@
 //! ```
 //!
 //! Errors go to stderr as `error: ...` lines, with exit status 1 (2 for a command line clap
-//! cannot parse). Text from the user or a file that an error quotes is an excerpt
+//! cannot parse); a replay whose allocations failed exits with status 1 too, unless
+//! `--expect-failures`. Text from the user or a file that an error quotes is an excerpt
 //! (`streamalloc_replay::trace::excerpt`: at most 120 bytes, control characters escaped), and
 //! no control character of an error reaches the terminal. Output into a closed pipe ends the
 //! command quietly.
 
 mod device;
 mod import;
+mod output;
 mod plot;
 
 use std::io::{IsTerminal, Write};
@@ -30,6 +33,7 @@ use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use streamalloc::facade::{Config, DeviceKind, Facade, ENV_VAR};
+use streamalloc_replay::compressed::{self, Compression};
 use streamalloc_replay::replay::{check_start, replay, settle, ReplayOptions, ReplayResult, ReplayTarget};
 use streamalloc_replay::trace::{
     excerpt, excerpt_within, ParseOptions, Trace, CUT_SHORT, EXCERPT, NOT_TEXT, PICKLE,
@@ -68,22 +72,41 @@ enum Command {
     /// trace with `use` or `wait` rows): the clock moves to each row's Time, `use` rows run as
     /// kernels on their streams, and the ordering checker counts early reuses (`violations`).
     /// The output says, for each trace with stream rows, whether its time was replayed.
+    ///
+    /// --capacity SIZE (or a configuration's `sim_capacity`) sizes the simulator: the output
+    /// then says per configuration whether the trace fits, and if not, the first operation
+    /// whose allocation failed and by how many bytes at least, else the headroom.
+    ///
+    /// Exit status: 1 when a trace cannot be read, a replay fails, or an allocation of a
+    /// replay fails (unless --expect-failures), after the output; else 0.
     Replay {
-        /// Trace files (CSV: Thread,Time,Action,Pointer,Size,Stream).
+        /// Trace files (CSV: Thread,Time,Action,Pointer,Size,Stream; gzip or xz compressed
+        /// ones are read as such).
         #[arg(required = true)]
         traces: Vec<PathBuf>,
         /// A configuration, as STREAMALLOC_CONF takes it (e.g.
         /// 'strategy=stream_safe,expandable=true,growth=16MiB'); repeatable, each row is
         /// labelled by its string, rows in the order --conf and --allocator are given. Its
-        /// `device` and `sim_*` keys do not apply: --device chooses the device.
+        /// `device` key does not apply (--device chooses the device), nor `sim_virtual_memory`;
+        /// `sim_capacity` sizes the simulator (see --capacity).
         #[arg(long = "conf", short = 'c', value_name = "CONF")]
         confs: Vec<String>,
         // The help lists the library's presets (`Config::presets`), the one registry.
         #[arg(long = "allocator", short = 'a', value_name = "PRESET", help = presets_help())]
         presets: Vec<String>,
-        /// Device to replay on (default: cuda when a GPU is found, else sim).
+        /// Device to replay on (default: cuda when a GPU is found, else sim; sim with
+        /// --capacity or a configuration's `sim_capacity`).
         #[arg(long, value_enum)]
         device: Option<DeviceChoice>,
+        /// Bytes of the simulator's device (e.g. 80GiB; at least 64MiB): does the trace fit
+        /// on a card of this size? Replays on the simulator; a configuration's
+        /// `sim_capacity` must agree.
+        #[arg(long, value_name = "SIZE", value_parser = capacity_arg)]
+        capacity: Option<usize>,
+        /// Exit with status 0 even when allocations of the replays failed (by default such a
+        /// replay makes the exit status 1).
+        #[arg(long)]
+        expect_failures: bool,
         /// Print a JSON array of results instead of a table.
         #[arg(long)]
         json: bool,
@@ -111,12 +134,45 @@ enum Command {
         #[arg(long)]
         no_time: bool,
     },
-    /// Shows two saved `replay --json` outputs side by side, with B/A ratios.
+    /// Does a trace fit on a device of SIZE, and under which configuration? Replays each
+    /// trace once on a simulator of that size through every preset (or the --allocator and
+    /// --conf given), and names the configuration that fits with the most headroom, or, when
+    /// none does, the one that got furthest.
+    /// Exit status 1 when a trace fits under no configuration.
+    Fit {
+        /// Trace files (CSV: Thread,Time,Action,Pointer,Size,Stream; gzip or xz ones too).
+        #[arg(required = true)]
+        traces: Vec<PathBuf>,
+        /// Bytes of the simulated device (e.g. 80GiB; at least 64MiB).
+        #[arg(long, value_name = "SIZE", value_parser = capacity_arg)]
+        capacity: usize,
+        /// A configuration to try, as STREAMALLOC_CONF takes it (repeatable).
+        #[arg(long = "conf", short = 'c', value_name = "CONF")]
+        confs: Vec<String>,
+        #[arg(long = "allocator", short = 'a', value_name = "PRESET", help = presets_help())]
+        presets: Vec<String>,
+        /// Skip (and count) frees, record_stream and use rows of pointers the trace never
+        /// allocated (or already freed), instead of failing.
+        #[arg(long)]
+        lenient: bool,
+    },
+    /// Compares saved `replay --json` outputs, row by row, with ratios to a base.
+    ///
+    /// With --base CONF, each result of a trace (in any of the files) is compared with the
+    /// trace's result of configuration CONF (the first found), or only those of the --with
+    /// configurations. Without it, two files: each result of B with A's result of the same
+    /// configuration and trace. Timings show the median of the timed passes and their
+    /// [min, max]; a ratio of medians within the spread of either side is marked `~`.
     Compare {
-        /// The baseline (`replay --json` output).
-        a: PathBuf,
-        /// The result compared with it.
-        b: PathBuf,
+        /// `replay --json` outputs (without --base: two, A the baseline and B).
+        #[arg(required = true)]
+        results: Vec<PathBuf>,
+        /// The configuration (its label in the results) the others are compared with.
+        #[arg(long, value_name = "CONF")]
+        base: Option<String>,
+        /// A configuration compared with the base (repeatable; default: all the others).
+        #[arg(long = "with", value_name = "CONF", requires = "base")]
+        with: Vec<String>,
     },
     /// Draws saved `replay --json` outputs side by side (one column per file, one row per
     /// trace, the columns of a row on the same scale) into an SVG file.
@@ -133,7 +189,8 @@ enum Command {
     Import {
         /// The snapshot (a pickle).
         snapshot: PathBuf,
-        /// The trace to write (RMM logging CSV).
+        /// The trace to write (RMM logging CSV; compressed when its name ends in `.gz` or
+        /// `.xz`).
         #[arg(long, short, value_name = "TRACE.csv")]
         output: PathBuf,
         /// The snapshot's device to convert (default: the only one with allocations).
@@ -156,7 +213,8 @@ enum Command {
         /// Where to write the trace (RMM logging CSV): a new file or a regular file, which is
         /// replaced (its permissions kept). A symbolic link is followed: the file it points to
         /// is replaced and the link kept. Anything else (a directory, a device, a FIFO, a link
-        /// to nothing) is refused before the program runs.
+        /// to nothing) is refused before the program runs. A name ending in `.gz` or `.xz`
+        /// is written compressed.
         #[arg(long, short, default_value = "streamalloc-trace.csv")]
         output: PathBuf,
         /// The program and its arguments.
@@ -196,6 +254,8 @@ fn main() -> ExitCode {
             confs,
             presets,
             device,
+            capacity,
+            expect_failures,
             json,
             plot,
             passes,
@@ -205,11 +265,30 @@ fn main() -> ExitCode {
             no_time,
         } => {
             let time = (time || no_time).then_some(time);
-            let options = RunOptions { device, json, plot, passes: passes as usize, threads, lenient, time };
+            let options = RunOptions {
+                device,
+                capacity,
+                expect_failures,
+                json,
+                plot,
+                passes: passes as usize,
+                threads,
+                lenient,
+                time,
+            };
             let chosen = in_typed_order(matches.subcommand_matches("replay"), presets, confs);
             configurations(&chosen).and_then(|configs| run_replay(&traces, &configs, &options))
         }
-        Command::Compare { a, b } => compare(&a, &b),
+        Command::Fit { traces, capacity, confs, presets, lenient } => {
+            let chosen = in_typed_order(matches.subcommand_matches("fit"), presets, confs);
+            let chosen = if chosen.is_empty() {
+                Config::presets().iter().map(|p| Chosen::Preset(p.name.to_owned())).collect()
+            } else {
+                chosen
+            };
+            configurations(&chosen).and_then(|configs| fit(&traces, &configs, capacity, lenient))
+        }
+        Command::Compare { results, base, with } => compare(&results, base.as_deref(), &with),
         Command::Plot { results, output } => plot_saved(&results, &output),
         Command::Import { snapshot, output, gpu } => import_snapshot(&snapshot, &output, gpu),
         Command::Info => info(),
@@ -317,8 +396,16 @@ fn configurations(chosen: &[Chosen]) -> Result<Vec<(String, Config)>, String> {
 /// The library keeps that trace key whatever configuration the program passes.
 fn record(output: &Path, command: &[String]) -> Result<(), String> {
     let mut config = Config::from_env().map_err(bounded)?;
-    let target = RecordTarget::check(output)?;
-    let pending = PendingTrace::create(&target.path, output)?;
+    let target = output::Target::check(output, "the trace")?;
+    let pending = output::Pending::create(&target, output, "the trace")?;
+    // The path travels in STREAMALLOC_CONF, whose keys are separated by commas.
+    if pending.path.to_str().is_none_or(|p| p.contains(',')) {
+        return Err(format!(
+            "cannot write the trace to {}: its directory must be a UTF-8 path without commas \
+             (STREAMALLOC_CONF takes it)",
+            output.display()
+        ));
+    }
     config.trace = Some(pending.path.clone());
     let status = std::process::Command::new(&command[0])
         .args(&command[1..])
@@ -349,7 +436,15 @@ fn record(output: &Path, command: &[String]) -> Result<(), String> {
             format!("`{program}` failed ({ended}) and wrote no trace to {}{kept}", output.display())
         });
     }
-    pending.replace(&target)?;
+    let compression = Compression::of_name(output);
+    if compression == Compression::None {
+        pending.replace(&target)?;
+    } else {
+        let packed = output::Pending::create(&target, output, "the trace")?;
+        compressed::compress_file(&pending.path, &packed.path, compression)
+            .map_err(|e| format!("compressing the trace into {}: {e}", output.display()))?;
+        packed.replace(&target)?;
+    }
     let trace = load(&target.path, ParseOptions::lenient())?;
     let cut = if trace.skipped_truncated_rows > 0 { "; its last row, cut short, skipped" } else { "" };
     emit(&format!(
@@ -365,128 +460,6 @@ fn record(output: &Path, command: &[String]) -> Result<(), String> {
         Err(format!("`{program}`: the program was {ended}; the trace it wrote so far is kept"))
     } else {
         Err(format!("`{program}` failed ({ended}); the trace it wrote so far is kept"))
-    }
-}
-
-/// The file `record -o OUTPUT` replaces, checked before the program runs.
-struct RecordTarget {
-    /// `OUTPUT`, or the file a symbolic link there points to.
-    path: PathBuf,
-    /// Whether it exists (then it is a regular file the user may write).
-    existed: bool,
-    /// Its permissions, which the trace replacing it takes.
-    permissions: Option<std::fs::Permissions>,
-}
-
-impl RecordTarget {
-    /// Follows a symbolic link at `output`; refuses what is not a regular file or missing (a
-    /// directory, a device, a FIFO, a link to nothing) and a file the user may not write.
-    fn check(output: &Path) -> Result<Self, String> {
-        let cannot =
-            |e: &dyn std::fmt::Display| format!("cannot write the trace to {}: {e}", output.display());
-        let (path, meta) = match std::fs::symlink_metadata(output) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Ok(Self { path: output.to_path_buf(), existed: false, permissions: None })
-            }
-            Err(e) => return Err(cannot(&e)),
-            Ok(meta) if meta.file_type().is_symlink() => {
-                let path = std::fs::canonicalize(output).map_err(|e| {
-                    format!(
-                        "{} is a symbolic link to nothing that can be written ({e}): give the path of the \
-                         trace file itself",
-                        output.display()
-                    )
-                })?;
-                let meta = std::fs::metadata(&path).map_err(|e| cannot(&e))?;
-                (path, meta)
-            }
-            Ok(meta) => (output.to_path_buf(), meta),
-        };
-        if !meta.is_file() {
-            return Err(cannot(&format!("it is not a regular file but {}", file_kind(&meta.file_type()))));
-        }
-        // Opened for writing, not truncated, and closed at once: may the user write it?
-        std::fs::OpenOptions::new().write(true).open(&path).map_err(|e| cannot(&e))?;
-        Ok(Self { path, existed: true, permissions: Some(meta.permissions()) })
-    }
-}
-
-/// What a file that is not a regular one is, for an error.
-fn file_kind(kind: &std::fs::FileType) -> &'static str {
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::FileTypeExt;
-        if kind.is_char_device() || kind.is_block_device() {
-            return "a device";
-        }
-        if kind.is_fifo() {
-            return "a FIFO";
-        }
-        if kind.is_socket() {
-            return "a socket";
-        }
-    }
-    if kind.is_dir() {
-        "a directory"
-    } else {
-        "neither a file nor a directory"
-    }
-}
-
-/// The hidden file a trace is recorded into, beside the file it is to replace; removed when
-/// dropped unless it replaced that file.
-struct PendingTrace {
-    /// Absolute, so that a program that changes directory writes it all the same.
-    path: PathBuf,
-    kept: bool,
-}
-
-impl PendingTrace {
-    /// Creates a new empty file (never an existing one) in the directory of `target`.
-    fn create(target: &Path, output: &Path) -> Result<Self, String> {
-        let cannot =
-            |e: &dyn std::fmt::Display| format!("cannot write the trace to {}: {e}", output.display());
-        let dir = target.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        let dir = std::path::absolute(dir).map_err(|e| cannot(&e))?;
-        // The path travels in STREAMALLOC_CONF, whose keys are separated by commas.
-        if dir.to_str().is_none_or(|d| d.contains(',')) {
-            return Err(cannot(
-                &"its directory must be a UTF-8 path without commas (STREAMALLOC_CONF takes it)",
-            ));
-        }
-        let mut n = 0;
-        loop {
-            let path = dir.join(format!(".streamalloc-record-{}-{n}.csv", std::process::id()));
-            match std::fs::OpenOptions::new().write(true).create_new(true).open(&path) {
-                Ok(_) => return Ok(Self { path, kept: false }),
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && n < 100 => n += 1,
-                Err(e) => return Err(cannot(&e)),
-            }
-        }
-    }
-
-    /// Moves the trace to `target`, with the permissions of the file it replaces.
-    fn replace(mut self, target: &RecordTarget) -> Result<(), String> {
-        let failed = |e: std::io::Error| {
-            format!(
-                "cannot move the trace recorded in {} to {}: {e}; it is kept where it is",
-                self.path.display(),
-                target.path.display()
-            )
-        };
-        if let Some(permissions) = &target.permissions {
-            std::fs::set_permissions(&self.path, permissions.clone()).map_err(failed)?;
-        }
-        self.kept = true;
-        std::fs::rename(&self.path, &target.path).map_err(failed)
-    }
-}
-
-impl Drop for PendingTrace {
-    fn drop(&mut self) {
-        if !self.kept {
-            let _ = std::fs::remove_file(&self.path);
-        }
     }
 }
 
@@ -537,6 +510,9 @@ fn signal_name(n: i32) -> Option<&'static str> {
 /// How `replay` runs, from its flags.
 struct RunOptions {
     device: Option<DeviceChoice>,
+    /// `--capacity`: bytes of the simulator's device.
+    capacity: Option<usize>,
+    expect_failures: bool,
     json: bool,
     plot: Option<PathBuf>,
     passes: usize,
@@ -573,7 +549,20 @@ fn run_replay(paths: &[PathBuf], configs: &[(String, Config)], o: &RunOptions) -
             }
         }
     }
-    let opened = device::open(o.device)?;
+    if let Some(path) = &o.plot {
+        // Refused before the replays, not after (a FIFO would block until a reader came).
+        output::Target::check(path, "the plot")?;
+    }
+    let capacity = sim_capacity(o.capacity, configs)?;
+    let opened = match (capacity, o.device) {
+        (Some(_), Some(DeviceChoice::Cuda)) => {
+            return Err("--capacity (or a configuration's sim_capacity) sizes the simulator: it does not \
+                        apply with --device cuda"
+                .into())
+        }
+        (Some(bytes), _) => device::open_simulator(bytes),
+        (None, choice) => device::open(choice)?,
+    };
     if o.time == Some(true) && opened.simulator.is_none() {
         return Err(format!(
             "--time replays a trace's time on the simulator only (--device sim): {} runs none of the \
@@ -679,6 +668,11 @@ fn run_replay(paths: &[PathBuf], configs: &[(String, Config)], o: &RunOptions) -
                 r.first_failure.as_deref().unwrap_or("?")
             ));
         }
+        if let Some(capacity) = capacity {
+            for r in &results {
+                text.push_str(&format!("{} on {}: {}\n", r.allocator, r.trace, fit_verdict(r, capacity)));
+            }
+        }
         emit(&text)?;
     }
     if let Some(path) = &o.plot {
@@ -698,10 +692,144 @@ fn run_replay(paths: &[PathBuf], configs: &[(String, Config)], o: &RunOptions) -
     if failed_runs > 0 {
         failures.push(format!("{failed_runs} of {} replays failed", traces.len() * configs.len()));
     }
+    let failing = rows.iter().filter(|r| r.result.failures > 0).count();
+    if failing > 0 && !o.expect_failures {
+        failures.push(format!(
+            "{failing} of {} replays had failed allocations (--expect-failures makes the exit status 0 \
+             all the same)",
+            traces.len() * configs.len()
+        ));
+    }
     if failures.is_empty() {
         Ok(())
     } else {
         Err(failures.join("; "))
+    }
+}
+
+/// A `--capacity` (or `fit`) argument: a size as the `sim_capacity` key takes it.
+fn capacity_arg(text: &str) -> Result<usize, String> {
+    Config::parse(&format!("sim_capacity={text}")).map(|c| c.sim_capacity).map_err(bounded)
+}
+
+/// The simulator's capacity for `configs`: `asked` (`--capacity`), else the `sim_capacity`
+/// the configurations set (all the same one), else `None` (the default simulator). A
+/// configuration whose `sim_capacity` is not the default is refused when it differs: the
+/// configurations of one replay share one simulator.
+fn sim_capacity(asked: Option<usize>, configs: &[(String, Config)]) -> Result<Option<usize>, String> {
+    let default = Config::default().sim_capacity;
+    let set: Vec<(&str, usize)> = configs
+        .iter()
+        .filter(|(_, c)| c.sim_capacity != default)
+        .map(|(label, c)| (label.as_str(), c.sim_capacity))
+        .collect();
+    let capacity = asked.or(set.first().map(|(_, bytes)| *bytes));
+    if let Some(capacity) = capacity {
+        if let Some((label, other)) = set.iter().find(|(_, bytes)| *bytes != capacity) {
+            let source = if asked.is_some() { "--capacity" } else { "another configuration's sim_capacity" };
+            return Err(format!(
+                "'{}': sim_capacity={other} differs from {source} ({capacity}): the configurations of one \
+                 replay share one simulator; give one size with --capacity",
+                excerpt(label)
+            ));
+        }
+    }
+    Ok(capacity)
+}
+
+/// Whether the replay `r` fit on a device of `capacity` bytes: the headroom, or the first
+/// operation that failed and by how much.
+fn fit_verdict(r: &ReplayResult, capacity: usize) -> String {
+    let size = bytes(capacity);
+    match (r.failures, r.first_failure_op) {
+        (0, _) => format!(
+            "fits in {size}, headroom {} (peak device use {})",
+            bytes(capacity.saturating_sub(r.peak_device_used)),
+            bytes(r.peak_device_used)
+        ),
+        (n, op) => {
+            let op = op.map_or_else(|| "an operation".to_owned(), |op| format!("operation {op}"));
+            let short = match r.first_failure_short {
+                None => String::new(),
+                Some(0) => {
+                    ", though the device had the bytes free (the allocator's limits or fragmentation)".into()
+                }
+                Some(s) => format!(", at least {} short", bytes(s)),
+            };
+            format!("does not fit in {size}: {op} failed first{short} ({n} failed allocations)")
+        }
+    }
+}
+
+/// `fit`: replays each trace once through each configuration on a simulator of `capacity`
+/// bytes and names, per trace, the configuration that fits with the most headroom.
+fn fit(
+    paths: &[PathBuf],
+    configs: &[(String, Config)],
+    capacity: usize,
+    lenient: bool,
+) -> Result<(), String> {
+    sim_capacity(Some(capacity), configs)?;
+    let parse = if lenient { ParseOptions::lenient() } else { ParseOptions::default() };
+    let opened = device::open_simulator(capacity);
+    let idle = settle(opened.device.as_ref()).map_err(|e| format!("measuring the idle device: {e}"))?;
+    let mut text = format!("device: {}\n", opened.description);
+    let mut unfit = Vec::new();
+    for path in paths {
+        let trace = load(path, parse)?;
+        let mut rows = Vec::new();
+        let mut best: Option<(usize, &str)> = None;
+        let mut closest: Option<(usize, &str)> = None;
+        for (label, config) in configs {
+            let time = time_choice(&trace, None, &opened).ok().and(opened.simulator.as_deref());
+            let options = ReplayOptions { passes: 1, time, ..Default::default() };
+            let verdict = match replay_one(&trace, label, config, &opened, idle, &options) {
+                Ok(r) => {
+                    if r.failures == 0 {
+                        let headroom = capacity.saturating_sub(r.peak_device_used);
+                        if best.is_none_or(|(h, _)| headroom > h) {
+                            best = Some((headroom, label));
+                        }
+                    } else {
+                        // The one whose first failure came latest in the trace.
+                        let op = r.first_failure_op.unwrap_or(0);
+                        if closest.is_none_or(|(o, _)| op > o) {
+                            closest = Some((op, label));
+                        }
+                    }
+                    fit_verdict(&r, capacity)
+                }
+                Err(message) => format!("replay failed: {message}"),
+            };
+            rows.push(vec![label.clone(), verdict]);
+        }
+        text.push_str(&columns(&["configuration", &trace.name], &rows));
+        let size = bytes(capacity);
+        match (best, closest) {
+            (Some((headroom, label)), _) => text.push_str(&format!(
+                "{} fits in {size}; most headroom: {} ({})\n\n",
+                trace.name,
+                excerpt(label),
+                bytes(headroom)
+            )),
+            (None, closest) => {
+                let hint = closest.map_or_else(String::new, |(op, label)| {
+                    format!("; furthest: {} (its first failure at operation {op})", excerpt(label))
+                });
+                text.push_str(&format!(
+                    "{} fits in {size} under none of the {} configurations{hint}\n\n",
+                    trace.name,
+                    configs.len()
+                ));
+                unfit.push(trace.name.clone());
+            }
+        }
+    }
+    emit(&text)?;
+    if unfit.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("{} fits in {} under no configuration tried", unfit.join(", "), bytes(capacity)))
     }
 }
 
@@ -758,8 +886,13 @@ fn replay_one(
         .map_err(|e| e.to_string())?;
     let stack =
         Facade::build_stack(config, opened.device.clone()).map_err(|e| format!("building the stack: {e}"))?;
-    replay(trace, label, &ReplayTarget::Streams(stack.allocator.clone()), device, options)
-        .map_err(|e| e.to_string())
+    let result = replay(trace, label, &ReplayTarget::Streams(stack.allocator.clone()), device, options)
+        .map_err(|e| e.to_string())?;
+    // A trace the configuration asks for that could not be written fails the replay.
+    if let (Some(traced), Some(path)) = (&stack.trace, &config.trace) {
+        traced.flush().map_err(|e| format!("writing the trace {}: {e}", path.display()))?;
+    }
+    Ok(result)
 }
 
 /// The first words of a device description, for a title.
@@ -891,67 +1024,143 @@ fn ratio(a: f64, b: f64) -> String {
     }
 }
 
-fn compare(a_path: &Path, b_path: &Path) -> Result<(), String> {
-    let a = read_results(a_path)?;
-    let b = read_results(b_path)?;
-    let mut text =
-        format!("A: {} ({})\n", a_path.display(), a.first().map_or("empty", |r| r.device.as_str()));
-    text.push_str(&format!(
-        "B: {} ({})\n",
-        b_path.display(),
-        b.first().map_or("empty", |r| r.device.as_str())
-    ));
+/// The timed passes of `r` in ns/op: median, min and max (the best pass alone for results
+/// saved before every pass was).
+fn pass_spread(r: &ReplayResult) -> (f64, f64, f64) {
+    let mut passes =
+        if r.ns_per_op_passes.is_empty() { vec![r.ns_per_op_warm] } else { r.ns_per_op_passes.clone() };
+    passes.sort_by(f64::total_cmp);
+    let n = passes.len();
+    let median = if n % 2 == 1 { passes[n / 2] } else { (passes[n / 2 - 1] + passes[n / 2]) / 2.0 };
+    (median, passes[0], passes[n - 1])
+}
+
+/// `(max - min) / median` of a spread: 0 for one pass.
+fn relative_spread((median, min, max): (f64, f64, f64)) -> f64 {
+    if median > 0.0 {
+        (max - min) / median
+    } else {
+        0.0
+    }
+}
+
+/// Compares saved results (see `Command::Compare`).
+fn compare(paths: &[PathBuf], base: Option<&str>, with: &[String]) -> Result<(), String> {
+    let files = paths.iter().map(|p| read_results(p)).collect::<Result<Vec<_>, _>>()?;
+    let mut text = String::new();
+    for (path, rows) in paths.iter().zip(&files) {
+        text.push_str(&format!(
+            "{}: {} results ({})\n",
+            path.display(),
+            rows.len(),
+            rows.first().map_or("empty", |r| r.device.as_str())
+        ));
+    }
+    // (result, the base it is compared with).
+    let mut pairs: Vec<(&ReplayResult, &ReplayResult)> = Vec::new();
+    let mut unmatched = Vec::new();
+    match base {
+        Some(base) => {
+            let all: Vec<&ReplayResult> = files.iter().flatten().map(|r| &r.result).collect();
+            if !all.iter().any(|r| r.allocator == base) {
+                return Err(format!("no result of configuration {} in the files", excerpt(base)));
+            }
+            for r in &all {
+                if r.allocator == base || (!with.is_empty() && !with.contains(&r.allocator)) {
+                    continue;
+                }
+                match all.iter().find(|b| b.allocator == base && b.trace == r.trace) {
+                    Some(b) => pairs.push((r, b)),
+                    None => unmatched.push(format!(
+                        "no {} result for {} on {}\n",
+                        excerpt(base),
+                        r.allocator,
+                        r.trace
+                    )),
+                }
+            }
+        }
+        None => {
+            let [a, b] = files.as_slice() else {
+                return Err(format!("compare takes two files without --base, not {}", files.len()));
+            };
+            for x in a {
+                let x = &x.result;
+                match b
+                    .iter()
+                    .map(|y| &y.result)
+                    .find(|y| (&y.allocator, &y.trace) == (&x.allocator, &x.trace))
+                {
+                    Some(y) => pairs.push((y, x)),
+                    None => unmatched.push(format!("only in A: {} on {}\n", x.allocator, x.trace)),
+                }
+            }
+            for y in b.iter().map(|y| &y.result) {
+                if !a.iter().any(|x| x.result.allocator == y.allocator && x.result.trace == y.trace) {
+                    unmatched.push(format!("only in B: {} on {}\n", y.allocator, y.trace));
+                }
+            }
+        }
+    }
     let header = [
         "configuration",
         "trace",
-        "footprint A",
-        "footprint B",
-        "B/A",
-        "ns/op A",
-        "ns/op B",
-        "B/A",
-        "reserved A",
-        "reserved B",
-        "B/A",
-        "calls A",
-        "calls B",
-        "B/A",
+        "base",
+        "footprint",
+        "base",
+        "ratio",
+        "ns/op median [min, max]",
+        "base",
+        "ratio",
+        "reserved",
+        "base",
+        "ratio",
+        "calls",
+        "base",
+        "ratio",
     ];
-    let mut rows = Vec::new();
-    let mut unmatched = Vec::new();
-    for x in &a {
-        let (x, key) = (&x.result, (&x.result.allocator, &x.result.trace));
-        let Some(y) = b.iter().map(|y| &y.result).find(|y| (&y.allocator, &y.trace) == key) else {
-            unmatched.push(format!("only in A: {} on {}\n", x.allocator, x.trace));
-            continue;
-        };
-        rows.push(vec![
-            x.allocator.clone(),
-            x.trace.clone(),
-            format!("{:.3}", x.footprint_ratio),
-            format!("{:.3}", y.footprint_ratio),
-            ratio(x.footprint_ratio, y.footprint_ratio),
-            format!("{:.1}", x.ns_per_op_warm),
-            format!("{:.1}", y.ns_per_op_warm),
-            ratio(x.ns_per_op_warm, y.ns_per_op_warm),
-            bytes(x.reserved_peak),
-            bytes(y.reserved_peak),
-            ratio(x.reserved_peak as f64, y.reserved_peak as f64),
-            x.device_calls.to_string(),
-            y.device_calls.to_string(),
-            ratio(x.device_calls as f64, y.device_calls as f64),
-        ]);
-    }
-    for y in &b {
-        let y = &y.result;
-        if !a.iter().any(|x| x.result.allocator == y.allocator && x.result.trace == y.trace) {
-            unmatched.push(format!("only in B: {} on {}\n", y.allocator, y.trace));
-        }
-    }
+    let spread = |s: (f64, f64, f64)| format!("{:.1} [{:.1}, {:.1}]", s.0, s.1, s.2);
+    let mut within = false;
+    let rows: Vec<Vec<String>> = pairs
+        .iter()
+        .map(|(r, b)| {
+            let (rs, bs) = (pass_spread(r), pass_spread(b));
+            let noise = relative_spread(rs).max(relative_spread(bs));
+            let mut time_ratio = ratio(bs.0, rs.0);
+            if bs.0 > 0.0 && (rs.0 / bs.0 - 1.0).abs() <= noise {
+                time_ratio.push('~');
+                within = true;
+            }
+            let label = if base.is_some() { b.allocator.clone() } else { "A".into() };
+            vec![
+                r.allocator.clone(),
+                r.trace.clone(),
+                label,
+                format!("{:.3}", r.footprint_ratio),
+                format!("{:.3}", b.footprint_ratio),
+                ratio(b.footprint_ratio, r.footprint_ratio),
+                spread(rs),
+                spread(bs),
+                time_ratio,
+                bytes(r.reserved_peak),
+                bytes(b.reserved_peak),
+                ratio(b.reserved_peak as f64, r.reserved_peak as f64),
+                r.device_calls.to_string(),
+                b.device_calls.to_string(),
+                ratio(b.device_calls as f64, r.device_calls as f64),
+            ]
+        })
+        .collect();
     text.push_str(&columns(&header, &rows));
-    for (name, file) in [("A", &a), ("B", &b)] {
-        if let Some(note) = file.iter().find_map(|r| r.ns_per_op_note.as_deref()) {
-            text.push_str(&format!("{name}: {}\n", excerpt(note)));
+    if within {
+        text.push_str(
+            "~: the ratio of medians is within the spread of the passes ((max - min) / median of either \
+             side): no difference shown; replay with more --passes\n",
+        );
+    }
+    for (path, rows) in paths.iter().zip(&files) {
+        if let Some(note) = rows.iter().find_map(|r| r.ns_per_op_note.as_deref()) {
+            text.push_str(&format!("{}: {}\n", path.display(), excerpt(note)));
         }
     }
     text.extend(unmatched);

@@ -24,14 +24,20 @@ pub struct Panel<'a> {
 /// Panel size in pixels.
 const PANEL: (u32, u32) = (900, 420);
 
-/// Draws `panels` in a grid of `columns` columns into the SVG file `path`, row by row; the
-/// panels of a row share their axes.
-pub fn draw(path: &Path, panels: &[Panel<'_>], columns: usize) -> Result<(), String> {
+/// Draws `panels` in a grid of `columns` columns into the SVG file `output`, row by row; the
+/// panels of a row share their axes. The file is replaced once drawn whole (see
+/// [`crate::output`]): what is not a regular file is refused.
+pub fn draw(output: &Path, panels: &[Panel<'_>], columns: usize) -> Result<(), String> {
+    crate::output::write_whole(output, "the plot", |file| draw_into(file, output, panels, columns))
+}
+
+/// [`draw`] into the new file `file`; errors name `output`.
+fn draw_into(file: &Path, output: &Path, panels: &[Panel<'_>], columns: usize) -> Result<(), String> {
     let columns = columns.clamp(1, panels.len().max(1));
     let rows = panels.len().div_ceil(columns).max(1);
     let size = (PANEL.0 * columns as u32, PANEL.1 * rows as u32);
-    let fail = |e: &dyn std::fmt::Display| format!("drawing {}: {e}", path.display());
-    let root = SVGBackend::new(path, size).into_drawing_area();
+    let fail = |e: &dyn std::fmt::Display| format!("drawing {}: {e}", output.display());
+    let root = SVGBackend::new(file, size).into_drawing_area();
     root.fill(&WHITE).map_err(|e| fail(&e))?;
     let areas = root.split_evenly((rows, columns));
     for (areas, row) in areas.chunks(columns).zip(panels.chunks(columns)) {

@@ -25,7 +25,7 @@ fn assert_fails_with(out: &Output, needles: &[&str]) {
 
 #[test]
 fn replay_prints_the_device_then_a_table() {
-    let out = streamalloc(&["replay", &sample("resnet50_train.csv"), "--device", "sim", "--passes", "1"]);
+    let out = streamalloc(&["replay", &sample("resnet50_train.csv.xz"), "--device", "sim", "--passes", "1"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
     let mut lines = text.lines();
@@ -91,7 +91,7 @@ fn free_of_unknown_pointer_is_an_error_unless_lenient() {
 
 #[test]
 fn unknown_allocator_lists_the_known_ones() {
-    let out = streamalloc(&["replay", &sample("resnet50_train.csv"), "--allocator", "nonesuch"]);
+    let out = streamalloc(&["replay", &sample("resnet50_train.csv.xz"), "--allocator", "nonesuch"]);
     assert_fails_with(&out, &["unknown preset `nonesuch`; presets: plain, best_fit"]);
 }
 

@@ -284,6 +284,31 @@ impl Pickle {
     fn int(self, v: i32) -> Self {
         self.op(b"J").op(&v.to_le_bytes())
     }
+    /// `LONG1` of 8 bytes: any `i64`.
+    fn long(self, v: i64) -> Self {
+        self.op(&[0x8a, 8]).op(&v.to_le_bytes())
+    }
+    /// Like [`Pickle::entry`], with a `time_us`.
+    fn timed(self, action: &str, addr: i32, size: i32, time_us: i64, memo: u8) -> Self {
+        self.op(b"}q")
+            .op(&[memo])
+            .op(b"(")
+            .str("action")
+            .str(action)
+            .str("addr")
+            .int(addr)
+            .str("size")
+            .int(size)
+            .str("stream")
+            .int(0)
+            .str("time_us")
+            .long(time_us)
+            .op(b"u")
+    }
+    /// A snapshot of one device whose entries `entries` writes.
+    fn snapshot(entries: impl FnOnce(Self) -> Self) -> Vec<u8> {
+        entries(Pickle::new().op(b"}(").str("device_traces").op(b"](](")).op(b"ee").op(b"u.").0
+    }
     /// `{'action': action, 'addr': addr, 'size': size, 'stream': 0}`, memoized as `memo`.
     fn entry(self, action: &str, addr: i32, size: i32, memo: u8) -> Self {
         self.op(b"}q")
@@ -421,4 +446,161 @@ fn configuration_errors_echo_a_bounded_escaped_excerpt() {
         assert!(!all.contains('\x1b'), "{args:?}: {:.300}", all);
         assert!(all.len() < 1500, "{args:?}: {} bytes", all.len());
     }
+}
+
+/// Issue 52 #8: an import that failed after opening `-o FILE` (here for a negative size)
+/// truncated an existing FILE to the header line; it is left as it was, and nothing is left
+/// beside it.
+#[test]
+fn a_failed_import_leaves_an_existing_output_as_it_was() {
+    let dir = TempDir::new("import-keeps");
+    let csv = dir.join("out.csv");
+    std::fs::write(&csv, "precious\n").unwrap();
+    let bad = Pickle::snapshot(|p| p.entry("alloc", 0x1000, 512, 1).entry("alloc", 0x2000, -5, 2));
+    let path = write_pickle(&dir, "bad.pickle", &bad);
+    assert_fails_with(&import(&path, &dir), &["negative size"]);
+    assert_eq!(text(&csv), "precious\n");
+    assert_eq!(dir.names(), ["bad.pickle", "out.csv"]);
+
+    let good = Pickle::snapshot(|p| p.entry("alloc", 0x1000, 512, 1));
+    let path = write_pickle(&dir, "good.pickle", &good);
+    let out = import(&path, &dir);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(text(&csv).starts_with(HEADER), "{}", text(&csv));
+    assert_eq!(dir.names(), ["bad.pickle", "good.pickle", "out.csv"]);
+}
+
+/// Issue 52 #13: negative and huge `time_us` were written wrapped to u64 (and `use` rows of
+/// u64::MAX ns); they are refused, naming the entry. A trace with a negative Time replayed
+/// as garbage with exit status 0; it is refused.
+#[test]
+fn import_and_replay_refuse_negative_and_huge_times() {
+    let dir = TempDir::new("times");
+    for (time, needle) in [(-7, "negative `time_us` (-7)"), (i64::MAX, "`time_us` 9223372036854775807 is")] {
+        let bad = Pickle::snapshot(|p| {
+            p.timed("alloc", 0x1000, 512, 10, 1).timed("free_requested", 0x1000, 512, time, 2)
+        });
+        let path = write_pickle(&dir, "time.pickle", &bad);
+        assert_fails_with(&import(&path, &dir), &["entry 1 (`free_requested`)", needle]);
+    }
+    // A pending free whose wait would last u64::MAX ns.
+    let bad = Pickle::snapshot(|p| {
+        p.timed("alloc", 0x1000, 512, 10, 1).timed("free_requested", 0x1000, 512, 11, 2).timed(
+            "alloc",
+            0x2000,
+            8,
+            i64::MAX,
+            3,
+        )
+    });
+    let path = write_pickle(&dir, "use.pickle", &bad);
+    assert_fails_with(&import(&path, &dir), &["entry 2 (`alloc`)", "`time_us`"]);
+
+    let trace = dir.join("negative.csv");
+    std::fs::write(&trace, format!("{HEADER}\n0,5,allocate,0x10,64,0\n0,-3,free,0x10,64,0\n")).unwrap();
+    let out =
+        output(&mut streamalloc(&["replay", trace.to_str().unwrap(), "--device", "sim", "-a", "plain"]));
+    assert_fails_with(&out, &["line 3", "negative Time `-3`"]);
+}
+
+/// Issue 52 #14: `import -o FIFO`, `plot -o FIFO` and `replay --plot FIFO` blocked until a
+/// reader came; what is not a regular file is refused at once.
+#[test]
+fn outputs_that_are_not_regular_files_are_refused_at_once() {
+    let dir = TempDir::new("fifo");
+    let fifo = dir.join("fifo");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    assert!(std::fs::metadata(&fifo).unwrap().file_type().is_fifo());
+    let fifo = fifo.to_str().unwrap();
+    let trace = dir.join("t.csv");
+    std::fs::write(&trace, format!("{HEADER}\n0,1,allocate,0x10,64,0\n0,2,free,0x10,64,0\n")).unwrap();
+    let trace = trace.to_str().unwrap();
+    let json = dir.join("r.json");
+    let out = output(&mut streamalloc(&["replay", trace, "--device", "sim", "-a", "plain", "--json"]));
+    assert!(out.status.success(), "{}", stderr(&out));
+    std::fs::write(&json, &out.stdout).unwrap();
+    let snapshot = write_pickle(&dir, "s.pickle", &Pickle::snapshot(|p| p.entry("alloc", 0x1000, 512, 1)));
+
+    let limit = Duration::from_secs(30);
+    let out = run(&mut streamalloc(&["import", snapshot.to_str().unwrap(), "-o", fifo]), limit);
+    assert_fails_with(&out, &["fifo", "not a regular file but a FIFO"]);
+    let out = run(&mut streamalloc(&["plot", json.to_str().unwrap(), "-o", fifo]), limit);
+    assert_fails_with(&out, &["fifo", "not a regular file but a FIFO"]);
+    let out =
+        run(&mut streamalloc(&["replay", trace, "--device", "sim", "-a", "plain", "--plot", fifo]), limit);
+    assert_fails_with(&out, &["fifo", "not a regular file but a FIFO"]);
+    let out = run(&mut streamalloc(&["plot", json.to_str().unwrap(), "-o", "/dev/full"]), limit);
+    assert_fails_with(&out, &["/dev/full", "not a regular file but a device"]);
+}
+
+/// Runs `import SNAPSHOT -o DIR/out.csv ARGS` with its address space limited to 2 GB, under
+/// GNU time: the output and its peak resident set, in KiB.
+fn import_bounded(snapshot: &Path, dir: &TempDir, args: &[&str]) -> (Output, u64) {
+    let report = dir.join("time.txt");
+    let command = format!(
+        "ulimit -v 2000000 && exec /usr/bin/time -v -o '{}' '{}' import '{}' -o '{}' {}",
+        report.display(),
+        env!("CARGO_BIN_EXE_streamalloc"),
+        snapshot.display(),
+        dir.join("out.csv").display(),
+        args.join(" ")
+    );
+    let out = output(Command::new("bash").args(["-c", &command]));
+    let report = text(&report);
+    let rss = report
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("Maximum resident set size (kbytes): "))
+        .unwrap_or_else(|| panic!("no maximum resident set size in {report}"));
+    (out, rss.parse().unwrap())
+}
+
+/// Issue 52 #5: a "billion laughs" pickle of 400 KB (a list of 100,000 references to one
+/// entry, referred to 100,000 times as `device_traces`) needed about 80 GB (a copy of the list
+/// per reference); lists referred to again are shared, and the import of one device writes
+/// its 100,000 rows in a few MB.
+#[test]
+fn import_of_shared_references_is_bounded_by_its_output() {
+    let dir = TempDir::new("laughs");
+    let k = 100_000;
+    let entry = Pickle::new().op(b"}(").str("device_traces").op(b"]").entry("alloc", 0x1000, 512, 1);
+    // In batches of 1,000 between a mark and APPENDS, as Python's pickler writes lists.
+    let batches = |reference: &[u8]| [b"(", &reference.repeat(1000)[..], b"e"].concat().repeat(k / 1000);
+    let list = entry.op(b"0]").op(&batches(b"h\x01")).op(b"q\x02"); // the entry k times
+    let bomb = list.op(b"0").op(&batches(b"h\x02")).op(b"u.").0; // the list k times
+    assert!(bomb.len() < 420_000, "{} bytes", bomb.len());
+    let path = write_pickle(&dir, "laughs.pickle", &bomb);
+    let (out, rss_kib) = import_bounded(&path, &dir, &["--gpu", "7"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    // The same entry 100,000 times: an allocation, then a missed free before each other.
+    assert!(stdout(&out).contains("100000 allocations, 99999 frees"), "{}", stdout(&out));
+    assert!(rss_kib < 64 * 1024, "{rss_kib} KiB");
+    let (out, _) = import_bounded(&path, &dir, &[]);
+    assert_fails_with(&out, &["the snapshot has allocations on devices 0, 1, 2", "--gpu"]);
+}
+
+/// Issue 52 #5: 20 MB of `EMPTY_DICT` opcodes took 2.5 GB (every dict kept on the pickle's
+/// stack); a stack deeper than any snapshot's is refused, in a few MB.
+#[test]
+fn a_pickle_stack_deeper_than_any_snapshot_is_refused() {
+    let dir = TempDir::new("dicts");
+    for (name, op) in [("dicts", b'}'), ("marks", b'(')] {
+        let bytes = Pickle::new().op(&vec![op; 20_000_000]).op(b".").0;
+        let path = write_pickle(&dir, &format!("{name}.pickle"), &bytes);
+        let (out, rss_kib) = import_bounded(&path, &dir, &[]);
+        assert_fails_with(&out, &["not a PyTorch memory snapshot", "values at once on its stack"]);
+        assert!(rss_kib < 64 * 1024, "{name}: {rss_kib} KiB");
+    }
+}
+
+/// Left from issue 52's previous round: `--conf trace=/dev/full` exited 0 though no row of the
+/// trace was written; a trace that cannot be written fails the replay.
+#[test]
+fn a_trace_that_cannot_be_written_fails_the_replay() {
+    let dir = TempDir::new("full");
+    let trace = dir.join("t.csv");
+    std::fs::write(&trace, format!("{HEADER}\n0,1,allocate,0x10,64,0\n0,2,free,0x10,64,0\n")).unwrap();
+    let conf = "strategy=plain,trace=/dev/full";
+    let out =
+        output(&mut streamalloc(&["replay", trace.to_str().unwrap(), "--conf", conf, "--device", "sim"]));
+    assert_fails_with(&out, &["writing the trace /dev/full", "No space left on device"]);
 }

@@ -104,8 +104,18 @@ fn the_async_out_of_memory_hint_names_the_throttle_key() {
             big = 100usize << 30
         ),
     );
-    let out =
-        streamalloc(&["replay", trace.path(), "-a", "async", "--device", "sim", "--json", "--passes", "1"]);
+    let out = streamalloc(&[
+        "replay",
+        trace.path(),
+        "-a",
+        "async",
+        "--device",
+        "sim",
+        "--json",
+        "--passes",
+        "1",
+        "--expect-failures",
+    ]);
     let rows = json_rows(&out);
     assert!(rows[0]["failures"].as_u64().unwrap() > 0, "{}", rows[0]);
     let failure = rows[0]["first_failure"].as_str().unwrap();

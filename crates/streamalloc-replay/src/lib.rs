@@ -5,6 +5,7 @@
 //!
 //! * [`trace`]: [`Trace::parse`](trace::Trace::parse) turns a trace into dense operations.
 //! * [`replay`]: [`replay()`](replay::replay) runs them through an allocator on a device.
+//! * [`compressed`]: trace files compressed with gzip or xz, read and written transparently.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -26,5 +27,6 @@
 
 #![warn(missing_docs)]
 
+pub mod compressed;
 pub mod replay;
 pub mod trace;

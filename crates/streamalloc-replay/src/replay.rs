@@ -160,6 +160,10 @@ pub struct ReplayResult {
     pub device_calls: u64,
     /// Best timed pass, in nanoseconds per operation.
     pub ns_per_op_warm: f64,
+    /// Each timed pass, in nanoseconds per operation, in the order run (their spread says
+    /// how much a ratio of two `ns_per_op_warm` means).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ns_per_op_passes: Vec<f64>,
     /// Most failed allocations in any one pass.
     pub failures: u64,
     /// Timed passes run.
@@ -178,6 +182,15 @@ pub struct ReplayResult {
     /// The first allocation error met, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub first_failure: Option<String>,
+    /// The operation (from 1, in the trace's order) whose allocation failed first, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_failure_op: Option<usize>,
+    /// For a first failure out of memory, the bytes the device lacked at least: those asked
+    /// for beyond the device's free bytes, or those handed out plus those asked for beyond its
+    /// total, whichever is more (0: the device had them free, the allocator's own limits or
+    /// fragmentation refused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_failure_short: Option<usize>,
     /// Memory over pass 0.
     #[serde(default, skip_serializing_if = "Series::is_empty")]
     pub series: Series,
@@ -185,6 +198,15 @@ pub struct ReplayResult {
 
 fn one() -> usize {
     1
+}
+
+/// The first allocation that failed in a replay.
+struct Failure {
+    /// The operation's index.
+    op: usize,
+    message: String,
+    /// See [`ReplayResult::first_failure_short`].
+    short: Option<usize>,
 }
 
 /// Streams (and the event of `wait` rows) created for a replay, destroyed on drop (errors
@@ -278,7 +300,7 @@ struct Shared<'a> {
     live_points: Vec<AtomicU64>,
     reserved_points: Vec<AtomicU64>,
     failures: AtomicU64,
-    first_failure: Mutex<Option<String>>,
+    first_failure: Mutex<Option<Failure>>,
 }
 
 impl Shared<'_> {
@@ -286,10 +308,10 @@ impl Shared<'_> {
         self.streams.get(index).copied().unwrap_or(Stream::DEFAULT)
     }
 
-    /// Allocates `size` bytes on recorded stream `stream`, counting them live when
-    /// `sample`; the allocation, or `None` after counting the failure. With time, the
-    /// ordering checker sees the handout.
-    fn allocate(&self, size: usize, stream: usize, sample: bool) -> Option<Allocation> {
+    /// Allocates `size` bytes on recorded stream `stream` for operation `op` (from 0),
+    /// counting them live when `sample`; the allocation, or `None` after counting the failure.
+    /// With time, the ordering checker sees the handout.
+    fn allocate(&self, size: usize, stream: usize, sample: bool, op: usize) -> Option<Allocation> {
         match self.target.allocate(size, self.stream(stream)) {
             Ok(a) => {
                 if sample {
@@ -302,7 +324,18 @@ impl Shared<'_> {
             }
             Err(e) => {
                 self.failures.fetch_add(1, Ordering::Relaxed);
-                self.first_failure.lock().get_or_insert_with(|| e.to_string());
+                let short = match &e {
+                    Error::OutOfMemory(r) => Some(
+                        (r.allocated.saturating_add(r.requested).saturating_sub(r.device_total))
+                            .max(r.requested.saturating_sub(r.device_free)),
+                    ),
+                    _ => None,
+                };
+                let mut first = self.first_failure.lock();
+                // On threads, the earliest operation of those that failed.
+                if first.as_ref().is_none_or(|f| f.op > op) {
+                    *first = Some(Failure { op, message: e.to_string(), short });
+                }
                 None
             }
         }
@@ -415,7 +448,9 @@ impl Shared<'_> {
         for (i, op) in self.trace.ops.iter().enumerate() {
             self.keep_time(i)?;
             match *op {
-                Op::Allocate { slot, size, stream, .. } => slots[slot] = self.allocate(size, stream, sample),
+                Op::Allocate { slot, size, stream, .. } => {
+                    slots[slot] = self.allocate(size, stream, sample, i)
+                }
                 Op::Free { slot, .. } => self.freed(slots[slot].take(), self.trace.slot_sizes[slot], sample),
                 Op::RecordStream { slot, stream, .. } => self.record(slots[slot].as_mut(), stream),
                 Op::Use { slot, stream, duration_ns, .. } => {
@@ -502,7 +537,7 @@ impl Shared<'_> {
             self.keep_time(i)?;
             match op {
                 Op::Allocate { slot, size, stream, .. } => {
-                    *plan.slots[slot].lock() = self.allocate(size, stream, sample);
+                    *plan.slots[slot].lock() = self.allocate(size, stream, sample, i);
                     plan.done[slot].store(pass + 1, Ordering::Release);
                 }
                 Op::Free { slot, .. } => {
@@ -681,7 +716,7 @@ pub fn replay(
     let shared = Shared { base: device.mem_info()?.used(), ..shared };
     let calls_before = target.stats();
 
-    let mut best_ns = f64::INFINITY;
+    let mut pass_ns = Vec::with_capacity(options.passes);
     let mut device_calls = 0;
     let mut failures = 0;
     let mut violations = 0;
@@ -702,8 +737,7 @@ pub fn replay(
             device_calls = (after.device_allocs + after.device_frees)
                 .saturating_sub(calls_before.device_allocs + calls_before.device_frees);
         } else {
-            let ns = elapsed.as_nanos() as f64 / trace.ops.len().max(1) as f64;
-            best_ns = best_ns.min(ns);
+            pass_ns.push(elapsed.as_nanos() as f64 / trace.ops.len().max(1) as f64);
         }
     }
 
@@ -713,6 +747,7 @@ pub fn replay(
         reserved: shared.reserved_points.iter().map(|p| p.load(Ordering::Relaxed)).collect(),
     };
     let peak_device_used = series.reserved.iter().copied().max().unwrap_or(0) as usize;
+    let first = shared.first_failure.into_inner();
     Ok(ReplayResult {
         allocator: allocator.to_owned(),
         trace: trace.name.clone(),
@@ -726,13 +761,16 @@ pub fn replay(
         },
         reserved_peak: target.stats().reserved_peak,
         device_calls,
-        ns_per_op_warm: best_ns,
+        ns_per_op_warm: pass_ns.iter().copied().fold(f64::INFINITY, f64::min),
+        ns_per_op_passes: pass_ns,
         failures,
         passes: options.passes,
         threads: plan.as_ref().map_or(1, |p| p.ops.len()),
         time: options.time.is_some(),
         violations,
-        first_failure: shared.first_failure.into_inner(),
+        first_failure_op: first.as_ref().map(|f| f.op + 1),
+        first_failure_short: first.as_ref().and_then(|f| f.short),
+        first_failure: first.map(|f| f.message),
         series,
     })
 }
@@ -777,6 +815,12 @@ mod tests {
         assert_eq!(r.failures, 1);
         assert!(r.first_failure.unwrap().contains("out of memory"));
         assert_eq!(r.peak_device_used, 4096);
+        // Issue 50: which operation failed first, and by how much at least.
+        assert_eq!(r.first_failure_op, Some(2));
+        let short = r.first_failure_short.unwrap();
+        assert!((2_000_000 - (1 << 20)..=2_000_000 + 8192 - (1 << 20)).contains(&short), "{short}");
+        assert_eq!(r.ns_per_op_passes.len(), r.passes);
+        assert_eq!(r.ns_per_op_passes.iter().copied().fold(f64::INFINITY, f64::min), r.ns_per_op_warm);
     }
 
     #[test]
@@ -944,6 +988,9 @@ mod tests {
             time: true,
             violations: 2,
             first_failure: None,
+            first_failure_op: None,
+            first_failure_short: None,
+            ns_per_op_passes: vec![12.5, 13.0],
             series: Series { ops_per_point: 2, live: vec![10, 5], reserved: vec![20, 20] },
         };
         let text = serde_json::to_string(&r).unwrap();

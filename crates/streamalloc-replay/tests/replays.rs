@@ -43,7 +43,7 @@ fn stitched_granules_per_pass(trace: &str, passes: usize) -> (Vec<u64>, f64) {
 #[test]
 fn footprint_stays_within_5_percent_when_shapes_change_every_step() {
     // Expandable segments held 1.454 and 1.169 of the peak live bytes here; chunks 1.463 and 1.235.
-    for trace in ["synthetic/bert_varlen_infer.csv", "synthetic/multiscale_train.csv"] {
+    for trace in ["synthetic/bert_varlen_infer.csv.xz", "synthetic/multiscale_train.csv.xz"] {
         let (_, f) = stitched_granules_per_pass(trace, 1);
         assert!(f <= 1.05, "{trace}: footprint {f:.3}");
     }
@@ -55,7 +55,7 @@ fn a_training_loop_whose_shapes_change_every_step_stops_mapping_once_warm() {
     // the small class and no headroom of fresh memory, the stitched pool mapped 123-154
     // granules at every pass (stitches, 20-40 us each on an H200): 10 times the operations'
     // own cost. With the small class up to 128 KiB it maps nothing after its first pass.
-    let (per_pass, footprint) = stitched_granules_per_pass("synthetic/multiscale_train.csv", 5);
+    let (per_pass, footprint) = stitched_granules_per_pass("synthetic/multiscale_train.csv.xz", 5);
     assert_eq!(per_pass[1..], [0; 5], "granules mapped or unmapped per pass: {per_pass:?}");
     // PyTorch's expandable segments held 1.010 of the peak live bytes on the H200.
     assert!(footprint <= 1.01, "footprint {footprint:.4}");
@@ -69,7 +69,7 @@ fn a_training_loop_whose_layout_drifts_from_pass_to_pass_stops_mapping_once_warm
     // that did costing 3-6 times one that did not. Now its first two warm passes stitch (65
     // and 42 granules), then nothing: the third, which the anchors harness's best of three
     // sees, maps none.
-    let (per_pass, footprint) = stitched_granules_per_pass("resnet50_train.csv", 12);
+    let (per_pass, footprint) = stitched_granules_per_pass("resnet50_train.csv.xz", 12);
     assert_eq!(per_pass[3..], [0; 10], "granules mapped or unmapped per pass: {per_pass:?}");
     // PyTorch's expandable segments held 1.017 of the peak live bytes on the H200.
     assert!(footprint <= 1.015, "footprint {footprint:.4}");
@@ -82,7 +82,7 @@ fn variable_length_inference_stops_mapping_from_its_second_warm_pass() {
     // range's homes and warm passes stitched again: 403, 83, 52, then 24 granules over 197
     // passes (the anchors harness times the best of warm passes 1-3, where 52 granules at
     // about 30 us each on an H200 add about 40 ns to each of the trace's operations).
-    let (per_pass, footprint) = stitched_granules_per_pass("recorded/bert_infer.csv", 8);
+    let (per_pass, footprint) = stitched_granules_per_pass("recorded/bert_infer.csv.xz", 8);
     assert_eq!(per_pass[2..], [0; 7], "granules mapped or unmapped per pass: {per_pass:?}");
     // The best reference allocator held 1.119 of the peak live bytes on the H200 (cudaMalloc).
     // With stitches of whole granules only it held 1.0501 here: one granule (2 MiB of 306)
@@ -165,4 +165,31 @@ fn a_written_trace_replays_to_identical_statistics() {
     assert_eq!(replayed.allocated_peak, original.allocated_peak);
     assert_eq!(replayed.reserved_peak, original.reserved_peak);
     assert_eq!(result.peak_live, original.allocated_peak);
+}
+
+/// Issue 52 #17: a trace of allocations on 100k distinct streams did not finish replaying in
+/// 300 s: every device free of the simulator synchronized the device by looking at every
+/// stream. 40,000 allocations and frees on distinct streams, through `plain` (a device
+/// allocation and free each), replay in a debug build in well under 10 s (32 s before).
+#[test]
+fn a_trace_on_many_distinct_streams_replays_in_linear_time() {
+    let n = 40_000;
+    let mut text = String::from("Thread,Time,Action,Pointer,Size,Stream\n");
+    for i in 0..n {
+        text.push_str(&format!("0,{i},allocate,{:#x},256,{}\n", 0x1000 * (i + 1), i + 1));
+    }
+    for i in 0..n {
+        text.push_str(&format!("0,{},free,{:#x},256,{}\n", n + i, 0x1000 * (i + 1), i + 1));
+    }
+    let trace = Trace::parse(text.as_bytes(), "distinct").unwrap();
+    let sim = SimDevice::new(SimConfig::h200());
+    let target = ReplayTarget::Streams(Arc::new(
+        Facade::build_stack(&Config::preset("plain").unwrap(), sim.clone()).unwrap().allocator,
+    ));
+    let start = std::time::Instant::now();
+    let options = ReplayOptions { passes: 1, ..Default::default() };
+    let r = replay(&trace, "plain", &target, sim.as_ref(), &options).expect("replay");
+    let took = start.elapsed();
+    assert_eq!((r.failures, r.ops), (0, 2 * n));
+    assert!(took.as_secs() < 10, "{took:?} for {n} streams");
 }

@@ -8,7 +8,7 @@
 //! in the N - 3 passes after them (a repeated workload's long run), and ns per operation
 //! (best of the warm passes: CPU figures come from criterion, not from here).
 //!
-//! Run: `cargo run --release -p streamalloc-bench --bin footprint -- [--passes N] traces/*.csv`
+//! Run: `cargo run --release -p streamalloc-bench --bin footprint -- [--passes N] traces/*.csv.xz`
 
 use std::sync::{Arc, Mutex};
 

@@ -10,15 +10,17 @@
 //!   becomes a compact entry ([`Raw`], 40 bytes) once it is put into a list or dict; any other
 //!   dict is dropped then (the snapshot itself, never put anywhere, is kept);
 //! * of a list (or tuple or set), the entries it holds, as runs of entry indices, or the lists
-//!   of entries it holds, as copies of their runs; a list that holds anything else cannot be
-//!   read as a trace, and its items are dropped as they come;
+//!   of entries it holds, sharing their runs (a list changed after it was put into another is
+//!   copied first, and the copies are bounded by the bytes read); a list that holds anything
+//!   else cannot be read as a trace, and its items are dropped as they come;
 //! * of a string, which of the words the import looks for it is; strings are never stored.
 //!
 //! The memo (the objects the pickle stores to refer to again, `BINGET`) keeps what a later
 //! reference may need in that form: an entry or a list of entries referred to twice reads the
 //! same both times, and what was dropped reads back as a value the import does not read.
 //! Nothing kept holds anything that holds more (a list keeps entry indices, not lists), so
-//! neither reading nor dropping recurses, however deep the pickle nests.
+//! neither reading nor dropping recurses, however deep the pickle nests; the stack holds at
+//! most [`STACK_MOST`] values, more than any snapshot needs.
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -185,38 +187,44 @@ struct List {
 enum Items {
     #[default]
     Empty,
-    Entries(Vec<Run>),
-    /// Lists of entries (each `Empty` or `Entries` when put in), as copies of their runs.
-    Lists(Vec<Vec<Run>>),
+    /// Shared with the lists it was put into: copied (see [`List::push`]) when changed after.
+    Entries(Rc<Vec<Run>>),
+    /// Lists of entries (each `Empty` or `Entries` when put in), sharing their runs: a list
+    /// referred to many times costs a pointer each.
+    Lists(Vec<Rc<Vec<Run>>>),
     /// Anything else: `at`, the index of the first item that is no list of entries.
-    Other {
-        at: usize,
-    },
+    Other { at: usize },
 }
 
 impl List {
-    /// Its runs, when it holds entries only (or nothing).
-    fn entries(&self) -> Option<Vec<Run>> {
+    /// Its runs (shared), when it holds entries only (or nothing).
+    fn entries(&self) -> Option<Rc<Vec<Run>>> {
         match &self.items {
-            Items::Empty => Some(Vec::new()),
+            Items::Empty => Some(Rc::default()),
             Items::Entries(runs) => Some(runs.clone()),
             _ => None,
         }
     }
 
     /// Adds `item` (settled: see [`Machine::settle`]); `runs` are its runs when it is a list
-    /// of entries.
-    fn push(&mut self, item: &Value, runs: Option<Vec<Run>>) {
+    /// of entries. Returns the runs copied: those of a list of entries changed after it was
+    /// put into another, which keeps what it held then.
+    fn push(&mut self, item: &Value, runs: Option<Rc<Vec<Run>>>) -> usize {
         let at = self.len;
         self.len += 1;
+        let mut copied = 0;
         self.items = match (std::mem::take(&mut self.items), item, runs) {
-            (Items::Empty, Value::Entry(i), _) => Items::Entries(vec![(*i, 1)]),
-            (Items::Entries(mut runs), Value::Entry(i), _) => {
+            (Items::Empty, Value::Entry(i), _) => Items::Entries(Rc::new(vec![(*i, 1)])),
+            (Items::Entries(mut shared), Value::Entry(i), _) => {
+                if Rc::strong_count(&shared) > 1 {
+                    copied = shared.len();
+                }
+                let runs = Rc::make_mut(&mut shared);
                 match runs.last_mut() {
                     Some((first, n)) if first.checked_add(*n) == Some(*i) => *n += 1,
                     _ => runs.push((*i, 1)),
                 }
-                Items::Entries(runs)
+                Items::Entries(shared)
             }
             (Items::Empty, _, Some(runs)) => Items::Lists(vec![runs]),
             (Items::Lists(mut lists), _, Some(runs)) => {
@@ -227,6 +235,7 @@ impl List {
             (Items::Other { at }, _, _) => Items::Other { at },
             (Items::Empty | Items::Entries(_), _, _) => Items::Other { at: 0 },
         };
+        copied
     }
 }
 
@@ -321,7 +330,9 @@ impl Ids {
 /// The trace entries of a snapshot, per device, checked.
 pub(super) struct Snapshot {
     entries: Vec<Raw>,
-    devices: Vec<Vec<Run>>,
+    devices: Vec<Rc<Vec<Run>>>,
+    /// Whether each device has an `alloc` entry.
+    allocates: Vec<bool>,
 }
 
 impl Snapshot {
@@ -330,9 +341,14 @@ impl Snapshot {
         self.devices.len()
     }
 
+    /// The devices with an `alloc` entry.
+    pub(super) fn allocating(&self) -> impl Iterator<Item = usize> + '_ {
+        self.allocates.iter().enumerate().filter(|(_, a)| **a).map(|(d, _)| d)
+    }
+
     /// The entries of `device`, oldest first.
     pub(super) fn entries(&self, device: usize) -> impl Iterator<Item = Entry> + Clone + '_ {
-        let runs = self.devices.get(device).map_or(&[][..], Vec::as_slice);
+        let runs = self.devices.get(device).map_or(&[][..], |runs| runs.as_slice());
         runs.iter().flat_map(|(first, n)| (*first..*first + *n).map(|i| self.entry(i)))
     }
 
@@ -356,6 +372,7 @@ pub(super) fn read_snapshot(
         marks: Vec::new(),
         memo: Memo::default(),
         entries: Vec::new(),
+        copied: 0,
     };
     if !m.input.fill()? {
         return Err("the file is empty".into());
@@ -363,11 +380,12 @@ pub(super) fn read_snapshot(
     let top = loop {
         let at = m.input.offset();
         let op = m.input.u8().map_err(|_| "the pickle ends before its STOP opcode".to_string())?;
-        match m.step(op) {
+        let held = match m.step(op) {
             Ok(Some(top)) => break top,
-            Ok(None) => {}
-            Err(e) => return Err(format!("{e} (opcode {op:#04x} at byte {at})")),
-        }
+            Ok(None) => m.held(),
+            Err(e) => Err(e),
+        };
+        held.map_err(|e| format!("{e} (opcode {op:#04x} at byte {at})"))?;
     };
     let Value::Dict(top) = top else { return Err("the pickle holds no dict".into()) };
     let top = top.borrow();
@@ -382,11 +400,19 @@ pub(super) fn read_snapshot(
         Items::Entries(_) => return Err(not_entries(0)),
         Items::Other { at } => return Err(not_entries(*at)),
     };
-    let snapshot = Snapshot { entries: m.entries, devices };
-    for (d, runs) in snapshot.devices.iter().enumerate() {
+    // Each list of entries is checked once, however many devices share it.
+    let mut allocates = Vec::with_capacity(devices.len());
+    let mut checked: FxHashMap<*const Vec<Run>, bool> = FxHashMap::default();
+    for (d, runs) in devices.iter().enumerate() {
+        if let Some(allocating) = checked.get(&Rc::as_ptr(runs)) {
+            allocates.push(*allocating);
+            continue;
+        }
+        let mut allocating = false;
         let indices = runs.iter().flat_map(|(first, n)| *first..*first + *n);
         for (i, index) in indices.enumerate() {
-            let raw = &snapshot.entries[index as usize];
+            let raw = &m.entries[index as usize];
+            allocating |= raw.action == Word::Alloc;
             for ((_, name), kind) in FIELDS.iter().zip(raw.kinds) {
                 let what = match kind {
                     Kind::TooBig => "is out of range",
@@ -396,8 +422,10 @@ pub(super) fn read_snapshot(
                 return Err(format!("`device_traces[{d}][{i}]`: `{name}` {what}"));
             }
         }
+        checked.insert(Rc::as_ptr(runs), allocating);
+        allocates.push(allocating);
     }
-    Ok(Some(snapshot))
+    Ok(Some(Snapshot { entries: m.entries, devices, allocates }))
 }
 
 fn not_entries(device: usize) -> String {
@@ -625,12 +653,46 @@ struct Machine<'p, R> {
     marks: Vec<usize>,
     memo: Memo,
     entries: Vec<Raw>,
+    /// Runs copied from lists of entries changed after they were put into others (see
+    /// [`List::push`]): at most [`Machine::held`]'s bound.
+    copied: u64,
 }
+
+/// The most values (and marks) the pickle's stack may hold at once. Python's pickler puts
+/// at most 1,000 items (or pairs) between a mark and the opcode that takes them, and a
+/// snapshot nests a few levels deep: its stack holds a few thousand at most.
+const STACK_MOST: usize = 100_000;
+
+/// The runs a pickle may make copied, beyond one per byte read (see [`Machine::held`]).
+const COPIED_SLACK: u64 = 1 << 20;
 
 /// What an opcode finds when the stack (or its part since the last mark) runs out.
 const UNDERFLOW: &str = "the pickle's stack runs out";
 
 impl<R: Read> Machine<'_, R> {
+    /// Whether what the machine holds is within its bounds, so that its memory is bounded by
+    /// the entries and lists the pickle makes (each a few bytes of it at least) however it
+    /// refers to them: a stack of at most [`STACK_MOST`], and at most one run copied per byte
+    /// read (a list referred to again is shared, not copied; see [`List::push`]).
+    fn held(&self) -> Result<(), String> {
+        let stack = self.stack.len() + self.marks.len();
+        if stack > STACK_MOST {
+            return Err(format!(
+                "the pickle holds more than {STACK_MOST} values at once on its stack (a snapshot holds a \
+                 few thousand at most)"
+            ));
+        }
+        if self.copied > self.input.offset() + COPIED_SLACK {
+            return Err(format!(
+                "the pickle changes lists of entries after putting them into others so often that \
+                 reading it would copy {} runs of entries from {} bytes (no snapshot does)",
+                self.copied,
+                self.input.offset()
+            ));
+        }
+        Ok(())
+    }
+
     fn push(&mut self, value: Value) {
         self.stack.push(value);
     }
@@ -718,7 +780,7 @@ impl<R: Read> Machine<'_, R> {
                 _ => None,
             };
             if let Ok(mut list) = list.try_borrow_mut() {
-                list.push(&item, runs);
+                self.copied += list.push(&item, runs) as u64;
             }
         }
         Ok(())
@@ -1096,12 +1158,16 @@ mod tests {
         assert_eq!((entries(&snapshot, 0), entries(&snapshot, 1)), (vec![e, e], vec![e, e]));
         assert_eq!(snapshot.entries.len(), 1, "the entry referred to again is the same one");
 
-        // A million lists, each in the one before.
-        let depth = 1_000_000;
-        let mut deep = vec![b'('; depth];
-        deep.extend(std::iter::repeat_n(b'l', depth));
-        deep.push(b'.');
-        assert_eq!(read(&deep).err().unwrap(), "the pickle holds no dict");
+        // Lists each in the one before: as deep as the stack may hold, and a million (refused
+        // by the stack's bound, issue 52 #5, without recursing either).
+        let nested = |depth: usize| {
+            let mut deep = vec![b'('; depth];
+            deep.extend(std::iter::repeat_n(b'l', depth));
+            deep.push(b'.');
+            read(&deep).err().unwrap()
+        };
+        assert_eq!(nested(STACK_MOST), "the pickle holds no dict");
+        assert!(nested(1_000_000).contains("values at once on its stack"), "{}", nested(1_000_000));
     }
 
     /// What the import does not read is not kept: a dict without `action`, a list of them, a
@@ -1127,6 +1193,7 @@ mod tests {
             marks: Vec::new(),
             memo: Memo::default(),
             entries: Vec::new(),
+            copied: 0,
         };
         let top = loop {
             let op = m.input.u8().unwrap();

@@ -401,6 +401,9 @@ struct State {
     space: AddressSpace,
     plain: HashMap<DevicePtr, usize>,
     streams: HashMap<Stream, StreamState>,
+    /// The latest `ready` any stream has had (destroyed ones included: their work still runs),
+    /// so that a device-wide synchronization looks at no stream.
+    latest_ready: u64,
     /// Recorded events: the time they complete. Unrecorded events are absent (complete).
     events: HashMap<Event, Option<u64>>,
     pools: HashMap<Pool, PoolState>,
@@ -477,6 +480,7 @@ impl SimDevice {
             space: AddressSpace::new(BASE_ADDRESS + config.ordinal as u64 * DEVICE_STRIDE, config.capacity),
             plain: HashMap::new(),
             streams,
+            latest_ready: 0,
             events: HashMap::new(),
             pools,
             default_pool,
@@ -845,6 +849,7 @@ impl State {
             ))
         })?;
         s.ready = end;
+        self.latest_ready = self.latest_ready.max(end);
         if self.uses.len() > 4096 {
             self.uses.retain(|u| u.end > now);
         }
@@ -927,8 +932,7 @@ impl State {
     /// Waits for every stream (as `cuCtxSynchronize` would) and applies release thresholds.
     fn sync_device(&mut self) {
         self.host_waits += 1;
-        let latest = self.streams.values().map(|s| s.ready).max().unwrap_or(0);
-        self.now = self.now.max(latest);
+        self.now = self.now.max(self.latest_ready);
         self.apply_thresholds();
     }
 
@@ -1535,6 +1539,8 @@ impl Device for SimDevice {
                 // Opportunistic reuse has nothing to wait for; otherwise the driver inserts
                 // the dependency on the free.
                 s.ready = s.ready.max(block.avail_at);
+                let ready = s.ready;
+                st.latest_ready = st.latest_ready.max(ready);
             }
             Ok(addr)
         })
@@ -1637,6 +1643,7 @@ impl Device for SimDevice {
             let s = st.stream_mut(stream)?;
             if let Some(t) = at {
                 s.ready = s.ready.max(t);
+                st.latest_ready = st.latest_ready.max(t);
             }
             Ok(())
         })
@@ -1813,6 +1820,7 @@ impl Device for SimDevice {
                 Node::Alloc { after, .. } => self.call(|st| {
                     let s = st.stream_mut(stream)?;
                     s.ready = s.ready.max(after);
+                    st.latest_ready = st.latest_ready.max(after);
                     Ok(())
                 })?,
                 Node::Free { ptr } if !allocated_inside(ptr) => self.free_async(ptr, stream)?,
