@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use streamalloc::device::sim::{SimConfig, SimDevice};
+use streamalloc::device::sim::{SimConfig, SimDevice, ViolationKind};
 use streamalloc::device::DeviceTestExt;
 use streamalloc::facade::{Config, Facade};
 use streamalloc::{tags, Allocation, Allocator, Device, Error, Stream, StreamAllocator};
@@ -522,4 +522,44 @@ fn memory_used_while_tags_sleep_goes_back_and_the_wake_ends_where_the_sleep_bega
     assert_eq!(used(&sim), before);
     drop((untagged, tagged));
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}
+
+/// Issue 52, #1: a kernel enqueued on a sleeping tag's memory (which a racing program does
+/// when its allocation and its kernel straddle a sleep) made the simulator refuse the unmap
+/// that undid a wake failing for lack of memory; the wake ignored that refusal and recorded
+/// the tag asleep with memory still mapped, and every later wake failed with "already
+/// mapped". Now the kernel is refused (the checker records it), the failed wake leaves the
+/// tag asleep with nothing mapped, and once memory is free it wakes, its contents back.
+#[test]
+fn a_wake_that_failed_for_lack_of_memory_leaves_the_tag_able_to_wake() {
+    let (f, sim) = facade("sim_capacity=256MiB");
+    let s = sim.create_stream().expect("stream");
+    // Two live blocks with a freed one between: the sleep leaves two home ranges.
+    let a = alloc(&f, Some("racy"), 8 * MIB, s).expect("a");
+    let gap = alloc(&f, Some("racy"), 8 * MIB, s).expect("gap");
+    let b = alloc(&f, Some("racy"), 8 * MIB, s).expect("b");
+    sim.copy_from_host(a.ptr(), &pattern(8 * MIB, 1), s).expect("write a");
+    sim.copy_from_host(b.ptr(), &pattern(8 * MIB, 2), s).expect("write b");
+    drop(gap);
+    assert!(f.sleep(0, &["racy"], true).expect("sleep") >= 16 * MIB);
+    // A kernel on the sleeping memory: refused, and seen by the checker.
+    assert!(sim.use_range(a.ptr(), 8 * MIB, s, 3_600_000_000_000).is_err());
+    f.release_all().expect("release");
+    // Leave room for one home range but not both.
+    let free = sim.mem_info().expect("mem_info").free;
+    let filler = sim.alloc(free - 12 * MIB).expect("filler");
+    let err = f.wake(0, &["racy"]).expect_err("the wake needs 16 MiB, 12 are free");
+    assert!(err.is_out_of_memory(), "{err}");
+    assert!(f.tag_stats(0, "racy").expect("stats").asleep);
+    sim.free(filler).expect("free the filler");
+    f.wake(0, &["racy"]).expect("the tag wakes once memory is free");
+    assert_eq!(read(&sim, &a, s), pattern(8 * MIB, 1));
+    assert_eq!(read(&sim, &b, s), pattern(8 * MIB, 2));
+    drop((a, b));
+    sim.synchronize().expect("sync");
+    f.release_all().expect("release");
+    let stats = f.stats(0);
+    assert_eq!((stats.reserved, stats.pending_release), (0, 0));
+    let unmapped = sim.violations().iter().filter(|v| v.kind == ViolationKind::UnmappedUse).count();
+    assert_eq!(unmapped, 1, "{:?}", sim.violations());
 }

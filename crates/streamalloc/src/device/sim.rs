@@ -1299,6 +1299,15 @@ impl Device for SimDevice {
                 return Err(Error::InvalidArgument(format!("reservation of {size} bytes")));
             }
             let addr = st.next_reservation;
+            let window_end = RESERVED_BASE + (self.config.ordinal as u64 + 1) * RESERVED_STRIDE;
+            if (size as u64) > window_end - addr {
+                return Err(Error::InvalidArgument(format!(
+                    "reservation of {size} bytes: simulated device {}'s address window has {} bytes left \
+                     (the next device's reservations begin at {window_end:#x})",
+                    self.config.ordinal,
+                    window_end - addr
+                )));
+            }
             st.next_reservation += size as u64;
             st.reservations.insert(addr, size);
             Ok(addr)
