@@ -196,6 +196,10 @@ fn out_of_memory_gives_the_cache_back_and_reports_the_pool() {
         Err(Error::OutOfMemory(report)) => {
             assert_eq!((report.requested, report.reserved, report.cached), (1 << 60, 0, 0));
             assert!(report.hint.contains("pinned pool"), "{}", report.hint);
+            // Issue 52, #16: the message names the host, not the device's free memory.
+            let text = Error::OutOfMemory(report).to_string();
+            assert!(text.starts_with("out of page-locked host memory"), "{text}");
+            assert!(!text.contains("device free"), "{text}");
         }
         other => panic!("expected out of memory, got {other:?}"),
     }

@@ -710,6 +710,7 @@ impl Inner {
             hint: "BestFit returned its free chunks and retried once; free allocations, use a \
                    smaller growth size or a stream-ordered pool to reduce fragmentation"
                 .into(),
+            host: false,
         })
     }
 

@@ -482,6 +482,7 @@ impl Inner {
                 let Error::OutOfMemory(device_report) = e else { return Err(e) };
                 Err(Error::oom(OutOfMemory {
                     device: device_report.device,
+                    host: true,
                     requested: size,
                     allocated: st.stats.allocated,
                     cached: st.cached,

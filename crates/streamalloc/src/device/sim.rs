@@ -1134,6 +1134,7 @@ impl Device for SimDevice {
                 return Err(Error::oom(OutOfMemory {
                     device: self.config.ordinal,
                     requested: size,
+                    host: true,
                     hint: "the host has no memory for the simulated page-locked allocation".into(),
                     ..OutOfMemory::default()
                 }));
