@@ -2,7 +2,8 @@
 //! device of 512 MiB. Workers allocate into tags (and untagged), have kernels use the memory,
 //! `record_stream` it on other workers' streams, and free it; two threads put random tags to
 //! sleep (with and without offload) and wake them, racing the allocations; one releases the
-//! cache and retires streams it allocated on in tags. Some wakes meet a device filled with
+//! cache and retires streams it allocated on in tags; the sleepers also drop tags now and
+//! then (refused while a tag has live allocations). Some wakes meet a device filled with
 //! untagged blocks and fail for lack of memory; every tag must still wake once the
 //! workers are done, and nothing may stay reserved or pending once all is freed. The
 //! simulator's ordering checker counts every early reuse, unmap under a kernel and kernel on
@@ -57,6 +58,7 @@ struct Counts {
     refused_allocations: AtomicU64,
     failed_allocations: AtomicU64,
     retired: AtomicU64,
+    drops: AtomicU64,
     /// Early reuses the workers' checks found.
     early: AtomicU64,
     /// Errors no correct program should meet (a wake refused for any reason but out of
@@ -239,6 +241,18 @@ impl Fuzz {
                         self.counts.wrong.fetch_add(1, Ordering::Relaxed)
                     }
                 };
+            } else if rng.gen_bool(0.05) {
+                // Dropped while allocations race it: refused while it has live ones.
+                match self.stack.tags.as_ref().expect("tags").drop_tag(tags::Tag::new(TAGS[t]).expect("tag"))
+                {
+                    Ok(_) => self.counts.drops.fetch_add(1, Ordering::Relaxed),
+                    Err(Error::InvalidArgument(m)) if m.contains("are live") => 0,
+                    Err(Error::Timeout { .. }) => 0,
+                    Err(e) => {
+                        eprintln!("drop of {}: {e}", TAGS[t]);
+                        self.counts.wrong.fetch_add(1, Ordering::Relaxed)
+                    }
+                };
             } else if rng.gen_bool(0.2) {
                 self.wake_under_pressure(t, stream);
             } else {
@@ -331,7 +345,7 @@ fn tags_sleep_and_wake_while_threads_allocate_free_and_release() {
     let load = |n: &AtomicU64| n.load(Ordering::Relaxed);
     eprintln!(
         "sleep fuzz: {} operations, {} sleeps, {} wakes, {} wakes failed for lack of memory, {} allocations \
-         refused in sleeping tags, {} failed for lack of memory, {} streams retired, {} wrong errors, {violations} violations",
+         refused in sleeping tags, {} failed for lack of memory, {} streams retired, {} tags dropped, {} wrong errors, {violations} violations",
         load(&c.ops),
         load(&c.sleeps),
         load(&c.wakes),
@@ -339,6 +353,7 @@ fn tags_sleep_and_wake_while_threads_allocate_free_and_release() {
         load(&c.refused_allocations),
         load(&c.failed_allocations),
         load(&c.retired),
+        load(&c.drops),
         load(&c.wrong)
     );
     assert!(load(&c.sleeps) > 0 && load(&c.wakes) > 0, "no sleep or no wake ran");

@@ -563,3 +563,49 @@ fn a_wake_that_failed_for_lack_of_memory_leaves_the_tag_able_to_wake() {
     let unmapped = sim.violations().iter().filter(|v| v.kind == ViolationKind::UnmappedUse).count();
     assert_eq!(unmapped, 1, "{:?}", sim.violations());
 }
+
+/// Issue 52, #7: a dropped tag costs nothing: its reservation and cached memory go back (the
+/// simulator's reservations and mapped memory return to what they were), a tag with live
+/// allocations is refused with a clear error, a sleeping tag can be dropped, and the name
+/// serves again afterwards. Many tags made and dropped leave nothing behind.
+#[test]
+fn a_dropped_tag_costs_nothing() {
+    let (f, sim) = facade("");
+    let s = sim.create_stream().expect("stream");
+    let base = used(&sim);
+    let a = alloc(&f, Some("scratch"), 3 * MIB, s).expect("a");
+    let err = f.drop_tag(0, "scratch").expect_err("a live allocation");
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    assert!(err.to_string().contains("1 allocations (3145728 bytes) of it are live"), "{err}");
+    // A free pending on a recorded stream is waited for.
+    let mut a = a;
+    a.record_stream(sim.create_stream().expect("stream"));
+    drop(a);
+    assert!(f.drop_tag(0, "scratch").expect("drop") >= 3 * MIB);
+    assert_eq!(used(&sim), base, "the tag's memory went back");
+    assert_eq!(f.tag_stats(0, "scratch").expect("stats"), Default::default());
+    // Asleep, with offloaded contents: dropped too, the pinned buffers back in the pool.
+    let b = alloc(&f, Some("slept"), 5 * MIB, s).expect("b");
+    drop(b);
+    let c = alloc(&f, Some("slept"), MIB, s).expect("c");
+    f.sleep(0, &["slept"], true).expect("sleep");
+    assert!(f.drop_tag(0, "slept").is_err(), "c is live");
+    drop(c);
+    f.drop_tag(0, "slept").expect("drop a sleeping tag");
+    assert_eq!(f.offload_stats().allocated, 0);
+    // The name serves again, in a new pool.
+    let d = alloc(&f, Some("slept"), MIB, s).expect("d");
+    drop(d);
+    // Many tags made and dropped: nothing is left reserved, on the device or in addresses.
+    for i in 0..200 {
+        let name = format!("t{i}");
+        drop(alloc(&f, Some(&name), 64 << 10, s).expect("alloc"));
+        f.drop_tag(0, &name).expect("drop");
+    }
+    f.drop_tag(0, "slept").expect("drop");
+    sim.synchronize().expect("sync");
+    f.release_all().expect("release");
+    assert_eq!(used(&sim), base);
+    assert_eq!(f.stats(0).reserved, 0);
+    assert_eq!(f.drop_tag(0, "never-used").expect("a tag that allocated nothing"), 0);
+}
