@@ -119,5 +119,27 @@ def test_a_configuration_that_cannot_sleep_says_so():
     assert "UNSUPPORTED" in out.stdout and "strategy=async" in out.stdout, out.stdout + out.stderr
 
 
+def test_a_dropped_tag_gives_its_memory_back():
+    """Issue 52, #7: drop_tag forgets a tag: refused while its tensors are alive, then its
+    pool's memory goes back (the process's reserved figure falls to what it was), and the
+    name serves again."""
+    sim = setup()
+    s = sim.create_stream()
+    before = streamalloc.stats()["reserved"]
+    with streamalloc.tag("scratch"):
+        p = streamalloc.allocate(6 * MIB, 0, s)
+    raises(streamalloc.StreamallocError, lambda: streamalloc.drop_tag("scratch"), "INVALID_ARGUMENT", "live")
+    streamalloc.deallocate(p)
+    assert streamalloc.tag_stats("scratch")["reserved"] > 0
+    streamalloc.drop_tag("scratch")
+    assert streamalloc.tag_stats("scratch")["reserved"] == 0
+    assert streamalloc.stats()["reserved"] == before, (before, streamalloc.stats())
+    with streamalloc.tag("scratch"):
+        p = streamalloc.allocate(MIB, 0, s)
+    streamalloc.deallocate(p)
+    streamalloc.drop_tag("scratch")
+    assert sim.violations() == 0
+
+
 if __name__ == "__main__":
     sys.exit(main(globals()))

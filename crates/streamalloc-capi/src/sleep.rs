@@ -162,6 +162,24 @@ pub unsafe extern "C" fn streamalloc_wake(
     })
 }
 
+/// Drops the tag named `tag` on `device`: its pool's memory and address reservations go
+/// back to the device, so that the tag costs nothing; a later allocation under the name
+/// starts afresh. `STREAMALLOC_INVALID_ARGUMENT` while it has live allocations (free them
+/// first; nothing is dropped), `STREAMALLOC_TIMEOUT` when frees pending on recorded streams
+/// outlast `wait_timeout`. A tag that allocated nothing there is dropped at once.
+///
+/// # Safety
+/// `tag` is null (an error) or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn streamalloc_tag_drop(device: c_int, tag: *const c_char) -> StreamallocStatus {
+    status::status(|| {
+        let state = State::get()?;
+        // SAFETY: by the caller's contract.
+        let tag = Tag::new(unsafe { name(tag) }?)?;
+        layer(state, device)?.drop_tag(tag).map(drop)
+    })
+}
+
 /// Writes the figures of the tag named `tag` on `device` to `*out` (zeros for a tag that
 /// allocated nothing there); `STREAMALLOC_UNSUPPORTED` where the configuration has no tags.
 ///
