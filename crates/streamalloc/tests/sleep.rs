@@ -609,3 +609,37 @@ fn a_dropped_tag_costs_nothing() {
     assert_eq!(f.stats(0).reserved, 0);
     assert_eq!(f.drop_tag(0, "never-used").expect("a tag that allocated nothing"), 0);
 }
+
+/// Issue 52, #12: a stream destroyed (without `retire_stream`) while recorded on a live
+/// allocation: the sleep is refused with a message that names the stream and says why and
+/// what to do; retired before destruction, the stream no longer stands in the way.
+#[test]
+fn a_destroyed_recorded_stream_is_named_and_retiring_it_lets_the_sleep_go_on() {
+    let (f, sim) = facade("");
+    let stack = f.stack(0).expect("stack");
+    let s = sim.create_stream().expect("stream");
+    let gone = sim.create_stream().expect("stream");
+    let ptr = {
+        let _scope = tags::scope("kv").expect("tag");
+        stack.allocator.allocate_ptr(MIB, s).expect("alloc")
+    };
+    assert!(stack.allocator.record_stream_ptr(ptr, gone).expect("record"));
+    sim.destroy_stream(gone).expect("destroy");
+    let err = f.sleep(0, &["kv"], false).expect_err("a destroyed stream is recorded").to_string();
+    assert!(err.contains(&format!("stream {:#x}, recorded (record_stream)", gone.0)), "{err}");
+    assert!(err.contains("retire streams before destroying them"), "{err}");
+    assert!(!f.tag_stats(0, "kv").expect("stats").asleep);
+    // The contract: retire first, then destroy.
+    let other = sim.create_stream().expect("stream");
+    let q = {
+        let _scope = tags::scope("kv").expect("tag");
+        stack.allocator.allocate_ptr(MIB, s).expect("alloc")
+    };
+    assert!(stack.allocator.free_ptr(ptr, s));
+    assert!(stack.allocator.record_stream_ptr(q, other).expect("record"));
+    f.retire_stream(0, other).expect("retire");
+    sim.destroy_stream(other).expect("destroy");
+    f.sleep(0, &["kv"], false).expect("a retired stream does not stand in the way");
+    f.wake(0, &["kv"]).expect("wake");
+    assert!(stack.allocator.free_ptr(q, s));
+}

@@ -412,7 +412,19 @@ impl<A: StreamAllocator> Tagged<A> {
             }
         }
         for &s in recorded {
-            self.order_after(s, stream, pools[falling[0]].tag)?;
+            let tag = pools[falling[0]].tag;
+            self.order_after(s, stream, tag).map_err(|e| match e {
+                // Issue 52, #12: say which stream and why.
+                Error::InvalidArgument(m) => Error::InvalidArgument(format!(
+                    "sleep of tag(s) {}: stream {:#x}, recorded (record_stream) on an allocation still live, \
+                     cannot be waited for ({m}); a stream destroyed without retire_stream stays recorded: \
+                     retire streams before destroying them, or free the allocations that recorded them; \
+                     nothing was put to sleep",
+                    names(falling.iter().map(|&i| pools[i].tag)),
+                    s.0
+                )),
+                e => e,
+            })?;
             users.push(s);
         }
         users.sort_unstable();
