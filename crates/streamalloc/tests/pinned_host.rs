@@ -326,3 +326,22 @@ fn fuzz_negative_control_without_record_stream_is_caught() {
     let violations = fuzz(false, ops() / 10);
     assert!(violations.iter().any(|v| v.kind == ViolationKind::HostReuse), "the checker saw nothing");
 }
+
+/// Issue 52, #12: a pinned block freed with a destroyed stream recorded on it is kept out of
+/// use (its last use cannot be waited for), and the next release says which block, which
+/// stream and why.
+#[test]
+fn a_block_recorded_on_a_destroyed_stream_is_named_at_the_release() {
+    let (sim, device) = sim();
+    let pool = pool(&device);
+    let s = sim.create_stream().expect("stream");
+    let ptr = pool.allocate_ptr(4096).expect("block");
+    assert!(pool.record_stream_ptr(ptr, &device, s).expect("record"));
+    sim.destroy_stream(s).expect("destroy");
+    pool.free_ptr(ptr).expect("free");
+    assert_eq!(pool.stats().pending_release, 4096);
+    let err = pool.release().expect_err("the held error").to_string();
+    assert!(err.contains(&format!("pinned block at {ptr:#x}")), "{err}");
+    assert!(err.contains(&format!("stream {:#x} recorded on it", s.0)), "{err}");
+    assert!(err.contains("kept out of use for good"), "{err}");
+}
