@@ -386,12 +386,14 @@ impl Inner {
             match recorded {
                 Ok(recorded) => stuck = !recorded,
                 // Issue 52, #12: say which block, which stream and what follows.
-                Err(Error::InvalidArgument(m)) => failed = Some(Error::InvalidArgument(format!(
+                Err(Error::InvalidArgument(m)) => {
+                    failed = Some(Error::InvalidArgument(format!(
                     "the pinned block at {ptr:#x} was freed with stream {:#x} recorded on it, which cannot \
                          be waited for ({m}; destroyed before the free?): the block is kept out of use for \
                          good; free pinned buffers before destroying the streams recorded on them",
                     stream.0
-                ))),
+                )))
+                }
                 Err(e) => failed = Some(e),
             }
         }

@@ -425,6 +425,9 @@ struct State {
     graph_mem: HashMap<DevicePtr, u64>,
     /// Address reservations: start -> size.
     reservations: BTreeMap<u64, usize>,
+    /// Freed reservations (start -> length), reused once the window has no fresh room, as a
+    /// driver reuses freed address ranges.
+    freed_reservations: BTreeMap<u64, u64>,
     /// Where the next reservation starts.
     next_reservation: u64,
     /// Mapped granules of reservations: address -> the memory behind it, taken from `space`.
@@ -495,6 +498,7 @@ impl SimDevice {
             execs: HashMap::new(),
             graph_mem: HashMap::new(),
             reservations: BTreeMap::new(),
+            freed_reservations: BTreeMap::new(),
             next_reservation: RESERVED_BASE + config.ordinal as u64 * RESERVED_STRIDE,
             mapped: BTreeMap::new(),
             mappings: HashMap::new(),
@@ -1302,12 +1306,25 @@ impl Device for SimDevice {
             let addr = st.next_reservation;
             let window_end = RESERVED_BASE + (self.config.ordinal as u64 + 1) * RESERVED_STRIDE;
             if (size as u64) > window_end - addr {
-                return Err(Error::InvalidArgument(format!(
-                    "reservation of {size} bytes: simulated device {}'s address window has {} bytes left \
-                     (the next device's reservations begin at {window_end:#x})",
-                    self.config.ordinal,
-                    window_end - addr
-                )));
+                // No fresh room: a freed range that fits (its rest stays free), else refused
+                // (never the next device's addresses).
+                let n = size as u64;
+                let Some((at, len)) =
+                    st.freed_reservations.iter().find(|&(_, &l)| l >= n).map(|(&a, &l)| (a, l))
+                else {
+                    return Err(Error::InvalidArgument(format!(
+                        "reservation of {size} bytes: simulated device {}'s address window has {} bytes left \
+                         (the next device's reservations begin at {window_end:#x})",
+                        self.config.ordinal,
+                        window_end - addr
+                    )));
+                };
+                st.freed_reservations.remove(&at);
+                if len > n {
+                    st.freed_reservations.insert(at + n, len - n);
+                }
+                st.reservations.insert(at, size);
+                return Ok(at);
             }
             st.next_reservation += size as u64;
             st.reservations.insert(addr, size);
@@ -1324,6 +1341,7 @@ impl Device for SimDevice {
                 return Err(Error::InvalidArgument(format!("reservation {addr:#x} is still mapped")));
             }
             st.reservations.remove(&addr);
+            st.freed_reservations.insert(addr, size as u64);
             Ok(())
         })
     }
