@@ -30,7 +30,7 @@ import threading
 __all__ = ["__version__", "StreamallocError", "library_path", "load", "configure", "stats", "release",
            "reset_peak_stats", "allocate", "deallocate", "record_stream", "segments", "sim", "HostBuffer", "host_empty",
            "host_alloc", "host_free", "host_record_stream", "host_stats", "host_release", "host_reset_peak_stats",
-           "tag", "sleep", "wake", "tag_stats"]
+           "tag", "sleep", "wake", "tag_stats", "drop_tag"]
 
 try:
     __version__ = importlib.metadata.version(__name__)
@@ -270,7 +270,8 @@ def load():
                                               ctypes.c_int]
             lib.streamalloc_wake.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.c_size_t]
             lib.streamalloc_tag_stats.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.POINTER(TagStats)]
-            for name in ("tag_push", "tag_pop", "sleep", "wake", "tag_stats"):
+            lib.streamalloc_tag_drop.argtypes = [ctypes.c_int, ctypes.c_char_p]
+            for name in ("tag_push", "tag_pop", "sleep", "wake", "tag_stats", "tag_drop"):
                 getattr(lib, f"streamalloc_{name}").restype = status
             _lib = lib
         return _lib
@@ -486,6 +487,13 @@ def tag_stats(name, device=0):
     check(lib.streamalloc_tag_stats(_device(device), _tag_name(name), ctypes.byref(out)))
     figures = {name: getattr(out.stats, name) for name, _ in Stats._fields_}
     return {"asleep": bool(out.asleep), "offloaded": bool(out.offloaded), "slept": out.slept, **figures}
+
+
+def drop_tag(name, device=0):
+    """Drops tag `name` on `device`: its pool's memory and address reservations go back to the
+    device, so a tag no longer used costs nothing (a later allocation under the name starts
+    afresh). Raises (INVALID_ARGUMENT, nothing dropped) while tensors of the tag are alive."""
+    check(load().streamalloc_tag_drop(_device(device), _tag_name(name)))
 
 
 class _PinnedBlock:

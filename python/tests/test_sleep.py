@@ -119,5 +119,58 @@ def test_a_configuration_that_cannot_sleep_says_so():
     assert "UNSUPPORTED" in out.stdout and "strategy=async" in out.stdout, out.stdout + out.stderr
 
 
+def test_a_dropped_tag_gives_its_memory_back():
+    """Issue 52, #7: drop_tag forgets a tag: refused while its tensors are alive, then its
+    pool's memory goes back (the process's reserved figure falls to what it was), and the
+    name serves again."""
+    sim = setup()
+    s = sim.create_stream()
+    before = streamalloc.stats()["reserved"]
+    with streamalloc.tag("scratch"):
+        p = streamalloc.allocate(6 * MIB, 0, s)
+    raises(streamalloc.StreamallocError, lambda: streamalloc.drop_tag("scratch"), "INVALID_ARGUMENT", "live")
+    streamalloc.deallocate(p)
+    assert streamalloc.tag_stats("scratch")["reserved"] > 0
+    streamalloc.drop_tag("scratch")
+    assert streamalloc.tag_stats("scratch")["reserved"] == 0
+    assert streamalloc.stats()["reserved"] == before, (before, streamalloc.stats())
+    with streamalloc.tag("scratch"):
+        p = streamalloc.allocate(MIB, 0, s)
+    streamalloc.deallocate(p)
+    streamalloc.drop_tag("scratch")
+    assert sim.violations() == 0
+
+
+def test_a_wake_keeps_to_the_memory_fraction():
+    """Issue 52, #15: a 32 MiB tag woke under a limit of 51 MiB with 32 MiB untagged live.
+    Now the wake is refused (the tag sleeps on) until the memory fits, then it wakes. In a
+    process of its own: the limit stays for the process."""
+    code = ("import ctypes, streamalloc\n"
+            "MIB = 1 << 20\n"
+            "with streamalloc.tag('kv'):\n"
+            "    t = streamalloc.allocate(32 * MIB)\n"
+            "streamalloc.sleep(['kv'])\n"
+            "u = streamalloc.allocate(32 * MIB)\n"
+            "lib = streamalloc.load()\n"
+            "lib.streamalloc_set_memory_fraction.argtypes = [ctypes.c_int, ctypes.c_double]\n"
+            "streamalloc.check(lib.streamalloc_set_memory_fraction(0, 0.2))\n"
+            "try:\n"
+            "    streamalloc.wake('kv')\n"
+            "    print('woke')\n"
+            "except streamalloc.StreamallocError as e:\n"
+            "    print('refused:', e)\n"
+            "print('asleep:', streamalloc.tag_stats('kv')['asleep'])\n"
+            "streamalloc.deallocate(u)\n"
+            "streamalloc.wake('kv')\n"
+            "print('then asleep:', streamalloc.tag_stats('kv')['asleep'])\n"
+            "streamalloc.deallocate(t)\n")
+    env = dict(os.environ, STREAMALLOC_CONF="device=sim,sim_capacity=256MiB")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert "refused:" in out.stdout and "limit" in out.stdout, text
+    assert "asleep: True" in out.stdout and "then asleep: False" in out.stdout, text
+
+
 if __name__ == "__main__":
     sys.exit(main(globals()))

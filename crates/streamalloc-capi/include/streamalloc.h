@@ -599,6 +599,16 @@ enum streamalloc_status_t streamalloc_sleep(int device,
 // As [`streamalloc_sleep`]'s `tags`.
 enum streamalloc_status_t streamalloc_wake(int device, const char *const *tags, size_t ntags);
 
+// Drops the tag named `tag` on `device`: its pool's memory and address reservations go
+// back to the device, so that the tag costs nothing; a later allocation under the name
+// starts afresh. `STREAMALLOC_INVALID_ARGUMENT` while it has live allocations (free them
+// first; nothing is dropped), `STREAMALLOC_TIMEOUT` when frees pending on recorded streams
+// outlast `wait_timeout`. A tag that allocated nothing there is dropped at once.
+//
+// # Safety
+// `tag` is null (an error) or a NUL-terminated string.
+enum streamalloc_status_t streamalloc_tag_drop(int device, const char *tag);
+
 // Writes the figures of the tag named `tag` on `device` to `*out` (zeros for a tag that
 // allocated nothing there); `STREAMALLOC_UNSUPPORTED` where the configuration has no tags.
 //

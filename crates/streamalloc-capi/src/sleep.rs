@@ -14,7 +14,7 @@ use std::os::raw::{c_char, c_int};
 use core_alloc::allocators::TagStats;
 use core_alloc::facade::TagLayer;
 use core_alloc::tags::{self, Tag};
-use core_alloc::{Error, Result};
+use core_alloc::{Allocator, Error, Result};
 
 use crate::fork;
 use crate::state::State;
@@ -133,7 +133,54 @@ pub unsafe extern "C" fn streamalloc_wake(
         let state = State::get()?;
         // SAFETY: by the caller's contract.
         let tags = unsafe { tags_at(tags, ntags) }?;
-        layer(state, device)?.wake(&tags).map(drop)
+        let layer = layer(state, device)?;
+        if let Some(limit) = state.fraction_limit(device)? {
+            within_fraction(state, layer, device, &tags, limit)?;
+        }
+        layer.wake(&tags).map(drop)
+    })
+}
+
+/// Whether waking `tags` keeps device `device` within the limit of
+/// `streamalloc_set_memory_fraction` (issue 52, #15: a wake ignored it), on reserved memory
+/// as an allocation under the limit: the memory the tags slept, with what the stack holds,
+/// must fit; if not, the cache goes back and it is looked at again; then
+/// [`Error::LimitExceeded`], the tags asleep still.
+fn within_fraction(state: &State, layer: &TagLayer, device: c_int, tags: &[Tag], limit: usize) -> Result<()> {
+    let slept: usize = tags.iter().map(|&t| layer.tag_stats(t).slept).sum();
+    let stack = state.stack(device)?;
+    let fits = || stack.allocator.stats().reserved.saturating_add(slept) <= limit;
+    if slept == 0 || fits() {
+        return Ok(());
+    }
+    let released = stack.allocator.release();
+    if fits() {
+        return Ok(());
+    }
+    released?;
+    Err(Error::LimitExceeded {
+        device: stack.device.ordinal(),
+        requested: slept,
+        in_use: stack.allocator.stats().reserved,
+        limit,
+    })
+}
+
+/// Drops the tag named `tag` on `device`: its pool's memory and address reservations go
+/// back to the device, so that the tag costs nothing; a later allocation under the name
+/// starts afresh. `STREAMALLOC_INVALID_ARGUMENT` while it has live allocations (free them
+/// first; nothing is dropped), `STREAMALLOC_TIMEOUT` when frees pending on recorded streams
+/// outlast `wait_timeout`. A tag that allocated nothing there is dropped at once.
+///
+/// # Safety
+/// `tag` is null (an error) or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn streamalloc_tag_drop(device: c_int, tag: *const c_char) -> StreamallocStatus {
+    status::status(|| {
+        let state = State::get()?;
+        // SAFETY: by the caller's contract.
+        let tag = Tag::new(unsafe { name(tag) }?)?;
+        layer(state, device)?.drop_tag(tag).map(drop)
     })
 }
 

@@ -258,6 +258,12 @@ impl State {
         Err(exceeded(held))
     }
 
+    /// The bytes [`State::set_memory_fraction`] allows on `device`, if it was called.
+    pub(crate) fn fraction_limit(&self, device: c_int) -> Result<Option<usize>> {
+        let limit = self.fraction_limits[ordinal(device)?].load(Ordering::Relaxed);
+        Ok((limit > 0).then_some(limit))
+    }
+
     /// Limits device `device` to `fraction` of its memory (0 < fraction <= 1), as
     /// `torch.cuda.set_per_process_memory_fraction`.
     pub(crate) fn set_memory_fraction(&self, device: c_int, fraction: f64) -> Result<()> {

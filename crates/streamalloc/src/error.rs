@@ -163,6 +163,9 @@ impl HeldErrors {
 pub struct OutOfMemory {
     /// Device ordinal.
     pub device: usize,
+    /// Whether the memory short is page-locked host memory (kept for `device`): the message
+    /// names the host and leaves the device's free and total figures out.
+    pub host: bool,
     /// Bytes the caller asked for.
     pub requested: usize,
     /// Bytes handed out to callers and not yet freed.
@@ -191,19 +194,28 @@ const DETAIL_SHOWN: usize = 16;
 
 impl fmt::Display for OutOfMemory {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "out of memory on device {}: requested {} bytes; allocated {}, cached {}, pending release {}, \
-             reserved {}, device free {} of {}",
-            self.device,
-            self.requested,
-            self.allocated,
-            self.cached,
-            self.pending_release,
-            self.reserved,
-            self.device_free,
-            self.device_total
-        )?;
+        if self.host {
+            write!(
+                f,
+                "out of page-locked host memory (pinned for device {}): requested {} bytes; allocated {}, \
+                 cached {}, pending release {}, reserved {}",
+                self.device, self.requested, self.allocated, self.cached, self.pending_release, self.reserved
+            )?;
+        } else {
+            write!(
+                f,
+                "out of memory on device {}: requested {} bytes; allocated {}, cached {}, pending release {}, \
+                 reserved {}, device free {} of {}",
+                self.device,
+                self.requested,
+                self.allocated,
+                self.cached,
+                self.pending_release,
+                self.reserved,
+                self.device_free,
+                self.device_total
+            )?;
+        }
         for line in self.detail.iter().take(DETAIL_SHOWN) {
             write!(f, "; {line}")?;
         }

@@ -191,3 +191,17 @@ fn every_stack_allocates_and_frees_by_pointer() {
     assert!(stack.allocator.free_ptr(p, Stream::DEFAULT));
     assert_eq!(f.stream_stats(0).unwrap()[0].1.current, 0, "and its free");
 }
+
+/// Issue 52 (left from round 3): plain said "the device itself is full" of an empty device
+/// asked for more than it has; now it says the real reason.
+#[test]
+fn plain_says_why_the_device_refused() {
+    let f = Facade::new(Config::parse("device=sim,sim_capacity=256MiB,strategy=plain").unwrap());
+    let text = f.allocate(300 << 20, 0, Stream::DEFAULT).unwrap_err().to_string();
+    assert!(text.contains("larger than the device's memory (268435456 bytes)"), "{text}");
+    assert!(!text.contains("itself is full"), "{text}");
+    let held = f.allocate(200 << 20, 0, Stream::DEFAULT).unwrap();
+    let text = f.allocate(100 << 20, 0, Stream::DEFAULT).unwrap_err().to_string();
+    assert!(text.contains("its live allocations and memory held elsewhere leave"), "{text}");
+    drop(held);
+}

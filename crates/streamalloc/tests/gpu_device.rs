@@ -540,3 +540,24 @@ fn bounded_event_wait_and_stream_check() {
     // A destroyed stream's handle is undefined behaviour in the driver (this check once
     // crashed the process here); the simulator's tests check that it is refused.
 }
+
+/// Issue 52, #18: `Device::wait_event`'s default body computed `Instant::now() + timeout`,
+/// which panicked for a timeout past the clock (`wait_timeout=10000000000000000000s`); it
+/// now waits without a deadline there, and a zero timeout on work still running says so.
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-test.sh"]
+fn wait_event_takes_any_timeout() {
+    let dev = device();
+    let s = dev.create_stream().unwrap();
+    let e = dev.create_event().unwrap();
+    let gate = Gate::default();
+    gate.hold(&dev, s);
+    dev.record_event(e, s).unwrap();
+    gate.wait_entered();
+    assert!(!dev.wait_event(e, Duration::ZERO).unwrap(), "the stream is held");
+    gate.open();
+    assert!(dev.wait_event(e, Duration::MAX).unwrap());
+    assert!(dev.wait_event(e, Duration::from_secs(u64::MAX)).unwrap());
+    dev.destroy_event(e).unwrap();
+    dev.destroy_stream(s).unwrap();
+}

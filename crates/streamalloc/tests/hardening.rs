@@ -292,3 +292,22 @@ fn stitching_does_not_wait_for_the_stream() {
     assert_eq!(pool.stats().reserved, 104 * MIB, "`a`'s 64 MiB paid for the growth");
     assert!(sim.violations().is_empty());
 }
+
+/// Issue 52 (left from round 3): best fit reported out of memory with 700 MiB pending behind
+/// a kernel of 1 us on a recorded stream; it now waits (bounded by `wait_timeout`) for the
+/// pending frees before failing, and serves the request from them.
+#[test]
+fn best_fit_waits_for_pending_frees_before_failing() {
+    let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+    let pool = BestFit::new(sim.clone(), BestFitConfig::default()).expect("pool");
+    let other = sim.create_stream().expect("stream");
+    let mut a = pool.allocate(700 << 20).expect("a");
+    a.record_stream(other);
+    sim.use_range(a.ptr(), a.size(), other, 1_000).expect("kernel");
+    let ptr = a.ptr();
+    drop(a);
+    assert_eq!(pool.stats().pending_release, 700 << 20);
+    let b = pool.allocate(700 << 20).expect("the pending block, once its kernel is done");
+    assert_eq!(b.ptr(), ptr);
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}

@@ -196,6 +196,10 @@ fn out_of_memory_gives_the_cache_back_and_reports_the_pool() {
         Err(Error::OutOfMemory(report)) => {
             assert_eq!((report.requested, report.reserved, report.cached), (1 << 60, 0, 0));
             assert!(report.hint.contains("pinned pool"), "{}", report.hint);
+            // Issue 52, #16: the message names the host, not the device's free memory.
+            let text = Error::OutOfMemory(report).to_string();
+            assert!(text.starts_with("out of page-locked host memory"), "{text}");
+            assert!(!text.contains("device free"), "{text}");
         }
         other => panic!("expected out of memory, got {other:?}"),
     }
@@ -321,4 +325,23 @@ fn fuzz_negative_control_without_record_stream_is_caught() {
     // books, which made the full run take 20 times the positive one (past 60 s on a GPU host).
     let violations = fuzz(false, ops() / 10);
     assert!(violations.iter().any(|v| v.kind == ViolationKind::HostReuse), "the checker saw nothing");
+}
+
+/// Issue 52, #12: a pinned block freed with a destroyed stream recorded on it is kept out of
+/// use (its last use cannot be waited for), and the next release says which block, which
+/// stream and why.
+#[test]
+fn a_block_recorded_on_a_destroyed_stream_is_named_at_the_release() {
+    let (sim, device) = sim();
+    let pool = pool(&device);
+    let s = sim.create_stream().expect("stream");
+    let ptr = pool.allocate_ptr(4096).expect("block");
+    assert!(pool.record_stream_ptr(ptr, &device, s).expect("record"));
+    sim.destroy_stream(s).expect("destroy");
+    pool.free_ptr(ptr).expect("free");
+    assert_eq!(pool.stats().pending_release, 4096);
+    let err = pool.release().expect_err("the held error").to_string();
+    assert!(err.contains(&format!("pinned block at {ptr:#x}")), "{err}");
+    assert!(err.contains(&format!("stream {:#x} recorded on it", s.0)), "{err}");
+    assert!(err.contains("kept out of use for good"), "{err}");
 }

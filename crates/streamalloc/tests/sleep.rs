@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use streamalloc::device::sim::{SimConfig, SimDevice};
+use streamalloc::device::sim::{SimConfig, SimDevice, ViolationKind};
 use streamalloc::device::DeviceTestExt;
 use streamalloc::facade::{Config, Facade};
 use streamalloc::{tags, Allocation, Allocator, Device, Error, Stream, StreamAllocator};
@@ -522,4 +522,124 @@ fn memory_used_while_tags_sleep_goes_back_and_the_wake_ends_where_the_sleep_bega
     assert_eq!(used(&sim), before);
     drop((untagged, tagged));
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}
+
+/// Issue 52, #1: a kernel enqueued on a sleeping tag's memory (which a racing program does
+/// when its allocation and its kernel straddle a sleep) made the simulator refuse the unmap
+/// that undid a wake failing for lack of memory; the wake ignored that refusal and recorded
+/// the tag asleep with memory still mapped, and every later wake failed with "already
+/// mapped". Now the kernel is refused (the checker records it), the failed wake leaves the
+/// tag asleep with nothing mapped, and once memory is free it wakes, its contents back.
+#[test]
+fn a_wake_that_failed_for_lack_of_memory_leaves_the_tag_able_to_wake() {
+    let (f, sim) = facade("sim_capacity=256MiB");
+    let s = sim.create_stream().expect("stream");
+    // Two live blocks with a freed one between: the sleep leaves two home ranges.
+    let a = alloc(&f, Some("racy"), 8 * MIB, s).expect("a");
+    let gap = alloc(&f, Some("racy"), 8 * MIB, s).expect("gap");
+    let b = alloc(&f, Some("racy"), 8 * MIB, s).expect("b");
+    sim.copy_from_host(a.ptr(), &pattern(8 * MIB, 1), s).expect("write a");
+    sim.copy_from_host(b.ptr(), &pattern(8 * MIB, 2), s).expect("write b");
+    drop(gap);
+    assert!(f.sleep(0, &["racy"], true).expect("sleep") >= 16 * MIB);
+    // A kernel on the sleeping memory: refused, and seen by the checker.
+    assert!(sim.use_range(a.ptr(), 8 * MIB, s, 3_600_000_000_000).is_err());
+    f.release_all().expect("release");
+    // Leave room for one home range but not both.
+    let free = sim.mem_info().expect("mem_info").free;
+    let filler = sim.alloc(free - 12 * MIB).expect("filler");
+    let err = f.wake(0, &["racy"]).expect_err("the wake needs 16 MiB, 12 are free");
+    assert!(err.is_out_of_memory(), "{err}");
+    assert!(f.tag_stats(0, "racy").expect("stats").asleep);
+    sim.free(filler).expect("free the filler");
+    f.wake(0, &["racy"]).expect("the tag wakes once memory is free");
+    assert_eq!(read(&sim, &a, s), pattern(8 * MIB, 1));
+    assert_eq!(read(&sim, &b, s), pattern(8 * MIB, 2));
+    drop((a, b));
+    sim.synchronize().expect("sync");
+    f.release_all().expect("release");
+    let stats = f.stats(0);
+    assert_eq!((stats.reserved, stats.pending_release), (0, 0));
+    let unmapped = sim.violations().iter().filter(|v| v.kind == ViolationKind::UnmappedUse).count();
+    assert_eq!(unmapped, 1, "{:?}", sim.violations());
+}
+
+/// Issue 52, #7: a dropped tag costs nothing: its reservation and cached memory go back (the
+/// simulator's reservations and mapped memory return to what they were), a tag with live
+/// allocations is refused with a clear error, a sleeping tag can be dropped, and the name
+/// serves again afterwards. Many tags made and dropped leave nothing behind.
+#[test]
+fn a_dropped_tag_costs_nothing() {
+    let (f, sim) = facade("");
+    let s = sim.create_stream().expect("stream");
+    let base = used(&sim);
+    let a = alloc(&f, Some("scratch"), 3 * MIB, s).expect("a");
+    let err = f.drop_tag(0, "scratch").expect_err("a live allocation");
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    assert!(err.to_string().contains("1 allocations (3145728 bytes) of it are live"), "{err}");
+    // A free pending on a recorded stream is waited for.
+    let mut a = a;
+    a.record_stream(sim.create_stream().expect("stream"));
+    drop(a);
+    assert!(f.drop_tag(0, "scratch").expect("drop") >= 3 * MIB);
+    assert_eq!(used(&sim), base, "the tag's memory went back");
+    assert_eq!(f.tag_stats(0, "scratch").expect("stats"), Default::default());
+    // Asleep, with offloaded contents: dropped too, the pinned buffers back in the pool.
+    let b = alloc(&f, Some("slept"), 5 * MIB, s).expect("b");
+    drop(b);
+    let c = alloc(&f, Some("slept"), MIB, s).expect("c");
+    f.sleep(0, &["slept"], true).expect("sleep");
+    assert!(f.drop_tag(0, "slept").is_err(), "c is live");
+    drop(c);
+    f.drop_tag(0, "slept").expect("drop a sleeping tag");
+    assert_eq!(f.offload_stats().allocated, 0);
+    // The name serves again, in a new pool.
+    let d = alloc(&f, Some("slept"), MIB, s).expect("d");
+    drop(d);
+    // Many tags made and dropped: nothing is left reserved, on the device or in addresses.
+    for i in 0..200 {
+        let name = format!("t{i}");
+        drop(alloc(&f, Some(&name), 64 << 10, s).expect("alloc"));
+        f.drop_tag(0, &name).expect("drop");
+    }
+    f.drop_tag(0, "slept").expect("drop");
+    sim.synchronize().expect("sync");
+    f.release_all().expect("release");
+    assert_eq!(used(&sim), base);
+    assert_eq!(f.stats(0).reserved, 0);
+    assert_eq!(f.drop_tag(0, "never-used").expect("a tag that allocated nothing"), 0);
+}
+
+/// Issue 52, #12: a stream destroyed (without `retire_stream`) while recorded on a live
+/// allocation: the sleep is refused with a message that names the stream and says why and
+/// what to do; retired before destruction, the stream no longer stands in the way.
+#[test]
+fn a_destroyed_recorded_stream_is_named_and_retiring_it_lets_the_sleep_go_on() {
+    let (f, sim) = facade("");
+    let stack = f.stack(0).expect("stack");
+    let s = sim.create_stream().expect("stream");
+    let gone = sim.create_stream().expect("stream");
+    let ptr = {
+        let _scope = tags::scope("kv").expect("tag");
+        stack.allocator.allocate_ptr(MIB, s).expect("alloc")
+    };
+    assert!(stack.allocator.record_stream_ptr(ptr, gone).expect("record"));
+    sim.destroy_stream(gone).expect("destroy");
+    let err = f.sleep(0, &["kv"], false).expect_err("a destroyed stream is recorded").to_string();
+    assert!(err.contains(&format!("stream {:#x}, recorded (record_stream)", gone.0)), "{err}");
+    assert!(err.contains("retire streams before destroying them"), "{err}");
+    assert!(!f.tag_stats(0, "kv").expect("stats").asleep);
+    // The contract: retire first, then destroy.
+    let other = sim.create_stream().expect("stream");
+    let q = {
+        let _scope = tags::scope("kv").expect("tag");
+        stack.allocator.allocate_ptr(MIB, s).expect("alloc")
+    };
+    assert!(stack.allocator.free_ptr(ptr, s));
+    assert!(stack.allocator.record_stream_ptr(q, other).expect("record"));
+    f.retire_stream(0, other).expect("retire");
+    sim.destroy_stream(other).expect("destroy");
+    f.sleep(0, &["kv"], false).expect("a retired stream does not stand in the way");
+    f.wake(0, &["kv"]).expect("wake");
+    assert!(stack.allocator.free_ptr(q, s));
 }

@@ -446,9 +446,11 @@ impl BestFit {
             })
         };
         let release = || {
-            // Memory freed meanwhile (by other threads or completed events) may fit now;
-            // otherwise give back what is free.
+            // Memory freed meanwhile (by other threads or completed events) may fit now,
+            // after a bounded wait for the frees pending on recorded streams (memory behind a
+            // short kernel is not out of memory); otherwise give back what is free.
             if poll {
+                inner.wait_pending();
                 inner.poll_pending();
             }
             if let Some(grant) = inner.state.lock().allocate(rounded, size) {
@@ -577,6 +579,24 @@ impl State {
 }
 
 impl Inner {
+    /// Waits, at most the pool's `wait_timeout` in all, for the events of the frees pending
+    /// on recorded streams, before an allocation fails for lack of memory (issue 52: best
+    /// fit failed with 700 MiB pending behind a kernel of 1 us). Past the bound, or on an
+    /// error, it stops; the caller polls what completed. Events go back to the pool's event
+    /// pool only, never destroyed while it lives: one polled and reused meanwhile is waited
+    /// for (bounded) for nothing, never freed under the wait.
+    fn wait_pending(&self) {
+        let events: Vec<Event> =
+            self.state.lock().pending.iter().flat_map(|p| p.events.iter().copied()).collect();
+        let start = std::time::Instant::now();
+        for e in events {
+            let left = self.wait.saturating_sub(start.elapsed());
+            if left.is_zero() || !matches!(self.device.wait_event(e, left), Ok(true)) {
+                return;
+            }
+        }
+    }
+
     /// Moves pending blocks whose events have all completed to the free lists. Queries the
     /// device outside the lock; never blocks.
     fn poll_pending(&self) {
@@ -712,6 +732,7 @@ impl Inner {
             hint: "BestFit returned its free chunks and retried once; free allocations, use a \
                    smaller growth size or a stream-ordered pool to reduce fragmentation"
                 .into(),
+            host: false,
         })
     }
 

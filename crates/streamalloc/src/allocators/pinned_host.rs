@@ -390,6 +390,15 @@ impl Inner {
             });
             match recorded {
                 Ok(recorded) => stuck = !recorded,
+                // Issue 52, #12: say which block, which stream and what follows.
+                Err(Error::InvalidArgument(m)) => {
+                    failed = Some(Error::InvalidArgument(format!(
+                    "the pinned block at {ptr:#x} was freed with stream {:#x} recorded on it, which cannot \
+                         be waited for ({m}; destroyed before the free?): the block is kept out of use for \
+                         good; free pinned buffers before destroying the streams recorded on them",
+                    stream.0
+                )))
+                }
                 Err(e) => failed = Some(e),
             }
         }
@@ -487,6 +496,7 @@ impl Inner {
                 let Error::OutOfMemory(device_report) = e else { return Err(e) };
                 Err(Error::oom(OutOfMemory {
                     device: device_report.device,
+                    host: true,
                     requested: size,
                     allocated: st.stats.allocated,
                     cached: st.cached,

@@ -78,13 +78,36 @@ impl Plain {
                         report.requested = size;
                         report.allocated = state.stats.allocated;
                         report.reserved = state.stats.reserved;
-                        report.hint = "Plain caches nothing; the device itself is full".into();
+                        report.hint = plain_hint(size, &report);
                         Error::OutOfMemory(report)
                     }
                     other => other,
                 })
             }
         }
+    }
+}
+
+/// Why the device refused a plain allocation, from its figures (issue 52: "the device
+/// itself is full" was said of an empty device asked for more than it has).
+fn plain_hint(size: usize, report: &crate::error::OutOfMemory) -> String {
+    let (free, total) = (report.device_free, report.device_total);
+    if size > total {
+        format!("the request is larger than the device's memory ({total} bytes)")
+    } else if size <= free {
+        format!(
+            "the device reports {free} bytes free, but no free range of {size} bytes (its free memory is \
+             fragmented)"
+        )
+    } else if report.reserved == 0 {
+        format!(
+            "Plain holds nothing; the device's memory is held elsewhere (other allocators or processes): \
+             {free} of {total} bytes free"
+        )
+    } else {
+        format!(
+            "Plain caches nothing: its live allocations and memory held elsewhere leave {free} bytes free"
+        )
     }
 }
 

@@ -91,6 +91,9 @@ struct TagPool {
 enum Phase {
     Awake,
     Asleep(Slumber),
+    /// Dropped ([`Tagged::drop_tag`]): out of the list; a caller that found it before takes
+    /// the tag's next pool.
+    Dropped,
 }
 
 /// What a sleeping tag gave back.
@@ -194,13 +197,18 @@ impl<A: StreamAllocator> Tagged<A> {
     /// stays as small as the wrapped allocator's call.
     #[inline(never)]
     fn allocate_in_tag(&self, tag: Tag, size: usize, stream: Stream) -> Result<Allocation> {
-        let pool = self.pool(tag)?;
-        let attempt = || match &*pool.phase.read() {
-            Phase::Awake => pool.alloc.allocate_on(size, stream),
-            Phase::Asleep(_) => Err(Error::InvalidArgument(format!(
-                "allocation of {size} bytes in tag `{tag}` on device {}, which sleeps: wake it first",
-                self.device.ordinal()
-            ))),
+        let attempt = || loop {
+            let pool = self.pool(tag)?;
+            let phase = pool.phase.read();
+            return match &*phase {
+                Phase::Awake => pool.alloc.allocate_on(size, stream),
+                Phase::Asleep(_) => Err(Error::InvalidArgument(format!(
+                    "allocation of {size} bytes in tag `{tag}` on device {}, which sleeps: wake it first",
+                    self.device.ordinal()
+                ))),
+                // Dropped since it was looked up: the tag's next pool.
+                Phase::Dropped => continue,
+            };
         };
         self.recover(attempt, &[tag], true)
     }
@@ -248,6 +256,56 @@ impl<A: StreamAllocator> Tagged<A> {
             Ok(())
         });
         main.and(tags).map(|()| total)
+    }
+
+    /// Forgets `tag` (issue 52, #7): its pool leaves, its memory (cached blocks, stitched
+    /// ranges) goes back to the device and its address reservations are freed, so that a
+    /// dropped tag costs nothing; a later allocation under the same name starts a new pool.
+    /// The bytes its pool had reserved. A tag that sleeps is dropped too (its offloaded
+    /// contents go back to the pinned pool); a tag that has allocated nothing here is 0.
+    /// Refused with [`Error::InvalidArgument`], nothing changed, while it has live
+    /// allocations (free them first); the frees it waits on for recorded streams are waited
+    /// for (bounded by the pools' `wait_timeout`, [`Error::Timeout`] past it, nothing changed).
+    pub fn drop_tag(&self, tag: Tag) -> Result<usize> {
+        let mut moving = self.moving.lock();
+        let Some(pool) = self.snapshot().into_iter().find(|p| p.tag == tag) else { return Ok(0) };
+        let mut phase = pool.phase.write();
+        let stats = pool.alloc.stats();
+        if stats.live_allocations > 0 {
+            return Err(Error::InvalidArgument(format!(
+                "drop of tag `{tag}` on device {}: {} allocations ({} bytes) of it are live; free them first",
+                self.device.ordinal(),
+                stats.live_allocations,
+                stats.allocated
+            )));
+        }
+        if matches!(*phase, Phase::Awake) {
+            // Every block free before the pool goes: the frees pending on recorded streams are
+            // waited for (bounded), then the pool's free memory goes back, as a release.
+            let pending = stats.pending_release;
+            if pending > 0 {
+                let stream = self.stream(&mut moving)?;
+                for (_, held) in pool.alloc.pools_held() {
+                    held.order_after_pending(stream)?;
+                }
+                self.wait(stream, || {
+                    format!(
+                        "the streams recorded on {pending} bytes freed in tag `{tag}`, before dropping it; it \
+                         was not dropped"
+                    )
+                })?;
+            }
+            pool.alloc.release()?;
+        }
+        let mut tags = self.tags.write();
+        tags.retain(|p| !Arc::ptr_eq(p, &pool));
+        self.count.store(tags.len(), Ordering::Release);
+        drop(tags);
+        // The slumber's pools and pinned buffers go with it; the pool's memory and
+        // reservations once the last handle on it drops (here, or as a lookup that found it
+        // before moves on).
+        *phase = Phase::Dropped;
+        Ok(stats.reserved)
     }
 
     /// The figures of `tag` (zeros for a tag that has allocated nothing here).
@@ -348,7 +406,19 @@ impl<A: StreamAllocator> Tagged<A> {
             }
         }
         for &s in recorded {
-            self.order_after(s, stream, pools[falling[0]].tag)?;
+            let tag = pools[falling[0]].tag;
+            self.order_after(s, stream, tag).map_err(|e| match e {
+                // Issue 52, #12: say which stream and why.
+                Error::InvalidArgument(m) => Error::InvalidArgument(format!(
+                    "sleep of tag(s) {}: stream {:#x}, recorded (record_stream) on an allocation still live, \
+                     cannot be waited for ({m}); a stream destroyed without retire_stream stays recorded: \
+                     retire streams before destroying them, or free the allocations that recorded them; \
+                     nothing was put to sleep",
+                    names(falling.iter().map(|&i| pools[i].tag)),
+                    s.0
+                )),
+                e => e,
+            })?;
             users.push(s);
         }
         users.sort_unstable();
@@ -558,6 +628,7 @@ impl TagPool {
         let mut stats = self.alloc.stats();
         match &*self.phase.read() {
             Phase::Awake => TagStats { stats, ..TagStats::default() },
+            Phase::Dropped => TagStats::default(),
             Phase::Asleep(s) => {
                 stats.reserved = stats.reserved.saturating_sub(s.bytes);
                 stats.cached = 0;

@@ -744,6 +744,7 @@ impl Device for CudaDevice {
         match unsafe { sys::cuMemHostAlloc(&mut p, size, sys::CU_MEMHOSTALLOC_PORTABLE) } {
             sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(Error::oom(OutOfMemory {
                 device: self.ordinal,
+                host: true,
                 requested: size,
                 hint: "the host could not page-lock that much memory (host memory, or the locked-memory \
                        limit, ulimit -l)"

@@ -282,17 +282,20 @@ pub trait Device: Send + Sync {
     /// Waits at most `timeout` for `event` to complete; whether it did. Polls
     /// [`Device::query_event`], sleeping between looks (from 20 us, doubling up to 1 ms).
     fn wait_event(&self, event: Event, timeout: Duration) -> Result<bool> {
-        let deadline = Instant::now() + timeout;
+        // A timeout past what the clock can represent waits without a deadline (the
+        // configuration bounds its own).
+        let deadline = Instant::now().checked_add(timeout);
         let mut pause = Duration::from_micros(20);
         loop {
             if self.query_event(event)? {
                 return Ok(true);
             }
             let now = Instant::now();
-            if now >= deadline {
+            let left = deadline.map_or(pause, |d| d.saturating_duration_since(now));
+            if left.is_zero() {
                 return Ok(false);
             }
-            std::thread::sleep(pause.min(deadline - now));
+            std::thread::sleep(pause.min(left));
             pause = (pause * 2).min(Duration::from_millis(1));
         }
     }

@@ -166,6 +166,10 @@ pub enum ViolationKind {
     /// Page-locked host memory was freed ([`Device::host_free`]) while a stream's use of it
     /// could still run.
     HostFreeInUse,
+    /// A kernel, memset or copy was enqueued on addresses of a reservation that are not all
+    /// mapped (a closed IPC range, a sleeping tag's memory, a freed reservation): refused,
+    /// as a GPU would fault. `user_stream` is the stream it was enqueued on.
+    UnmappedUse,
 }
 
 /// One early reuse, or one device call on memory in use, found by the ordering checker.
@@ -424,6 +428,9 @@ struct State {
     graph_mem: HashMap<DevicePtr, u64>,
     /// Address reservations: start -> size.
     reservations: BTreeMap<u64, usize>,
+    /// Freed reservations (start -> length), reused once the window has no fresh room, as a
+    /// driver reuses freed address ranges.
+    freed_reservations: BTreeMap<u64, u64>,
     /// Where the next reservation starts.
     next_reservation: u64,
     /// Mapped granules of reservations: address -> the memory behind it, taken from `space`.
@@ -495,6 +502,7 @@ impl SimDevice {
             execs: HashMap::new(),
             graph_mem: HashMap::new(),
             reservations: BTreeMap::new(),
+            freed_reservations: BTreeMap::new(),
             next_reservation: RESERVED_BASE + config.ordinal as u64 * RESERVED_STRIDE,
             mapped: BTreeMap::new(),
             mappings: HashMap::new(),
@@ -557,8 +565,48 @@ impl SimDevice {
                     self.config.ordinal
                 )));
             }
+            self.refuse_unmapped(st, ptr, len, stream, "a kernel")?;
             st.enqueue_use(ptr, len, stream, duration_ns, false)
         })
+    }
+
+    /// Refuses work (`what`) on `stream` over `[ptr, ptr + len)` when part of it lies in the
+    /// address reservations' window but is not mapped (reserved only, or no longer reserved),
+    /// recording an [`ViolationKind::UnmappedUse`]: the checker sees use after close, after
+    /// sleep and after release.
+    fn refuse_unmapped(
+        &self,
+        st: &mut State,
+        ptr: DevicePtr,
+        len: usize,
+        stream: Stream,
+        what: &str,
+    ) -> Result<()> {
+        let window = RESERVED_BASE + self.config.ordinal as u64 * RESERVED_STRIDE;
+        let end = ptr.saturating_add(len as u64);
+        if len == 0 || end <= window || ptr >= st.next_reservation {
+            return Ok(());
+        }
+        let (from, to) = (ptr.max(window), end.min(st.next_reservation));
+        let first = from - from % MAP_GRANULE as u64;
+        let unmapped = (first..to).step_by(MAP_GRANULE).find(|g| !st.mapped.contains_key(g));
+        let Some(granule) = unmapped else { return Ok(()) };
+        let now = st.now;
+        st.violations.push(Violation {
+            kind: ViolationKind::UnmappedUse,
+            ptr,
+            len,
+            stream,
+            usable_at: now,
+            user_stream: stream,
+            user_ptr: ptr,
+            use_ends_at: now,
+        });
+        Err(Error::InvalidArgument(format!(
+            "{what} on stream {:#x} over {ptr:#x}+{len}: granule {granule:#x} is not mapped (reserved only, \
+             or its reservation freed: memory closed, slept or released); refused, as a GPU would fault",
+            stream.0
+        )))
     }
 
     /// Tells the checker that `len` bytes at `ptr` were just handed to `stream`. Records a
@@ -1094,6 +1142,7 @@ impl Device for SimDevice {
                 return Err(Error::oom(OutOfMemory {
                     device: self.config.ordinal,
                     requested: size,
+                    host: true,
                     hint: "the host has no memory for the simulated page-locked allocation".into(),
                     ..OutOfMemory::default()
                 }));
@@ -1259,6 +1308,28 @@ impl Device for SimDevice {
                 return Err(Error::InvalidArgument(format!("reservation of {size} bytes")));
             }
             let addr = st.next_reservation;
+            let window_end = RESERVED_BASE + (self.config.ordinal as u64 + 1) * RESERVED_STRIDE;
+            if (size as u64) > window_end - addr {
+                // No fresh room: a freed range that fits (its rest stays free), else refused
+                // (never the next device's addresses).
+                let n = size as u64;
+                let Some((at, len)) =
+                    st.freed_reservations.iter().find(|&(_, &l)| l >= n).map(|(&a, &l)| (a, l))
+                else {
+                    return Err(Error::InvalidArgument(format!(
+                        "reservation of {size} bytes: simulated device {}'s address window has {} bytes left \
+                         (the next device's reservations begin at {window_end:#x})",
+                        self.config.ordinal,
+                        window_end - addr
+                    )));
+                };
+                st.freed_reservations.remove(&at);
+                if len > n {
+                    st.freed_reservations.insert(at + n, len - n);
+                }
+                st.reservations.insert(at, size);
+                return Ok(at);
+            }
             st.next_reservation += size as u64;
             st.reservations.insert(addr, size);
             Ok(addr)
@@ -1274,6 +1345,7 @@ impl Device for SimDevice {
                 return Err(Error::InvalidArgument(format!("reservation {addr:#x} is still mapped")));
             }
             st.reservations.remove(&addr);
+            st.freed_reservations.insert(addr, size as u64);
             Ok(())
         })
     }
@@ -2057,6 +2129,7 @@ mod test_util {
 
         fn memset_async(&self, ptr: DevicePtr, value: u8, len: usize, stream: Stream) -> Result<()> {
             let mut st = self.state.lock();
+            self.refuse_unmapped(&mut st, ptr, len, stream, "a memset")?;
             let ns = self.kernel_ns(&mut st, len);
             if st.capture_node(stream, Node::Memset { ptr, len, value: Some(value) })? {
                 return Ok(());
@@ -2101,6 +2174,7 @@ mod test_util {
 
         fn copy_to_host(&self, dst: &mut [u8], src: DevicePtr, stream: Stream) -> Result<()> {
             // The copy is a use of the range, then a wait for it.
+            self.refuse_unmapped(&mut self.state.lock(), src, dst.len(), stream, "a copy to the host")?;
             self.state.lock().read(src, dst);
             let ns = self.kernel_ns(&mut self.state.lock(), dst.len());
             self.use_range(src, dst.len(), stream, ns)?;
@@ -2110,6 +2184,7 @@ mod test_util {
         fn copy_from_host(&self, dst: DevicePtr, src: &[u8], stream: Stream) -> Result<()> {
             let ns = {
                 let mut st = self.state.lock();
+                self.refuse_unmapped(&mut st, dst, src.len(), stream, "a copy from the host")?;
                 st.write(dst, src.len(), 0, Some(src));
                 self.kernel_ns(&mut st, src.len())
             };
@@ -2130,6 +2205,37 @@ mod tests {
 
     fn dev() -> Arc<SimDevice> {
         SimDevice::new(SimConfig::with_capacity(1 << 30))
+    }
+
+    /// Issue 52, #11: kernels, memsets and copies on reserved memory that is not mapped
+    /// (never mapped, unmapped as a sleep or a closed IPC range leaves it, or a freed
+    /// reservation) are refused, each a violation; on mapped memory they run.
+    #[test]
+    fn work_on_unmapped_reserved_memory_is_refused_and_recorded() {
+        let d = dev();
+        let s = d.create_stream().unwrap();
+        let g = MAP_GRANULE;
+        let base = d.reserve_address(4 * g).unwrap();
+        assert!(d.use_range(base, 64, s, 10).is_err(), "never mapped");
+        d.map(base, 2 * g).unwrap();
+        d.use_range(base, 2 * g, s, 10).unwrap();
+        d.memset_async(base + 5, 1, 100, s).unwrap();
+        let err = d.use_range(base + g as u64, 2 * g, s, 10).unwrap_err().to_string();
+        assert!(err.contains("not mapped"), "{err}");
+        d.synchronize().unwrap();
+        d.unmap(base, 2 * g).unwrap();
+        assert!(d.use_range(base, 64, s, 10).is_err(), "unmapped (a sleep)");
+        assert!(d.memset_async(base, 0, 64, s).is_err(), "memset after unmap");
+        let mut out = [0u8; 16];
+        assert!(d.copy_to_host(&mut out, base, s).is_err(), "copy after unmap");
+        assert!(d.copy_from_host(base, &out, s).is_err(), "copy after unmap");
+        d.free_address(base, 4 * g).unwrap();
+        assert!(d.use_range(base, 64, s, 10).is_err(), "freed reservation");
+        let unmapped = d.violations().iter().filter(|v| v.kind == ViolationKind::UnmappedUse).count();
+        assert_eq!(unmapped, 7);
+        // Plain memory is not in the reservations' window.
+        let p = d.alloc(4096).unwrap();
+        d.use_range(p, 4096, s, 10).unwrap();
     }
 
     #[test]

@@ -206,7 +206,7 @@ pub const DEFAULT_WAIT_TIMEOUT: Duration = Duration::from_secs(2);
 pub const KEYS: &[(&str, &str)] = &[
     ("strategy", "the name of a strategy (facade::STRATEGIES)"),
     ("device", "cuda | sim"),
-    ("sim_capacity", "a size of at least 64MiB, e.g. 80GiB"),
+    ("sim_capacity", "a size from 64MiB to 1TiB, e.g. 80GiB"),
     ("sim_virtual_memory", "true | false"),
     ("growth", "a size above 1MiB that is a multiple of 256 bytes, e.g. 20MiB"),
     ("backing", "the name of a backing (allocators::backing::BACKINGS)"),
@@ -217,7 +217,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ("trim_floor", "a size"),
     ("limit", "a size with a unit (40GiB), a plain byte count of at least 1MiB (1048576), or a fraction of device memory in (0, 1] written with a point (0.9, 1.0)"),
     ("retry_timeout", "a duration: 500ms, 2s, 0"),
-    ("wait_timeout", "a duration: 500ms, 2s, 0"),
+    ("wait_timeout", "a duration of at most 1 day (86400s): 500ms, 2s, 0"),
     ("stats", "true | false"),
     ("trace", "a file path"),
 ];
@@ -285,7 +285,9 @@ impl Config {
                     }
                 }
                 "sim_capacity" => {
-                    c.sim_capacity = parse_size(value).filter(|n| *n >= MIN_SIM_CAPACITY).ok_or_else(bad)?
+                    c.sim_capacity = parse_size(value)
+                        .filter(|n| (MIN_SIM_CAPACITY..=MAX_SIM_CAPACITY).contains(n))
+                        .ok_or_else(bad)?
                 }
                 "sim_virtual_memory" => c.sim_virtual_memory = value.parse().map_err(|_| bad())?,
                 "growth" => {
@@ -311,7 +313,10 @@ impl Config {
                 "trim_floor" => c.trim_floor = parse_size(value).ok_or_else(bad)?,
                 "limit" => c.limit = Some(parse_limit(value).ok_or_else(bad)?),
                 "retry_timeout" => c.retry_timeout = Some(parse_duration(value).ok_or_else(bad)?),
-                "wait_timeout" => c.wait_timeout = parse_duration(value).ok_or_else(bad)?,
+                "wait_timeout" => {
+                    c.wait_timeout =
+                        parse_duration(value).filter(|d| *d <= MAX_WAIT_TIMEOUT).ok_or_else(bad)?
+                }
                 "stats" => c.stats = value.parse().map_err(|_| bad())?,
                 "backing" => {
                     c.backing = BackingKind::named(value).ok_or_else(|| {
@@ -350,7 +355,7 @@ impl Config {
     /// unset or empty).
     pub fn from_env() -> Result<Self> {
         match Self::env_text()? {
-            Some(s) => Self::parse(&s).map_err(|e| Error::Config(format!("{ENV_VAR}: {e}"))),
+            Some(s) => Self::parse_env_text(&s),
             None => Ok(Self::default()),
         }
     }
@@ -365,6 +370,15 @@ impl Config {
             }
         }
         self
+    }
+
+    /// [`Config::parse`] of the text of [`ENV_VAR`]; its errors name the variable once, after
+    /// the one `configuration:` prefix.
+    fn parse_env_text(s: &str) -> Result<Self> {
+        Self::parse(s).map_err(|e| match e {
+            Error::Config(m) => Error::Config(format!("{ENV_VAR}: {m}")),
+            e => e,
+        })
     }
 
     /// The text of the environment variable [`ENV_VAR`], trimmed; `None` when it is unset or
@@ -438,6 +452,15 @@ impl fmt::Display for Config {
 /// The smallest `sim_capacity`: a simulated device smaller than this fails every chunked
 /// allocation.
 const MIN_SIM_CAPACITY: usize = 64 << 20;
+
+/// The largest `sim_capacity` (1 TiB): a simulated device's memory and its pools'
+/// reservations (three times its memory each) stay inside its own address window, apart
+/// from the next device's.
+const MAX_SIM_CAPACITY: usize = 1 << 40;
+
+/// The longest `wait_timeout` (1 day): a longer bound is no bound, and deadlines computed
+/// from it would overflow the clock.
+const MAX_WAIT_TIMEOUT: Duration = Duration::from_secs(86_400);
 
 /// The smallest plain byte count (no unit) `limit` accepts: a smaller plain number is more
 /// likely a mistyped fraction (`limit=1` for all of the memory) than a limit in bytes.
@@ -523,6 +546,24 @@ pub fn parse_duration(s: &str) -> Option<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 52: absurd `wait_timeout` and `sim_capacity` values are refused, saying the
+    /// bound; an error from `STREAMALLOC_CONF` carries one `configuration:` prefix.
+    #[test]
+    fn absurd_bounds_are_refused_and_env_errors_have_one_prefix() {
+        let err = |s: &str| Config::parse(s).unwrap_err().to_string();
+        let e = err("wait_timeout=10000000000000000000s");
+        assert!(e.contains("wait_timeout=") && e.contains("at most 1 day"), "{e}");
+        assert!(Config::parse("wait_timeout=86400s").is_ok());
+        for v in ["20TiB", "18446744073709551615", "2TiB"] {
+            let e = err(&format!("sim_capacity={v}"));
+            assert!(e.contains("64MiB to 1TiB"), "{e}");
+        }
+        assert_eq!(Config::parse("sim_capacity=1TiB").unwrap().sim_capacity, 1 << 40);
+        let e = Config::parse_env_text("bogus=1").unwrap_err().to_string();
+        assert!(e.starts_with("configuration: STREAMALLOC_CONF: unknown key"), "{e}");
+        assert_eq!(e.matches("configuration:").count(), 1, "{e}");
+    }
 
     #[test]
     fn sizes() {

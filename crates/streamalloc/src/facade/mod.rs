@@ -500,6 +500,14 @@ impl Facade {
         self.tag_layer(ordinal)?.wake(&tags)
     }
 
+    /// Drops the tag named `name` on device `ordinal` ([`Tagged::drop_tag`]): its pool's
+    /// memory and address reservations go back, so that it costs nothing. The bytes its pool
+    /// had reserved. [`Error::InvalidArgument`] while it has live allocations.
+    pub fn drop_tag(&self, ordinal: usize, name: &str) -> Result<usize> {
+        let tag = Tag::new(name)?;
+        self.tag_layer(ordinal)?.drop_tag(tag)
+    }
+
     /// The figures of the tag named `name` on device `ordinal` ([`Tagged::tag_stats`]).
     pub fn tag_stats(&self, ordinal: usize, name: &str) -> Result<TagStats> {
         let tag = Tag::new(name)?;

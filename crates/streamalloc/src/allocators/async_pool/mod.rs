@@ -614,6 +614,7 @@ impl Inner {
                 device_total: info.total,
                 detail: release_error.iter().map(super::release_failed).collect(),
                 hint,
+                host: false,
             })
         })
     }

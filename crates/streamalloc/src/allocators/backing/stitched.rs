@@ -136,10 +136,18 @@ struct Falling {
 /// What a sleeping pool gave back at its addresses: home ranges (runs of the unmapped home
 /// area meanwhile, which nothing takes while it sleeps), and the stitched ranges over them as
 /// `(start, mapped length, home ranges mapped)`.
+///
+/// `held` and `held_aliases` name those of them still mapped: an unmap that failed (at the
+/// sleep's end, or undoing a wake that failed) leaves its range mapped and counted, out of
+/// the unmapped runs; a wake maps the others and hands all back as mapped again (issue 52,
+/// #1: a failed undo once left the books saying unmapped, and every later wake met "already
+/// mapped").
 #[derive(Default)]
 struct Slept {
     homes: Vec<(u64, u64)>,
     aliases: Vec<(u64, u64, Sources)>,
+    held: Vec<(u64, u64)>,
+    held_aliases: Vec<u64>,
 }
 
 /// Evicted stitched ranges and the event recorded on the pool's stream after their last
@@ -536,11 +544,15 @@ impl Backing for Stitched {
         // Homes go only once no stitched range maps their memory any more.
         let homes = if st.aliases.is_empty() {
             try_each(homes, |(addr, len)| {
-                self.device.unmap(addr, len as usize)?;
+                slept.homes.push((addr, len));
+                if let Err(e) = self.device.unmap(addr, len as usize) {
+                    // Still mapped, its contents kept: a wake hands it back with the rest.
+                    slept.held.push((addr, len));
+                    return Err(e);
+                }
                 insert_hole(&mut st.holes, addr, len);
                 st.mapped -= len;
                 bytes += len;
-                slept.homes.push((addr, len));
                 Ok(())
             })
         } else {
@@ -550,48 +562,80 @@ impl Backing for Stitched {
         taken.and(aliases).and(homes).map(|()| bytes as usize)
     }
 
-    /// Maps fresh memory at every home range slept, then the stitched ranges over them; on a
-    /// failure, unmaps what it mapped and the pool sleeps on.
+    /// Maps fresh memory at every home range slept (but those still mapped), then the
+    /// stitched ranges over them; on a failure, unmaps what it mapped and the pool sleeps on.
+    /// A range that fails to unmap then stays mapped and counted (`Slept::held`): the pool's
+    /// books never say unmapped of memory that is mapped. The home ranges, all mapped now.
     fn wake(&self) -> Result<Vec<(DevicePtr, usize)>> {
         let mut st = self.state.lock();
-        let Sleep::Asleep(slept) = std::mem::take(&mut st.sleep) else {
+        let Sleep::Asleep(mut slept) = std::mem::take(&mut st.sleep) else {
             return Err(Error::Internal("a stitched pool that does not sleep was woken".into()));
         };
         let mut homes_done = 0;
         let mut aliases_done = 0;
         let mut mapped = Ok(());
         for &(addr, len) in &slept.homes {
-            mapped = self.device.map(addr, len as usize);
-            if mapped.is_err() {
-                break;
+            if !slept.held.contains(&(addr, len)) {
+                mapped = self.device.map(addr, len as usize);
+                if mapped.is_err() {
+                    break;
+                }
             }
             homes_done += 1;
         }
         if mapped.is_ok() {
             for (at, _, from) in &slept.aliases {
-                mapped = self.device.map_alias(from, *at);
-                if mapped.is_err() {
-                    break;
+                if !slept.held_aliases.contains(at) {
+                    mapped = self.device.map_alias(from, *at);
+                    if mapped.is_err() {
+                        break;
+                    }
                 }
                 aliases_done += 1;
             }
         }
         if let Err(e) = mapped {
+            let mut held_aliases = Vec::new();
             for &(at, len, _) in &slept.aliases[..aliases_done] {
-                let _ = self.device.unmap(at, len as usize);
+                if self.device.unmap(at, len as usize).is_err() {
+                    held_aliases.push(at);
+                }
             }
+            slept.held_aliases.retain(|at| !slept.aliases[..aliases_done].iter().any(|a| a.0 == *at));
+            slept.held_aliases.extend(held_aliases);
+            let mut held = Vec::new();
             for &(addr, len) in &slept.homes[..homes_done] {
-                let _ = self.device.unmap(addr, len as usize);
+                let was_held = slept.held.contains(&(addr, len));
+                // Homes go only once no stitched range maps their memory any more.
+                let unmapped = slept.held_aliases.is_empty() && self.device.unmap(addr, len as usize).is_ok();
+                match (unmapped, was_held) {
+                    (true, true) => {
+                        insert_hole(&mut st.holes, addr, len);
+                        st.mapped -= len;
+                    }
+                    (false, false) => {
+                        take_hole(&mut st.holes, addr, len);
+                        st.mapped += len;
+                        held.push((addr, len));
+                    }
+                    (false, true) => held.push((addr, len)),
+                    (true, false) => {}
+                }
             }
+            slept.held.retain(|h| !slept.homes[..homes_done].contains(h));
+            slept.held.extend(held);
+            st.high_water = st.high_water.max(st.mapped);
             st.sleep = Sleep::Asleep(slept);
             return Err(e);
         }
         for &(addr, len) in &slept.homes {
-            take_hole(&mut st.holes, addr, len);
-            st.mapped += len;
+            if !slept.held.contains(&(addr, len)) {
+                take_hole(&mut st.holes, addr, len);
+                st.mapped += len;
+            }
         }
         st.high_water = st.high_water.max(st.mapped);
-        let Slept { homes, aliases } = slept;
+        let Slept { homes, aliases, .. } = slept;
         st.aliases.extend(aliases.into_iter().map(|(at, len, from)| (at, (len, from))));
         Ok(homes.into_iter().map(|(a, l)| (a, l as usize)).collect())
     }
@@ -606,7 +650,11 @@ impl Backing for Stitched {
             let _ = self.device.synchronize();
             let retired = std::mem::take(&mut st.retired);
             self.unmap_retired(&mut st, retired, true);
-            let aliases: Vec<(u64, u64)> = st.aliases.iter().map(|(&at, &(len, _))| (at, len)).collect();
+            let mut aliases: Vec<(u64, u64)> = st.aliases.iter().map(|(&at, &(len, _))| (at, len)).collect();
+            if let Sleep::Asleep(slept) = &st.sleep {
+                let held = slept.aliases.iter().filter(|a| slept.held_aliases.contains(&a.0));
+                aliases.extend(held.map(|&(at, len, _)| (at, len)));
+            }
             for (at, len) in aliases.into_iter().chain(mapped_homes(&st)) {
                 let _ = self.device.unmap(at, len as usize);
             }
