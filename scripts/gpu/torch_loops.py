@@ -306,7 +306,7 @@ def short(e):
 
 
 def kernel_fingerprint(torch, step, i, sample):
-    """What one more step does on the device, from torch.profiler: {"kernels": {name: count},
+    """What one more step (the last one again: the same shapes) does on the device, from torch.profiler: {"kernels": {name: count},
     "kernel_fp": a hash of them (processes with the same hash ran the same algorithms),
     "api_calls": {CUDA runtime or driver function: [calls, total us]}} (the allocator's device
     calls, cuMemMap and the like, among them)."""
@@ -440,7 +440,7 @@ def one_run(loop, allocator, args):
         if sampler is not None:
             sampler.stop()
         if cuda and step is not None and r["error"] is None and len(step_ms) == total:
-            r.update(kernel_fingerprint(torch, step, total, sample))
+            r.update(kernel_fingerprint(torch, step, total - 1, sample))
         if cuda and not mma and mma_error is None:  # the loop stopped before its first step ended
             try:
                 mma.append(torch.cuda.max_memory_allocated(dev))
@@ -649,7 +649,7 @@ def drive(args):
     runs = []
     with open(jsonl_path, "w") as jsonl:
         for group in groups:
-            for n in range(1, args.rounds + 1):
+            for n in range(args.first_round, args.first_round + args.rounds):
                 for allocator in allocators:
                     name = f"{'+'.join(group)}-{allocator}-r{n}"
                     result_path = os.path.join(logs, f"{name}.json")
@@ -708,6 +708,10 @@ def main():
     parser.add_argument("--allocators", default="native,expandable,backend",
                         help=f"comma-separated, of {', '.join(ALLOCATORS)} (run in this order in each round)")
     parser.add_argument("--rounds", type=int, help="processes per (loop, allocator), interleaved (default 5, quick 2)")
+    parser.add_argument("--first-round", type=int, default=1,
+                        help="the number of the first round (rounds of one table run in several leases)")
+    parser.add_argument("--table", nargs="+", metavar="JSONL",
+                        help="print the table of the runs in these torch_loops.jsonl files (no run)")
     parser.add_argument("--warmup", type=int, help="warm-up steps (default 10, quick 3)")
     parser.add_argument("--steps", type=int, help="timed steps (default 30, quick 5)")
     parser.add_argument("--seed", type=int, default=1234)
@@ -736,6 +740,14 @@ def main():
     for name in args.allocators.split(","):
         if name not in ALLOCATORS:
             parser.error(f"unknown allocator {name!r} (of {', '.join(ALLOCATORS)})")
+    if args.table:
+        runs = [json.loads(line) for path in args.table for line in open(path) if line.strip()]
+        runs.sort(key=lambda r: (LOOPS.index(r["loop"]), ALLOCATORS.index(r["allocator"]), r["round"]))
+        args.rounds = len({r["round"] for r in runs})
+        first = next((r for r in runs if r.get("torch")), {})
+        print(table(runs, args, f"## Training loops under each allocator\n\ntorch {first.get('torch', '?')} "
+                                f"(CUDA {first.get('cuda', '?')}), {first.get('gpu', '?')}"))
+        sys.exit(0)
     if args.one:
         group, allocator = args.one[0].split(","), args.one[1]
         if any(loop not in LOOPS for loop in group) or allocator not in ALLOCATORS:
