@@ -509,7 +509,7 @@ impl Inner {
             }
             PoolMode::View(pool) => pool,
             PoolMode::Owned { release_threshold, reuse, max_size } => {
-                let pool = self.device.create_pool(PoolProps { max_size })?;
+                let pool = self.device.create_pool(PoolProps { max_size, exportable: true })?;
                 let attrs = [
                     (PoolAttr::ReleaseThreshold, release_threshold as u64),
                     (PoolAttr::ReuseFollowEventDependencies, reuse.follow_event_dependencies as u64),
