@@ -11,8 +11,11 @@
 //! into itself (`pidfd_getfd`), imports and maps them into a reservation of its own, and
 //! closes the copies: its mappings keep the memory alive until it closes the range, whatever
 //! the exporter frees or releases meanwhile. Memory of `cuMemAlloc` chunks (`backing=chunks`,
-//! CUDA graphs' pools) is shared through CUDA IPC handles (`cudaIpcGetMemHandle`) instead;
-//! memory of the driver's pool (`strategy=async`) is not shared.
+//! CUDA graphs' pools) is shared through CUDA IPC handles (`cudaIpcGetMemHandle`) instead.
+//! Memory of the library's own driver pool (`strategy=async,pool=owned`, created exportable)
+//! travels as a pool handle of its own ([`STREAMALLOC_IPC_POOL_KIND`]), one per allocation,
+//! which a receiver under streamalloc imports (`cuMemPoolImportPointer`) and PyTorch's own
+//! receiver refuses by its version byte; the device's default pool is not shared.
 //!
 //! The handle is PyTorch's (`ExpandableSegment::share`, `c10/cuda/CUDACachingAllocator.cpp`,
 //! torch 2.4 to 2.11), native-endian as there: the version ([`STREAMALLOC_IPC_VERSION`], torch's
@@ -307,14 +310,11 @@ fn open_pool(state: &State, bytes: &[u8]) -> Result<DevicePtr> {
     let key = (handle.pid, handle.piece.serial);
     let check = || check_exports(handle.pid, handle.registry, &[handle.piece]);
     check()?;
+    // Held across the import: two opens of one export import it once.
     let mut imports = state.opened().1.lock();
-    if let Some(import) = imports.values_mut().find(|i| i.export == key && i.device == device) {
+    if let Some((&base, import)) = imports.iter_mut().find(|(_, i)| i.export == key && i.device == device) {
         import.opens += 1;
-        return imports
-            .iter()
-            .find(|(_, i)| i.export == key)
-            .map(|(&b, _)| b)
-            .ok_or_else(|| Error::Internal("an import found was not kept".into()));
+        return Ok(base);
     }
     let copies = fetch_fds(handle.pid, &[handle.piece.fd])?;
     check()?;
@@ -490,8 +490,11 @@ pub(crate) fn close(state: &State, base: DevicePtr) -> Result<()> {
 /// receiver sees too. The memory must stay allocated until the receiver has opened it (once
 /// opened, the receiver's mapping keeps it). Memory that is not mapped is
 /// `STREAMALLOC_INVALID_ARGUMENT` (`cuMemAlloc` chunks are shared with `cudaIpcGetMemHandle`;
-/// the driver's pool, `strategy=async`, not at all); a device that refused to create
-/// exportable memory is `STREAMALLOC_UNSUPPORTED`.
+/// the device's default pool, `strategy=async` with `pool=default`, not at all); a device
+/// that refused to create exportable memory is `STREAMALLOC_UNSUPPORTED`. Memory of the
+/// library's own driver pool (`strategy=async,pool=owned`) is exported as a pool handle
+/// ([`STREAMALLOC_IPC_POOL_VERSION`], [`STREAMALLOC_IPC_POOL_KIND`]; offset 0): the driver
+/// requires the allocation to stay allocated until every receiver has closed it.
 ///
 /// # Safety
 /// `buf` is NULL or valid for writing `len` bytes; `written` and `offset` are NULL (an error)
@@ -561,7 +564,9 @@ unsafe fn export_to(
 /// permission to ptrace it: refused (EPERM, e.g. a child under `kernel.yama.ptrace_scope` =
 /// 1), the call is `STREAMALLOC_UNSUPPORTED` with that cause. The range keeps the memory alive
 /// until [`streamalloc_ipc_close`], whatever the exporter does meanwhile. Each call maps the
-/// memory anew (a receiver keeps one range per handle if it wants one).
+/// memory anew (a receiver keeps one range per handle if it wants one). A pool handle is
+/// checked against the registry the same way; its allocation is imported once per process
+/// (later opens of it give the same pointer and are counted) and freed at the last close.
 ///
 /// # Safety
 /// `handle` is valid for reading `len` bytes (NULL is an error); `ptr` is NULL (an error) or

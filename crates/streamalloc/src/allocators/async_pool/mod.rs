@@ -509,7 +509,12 @@ impl Inner {
             }
             PoolMode::View(pool) => pool,
             PoolMode::Owned { release_threshold, reuse, max_size } => {
-                let pool = self.device.create_pool(PoolProps { max_size, exportable: true })?;
+                // Exportable, so that its memory can be shared with other processes; a device
+                // that cannot make such a pool makes one that is not shared.
+                let pool = self
+                    .device
+                    .create_pool(PoolProps { max_size, exportable: true })
+                    .or_else(|_| self.device.create_pool(PoolProps { max_size, exportable: false }))?;
                 let attrs = [
                     (PoolAttr::ReleaseThreshold, release_threshold as u64),
                     (PoolAttr::ReuseFollowEventDependencies, reuse.follow_event_dependencies as u64),
