@@ -88,6 +88,10 @@ const SYMBOLS: &[&str] = &[
     "cuMemExportToShareableHandle",
     "cuMemImportFromShareableHandle",
     "cuMemFreeAsync",
+    "cuMemPoolExportToShareableHandle",
+    "cuMemPoolExportPointer",
+    "cuMemPoolImportFromShareableHandle",
+    "cuMemPoolImportPointer",
     "cuStreamCreate",
     "cuStreamDestroy_v2",
     "cuStreamSynchronize",
@@ -115,7 +119,6 @@ const SYMBOLS: &[&str] = &[
     "cuMemPoolSetAccess",
     #[cfg(feature = "test-util")]
     "cuMemPoolGetAccess",
-    #[cfg(feature = "test-util")]
     "cuPointerGetAttribute",
     #[cfg(feature = "test-util")]
     "cuMemcpyPeerAsync",
