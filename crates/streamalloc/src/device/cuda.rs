@@ -1157,30 +1157,29 @@ impl Device for CudaDevice {
         if let Some((_, fd, serial)) = ipc.exports.get(&ptr) {
             return Ok(PoolPointer { fd: fd.as_raw_fd(), serial: *serial, data: data.reserved });
         }
-        if !ipc.pool_fds.contains_key(&pool_handle) {
-            let mut fd: c_int = -1;
-            // SAFETY: for a POSIX file descriptor the driver writes an `int`, which `fd` is,
-            // alive across the call.
-            check(
-                unsafe {
-                    sys::cuMemPoolExportToShareableHandle(
-                        (&mut fd as *mut c_int).cast(),
-                        p,
-                        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-                        0,
-                    )
-                },
-                "cuMemPoolExportToShareableHandle",
-            )?;
-            // SAFETY: the driver made a new descriptor for the export, owned by nobody else.
-            ipc.pool_fds.insert(pool_handle, unsafe { OwnedFd::from_raw_fd(fd) });
-        }
-        let copy = ipc
-            .pool_fds
-            .get(&pool_handle)
-            .ok_or_else(|| Error::Internal("the pool's descriptor was not kept".into()))?
-            .try_clone()
-            .map_err(|e| Error::Io(format!("a copy of the pool's descriptor: {e}")))?;
+        let pool_fd = match ipc.pool_fds.entry(pool_handle) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                let mut fd: c_int = -1;
+                // SAFETY: for a POSIX file descriptor the driver writes an `int`, which `fd`
+                // is, alive across the call.
+                check(
+                    unsafe {
+                        sys::cuMemPoolExportToShareableHandle(
+                            (&mut fd as *mut c_int).cast(),
+                            p,
+                            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                            0,
+                        )
+                    },
+                    "cuMemPoolExportToShareableHandle",
+                )?;
+                // SAFETY: the driver made a new descriptor for the export, owned by nobody else.
+                e.insert(unsafe { OwnedFd::from_raw_fd(fd) })
+            }
+        };
+        let copy =
+            pool_fd.try_clone().map_err(|e| Error::Io(format!("a copy of the pool's descriptor: {e}")))?;
         let raw = copy.as_raw_fd();
         let serial = super::ipc::note_export(raw, len as u64)?;
         ipc.exports.insert(ptr, (pool_handle, copy, serial));
