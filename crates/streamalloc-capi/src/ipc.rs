@@ -973,6 +973,35 @@ mod tests {
         assert_eq!(sim.pool_exports(), (0, 0), "no export or import left");
     }
 
+    /// Issue 54's cycles under `strategy=async,pool=owned`: 1,000 share / open / close / free
+    /// cycles leave the device's used memory, the simulator's exports (each holds a
+    /// descriptor) and imports, and the receiver's books as they were after the first. (The
+    /// process's descriptor count is not compared: tests running beside this one open and
+    /// close theirs; the GPU case `cycles` compares it.)
+    #[test]
+    fn a_thousand_pool_share_cycles_leave_nothing_behind() {
+        let state = sim("strategy=async,pool=owned");
+        let sim = state.stack(0).unwrap().sim.clone().unwrap();
+        let imports = || state.opened().1.lock().len();
+        let cycle = || {
+            let p = state.allocate(4 << 20, 0, 0).unwrap();
+            let (bytes, _) = export(&state, p, 4 << 20).unwrap();
+            let base = open(&state, &bytes, 0).unwrap();
+            close(&state, base).unwrap();
+            state.free(p, Some(0), 0).unwrap();
+        };
+        cycle();
+        let before = (imports(), used(&state), sim.pool_exports());
+        for _ in 0..1000 {
+            cycle();
+        }
+        let after = (imports(), used(&state), sim.pool_exports());
+        eprintln!(
+            "imports open, used bytes, (exports, imports): {before:?} before, {after:?} after 1,000 cycles"
+        );
+        assert_eq!(after, before);
+    }
+
     #[test]
     fn what_cannot_be_shared_says_why() {
         let chunks = sim("strategy=stream_safe,backing=chunks");
