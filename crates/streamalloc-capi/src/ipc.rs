@@ -1002,6 +1002,91 @@ mod tests {
         assert_eq!(after, before);
     }
 
+    /// Random sequences of allocate / export / open / use / close / free under
+    /// `strategy=async,pool=owned`, against the simulator's ordering checker: a handle opens
+    /// exactly while its allocation is live (never once freed, even when a later allocation
+    /// takes its address), an open import is the allocation's memory, the receiver's kernels
+    /// finish before the sender frees (no violation), and at the end nothing is exported or
+    /// imported.
+    #[test]
+    fn random_pool_share_sequences_keep_the_ordering_checkers_rules() {
+        use core_alloc::device::Stream;
+        for seed in 1..=20u64 {
+            let state = sim("strategy=async,pool=owned");
+            let sim = state.stack(0).unwrap().sim.clone().unwrap();
+            let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            let mut next = |n: usize| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x % n as u64) as usize
+            };
+            // Live allocations: (ptr, size, handle if exported, bases opened).
+            let mut live: Vec<(u64, usize, Option<Vec<u8>>, Vec<u64>)> = Vec::new();
+            let mut stale: Vec<Vec<u8>> = Vec::new();
+            for step in 0..300 {
+                match next(6) {
+                    0 => {
+                        let size = (1 + next(8)) << 16;
+                        live.push((state.allocate(size, 0, 0).unwrap(), size, None, Vec::new()));
+                    }
+                    1 if !live.is_empty() => {
+                        let i = next(live.len());
+                        let (p, size, handle, _) = &mut live[i];
+                        let (bytes, offset) = export(&state, *p, *size).unwrap();
+                        assert_eq!(offset, 0);
+                        if let Some(h) = handle {
+                            assert_eq!(
+                                *h, bytes,
+                                "seed {seed}, step {step}: exported again, the same handle"
+                            );
+                        }
+                        *handle = Some(bytes);
+                    }
+                    2 if !live.is_empty() => {
+                        let i = next(live.len());
+                        let (p, size, handle, opens) = &mut live[i];
+                        if let Some(h) = handle {
+                            let base = open(&state, h, 0).unwrap();
+                            assert_eq!(base, *p, "seed {seed}, step {step}: the allocation's memory");
+                            sim.use_range(base, *size, Stream::DEFAULT, 1_000).unwrap();
+                            opens.push(base);
+                        }
+                    }
+                    3 if !live.is_empty() => {
+                        let i = next(live.len());
+                        if let Some(base) = live[i].3.pop() {
+                            close(&state, base).unwrap();
+                        }
+                    }
+                    4 if !live.is_empty() => {
+                        let i = next(live.len());
+                        if live[i].3.is_empty() {
+                            let (p, _, handle, _) = live.swap_remove(i);
+                            state.free(p, Some(0), 0).unwrap();
+                            stale.extend(handle);
+                        }
+                    }
+                    _ if !stale.is_empty() => {
+                        let h = stale.swap_remove(next(stale.len()));
+                        assert!(
+                            open(&state, &h, 0).is_err(),
+                            "seed {seed}, step {step}: a freed allocation opened"
+                        );
+                    }
+                    _ => {}
+                }
+            }
+            for (p, _, _, opens) in live {
+                opens.into_iter().for_each(|b| close(&state, b).unwrap());
+                state.free(p, Some(0), 0).unwrap();
+            }
+            assert!(sim.violations().is_empty(), "seed {seed}: {:?}", sim.violations());
+            assert_eq!(sim.pool_exports(), (0, 0), "seed {seed}");
+            assert!(state.opened().1.lock().is_empty(), "seed {seed}");
+        }
+    }
+
     #[test]
     fn what_cannot_be_shared_says_why() {
         let chunks = sim("strategy=stream_safe,backing=chunks");
