@@ -50,9 +50,10 @@
 //                                   as 'c' (cudaIpcMemHandle_t), mapped memory (stitched, the
 //                                   default, or segments) as 'e' (torch's expandable-segment
 //                                   layout, streamalloc_ipc_export; the receiver copies file
-//                                   descriptors with pidfd_getfd); the driver's pool
-//                                   (strategy=async) refused with the reason. See Note [IPC
-//                                   formats]
+//                                   descriptors with pidfd_getfd); the library's own driver
+//                                   pool (strategy=async,pool=owned) as its 'p' (version 0xff,
+//                                   streamalloc receivers only); the device's default pool
+//                                   refused with the reason. See Note [IPC formats]
 //   recordHistory / snapshot        torch's memory history (_record_memory_history, _snapshot,
 //                                   _dump_snapshot, memory_viz): see "History" below
 //   recordAnnotation, push/pop-     kept as native keeps them (annotations in the snapshot's
