@@ -16,6 +16,11 @@
 //!   by inserting a wait on the free (internal dependencies), as the driver's default
 //!   attributes allow. Pools reserve in 2 MiB granules and release free granules above the
 //!   release threshold at synchronizations, or on `trim_pool`.
+//! * **Pool IPC.** An allocation of a pool created exportable is exported with a real
+//!   descriptor noted in the export registry ([`Device::export_pool_pointer`]) and imported
+//!   at the exporter's own address (one address space stands for both processes), counted
+//!   until [`Device::free_imported`]; freeing the allocation closes its export, and freeing
+//!   it while an import is held is a [`ViolationKind::FreeOfImported`].
 //! * **Address reservations** ([`Device::reserve_address`]) take no memory; mapping a range
 //!   of one takes 2 MiB granules from the same memory as plain allocations, and unmapping
 //!   the last mapping of a granule gives it back. [`Device::map_alias`] maps granules a
