@@ -31,6 +31,7 @@
 use std::os::fd::AsFd;
 use std::os::raw::{c_int, c_void};
 use std::ptr;
+use std::sync::mpsc::Receiver;
 
 use core_alloc::allocators::backing::share_mapped;
 use core_alloc::device::ipc::{check_exports, fetch_fds, registry_fd, SharedPiece, POOL_POINTER_DATA};
@@ -266,28 +267,20 @@ pub(crate) fn export(state: &State, ptr: DevicePtr, size: usize) -> Result<(Vec<
             return export_pool(&*stack.device, ptr, size).map(|h| (h, 0));
         }
     }
-    Err(Error::InvalidArgument(if state.config().strategy.spec().driver_pool {
-        format!(
-            "{ptr:#x} is memory of the driver's pool (strategy=async), which streamalloc cannot share with \
-             another process; configure another strategy (stream_safe, the default, shares its mapped \
-             memory; backing=chunks shares cuMemAlloc chunks through CUDA IPC handles)"
-        )
-    } else {
-        format!(
-            "{ptr:#x}+{size} is not memory streamalloc maps (backing=stitched or segments) on a device in use; \
-             memory of cuMemAlloc chunks (backing=chunks, CUDA graphs' pools) is shared through CUDA IPC \
-             handles (cudaIpcGetMemHandle) instead"
-        )
-    }))
+    Err(Error::InvalidArgument(format!(
+        "{ptr:#x}+{size} is not memory streamalloc maps (backing=stitched or segments) on a device in use; \
+         memory of cuMemAlloc chunks (backing=chunks, CUDA graphs' pools) is shared through CUDA IPC \
+         handles (cudaIpcGetMemHandle) instead"
+    )))
 }
 
 /// The pool handle of the live allocation of the driver's pool at `ptr` (`size` bytes of it).
 fn export_pool(dev: &dyn Device, ptr: DevicePtr, size: usize) -> Result<Vec<u8>> {
     let export = dev.export_pool_pointer(ptr, size).map_err(|e| match e {
         Error::InvalidArgument(why) => Error::InvalidArgument(format!(
-            "{ptr:#x} is memory of the device's default pool, which streamalloc cannot share with another \
-             process ({why}); configure strategy=async,pool=owned (a pool of the library's own, created \
-             exportable), or another strategy"
+            "{ptr:#x} is memory of a driver pool that streamalloc cannot share with another process (the \
+             device's default pool, or a pool the device would not make exportable: {why}); configure \
+             strategy=async,pool=owned (a pool of the library's own, created exportable), or another strategy"
         )),
         e => e,
     })?;
@@ -342,25 +335,29 @@ fn close_pool(state: &State, base: DevicePtr) -> Option<Result<()>> {
         Err(e) => return Some(Err(e)),
     };
     let waited_for = format!("the device's work before freeing the imported pool allocation at {base:#x}");
-    Some(bounded(state, waited_for, move || dev.free_imported(base)))
+    Some(
+        on_thread(move || dev.free_imported(base)).and_then(|finished| wait_for(state, finished, waited_for)),
+    )
 }
 
-/// Runs `job` on a thread of its own and waits for it at most `wait_timeout`: past it the
-/// call fails and the thread finishes the job later.
-fn bounded(
-    state: &State,
-    waited_for: String,
-    job: impl FnOnce() -> Result<()> + Send + 'static,
-) -> Result<()> {
-    let timeout = state.config().wait_timeout;
+/// Runs `job` on a thread of its own; what it returns comes on the receiver. An error: the
+/// thread did not start (the job did not run).
+fn on_thread(job: impl FnOnce() -> Result<()> + Send + 'static) -> Result<Receiver<Result<()>>> {
     let (done, finished) = std::sync::mpsc::channel();
     std::thread::Builder::new()
         .name("streamalloc-ipc-close".into())
         .spawn(move || {
-            // The caller may have stopped waiting.
+            // The caller may have stopped waiting: the job finishes late, nothing leaks.
             let _ = done.send(job());
         })
         .map_err(|e| Error::Internal(format!("starting the thread that waits for the device: {e}")))?;
+    Ok(finished)
+}
+
+/// Waits at most `wait_timeout` for a job of [`on_thread`]: past it, a timeout naming
+/// `waited_for` (the thread finishes the job later).
+fn wait_for(state: &State, finished: Receiver<Result<()>>, waited_for: String) -> Result<()> {
+    let timeout = state.config().wait_timeout;
     finished.recv_timeout(timeout).map_err(|_| Error::Timeout { waited_for, after: timeout })?
 }
 
@@ -455,27 +452,20 @@ pub(crate) fn close(state: &State, base: DevicePtr) -> Result<()> {
     let dev = state.stack(device as i32)?.device.clone();
     // An unmap does not wait for the work that uses the range, as cudaIpcCloseMemHandle does:
     // the device's work is waited for first.
-    let timeout = state.config().wait_timeout;
-    let (done, finished) = std::sync::mpsc::channel();
-    let spawned = std::thread::Builder::new().name("streamalloc-ipc-close".into()).spawn(move || {
-        let result = dev
-            .synchronize()
-            .and_then(|()| dev.unmap(base, size))
-            .and_then(|()| dev.free_address(base, size));
-        // The caller may have stopped waiting: the range is unmapped late, not leaked.
-        let _ = done.send(result);
+    let spawned = on_thread(move || {
+        dev.synchronize().and_then(|()| dev.unmap(base, size)).and_then(|()| dev.free_address(base, size))
     });
-    if let Err(e) = spawned {
-        state.opened().0.lock().insert(base, (device, size));
-        return Err(Error::Internal(format!("starting the thread that waits for the device: {e}")));
-    }
-    finished.recv_timeout(timeout).map_err(|_| Error::Timeout {
-        waited_for: format!(
-            "the device's work before unmapping the IPC range at {base:#x} (it is unmapped once that work is \
-             done)"
-        ),
-        after: timeout,
-    })?
+    let finished = match spawned {
+        Ok(finished) => finished,
+        Err(e) => {
+            state.opened().0.lock().insert(base, (device, size));
+            return Err(e);
+        }
+    };
+    let waited_for = format!(
+        "the device's work before unmapping the IPC range at {base:#x} (it is unmapped once that work is done)"
+    );
+    wait_for(state, finished, waited_for)
 }
 
 /// Exports the allocation at `ptr` of `size` bytes (a live allocation of this library, as
@@ -494,7 +484,9 @@ pub(crate) fn close(state: &State, base: DevicePtr) -> Result<()> {
 /// that refused to create exportable memory is `STREAMALLOC_UNSUPPORTED`. Memory of the
 /// library's own driver pool (`strategy=async,pool=owned`) is exported as a pool handle
 /// ([`STREAMALLOC_IPC_POOL_VERSION`], [`STREAMALLOC_IPC_POOL_KIND`]; offset 0): the driver
-/// requires the allocation to stay allocated until every receiver has closed it.
+/// requires the allocation to stay allocated until every receiver has closed it, and the
+/// receiver not to use it before the sender's work that made it is done (torch sends an event
+/// for that).
 ///
 /// # Safety
 /// `buf` is NULL or valid for writing `len` bytes; `written` and `offset` are NULL (an error)
@@ -1022,7 +1014,8 @@ mod tests {
                 (x % n as u64) as usize
             };
             // Live allocations: (ptr, size, handle if exported, bases opened).
-            let mut live: Vec<(u64, usize, Option<Vec<u8>>, Vec<u64>)> = Vec::new();
+            type Live = (u64, usize, Option<Vec<u8>>, Vec<u64>);
+            let mut live: Vec<Live> = Vec::new();
             let mut stale: Vec<Vec<u8>> = Vec::new();
             for step in 0..300 {
                 match next(6) {
