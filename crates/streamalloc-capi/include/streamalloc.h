@@ -463,7 +463,9 @@ enum streamalloc_status_t streamalloc_sim_use_host(int device,
 // that refused to create exportable memory is `STREAMALLOC_UNSUPPORTED`. Memory of the
 // library's own driver pool (`strategy=async,pool=owned`) is exported as a pool handle
 // ([`STREAMALLOC_IPC_POOL_VERSION`], [`STREAMALLOC_IPC_POOL_KIND`]; offset 0): the driver
-// requires the allocation to stay allocated until every receiver has closed it.
+// requires the allocation to stay allocated until every receiver has closed it, and the
+// receiver not to use it before the sender's work that made it is done (torch sends an event
+// for that).
 //
 // # Safety
 // `buf` is NULL or valid for writing `len` bytes; `written` and `offset` are NULL (an error)
