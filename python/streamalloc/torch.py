@@ -27,7 +27,7 @@ under torch's allocators:
 * CUDA tensors shared with other processes (`torch.multiprocessing`): mapped memory (the
   default) through exported file descriptors that a receiver under streamalloc maps, memory of
   cuMemAlloc chunks (`backing=chunks`, `strategy=plain`) in torch's own handle format; the
-  library's own driver pool (`strategy=async,pool=owned`) per allocation, to a receiver under
+  library's own driver pool (`strategy=async,pool=ipc`) per allocation, to a receiver under
   streamalloc only (torch's own allocator refuses the handle as one of a later version); the
   device's default pool (`strategy=async`) cannot be shared, and sharing raises saying so.
 

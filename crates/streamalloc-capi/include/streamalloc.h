@@ -18,7 +18,7 @@ typedef struct CUstream_st *cudaStream_t;
 // mapped memory (an expandable segment), apart from `'c'` (a CUDA IPC handle).
 #define STREAMALLOC_IPC_KIND 101
 
-// The first byte of a handle of memory of the driver's pool (`strategy=async,pool=owned`):
+// The first byte of a handle of memory of the driver's pool (`strategy=async,pool=ipc`):
 // above PyTorch's `SHAREABLE_HANDLE_VERSION`, so that PyTorch's own receiver refuses it
 // with its error for a handle of a later version instead of failing on its kind (see
 // DESIGN.md, "IPC").
@@ -461,7 +461,7 @@ enum streamalloc_status_t streamalloc_sim_use_host(int device,
 // `STREAMALLOC_INVALID_ARGUMENT` (`cuMemAlloc` chunks are shared with `cudaIpcGetMemHandle`;
 // the device's default pool, `strategy=async` with `pool=default`, not at all); a device
 // that refused to create exportable memory is `STREAMALLOC_UNSUPPORTED`. Memory of the
-// library's own driver pool (`strategy=async,pool=owned`) is exported as a pool handle
+// library's own driver pool (`strategy=async,pool=ipc`) is exported as a pool handle
 // ([`STREAMALLOC_IPC_POOL_VERSION`], [`STREAMALLOC_IPC_POOL_KIND`]; offset 0): the driver
 // requires the allocation to stay allocated until every receiver has closed it, and the
 // receiver not to use it before the sender's work that made it is done (torch sends an event

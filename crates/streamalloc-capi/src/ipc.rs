@@ -12,7 +12,7 @@
 //! closes the copies: its mappings keep the memory alive until it closes the range, whatever
 //! the exporter frees or releases meanwhile. Memory of `cuMemAlloc` chunks (`backing=chunks`,
 //! CUDA graphs' pools) is shared through CUDA IPC handles (`cudaIpcGetMemHandle`) instead.
-//! Memory of the library's own driver pool (`strategy=async,pool=owned`, created exportable)
+//! Memory of the library's own driver pool (`strategy=async,pool=ipc`, created exportable)
 //! travels as a pool handle of its own ([`STREAMALLOC_IPC_POOL_KIND`]), one per allocation,
 //! which a receiver under streamalloc imports (`cuMemPoolImportPointer`) and PyTorch's own
 //! receiver refuses by its version byte; the device's default pool is not shared.
@@ -151,7 +151,7 @@ impl Handle {
     }
 }
 
-/// The first byte of a handle of memory of the driver's pool (`strategy=async,pool=owned`):
+/// The first byte of a handle of memory of the driver's pool (`strategy=async,pool=ipc`):
 /// above PyTorch's `SHAREABLE_HANDLE_VERSION`, so that PyTorch's own receiver refuses it
 /// with its error for a handle of a later version instead of failing on its kind (see
 /// DESIGN.md, "IPC").
@@ -278,9 +278,9 @@ pub(crate) fn export(state: &State, ptr: DevicePtr, size: usize) -> Result<(Vec<
 fn export_pool(dev: &dyn Device, ptr: DevicePtr, size: usize) -> Result<Vec<u8>> {
     let export = dev.export_pool_pointer(ptr, size).map_err(|e| match e {
         Error::InvalidArgument(why) => Error::InvalidArgument(format!(
-            "{ptr:#x} is memory of a driver pool that streamalloc cannot share with another process (the \
-             device's default pool, or a pool the device would not make exportable: {why}); configure \
-             strategy=async,pool=owned (a pool of the library's own, created exportable), or another strategy"
+            "{ptr:#x} is memory of a driver pool that was not created for IPC ({why}); configure \
+             strategy=async,pool=ipc (a pool of the library's own, created exportable; CUDA graphs cannot \
+             capture its allocations), or another strategy"
         )),
         e => e,
     })?;
@@ -482,7 +482,7 @@ pub(crate) fn close(state: &State, base: DevicePtr) -> Result<()> {
 /// `STREAMALLOC_INVALID_ARGUMENT` (`cuMemAlloc` chunks are shared with `cudaIpcGetMemHandle`;
 /// the device's default pool, `strategy=async` with `pool=default`, not at all); a device
 /// that refused to create exportable memory is `STREAMALLOC_UNSUPPORTED`. Memory of the
-/// library's own driver pool (`strategy=async,pool=owned`) is exported as a pool handle
+/// library's own driver pool (`strategy=async,pool=ipc`) is exported as a pool handle
 /// ([`STREAMALLOC_IPC_POOL_VERSION`], [`STREAMALLOC_IPC_POOL_KIND`]; offset 0): the driver
 /// requires the allocation to stay allocated until every receiver has closed it, and the
 /// receiver not to use it before the sender's work that made it is done (torch sends an event
@@ -894,7 +894,7 @@ mod tests {
         eprintln!("opened 240, stale opens refused {}", refused.load(std::sync::atomic::Ordering::Relaxed));
     }
 
-    /// Issue 54: memory of the library's own driver pool (`strategy=async,pool=owned`) travels
+    /// Issue 54: memory of the library's own driver pool (`strategy=async,pool=ipc`) travels
     /// as a pool handle, one per allocation: opened twice it is imported once and counted,
     /// closed with its last user; once the sender frees the allocation a handle of it opens
     /// nothing. The handle's version byte is above torch's `SHAREABLE_HANDLE_VERSION` and its
@@ -902,7 +902,7 @@ mod tests {
     /// "future version" error, not an internal assert.
     #[test]
     fn the_driver_pools_memory_is_shared_per_allocation() {
-        let state = sim("strategy=async,pool=owned");
+        let state = sim("strategy=async,pool=ipc");
         let sim = state.stack(0).unwrap().sim.clone().unwrap();
         let p = state.allocate(3 << 20, 0, 0).unwrap();
         let (bytes, offset) = export(&state, p, 3 << 20).unwrap();
@@ -928,7 +928,7 @@ mod tests {
     /// checker; the receiver's close still succeeds and leaves nothing behind.
     #[test]
     fn a_sender_freeing_what_a_receiver_holds_is_a_violation() {
-        let state = sim("strategy=async,pool=owned");
+        let state = sim("strategy=async,pool=ipc");
         let sim = state.stack(0).unwrap().sim.clone().unwrap();
         let p = state.allocate(1 << 20, 0, 0).unwrap();
         let (bytes, _) = export(&state, p, 1 << 20).unwrap();
@@ -943,7 +943,7 @@ mod tests {
     /// open of a live export succeeds, and at the end nothing is imported or exported.
     #[test]
     fn threads_share_the_driver_pools_memory_at_once() {
-        let state = sim("strategy=async,pool=owned");
+        let state = sim("strategy=async,pool=ipc");
         let sim = state.stack(0).unwrap().sim.clone().unwrap();
         let state = &state;
         std::thread::scope(|scope| {
@@ -965,14 +965,14 @@ mod tests {
         assert_eq!(sim.pool_exports(), (0, 0), "no export or import left");
     }
 
-    /// Issue 54's cycles under `strategy=async,pool=owned`: 1,000 share / open / close / free
+    /// Issue 54's cycles under `strategy=async,pool=ipc`: 1,000 share / open / close / free
     /// cycles leave the device's used memory, the simulator's exports (each holds a
     /// descriptor) and imports, and the receiver's books as they were after the first. (The
     /// process's descriptor count is not compared: tests running beside this one open and
     /// close theirs; the GPU case `cycles` compares it.)
     #[test]
     fn a_thousand_pool_share_cycles_leave_nothing_behind() {
-        let state = sim("strategy=async,pool=owned");
+        let state = sim("strategy=async,pool=ipc");
         let sim = state.stack(0).unwrap().sim.clone().unwrap();
         let imports = || state.opened().1.lock().len();
         let cycle = || {
@@ -995,7 +995,7 @@ mod tests {
     }
 
     /// Random sequences of allocate / export / open / use / close / free under
-    /// `strategy=async,pool=owned`, against the simulator's ordering checker: a handle opens
+    /// `strategy=async,pool=ipc`, against the simulator's ordering checker: a handle opens
     /// exactly while its allocation is live (never once freed, even when a later allocation
     /// takes its address), an open import is the allocation's memory, the receiver's kernels
     /// finish before the sender frees (no violation), and at the end nothing is exported or
@@ -1004,7 +1004,7 @@ mod tests {
     fn random_pool_share_sequences_keep_the_ordering_checkers_rules() {
         use core_alloc::device::Stream;
         for seed in 1..=20u64 {
-            let state = sim("strategy=async,pool=owned");
+            let state = sim("strategy=async,pool=ipc");
             let sim = state.stack(0).unwrap().sim.clone().unwrap();
             let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
             let mut next = |n: usize| {
@@ -1091,5 +1091,11 @@ mod tests {
         let e = export(&pool, p, 1 << 20).unwrap_err().to_string();
         assert!(e.contains("strategy=async"), "{e}");
         assert!(export(&pool, 0, 1 << 20).is_err());
+        // A pool of its own not made for IPC (graphs can capture its allocations; an IPC
+        // pool's they cannot): the refusal names pool=ipc.
+        let owned = sim("strategy=async,pool=owned");
+        let p = owned.allocate(1 << 20, 0, 0).unwrap();
+        let e = export(&owned, p, 1 << 20).unwrap_err().to_string();
+        assert!(e.contains("pool=ipc"), "{e}");
     }
 }

@@ -51,7 +51,7 @@
 //                                   default, or segments) as 'e' (torch's expandable-segment
 //                                   layout, streamalloc_ipc_export; the receiver copies file
 //                                   descriptors with pidfd_getfd); the library's own driver
-//                                   pool (strategy=async,pool=owned) as its 'p' (version 0xff,
+//                                   pool (strategy=async,pool=ipc) as its 'p' (version 0xff,
 //                                   streamalloc receivers only); the device's default pool
 //                                   refused with the reason. See Note [IPC formats]
 //   recordHistory / snapshot        torch's memory history (_record_memory_history, _snapshot,
@@ -1503,7 +1503,7 @@ class Backend : public CCA::CUDAAllocator {
   // of the chunk); mapped memory as torch's 'e' (ExpandableSegment::share's layout:
   // streamalloc_ipc_export writes it, 2 MiB allocations exported as file descriptors, plus a
   // trailer torch's receiver does not read), so a receiver under torch's own allocator opens
-  // either. Memory of the library's own driver pool (strategy=async,pool=owned) travels as the
+  // either. Memory of the library's own driver pool (strategy=async,pool=ipc) travels as the
   // library's 'p' handle with version byte 0xff: torch's own receiver refuses it with its
   // "future version of torch" error (its getIpcDevPtr checks the version before the kind), a
   // receiver under streamalloc imports it (streamalloc_ipc_open). The device's default pool
@@ -1547,7 +1547,7 @@ class Backend : public CCA::CUDAAllocator {
         why,
         ". Configurations that share: the default (stitched) and backing=segments (torch's expandable-"
         "segment format: the receiver, under torch's allocator or streamalloc, copies file descriptors "
-        "with pidfd_getfd), backing=chunks or strategy=plain (CUDA IPC handles), strategy=async,pool=owned "
+        "with pidfd_getfd), backing=chunks or strategy=plain (CUDA IPC handles), strategy=async,pool=ipc "
         "(to a receiver under streamalloc only)");
   }
 

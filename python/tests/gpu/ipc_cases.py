@@ -6,7 +6,7 @@ receiver's, through torch.multiprocessing (spawn), one cell per process.
 
 SENDER is the parent's allocator: `native` (torch's own), `expandable` (torch's own with
 expandable_segments:True), `default` (streamalloc's default config: stitched ranges),
-`chunks` (streamalloc, backing=chunks), `async` (streamalloc, strategy=async,pool=owned: the
+`chunks` (streamalloc, backing=chunks), `async` (streamalloc, strategy=async,pool=ipc: the
 driver's pool, one of the library's own created exportable). RECEIVER is the
 child's: `native` or `streamalloc` (the default config). Cases:
 
@@ -47,7 +47,7 @@ SENDERS = {
     "expandable": None,
     "default": "",
     "chunks": "strategy=stream_safe,backing=chunks",
-    "async": "strategy=async,pool=owned",
+    "async": "strategy=async,pool=ipc",
 }
 RECEIVERS = {"native": None, "streamalloc": ""}
 WAIT = 120

@@ -38,7 +38,7 @@ def test_ipc_thousand_cycles_leave_nothing_behind(run_case, sender, receiver):
 
 @pytest.mark.serial
 def test_ipc_thousand_cycles_of_the_driver_pool_leave_nothing_behind(run_case):
-    """strategy=async,pool=owned to a receiver under streamalloc: the pool is imported once,
+    """strategy=async,pool=ipc to a receiver under streamalloc: the pool is imported once,
     each allocation's import freed with its last tensor."""
     run_case(WORKER, "cycles", "async", "streamalloc")
 
