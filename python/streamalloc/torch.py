@@ -27,7 +27,9 @@ under torch's allocators:
 * CUDA tensors shared with other processes (`torch.multiprocessing`): mapped memory (the
   default) through exported file descriptors that a receiver under streamalloc maps, memory of
   cuMemAlloc chunks (`backing=chunks`, `strategy=plain`) in torch's own handle format; the
-  driver's pool (`strategy=async`) cannot be shared, and sharing raises saying so.
+  library's own driver pool (`strategy=async,pool=ipc`) per allocation, to a receiver under
+  streamalloc only (torch's own allocator refuses the handle as one of a later version); the
+  device's default pool (`strategy=async`) cannot be shared, and sharing raises saying so.
 
 Where the backend cannot be had (no prebuilt one for this torch, and no compiler or no CUDA
 headers), `enable()` warns once, naming what is missing and what will not work, and falls back to torch's

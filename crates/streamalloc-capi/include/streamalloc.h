@@ -18,6 +18,15 @@ typedef struct CUstream_st *cudaStream_t;
 // mapped memory (an expandable segment), apart from `'c'` (a CUDA IPC handle).
 #define STREAMALLOC_IPC_KIND 101
 
+// The first byte of a handle of memory of the driver's pool (`strategy=async,pool=ipc`):
+// above PyTorch's `SHAREABLE_HANDLE_VERSION`, so that PyTorch's own receiver refuses it
+// with its error for a handle of a later version instead of failing on its kind (see
+// DESIGN.md, "IPC").
+#define STREAMALLOC_IPC_POOL_VERSION 255
+
+// The second byte of a handle of memory of the driver's pool (`'p'`).
+#define STREAMALLOC_IPC_POOL_KIND 112
+
 // The latest virtual time, in ns, of the simulator's clock and of the work on its streams
 // (2^62 ns, about 146 years): [`streamalloc_sim_advance`] and [`streamalloc_sim_use`] refuse
 // to go past it.
@@ -450,8 +459,13 @@ enum streamalloc_status_t streamalloc_sim_use_host(int device,
 // receiver sees too. The memory must stay allocated until the receiver has opened it (once
 // opened, the receiver's mapping keeps it). Memory that is not mapped is
 // `STREAMALLOC_INVALID_ARGUMENT` (`cuMemAlloc` chunks are shared with `cudaIpcGetMemHandle`;
-// the driver's pool, `strategy=async`, not at all); a device that refused to create
-// exportable memory is `STREAMALLOC_UNSUPPORTED`.
+// the device's default pool, `strategy=async` with `pool=default`, not at all); a device
+// that refused to create exportable memory is `STREAMALLOC_UNSUPPORTED`. Memory of the
+// library's own driver pool (`strategy=async,pool=ipc`) is exported as a pool handle
+// ([`STREAMALLOC_IPC_POOL_VERSION`], [`STREAMALLOC_IPC_POOL_KIND`]; offset 0): the driver
+// requires the allocation to stay allocated until every receiver has closed it, and the
+// receiver not to use it before the sender's work that made it is done (torch sends an event
+// for that).
 //
 // # Safety
 // `buf` is NULL or valid for writing `len` bytes; `written` and `offset` are NULL (an error)
@@ -476,7 +490,9 @@ enum streamalloc_status_t streamalloc_ipc_export(void *ptr,
 // permission to ptrace it: refused (EPERM, e.g. a child under `kernel.yama.ptrace_scope` =
 // 1), the call is `STREAMALLOC_UNSUPPORTED` with that cause. The range keeps the memory alive
 // until [`streamalloc_ipc_close`], whatever the exporter does meanwhile. Each call maps the
-// memory anew (a receiver keeps one range per handle if it wants one).
+// memory anew (a receiver keeps one range per handle if it wants one). A pool handle is
+// checked against the registry the same way; its allocation is imported once per process
+// (later opens of it give the same pointer and are counted) and freed at the last close.
 //
 // # Safety
 // `handle` is valid for reading `len` bytes (NULL is an error); `ptr` is NULL (an error) or

@@ -71,7 +71,7 @@ pub use host::{
 };
 pub use ipc::{
     streamalloc_ipc_close, streamalloc_ipc_export, streamalloc_ipc_open, STREAMALLOC_IPC_KIND,
-    STREAMALLOC_IPC_VERSION,
+    STREAMALLOC_IPC_POOL_KIND, STREAMALLOC_IPC_POOL_VERSION, STREAMALLOC_IPC_VERSION,
 };
 pub use segments::{streamalloc_segments, StreamallocBlock, StreamallocBlockState, StreamallocSegment};
 pub use sim::{

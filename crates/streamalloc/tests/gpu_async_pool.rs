@@ -23,7 +23,12 @@ const GIB: usize = 1 << 30;
 
 /// An owned pool that keeps its memory, so that reuse is visible by address.
 fn owned_pool(device: &Arc<dyn DeviceTestExt>) -> AsyncPool {
-    let mode = PoolMode::Owned { release_threshold: usize::MAX, reuse: ReuseFlags::default(), max_size: 0 };
+    let mode = PoolMode::Owned {
+        release_threshold: usize::MAX,
+        reuse: ReuseFlags::default(),
+        max_size: 0,
+        exportable: false,
+    };
     AsyncPool::new(device.clone(), AsyncPoolConfig { mode, ..AsyncPoolConfig::default() })
 }
 

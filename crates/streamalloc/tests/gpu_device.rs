@@ -265,7 +265,7 @@ fn async_pool_round_trip() {
     assert_eq!(dev.default_pool().unwrap(), default);
     pool_round_trip(&dev, default, s);
 
-    let pool = dev.create_pool(PoolProps { max_size: 64 * MIB }).unwrap();
+    let pool = dev.create_pool(PoolProps { max_size: 64 * MIB, exportable: false }).unwrap();
     assert_ne!(pool, default);
     for attr in [
         PoolAttr::ReleaseThreshold,

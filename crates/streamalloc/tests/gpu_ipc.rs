@@ -11,6 +11,9 @@
 //! child over its parent; there the first test fails with that cause named, and the second
 //! still shows the sharing itself.
 //!
+//! An allocation of an exportable driver pool (`Device::export_pool_pointer`) is imported the
+//! same way (`Device::import_pool_pointer`), by a parent from its child.
+//!
 //! Every wait is bounded: a peer's line is awaited at most [`LIMIT`], then the child is killed.
 
 mod gpu_common;
@@ -24,7 +27,8 @@ use std::time::{Duration, Instant};
 use gpu_common::gpu;
 use streamalloc::allocators::backing::share_mapped;
 use streamalloc::allocators::{BackingKind, BestFit, BestFitConfig};
-use streamalloc::device::ipc::{fetch_fds, SharedPiece};
+use streamalloc::device::ipc::{fetch_fds, SharedPiece, POOL_POINTER_DATA};
+use streamalloc::device::PoolProps;
 use streamalloc::Allocator;
 
 /// The environment variable that makes the test executable a child in a role (`exporter` or
@@ -215,11 +219,66 @@ fn receive(peer: &mut dyn Peer) {
     peer.send("KEPT");
 }
 
+/// Allocates from a pool created exportable, writes a pattern and exports the allocation; once
+/// the receiver wrote another and freed its import, checks it, frees and destroys the pool.
+fn export_pool(peer: &mut dyn Peer) {
+    let dev = gpu();
+    let s = dev.create_stream().expect("create_stream");
+    let pool = dev.create_pool(PoolProps { max_size: 0, exportable: true }).expect("an exportable pool");
+    let size = 3 * MIB + 512;
+    let ptr = dev.alloc_async(size, pool, s).expect("alloc_async");
+    dev.copy_from_host(ptr, &pattern(size, 1), s).expect("copy_from_host");
+    dev.synchronize_stream(s).expect("synchronize_stream");
+    let export = dev.export_pool_pointer(ptr, size).expect("export_pool_pointer");
+    assert_eq!(dev.export_pool_pointer(ptr, size).expect("again"), export, "exported once");
+    let data: Vec<String> = export.data.iter().map(|b| format!("{b:02x}")).collect();
+    peer.send(&format!("POOL {} {} {size} {}", std::process::id(), export.fd, data.concat()));
+    assert_eq!(peer.recv(), "CLOSED");
+    let mut back = vec![0; size];
+    dev.copy_to_host(&mut back, ptr, s).expect("copy_to_host");
+    assert!(back == pattern(size, 2), "the exporter does not read what the receiver wrote");
+    dev.free_async(ptr, s).expect("free_async");
+    dev.synchronize_stream(s).expect("synchronize_stream");
+    dev.destroy_pool(pool).expect("destroy_pool");
+    peer.send("DONE");
+}
+
+/// Imports the pool allocation the exporter's line describes, checks its pattern, writes
+/// another and frees the import.
+fn receive_pool(peer: &mut dyn Peer) {
+    let spec = peer.recv();
+    let fields: Vec<&str> = spec.split(' ').collect();
+    let [_, pid, fd, size, data] = fields[..] else { panic!("a bad line from the exporter: {spec}") };
+    let (pid, fd, size): (u32, i32, usize) =
+        (pid.parse().unwrap(), fd.parse().unwrap(), size.parse().unwrap());
+    let mut bytes = [0u8; POOL_POINTER_DATA];
+    for (i, b) in bytes.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&data[2 * i..2 * i + 2], 16).unwrap();
+    }
+    let dev = gpu();
+    let fds = fetch_fds(pid, &[fd]).unwrap_or_else(|e| panic!("copying the exporter's descriptor: {e}"));
+    let ptr = dev.import_pool_pointer(fds[0].as_fd(), &bytes).expect("import_pool_pointer");
+    drop(fds);
+    let s = dev.create_stream().expect("create_stream");
+    let mut back = vec![0; size];
+    dev.copy_to_host(&mut back, ptr, s).expect("copy_to_host");
+    assert!(back == pattern(size, 1), "the receiver does not read what the exporter wrote");
+    dev.copy_from_host(ptr, &pattern(size, 2), s).expect("copy_from_host");
+    dev.synchronize().expect("synchronize");
+    dev.free_imported(ptr).expect("free_imported");
+    peer.send("CLOSED");
+    assert_eq!(peer.recv(), "DONE");
+}
+
 /// Runs `parent` here, and the other role in a child spawned to run `test` again; in that
 /// child (the environment names its role), runs the role and returns.
 fn run(test: &str, parent: fn(&mut dyn Peer), child_role: &str) {
     if let Ok(role) = std::env::var(ROLE) {
-        let act = if role == "exporter" { export } else { receive };
+        let act = match role.as_str() {
+            "exporter" => export,
+            "pool_exporter" => export_pool,
+            _ => receive,
+        };
         return act(&mut Parent(BufReader::new(std::io::stdin())));
     }
     let mut spawned = Spawned::start(test, child_role);
@@ -237,4 +296,11 @@ fn a_spawned_child_maps_what_its_parent_exports() {
 #[ignore = "needs a CUDA GPU"]
 fn a_parent_maps_what_its_spawned_child_exports() {
     run("a_parent_maps_what_its_spawned_child_exports", receive, "exporter");
+}
+
+/// The parent imports (it may ptrace its child under any Yama setting).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_parent_imports_a_pool_allocation_its_spawned_child_exports() {
+    run("a_parent_imports_a_pool_allocation_its_spawned_child_exports", receive_pool, "pool_exporter");
 }

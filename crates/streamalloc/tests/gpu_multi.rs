@@ -91,7 +91,12 @@ fn the_facade_keeps_a_stack_per_gpu() {
 fn peer_copy_of_pool_memory_needs_access() {
     let (d0, d1) = two_gpus();
     // An owned pool: access granted here is not seen by other users of the default pool.
-    let mode = PoolMode::Owned { release_threshold: 0, reuse: ReuseFlags::default(), max_size: 0 };
+    let mode = PoolMode::Owned {
+        release_threshold: 0,
+        reuse: ReuseFlags::default(),
+        max_size: 0,
+        exportable: false,
+    };
     let pool = AsyncPool::new(d0.clone(), AsyncPoolConfig { mode, ..Default::default() });
     let raw = pool.pool().unwrap();
     const N: usize = 48 * MIB + 512;

@@ -52,7 +52,12 @@ fn each_device_has_its_own_stack_and_stats() {
 
 /// An AsyncPool on its own pool of `device`.
 fn owned_pool(device: Arc<dyn Device>) -> AsyncPool {
-    let mode = PoolMode::Owned { release_threshold: 0, reuse: ReuseFlags::default(), max_size: 0 };
+    let mode = PoolMode::Owned {
+        release_threshold: 0,
+        reuse: ReuseFlags::default(),
+        max_size: 0,
+        exportable: false,
+    };
     AsyncPool::new(device, AsyncPoolConfig { mode, ..Default::default() })
 }
 

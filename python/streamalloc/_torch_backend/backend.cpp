@@ -50,9 +50,10 @@
 //                                   as 'c' (cudaIpcMemHandle_t), mapped memory (stitched, the
 //                                   default, or segments) as 'e' (torch's expandable-segment
 //                                   layout, streamalloc_ipc_export; the receiver copies file
-//                                   descriptors with pidfd_getfd); the driver's pool
-//                                   (strategy=async) refused with the reason. See Note [IPC
-//                                   formats]
+//                                   descriptors with pidfd_getfd); the library's own driver
+//                                   pool (strategy=async,pool=ipc) as its 'p' (version 0xff,
+//                                   streamalloc receivers only); the device's default pool
+//                                   refused with the reason. See Note [IPC formats]
 //   recordHistory / snapshot        torch's memory history (_record_memory_history, _snapshot,
 //                                   _dump_snapshot, memory_viz): see "History" below
 //   recordAnnotation, push/pop-     kept as native keeps them (annotations in the snapshot's
@@ -1496,12 +1497,17 @@ class Backend : public CCA::CUDAAllocator {
   static constexpr unsigned char kHandleVersion = 2; // torch <= 2.12's SHAREABLE_HANDLE_VERSION
   static constexpr char kCudaMalloc = 'c'; // SHAREABLE_CUDA_MALLOC
   static constexpr char kMapped = 'e'; // SHAREABLE_CUDA_EXPANDABLE_SEGMENT: streamalloc_ipc_export's
+  static constexpr char kPool = STREAMALLOC_IPC_POOL_KIND; // the driver's pool (version 0xff)
 
   // Note [IPC formats]: memory of cuMemAlloc chunks travels as torch's 'c' (a CUDA IPC handle
   // of the chunk); mapped memory as torch's 'e' (ExpandableSegment::share's layout:
   // streamalloc_ipc_export writes it, 2 MiB allocations exported as file descriptors, plus a
   // trailer torch's receiver does not read), so a receiver under torch's own allocator opens
-  // either. The driver's pool (strategy=async) is refused at put, naming the configs that share.
+  // either. Memory of the library's own driver pool (strategy=async,pool=ipc) travels as the
+  // library's 'p' handle with version byte 0xff: torch's own receiver refuses it with its
+  // "future version of torch" error (its getIpcDevPtr checks the version before the kind), a
+  // receiver under streamalloc imports it (streamalloc_ipc_open). The device's default pool
+  // (strategy=async, pool=default) is refused at put, naming the configs that share.
   CCA::ShareableHandle shareIpcHandle(void* ptr) override {
     size_t size = 0;
     void* base = lib_.base_allocation(ptr, &size);
@@ -1541,7 +1547,8 @@ class Backend : public CCA::CUDAAllocator {
         why,
         ". Configurations that share: the default (stitched) and backing=segments (torch's expandable-"
         "segment format: the receiver, under torch's allocator or streamalloc, copies file descriptors "
-        "with pidfd_getfd), backing=chunks or strategy=plain (CUDA IPC handles)");
+        "with pidfd_getfd), backing=chunks or strategy=plain (CUDA IPC handles), strategy=async,pool=ipc "
+        "(to a receiver under streamalloc only)");
   }
 
   // As torch's native getIpcDevPtr: one mapping per handle while a tensor holds it, the cache
@@ -1555,7 +1562,8 @@ class Backend : public CCA::CUDAAllocator {
       }
     }
     // A raw handle of an old torch is CUDA_IPC_HANDLE_SIZE bytes; ours and torch's 'e' are not.
-    bool mapped = handle.size() != CUDA_IPC_HANDLE_SIZE && handle.size() >= 2 && handle[1] == kMapped;
+    bool mapped =
+        handle.size() != CUDA_IPC_HANDLE_SIZE && handle.size() >= 2 && (handle[1] == kMapped || handle[1] == kPool);
     void* base = mapped ? open_mapped(handle) : open_cuda_ipc(handle);
     c10::DeviceIndex device = 0;
     C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
@@ -1578,7 +1586,7 @@ class Backend : public CCA::CUDAAllocator {
   // until the last tensor over it goes. PyTorch's own names no device: the current one.
   void* open_mapped(const std::string& handle) {
     TORCH_CHECK(
-        static_cast<unsigned char>(handle[0]) <= kHandleVersion,
+        handle[1] == kPool || static_cast<unsigned char>(handle[0]) <= kHandleVersion,
         "streamalloc: IPC handle of a newer torch (version ",
         static_cast<int>(static_cast<unsigned char>(handle[0])),
         ")");

@@ -19,8 +19,9 @@ RECEIVERS = ["native", "streamalloc"]
 @pytest.mark.parametrize("receiver", RECEIVERS)
 @pytest.mark.parametrize("sender", SENDERS)
 def test_ipc_matrix(run_case, sender, receiver):
-    """Opens with the right sum and sees the other side's write, or (sender async, by design)
-    the sender's refusal at put naming the configurations that share."""
+    """Opens with the right sum and sees the other side's write, or (sender async, receiver
+    native: torch's allocator cannot import a pool's memory) torch's own error for a handle of
+    a later version in the receiver, never an internal assert."""
     run_case(WORKER, "matrix", sender, receiver)
 
 
@@ -33,6 +34,13 @@ def test_ipc_large_expandable_segments_refused_by_streamalloc_receiver(run_case)
 @pytest.mark.parametrize("sender", ["native", "expandable", "default", "chunks"])
 def test_ipc_thousand_cycles_leave_nothing_behind(run_case, sender, receiver):
     run_case(WORKER, "cycles", sender, receiver)
+
+
+@pytest.mark.serial
+def test_ipc_thousand_cycles_of_the_driver_pool_leave_nothing_behind(run_case):
+    """strategy=async,pool=ipc to a receiver under streamalloc: the pool is imported once,
+    each allocation's import freed with its last tensor."""
+    run_case(WORKER, "cycles", "async", "streamalloc")
 
 
 @pytest.mark.parametrize("receiver", RECEIVERS)

@@ -33,7 +33,12 @@ fn pair_ns(alloc: &dyn StreamAllocator, a: Stream, b: Stream, record: bool) -> R
 fn main() -> Result<()> {
     let device: Arc<dyn Device> = CudaDevice::new(0)?;
     let (a, b) = (device.create_stream()?, device.create_stream()?);
-    let mode = PoolMode::Owned { release_threshold: usize::MAX, reuse: ReuseFlags::default(), max_size: 0 };
+    let mode = PoolMode::Owned {
+        release_threshold: usize::MAX,
+        reuse: ReuseFlags::default(),
+        max_size: 0,
+        exportable: false,
+    };
     let async_pool = AsyncPool::new(device.clone(), AsyncPoolConfig { mode, ..Default::default() });
     let stream_safe = StreamSafe::new(device.clone(), StreamSafeConfig::default())?;
     let subjects: [(&str, &dyn StreamAllocator); 2] =

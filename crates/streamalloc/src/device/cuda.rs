@@ -42,7 +42,7 @@ use std::sync::{Arc, OnceLock};
 use cudarc::driver::sys;
 use parking_lot::Mutex;
 
-use super::ipc::SharedPiece;
+use super::ipc::{PoolPointer, SharedPiece, POOL_POINTER_DATA};
 use super::{
     CaptureStatus, Device, DevicePtr, Event, Graph, GraphExec, HostPtr, MemInfo, Pool, PoolAttr, PoolProps,
     Stream,
@@ -88,6 +88,10 @@ const SYMBOLS: &[&str] = &[
     "cuMemExportToShareableHandle",
     "cuMemImportFromShareableHandle",
     "cuMemFreeAsync",
+    "cuMemPoolExportToShareableHandle",
+    "cuMemPoolExportPointer",
+    "cuMemPoolImportFromShareableHandle",
+    "cuMemPoolImportPointer",
     "cuStreamCreate",
     "cuStreamDestroy_v2",
     "cuStreamSynchronize",
@@ -115,7 +119,6 @@ const SYMBOLS: &[&str] = &[
     "cuMemPoolSetAccess",
     #[cfg(feature = "test-util")]
     "cuMemPoolGetAccess",
-    #[cfg(feature = "test-util")]
     "cuPointerGetAttribute",
     #[cfg(feature = "test-util")]
     "cuMemcpyPeerAsync",
@@ -281,6 +284,32 @@ pub struct CudaDevice {
     /// The page-locked host allocations of [`Device::host_alloc`] not yet freed: address ->
     /// size. The copies to and from them ([`Device::copy_to_pinned`]) are checked against it.
     pinned: Mutex<BTreeMap<HostPtr, usize>>,
+    /// Pool allocations exported to other processes and pools imported from them.
+    pool_ipc: Mutex<PoolIpc>,
+}
+
+/// What a [`CudaDevice`] knows of pool IPC ([`Device::export_pool_pointer`],
+/// [`Device::import_pool_pointer`]).
+#[derive(Default)]
+struct PoolIpc {
+    /// Each exportable pool's descriptor (`cuMemPoolExportToShareableHandle`), exported once
+    /// and closed when the pool is destroyed.
+    pool_fds: HashMap<Pool, OwnedFd>,
+    /// Exported allocations: their pool, a copy of the pool's descriptor noted in the export
+    /// registry (closed when the allocation is freed) and its serial.
+    exports: HashMap<DevicePtr, (Pool, OwnedFd, u64)>,
+    /// Pools imported from other processes, by the file their descriptor names (device and
+    /// inode): imported once, kept for the process's life.
+    imported: HashMap<(u64, u64), Pool>,
+}
+
+impl PoolIpc {
+    /// Closes the export of `ptr`, if any, forgotten by the registry first.
+    fn forget(&mut self, ptr: DevicePtr) {
+        if let Some((_, fd, _)) = self.exports.remove(&ptr) {
+            super::ipc::forget_export(fd.as_raw_fd());
+        }
+    }
 }
 
 /// What a [`CudaDevice`] knows of its mappings, for [`Device::grant_mapped_access`] and
@@ -350,6 +379,7 @@ impl CudaDevice {
             vmm: Mutex::new(Vmm::default()),
             exportable: AtomicBool::new(true),
             pinned: Mutex::new(BTreeMap::new()),
+            pool_ipc: Mutex::new(PoolIpc::default()),
         }))
     }
 
@@ -813,7 +843,11 @@ impl Device for CudaDevice {
         let _ctx = self.bind()?;
         let raw = sys::CUmemPoolProps {
             allocType: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-            handleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+            handleTypes: if props.exportable {
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            } else {
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE
+            },
             location: device_location(self.device),
             win32SecurityAttributes: ptr::null_mut(),
             maxSize: props.max_size,
@@ -829,6 +863,12 @@ impl Device for CudaDevice {
 
     fn destroy_pool(&self, p: Pool) -> Result<()> {
         let _ctx = self.bind()?;
+        {
+            let mut ipc = self.pool_ipc.lock();
+            let gone: Vec<DevicePtr> = ipc.exports.iter().filter(|e| e.1 .0 == p).map(|e| *e.0).collect();
+            gone.into_iter().for_each(|ptr| ipc.forget(ptr));
+            ipc.pool_fds.remove(&p);
+        }
         // SAFETY: the driver validates the pool handle; destroying a pool with live
         // allocations is defined (they are freed when released).
         check(unsafe { sys::cuMemPoolDestroy(pool(p)) }, "cuMemPoolDestroy")
@@ -1092,6 +1132,109 @@ impl Device for CudaDevice {
         })
     }
 
+    fn export_pool_pointer(&self, ptr: DevicePtr, len: usize) -> Result<PoolPointer> {
+        let _ctx = self.bind_relaxed()?;
+        let mut p: sys::CUmemoryPool = ptr::null_mut();
+        // SAFETY: `p` is a valid out-pointer of the attribute's type (a pool handle); the driver
+        // validates `ptr`.
+        check(
+            unsafe {
+                sys::cuPointerGetAttribute(
+                    (&mut p as *mut sys::CUmemoryPool).cast(),
+                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
+                    ptr,
+                )
+            },
+            "cuPointerGetAttribute(MEMPOOL_HANDLE)",
+        )
+        .map_err(|e| Error::InvalidArgument(format!("{ptr:#x} is no pool allocation ({e})")))?;
+        let pool_handle = Pool(handle(p));
+        let mut data = sys::CUmemPoolPtrExportData { reserved: [0; POOL_POINTER_DATA] };
+        // SAFETY: `data` is a valid out-struct; the driver validates `ptr` (a live pool
+        // allocation of an exportable pool, else an error).
+        check(unsafe { sys::cuMemPoolExportPointer(&mut data, ptr) }, "cuMemPoolExportPointer")
+            .map_err(|e| Error::InvalidArgument(format!("{ptr:#x}: memory of no exportable pool ({e})")))?;
+        let mut ipc = self.pool_ipc.lock();
+        if let Some((_, fd, serial)) = ipc.exports.get(&ptr) {
+            return Ok(PoolPointer { fd: fd.as_raw_fd(), serial: *serial, data: data.reserved });
+        }
+        let pool_fd = match ipc.pool_fds.entry(pool_handle) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                let mut fd: c_int = -1;
+                // SAFETY: for a POSIX file descriptor the driver writes an `int`, which `fd`
+                // is, alive across the call.
+                check(
+                    unsafe {
+                        sys::cuMemPoolExportToShareableHandle(
+                            (&mut fd as *mut c_int).cast(),
+                            p,
+                            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                            0,
+                        )
+                    },
+                    "cuMemPoolExportToShareableHandle",
+                )?;
+                // SAFETY: the driver made a new descriptor for the export, owned by nobody else.
+                e.insert(unsafe { OwnedFd::from_raw_fd(fd) })
+            }
+        };
+        let copy =
+            pool_fd.try_clone().map_err(|e| Error::Io(format!("a copy of the pool's descriptor: {e}")))?;
+        let raw = copy.as_raw_fd();
+        let serial = super::ipc::note_export(raw, len as u64)?;
+        ipc.exports.insert(ptr, (pool_handle, copy, serial));
+        Ok(PoolPointer { fd: raw, serial, data: data.reserved })
+    }
+
+    fn import_pool_pointer(&self, fd: BorrowedFd<'_>, data: &[u8; POOL_POINTER_DATA]) -> Result<DevicePtr> {
+        let _ctx = self.bind()?;
+        let meta = fd
+            .try_clone_to_owned()
+            .and_then(|own| std::fs::File::from(own).metadata())
+            .map_err(|e| Error::InvalidArgument(format!("descriptor {}: {e}", fd.as_raw_fd())))?;
+        let file = (std::os::unix::fs::MetadataExt::dev(&meta), std::os::unix::fs::MetadataExt::ino(&meta));
+        let mut ipc = self.pool_ipc.lock();
+        let imported = match ipc.imported.get(&file) {
+            Some(&p) => p,
+            None => {
+                let mut p: sys::CUmemoryPool = ptr::null_mut();
+                // SAFETY: for a POSIX file descriptor the driver takes the descriptor's value as
+                // the handle and only reads the file it names, which `fd` keeps open across the
+                // call; `p` is a valid out-pointer.
+                check(
+                    unsafe {
+                        sys::cuMemPoolImportFromShareableHandle(
+                            &mut p,
+                            fd.as_raw_fd() as usize as *mut c_void,
+                            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                            0,
+                        )
+                    },
+                    "cuMemPoolImportFromShareableHandle",
+                )?;
+                ipc.imported.insert(file, Pool(handle(p)));
+                Pool(handle(p))
+            }
+        };
+        let mut raw = sys::CUmemPoolPtrExportData { reserved: *data };
+        let mut d: sys::CUdeviceptr = 0;
+        // SAFETY: `raw` and `d` are valid for the call; the driver validates the imported pool
+        // and the export data.
+        check(
+            unsafe { sys::cuMemPoolImportPointer(&mut d, pool(imported), &mut raw) },
+            "cuMemPoolImportPointer",
+        )?;
+        Ok(d)
+    }
+
+    fn free_imported(&self, ptr: DevicePtr) -> Result<()> {
+        let _ctx = self.bind()?;
+        // SAFETY: the caller frees a pointer it imported and no longer uses; cuMemFree waits
+        // for the device's work on it.
+        check(unsafe { sys::cuMemFree_v2(ptr) }, "cuMemFree")
+    }
+
     fn alloc_async(&self, size: usize, p: Pool, s: Stream) -> Result<DevicePtr> {
         let mut d: sys::CUdeviceptr = 0;
         let d_ptr: *mut sys::CUdeviceptr = &mut d;
@@ -1106,6 +1249,7 @@ impl Device for CudaDevice {
     }
 
     fn free_async(&self, ptr: DevicePtr, s: Stream) -> Result<()> {
+        self.pool_ipc.lock().forget(ptr);
         // SAFETY: the driver validates `ptr` and the stream (and reports a missing context,
         // see `on_stream`); the caller owns the memory it frees.
         check(self.on_stream(s, || unsafe { sys::cuMemFreeAsync(ptr, stream(s)) })?, "cuMemFreeAsync")

@@ -171,6 +171,22 @@ pub struct SharedPiece {
     pub len: u64,
 }
 
+/// Bytes of the driver's data for an exported pool pointer (`CUmemPoolPtrExportData`).
+pub const POOL_POINTER_DATA: usize = 64;
+
+/// An allocation of a pool exported for another process
+/// ([`Device::export_pool_pointer`](super::Device::export_pool_pointer)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolPointer {
+    /// The POSIX file descriptor, open in this process, that stands for the pool; the device
+    /// owns it and closes it when the allocation is freed (the registry forgets it first).
+    pub fd: RawFd,
+    /// The export's serial in the registry ([`note_export`]).
+    pub serial: u64,
+    /// The driver's data for the pointer (`cuMemPoolExportPointer`).
+    pub data: [u8; POOL_POINTER_DATA],
+}
+
 /// Copies the file descriptors `fds` of the process `pid` into this one (`pidfd_open`, then
 /// `pidfd_getfd` for each), in order. The kernel allows it where this process may ptrace
 /// `pid` (the same user and, under Yama's `kernel.yama.ptrace_scope` = 1, `pid` a descendant

@@ -133,6 +133,9 @@ pub struct PoolProps {
     /// Largest size the pool may reserve, in bytes; 0 means no limit. Honoured where the
     /// driver offers it (CUDA 12.2 and later).
     pub max_size: usize,
+    /// Whether the pool's memory can be shared with other processes
+    /// (`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`, [`Device::export_pool_pointer`]).
+    pub exportable: bool,
 }
 
 /// What an allocator needs from a GPU. Object-safe: allocators hold an `Arc<dyn Device>`.
@@ -241,6 +244,28 @@ pub trait Device: Send + Sync {
     /// exported ([`Device::export_mapped`]) and has not closed the export of: memory another
     /// process may map. Unmapped granules are not.
     fn exports_any(&self, addr: DevicePtr, size: usize) -> Result<bool>;
+    /// Exports the live allocation of at least `len` bytes at `ptr` of an exportable pool
+    /// ([`PoolProps::exportable`]) for another process: a POSIX file descriptor that stands for
+    /// the pool (`cuMemPoolExportToShareableHandle`, once per pool), open in this process and
+    /// noted in the export registry with `len` ([`ipc::note_export`]) until the allocation is
+    /// freed, and the driver's data for the pointer (`cuMemPoolExportPointer`). Exporting it
+    /// again hands out the same. Memory of no exportable pool is an
+    /// [`InvalidArgument`](crate::Error::InvalidArgument). The driver requires the allocation
+    /// to stay allocated until every process that imported it has freed its import.
+    fn export_pool_pointer(&self, ptr: DevicePtr, len: usize) -> Result<ipc::PoolPointer>;
+    /// Imports, in this process, a pool allocation another process exported
+    /// ([`Device::export_pool_pointer`]): `fd` is a copy of the exporter's descriptor, `data`
+    /// the driver's data for the pointer. The pool is imported once per pool
+    /// (`cuMemPoolImportFromShareableHandle`), the pointer at each call
+    /// (`cuMemPoolImportPointer`); free it with [`Device::free_imported`].
+    fn import_pool_pointer(
+        &self,
+        fd: BorrowedFd<'_>,
+        data: &[u8; ipc::POOL_POINTER_DATA],
+    ) -> Result<DevicePtr>;
+    /// Frees a pointer [`Device::import_pool_pointer`] imported (`cuMemFree`, which waits for
+    /// the device's work on it).
+    fn free_imported(&self, ptr: DevicePtr) -> Result<()>;
     /// Maps at `[addr, addr + len)`, inside a reservation and unmapped, `len` bytes from
     /// `offset` of the physical allocation that `fd` stands for (a descriptor of an
     /// [`ipc::SharedPiece`], possibly of another process, copied here by [`ipc::fetch_fds`]),

@@ -16,6 +16,11 @@
 //!   by inserting a wait on the free (internal dependencies), as the driver's default
 //!   attributes allow. Pools reserve in 2 MiB granules and release free granules above the
 //!   release threshold at synchronizations, or on `trim_pool`.
+//! * **Pool IPC.** An allocation of a pool created exportable is exported with a real
+//!   descriptor noted in the export registry ([`Device::export_pool_pointer`]) and imported
+//!   at the exporter's own address (one address space stands for both processes), counted
+//!   until [`Device::free_imported`]; freeing the allocation closes its export, and freeing
+//!   it while an import is held is a [`ViolationKind::FreeOfImported`].
 //! * **Address reservations** ([`Device::reserve_address`]) take no memory; mapping a range
 //!   of one takes 2 MiB granules from the same memory as plain allocations, and unmapping
 //!   the last mapping of a granule gives it back. [`Device::map_alias`] maps granules a
@@ -84,7 +89,7 @@
 //! The only randomness (the jitter of the durations of memsets and copies) comes from
 //! [`SimConfig::seed`].
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixStream;
@@ -95,7 +100,7 @@ use parking_lot::Mutex;
 #[cfg(feature = "test-util")]
 use rand::{rngs::SmallRng, SeedableRng};
 
-use super::ipc::SharedPiece;
+use super::ipc::{PoolPointer, SharedPiece, POOL_POINTER_DATA};
 use super::{
     CaptureStatus, Device, DevicePtr, Event, Graph, GraphExec, HostPtr, MemInfo, Pool, PoolAttr, PoolProps,
     Stream,
@@ -170,6 +175,10 @@ pub enum ViolationKind {
     /// mapped (a closed IPC range, a sleeping tag's memory, a freed reservation): refused,
     /// as a GPU would fault. `user_stream` is the stream it was enqueued on.
     UnmappedUse,
+    /// A pool allocation was freed ([`Device::free_async`]) while another process still held
+    /// an import of it ([`Device::import_pool_pointer`]): the driver requires every importer
+    /// to free its import first.
+    FreeOfImported,
 }
 
 /// One early reuse, or one device call on memory in use, found by the ordering checker.
@@ -439,6 +448,8 @@ struct State {
     mappings: HashMap<u64, u32>,
     /// Memory exported to other processes, and mappings of it by [`Device::map_shared`].
     shared: Shared,
+    /// Pool allocations exported to other processes and imports of them.
+    pool_ipc: PoolIpc,
     /// The bytes of granules of memory in `mapped` that were written.
     #[cfg(feature = "test-util")]
     contents: HashMap<u64, Bytes>,
@@ -507,6 +518,7 @@ impl SimDevice {
             mapped: BTreeMap::new(),
             mappings: HashMap::new(),
             shared: Shared::default(),
+            pool_ipc: PoolIpc::default(),
             #[cfg(feature = "test-util")]
             contents: HashMap::new(),
             calls: 0,
@@ -690,6 +702,13 @@ impl SimDevice {
     /// descriptor is still open: the exporter still maps them.
     pub fn exported(&self) -> usize {
         self.state.lock().shared.exports.len()
+    }
+
+    /// Pool allocations exported ([`Device::export_pool_pointer`]) and not yet freed, and
+    /// imports of them ([`Device::import_pool_pointer`]) not yet freed.
+    pub fn pool_exports(&self) -> (usize, usize) {
+        let st = self.state.lock();
+        (st.pool_ipc.exports.len(), st.pool_ipc.imports.values().map(|&n| n as usize).sum())
     }
 
     /// Streams created and not yet destroyed (the default stream not counted).
@@ -1034,6 +1053,20 @@ impl State {
             .remove(&ptr)
             .ok_or_else(|| Error::InvalidArgument(format!("free_async of unknown pointer {ptr:#x}")))?;
         self.graph_mem.remove(&ptr);
+        if self.pool_ipc.imports.get(&ptr).is_some_and(|&n| n > 0) {
+            let now = self.now;
+            self.violations.push(Violation {
+                kind: ViolationKind::FreeOfImported,
+                ptr,
+                len: n,
+                stream: stream.unwrap_or(Stream::DEFAULT),
+                usable_at: now,
+                user_stream: Stream::DEFAULT,
+                user_ptr: ptr,
+                use_ends_at: now,
+            });
+        }
+        self.pool_ipc.forget(ptr);
         let p = self.pools.get_mut(&pool).expect("allocations of destroyed pools are dropped");
         p.used -= n;
         let (chunk, chunk_len) = p.chunk_of(ptr).expect("pool allocations lie in its chunks");
@@ -1202,6 +1235,9 @@ impl Device for SimDevice {
         self.call(|st| {
             let p = Pool(st.id());
             st.pools.insert(p, PoolState::new(props.max_size));
+            if props.exportable {
+                st.pool_ipc.exportable.insert(p);
+            }
             Ok(p)
         })
     }
@@ -1215,6 +1251,10 @@ impl Device for SimDevice {
             st.async_allocs.retain(|_, (owner, _)| *owner != pool);
             let live = &st.async_allocs;
             st.graph_mem.retain(|ptr, _| live.contains_key(ptr));
+            st.pool_ipc.exportable.remove(&pool);
+            let gone: Vec<DevicePtr> =
+                st.pool_ipc.exports.keys().filter(|p| !st.async_allocs.contains_key(p)).copied().collect();
+            gone.into_iter().for_each(|p| st.pool_ipc.forget(p));
             for (start, size) in p.chunks {
                 st.space.give(start, size);
             }
@@ -1524,6 +1564,75 @@ impl Device for SimDevice {
             st.shared.at.insert(addr);
             st.mapping_calls += 1;
             st.mapped_granules += 1;
+            Ok(())
+        })
+    }
+
+    /// The descriptor is one end of a socket pair (a real descriptor with a file of its own),
+    /// the data the pointer and the export's serial.
+    fn export_pool_pointer(&self, ptr: DevicePtr, len: usize) -> Result<PoolPointer> {
+        self.call(|st| {
+            let Some(&(pool, size)) = st.async_allocs.get(&ptr) else {
+                return Err(Error::InvalidArgument(format!("{ptr:#x} is no live pool allocation")));
+            };
+            if !st.pool_ipc.exportable.contains(&pool) {
+                return Err(Error::InvalidArgument(format!(
+                    "{ptr:#x} is memory of a pool not created exportable"
+                )));
+            }
+            if len == 0 || len > size {
+                return Err(Error::InvalidArgument(format!("{len} bytes of the {size} of {ptr:#x}")));
+            }
+            if let Some((fd, _, serial)) = st.pool_ipc.exports.get(&ptr) {
+                return Ok(PoolPointer {
+                    fd: fd.as_raw_fd(),
+                    serial: *serial,
+                    data: pool_data(ptr, *serial),
+                });
+            }
+            let io = |e: std::io::Error| Error::Io(format!("a descriptor for an exported pool: {e}"));
+            let (end, _) = UnixStream::pair().map_err(io)?;
+            let fd = OwnedFd::from(end);
+            let file = file_of(fd.as_fd())?;
+            let raw = fd.as_raw_fd();
+            let serial = super::ipc::note_export(raw, len as u64)?;
+            st.pool_ipc.by_file.insert(file, ptr);
+            st.pool_ipc.exports.insert(ptr, (fd, file, serial));
+            Ok(PoolPointer { fd: raw, serial, data: pool_data(ptr, serial) })
+        })
+    }
+
+    /// The import is the exporter's own address (one address space stands for both
+    /// processes), counted until [`Device::free_imported`].
+    fn import_pool_pointer(&self, fd: BorrowedFd<'_>, data: &[u8; POOL_POINTER_DATA]) -> Result<DevicePtr> {
+        let file = file_of(fd)?;
+        self.call(|st| {
+            let Some(&ptr) = st.pool_ipc.by_file.get(&file) else {
+                return Err(Error::InvalidArgument(format!(
+                    "descriptor {} stands for no pool simulated device {} exports",
+                    fd.as_raw_fd(),
+                    self.config.ordinal
+                )));
+            };
+            let serial = st.pool_ipc.exports.get(&ptr).map_or(0, |e| e.2);
+            if *data != pool_data(ptr, serial) {
+                return Err(Error::InvalidArgument("the pointer's export data is not the pool's".into()));
+            }
+            *st.pool_ipc.imports.entry(ptr).or_default() += 1;
+            Ok(ptr)
+        })
+    }
+
+    fn free_imported(&self, ptr: DevicePtr) -> Result<()> {
+        self.call(|st| {
+            let Some(n) = st.pool_ipc.imports.get_mut(&ptr) else {
+                return Err(Error::InvalidArgument(format!("{ptr:#x} is no imported pool pointer")));
+            };
+            *n -= 1;
+            if *n == 0 {
+                st.pool_ipc.imports.remove(&ptr);
+            }
+            st.sync_device();
             Ok(())
         })
     }
@@ -2004,6 +2113,39 @@ impl Shared {
             }
         }
     }
+}
+
+/// Pool allocations a simulated device exported ([`Device::export_pool_pointer`]) and
+/// imports of them ([`Device::import_pool_pointer`]).
+#[derive(Default)]
+struct PoolIpc {
+    /// Pools created exportable.
+    exportable: HashSet<Pool>,
+    /// Exported allocations: their descriptor, its file and the export's serial, closed when
+    /// the allocation is freed.
+    exports: HashMap<DevicePtr, (OwnedFd, FileId, u64)>,
+    /// The allocation each exported file stands for.
+    by_file: HashMap<FileId, DevicePtr>,
+    /// Imports not yet freed, per allocation.
+    imports: HashMap<DevicePtr, u32>,
+}
+
+impl PoolIpc {
+    /// Closes the export of `ptr`, if any, forgotten by the registry first.
+    fn forget(&mut self, ptr: DevicePtr) {
+        if let Some((fd, file, _)) = self.exports.remove(&ptr) {
+            super::ipc::forget_export(fd.as_raw_fd());
+            self.by_file.remove(&file);
+        }
+    }
+}
+
+/// The simulator's export data of pool pointer `ptr`: the pointer and the export's serial.
+fn pool_data(ptr: DevicePtr, serial: u64) -> [u8; POOL_POINTER_DATA] {
+    let mut data = [0; POOL_POINTER_DATA];
+    data[..8].copy_from_slice(&ptr.to_le_bytes());
+    data[8..16].copy_from_slice(&serial.to_le_bytes());
+    data
 }
 
 /// The error for a pool handle the simulator did not make (or has destroyed).

@@ -86,6 +86,10 @@ pub enum PoolChoice {
     Default,
     /// A pool the allocator creates and owns.
     Owned,
+    /// A pool the allocator creates and owns, whose memory other processes can import (IPC:
+    /// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`); CUDA graphs cannot capture its
+    /// allocations (the driver's graph memory does not support IPC).
+    Ipc,
 }
 
 /// A byte limit: absolute, or a fraction of the device's memory.
@@ -147,7 +151,8 @@ pub struct Config {
     /// `expandable=false` are aliases of `backing=stitched` and `backing=chunks`. Default
     /// `stitched`.
     pub backing: BackingKind,
-    /// `pool`: `default` or `owned`, for `async`. Default `default`.
+    /// `pool`: `default`, `owned` or `ipc` (owned, and shareable with other processes), for
+    /// `async`. Default `default`.
     pub pool: PoolChoice,
     /// `release_threshold`: bytes the `async` strategy's pool keeps reserved at
     /// synchronizations (`max` for all), set at first use (on the default pool too, as
@@ -211,7 +216,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ("growth", "a size above 1MiB that is a multiple of 256 bytes, e.g. 20MiB"),
     ("backing", "the name of a backing (allocators::backing::BACKINGS)"),
     ("expandable", "true | false (an alias: backing=stitched | backing=chunks)"),
-    ("pool", "default | owned"),
+    ("pool", "default | owned | ipc"),
     ("release_threshold", "a size, or max"),
     ("throttle", "a ratio in (0, 1], or 1 to turn it off"),
     ("trim_floor", "a size"),
@@ -299,6 +304,7 @@ impl Config {
                     c.pool = match value {
                         "default" => PoolChoice::Default,
                         "owned" => PoolChoice::Owned,
+                        "ipc" => PoolChoice::Ipc,
                         _ => return Err(bad()),
                     }
                 }
@@ -421,6 +427,7 @@ impl fmt::Display for Config {
             let pool = match self.pool {
                 PoolChoice::Default => "default",
                 PoolChoice::Owned => "owned",
+                PoolChoice::Ipc => "ipc",
             };
             let threshold = if self.release_threshold == u64::MAX {
                 "max".to_string()
@@ -655,7 +662,7 @@ mod tests {
         assert!(err("throttle=0").contains("throttle"));
         assert!(err("limit=0").contains("limit=0"));
         assert!(err("device=tpu").contains("cuda | sim"));
-        assert!(err("pool=mine").contains("default | owned"));
+        assert!(err("pool=mine").contains("default | owned | ipc"));
         assert!(err("stats=yes").contains("true | false"));
         assert!(err("expandable=1").contains("true | false"));
         assert!(err("retry_timeout=soon").contains("a duration"));

@@ -85,10 +85,11 @@ pub static ASYNC: StrategySpec = StrategySpec {
             PoolChoice::Default => PoolMode::DefaultPool {
                 release_threshold: Some(usize::try_from(config.release_threshold).unwrap_or(usize::MAX)),
             },
-            PoolChoice::Owned => PoolMode::Owned {
+            PoolChoice::Owned | PoolChoice::Ipc => PoolMode::Owned {
                 release_threshold: usize::try_from(config.release_threshold).unwrap_or(usize::MAX),
                 reuse: ReuseFlags::default(),
                 max_size: 0,
+                exportable: config.pool == PoolChoice::Ipc,
             },
         };
         let async_config = AsyncPoolConfig {

@@ -107,6 +107,10 @@ pub enum PoolMode {
         /// Largest size the pool may reserve, in bytes; 0 means no limit. Honoured where the
         /// driver offers it (CUDA 12.2 and later).
         max_size: usize,
+        /// Whether other processes can import its memory
+        /// ([`Device::export_pool_pointer`]); CUDA graphs cannot capture allocations of such a
+        /// pool.
+        exportable: bool,
     },
     /// A pool made by someone else; the allocator never changes or destroys it.
     View(Pool),
@@ -140,7 +144,12 @@ impl Default for ReuseFlags {
 ///
 /// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
 /// // A pool of its own that keeps up to 256 MiB reserved at synchronizations.
-/// let mode = PoolMode::Owned { release_threshold: 256 << 20, reuse: ReuseFlags::default(), max_size: 0 };
+/// let mode = PoolMode::Owned {
+///     release_threshold: 256 << 20,
+///     reuse: ReuseFlags::default(),
+///     max_size: 0,
+///     exportable: false,
+/// };
 /// let pool = AsyncPool::new(sim, AsyncPoolConfig { mode, throttle_ratio: 0.9, ..Default::default() });
 /// let a = pool.allocate(8 << 20)?;
 /// assert_eq!(pool.stats().allocated, 8 << 20);
@@ -508,8 +517,8 @@ impl Inner {
                 pool
             }
             PoolMode::View(pool) => pool,
-            PoolMode::Owned { release_threshold, reuse, max_size } => {
-                let pool = self.device.create_pool(PoolProps { max_size })?;
+            PoolMode::Owned { release_threshold, reuse, max_size, exportable } => {
+                let pool = self.device.create_pool(PoolProps { max_size, exportable })?;
                 let attrs = [
                     (PoolAttr::ReleaseThreshold, release_threshold as u64),
                     (PoolAttr::ReuseFollowEventDependencies, reuse.follow_event_dependencies as u64),

@@ -60,7 +60,7 @@ fn recorded_stream_free_counts_as_pending() {
 fn throttled(ratio: f64) -> (u64, u64) {
     let d = sim(64 * MIB);
     let reuse = ReuseFlags { internal_dependencies: false, ..ReuseFlags::default() };
-    let mode = PoolMode::Owned { release_threshold: usize::MAX, reuse, max_size: 0 };
+    let mode = PoolMode::Owned { release_threshold: usize::MAX, reuse, max_size: 0, exportable: false };
     let pool =
         AsyncPool::new(d.clone(), AsyncPoolConfig { mode, throttle_ratio: ratio, ..Default::default() });
     let (a, b) = (d.create_stream().unwrap(), d.create_stream().unwrap());
@@ -119,7 +119,12 @@ fn the_free_stream_is_made_only_by_a_free_with_recorded_streams() {
 #[test]
 fn first_use_from_many_threads_sets_up_once() {
     let d = sim(1 << 30);
-    let mode = PoolMode::Owned { release_threshold: 0, reuse: ReuseFlags::default(), max_size: 0 };
+    let mode = PoolMode::Owned {
+        release_threshold: 0,
+        reuse: ReuseFlags::default(),
+        max_size: 0,
+        exportable: false,
+    };
     let pool = Arc::new(AsyncPool::new(d.clone(), AsyncPoolConfig { mode, ..Default::default() }));
     let pools: Vec<Pool> = (0..8)
         .map(|_| {
@@ -140,7 +145,12 @@ fn first_use_from_many_threads_sets_up_once() {
 #[test]
 fn owned_pool_with_max_size_reports_oom_with_figures() {
     let d = sim(1 << 30);
-    let mode = PoolMode::Owned { release_threshold: 0, reuse: ReuseFlags::default(), max_size: 8 * MIB };
+    let mode = PoolMode::Owned {
+        release_threshold: 0,
+        reuse: ReuseFlags::default(),
+        max_size: 8 * MIB,
+        exportable: false,
+    };
     let pool = AsyncPool::new(d.clone(), AsyncPoolConfig { mode, ..Default::default() });
     let _x = pool.allocate(6 * MIB).unwrap();
     match pool.allocate(4 * MIB) {
