@@ -169,11 +169,13 @@ fn a_written_trace_replays_to_identical_statistics() {
 
 /// Issue 52 #17: a trace of allocations on 100k distinct streams did not finish replaying in
 /// 300 s: every device free of the simulator synchronized the device by looking at every
-/// stream. 40,000 allocations and frees on distinct streams, through `plain` (a device
-/// allocation and free each), replay in a debug build in well under 10 s (32 s before).
+/// stream. 80,000 allocations and frees on distinct streams, through `plain` (a device
+/// allocation and free each), replay in a debug build in a few seconds; quadratic, as before,
+/// they took over two minutes (32 s for half as many), far past this guard's generous bound,
+/// which a loaded machine does not reach.
 #[test]
 fn a_trace_on_many_distinct_streams_replays_in_linear_time() {
-    let n = 40_000;
+    let n = 80_000;
     let mut text = String::from("Thread,Time,Action,Pointer,Size,Stream\n");
     for i in 0..n {
         text.push_str(&format!("0,{i},allocate,{:#x},256,{}\n", 0x1000 * (i + 1), i + 1));
@@ -191,5 +193,5 @@ fn a_trace_on_many_distinct_streams_replays_in_linear_time() {
     let r = replay(&trace, "plain", &target, sim.as_ref(), &options).expect("replay");
     let took = start.elapsed();
     assert_eq!((r.failures, r.ops), (0, 2 * n));
-    assert!(took.as_secs() < 10, "{took:?} for {n} streams");
+    assert!(took.as_secs() < 60, "{took:?} for {n} streams");
 }
