@@ -80,8 +80,8 @@ pub use sim::{
     STREAMALLOC_SIM_MAX_TIME_NS,
 };
 pub use sleep::{
-    streamalloc_sleep, streamalloc_tag_drop, streamalloc_tag_pop, streamalloc_tag_push, streamalloc_tag_stats,
-    streamalloc_wake,
+    streamalloc_sleep, streamalloc_tag_drop, streamalloc_tag_pop, streamalloc_tag_push,
+    streamalloc_tag_stats, streamalloc_wake,
 };
 use state::State;
 pub use status::StreamallocStatus;
