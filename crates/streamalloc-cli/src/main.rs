@@ -244,6 +244,16 @@ struct JsonResult {
 /// row: the simulator charges no time of a GPU's.
 const SIM_NS_PER_OP: &str = "ns/op on the simulator measure the library's CPU cost, not a GPU's";
 
+/// `hypotf`, which plotters' dashed lines call (`f32::hypot`): glibc 2.35 gave it a new symbol
+/// version, which alone would make this binary, and the wheel that bundles it, need glibc 2.35;
+/// defined here, the binary keeps to the glibc its library needs. Computed in `f64`, where the
+/// squares of `f32` arguments cannot overflow or underflow: accurate to `f32`'s precision.
+#[no_mangle]
+pub extern "C" fn hypotf(x: f32, y: f32) -> f32 {
+    let (x, y) = (f64::from(x), f64::from(y));
+    (x * x + y * y).sqrt() as f32
+}
+
 fn main() -> ExitCode {
     // Parsed in two steps: the matches also say where each value of `replay` was typed.
     let matches = Cli::command().get_matches();
