@@ -25,6 +25,8 @@ HEADERS = ("lib.h",)
 """The headers the sources share, in `_torch_backend/`."""
 TORCH_LIBRARIES = ("c10", "c10_cuda", "torch_cpu", "torch_cuda")
 """torch's libraries the backend calls into."""
+COMPILE_TIMEOUT_S = 900
+"""The longest one compiler run may take (about 10 s on an idle 2-core machine)."""
 
 
 class BuildError(RuntimeError):
@@ -95,12 +97,16 @@ def compile_backend(out, torch_dir, includes, cuda_lib=None, cxx11_abi=None, com
     # The shared libstdc++ first: a compiler that links it statically by default (as some
     # images' wrappers do) gives the library a copy of its own whose uninitialised locale
     # crashed formatting a number (seen on an H200 image, torch 2.11).
-    base += ["-l:libstdc++.so.6", "-ldl", "-Wl,--no-undefined", "-Wl,--as-needed"]
+    base += ["-l:libstdc++.so.6", "-ldl", "-Wl,--no-undefined"]
     tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
     failures = []
     for abi in ([cxx11_abi] if cxx11_abi is not None else [True, False]):
         command = base + [f"-D_GLIBCXX_USE_CXX11_ABI={int(bool(abi))}", "-o", str(tmp)]
-        done = subprocess.run(command, capture_output=True, text=True)
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            tmp.unlink(missing_ok=True)
+            raise BuildError(f"compiling {source_dir()} took over {COMPILE_TIMEOUT_S} s ({compiler})") from None
         if done.returncode == 0:
             os.replace(tmp, out)
             return bool(abi)
