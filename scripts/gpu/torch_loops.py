@@ -509,6 +509,7 @@ def forget(torch):
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()  # max_memory_allocated is the next loop's own
 
 
 def child_env_of(allocator):
