@@ -712,7 +712,7 @@ def main():
     parser.add_argument("--first-round", type=int, default=1,
                         help="the number of the first round (rounds of one table run in several leases)")
     parser.add_argument("--table", nargs="+", metavar="JSONL",
-                        help="print the table of the runs in these torch_loops.jsonl files (no run)")
+                        help="print the table of the runs in these torch_loops.jsonl files, or .jsonl.xz (no run)")
     parser.add_argument("--warmup", type=int, help="warm-up steps (default 10, quick 3)")
     parser.add_argument("--steps", type=int, help="timed steps (default 30, quick 5)")
     parser.add_argument("--seed", type=int, default=1234)
@@ -742,7 +742,10 @@ def main():
         if name not in ALLOCATORS:
             parser.error(f"unknown allocator {name!r} (of {', '.join(ALLOCATORS)})")
     if args.table:
-        runs = [json.loads(line) for path in args.table for line in open(path) if line.strip()]
+        import lzma
+
+        runs = [json.loads(line) for path in args.table
+                for line in (lzma.open(path, "rt") if path.endswith(".xz") else open(path)) if line.strip()]
         runs.sort(key=lambda r: (LOOPS.index(r["loop"]), ALLOCATORS.index(r["allocator"]), r["round"]))
         args.rounds = len({r["round"] for r in runs})
         first = next((r for r in runs if r.get("torch")), {})
