@@ -493,32 +493,10 @@ mod tests {
     /// meanwhile belong to someone else).
     #[test]
     fn under_async_a_free_in_a_capture_of_memory_from_before_it_waits_for_the_end() {
-        let state = State::new(Config::parse("device=sim,strategy=async,sim_capacity=4GiB").unwrap());
-        let stack = state.stack(0).unwrap();
-        let sim = stack.sim.clone().unwrap();
-        let s = sim.create_stream().unwrap();
-        let handle = state.sim_streams().insert(0, s);
-        let warm_up = state.allocate(4 << 20, 0, handle).unwrap();
-        let filter_sim = sim.clone();
-        let filter: StreamFilter =
-            Arc::new(move |x| filter_sim.capture_status(x).is_ok_and(|c| c != CaptureStatus::None));
-        state.pool_begin(0, (0, 1), filter).unwrap();
-        sim.begin_capture(s).unwrap();
-        let out = state.allocate(4 << 20, 0, handle).unwrap();
-        sim.use_range(out, 4 << 20, s, 1_000).unwrap();
-        state.free(warm_up, Some(0), handle).unwrap();
-        let graph = sim.end_capture(s).unwrap();
-        state.pool_end(0, (0, 1)).unwrap();
-        let exec = sim.instantiate_graph_auto_free(graph).unwrap();
-        sim.launch_graph(exec, s).unwrap();
-        sim.launch_graph(exec, s).expect("the second replay frees nothing the graph did not allocate");
-        sim.synchronize_stream(s).unwrap();
-        assert!(sim.violations().is_empty(), "{:?}", sim.violations());
-        assert_eq!(
-            stack.allocator.stats().live_allocations,
-            1,
-            "the graph's output is live, the warm-up's freed"
-        );
+        let live = capture_that_frees_the_warm_up(|state, warm_up, handle, _| {
+            state.free(warm_up, Some(0), handle).unwrap();
+        });
+        assert_eq!(live, 1, "the graph's output is live, the warm-up's freed");
     }
 
     /// Issue 48: the torch backend keeps no table, so its free names the current stream, not
@@ -527,6 +505,18 @@ mod tests {
     /// decides), or every replay would free it.
     #[test]
     fn under_async_a_free_in_a_capture_is_deferred_whatever_stream_the_free_names() {
+        capture_that_frees_the_warm_up(|state, warm_up, _, s| {
+            let freed = state.take(warm_up, None, 0).unwrap().expect("the warm-up's entry");
+            assert_eq!(freed.entry.stream, s);
+        });
+    }
+
+    /// Under async, on the simulator: a warm-up allocation on a stream, then a capture on that
+    /// stream into a private pool that allocates the graph's output and, inside it, `free`s the
+    /// warm-up (given the state, the warm-up, the stream's handle and the stream); the graph is
+    /// replayed twice, which must free nothing it did not allocate and break no ordering rule.
+    /// The stack's live allocations after.
+    fn capture_that_frees_the_warm_up(free: impl FnOnce(&State, DevicePtr, u64, Stream)) -> u64 {
         let state = State::new(Config::parse("device=sim,strategy=async,sim_capacity=4GiB").unwrap());
         let stack = state.stack(0).unwrap();
         let sim = stack.sim.clone().unwrap();
@@ -540,8 +530,7 @@ mod tests {
         sim.begin_capture(s).unwrap();
         let out = state.allocate(4 << 20, 0, handle).unwrap();
         sim.use_range(out, 4 << 20, s, 1_000).unwrap();
-        let freed = state.take(warm_up, None, 0).unwrap().expect("the warm-up's entry");
-        assert_eq!(freed.entry.stream, s);
+        free(&state, warm_up, handle, s);
         let graph = sim.end_capture(s).unwrap();
         state.pool_end(0, (0, 1)).unwrap();
         let exec = sim.instantiate_graph_auto_free(graph).unwrap();
@@ -549,6 +538,7 @@ mod tests {
         sim.launch_graph(exec, s).expect("the second replay frees nothing the graph did not allocate");
         sim.synchronize_stream(s).unwrap();
         assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+        stack.allocator.stats().live_allocations
     }
 
     /// Issue 33: under a memory fraction, a release that failed inside an allocation returned
