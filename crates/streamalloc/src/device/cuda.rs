@@ -1149,15 +1149,10 @@ impl Device for CudaDevice {
         )
         .map_err(|e| Error::InvalidArgument(format!("{ptr:#x} is no pool allocation ({e})")))?;
         let pool_handle = Pool(handle(p));
-        let mut data = sys::CUmemPoolPtrExportData { reserved: [0; POOL_POINTER_DATA] };
-        // SAFETY: `data` is a valid out-struct; the driver validates `ptr` (a live pool
-        // allocation of an exportable pool, else an error).
-        check(unsafe { sys::cuMemPoolExportPointer(&mut data, ptr) }, "cuMemPoolExportPointer")
-            .map_err(|e| Error::InvalidArgument(format!("{ptr:#x}: memory of no exportable pool ({e})")))?;
-        let mut ipc = self.pool_ipc.lock();
-        if let Some((_, fd, serial)) = ipc.exports.get(&ptr) {
-            return Ok(PoolPointer { fd: fd.as_raw_fd(), serial: *serial, data: data.reserved });
-        }
+        let mut guard = self.pool_ipc.lock();
+        let ipc = &mut *guard;
+        // The pool is shared before its pointers: the driver exports a pointer only "from an
+        // already shared memory pool" (CUDA_ERROR_INVALID_VALUE before).
         let pool_fd = match ipc.pool_fds.entry(pool_handle) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => {
@@ -1179,6 +1174,14 @@ impl Device for CudaDevice {
                 e.insert(unsafe { OwnedFd::from_raw_fd(fd) })
             }
         };
+        let mut data = sys::CUmemPoolPtrExportData { reserved: [0; POOL_POINTER_DATA] };
+        // SAFETY: `data` is a valid out-struct; the driver validates `ptr` (a live pool
+        // allocation of an exportable pool, else an error).
+        check(unsafe { sys::cuMemPoolExportPointer(&mut data, ptr) }, "cuMemPoolExportPointer")
+            .map_err(|e| Error::InvalidArgument(format!("{ptr:#x}: memory of no exportable pool ({e})")))?;
+        if let Some((_, fd, serial)) = ipc.exports.get(&ptr) {
+            return Ok(PoolPointer { fd: fd.as_raw_fd(), serial: *serial, data: data.reserved });
+        }
         let copy =
             pool_fd.try_clone().map_err(|e| Error::Io(format!("a copy of the pool's descriptor: {e}")))?;
         let raw = copy.as_raw_fd();
