@@ -2,7 +2,6 @@
 //! allocations by pointer, and the events the CuPy free path records.
 
 use std::os::raw::c_int;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use core_alloc::device::EventPool;
@@ -22,8 +21,6 @@ pub(crate) struct State {
     legacy_events: Box<[OnceLock<EventPool>]>,
     /// With `device=sim`, the simulated streams C holds, by handle.
     sim_streams: SimStreams,
-    /// Per device, the bytes [`State::set_memory_fraction`] allows (0: no limit).
-    fraction_limits: Box<[AtomicUsize]>,
     /// Ranges of other processes' memory mapped by `streamalloc_ipc_open`.
     opened: Opened,
 }
@@ -63,7 +60,6 @@ impl State {
             facade: Facade::new(config),
             legacy_events: (0..MAX_DEVICES).map(|_| OnceLock::new()).collect(),
             sim_streams: SimStreams::default(),
-            fraction_limits: (0..MAX_DEVICES).map(|_| AtomicUsize::new(0)).collect(),
             opened: Opened::default(),
         }
     }
@@ -197,10 +193,7 @@ impl State {
         let ptr = match routed {
             Routed::Pool(ptr) => ptr,
             Routed::Main { graphed } => {
-                let ptr = match self.fraction_limits[device].load(Ordering::Relaxed) {
-                    0 => stack.allocator.allocate_ptr_with(size, stream, word)?,
-                    limit => self.allocate_limited(stack, size, stream, limit, word)?,
-                };
+                let ptr = stack.allocate_ptr_with(size, stream, word)?;
                 if graphed {
                     stack.private.note_graphed(ptr);
                 }
@@ -213,55 +206,9 @@ impl State {
         Ok((ptr, pool))
     }
 
-    /// Allocates under the limit of [`State::set_memory_fraction`], on reserved memory as
-    /// PyTorch's allocator applies it: a request that would take the bytes allocated over the
-    /// limit fails; one that takes the device memory held over it releases the cache and, if
-    /// that is not enough, fails.
-    ///
-    /// This is not a retry on out-of-memory (the stack's own allocators and `Retry` layer do
-    /// that, through the library's one retry loop): nothing is attempted twice. The allocation
-    /// succeeded and is kept while the cache is released, so the memory it took stays its own
-    /// and only the rest of the cache goes back; allocating again would release and regrow.
-    /// Whatever error ends the call (a release that fails, e.g. past `wait_timeout`, or the
-    /// limit), the allocation is freed before it is returned.
-    fn allocate_limited(
-        &self,
-        stack: &DeviceStack,
-        size: usize,
-        stream: Stream,
-        limit: usize,
-        word: u64,
-    ) -> Result<DevicePtr> {
-        let exceeded = |in_use: usize| Error::LimitExceeded {
-            device: stack.device.ordinal(),
-            requested: size,
-            in_use,
-            limit,
-        };
-        let before = stack.allocator.stats();
-        if before.allocated.saturating_add(size) > limit {
-            return Err(exceeded(before.allocated));
-        }
-        let ptr = stack.allocator.allocate_ptr_with(size, stream, word)?;
-        if stack.allocator.stats().reserved <= limit {
-            return Ok(ptr);
-        }
-        // A release that fails (a stream still at work past `wait_timeout`) may still have
-        // given enough back; if not, its error is the one returned, after the free.
-        let released = stack.allocator.release();
-        let held = stack.allocator.stats().reserved;
-        if held <= limit {
-            return Ok(ptr);
-        }
-        stack.allocator.free_ptr(ptr, stream);
-        released?;
-        Err(exceeded(held))
-    }
-
     /// The bytes [`State::set_memory_fraction`] allows on `device`, if it was called.
     pub(crate) fn fraction_limit(&self, device: c_int) -> Result<Option<usize>> {
-        let limit = self.fraction_limits[ordinal(device)?].load(Ordering::Relaxed);
-        Ok((limit > 0).then_some(limit))
+        Ok(self.facade.stack(ordinal(device)?)?.reserved_limit.get())
     }
 
     /// Limits device `device` to `fraction` of its memory (0 < fraction <= 1), as
@@ -271,9 +218,9 @@ impl State {
         if !(fraction > 0.0 && fraction <= 1.0) {
             return Err(Error::InvalidArgument(format!("memory fraction {fraction} is not in (0, 1]")));
         }
-        let total = self.facade.stack(ordinal)?.device.mem_info()?.total;
-        let limit = ((total as f64 * fraction) as usize).max(1);
-        self.fraction_limits[ordinal].store(limit, Ordering::Relaxed);
+        let stack = self.facade.stack(ordinal)?;
+        let total = stack.device.mem_info()?.total;
+        stack.reserved_limit.set(Some((total as f64 * fraction) as usize));
         Ok(())
     }
 

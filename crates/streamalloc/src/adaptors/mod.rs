@@ -61,7 +61,7 @@ mod single_stream;
 mod trace;
 
 pub use counted::{Counted, Scope, StreamStats};
-pub use limit::Limit;
+pub use limit::{Limit, ReservedLimit};
 pub use pointers::{PointerEntry, Pointers};
 pub use retry::Retry;
 pub use single_stream::SingleStream;

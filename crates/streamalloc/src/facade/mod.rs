@@ -37,7 +37,7 @@ use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
-use crate::adaptors::{Counted, Limit, PointerEntry, Pointers, Retry, StreamStats, Traced};
+use crate::adaptors::{Counted, Limit, PointerEntry, Pointers, ReservedLimit, Retry, StreamStats, Traced};
 use crate::allocation::{Allocation, Allocator, BlockState, Segment, SegmentBlock, Stats, StreamAllocator};
 use crate::allocators::{BackingKind, BestFitConfig, StreamSafeConfig, TagStats, Tagged};
 use crate::device::cuda::CudaDevice;
@@ -115,12 +115,22 @@ pub struct DeviceStack {
     pub trace: Option<Arc<Traced<DynAllocator, File>>>,
     /// Pools apart from the stack, for CUDA graphs and frameworks' memory pools.
     pub private: PrivatePools,
+    /// The cap on what the stack holds from the device (PyTorch's memory fraction), applied
+    /// by [`DeviceStack::allocate_ptr_with`]; none until set.
+    pub reserved_limit: ReservedLimit,
     /// The layer that serves tagged allocations, or why the configuration has none (tags
     /// then are not looked at).
     pub tags: Result<TagLayer>,
 }
 
 impl DeviceStack {
+    /// Allocates `size` bytes on `stream` from the stack (not a private pool) by pointer,
+    /// keeping `word` with it ([`Pointers::allocate_ptr_with`]), under
+    /// [`DeviceStack::reserved_limit`].
+    pub fn allocate_ptr_with(&self, size: usize, stream: Stream, word: u64) -> Result<DevicePtr> {
+        self.reserved_limit.allocate_ptr_with(&self.allocator, size, stream, word)
+    }
+
     /// Puts `tags` to sleep ([`Tagged::sleep`]): after the work of the streams that use their
     /// memory, the streams recorded on the stack's allocations by pointer included. Why not,
     /// where the configuration has no tags.
@@ -584,7 +594,16 @@ impl Facade {
         }
         let private = PrivatePools::new(device.clone(), pool, c.strategy.spec().driver_pool);
         let allocator = Arc::new(Pointers::new(a, device.clone(), c.wait_timeout));
-        Ok(DeviceStack { device, sim: None, allocator, stats, trace, private, tags })
+        Ok(DeviceStack {
+            device,
+            sim: None,
+            allocator,
+            stats,
+            trace,
+            private,
+            reserved_limit: ReservedLimit::default(),
+            tags,
+        })
     }
 }
 
