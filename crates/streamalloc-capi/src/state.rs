@@ -340,32 +340,7 @@ impl State {
         if ptr == 0 {
             return Ok(());
         }
-        let named = self.named(stream)?;
-        // A stack that does not hold `ptr` may still refuse a stream of another device: the
-        // stack that holds it decides. A stack of another device than the stream's, which the
-        // handle names, holds nothing the stream may be recorded on.
-        let of_stream = |s: &&DeviceStack| named.device.is_none_or(|d| d == s.device.ordinal());
-        let s = named.stream;
-        let stacks =
-            self.stacks_from(None).filter(of_stream).map(|st| st.allocator.record_stream_ptr(ptr, s));
-        let pools = self.stacks_from(None).filter(of_stream).map(|st| st.private.record_stream(ptr, s));
-        let mut refused = None;
-        for found in stacks.chain(pools) {
-            match found {
-                Ok(true) => return Ok(()),
-                Ok(false) => {}
-                Err(e) => {
-                    refused.get_or_insert(e);
-                }
-            }
-        }
-        Err(refused.unwrap_or_else(|| match named.device {
-            Some(d) => Error::InvalidArgument(format!(
-                "{ptr:#x} is not a live allocation of device {d}, whose stream {stream:#x} is (a stream is \
-                 recorded on its own device's memory only)"
-            )),
-            None => not_live(ptr),
-        }))
+        self.facade.record_stream(ptr, self.named(stream)?)
     }
 
     /// The stacks built so far, that of `device` (if it is one in use) first.

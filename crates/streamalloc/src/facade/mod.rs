@@ -370,6 +370,45 @@ impl Facade {
         Err(holder.map_or_else(|| not_live(ptr), |i| undecided.swap_remove(i).1))
     }
 
+    /// Records `stream` on the allocation at `ptr` (null: nothing to do), made by any stack or
+    /// private pool ([`Pointers::record_stream_ptr`], [`PrivatePools::record_stream`]): its
+    /// memory is not reused before the work `stream` has at the free. The stacks of the
+    /// stream's device (all, where the hint names none) are asked in turn; the one that holds
+    /// `ptr` decides, and a refusal (a stream its device does not know) stands only if `ptr` is
+    /// none of the others'. Nothing is recorded where [`Error::InvalidArgument`] comes back: a
+    /// pointer no stack of the stream's device holds, or a stream that is no live stream of
+    /// the device that holds it.
+    pub fn record_stream(&self, ptr: DevicePtr, stream: StreamHint) -> Result<()> {
+        if ptr == 0 {
+            return Ok(());
+        }
+        // A stack of another device than the stream's, which the hint names, holds nothing the
+        // stream may be recorded on.
+        let of_stream = |s: &&DeviceStack| stream.device.is_none_or(|d| d == s.device.ordinal());
+        let s = stream.stream;
+        let stacks =
+            self.stacks_from(None).filter(of_stream).map(|st| st.allocator.record_stream_ptr(ptr, s));
+        let pools = self.stacks_from(None).filter(of_stream).map(|st| st.private.record_stream(ptr, s));
+        let mut refused = None;
+        for found in stacks.chain(pools) {
+            match found {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(e) => {
+                    refused.get_or_insert(e);
+                }
+            }
+        }
+        Err(refused.unwrap_or_else(|| match stream.device {
+            Some(d) => Error::InvalidArgument(format!(
+                "{ptr:#x} is not a live allocation of device {d}, whose stream {:#x} is (a stream is \
+                 recorded on its own device's memory only)",
+                s.0
+            )),
+            None => not_live(ptr),
+        }))
+    }
+
     /// Frees the allocation at `ptr` (not null), of `owner`, from whichever stack or private
     /// pool made it (`device`'s first), deferring nothing.
     pub fn free_now(&self, ptr: DevicePtr, device: Option<usize>, owner: StreamHint) -> Result<Freed> {
