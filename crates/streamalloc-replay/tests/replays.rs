@@ -120,7 +120,7 @@ fn workloads_with_other_shapes_stop_mapping_from_their_second_warm_pass() {
 #[test]
 fn a_decoding_loop_whose_requests_grow_stays_within_3_percent() {
     // LLM inference with a growing KV cache recorded from PyTorch (seed 2 of
-    // scripts/gpu/record_workloads.py, a check trace). When an idle stitched range served
+    // lab/record_workloads.py, a check trace). When an idle stitched range served
     // requests of half its size, the ranges of the cache's earlier, larger tensors kept a third
     // to a half of their memory out of use: 1.0567 of the peak live bytes; the best reference
     // allocator held 1.030 of them on the H200 with seed 0 (cudaMalloc).

@@ -14,7 +14,7 @@
 //!   make on an ordinary stream (`cuMemAllocFromPoolAsync`, `cuMemFreeAsync`,
 //!   `cuStreamIsCapturing`) bind nothing: the driver takes the context from the stream
 //!   (checked on the H200 from a thread with no current context,
-//!   `scripts/gpu/async_same_run.cpp`), and the bind's `cuCtxGetCurrent` before each of them
+//!   `lab/async_same_run.cpp`), and the bind's `cuCtxGetCurrent` before each of them
 //!   cost 3-5% of raw cudaMallocAsync's time per operation on the traces.
 //! * Handles: a [`Stream`], [`Event`], [`Pool`], [`Graph`] or [`GraphExec`] holds the driver
 //!   handle's pointer value; `Stream(0)` is the legacy default stream.

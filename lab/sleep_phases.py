@@ -4,8 +4,8 @@
 "kv_cache") and a training step of another model (its parameters and optimizer state, tag
 "trainer"), under streamalloc's torch backend.
 
-    python3 scripts/gpu/sleep_phases.py --out DIR [--quick] [--conf STREAMALLOC_CONF]
-    python3 scripts/gpu/sleep_phases.py --one MODE --result FILE [--quick] [--conf ...]   # one process
+    python3 lab/sleep_phases.py --out DIR [--quick] [--conf STREAMALLOC_CONF]
+    python3 lab/sleep_phases.py --one MODE --result FILE [--quick] [--conf ...]   # one process
 
 Modes, each in a process of its own, one after the other:
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Host-to-device copies from pinned memory, per source of the pinned memory (issue 36).
 
-    python3 scripts/gpu/pinned_bench.py --out DIR [--quick]
-    python3 scripts/gpu/pinned_bench.py --one SUBJECT --result FILE [--quick]   # one process
+    python3 lab/pinned_bench.py --out DIR [--quick]
+    python3 lab/pinned_bench.py --one SUBJECT --result FILE [--quick]   # one process
 
 For each size (64 KiB, 256 KiB, 1 MiB, 4 MiB, 16 MiB, 64 MiB, 256 MiB), a loop of copies: get
 a pinned buffer of the size, enqueue its copy into a device buffer on a side stream

@@ -3,9 +3,10 @@
 # through every allocator on the simulator, end to end (parse, pass 0 with a memory sample
 # after every operation, 3 timed passes), and the parse alone (criterion).
 #
-# Usage: crates/streamalloc-cli/scripts/bench-replay.sh [--no-criterion]
+# Usage: lab/bench-replay.sh [--no-criterion]
 set -euo pipefail
-cd "$(dirname "$0")/../../.."
+case ${1:-} in -h | --help) sed -n '2,/^set -/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac
+cd "$(dirname "$0")/.."
 cargo build --release --quiet -p streamalloc-cli
 echo "== streamalloc replay traces/gpt2_generate.csv.xz --device sim (wall clock)"
 time target/release/streamalloc replay traces/gpt2_generate.csv.xz --device sim

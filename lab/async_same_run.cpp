@@ -14,7 +14,7 @@
 //                  AsyncPool made up to run 22 (a capture query per call, every call bound)
 //   so:LIB         streamalloc_malloc / streamalloc_free of LIB (STREAMALLOC_CONF chooses the
 //                  strategy); a second so: subject with another LIB compares two builds
-// Built and run by device-run.sh `samerun`.
+// Built and run by lab/run `samerun`.
 //   usage: async_same_run TRACE ROUNDS SUBJECT...
 #include <dlfcn.h>
 #include <algorithm>

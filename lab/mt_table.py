@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Reads the `mt` part's JSON lines (scripts/gpu/device-run.sh mt: the anchors harness's
+"""Reads the `mt` part's JSON lines (lab/run mt: the anchors harness's
 replay_core through libstreamalloc.so, its floor and the references, THREADS 1, 2, 4 and 8, each
 replay a process of its own, MT_ROUNDS rounds) and prints, per trace, each allocator's median
 million operations per second at each thread count, 8 threads over 1 of the medians and round by
@@ -7,8 +7,9 @@ round; then a thread's ns per operation at 1 and 8 threads (from the medians), a
 (`replay_core floor`: the harness's own loop and frame, measured in the same rounds), and our
 cost above the floor as a fraction of the fastest reference's above the floor.
 
-    python3 scripts/gpu/mt_table.py < mt_rounds.jsonl
+    python3 lab/mt_table.py < mt_rounds.jsonl
 """
+import argparse
 import json
 import statistics
 import sys
@@ -69,4 +70,5 @@ def main():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()  # reads standard input
     main()

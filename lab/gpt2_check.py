@@ -3,9 +3,10 @@
 (the reference, normally native) bit for bit. Prints a markdown table; exits 1 on any
 mismatch or missing run.
 
-    python3 scripts/gpu/gpt2_check.py native.json plain.json stream_safe.json ...
+    python3 lab/gpt2_check.py native.json plain.json stream_safe.json ...
 """
 
+import argparse
 import json
 import sys
 
@@ -52,4 +53,6 @@ def main(paths):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", nargs="+", metavar="RESULT.json", help="the reference run first")
+    sys.exit(main(parser.parse_args().results))

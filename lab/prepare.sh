@@ -2,18 +2,19 @@
 # Prepares everything the GPU machine needs (it has no Rust toolchain and no registry), here:
 #   .gpu/      the test executables and the measurement programs of crates/streamalloc-bench
 #              (scripts/gpu-test.sh packs both)
-#   .anchors/  the comparison harness and its wheels, and libstreamalloc.so (device-run.sh
+#   .anchors/  the comparison harness and its wheels, and libstreamalloc.so (lab/run
 #              links every trace of traces/ into .anchors/traces/ there)
 #   dist/      the Python wheel bundling libstreamalloc.so (scripts/build-python.sh)
-# then prints what to run there. On the GPU machine, scripts/gpu/device-run.sh runs the
+# then prints what to run there. On the GPU machine, lab/run runs the
 # parts (tests, anchors, gpt2, cupy) and writes results under $OUT.
 #
-# Usage: scripts/gpu-bench.sh HARNESS (or HARNESS=... scripts/gpu-bench.sh). HARNESS is an
+# Usage: lab/run prepare HARNESS (or HARNESS=... lab/run prepare). HARNESS is an
 # external harness, not part of this repository, that replays traces through reference
 # allocators (cudaMalloc, cudaMallocAsync, PyTorch's and RMM's pools) and through
 # libstreamalloc.so: a folder holding anchors/ (build.sh, run.sh, run_mt.sh, table.py,
 # fetch-wheels.sh). The GPU tests alone need only scripts/gpu-test.sh.
 set -euo pipefail
+case ${1:-} in -h | --help) sed -n '2,/^set -/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac
 cd "$(dirname "$0")/.."
 harness=${1:-${HARNESS:-}}
 if [ -z "$harness" ] || [ ! -d "$harness/anchors" ]; then
@@ -28,5 +29,5 @@ bash .anchors/fetch-wheels.sh .anchors/wheels >/dev/null
 strip --strip-debug -o .anchors/libstreamalloc.so target/release/libstreamalloc.so
 du -sh .gpu .anchors dist | tr '\n' ' '; echo
 echo 'Copy this repository with .gpu/, .anchors/ and dist/ to the CUDA machine and run there, e.g.:'
-echo '  bash scripts/gpu/device-run.sh tests cupy gpt2'
-echo '  bash scripts/gpu/device-run.sh anchors bench'
+echo '  bash lab/run tests cupy gpt2'
+echo '  bash lab/run anchors bench'

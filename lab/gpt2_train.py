@@ -5,8 +5,8 @@ Trains a randomly initialised GPT-2 small (transformers' GPT2Config(), fixed see
 downloaded) for a few steps on random tokens with AdamW, with deterministic algorithms, and
 prints per-step losses as exact hex floats, step times and device memory in use.
 
-    python3 scripts/gpu/gpt2_train.py --allocator native
-    python3 scripts/gpu/gpt2_train.py --allocator streamalloc:strategy=stream_safe --json out.json
+    python3 lab/gpt2_train.py --allocator native
+    python3 lab/gpt2_train.py --allocator streamalloc:strategy=stream_safe --json out.json
 
 `streamalloc:<conf>` routes every CUDA allocation through libstreamalloc.so
 (`streamalloc.torch.enable(conf)`); the `streamalloc` package must be importable (installed
@@ -30,9 +30,9 @@ import warnings
 # cuBLAS needs this before it initialises to be deterministic.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
-import torch  # noqa: E402
-
 from torch_runs import NvmlSampler  # noqa: E402
+
+torch = None  # imported by main(): --help answers without torch
 
 MIB = 1 << 20
 
@@ -43,6 +43,7 @@ def device_used():
 
 
 def main():
+    global torch
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--allocator", default="native", help="native | streamalloc:<conf>")
     p.add_argument("--steps", type=int, default=20)
@@ -51,6 +52,8 @@ def main():
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", help="also write the results as JSON to this file")
     args = p.parse_args()
+    import torch
+
 
     if args.allocator.startswith("streamalloc:"):
         import streamalloc

@@ -12,15 +12,16 @@ The default pool's release threshold is raised first, so freed memory stays in t
 line `POOL_SHARING ...` per direction and exits non-zero if a footprint grew by more than
 the slack.
 
-Usage: python3 scripts/gpu/cupy_pool_sharing.py [path/to/libstreamalloc.so]
+Usage: python3 lab/cupy_pool_sharing.py [path/to/libstreamalloc.so]
 (default: target/release/libstreamalloc.so, or $STREAMALLOC_CAPI_LIB).
 """
 
+import argparse
 import ctypes
 import os
 import sys
 
-import cupy
+cupy = None  # imported by main(): --help answers without CuPy
 
 GIB = 1 << 30
 SLACK = 64 << 20  # driver bookkeeping and granularity
@@ -51,8 +52,14 @@ def used():
 
 
 def main():
-    default = os.environ.get("STREAMALLOC_CAPI_LIB", "target/release/libstreamalloc.so")
-    lib = load(sys.argv[1] if len(sys.argv) > 1 else default)
+    global cupy
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("lib", nargs="?", default=os.environ.get("STREAMALLOC_CAPI_LIB", "target/release/libstreamalloc.so"),
+                        help="libstreamalloc.so to load")
+    args = parser.parse_args()
+    import cupy
+
+    lib = load(args.lib)
     check(lib, lib.streamalloc_configure(b"strategy=async,pool=default"), "streamalloc_configure")
 
     cupy.cuda.Device(0).use()

@@ -9,9 +9,10 @@
 # (the tests fail, never skip, then).
 #
 # Pack the tests first (on any x86-64 machine with Rust): `bash scripts/gpu-test.sh`, then,
-# in this repository with .gpu/ on a machine with two GPUs: `bash scripts/gpu/multi-gpu.sh`.
+# in this repository with .gpu/ on a machine with two GPUs: `bash lab/multi-gpu.sh`.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+case ${1:-} in -h | --help) sed -n '2,/^set -/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac
+cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/streamalloc-multi-gpu}
 mkdir -p "$OUT"
 log=$OUT/multi-gpu.log

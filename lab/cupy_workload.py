@@ -7,10 +7,10 @@ on a second, blocking CuPy stream (the case the C path's legacy-stream event ord
 result is hashed (SHA-256 of its bytes, in order); the same seed must give the same hash under
 every allocator.
 
-    python3 scripts/gpu/cupy_workload.py                        # driver: every allocator, compare
-    python3 scripts/gpu/cupy_workload.py --allocator default    # one run
-    python3 scripts/gpu/cupy_workload.py --allocator streamalloc:strategy=async
-    python3 scripts/gpu/cupy_workload.py --allocator streamalloc:strategy=async --checked
+    python3 lab/cupy_workload.py                        # driver: every allocator, compare
+    python3 lab/cupy_workload.py --allocator default    # one run
+    python3 lab/cupy_workload.py --allocator streamalloc:strategy=async
+    python3 lab/cupy_workload.py --allocator streamalloc:strategy=async --checked
 
 The driver runs each allocator in its own process (the allocator is fixed at a process's
 first allocation), prints a markdown table and exits 1 if any hash differs from the default

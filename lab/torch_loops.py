@@ -2,8 +2,8 @@
 """Real PyTorch training loops under torch's allocators and streamalloc's, step times with
 their spread across processes.
 
-    python3 scripts/gpu/torch_loops.py --out DIR [--quick] [--rounds N] [--loops L,..] [--allocators A,..]
-    python3 scripts/gpu/torch_loops.py --one LOOPS ALLOCATOR --result FILE [--quick]   # one process
+    python3 lab/torch_loops.py --out DIR [--quick] [--rounds N] [--loops L,..] [--allocators A,..]
+    python3 lab/torch_loops.py --one LOOPS ALLOCATOR --result FILE [--quick]   # one process
 
 Loops (each logs torch.cuda.max_memory_allocated() after every step):
 

@@ -7,7 +7,7 @@
  * ordering checks add their own cost, more for memory mapped twice). With
  * CAPI_REPLAY_PASSES=1 it also prints each pass: its ns per operation and what the device-0
  * stack's statistics counted in it (device allocations and frees, retries, bytes reserved).
- * Usage: capi_replay PASSES TRACE... (scripts/capi-replay.sh builds and runs it). */
+ * Usage: capi_replay PASSES TRACE... (lab/capi-replay.sh builds and runs it). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

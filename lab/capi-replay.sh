@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# The C ABI's cost per operation: builds libstreamalloc.so (here) and scripts/capi_replay.c
+# The C ABI's cost per operation: builds libstreamalloc.so (here) and lab/capi_replay.c
 # against it, then replays traces through streamalloc_malloc / streamalloc_free, once per
 # configuration: the best and the mean of PASSES timed passes.
 #   CONFS   space-separated STREAMALLOC_CONF strings
 #           (default: "device=sim,strategy=stream_safe,expandable=true device=sim,strategy=stream_safe,expandable=false")
 #   PASSES  timed passes (default 10)
 #   LIB     a folder holding a libstreamalloc.so to use instead of building one (on a GPU
-#           machine: .anchors, which scripts/gpu-bench.sh fills; CONFS without device=sim)
+#           machine: .anchors, which lab/run prepare fills; CONFS without device=sim)
 #   PROCS   processes per trace and configuration (default 1); with more, a line after them
 #           gives the least, the median and the most of their best passes (on the H200 host
 #           one process runs the same work at one of two speeds: bench/results/speed.md)
-# Usage: scripts/capi-replay.sh TRACE...   (default: every trace of traces/)
+# Usage: lab/capi-replay.sh TRACE...   (default: every trace of traces/)
 set -euo pipefail
+case ${1:-} in -h | --help) sed -n '2,/^set -/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac
 cd "$(dirname "$0")/.."
 lib=${LIB:-}
 if [ -z "$lib" ]; then
@@ -21,7 +22,7 @@ fi
 lib=$(cd "$lib" && pwd)
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-cc -O2 -o "$out/capi_replay" scripts/capi_replay.c -L"$lib" -lstreamalloc -Wl,-rpath,"$lib"
+cc -O2 -o "$out/capi_replay" lab/capi_replay.c -L"$lib" -lstreamalloc -Wl,-rpath,"$lib"
 [ $# -gt 0 ] || set -- traces/*.csv.xz traces/recorded/*.csv.xz traces/synthetic/*.csv.xz
 # capi_replay reads plain CSV: compressed traces are decompressed into $out first.
 plain=()

@@ -6,9 +6,10 @@ configurations' cost above the floor as a fraction of the fastest reference's ab
 of the rounds, which read through the machine's noise (the same binary, run back to back on one
 machine, ranges over 2x), and how many traces met the goal in each round.
 
-    python3 scripts/gpu/speed_table.py < speed_rounds.jsonl
+    python3 lab/speed_table.py < speed_rounds.jsonl
 
-`read_rounds`, `per_trace` and `fastest_anchor` also serve scripts/gpu/goal_table.py."""
+`read_rounds`, `per_trace` and `fastest_anchor` also serve lab/goal_table.py."""
+import argparse
 import json
 import statistics
 import sys
@@ -136,4 +137,5 @@ def main():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()  # reads standard input
     main()

@@ -9,7 +9,7 @@
 // Prints wall-clock ns per allocate+free pair (all threads' pairs together), the best of 5
 // runs, per path and thread count.
 // Usage: capi_word_bench OPS_PER_THREAD THREADS...
-//   g++ -O2 -std=c++17 -pthread scripts/capi_word_bench.cpp -Icrates/streamalloc-capi/include \
+//   g++ -O2 -std=c++17 -pthread lab/capi_word_bench.cpp -Icrates/streamalloc-capi/include \
 //     -Ltarget/release -lstreamalloc -Wl,-rpath,$PWD/target/release -o capi_word_bench
 #include <algorithm>
 #include <chrono>

@@ -2,7 +2,7 @@
 torch_alloc_overhead.py, gpt2_train.py): each allocator's environment, installing streamalloc in
 a child process, running children with a bound, and sampling the device's used memory.
 
-The programs import it as a sibling (`python3 scripts/gpu/X.py` puts this folder first on
+The programs import it as a sibling (`python3 lab/X.py` puts this folder first on
 sys.path), in the parent and in the children they spawn alike.
 """
 
@@ -50,7 +50,7 @@ def enable_streamalloc(allocator, info):
         import streamalloc.torch
     except ImportError as e:
         raise RuntimeError(f"cannot import streamalloc ({e}): install the wheel, or run with "
-                           f"PYTHONPATH=/tmp/sa-site after device-run.sh's install_wheel") from e
+                           f"PYTHONPATH=/tmp/sa-site after lab/run's install_wheel") from e
     streamalloc.torch.enable()
     active = streamalloc.torch.active()
     if active != allocator:

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The cost of one allocation and its free through torch, per allocator (issue 34).
 
-    python3 scripts/gpu/torch_alloc_overhead.py --out DIR [--quick] [--rounds 3]
-    python3 scripts/gpu/torch_alloc_overhead.py --one ALLOCATOR --result FILE [--quick]   # one process
+    python3 lab/torch_alloc_overhead.py --out DIR [--quick] [--rounds 3]
+    python3 lab/torch_alloc_overhead.py --one ALLOCATOR --result FILE [--quick]   # one process
 
 Times `t = torch.empty(size, dtype=torch.uint8, device=dev); del t` in a loop, for sizes
 0 (the floor: Python, argument parsing, dispatch and tensor objects; torch's caching allocator

@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Writes synthetic allocation traces with shapes that vary, in RMM's logging CSV
 (`Thread,Time,Action,Pointer,Size,Stream`), to traces/synthetic/. Deterministic (fixed seeds):
-`python3 scripts/gen_traces.py` rewrites the same files. Each workload follows the tensors a
+`python3 lab/gen_traces.py` rewrites the same files. Each workload follows the tensors a
 PyTorch program of that kind allocates and frees (bf16 activations, sizes rounded to 512
 bytes as PyTorch's allocator does); traces/synthetic/README.md says what each models.
 """
+import argparse
 import lzma
 import os
 import random
@@ -184,6 +185,7 @@ def moe_routing(seed=4, steps=40):
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     os.makedirs(OUT, exist_ok=True)
     for name, make in [
         ("bert_varlen_infer.csv.xz", bert_varlen_infer),

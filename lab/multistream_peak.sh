@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 37: does a replay that knows streams and time predict a multi-stream program's peak?
 # On the GPU machine, from the repository root: for each strategy, runs
-# scripts/gpu/multistream_peak.py (a side stream with record_stream, a copy/compute overlap)
+# lab/multistream_peak.py (a side stream with record_stream, a copy/compute overlap)
 # under streamalloc's torch backend with the library's trace and a torch memory snapshot
 # recorded, then replays on the simulator, with and without time, both the trace and the
 # snapshot converted by `streamalloc import`, and prints a table: the peak reserved on the GPU
@@ -18,7 +18,8 @@
 # trace, program JSON and replay JSONs, logs; the table in $OUT/multistream_peak.md.
 # Exits non-zero if any step failed (the table shows what was measured).
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+case ${1:-} in -h | --help) sed -n '2,/^set -/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac
+cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/streamalloc-gpu}
 dir=$OUT/multistream
 rm -rf "$dir" && mkdir -p "$dir"
@@ -50,7 +51,7 @@ for strategy in ${STRATEGIES:-stream_safe best_fit async}; do
   echo "===== $strategy"
   run=$dir/$strategy
   # The library writes the trace at exit; the program writes its JSON before.
-  if ! PYTHONPATH=$site timeout "$limit" python3 scripts/gpu/multistream_peak.py \
+  if ! PYTHONPATH=$site timeout "$limit" python3 lab/multistream_peak.py \
       --conf "strategy=$strategy,trace=$run.csv" --snapshot "$run.pickle" --json "$run.gpu.json" \
       --steps "${STEPS:-24}" ${PROGRAM_ARGS:-} > "$run.program.log" 2>&1; then
     echo "  the program failed: $(tail -n 5 "$run.program.log")"; failed+=("$strategy program"); continue

@@ -8,14 +8,12 @@ with `torch.cuda.memory._dump_snapshot`. The result is small (a few hundred KiB 
 `--max-entries 20000`) and meant to be committed as a test input.
 
 Usage (on the GPU machine):
-  python3 scripts/gpu/record_snapshot.py OUT.pickle [--steps 4] [--max-entries 20000]
+  python3 lab/record_snapshot.py OUT.pickle [--steps 4] [--max-entries 20000]
 then, anywhere:
   streamalloc import OUT.pickle -o trace.csv && streamalloc replay trace.csv --plot out.svg
 """
 
 import argparse
-
-import torch
 
 
 def main():
@@ -24,6 +22,8 @@ def main():
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--max-entries", type=int, default=20000)
     args = parser.parse_args()
+    import torch  # here: --help answers without torch
+
 
     device = torch.device("cuda")
     torch.manual_seed(0)

@@ -1,21 +1,21 @@
 #!/usr/bin/env python3
 """Records allocation traces (RMM's logging CSV) of PyTorch workloads whose shapes vary.
 
-    python3 scripts/gpu/record_workloads.py --out DIR [--rows 36000] [--seed 0] [WORKLOAD...]
-    python3 scripts/gpu/record_workloads.py --one WORKLOAD --trace PATH [--rows 36000] [--seed 0]
+    python3 lab/record_workloads.py --out DIR [--rows 36000] [--seed 0] [WORKLOAD...]
+    python3 lab/record_workloads.py --one WORKLOAD --trace PATH [--rows 36000] [--seed 0]
 
 The first form records every workload (or those named), each in its own process, into
 DIR/WORKLOAD.csv, then prints one JSON line per trace and a markdown table (rows, peak live
 bytes, file size). `--seed` draws other weights and shapes (the traces of traces/recorded/
 are seed 0; other seeds give workloads of the same kinds to check a change against: those
-of bench/check-traces/ are seed 1). `bash scripts/gpu/device-run.sh record` runs it on the
+of bench/check-traces/ are seed 1). `bash lab/run record` runs it on the
 GPU machine and packs DIR into $OUT/recorded.tar.gz.
 
 How the traces were recorded (for traces/README.md):
 
     Recorded on one NVIDIA H200 with PyTorch 2.11 through streamalloc's trace adaptor:
     `streamalloc.torch.enable("strategy=stream_safe,trace=PATH")` before the first CUDA
-    allocation (the file is written at process exit), by scripts/gpu/record_workloads.py.
+    allocation (the file is written at process exit), by lab/record_workloads.py.
     Models are built from torch.nn with random weights (seed 0); shapes come from
     random.Random(0). Each workload stops starting new steps (and a decode stops early)
     once the trace holds ROWS rows (36,000 by default, under 2 MB). `Size` is the bytes

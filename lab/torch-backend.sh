@@ -22,7 +22,8 @@
 # (e.g. -k "stats or oom"). Exits non-zero unless every new test passed with the backend and
 # failed with the fallback, and the regression run passed.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+case ${1:-} in -h | --help) sed -n '2,/^set -/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac
+cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/streamalloc-gpu}
 mkdir -p "$OUT"
 site=/tmp/sa-site
@@ -80,7 +81,7 @@ if [ "${NEW:-1}" != 0 ]; then
 fi
 regression_rc=0
 if [ "${REGRESSION:-1}" != 0 ]; then
-  # Parallel, then the cases that measure device-wide memory alone (as device-run.sh torch).
+  # Parallel, then the cases that measure device-wide memory alone (as lab/run torch).
   run "$OUT/torch-backend-regression.log" backend python/tests/gpu/test_torch_guarantees.py -m "not serial"
   regression_rc=$?
   STREAMALLOC_TORCH_BACKEND=backend python3 -m pytest -q -rA -p no:cacheprovider -m serial \

@@ -1,15 +1,15 @@
 """The goal of issue 17 from one GPU session's JSON lines: footprint from an anchors run
-(`device-run.sh anchors`, the first pass), speed from the speed rounds (`device-run.sh
+(`lab/run anchors`, the first pass), speed from the speed rounds (`lab/run
 speed`, SPEED_CONFS with both configurations below), each configuration's best and median
 round against the fastest reference's best and median round.
 
-    python3 scripts/gpu/goal_table.py ANCHORS.jsonl SPEED_ROUNDS.jsonl
+    python3 lab/goal_table.py ANCHORS.jsonl SPEED_ROUNDS.jsonl
 
 Goal per trace: the stitched configuration's footprint at or below min(1.05, the most compact
 reference), and its ns per operation at most half the fastest reference's."""
+import argparse
 import json
 import statistics
-import sys
 from collections import defaultdict
 
 from speed_table import FLOOR, fastest_anchor, per_trace, read_rounds
@@ -67,6 +67,8 @@ def main(anchors, rounds):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit(__doc__)
-    main(sys.argv[1], sys.argv[2])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("anchors", metavar="ANCHORS.jsonl")
+    parser.add_argument("speed_rounds", metavar="SPEED_ROUNDS.jsonl")
+    args = parser.parse_args()
+    main(args.anchors, args.speed_rounds)

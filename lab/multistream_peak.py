@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Peak device memory of a PyTorch program with a side stream, record_stream and a copy/compute
 overlap, under streamalloc's torch backend, with the library's trace and a torch memory
-snapshot recorded, for scripts/gpu/multistream_peak.sh to compare with replays of both.
+snapshot recorded, for lab/multistream_peak.sh to compare with replays of both.
 
 Each step copies the next batch from pinned host memory on a copy stream while the default
 stream computes on the current one (copy/compute overlap: the default stream waits for the
@@ -22,7 +22,7 @@ Prints, and writes as JSON to --json, the peaks torch reports under the backend 
 figures): torch.cuda.max_memory_reserved() and max_memory_allocated().
 
 Usage (on the GPU machine, the wheel on PYTHONPATH):
-  python3 scripts/gpu/multistream_peak.py --conf strategy=stream_safe,trace=/tmp/t.csv \\
+  python3 lab/multistream_peak.py --conf strategy=stream_safe,trace=/tmp/t.csv \\
       --snapshot /tmp/s.pickle --json /tmp/r.json [--steps 24] [--calibration 3]
 """
 
@@ -32,10 +32,8 @@ import json
 import statistics
 import sys
 
-import torch
-
-import streamalloc
-import streamalloc.torch
+# Imported by main(): --help answers without torch or the package.
+torch = streamalloc = None
 
 
 def trace_functions():
@@ -77,6 +75,7 @@ class Rows:
 
 
 def main():
+    global torch, streamalloc
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conf", required=True, help="STREAMALLOC_CONF string, with trace=PATH")
     parser.add_argument("--snapshot", required=True, help="where to dump torch's memory snapshot")
@@ -88,6 +87,11 @@ def main():
     parser.add_argument("--side-passes", type=int, default=6, help="matmuls of the side stream's pass")
     parser.add_argument("--max-entries", type=int, default=200000)
     args = parser.parse_args()
+    import torch
+
+    import streamalloc
+    import streamalloc.torch
+
     if "trace=" not in args.conf:
         sys.exit("multistream_peak: --conf needs trace=PATH (the trace the replays read)")
 

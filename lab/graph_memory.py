@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Device memory held by captured CUDA graphs with large temporaries, per allocator and pool mode.
 
-    python3 scripts/gpu/graph_memory.py [--graphs 8] [--gib 1] [NAME...]   # every row (or NAME's)
-    python3 scripts/gpu/graph_memory.py --one CONF MODE [--graphs 8] [--gib 1]   # one row
+    python3 lab/graph_memory.py [--graphs 8] [--gib 1] [NAME...]   # every row (or NAME's)
+    python3 lab/graph_memory.py --one CONF MODE [--graphs 8] [--gib 1]   # one row
 
 Allocators (NAME): streamalloc's strategies through streamalloc.torch.enable (plain,
 best_fit, stream_safe, stream_safe_chunks, async), PyTorch's native caching allocator
@@ -28,8 +28,11 @@ import os
 import subprocess
 import sys
 
-MIB = 1 << 20
-GIB = 1 << 30
+# The graph cases of python/tests/gpu/torch_cases.py and this measurement share the allocator
+# setup, the temporaries and the memory figures: the test's tree holds them.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python", "tests", "gpu"))
+from torch_cases import CONTROLS, device_used, factor, pattern, reserved, setup, temporaries  # noqa: E402
+from casekit import GIB, MIB  # noqa: E402
 
 ALLOCATORS = {
     "plain": "strategy=plain",
@@ -44,38 +47,9 @@ NO_HANDLE = ("async", "cudaMallocAsync")
 """Allocators also measured without a pool handle."""
 
 
-def setup(conf):
-    """Imports torch with CONF's allocator current and CUDA initialised; returns torch."""
-    if conf == "cudaMallocAsync":
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"
-    elif conf == "native":
-        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    import torch
-
-    if conf not in ("native", "cudaMallocAsync"):
-        import streamalloc.torch
-
-        streamalloc.torch.enable(conf)
-    torch.cuda.init()
-    return torch
-
-
-def temporaries(x, chunks, chunk_bytes):
-    """Makes `chunks` temporaries of `chunk_bytes` each from `x` (live together), frees them
-    and returns x * (1 + chunks * (chunks + 1)), exactly (x holds small integers)."""
-    n = x.numel()
-    temps = [x.repeat(chunk_bytes // (4 * n)) * (k + 1) for k in range(chunks)]
-    out = x.clone()
-    for t in temps:
-        out += t[:n] + t[-n:]
-    return out
-
-
 def held(torch, base):
     """Device memory in use beyond `base`, after a synchronize."""
-    torch.cuda.synchronize()
-    free, total = torch.cuda.mem_get_info()
-    return total - free - base
+    return device_used(torch) - base
 
 
 def one_row(conf, mode, graphs, gib):
@@ -83,7 +57,7 @@ def one_row(conf, mode, graphs, gib):
     torch = setup(conf)
     n, chunks = 4096, 8
     chunk = gib * GIB // chunks
-    expected = ((torch.arange(n) * 5) % 97 + 1).float()
+    expected = pattern(torch, n, 2)
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         static_in = expected.cuda()
@@ -101,7 +75,7 @@ def one_row(conf, mode, graphs, gib):
                 outputs.append(temporaries(static_in, chunks, chunk))
             captured.append(g)
     row = {"conf": conf, "mode": mode, "graphs": graphs, "gib_each": gib, "held_capture": held(torch, base)}
-    ours = conf not in ("native", "cudaMallocAsync")
+    ours = conf not in CONTROLS
     if ours:  # the library's own figures beside the device's, to tell where memory went
         import streamalloc
 
@@ -112,8 +86,8 @@ def one_row(conf, mode, graphs, gib):
     row["held_replay"] = held(torch, base)
     if ours:
         row["stats_replay"] = streamalloc.stats(0)
-    row["reserved"] = streamalloc.stats(0)["reserved"] if ours else torch.cuda.memory_reserved()
-    want = expected * (1 + chunks * (chunks + 1))
+    row["reserved"] = reserved(torch, conf)
+    want = expected * factor(chunks)
     row["replay_ok"] = all(torch.equal(out.cpu(), want) for out in outputs)
     torch.cuda.empty_cache()
     row["held_empty_cache"] = held(torch, base)
