@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Real PyTorch training loops under torch's allocators and streamalloc's, step times with
-their spread across processes.
+their spread across processes (several interleaved processes per allocator: see DESIGN.md,
+Note [step times under cudnn.benchmark]).
 
     python3 lab/torch_loops.py --out DIR [--quick] [--rounds N] [--loops L,..] [--allocators A,..]
     python3 lab/torch_loops.py --one LOOPS ALLOCATOR --result FILE [--quick]   # one process

@@ -69,7 +69,8 @@ pub struct Tagged<A> {
     /// Serializes sleeps and wakes; holds the internal stream they order their work on.
     moving: Mutex<Option<Stream>>,
     events: EventPool,
-    /// Page-locked host memory for offloaded contents.
+    /// Page-locked host memory for offloaded contents, kept across releases (see DESIGN.md,
+    /// Note [offload buffers stay pinned]).
     pinned: PinnedHost,
     /// Allocations that failed in a pool and succeeded once the others gave memory back: the
     /// pool counted a failure, which [`Allocator::stats`] counts as a retry instead.
@@ -482,7 +483,7 @@ impl<A: StreamAllocator> Tagged<A> {
     }
 
     /// Refuses the sleep of `begun` when a range with data of theirs is exported
-    /// ([`Device::exports_any`]): see DESIGN.md, "IPC trust model".
+    /// ([`Device::exports_any`]): see DESIGN.md, Note [IPC trust model].
     fn refuse_exported(&self, begun: &[Falling]) -> Result<()> {
         let granule = self.device.map_granularity()? as u64;
         for (_, _, ranges) in begun {

@@ -1343,6 +1343,7 @@ impl Device for CudaDevice {
         // A capturing stream is live; cuStreamIsCapturing is allowed on it, while
         // cuStreamGetFlags fails there (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) and invalidates
         // the capture: PyTorch calls record_stream on the side streams of torch.cuda.graph.
+        // See Note [record_stream on a capturing stream] in DESIGN.md.
         if self.capture_status(s).map_err(not_live)? != CaptureStatus::None {
             return Ok(());
         }
