@@ -559,8 +559,8 @@ impl State {
 
 impl Inner {
     /// Waits, at most the pool's `wait_timeout` in all, for the events of the frees pending
-    /// on recorded streams, before an allocation fails for lack of memory (issue 52: best
-    /// fit failed with 700 MiB pending behind a kernel of 1 us). Past the bound, or on an
+    /// on recorded streams, before an allocation fails for lack of memory (memory pending
+    /// behind a short kernel must not fail it). Past the bound, or on an
     /// error, it stops; the caller polls what completed. Events go back to the pool's event
     /// pool only, never destroyed while it lives: one polled and reused meanwhile is waited
     /// for (bounded) for nothing, never freed under the wait.
