@@ -3,7 +3,7 @@
 # git-ignored folder .client-wheels/, for a GPU machine without network: RMM for CUDA 13
 # (rmm-cu13, librmm-cu13) and rapids-logger, which librmm loads. The GPU machine's image
 # already has what else they need (cuda-bindings >= 13.0.1, numpy >= 2), and Numba
-# (numba, numba-cuda). scripts/gpu/device-run.sh installs them beside the streamalloc wheel.
+# (numba, numba-cuda). lab/run installs them beside the streamalloc wheel.
 #   bash scripts/fetch-client-wheels.sh            # RMM 26.10, for CPython 3.12 on x86-64
 #   RMM_VERSION=26.08 PYTHON_VERSION=3.11 bash scripts/fetch-client-wheels.sh
 set -euo pipefail

@@ -96,7 +96,7 @@ def compile_backend(out, torch_dir, includes, cuda_lib=None, cxx11_abi=None, com
         base += [f"-L{cuda_lib}", f"-l:{cudart[-1]}"]
     # The shared libstdc++ first: a compiler that links it statically by default (as some
     # images' wrappers do) gives the library a copy of its own whose uninitialised locale
-    # crashed formatting a number (seen on an H200 image, torch 2.11).
+    # crashes formatting a number. See DESIGN.md, Note [the backend links the shared libstdc++].
     base += ["-l:libstdc++.so.6", "-ldl", "-Wl,--no-undefined"]
     tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
     failures = []

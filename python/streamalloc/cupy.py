@@ -71,7 +71,8 @@ _kept = {}
 while it owns live allocations and while anything else holds it; once neither, the library
 forgets it (`streamalloc.retire_stream`: its pool under `stream_safe` gives its memory back)
 and it is let go. CuPy then destroys it, and no later call of the library (a release, a
-retry on out-of-memory) names the destroyed stream, which the driver does not survive."""
+retry on out-of-memory) names the destroyed stream, which the driver does not survive. See
+DESIGN.md, Note [CuPy streams held until retired]."""
 
 _HELD_BY_US_ALONE = 2
 """`sys.getrefcount` of a kept stream that only `_kept` holds: its list's slot and the

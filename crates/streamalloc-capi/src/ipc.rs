@@ -26,7 +26,7 @@
 //! which a handle of PyTorch's own lacks: [`TRAILER_MAGIC`], the device ordinal (u32), the
 //! descriptor of the exporter's export registry (i32) and each descriptor's export serial
 //! (u64 each), which [`streamalloc_ipc_open`] checks before it copies any descriptor (see
-//! DESIGN.md, "IPC trust model").
+//! DESIGN.md, Note [IPC trust model]).
 
 use std::os::fd::AsFd;
 use std::os::raw::{c_int, c_void};

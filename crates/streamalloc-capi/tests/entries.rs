@@ -4,8 +4,6 @@
 
 mod common;
 
-use std::process::Command;
-
 #[test]
 fn the_pointer_table_keeps_the_front_ends_word() {
     let exe = common::compile("tests/c/entries.c", "streamalloc-entries");
@@ -13,12 +11,6 @@ fn the_pointer_table_keeps_the_front_ends_word() {
         ("device=sim,sim_capacity=4GiB", &[][..]),
         ("device=sim,sim_capacity=4GiB,strategy=best_fit", &["one-pool"]),
     ] {
-        let out = Command::new(&exe).args(args).env("STREAMALLOC_CONF", conf).output().expect("run entries");
-        assert!(
-            out.status.success(),
-            "{conf}: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        common::run_ok(&exe, conf, args);
     }
 }

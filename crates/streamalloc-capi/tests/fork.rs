@@ -5,15 +5,13 @@
 
 mod common;
 
-use std::process::Command;
-
 #[test]
 fn children_forked_while_threads_are_inside_the_library_exit_at_once() {
     let exe = common::compile("tests/c/fork.c", "streamalloc-fork");
     let trace = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("fork-trace.csv");
     for strategy in ["plain", "stream_safe", "async"] {
         let conf = format!("device=sim,strategy={strategy},sim_capacity=1GiB,trace={}", trace.display());
-        let out = Command::new(&exe).env("STREAMALLOC_CONF", &conf).output().expect("run the program");
+        let out = common::run(&exe, &conf, &[]);
         let stdout = String::from_utf8_lossy(&out.stdout);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(

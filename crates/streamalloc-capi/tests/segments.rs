@@ -4,17 +4,7 @@
 
 mod common;
 
-use std::process::Command;
-
-fn run(exe: &std::path::Path, conf: &str, args: &[&str]) {
-    let out = Command::new(exe).args(args).env("STREAMALLOC_CONF", conf).output().expect("run segments");
-    assert!(
-        out.status.success(),
-        "{conf}: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
+use common::run_ok as run;
 
 #[test]
 fn segments_and_blocks_are_listed_exactly() {

@@ -5,17 +5,7 @@
 
 mod common;
 
-use std::process::Command;
-
-fn run(exe: &std::path::Path, conf: &str, args: &[&str]) {
-    let out = Command::new(exe).args(args).env("STREAMALLOC_CONF", conf).output().expect("run sleep");
-    assert!(
-        out.status.success(),
-        "{conf}: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
+use common::run_ok as run;
 
 #[test]
 fn tags_sleep_and_wake_through_the_c_api() {

@@ -3,15 +3,13 @@
 
 mod common;
 
-use std::process::Command;
-
 #[test]
 fn c_smoke_on_the_simulator() {
     let exe = common::compile("tests/c/smoke.c", "streamalloc-smoke");
     let mut ran = Vec::new();
     for strategy in ["plain", "best_fit", "stream_safe", "async"] {
         let conf = format!("device=sim,strategy={strategy},sim_capacity=64GiB");
-        let out = Command::new(&exe).env("STREAMALLOC_CONF", &conf).output().expect("run smoke");
+        let out = common::run(&exe, &conf, &[]);
         let stdout = String::from_utf8_lossy(&out.stdout);
         let stderr = String::from_utf8_lossy(&out.stderr);
         if out.status.code() == Some(77) && strategy != "plain" {

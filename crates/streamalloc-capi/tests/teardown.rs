@@ -4,14 +4,12 @@
 
 mod common;
 
-use std::process::Command;
-
 #[test]
 fn failing_calls_at_thread_and_process_teardown_do_not_abort() {
     let exe = common::compile("tests/cpp/teardown.cpp", "streamalloc-teardown");
     for strategy in ["plain", "stream_safe"] {
         let conf = format!("device=sim,strategy={strategy},sim_capacity=1GiB");
-        let out = Command::new(&exe).env("STREAMALLOC_CONF", &conf).output().expect("run the program");
+        let out = common::run(&exe, &conf, &[]);
         let stdout = String::from_utf8_lossy(&out.stdout);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(

@@ -4,17 +4,12 @@
 
 mod common;
 
-use std::process::Command;
-
 #[test]
 fn torch_hooks_through_torchs_types() {
     let exe = common::compile("tests/cpp/torch_hooks.cpp", "streamalloc-torch-hooks");
     for strategy in ["plain", "best_fit", "stream_safe", "stream_safe,expandable=false", "async"] {
         let conf = format!("device=sim,strategy={strategy},sim_capacity=64GiB");
-        let out = Command::new(&exe).env("STREAMALLOC_CONF", &conf).output().expect("run torch_hooks");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "{conf}:\nstdout:\n{stdout}\nstderr:\n{stderr}");
+        let stdout = common::run_ok(&exe, &conf, &[]);
         assert!(stdout.contains(" passed, 0 failed"), "{conf}:\n{stdout}");
     }
 }

@@ -6,17 +6,13 @@
 
 mod common;
 
-use std::process::Command;
-
 #[test]
 fn stream_rows_reach_the_trace_through_the_c_api() {
     let exe = common::compile("tests/c/trace_rows.c", "streamalloc-trace-rows");
     let path = std::env::temp_dir().join(format!("streamalloc-trace-rows-{}.csv", std::process::id()));
     for strategy in ["stream_safe", "best_fit", "async"] {
         let conf = format!("device=sim,strategy={strategy},sim_capacity=1GiB,trace={}", path.display());
-        let out = Command::new(&exe).env("STREAMALLOC_CONF", &conf).output().expect("run trace_rows");
-        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-        assert!(out.status.success(), "{conf}: {stdout}{}", String::from_utf8_lossy(&out.stderr));
+        let stdout = common::run_ok(&exe, &conf, &[]);
         let text = std::fs::read_to_string(&path).expect("the trace");
         let _ = std::fs::remove_file(&path);
         // The Thread and Time columns left out.
@@ -32,9 +28,5 @@ fn stream_rows_reach_the_trace_through_the_c_api() {
         assert_eq!(rows[2], format!("wait,{side:#x},0,0"), "{strategy}: {text}");
         assert_eq!(rows[4], format!("free,{p},1048576,0"), "{strategy}: {text}");
     }
-    let out = Command::new(&exe)
-        .env("STREAMALLOC_CONF", "device=sim,strategy=stream_safe")
-        .output()
-        .expect("run trace_rows");
-    assert!(out.status.success(), "without a trace: {}", String::from_utf8_lossy(&out.stdout));
+    common::run_ok(&exe, "device=sim,strategy=stream_safe", &[]); // without a trace
 }

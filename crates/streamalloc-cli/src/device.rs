@@ -40,8 +40,9 @@ pub fn open_cuda() -> Result<Opened, String> {
     Ok(Opened { device, description, start_slack: 32 << 20, sim: None, simulator: None })
 }
 
-/// One line per CUDA device: memory and whether it offers stream-ordered pools. The
-/// library does not expose the driver version yet, so it is not shown.
+/// The CUDA driver's version and device count, then one line per CUDA device: memory and
+/// whether it offers stream-ordered pools. A driver that cannot be loaded gives one line
+/// saying why.
 pub fn describe_gpus() -> Vec<String> {
     let count = match device_count() {
         Ok(n) => n,

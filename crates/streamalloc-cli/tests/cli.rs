@@ -494,7 +494,7 @@ fn record_names_an_unwritable_trace_path() {
     assert_fails_with(&out, &["cannot write the trace to /nonexistent/dir/t.csv", "No such file"]);
 }
 
-/// Real snapshots (scripts/gpu/record_snapshot.py on a GPU, committed under
+/// Real snapshots (lab/record_snapshot.py on a GPU, committed under
 /// traces/snapshots/) import, keeping their two streams, and replay with no failure.
 #[test]
 fn real_snapshots_import_and_replay() {

@@ -3,7 +3,7 @@
 //! and a free that waited for another stream's work gets `record_stream` and `use` rows.
 //!
 //! tests/data/ holds what the import wrote before issue 37 (commit d184c7f) for
-//! scripts/fabricate_snapshot.py's snapshot (with and without `time_us`) and for
+//! crates/streamalloc-cli/tests/fabricate_snapshot.py's snapshot (with and without `time_us`) and for
 //! traces/snapshots/mlp_train_side_stream.pickle.
 
 mod common;

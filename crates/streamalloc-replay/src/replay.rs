@@ -1,7 +1,7 @@
 //! Replays a [`Trace`] through an allocator and measures footprint and speed.
 //!
 //! The method is the one of the external comparison harness the README's measurements used
-//! (`scripts/gpu-bench.sh`), so figures compare with its figures:
+//! (`lab/run prepare`), so figures compare with its figures:
 //!
 //! * **Pass 0** (untimed) runs every operation and samples the device's memory use
 //!   ([`Device::mem_info`]) after each one. Its peak, minus the use measured just before

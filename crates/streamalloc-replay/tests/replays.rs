@@ -98,13 +98,9 @@ fn check_trace_granules_per_pass(name: &str, passes: usize) -> (Vec<u64>, f64) {
 
 #[test]
 fn workloads_with_other_shapes_stop_mapping_from_their_second_warm_pass() {
-    // Recorded with other seeds than the traces the policy was tuned on. With requests of up
-    // to 1 MiB in the small class, the homes a stitched range took from small blocks went back
-    // to the small class when it was idle, where the next small requests took them, and every
-    // warm pass stitched again: BERT-like inference 392, 251 and 68 granules in warm passes
-    // 1-3, mixture-of-experts training 50, 16 and 49 and 80 more over the next 17 passes (on
-    // the H200 the fresh seeds of these workloads cost up to 343 ns per operation against RMM
-    // binning's 210, bench/results/speed.md, run 45).
+    // Recorded with other seeds than the traces the policy was tuned on: every warm pass of
+    // these stitched again while the small class held requests of up to 1 MiB (see Note [the
+    // small class of stitched pools] in DESIGN.md).
     // The bounds: 1.05, or less where raw cudaMalloc, the most compact reference on the H200,
     // held less (1.118, 1.022 and 1.046); bert_infer_seed2 held 1.0519 with stitches of whole
     // granules only.
@@ -120,7 +116,7 @@ fn workloads_with_other_shapes_stop_mapping_from_their_second_warm_pass() {
 #[test]
 fn a_decoding_loop_whose_requests_grow_stays_within_3_percent() {
     // LLM inference with a growing KV cache recorded from PyTorch (seed 2 of
-    // scripts/gpu/record_workloads.py, a check trace). When an idle stitched range served
+    // lab/record_workloads.py, a check trace). When an idle stitched range served
     // requests of half its size, the ranges of the cache's earlier, larger tensors kept a third
     // to a half of their memory out of use: 1.0567 of the peak live bytes; the best reference
     // allocator held 1.030 of them on the H200 with seed 0 (cudaMalloc).

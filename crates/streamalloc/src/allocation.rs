@@ -50,9 +50,8 @@ pub struct Block {
 }
 
 /// The streams recorded on a block: one word, and no allocation, while there are none (the
-/// common case). A handle is then 64 bytes, one cache line, as it moves through the layers
-/// and into the pointer table (a `Vec` here made it 80, and the path by pointer 12-16% slower
-/// on the simulator: `bench/results/cpu-cost.md`).
+/// common case), so that a handle stays one cache line (64 bytes) as it moves through the
+/// layers and into the pointer table. See DESIGN.md, Note [a handle is one cache line].
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 // A boxed `Vec` on purpose: one word where a `Vec` is three and a boxed slice two.
 #[allow(clippy::box_collection)]

@@ -187,9 +187,8 @@ pub struct OutOfMemory {
     pub hint: String,
 }
 
-/// Lines of [`OutOfMemory::detail`] an out-of-memory message shows: one error per failed
-/// allocation is printed by some programs, and a message per stream of thousands filled
-/// megabytes.
+/// Lines of [`OutOfMemory::detail`] an out-of-memory message shows. See DESIGN.md, Note
+/// [bounded error messages].
 const DETAIL_SHOWN: usize = 16;
 
 impl fmt::Display for OutOfMemory {

@@ -2,7 +2,7 @@
 //! stack, against the simulator's ordering checker (issue 16), and the negative control: the
 //! same program without `record_stream` is caught.
 //!
-//! `STREAMALLOC_FUZZ_OPS` sets the operations per stack (default 1,000,000; `scripts/fuzz-long.sh`
+//! `STREAMALLOC_FUZZ_OPS` sets the operations per stack (default 1,000,000; `lab/fuzz-long.sh`
 //! runs longer), `STREAMALLOC_FUZZ_SEED` the seed.
 
 use std::sync::Arc;

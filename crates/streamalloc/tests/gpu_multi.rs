@@ -4,7 +4,7 @@
 //! `Facade::enable_peer_access`, fresh and stitched) written by GPU 1 and copied to it, and
 //! frees from a thread whose current context is the other GPU, for every strategy. Every
 //! test is `#[ignore]`d and fails (never passes) with fewer than two GPUs: run them on a
-//! machine with two by scripts/gpu/multi-gpu.sh. The simulator's version of these rules:
+//! machine with two by lab/multi-gpu.sh. The simulator's version of these rules:
 //! tests/multi_device.rs.
 
 use std::sync::Arc;
@@ -17,7 +17,7 @@ use streamalloc::{Allocation, DevicePtr, Error, Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
 const STRATEGIES: [&str; 4] = ["plain", "best_fit", "stream_safe", "async"];
-const WHY: &str = "needs two CUDA GPUs: run on a machine with two GPUs by scripts/gpu/multi-gpu.sh";
+const WHY: &str = "needs two CUDA GPUs: run on a machine with two GPUs by lab/multi-gpu.sh";
 
 /// CUDA devices 0 and 1. Fails when there are fewer than two.
 fn two_gpus() -> (Arc<dyn DeviceTestExt>, Arc<dyn DeviceTestExt>) {
@@ -52,7 +52,7 @@ fn print_stats(f: &Facade, strategy: &str) {
 }
 
 #[test]
-#[ignore = "needs two CUDA GPUs: run on a machine with two GPUs by scripts/gpu/multi-gpu.sh"]
+#[ignore = "needs two CUDA GPUs: run on a machine with two GPUs by lab/multi-gpu.sh"]
 fn the_facade_keeps_a_stack_per_gpu() {
     for strategy in STRATEGIES {
         let f = facade(strategy);
@@ -87,7 +87,7 @@ fn the_facade_keeps_a_stack_per_gpu() {
 }
 
 #[test]
-#[ignore = "needs two CUDA GPUs: run on a machine with two GPUs by scripts/gpu/multi-gpu.sh"]
+#[ignore = "needs two CUDA GPUs: run on a machine with two GPUs by lab/multi-gpu.sh"]
 fn peer_copy_of_pool_memory_needs_access() {
     let (d0, d1) = two_gpus();
     // An owned pool: access granted here is not seen by other users of the default pool.
@@ -144,7 +144,7 @@ fn peer_copy_of_pool_memory_needs_access() {
 }
 
 #[test]
-#[ignore = "needs two CUDA GPUs: run on a machine with two GPUs by scripts/gpu/multi-gpu.sh"]
+#[ignore = "needs two CUDA GPUs: run on a machine with two GPUs by lab/multi-gpu.sh"]
 fn mapped_memory_is_usable_by_a_peer_once_peer_access_is_enabled() {
     let (d0, d1) = two_gpus();
     // The stack a facade builds for device 0, built on `d0` itself: a device instance knows
@@ -205,7 +205,7 @@ fn free_on_thread_of(f: &Arc<Facade>, other: usize, held: Vec<Allocation>) {
 }
 
 #[test]
-#[ignore = "needs two CUDA GPUs: run on a machine with two GPUs by scripts/gpu/multi-gpu.sh"]
+#[ignore = "needs two CUDA GPUs: run on a machine with two GPUs by lab/multi-gpu.sh"]
 fn frees_from_a_thread_on_the_other_gpu() {
     for strategy in STRATEGIES {
         let f = Arc::new(facade(strategy));

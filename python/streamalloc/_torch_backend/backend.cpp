@@ -15,6 +15,7 @@
 // (Note [the word]), which private pool takes an allocation is the library's routing, and the
 // snapshot is its list of segments. Allocation and free take no lock of the backend's own
 // (counts are atomics); the locks below serve private pools' books, checkpoints and history.
+// See DESIGN.md, Note [the backend only translates].
 //
 // What each of torch's methods does here:
 //   allocate / raw_alloc*           streamalloc_allocate_word on torch's current stream; failure from
@@ -923,6 +924,8 @@ class Backend : public CCA::CUDAAllocator {
     return {};
   }
 
+  // As native answers, so that cudnn is offered the same workspace: see DESIGN.md,
+  // Note [step times under cudnn.benchmark].
   void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) override {
     if (*largestBlock == 0) {
       // As native: the free device memory is the first guess of what can be had.

@@ -5,7 +5,7 @@ allocator is fixed per process) through the workers beside this file (torch_case
 cupy_cases.py). CI (.ci/run) does not run pytest: it runs python/tests/test_streamalloc.py
 through cargo test. Should pytest collect this folder on a machine without an NVIDIA GPU,
 every test here ERRORs (the session fixture below fails), so such a run never counts them as
-passing. On the GPU machine: `bash scripts/gpu/device-run.sh torch` (streamalloc importable,
+passing. On the GPU machine: `bash lab/run torch` (streamalloc importable,
 pytest and pytest-timeout installed).
 """
 

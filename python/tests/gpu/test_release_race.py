@@ -1,6 +1,6 @@
 """A release racing frees through PyTorch under every streamalloc strategy and PyTorch's own
 allocators (issue 33): see race_cases.py. STREAMALLOC_RACE_SECONDS sets each case's length
-(default 20; `bash scripts/gpu/device-run.sh race` runs a minute each, all at once).
+(default 20; `bash lab/run race` runs a minute each, all at once).
 
     python3 -m pytest -q -rA python/tests/gpu/test_release_race.py
 """

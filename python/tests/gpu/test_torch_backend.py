@@ -7,7 +7,7 @@ pytest-timeout.
     python3 -m pytest -q -rA python/tests/gpu/test_torch_backend.py
 
 With STREAMALLOC_TORCH_BACKEND=pluggable (the fallback forced) every test here must fail:
-scripts/gpu/torch-backend.sh runs both and summarises.
+lab/torch-backend.sh runs both and summarises.
 """
 
 import pytest

@@ -35,7 +35,8 @@ pool's allocator. Cases (each checks data read back, not only addresses):
   stats              streamalloc.torch.memory_stats() has torch's keys and right figures,
                      reset_peak_memory_stats resets the peaks, memory_summary is text
 
-Output and exit status: see casekit.py.
+Output and exit status: see casekit.py. lab/graph_memory.py measures with this file's setup,
+temporaries and memory figures (imported): keep their signatures.
 """
 
 import gc

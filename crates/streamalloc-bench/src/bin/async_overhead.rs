@@ -11,7 +11,7 @@
 //! median pass of each, in ns per operation.
 //!
 //! A measurement to read, not a test: `cargo run --release -p streamalloc-bench --bin async_overhead [TRACE...]`
-//! (on the GPU machine, packed by scripts/gpu-test.sh: scripts/gpu/device-run.sh bench).
+//! (on the GPU machine, packed by scripts/gpu-test.sh: lab/run bench).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -34,7 +34,7 @@
 //! On the simulator the device costs nothing and no call takes a driver lock, which separates
 //! the allocator's own scaling from the driver's. A measurement to read, not a test:
 //! `cargo run --release -p streamalloc-bench --bin mt_replay -- TRACE [sim|cuda] [SUBJECT...] [--profile]`
-//! (on the GPU machine, packed by scripts/gpu-test.sh: scripts/gpu/device-run.sh mtx).
+//! (on the GPU machine, packed by scripts/gpu-test.sh: lab/run mtx).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Barrier};

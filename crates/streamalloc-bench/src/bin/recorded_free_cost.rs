@@ -1,7 +1,7 @@
 //! Measures, on CUDA device 0, the host cost of an allocate + free pair on one stream, with
 //! and without `record_stream` of a second (idle) stream, for AsyncPool and StreamSafe.
 //! A measurement to read, not a test: `cargo run --release -p streamalloc-bench --bin recorded_free_cost`
-//! (on the GPU machine, packed by scripts/gpu-test.sh: scripts/gpu/device-run.sh bench).
+//! (on the GPU machine, packed by scripts/gpu-test.sh: lab/run bench).
 
 use std::sync::Arc;
 use std::time::Instant;

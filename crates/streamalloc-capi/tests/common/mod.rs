@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
 
 /// The directory of the `libstreamalloc.so` cargo built for this test run.
 pub fn library_dir() -> PathBuf {
@@ -43,4 +44,29 @@ pub fn compile(source: &str, name: &str) -> PathBuf {
         String::from_utf8_lossy(&output.stderr)
     );
     exe
+}
+
+/// Runs `exe` with `args` under `STREAMALLOC_CONF=conf`; its output, whatever its exit status.
+#[allow(dead_code)] // each test crate includes this module; not every one runs a program
+pub fn run(exe: &Path, conf: &str, args: &[&str]) -> Output {
+    Command::new(exe)
+        .args(args)
+        .env("STREAMALLOC_CONF", conf)
+        .output()
+        .unwrap_or_else(|e| panic!("run {}: {e}", exe.display()))
+}
+
+/// Runs `exe` as [`run`] does and fails the test, with the configuration and the program's
+/// output, unless it exits with 0; its standard output.
+#[allow(dead_code)] // each test crate includes this module; not every one runs a program
+pub fn run_ok(exe: &Path, conf: &str, args: &[&str]) -> String {
+    let out = run(exe, conf, args);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{conf}: exit {:?}\nstdout:\n{stdout}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
 }

@@ -82,11 +82,11 @@ pub fn workload(rounds: usize, scale: usize) -> String {
 }
 
 /// Writes a snapshot fabricated like `torch.cuda.memory._dump_snapshot` (see
-/// scripts/fabricate_snapshot.py) with `args`, and the summary the script prints (JSON:
+/// tests/fabricate_snapshot.py) with `args`, and the summary the script prints (JSON:
 /// `bytes`, `entries`, `peak_allocated_bytes`, `deferred_frees`).
 pub fn fabricated_snapshot(name: &str, args: &[&str]) -> (TempFile, serde_json::Value) {
     let file = TempFile::new(name, "");
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/fabricate_snapshot.py");
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fabricate_snapshot.py");
     let out =
         Command::new("python3").arg(&script).arg(file.path()).args(args).output().expect("python3 runs");
     assert!(out.status.success(), "{}", stderr(&out));

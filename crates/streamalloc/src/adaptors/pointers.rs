@@ -23,24 +23,20 @@ const NO_STREAM: u64 = u64::MAX;
 
 /// A stack's allocations by pointer: `allocate_ptr` makes an [`Allocation`] through the
 /// allocator it wraps and keeps it, `free_ptr` drops it, `record_stream_ptr` records a stream on
-/// it. A free by pointer is the free of a handle, so every allocator and adaptor below has one
-/// allocation path (the handle's), and a stack has this one table, on top.
+/// it. A free by pointer is the free of a handle, so the layers below have one allocation path.
+/// See DESIGN.md, Note [one pointer table].
 ///
-/// * **Sharded by stream.** The table is 256 maps, each under a lock of its own on a cache line
-///   of its own. A stream claims a shard, the first of the 8 from its home (a hash of its
-///   handle) that no stream claimed or whose stream keeps nothing in it: threads on different
-///   streams take different locks even where their handles hash alike (two streams sharing a
-///   lock run at a fifth of their speed on the simulator), and a free given the stream it was
-///   allocated on finds it in one lookup. A free on another stream (or a `record_stream`,
-///   which names a user, not the owner) looks in the shards that hold anything.
+/// * **Sharded by stream.** 256 maps, each under a lock of its own; a stream claims one, so
+///   threads on different streams take different locks, and a free given the stream it was
+///   allocated on finds the allocation in one lookup (a free on another stream, or a
+///   `record_stream`, looks in the shards that hold anything). See DESIGN.md, Note [shards
+///   claimed by streams].
 /// * **Bounded.** The table holds the live allocations and a claim per shard, nothing per
-///   thread or per stream: threads and streams that come and go leave nothing behind; each
-///   map grows to at most twice the most allocations its shard held at once (kept at most half
-///   full, as a map that churns is cheaper so).
-/// * **Recorded streams** stay on the allocation kept here until its free (the allocator below
-///   orders the reuse after them then). [`StreamAllocator::retire_stream`] takes the stream
-///   out of them once its work is done: it waits for that work, at most the `wait_timeout`
-///   given, if an allocation kept recorded the stream.
+///   thread or per stream; each map grows to at most twice the most allocations its shard held
+///   at once.
+/// * **Recorded streams** stay on the allocation until its free.
+///   [`StreamAllocator::retire_stream`] takes the stream out of them, after waiting (at most
+///   the `wait_timeout` given) for its work if an allocation kept here recorded it.
 /// * Dropping the table frees the allocations it still keeps (their pointers must not be used
 ///   after that).
 ///
@@ -169,9 +165,7 @@ impl<A: StreamAllocator> Pointers<A> {
         }
         let i = self.claim(stream);
         let mut live = self.shards[i].live.lock();
-        // Kept at most half full: the map churns (every key is removed again soon), and near
-        // hashbrown's maximum load the slots left by removals lengthen probes and force
-        // rehashes in place (`bench/results/speed.md`).
+        // Kept at most half full. See Note [maps kept half full] in DESIGN.md.
         let len = live.len();
         if len * 2 >= live.capacity() {
             live.reserve(len.max(64));

@@ -85,44 +85,23 @@ impl Default for BestFitConfig {
 /// is [`policy::best_fit`](crate::policy::best_fit).
 ///
 /// * **Growth.** When no cached block fits, the backing adds memory (see
-///   [`backing`](super::backing)). If the device is out of memory, the pool releases what the
-///   backing can give back and tries once more before failing with [`Error::OutOfMemory`].
-/// * **Release.** [`Allocator::release`] gives free memory back through the backing (wholly
-///   free chunks and segments; every free granule of stitched ranges). Dropping the pool
-///   (and every allocation) returns all memory. Before giving memory back (on release, and
-///   on out-of-memory before the retry) the pool waits for the work enqueued on its stream,
-///   at most [`BestFitConfig::wait_timeout`]: a chunk's `cuMemFree` would wait for it
-///   without a bound, an unmap would not wait at all. Past the bound nothing is given back,
-///   and the error says what was waited for. (`cuMemFree` also waits for streams the pool
-///   does not know; unmapped segments and stitched ranges do not.) A stitched pool that
-///   unmaps free granules to pay for a growth waits the same way.
-/// * **Backings compared.** The footprint of each backing on the sample traces, on a GPU and
-///   on the simulator, is in `bench/results/footprint.md` (run 29 of 2026-12-02 and the
-///   simulator's figures of issue 17); `streamalloc replay --conf ...` measures it on
-///   any trace.
-/// * **Recorded streams.** The pool is not stream-aware: all its allocations belong to one
-///   stream. A freed block whose allocation recorded other streams is kept out of the free
-///   lists: at free, an event (from an [`EventPool`]) is recorded on each recorded stream, and
-///   the block becomes reusable once all its events have completed, which is checked without
-///   blocking at the next allocation or release. Freeing never blocks and never panics; if
-///   recording an event fails, the block is never reused (its chunk returns to the device
-///   only when the pool is dropped) and the error is held back for the next
-///   [`Allocator::release`] (an allocation does not report it).
-/// * **Exact reuse.** A freed small block (1 MiB or less) is first *parked* under its rounded
-///   size, not merged: the next request of that size takes it back at once (a hash lookup
-///   instead of a best-fit search, split and merge; training and inference loops repeat their
-///   sizes). Parked blocks return to the policy, which merges them, before the pool grows,
-///   releases or gives a chunk away, so parking never raises the footprint by itself. Large
-///   blocks go back to the policy at once: the sample traces reuse few large blocks at their
-///   exact size before a request of another size needs them merged (in GPT-2 training, one
-///   large request in four), so parking them cost more than it saved. On the sample traces
-///   (`streamalloc replay --device sim`), parking leaves the peak reserved as it was and
-///   lowers the CPU cost per operation (`bench/results/`).
-/// * **Concurrency.** One lock guards the pool. Reusing a cached block takes it once and
-///   allocates nothing on the heap. A growth runs under it, the pool calling its backing
-///   with its books in hand (the backing never calls back), as RMM's pool and PyTorch's
-///   caching allocator grow under theirs; a release waits for the pool's stream without it,
-///   between the backing's two steps, so frees never wait for the device.
+///   [`backing`](super::backing)); on out-of-memory the pool releases what the backing can
+///   give back and tries once more, else fails with [`Error::OutOfMemory`].
+/// * **Release.** [`Allocator::release`] gives free memory back through the backing; dropping
+///   the pool (and every allocation) returns all of it. Before giving memory back the pool
+///   waits for the work enqueued on its stream, at most [`BestFitConfig::wait_timeout`]; past
+///   it nothing is given back and the error ([`Error::Timeout`]) says what was waited for. See
+///   DESIGN.md, Note [wait before giving memory back].
+/// * **Recorded streams.** All allocations belong to the pool's one stream. A freed block whose
+///   allocation recorded other streams becomes reusable once an event recorded on each at the
+///   free has completed (checked without blocking at the next allocation or release). A free
+///   never blocks; if an event cannot be recorded the block is never reused and the error is
+///   reported by the next [`Allocator::release`].
+/// * **Exact reuse.** A freed block of the small class ([`Classes::small_max`](crate::policy::best_fit::Classes::small_max)) is parked under
+///   its rounded size for the next request of that size, and given back to the policy before
+///   the pool grows, releases or gives a chunk away. See DESIGN.md, Note [park small blocks].
+/// * **Concurrency.** One lock guards the pool; reusing a cached block takes it once and
+///   allocates nothing on the heap. See DESIGN.md, Note [grow under the pool's lock].
 ///
 /// # Examples
 ///
@@ -580,8 +559,8 @@ impl State {
 
 impl Inner {
     /// Waits, at most the pool's `wait_timeout` in all, for the events of the frees pending
-    /// on recorded streams, before an allocation fails for lack of memory (issue 52: best
-    /// fit failed with 700 MiB pending behind a kernel of 1 us). Past the bound, or on an
+    /// on recorded streams, before an allocation fails for lack of memory (memory pending
+    /// behind a short kernel must not fail it). Past the bound, or on an
     /// error, it stops; the caller polls what completed. Events go back to the pool's event
     /// pool only, never destroyed while it lives: one polled and reused meanwhile is waited
     /// for (bounded) for nothing, never freed under the wait.

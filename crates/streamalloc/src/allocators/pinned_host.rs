@@ -30,34 +30,27 @@ impl Default for PinnedHostConfig {
 }
 
 /// A caching pool of page-locked (pinned) host memory, the staging memory of fast
-/// asynchronous copies between the host and devices: PyTorch's `CachingHostAllocator`, CuPy's
-/// `PinnedMemoryPool`, RMM's pinned resources.
+/// asynchronous copies between the host and devices (PyTorch's `CachingHostAllocator`).
 ///
 /// * **Blocks.** Each block is one [`Device::host_alloc`] of a power of two bytes (at least
-///   [`PinnedHostConfig::min_block`]), as PyTorch rounds; free blocks are kept per size class,
-///   and a request takes a block of its own class, never a piece of a larger one.
-/// * **Stream order.** The host may write memory it is handed at once, so a block that
-///   streams used ([`PinnedHost::record_stream_ptr`], [`PinnedBuffer::record_stream`]: a copy
-///   from or to it) goes back to its class, when freed, only once an event recorded on each
-///   of those streams at the free has completed. Allocations query those events and never
-///   wait for them: first the oldest pending frees, until one is still busy; on a miss, all of
-///   them, before pinning new memory.
-/// * **Graphs.** A block that a stream used while it captured a graph, or whose recorded
-///   stream captures at the free, is never handed out again: a replay of the graph may copy
-///   from or to it at any time (PyTorch keeps such blocks too). It counts as pending release.
-/// * **Devices.** Pinned memory serves every device: the pool allocates through one device
-///   (its context), and each recorded stream names its own device, whose events the pool
-///   keeps (an event is recorded on a stream of its own device only).
-/// * **Release.** [`PinnedHost::release`] gives the free blocks back (`cuMemFreeHost`); so
-///   does an allocation that runs out of memory, before it tries once more.
-/// * **Statistics** ([`Stats`]) as the device allocators': `allocated` (bytes asked for),
-///   `reserved` (bytes pinned), `cached`, `pending_release`, `device_allocs` and
-///   `device_frees` (pinned allocations and frees), counts, failures and retries.
+///   [`PinnedHostConfig::min_block`]); a request takes a free block of its own size class, never
+///   a piece of a larger one.
+/// * **Stream order.** A block that streams used ([`PinnedHost::record_stream_ptr`],
+///   [`PinnedBuffer::record_stream`]) returns to its class only once an event recorded on each
+///   of them at the free has completed; allocations query those events and never wait.
+/// * **Graphs.** A block used by a capturing stream is never handed out again (it counts as
+///   pending release). See DESIGN.md, Note [pinned blocks used by captures].
+/// * **Devices.** The pool pins through one device's context and serves every device; each
+///   recorded stream's event is made on that stream's device.
+/// * **Release.** [`PinnedHost::release`] gives the free blocks back; so does an allocation
+///   that runs out of memory, before it tries once more.
+/// * **Statistics** ([`Stats`]): `reserved` is the bytes pinned, `device_allocs` and
+///   `device_frees` the pinned allocations and frees; the rest as the device allocators'.
 ///
-/// Both faces share one table: handles ([`PinnedHost::allocate`], freed when dropped) and
-/// pointers ([`PinnedHost::allocate_ptr`] and [`PinnedHost::free_ptr`], for front ends that
-/// hand raw pointers to C). Dropping the pool frees what it holds, the blocks still handed out
-/// by pointer included (their pointers must not be used after that); handles keep it alive.
+/// Handles ([`PinnedHost::allocate`]) and pointers ([`PinnedHost::allocate_ptr`],
+/// [`PinnedHost::free_ptr`]) share one table. Dropping the pool frees what it holds, blocks
+/// handed out by pointer included (their pointers must not be used after that); handles keep
+/// it alive.
 ///
 /// # Examples
 ///

@@ -87,70 +87,31 @@ const STREAMS_NAMED: usize = 8;
 
 /// A caching pool per stream, following the [ordering contract](crate::allocation).
 ///
-/// * **Ownership.** Each stream has its own [`BestFit`] pool, created on the stream's first
-///   allocation. An allocation belongs to the stream it was made on; freed, its block goes
-///   back to that stream's pool and is reused at once by that stream.
-/// * **`record_stream`.** When an allocation that recorded other streams is freed, an event
-///   (from a pool of events) is recorded on each of them and the block stays out of the
-///   free lists until all have completed. Completion is checked lazily, without blocking:
-///   when the pool allocates with pending frees, on a miss, and in [`Allocator::release`];
-///   never by a background thread and never while the allocating stream is capturing a
-///   graph.
-/// * **Stealing.** When a stream's pool has no fitting block while device memory is short
-///   (free below [`StreamSafeConfig::steal_below_free_percent`], default 10%, of the total),
-///   a wholly free chunk of another stream's idle pool that fits is moved into it before the
-///   device footprint grows; with memory to spare the pool grows instead, which costs one
-///   device call and no other stream anything. The taking stream waits on an event recorded
-///   on the giving stream (so earlier work there is done before it uses the memory), once
-///   per chunk, and the chunk then belongs to the taking stream's pool for good, so streams
-///   do not pay an event per allocation. Only an idle pool gives a chunk away: one with no
-///   live allocation that has made no allocation between the taking pool's previous miss
-///   and this one (so nothing is taken at a pool's first miss). Taking from busy streams
-///   made chunks ping-pong between streams that each needed them, every move a cross-stream
-///   wait and a lock of the other stream's pool (eight threads replaying a trace on their
-///   own streams moved chunks hundreds of times per pass); taking from a stream idle only
-///   for a moment robbed streams waiting at a barrier between two steps, which then grew
-///   again in the next step.
-/// * **Out of memory.** Each pool first returns its own free chunks and retries once; then
-///   every stream's pool releases its free chunks and the allocation is retried, then
-///   retried again every millisecond for up to [`StreamSafeConfig::retry_wait`] while
-///   pending frees complete. Before the pools give memory back, the allocation waits for the
-///   work enqueued on every stream with a pool, at most the pools'
-///   [`wait_timeout`](BestFitConfig::wait_timeout) in all (a `cuMemFree` waits for all the
-///   device's work): past it nothing is given back, and the error says which stream it
-///   waited for and how long. The final error names the 8 streams whose pools hold the most
-///   and sums up the others.
-/// * **Retiring streams.** Before destroying a stream, call [`StreamSafe::retire_stream`]
-///   (a destroyed stream's handle is undefined in every driver call). It waits, at most the
-///   pools' `wait_timeout`, for the stream's work; then the allocator forgets the stream:
-///   its pool leaves the allocator (a new stream that the driver gives the same handle
-///   starts afresh) and gives its free memory back. A pool that
-///   still holds memory then (allocations not yet freed, frees pending on other streams)
-///   stays held until a later [`Allocator::release`] finds it empty, and is then dropped,
-///   naming no stream (memory that was still mapped goes back after a wait for the device, as
-///   a `cuMemFree` makes). So the allocator holds only the pools of streams that are alive
-///   or were retired with memory still in use (and at most 32 promoted ones, see
-///   concurrency): however many streams come and go, its memory and the cost of each call
-///   stay flat. The statistics keep the counts and peaks of the pools dropped.
-/// * **Streams destroyed without retiring.** Freeing memory owned by a destroyed stream makes
-///   no call on that stream, so it is safe; but its pool still names it at later releases
-///   (undefined on a GPU). A handle ([`Allocation::record_stream`]) keeps its recorded
-///   streams itself: erase a stream from the handles that recorded it
-///   ([`Allocation::erase_stream`], once its work on them is done) before destroying it. A
-///   recorded stream that no longer exists when the allocation is freed fails the free's
-///   event record: the block is never handed out again while its pool lives (no kernel can
-///   be using it when it is), the next [`Allocator::release`] reports the driver's error
-///   once, and the memory returns to the device once the owning stream is retired and its
-///   pool dropped, or with the allocator.
-/// * **Concurrency.** Allocating and freeing take the one lock of the stream's pool, and
-///   finding the pool takes none. The pools of the streams named most (after 1024 lookups,
-///   up to 32 in the allocator's lifetime) are promoted: found by reading atomics, writing
-///   none, and kept until the allocator is dropped, retired or not: retiring such a stream
-///   also waits (within the same bound) for the frees pending in its pool, and the pool then
-///   keeps only what was still in use (and its address reservation). The others are found
-///   in a table of 256 slots by a hash of the stream, whose lookup holds the pool it finds
-///   while in use (two atomic writes to a slot of the calling thread's own: so the pool can
-///   be dropped once retired), and beyond those in a locked map.
+/// * **Ownership.** Each stream has its own [`BestFit`] pool, made at its first allocation. An
+///   allocation belongs to the stream it was made on; freed, its block is reusable at once by
+///   that stream.
+/// * **`record_stream`.** A freed block whose allocation recorded other streams stays out of
+///   use until an event recorded on each at the free has completed; completion is checked
+///   without blocking (when the pool allocates, misses or releases), never during a capture.
+/// * **Stealing.** While device memory is short (free below
+///   [`StreamSafeConfig::steal_below_free_percent`]), a pool that misses takes a wholly free
+///   chunk of an idle stream's pool, after an event wait, instead of growing. See DESIGN.md,
+///   Note [steal only from idle pools].
+/// * **Out of memory.** The pool returns its own free chunks and retries; then every pool gives
+///   its free chunks back, after a wait for every stream's work bounded by the pools'
+///   [`wait_timeout`](BestFitConfig::wait_timeout), and the allocation is retried for up to
+///   [`StreamSafeConfig::retry_wait`]. Fails with [`Error::OutOfMemory`], which names the 8
+///   streams whose pools hold the most and, when the wait ran out (nothing was given back), says
+///   so.
+/// * **Retiring streams.** Call [`StreamSafe::retire_stream`] before destroying a stream: it
+///   waits (bounded) for the stream's work, and the stream's pool leaves the allocator, at once
+///   or, while it still holds memory, at a later [`Allocator::release`]. The allocator's memory
+///   and per-call cost do not grow with the number of streams ever used. A stream recorded on
+///   an [`Allocation`] handle is erased from it ([`Allocation::erase_stream`]) before it is
+///   destroyed; a free whose recorded stream is gone keeps its block out of use and reports the
+///   driver's error at the next release. See DESIGN.md, Note [retire streams].
+/// * **Concurrency.** Allocating and freeing take the one lock of the stream's pool; finding
+///   the pool takes none. See DESIGN.md, Note [promoted pools].
 ///
 /// # Examples
 ///

@@ -26,9 +26,9 @@ use crate::tags::{self, Tag};
 ///   is made at its first allocation (or sleep). When a tag's pool runs out of
 ///   memory, the others (the wrapped allocator's and the awake tags') give their free memory
 ///   back and the allocation is tried once more. An untagged allocation is the wrapped
-///   allocator's call and nothing more (even a look at its answer cost measurably on the
-///   simulator's fastest path): the `Retry` adaptor (`retry_timeout`), which releases the
-///   whole stack below it, makes the tags give their free memory back for it.
+///   allocator's call, its answer passed on as it is while no tag holds memory; after, one
+///   that runs out of memory has the awake tags give their free memory back and is tried once
+///   more.
 /// * **Sleep** ([`Tagged::sleep`]) is stream-ordered, with no device-wide synchronization: an
 ///   internal stream waits on events recorded on the streams that use the tags' memory (the
 ///   owning stream of each of their pools, the streams recorded on allocations kept by
@@ -69,7 +69,8 @@ pub struct Tagged<A> {
     /// Serializes sleeps and wakes; holds the internal stream they order their work on.
     moving: Mutex<Option<Stream>>,
     events: EventPool,
-    /// Page-locked host memory for offloaded contents.
+    /// Page-locked host memory for offloaded contents, kept across releases (see DESIGN.md,
+    /// Note [offload buffers stay pinned]).
     pinned: PinnedHost,
     /// Allocations that failed in a pool and succeeded once the others gave memory back: the
     /// pool counted a failure, which [`Allocator::stats`] counts as a retry instead.
@@ -482,7 +483,7 @@ impl<A: StreamAllocator> Tagged<A> {
     }
 
     /// Refuses the sleep of `begun` when a range with data of theirs is exported
-    /// ([`Device::exports_any`]): see DESIGN.md, "IPC trust model".
+    /// ([`Device::exports_any`]): see DESIGN.md, Note [IPC trust model].
     fn refuse_exported(&self, begun: &[Falling]) -> Result<()> {
         let granule = self.device.map_granularity()? as u64;
         for (_, _, ranges) in begun {

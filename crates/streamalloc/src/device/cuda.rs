@@ -12,10 +12,9 @@
 //!   *another* context current gets it back when the call returns, so callers such as PyTorch
 //!   never see their current device change under them. The calls an allocation and a free
 //!   make on an ordinary stream (`cuMemAllocFromPoolAsync`, `cuMemFreeAsync`,
-//!   `cuStreamIsCapturing`) bind nothing: the driver takes the context from the stream
-//!   (checked on the H200 from a thread with no current context,
-//!   `scripts/gpu/async_same_run.cpp`), and the bind's `cuCtxGetCurrent` before each of them
-//!   cost 3-5% of raw cudaMallocAsync's time per operation on the traces.
+//!   `cuStreamIsCapturing`) bind nothing: the driver takes the context from the stream (checked
+//!   from a thread with no current context, `lab/async_same_run.cpp`), and the bind's
+//!   `cuCtxGetCurrent` before each of them was a measurable share of their cost.
 //! * Handles: a [`Stream`], [`Event`], [`Pool`], [`Graph`] or [`GraphExec`] holds the driver
 //!   handle's pointer value; `Stream(0)` is the legacy default stream.
 //! * Peers: pool access, mapped-memory access and (with the `test-util` feature) peer copies
@@ -1343,6 +1342,7 @@ impl Device for CudaDevice {
         // A capturing stream is live; cuStreamIsCapturing is allowed on it, while
         // cuStreamGetFlags fails there (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) and invalidates
         // the capture: PyTorch calls record_stream on the side streams of torch.cuda.graph.
+        // See Note [record_stream on a capturing stream] in DESIGN.md.
         if self.capture_status(s).map_err(not_live)? != CaptureStatus::None {
             return Ok(());
         }

@@ -7,8 +7,8 @@
 //! the process, whose descriptor a handle names too. A receiver reads it (through
 //! `/proc/PID/fd`, which opens the file anew and copies no descriptor) before it copies any
 //! descriptor: each piece's descriptor must be one the exporter exported, with the handle's
-//! serial and at least the handle's length ([`check_exports`]). See DESIGN.md, "IPC trust
-//! model".
+//! serial and at least the handle's length ([`check_exports`]). See DESIGN.md, Note [IPC
+//! trust model].
 //!
 //! The system calls (`pidfd_open`, `pidfd_getfd`, `memfd_create`) are this module's only
 //! `unsafe` code.

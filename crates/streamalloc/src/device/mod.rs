@@ -2,8 +2,9 @@
 //!
 //! [`Device`] is implemented by [`cuda::CudaDevice`] (the CUDA driver API, loaded at run time)
 //! and by [`sim::SimDevice`] (a deterministic simulator with an ordering checker). All FFI and
-//! all `unsafe` of the crate live under `device::cuda`, but for the two system calls of
-//! [`ipc`] that copy file descriptors out of another process. What only tests and measurement
+//! all `unsafe` of the crate live in this layer: the driver calls under `device::cuda`, and the
+//! system calls of [`ipc`] (`memfd_create` for the export registry, `pidfd_open` and
+//! `pidfd_getfd` to copy file descriptors out of another process). What only tests and measurement
 //! programs need (memsets, host and peer copies, host functions) is the `DeviceTestExt` trait,
 //! which both implement under the crate's `test-util` feature.
 //!

@@ -692,8 +692,8 @@ impl SimDevice {
         self.state.lock().mapping_calls
     }
 
-    /// How many granules those calls mapped or unmapped so far: on a GPU a mapping's host time
-    /// grows with its granules (`bench/results/stitched.md`).
+    /// How many granules those calls mapped or unmapped so far (on a GPU a mapping's host time
+    /// grows with its granules).
     pub fn mapped_granules(&self) -> u64 {
         self.state.lock().mapped_granules
     }

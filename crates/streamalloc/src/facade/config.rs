@@ -146,8 +146,7 @@ pub struct Config {
     /// segments (one reservation per size class, mapped from its start); `chunks`, chunks of
     /// plain allocations. The first two need a device with virtual memory management, and
     /// fall back to chunks elsewhere. Stitched ranges keep the footprint closest to the peak
-    /// live bytes when shapes vary, at about the chunks' CPU cost (up to 1.40 times it where
-    /// most misses take idle ranges back; `bench/results/cpu-cost.md`). `expandable=true` and
+    /// live bytes when shapes vary (see DESIGN.md, Note [stitched by default]). `expandable=true` and
     /// `expandable=false` are aliases of `backing=stitched` and `backing=chunks`. Default
     /// `stitched`.
     pub backing: BackingKind,

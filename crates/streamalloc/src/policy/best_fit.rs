@@ -43,10 +43,8 @@
 //! those with blocks), each bin a vector sorted by `(size, addr)`: best fit is the first
 //! entry at or above `(size, 0)` in the request's bin, else the first entry of the next bin
 //! with any, i.e. the smallest fitting block, lowest address among equals. Free blocks stay
-//! few (tens per class on the sample traces), where a binary search and a short move of
-//! contiguous entries beat a B-tree's node walks (less CPU per operation on the sample traces
-//! than a `BTreeMap`, with the same blocks chosen: `bench/results/cpu-cost.md`);
-//! bins keep each search and move to the few blocks of about the same size. A vector that
+//! few, where a binary search and a short move of contiguous entries beat a B-tree's node
+//! walks (see DESIGN.md, Note [sorted vectors for the books]); bins keep each search and move to the few blocks of about the same size. A vector that
 //! outgrows its capacity reallocates; that is the only allocation on the hot path, and it
 //! stops once the bins reach their largest size.
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]

@@ -11,7 +11,8 @@
 //!   a dedicated *free stream* waits on them, and the memory is freed on the free stream.
 //!   The host never polls an event and the allocator keeps no list of unfreed allocations;
 //!   events go back to an [`EventPool`] at once, since a wait
-//!   captures the event's state when it is enqueued.
+//!   captures the event's state when it is enqueued. See DESIGN.md, Note [a free stream for
+//!   recorded frees].
 //!
 //! # Throttle
 //! Memory freed on the free stream may stay unusable for a while. When the bytes allocated
@@ -30,9 +31,8 @@
 //! While one is active, the allocator asks the driver whether the stream of each allocation and
 //! free is capturing, and refuses an allocation on a stream that captures a graph begun
 //! elsewhere (it could not know which graph owns it). While none is, it asks only before a
-//! throttle wait and at a free with recorded streams: asking on every allocation and free was
-//! a measurable share of raw cudaMallocAsync's time per operation
-//! (`bench/results/async-pool.md`, run 27). A capture begun elsewhere then
+//! throttle wait and at a free with recorded streams (see DESIGN.md, Note [capture queries only
+//! while a capture is active]). A capture begun elsewhere then
 //! (`torch.cuda.graph` over the C ABI, a bare `cuStreamBeginCapture`) gets the driver's captured
 //! allocation and free nodes under the driver's rules (memory allocated in a graph and not
 //! freed in it exists once the graph has been launched), as with RMM's cudaMallocAsync

@@ -19,61 +19,24 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Classes};
 /// ([`Device::map_granularity`]), and the *stitch* area (the device's memory) where free
 /// granules are mapped a second time.
 ///
-/// * **Placement.** A miss maps the fewest granules that, with a free block at the end of a
-///   mapped home range before an unmapped run, or at the start of one after it, make a free
-///   block the request fits (PyTorch's expandable segments do this at the end of one segment
-///   only). Filling a run between two free blocks merges all three. Both classes share the
-///   area, so small and large requests reuse each other's unmapped granules.
-/// * **Stitching.** When that growth would raise the memory mapped above its highest mark
-///   so far, and mapping what the free home granules (whole granules inside free blocks)
-///   lack for the request would raise it less, they pay instead: as many as the request
-///   needs are taken out of the pool (those of the largest free blocks first, which best fit
-///   hands out last, so that the range's homes are still free when it is next wanted; fresh
-///   ones are mapped at home first for what they lack) and their memory is mapped again, side
-///   by side, in the stitch area. Where whole granules fall short, the range may end with the
-///   free head of a granule whose rest a live block holds: it maps that granule whole, but its
-///   chunk leaves the rest out. The stitched range is a chunk of its own that serves the
-///   request. Free memory is thus defragmented without moving live data and without waiting
-///   for the device (below).
-/// * **Reuse.** When the last block of a stitched range is freed, its granules go back to
-///   the pool at home and the range is kept mapped, idle. A later miss that an idle range
-///   fits (at most half as large again as the request, or as large as its stitch would be)
-///   whose home granules are all free takes them again and serves from the range: no device
-///   call (the pool does this from its books before it asks the backing, so the miss makes
-///   no device query either). A repeated workload (a training step, a decoding loop) meets
-///   the same requests at the same points, so after its first rounds its misses find their
-///   ranges. A small request (128 KiB or less here) that finds no small block takes a
-///   whole granule of a free large block, at its address: the memory changes class without
-///   a device call. Larger requests are carved out of large blocks, whose rests the next
-///   large requests use: small blocks, and the homes of ranges stitched from them, are few.
+/// * **Placement.** A miss maps the fewest granules that, with a free block next to an
+///   unmapped run, make a free block the request fits; both classes share the area.
+/// * **Stitching.** When that growth would raise the memory mapped above its highest mark and
+///   the free home granules pay for the request more cheaply, they are taken out of the pool
+///   and their memory is mapped again, side by side, as one range that serves the request
+///   ([`Device::map_alias`]). Free memory is defragmented without moving live data and without
+///   waiting for the device. See DESIGN.md, Note [stitching needs no wait].
+/// * **Reuse.** A range whose blocks are all free goes idle (its granules back home, the range
+///   still mapped); a later miss it fits takes it back from the books, with no device call,
+///   once its home granules are free. See DESIGN.md, Note [idle range fit].
 /// * **Eviction.** Beyond 1024 idle ranges the least recently used, and all of them when the
-///   stitch area has no room, are unmapped once an event recorded on the pool's stream after
-///   their last use completed.
-/// * **Release** takes every idle stitched range and every free home granule out of the
-///   pool, then waits (bounded) for the work enqueued on the pool's stream until then, then
-///   unmaps them (PyTorch's `empty_cache` over expandable segments); past the bound nothing
-///   is unmapped.
-/// * **Sleep** ([`Backing::sleep_begin`]) takes out what a release would, and lists the home
-///   memory still mapped, which holds the pool's data; once the caller has waited for its
-///   uses, the sleep unmaps all of it, the stitched ranges in use included, keeping the whole
-///   reservation and a record of what was mapped where. A wake maps fresh memory at those home
-///   addresses and maps the stitched ranges over it again, as they were: every address the
-///   pool handed out is valid again, and a range and its homes share memory as before.
-///
-/// # Why stitching needs no wait
-///
-/// A stitch maps the memory of free granules again ([`Device::map_alias`]); nothing is
-/// unmapped and nothing is created for them. The memory's last use through its home address
-/// is ordered on the pool's stream (blocks freed with recorded streams become free only once
-/// those streams' events completed), and its next user gets a block of the stitched range,
-/// in the order of the same stream (another stream receives a block of the pool only after
-/// waiting for the pool's stream). The stream alone orders the two, as it orders any reuse
-/// of a free block; the same holds when a stitched range's granules go back home and when an
-/// idle range takes them again. While a range is in use its home granules are in no block of
-/// the pool, and while it is idle its address is in none: memory is never reachable through
-/// two blocks at once. An idle range's address is unmapped only after an event that follows
-/// its last use (an unmap, unlike `cuMemFree`, does not wait), and a release unmaps idle
-/// ranges before home granules, so the memory it gives back is really returned.
+///   stitch area has no room, are unmapped once an event recorded after their last use
+///   completed.
+/// * **Release** takes every idle range and free home granule out of the pool, waits (bounded)
+///   for the pool's stream, then unmaps them; past the bound nothing is unmapped.
+/// * **Sleep** ([`Backing::sleep_begin`]) unmaps everything but keeps the reservation and a
+///   record of what was mapped where; a wake maps fresh memory at the same home addresses and
+///   the stitched ranges over it again, so every address the pool handed out is valid again.
 pub struct Stitched {
     device: Arc<dyn Device>,
     stream: Stream,
@@ -161,13 +124,9 @@ struct Retired {
 /// Idle stitched ranges kept for reuse; beyond them the least recently used are evicted.
 const IDLE_KEPT: usize = 1024;
 
-/// The largest request of the small class on a stitched pool (128 KiB, a sixteenth of an
-/// H200's granule; 1 MiB over the other backings, as PyTorch's caching allocator classes
-/// requests). The small class's free memory serves no large request, and the homes a
-/// stitched range took from small blocks go back to the small class when the range is idle,
-/// where the next small requests take them: with requests of up to 1 MiB small, workloads
-/// whose shapes change every step stitched anew in every warm pass. Figures:
-/// `bench/results/stitched.md`.
+/// The largest request of the small class on a stitched pool (1 MiB over the other backings,
+/// as PyTorch's caching allocator classes requests). See DESIGN.md, Note [the small class of
+/// stitched pools].
 const SMALL_MAX: u64 = 128 << 10;
 
 /// Where to map a growth: `len` bytes at `at`, inside one unmapped run.
@@ -640,6 +599,8 @@ impl Backing for Stitched {
         Ok(homes.into_iter().map(|(a, l)| (a, l as usize)).collect())
     }
 
+    // Waits for the whole device before it unmaps: see Note [teardown waits for the device]
+    // in DESIGN.md.
     fn teardown(&mut self, chunks: Vec<(u64, u64)>) {
         let mut st = std::mem::take(self.state.get_mut());
         if st.base == 0 {
@@ -730,11 +691,7 @@ fn extent(g: u64, addr: u64, len: u64) -> (u64, u64) {
 /// of a granule from its start to the end of a free block that covers that start and ends
 /// inside it, as `(class, addr, len)`. The rest of the granule belongs to the next block.
 /// A stitched range may end with one: it maps the whole granule, but its chunk leaves the
-/// rest out. Only heads: best fit hands a free block out from its start, so the end of a
-/// free block is its part handed out last, still free when an idle range wants its homes
-/// back; a free block's start (a granule's free tail) is handed out first, and ranges that
-/// began with one were stitched again in warm passes
-/// (`bench/results/stitched.md`).
+/// rest out. Only heads: see DESIGN.md, Note [granule heads].
 fn partial_head(p: &BestFitPolicy, g: u64, limit: u64) -> Option<(Class, u64, u64)> {
     p.free_blocks()
         .filter(|&(_, a, _)| a < limit)
@@ -820,10 +777,7 @@ fn put_back(st: &mut State, books: &mut BestFitPolicy, taken: Taken) {
 
 /// Takes up to `bytes` of whole free granules of home blocks (below `limit`) out of `p`,
 /// those of the largest free blocks first, each block's from its start; the ranges taken.
-/// Best fit hands the largest free blocks out last, so once the stitched range is idle its
-/// homes are the free memory least likely to be handed out before its next use: taken from
-/// the smallest blocks, they went to the next small requests and a repeated workload
-/// stitched again (bench/results/stitched.md).
+/// See DESIGN.md, Note [stitch from the largest free blocks].
 fn carve_free_granules(p: &mut BestFitPolicy, g: u64, bytes: u64, limit: u64) -> Vec<(Class, u64, u64)> {
     let mut candidates: Vec<(u64, u64, Class)> =
         whole_granules(p, g, limit).map(|(class, _, lo, hi)| (hi - lo, lo, class)).collect();

@@ -2,8 +2,8 @@
 //! about a thousand entries, looked up and changed when a chunk is added, carved or joined
 //! (a stitched chunk's round trip through the pool makes about twenty such lookups and
 //! changes). A binary search and a short move of contiguous entries cost less there than a
-//! `BTreeMap`'s node walks and allocations, as for the free lists' bins in `best_fit.rs`
-//! (instructions per operation before and after: `bench/results/cpu-cost.md`).
+//! `BTreeMap`'s node walks and allocations, as for the free lists' bins in `best_fit.rs`. See
+//! DESIGN.md, Note [sorted vectors for the books].
 
 use std::ops::{Range, RangeInclusive};
 

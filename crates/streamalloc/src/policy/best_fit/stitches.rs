@@ -121,10 +121,7 @@ impl Stitch {
 /// The idle chunks, as `(size, addr)`, that may serve a request of `size` bytes when stitched
 /// chunks are made of `granule`-byte granules: from `size` bytes to the size a stitch for the
 /// request would have (`size` rounded up to granules) or half as large again as the request,
-/// whichever is more. A larger chunk would keep memory the request leaves unused out of the
-/// pool's other blocks (its homes are all taken): with up to twice the request, a decoding
-/// loop whose requests grow held 1.0567 of its peak live bytes instead of 1.0147
-/// (`bench/results/stitched.md`).
+/// whichever is more. See DESIGN.md, Note [idle range fit].
 fn fitting(size: u64, granule: u64) -> RangeInclusive<(u64, u64)> {
     let g = granule.max(1);
     let stitch = size.div_ceil(g).saturating_mul(g);
