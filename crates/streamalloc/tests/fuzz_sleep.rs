@@ -338,9 +338,6 @@ impl Fuzz {
 }
 
 #[test]
-#[ignore = "finds a race not yet fixed: one CI run in several (2026-12-06, a loaded 2-core machine) \
-            saw a sleep unmap a range while a stream's earlier kernel on it still ran (UnmapInUse); \
-            bench/results/safety.md; run with --ignored"]
 fn tags_sleep_and_wake_while_threads_allocate_free_and_release() {
     let fuzz = Fuzz::new(true);
     let violations = fuzz.run(ops());

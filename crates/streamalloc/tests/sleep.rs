@@ -207,6 +207,51 @@ fn the_sleep_waits_for_the_streams_that_use_the_memory_and_for_no_other() {
     }
 }
 
+/// Issue 52, #1 (the race the threaded fuzz found): a free by pointer of an allocation that
+/// recorded a stream, caught between leaving the table of pointers and reaching its pool's
+/// pending frees (stopped here where it records its event on the recorded stream), while a
+/// sleep of its tag runs on another thread. The sleep must still wait for the recorded
+/// stream's kernel on the memory, which it then unmaps: the free is under way, so the stream
+/// is in neither the allocations kept nor the frees pending.
+#[test]
+fn a_sleep_waits_for_the_streams_of_a_free_under_way() {
+    let (f, sim) = facade("wait_timeout=1s");
+    let [owner, user] = [0; 2].map(|_| sim.create_stream().unwrap());
+    let allocator = f.allocator(0).unwrap();
+    let ptr = {
+        let _t = tags::scope("kv").unwrap();
+        allocator.allocate_ptr(6 * MIB, owner).unwrap()
+    };
+    assert!(allocator.record_stream_ptr(ptr, user).unwrap());
+    let t0 = sim.now();
+    sim.use_range(ptr, 6 * MIB, user, 5_000_000).unwrap();
+    // The first event recorded on `user` (the free's) waits until the sleep has returned.
+    let (entered_tx, entered) = std::sync::mpsc::channel();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let released = std::sync::Mutex::new(released);
+    let first = AtomicBool::new(true);
+    sim.set_record_hook(Some(Arc::new(move |stream| {
+        if stream == user && first.swap(false, Ordering::AcqRel) {
+            entered_tx.send(()).unwrap();
+            // Bounded: a sleep that blocks on the free under way fails the test, not hangs it.
+            let _ = released.lock().unwrap().recv_timeout(Duration::from_secs(30));
+        }
+    })));
+    thread::scope(|scope| {
+        let freeing = scope.spawn(|| assert!(allocator.free_ptr(ptr, owner)));
+        entered.recv_timeout(Duration::from_secs(30)).expect("the free records its event");
+        let slept = f.sleep(0, &["kv"], false);
+        release.send(()).unwrap();
+        freeing.join().unwrap();
+        assert!(slept.expect("sleep") >= 6 * MIB);
+    });
+    sim.set_record_hook(None);
+    assert!(sim.now() >= t0 + 5_000_000, "the sleep returned at {}, before the kernel ended", sim.now());
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    f.wake(0, &["kv"]).unwrap();
+    assert_eq!(f.stats(0).live_allocations, 0);
+}
+
 #[test]
 fn a_sleep_whose_streams_outlast_the_bound_names_them_and_leaves_the_tag_awake() {
     let (f, sim) = facade("wait_timeout=10ms");

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use conformance::{run_program, Action, Made};
 use streamalloc::adaptors::Pointers;
-use streamalloc::allocators::{BestFitConfig, StreamSafe, StreamSafeConfig};
+use streamalloc::allocators::{BackingKind, BestFitConfig, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice};
 use streamalloc::{Allocator, Device, Error, Stream, StreamAllocator};
 
@@ -484,4 +484,51 @@ fn the_reserved_peak_is_that_of_all_pools_together_not_the_sum_of_their_peaks() 
     alloc.retire_stream(s1).unwrap();
     alloc.reset_peak_stats();
     assert_eq!(alloc.stats().reserved_peak, alloc.stats().reserved);
+}
+
+/// Issue 52, #2: each stream's pool over stitched ranges reserves three times the device's
+/// memory of virtual addresses (and a granule), a few hundred pools on an H200. Thousands of
+/// streams that each allocated and freed once all get their memory: a reservation that fails
+/// is out of memory, on which the pools give back their free memory, and a pool left with
+/// nothing mapped gives back its reservation too. Streams holding memory at once past what
+/// the address space holds get an out-of-memory error that names the reservation, and a
+/// stream whose memory is freed makes room for another.
+#[test]
+fn thousands_of_streams_share_the_address_space() {
+    // A pool reserves 48 GiB and 2 MiB: the simulator's window of 64 TiB holds 1365.
+    let capacity = 16usize << 30;
+    let reservation = 3 * capacity + 2 * MIB;
+    let sim = SimDevice::new(SimConfig::with_capacity(capacity));
+    let stitched = BackingKind::named("stitched").unwrap();
+    let config = StreamSafeConfig {
+        pool: BestFitConfig { backing: stitched, ..Default::default() },
+        ..Default::default()
+    };
+    let a = StreamSafe::new(sim.clone(), config).unwrap();
+    let streams: Vec<Stream> = (0..3000).map(|_| sim.create_stream().unwrap()).collect();
+    for (i, &s) in streams.iter().enumerate() {
+        let x = a.allocate_on(MIB, s).unwrap_or_else(|e| panic!("stream {i} of {}: {e}", streams.len()));
+        drop(x);
+    }
+    assert_eq!(a.pool_count(), streams.len());
+    let mut held = Vec::new();
+    let failure = loop {
+        let Some(&s) = streams.get(held.len()) else { panic!("{} streams held memory at once", held.len()) };
+        match a.allocate_on(MIB, s) {
+            Ok(x) => held.push(x),
+            Err(e) => break e,
+        }
+    };
+    let message = failure.to_string();
+    assert!(matches!(failure, Error::OutOfMemory(_)), "{message}");
+    assert!(
+        message.contains("virtual addresses") && message.contains(&reservation.to_string()),
+        "the error names the reservation: {message}"
+    );
+    assert!((1000..=1365).contains(&held.len()), "{} streams held memory at once", held.len());
+    let next = streams[held.len()];
+    held.pop();
+    a.allocate_on(MIB, next).expect("the freed pool's reservation serves another stream");
+    drop(held);
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
 }

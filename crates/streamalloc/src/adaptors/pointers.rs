@@ -34,9 +34,10 @@ const NO_STREAM: u64 = u64::MAX;
 /// * **Bounded.** The table holds the live allocations and a claim per shard, nothing per
 ///   thread or per stream; each map grows to at most twice the most allocations its shard held
 ///   at once.
-/// * **Recorded streams** stay on the allocation until its free.
-///   [`StreamAllocator::retire_stream`] takes the stream out of them, after waiting (at most
-///   the `wait_timeout` given) for its work if an allocation kept here recorded it.
+/// * **Recorded streams** stay on the allocation until its free, and are listed
+///   ([`Pointers::recorded_streams`]) until that free has returned (see DESIGN.md, Note [frees
+///   under way]). [`StreamAllocator::retire_stream`] takes the stream out of them, after waiting
+///   (at most the `wait_timeout` given) for its work if an allocation kept here recorded it.
 /// * Dropping the table frees the allocations it still keeps (their pointers must not be used
 ///   after that).
 ///
@@ -74,9 +75,14 @@ pub struct Pointers<A> {
     /// clear, cleared by a look through the shards that finds the shard empty (both under the
     /// shard's lock), so a stream that allocates and frees one block writes no shared word.
     occupied: [AtomicU64; WORDS],
-    /// Allocations kept that recorded a stream: [`StreamAllocator::retire_stream`] and
+    /// Allocations kept that recorded a stream, and those whose free is under way
+    /// ([`Pointers::freeing`]): [`StreamAllocator::retire_stream`] and
     /// [`Pointers::recorded_streams`] look through the table only when this is not 0.
     recording: AtomicUsize,
+    /// The streams recorded on allocations taken out of the table whose free has not yet
+    /// returned: the allocator below orders the reuse after them only once it does, and a
+    /// sleep that looked between the two saw them nowhere (issue 52, #1).
+    freeing: Mutex<Vec<Stream>>,
 }
 
 /// An allocation kept, with its front end's word.
@@ -139,6 +145,7 @@ impl<A: StreamAllocator> Pointers<A> {
             owners: Owners(std::array::from_fn(|_| AtomicU64::new(NO_STREAM))),
             occupied: Default::default(),
             recording: AtomicUsize::new(0),
+            freeing: Mutex::new(Vec::new()),
         }
     }
 
@@ -189,14 +196,31 @@ impl<A: StreamAllocator> Pointers<A> {
     pub fn take_ptr(&self, ptr: DevicePtr, owner: Stream) -> Option<PointerEntry> {
         let taken = self.find(Some(owner), |live| {
             let kept = live.remove(&ptr)?;
-            if !kept.allocation.recorded_streams().is_empty() {
-                self.recording.fetch_sub(1, Ordering::Relaxed);
+            // Listed as freeing before the shard's lock goes (see `recorded_streams`).
+            let recorded = kept.allocation.recorded_streams();
+            if !recorded.is_empty() {
+                self.freeing.lock().extend_from_slice(recorded);
             }
             Some(kept)
         })?;
         let entry = taken.entry();
-        // Freed outside the table's lock.
+        if !entry.recorded {
+            // Freed outside the table's lock.
+            drop(taken);
+            return Some(entry);
+        }
+        let recorded = taken.allocation.recorded_streams().to_vec();
+        // The free orders the block's reuse after the recorded streams (events recorded on
+        // them, the block pending below) before they leave the list.
         drop(taken);
+        let mut freeing = self.freeing.lock();
+        for s in &recorded {
+            if let Some(i) = freeing.iter().position(|f| f == s) {
+                freeing.swap_remove(i);
+            }
+        }
+        drop(freeing);
+        self.recording.fetch_sub(1, Ordering::Release);
         Some(entry)
     }
 
@@ -217,7 +241,7 @@ impl<A: StreamAllocator> Pointers<A> {
             allocation.record_stream(stream);
             if before == 0 && !allocation.recorded_streams().is_empty() {
                 // Counted under the shard's lock, as the free that takes it out counts.
-                self.recording.fetch_add(1, Ordering::Relaxed);
+                self.recording.fetch_add(1, Ordering::Release);
             }
             Some(())
         });
@@ -241,11 +265,13 @@ impl<A: StreamAllocator> Pointers<A> {
         self.find(None, |live| live.get(&ptr).map(|k| k.allocation.size()))
     }
 
-    /// The streams recorded on the allocations kept, each once (what a sleep waits for
-    /// besides the owning streams).
+    /// The streams recorded on the allocations kept and on those whose free is under way,
+    /// each once: what a sleep waits for besides the owning streams and the frees pending
+    /// below. A free that ran before this call began has its block pending below by then.
     pub fn recorded_streams(&self) -> Vec<Stream> {
         let mut streams = Vec::new();
-        if self.recording.load(Ordering::Relaxed) == 0 {
+        // Acquire: a free counted out here has its block pending below, seen by later calls.
+        if self.recording.load(Ordering::Acquire) == 0 {
             return streams;
         }
         self.each_occupied(|live| {
@@ -255,6 +281,13 @@ impl<A: StreamAllocator> Pointers<A> {
                 }
             }
         });
+        // After the shards: a free that took its allocation out of a shard after that shard
+        // was read listed its streams here first.
+        for s in self.freeing.lock().iter() {
+            if !streams.contains(s) {
+                streams.push(*s);
+            }
+        }
         streams
     }
 
@@ -400,7 +433,7 @@ impl<A: StreamAllocator> StreamAllocator for Pointers<A> {
     /// already) stays recorded, and the first error is returned after the retirement below.
     fn retire_stream(&self, stream: Stream) -> Result<()> {
         let mut waited = Ok(());
-        if self.recording.load(Ordering::Relaxed) != 0 && self.recorded_streams().contains(&stream) {
+        if self.recording.load(Ordering::Acquire) != 0 && self.recorded_streams().contains(&stream) {
             let device = self.device.as_ref();
             waited = crate::allocators::wait_for_streams(device, &self.events, &[stream], self.wait_timeout);
             match &waited {
@@ -411,7 +444,7 @@ impl<A: StreamAllocator> StreamAllocator for Pointers<A> {
                     for a in kept.filter(|a| !a.recorded_streams().is_empty()) {
                         a.erase_stream(stream);
                         if a.recorded_streams().is_empty() {
-                            self.recording.fetch_sub(1, Ordering::Relaxed);
+                            self.recording.fetch_sub(1, Ordering::Release);
                         }
                     }
                 }),

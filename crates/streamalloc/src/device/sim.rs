@@ -232,7 +232,14 @@ pub const MAX_TIME_NS: u64 = 1 << 62;
 pub struct SimDevice {
     config: SimConfig,
     state: Mutex<State>,
+    /// Run at the start of each [`Device::record_event`] ([`SimDevice::set_record_hook`]).
+    #[cfg(feature = "test-util")]
+    record_hook: Mutex<Option<RecordHook>>,
 }
+
+/// What [`SimDevice::set_record_hook`] runs: given the stream an event is about to be recorded on.
+#[cfg(feature = "test-util")]
+pub type RecordHook = Arc<dyn Fn(Stream) + Send + Sync>;
 
 #[derive(Default)]
 struct StreamState {
@@ -531,7 +538,21 @@ impl SimDevice {
             host: BTreeMap::new(),
             host_calls: (0, 0),
         };
-        Arc::new(Self { config, state: Mutex::new(state) })
+        Arc::new(Self {
+            config,
+            state: Mutex::new(state),
+            #[cfg(feature = "test-util")]
+            record_hook: Mutex::new(None),
+        })
+    }
+
+    /// Runs `hook` at the start of every later [`Device::record_event`], on the calling thread,
+    /// before the event is recorded and outside the device's lock (so it may block while other
+    /// threads use the device), with the stream named; `None` removes it. For tests that stop a
+    /// thread between two steps of a call that records an event (a free on recorded streams).
+    #[cfg(feature = "test-util")]
+    pub fn set_record_hook(&self, hook: Option<RecordHook>) {
+        *self.record_hook.lock() = hook;
     }
 
     /// The virtual host clock, in ns.
@@ -1862,6 +1883,14 @@ impl Device for SimDevice {
     }
 
     fn record_event(&self, event: Event, stream: Stream) -> Result<()> {
+        #[cfg(feature = "test-util")]
+        {
+            // Run without the hook's lock: it may block while other threads record events.
+            let hook = self.record_hook.lock().clone();
+            if let Some(hook) = hook {
+                hook(stream);
+            }
+        }
         self.call(|st| {
             let now = st.now;
             let s = st.stream_mut(stream)?;

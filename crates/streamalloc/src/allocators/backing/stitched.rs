@@ -29,6 +29,10 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Classes};
 /// * **Reuse.** A range whose blocks are all free goes idle (its granules back home, the range
 ///   still mapped); a later miss it fits takes it back from the books, with no device call,
 ///   once its home granules are free. See DESIGN.md, Note [idle range fit].
+/// * **Address space.** The reservation is made at the first growth and given back by a
+///   release that leaves nothing mapped in an awake pool; a reservation the device refuses is
+///   [`Error::OutOfMemory`] naming it, so that the caller's release of other pools makes room.
+///   See DESIGN.md, Note [a pool's address reservation].
 /// * **Eviction.** Beyond 1024 idle ranges the least recently used, and all of them when the
 ///   stitch area has no room, are unmapped once an event recorded after their last use
 ///   completed.
@@ -152,20 +156,54 @@ impl Stitched {
         Self { device, stream, events, state: Mutex::new(State::default()) }
     }
 
-    /// Reserves the address space at the first growth.
-    fn reserve(&self, st: &mut State) -> Result<()> {
+    /// Reserves the address space at the first growth (and at the first after a release that
+    /// gave the reservation back). A reservation the device refuses is out of memory for
+    /// `requested` bytes, naming the reservation: the caller's release of other pools may
+    /// free addresses (see [`Stitched`]'s address space).
+    fn reserve(&self, st: &mut State, requested: u64) -> Result<()> {
         if st.base != 0 {
             return Ok(());
         }
         let g = self.device.map_granularity()? as u64;
         let memory = (self.device.mem_info()?.total as u64).div_ceil(g) * g;
         let reservation = 3 * memory + g;
-        st.base = self.device.reserve_address(reservation as usize)?;
+        st.base = self.device.reserve_address(reservation as usize).map_err(|e| match e {
+            Error::Unsupported(_) => e,
+            e => Error::oom(OutOfMemory {
+                device: self.device.ordinal(),
+                requested: requested as usize,
+                // A line of detail, which the layers above keep (they write their own hints).
+                detail: vec![format!(
+                    "out of virtual addresses: the pool of stream {:#x} could not reserve its {reservation} bytes \
+                     (three times the device's memory and a granule, what each pool over stitched ranges reserves \
+                     while it holds memory; with streams, a pool per stream): {e}; free the memory other streams \
+                     hold, retire streams no longer used, or use backing=segments, which reserves nothing",
+                    self.stream.0
+                )],
+                ..OutOfMemory::default()
+            }),
+        })?;
         st.granularity = g;
         st.reservation = reservation;
         st.stitch_area = st.base + 2 * memory + g;
         st.holes.insert(st.base, 2 * memory);
         st.stitch_holes.insert(st.stitch_area, memory);
+        Ok(())
+    }
+
+    /// Gives the reservation of an awake pool back when nothing is mapped in it (no home
+    /// memory, no stitched range, none evicted and waiting), as a release leaves a pool whose
+    /// every block is free: the pool's books then name no address in it, and the next growth
+    /// reserves anew.
+    fn free_reservation_if_empty(&self, st: &mut State) -> Result<()> {
+        // A sleeping pool keeps its addresses for the wake.
+        let awake = matches!(st.sleep, Sleep::Awake);
+        if st.base == 0 || !awake || st.mapped != 0 || !st.aliases.is_empty() || !st.retired.is_empty() {
+            return Ok(());
+        }
+        self.device.free_address(st.base, st.reservation as usize)?;
+        // The highest mark stays: it is the pool's, not the reservation's.
+        *st = State { high_water: st.high_water, ..State::default() };
         Ok(())
     }
 
@@ -373,7 +411,7 @@ impl Backing for Stitched {
         if !matches!(st.sleep, Sleep::Awake) {
             return Err(Error::Internal("a sleeping stitched pool was asked to grow".into()));
         }
-        self.reserve(&mut st)?;
+        self.reserve(&mut st, want.rounded)?;
         self.poll_retired(&mut st)?;
         let g = st.granularity;
         // The pool found no free block and no idle stitched range for the request: a small
@@ -449,7 +487,9 @@ impl Backing for Stitched {
             put_back(&mut st, books, taken);
             return Err(e);
         }
-        self.unmap_taken(&mut st, books, taken).map(|unmapped| unmapped as usize)
+        let unmapped = self.unmap_taken(&mut st, books, taken)?;
+        self.free_reservation_if_empty(&mut st)?;
+        Ok(unmapped as usize)
     }
 
     /// Takes out what a release would (idle stitched ranges, free home granules, retired
