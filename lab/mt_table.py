@@ -16,9 +16,6 @@ import sys
 from collections import defaultdict
 
 FLOOR = "floor"
-COUNTS = (1, 2, 4, 8)
-
-
 def main():
     runs = defaultdict(list)  # (trace, allocator, threads) -> mops_per_s, round by round
     for line in sys.stdin:
@@ -29,13 +26,15 @@ def main():
         if "mops_per_s" in r:
             runs[(r["trace"].removesuffix(".csv"), r["allocator"], r["threads"])].append(r["mops_per_s"])
     traces = sorted({t for t, _, _ in runs})
+    COUNTS = sorted({n for _, _, n in runs})  # the thread counts run (MT_THREADS), 1 and 8 among them
     names = sorted({a for _, a, _ in runs}, key=lambda a: (a != FLOOR, a.startswith("streamalloc"), a))
     complete = {(t, a) for t in traces for a in names if all(runs[(t, a, n)] for n in COUNTS)}
     median = {(t, a, n): statistics.median(runs[(t, a, n)]) for (t, a) in complete for n in COUNTS}
 
     print("Million operations per second, medians of the rounds:\n")
-    print("| trace | allocator | 1 thread | 2 | 4 | 8 | 8 / 1 (medians) | 8 / 1 round by round |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| trace | allocator | " + " | ".join(f"{n} thread{'s' if n > 1 else ''}" for n in COUNTS)
+          + " | 8 / 1 (medians) | 8 / 1 round by round |")
+    print("| --- | --- | " + "---: | " * len(COUNTS) + "---: | --- |")
     for t in traces:
         for a in names:
             if (t, a) not in complete:
