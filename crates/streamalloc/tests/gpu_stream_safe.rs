@@ -134,3 +134,35 @@ fn out_of_memory_waits_for_another_stream_within_the_bound() {
     device.synchronize_stream(b).unwrap();
     ss.allocate_on(big, a).expect("fits once B's work is done");
 }
+
+/// Issue 52, #2 on a GPU: a stream-safe allocator over stitched ranges, whose pools reserve
+/// three times the device's memory of virtual addresses each, on more live streams than
+/// twice what 256 TiB of addresses hold, each allocating and freeing in turn. Every allocation
+/// succeeds: a reservation the driver refuses is out of memory, on which the pools release
+/// and those left empty give their addresses back. Before, the driver's error failed the
+/// allocation after a few hundred streams.
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-test.sh"]
+fn many_live_streams_share_the_address_space() {
+    let device = gpu();
+    let total = device.mem_info().unwrap().total as u64;
+    let n = 2 * ((1u64 << 48) / (3 * total)) as usize + 1;
+    let stitched = streamalloc::allocators::BackingKind::STITCHED;
+    let config = StreamSafeConfig {
+        pool: BestFitConfig { backing: stitched, ..Default::default() },
+        ..Default::default()
+    };
+    let alloc = StreamSafe::new(device.clone(), config).unwrap();
+    let mut streams = Vec::with_capacity(n);
+    for i in 0..n {
+        let s = device.create_stream().unwrap();
+        streams.push(s);
+        let a = alloc.allocate_on(MIB, s).unwrap_or_else(|e| panic!("stream {i} of {n}: {e}"));
+        drop(a);
+    }
+    for s in streams {
+        alloc.retire_stream(s).unwrap();
+        device.destroy_stream(s).unwrap();
+    }
+    assert_eq!(alloc.pool_count(), 0);
+}
