@@ -511,6 +511,7 @@ fn thousands_of_streams_share_the_address_space() {
         drop(x);
     }
     assert_eq!(a.pool_count(), streams.len());
+    assert!(a.stats().retries >= 2, "the reservations ran out and were given back: {:?}", a.stats());
     let mut held = Vec::new();
     let failure = loop {
         let Some(&s) = streams.get(held.len()) else { panic!("{} streams held memory at once", held.len()) };

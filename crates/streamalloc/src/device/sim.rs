@@ -464,6 +464,8 @@ struct State {
     calls: u64,
     /// Calls that made the host wait for device work.
     host_waits: u64,
+    /// Records (streams, kernels) looked at by calls that look at the whole device.
+    device_wide_visits: u64,
     /// Calls that named a stream the device does not know (never made, or destroyed).
     unknown_stream_calls: u64,
     /// Successful calls of [`Device::map_alias`].
@@ -530,6 +532,7 @@ impl SimDevice {
             contents: HashMap::new(),
             calls: 0,
             host_waits: 0,
+            device_wide_visits: 0,
             unknown_stream_calls: 0,
             aliases: 0,
             mapping_calls: 0,
@@ -693,6 +696,13 @@ impl SimDevice {
     /// How many calls so far made the host wait for device work (see the [module docs](self)).
     pub fn host_waits(&self) -> u64 {
         self.state.lock().host_waits
+    }
+
+    /// How many stream and kernel records the calls that look at the whole device (a device
+    /// synchronization, the end of a capture) have looked at so far: the simulator's work that
+    /// grows with the streams and kernels it holds, counted so that tests can bound it.
+    pub fn device_wide_visits(&self) -> u64 {
+        self.state.lock().device_wide_visits
     }
 
     /// How many calls so far named a stream the device does not know: never made, or
@@ -1808,6 +1818,7 @@ impl Device for SimDevice {
             // Work enqueued on streams destroyed since still runs to its end, as on a GPU.
             let streams = st.streams.values().map(|s| s.ready);
             let ready = streams.chain(st.uses.iter().map(|u| u.end)).max().unwrap_or(0);
+            st.device_wide_visits += (st.streams.len() + st.uses.len()) as u64;
             st.host_waits += 1;
             st.now = st.now.max(ready);
             st.apply_thresholds();
@@ -1982,6 +1993,7 @@ impl Device for SimDevice {
                 return Err(not_origin());
             }
             let rec = st.captures.remove(&c).expect("checked above");
+            st.device_wide_visits += st.streams.len() as u64;
             for s in st.streams.values_mut().filter(|s| s.capture == Some(c)) {
                 s.capture = None;
             }
