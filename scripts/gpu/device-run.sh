@@ -31,7 +31,7 @@
 #            (WHEEL overrides the wheel the Python parts install, default dist/streamalloc-*x86_64.whl)
 #   capi     the C ABI's cost per operation without a harness around it: scripts/capi-replay.sh
 #            over every trace with .anchors/libstreamalloc.so (CAPI_CONFS, default stream_safe
-#            with expandable=true, the default, and false), best and mean of 3 passes, into $OUT/capi.txt
+#            with backing=stitched, the default, and false), best and mean of 3 passes, into $OUT/capi.txt
 #            (PROCS: processes per trace, summarised when more than one)
 #   torch    the Python front ends' GPU tests (python/tests/gpu: PyTorch's record_stream,
 #            CUDA graphs, MemPool, IPC, empty_cache, memory fraction and stats, CuPy on
@@ -117,7 +117,7 @@ for part in "$@"; do
     gpt2) bash scripts/gpu/gpt2_compare.sh > "$OUT/gpt2.log" 2>&1; rc=$?; tail -n 30 "$OUT/gpt2.log"; (exit $rc) ;;
     anchors)
       build_anchors &&
-        CONFS="strategy=stream_safe,expandable=true strategy=stream_safe,expandable=false strategy=async strategy=async,pool=owned" \
+        CONFS="strategy=stream_safe,backing=stitched strategy=stream_safe,backing=chunks strategy=async strategy=async,pool=owned" \
           bash .anchors/run.sh .anchors/traces .anchors/libstreamalloc.so > "$OUT/anchors.jsonl" &&
         python3 .anchors/table.py < "$OUT/anchors.jsonl" | tee "$OUT/anchors.md" &&
         CONFS="strategy=stream_safe strategy=async" \
@@ -155,7 +155,7 @@ for part in "$@"; do
       done; done > "$OUT/speed_rounds.jsonl" && python3 scripts/gpu/speed_table.py < "$OUT/speed_rounds.jsonl" \
         | tee "$OUT/speed.md" ;;
     capi)
-      LIB=.anchors PASSES=3 CONFS="${CAPI_CONFS:-strategy=stream_safe,expandable=true strategy=stream_safe,expandable=false}" \
+      LIB=.anchors PASSES=3 CONFS="${CAPI_CONFS:-strategy=stream_safe,backing=stitched strategy=stream_safe,backing=chunks}" \
         bash scripts/capi-replay.sh | tee "$OUT/capi.txt" ;;
     mt)
       build_anchors && for round in $(seq "${MT_ROUNDS:-3}"); do for tr in ${MT_TRACES:-resnet50_train gpt2_train}; do for n in 1 2 4 8; do

@@ -123,7 +123,7 @@ fn bench(c: &mut Criterion) {
         group.bench_function("stream_safe_by_pointer", |b| {
             b.iter(|| pointer_pass(&trace, &mut ptrs, &by_pointer, s))
         });
-        // The same on stitched virtual-memory ranges (`expandable=true` in the facade).
+        // The same on stitched virtual-memory ranges (`backing=stitched` in the facade).
         let pool = BestFitConfig { backing: BackingKind::STITCHED, ..Default::default() };
         let stitched = Arc::new(
             StreamSafe::new(sim.clone(), StreamSafeConfig { pool, ..Default::default() }).expect("allocator"),

@@ -9,7 +9,7 @@ use std::process::Command;
 #[test]
 fn torch_hooks_through_torchs_types() {
     let exe = common::compile("tests/cpp/torch_hooks.cpp", "streamalloc-torch-hooks");
-    for strategy in ["plain", "best_fit", "stream_safe", "stream_safe,expandable=false", "async"] {
+    for strategy in ["plain", "best_fit", "stream_safe", "stream_safe,backing=chunks", "async"] {
         let conf = format!("device=sim,strategy={strategy},sim_capacity=64GiB");
         let out = Command::new(&exe).env("STREAMALLOC_CONF", &conf).output().expect("run torch_hooks");
         let stdout = String::from_utf8_lossy(&out.stdout);

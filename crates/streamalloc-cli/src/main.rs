@@ -85,7 +85,7 @@ enum Command {
         #[arg(required = true)]
         traces: Vec<PathBuf>,
         /// A configuration, as STREAMALLOC_CONF takes it (e.g.
-        /// 'strategy=stream_safe,expandable=true,growth=16MiB'); repeatable, each row is
+        /// 'strategy=stream_safe,backing=stitched,growth=16MiB'); repeatable, each row is
         /// labelled by its string, rows in the order --conf and --allocator are given. Its
         /// `device` key does not apply (--device chooses the device), nor `sim_virtual_memory`;
         /// `sim_capacity` sizes the simulator (see --capacity).

@@ -192,7 +192,7 @@ fn repeated_replays_start_from_the_same_state() {
 #[test]
 fn conf_rows_are_labelled_by_their_string() {
     let t = TempFile::new("conf.csv", workload(3, 2 << 20));
-    let conf = "strategy=stream_safe,expandable=true,growth=16MiB";
+    let conf = "strategy=stream_safe,backing=stitched,growth=16MiB";
     let out = streamalloc(&[
         "replay",
         t.path(),

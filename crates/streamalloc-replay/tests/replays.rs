@@ -19,7 +19,7 @@ fn sim(conf: &str) -> Facade {
 }
 
 /// Replays `trace` (a path under traces/) `passes` times after the measuring pass through
-/// StreamSafe over stitched ranges (`expandable=true`), on a simulated H200: the granules
+/// StreamSafe over stitched ranges (`backing=stitched`), on a simulated H200: the granules
 /// mapped or unmapped in each pass, and the footprint.
 fn stitched_granules_per_pass(trace: &str, passes: usize) -> (Vec<u64>, f64) {
     let path = format!("{}/../../traces/{trace}", env!("CARGO_MANIFEST_DIR"));

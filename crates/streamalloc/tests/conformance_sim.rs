@@ -6,8 +6,8 @@ mod conformance;
 use std::sync::Arc;
 
 use conformance::{
-    async_pool, async_pool_by_pointer, best_fit, best_fit_expandable, best_fit_stitched, plain, run_program,
-    stream_safe, stream_safe_by_pointer, stream_safe_expandable, stream_safe_stitched, ByPointer, Made,
+    async_pool, async_pool_by_pointer, best_fit, best_fit_segments, best_fit_stitched, plain, run_program,
+    stream_safe, stream_safe_by_pointer, stream_safe_segments, stream_safe_stitched, ByPointer, Made,
 };
 use parking_lot::Mutex;
 use std::time::Duration;
@@ -110,8 +110,8 @@ fn adaptor_stack(device: Arc<dyn Device>) -> Made {
 
 conformance_tests!(best_fit_on_sim, best_fit);
 conformance_tests!(stream_safe_on_sim, stream_safe);
-conformance_tests!(best_fit_expandable_on_sim, best_fit_expandable);
-conformance_tests!(stream_safe_expandable_on_sim, stream_safe_expandable);
+conformance_tests!(best_fit_segments_on_sim, best_fit_segments);
+conformance_tests!(stream_safe_segments_on_sim, stream_safe_segments);
 conformance_tests!(best_fit_stitched_on_sim, best_fit_stitched);
 conformance_tests!(stream_safe_stitched_on_sim, stream_safe_stitched);
 conformance_tests!(single_stream_best_fit_on_sim, best_fit_any_stream);

@@ -48,7 +48,7 @@ fn best_fit(sim: Arc<SimDevice>) -> Arc<dyn StreamAllocator> {
     let pool = BestFit::new(sim.clone(), BestFitConfig::default()).expect("pool");
     Arc::new(SingleStream::new(pool, sim, Stream::DEFAULT))
 }
-fn best_fit_expandable(sim: Arc<SimDevice>) -> Arc<dyn StreamAllocator> {
+fn best_fit_segments(sim: Arc<SimDevice>) -> Arc<dyn StreamAllocator> {
     let pool = BestFit::new(sim.clone(), backed(BackingKind::SEGMENTS)).expect("pool");
     Arc::new(SingleStream::new(pool, sim, Stream::DEFAULT))
 }
@@ -59,7 +59,7 @@ fn best_fit_stitched(sim: Arc<SimDevice>) -> Arc<dyn StreamAllocator> {
 fn stream_safe_plain(sim: Arc<SimDevice>) -> Arc<dyn StreamAllocator> {
     Arc::new(stream_safe(sim))
 }
-fn stream_safe_expandable(sim: Arc<SimDevice>) -> Arc<dyn StreamAllocator> {
+fn stream_safe_segments(sim: Arc<SimDevice>) -> Arc<dyn StreamAllocator> {
     let config = StreamSafeConfig { pool: backed(BackingKind::SEGMENTS), ..StreamSafeConfig::default() };
     Arc::new(StreamSafe::new(sim, config).expect("allocator"))
 }
@@ -206,8 +206,8 @@ fn best_fit_million() {
     check("best_fit", best_fit);
 }
 #[test]
-fn best_fit_expandable_million() {
-    check("best_fit expandable", best_fit_expandable);
+fn best_fit_segments_million() {
+    check("best_fit segments", best_fit_segments);
 }
 #[test]
 fn best_fit_stitched_million() {
@@ -218,8 +218,8 @@ fn stream_safe_million() {
     check("stream_safe", stream_safe_plain);
 }
 #[test]
-fn stream_safe_expandable_million() {
-    check("stream_safe expandable", stream_safe_expandable);
+fn stream_safe_segments_million() {
+    check("stream_safe segments", stream_safe_segments);
 }
 #[test]
 fn stream_safe_stitched_million() {

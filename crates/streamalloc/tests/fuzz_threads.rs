@@ -236,11 +236,11 @@ fn check(name: &str, stack: Stack) {
 
 #[test]
 fn stream_safe_stitched_threads() {
-    check("stream_safe (stitched)", facade("strategy=stream_safe,expandable=true"));
+    check("stream_safe (stitched)", facade("strategy=stream_safe,backing=stitched"));
 }
 #[test]
 fn stream_safe_chunks_threads() {
-    check("stream_safe (chunks)", facade("strategy=stream_safe,expandable=false"));
+    check("stream_safe (chunks)", facade("strategy=stream_safe,backing=chunks"));
 }
 #[test]
 fn stream_safe_segments_threads() {
@@ -248,11 +248,11 @@ fn stream_safe_segments_threads() {
 }
 #[test]
 fn best_fit_stitched_threads() {
-    check("best_fit (stitched)", facade("strategy=best_fit,expandable=true"));
+    check("best_fit (stitched)", facade("strategy=best_fit,backing=stitched"));
 }
 #[test]
 fn best_fit_chunks_threads() {
-    check("best_fit (chunks)", facade("strategy=best_fit,expandable=false"));
+    check("best_fit (chunks)", facade("strategy=best_fit,backing=chunks"));
 }
 #[test]
 fn best_fit_segments_threads() {

@@ -4,15 +4,15 @@
 mod conformance;
 
 use conformance::{
-    async_pool, async_pool_by_pointer, best_fit, best_fit_expandable, best_fit_stitched, plain, stream_safe,
-    stream_safe_by_pointer, stream_safe_expandable, stream_safe_stitched,
+    async_pool, async_pool_by_pointer, best_fit, best_fit_segments, best_fit_stitched, plain, stream_safe,
+    stream_safe_by_pointer, stream_safe_segments, stream_safe_stitched,
 };
 
 conformance_tests!(gpu plain_on_gpu, plain);
 conformance_tests!(gpu best_fit_on_gpu, best_fit);
 conformance_tests!(gpu stream_safe_on_gpu, stream_safe);
-conformance_tests!(gpu best_fit_expandable_on_gpu, best_fit_expandable);
-conformance_tests!(gpu stream_safe_expandable_on_gpu, stream_safe_expandable);
+conformance_tests!(gpu best_fit_segments_on_gpu, best_fit_segments);
+conformance_tests!(gpu stream_safe_segments_on_gpu, stream_safe_segments);
 conformance_tests!(gpu best_fit_stitched_on_gpu, best_fit_stitched);
 conformance_tests!(gpu stream_safe_stitched_on_gpu, stream_safe_stitched);
 conformance_tests!(gpu async_pool_on_gpu, async_pool);

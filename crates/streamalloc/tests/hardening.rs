@@ -122,8 +122,8 @@ fn failures_are_counted_once_per_failed_allocation() {
 #[test]
 fn dropping_any_stack_frees_what_it_keeps_by_pointer() {
     for strategy in ["plain", "best_fit", "stream_safe", "async"] {
-        for layers in ["", ",expandable=false", ",retry_timeout=5ms,stats=true,limit=0.5,trace=/dev/null"] {
-            if (strategy == "plain" || strategy == "async") && layers.contains("expandable") {
+        for layers in ["", ",backing=chunks", ",retry_timeout=5ms,stats=true,limit=0.5,trace=/dev/null"] {
+            if (strategy == "plain" || strategy == "async") && layers.contains("backing") {
                 continue;
             }
             let conf = format!("device=sim,sim_capacity=1GiB,strategy={strategy}{layers}");
@@ -184,8 +184,8 @@ fn retries_are_counted_once() {
 #[test]
 fn peaks_reset_on_every_stack() {
     for strategy in ["plain", "best_fit", "stream_safe", "async"] {
-        for layers in ["", ",expandable=false", ",retry_timeout=5ms,stats=true,limit=0.9,trace=/dev/null"] {
-            if layers.contains("expandable") && !["best_fit", "stream_safe"].contains(&strategy) {
+        for layers in ["", ",backing=chunks", ",retry_timeout=5ms,stats=true,limit=0.9,trace=/dev/null"] {
+            if layers.contains("backing") && !["best_fit", "stream_safe"].contains(&strategy) {
                 continue; // a key only the caching pools take
             }
             let conf = format!("device=sim,sim_capacity=1GiB,strategy={strategy}{layers}");

@@ -176,7 +176,7 @@ fn frees_from_another_thread_work_for_every_strategy() {
 
 #[test]
 fn mapped_memory_is_copied_to_a_peer_only_once_peer_access_is_enabled() {
-    let f = sim("strategy=stream_safe,expandable=true");
+    let f = sim("strategy=stream_safe,backing=stitched");
     let d0 = f.stack(0).unwrap().sim.clone().unwrap();
     let d1 = f.stack(1).unwrap().sim.clone().unwrap();
     let dst = d1.alloc(64 * MIB).unwrap();

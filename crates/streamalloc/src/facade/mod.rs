@@ -275,8 +275,8 @@ impl Facade {
     }
 
     /// Lets device `peer` read and write the memory that device `ordinal`'s allocators map
-    /// (`expandable=true`), mapped so far and later ([`Device::grant_mapped_access`]); builds
-    /// the stack if needed. Plain allocations (`expandable=false`, private pools) follow the
+    /// (`backing=stitched`), mapped so far and later ([`Device::grant_mapped_access`]); builds
+    /// the stack if needed. Plain allocations (`backing=chunks`, private pools) follow the
     /// context-level peer access the program enables itself (`cudaDeviceEnablePeerAccess`);
     /// mapped memory does not, and needs this call too. The driver's pools (`strategy=async`)
     /// are not covered: see [`AsyncPool::grant_peer_access`](crate::allocators::AsyncPool::grant_peer_access).

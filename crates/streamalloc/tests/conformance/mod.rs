@@ -376,11 +376,11 @@ fn backed(backing: BackingKind) -> BestFitConfig {
     BestFitConfig { backing, ..BestFitConfig::default() }
 }
 
-pub fn best_fit_expandable(device: Arc<dyn Device>) -> Made {
+pub fn best_fit_segments(device: Arc<dyn Device>) -> Made {
     Made::Plain(Arc::new(BestFit::new(device, backed(BackingKind::SEGMENTS)).expect("pool")))
 }
 
-pub fn stream_safe_expandable(device: Arc<dyn Device>) -> Made {
+pub fn stream_safe_segments(device: Arc<dyn Device>) -> Made {
     let config = StreamSafeConfig { pool: backed(BackingKind::SEGMENTS), ..StreamSafeConfig::default() };
     Made::Streams(Arc::new(StreamSafe::new(device, config).expect("allocator")))
 }
