@@ -14,8 +14,9 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use streamalloc::adaptors::Pointers;
 use streamalloc::allocators::{BackingKind, BestFit, BestFitConfig, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice};
+use streamalloc::device::Streams;
 use streamalloc::policy::best_fit::{BestFitPolicy, Classes};
-use streamalloc::{Allocation, Allocator, Device, Stream, StreamAllocator};
+use streamalloc::{Allocation, Allocator, Stream, StreamAllocator};
 use streamalloc_replay::trace::{Op, Trace};
 
 fn traces() -> Vec<Trace> {

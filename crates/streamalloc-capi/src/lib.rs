@@ -23,6 +23,13 @@
 //! forked after the library came into use every call fails at once, taking no lock (see
 //! `fork.rs`).
 //!
+//! Every stream a caller passes (`cudaStream_t`, CuPy's stream source) is NULL, the legacy
+//! default stream, or a live stream of the device the call names, made in its primary context
+//! (PyTorch's and CuPy's streams are); with `device=sim`, a handle of
+//! `streamalloc_sim_create_stream`. CUDA streams go to the driver as they are
+//! ([`Stream::from_raw`](core_alloc::Stream::from_raw)), which does not reliably refuse a
+//! bad one.
+//!
 //! `include/streamalloc.h` is generated from this crate by cbindgen; `cargo test -p
 //! streamalloc-capi` fails when it is out of date, and regenerates it with
 //! `STREAMALLOC_BLESS=1`.

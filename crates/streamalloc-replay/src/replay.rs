@@ -4,7 +4,7 @@
 //! (`scripts/gpu-bench.sh`), so figures compare with its figures:
 //!
 //! * **Pass 0** (untimed) runs every operation and samples the device's memory use
-//!   ([`Device::mem_info`]) after each one. Its peak, minus the use measured just before
+//!   ([`DeviceMemory::mem_info`](streamalloc::device::DeviceMemory::mem_info)) after each one. Its peak, minus the use measured just before
 //!   the pass, is [`ReplayResult::peak_device_used`]; divided by the trace's peak live bytes
 //!   it is the [`ReplayResult::footprint_ratio`] (1.0 is a perfect allocator, which no
 //!   real one reaches). The samples, downsampled, are [`ReplayResult::series`].
@@ -780,6 +780,7 @@ mod tests {
     use super::*;
     use streamalloc::allocators::Plain;
     use streamalloc::device::sim::{SimConfig, SimDevice};
+    use streamalloc::device::{DeviceMemory as _, DriverPools as _, Streams as _};
 
     fn trace(text: &str) -> Trace {
         Trace::parse(format!("{}\n{text}", streamalloc::trace::HEADER).as_bytes(), "t").unwrap()

@@ -113,7 +113,7 @@ pub trait BlockOwner: Send + Sync {
 /// ```
 /// use streamalloc::allocators::{StreamSafe, StreamSafeConfig};
 /// use streamalloc::device::sim::{SimConfig, SimDevice};
-/// use streamalloc::{Device, StreamAllocator};
+/// use streamalloc::{Streams, StreamAllocator};
 ///
 /// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
 /// let alloc = StreamSafe::new(sim.clone(), StreamSafeConfig::default())?;
@@ -451,7 +451,7 @@ pub trait Allocator: Send + Sync {
 /// ```
 /// use streamalloc::allocators::{AsyncPool, AsyncPoolConfig, StreamSafe, StreamSafeConfig};
 /// use streamalloc::device::sim::{SimConfig, SimDevice};
-/// use streamalloc::{Device, Stream, StreamAllocator};
+/// use streamalloc::{Streams, Stream, StreamAllocator};
 ///
 /// /// A buffer on each stream, from whichever stream-aware allocator is given.
 /// fn per_stream(alloc: &dyn StreamAllocator, streams: &[Stream]) -> streamalloc::Result<()> {
@@ -547,17 +547,17 @@ mod tests {
     #[test]
     fn recorded_streams_travel_to_the_owner() {
         let owner = Arc::new(Keep(parking_lot::Mutex::new(Vec::new())));
-        let block = Block { ptr: 0x1000, size: 256, stream: Stream(1), ..Block::default() };
+        let block = Block { ptr: 0x1000, size: 256, stream: Stream::forged(1), ..Block::default() };
         let mut a = Allocation::new(block, owner.clone());
-        a.record_stream(Stream(1)); // the owning stream: nothing to do
-        a.record_stream(Stream(2));
-        a.record_stream(Stream(3));
-        a.record_stream(Stream(2)); // twice: once
-        assert_eq!(a.recorded_streams(), &[Stream(2), Stream(3)]);
-        a.erase_stream(Stream(2));
-        assert_eq!((a.owning_stream(), a.recorded_streams()), (Stream(1), &[Stream(3)][..]));
+        a.record_stream(Stream::forged(1)); // the owning stream: nothing to do
+        a.record_stream(Stream::forged(2));
+        a.record_stream(Stream::forged(3));
+        a.record_stream(Stream::forged(2)); // twice: once
+        assert_eq!(a.recorded_streams(), &[Stream::forged(2), Stream::forged(3)]);
+        a.erase_stream(Stream::forged(2));
+        assert_eq!((a.owning_stream(), a.recorded_streams()), (Stream::forged(1), &[Stream::forged(3)][..]));
         drop(a);
         let freed = owner.0.lock();
-        assert_eq!((freed.len(), freed[0].ptr, &*freed[0].recorded), (1, 0x1000, &[Stream(3)][..]));
+        assert_eq!((freed.len(), freed[0].ptr, &*freed[0].recorded), (1, 0x1000, &[Stream::forged(3)][..]));
     }
 }

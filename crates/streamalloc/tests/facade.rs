@@ -3,8 +3,9 @@
 
 use std::sync::Arc;
 
+use streamalloc::device::{DeviceMemory, Streams};
 use streamalloc::facade::{Config, Facade, Strategy};
-use streamalloc::{Device, Error, Stream};
+use streamalloc::{Error, Stream};
 
 const MIB: usize = 1 << 20;
 

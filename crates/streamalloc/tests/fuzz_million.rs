@@ -15,8 +15,9 @@ use streamalloc::allocators::{
     AsyncPool, AsyncPoolConfig, BackingKind, BestFit, BestFitConfig, Plain, StreamSafe, StreamSafeConfig,
 };
 use streamalloc::device::sim::{SimConfig, SimDevice};
+use streamalloc::device::Streams;
 use streamalloc::trace::TraceWriter;
-use streamalloc::{Allocation, Allocator, Device, DevicePtr, Stream, StreamAllocator};
+use streamalloc::{Allocation, Allocator, DevicePtr, Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
 const STREAMS: usize = 4;

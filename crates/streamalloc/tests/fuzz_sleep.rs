@@ -25,8 +25,9 @@ use parking_lot::RwLock;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use streamalloc::device::sim::{SimConfig, SimDevice};
+use streamalloc::device::Streams;
 use streamalloc::facade::{Config, DeviceStack, Facade};
-use streamalloc::{tags, Allocator, Device, Error, Stream, StreamAllocator};
+use streamalloc::{tags, Allocator, Error, Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
 const WORKERS: usize = 5;

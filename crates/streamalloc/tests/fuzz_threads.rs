@@ -20,6 +20,7 @@ use streamalloc::adaptors::Pointers;
 use streamalloc::adaptors::SingleStream;
 use streamalloc::allocators::{BackingKind, BestFit, BestFitConfig, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice, ViolationKind};
+use streamalloc::device::Streams;
 use streamalloc::facade::private_pools::{PrivatePools, Routed, StreamFilter};
 use streamalloc::facade::{Config, DynAllocator, Facade};
 use streamalloc::{Allocator, Device, Error, Stream, StreamAllocator};

@@ -159,7 +159,7 @@ fn a_sleep_past_the_bound_names_the_stream_and_gives_nothing_back() {
     let before = used(&gpu);
     match layer.sleep(&tag("kv"), true, &[]) {
         Err(Error::Timeout { waited_for, .. }) => {
-            assert!(waited_for.contains(&format!("{:#x}", s.0)), "{waited_for}")
+            assert!(waited_for.contains(&format!("{:#x}", s.raw())), "{waited_for}")
         }
         other => panic!("expected a timeout, got {other:?}"),
     }

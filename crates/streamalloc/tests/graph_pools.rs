@@ -9,7 +9,7 @@ use std::sync::Arc;
 use streamalloc::adaptors::Pointers;
 use streamalloc::allocators::{BestFitConfig, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice};
-use streamalloc::device::{CaptureStatus, Device, DeviceTestExt};
+use streamalloc::device::{CaptureStatus, DeviceTestExt, Graphs, Streams};
 use streamalloc::facade::private_pools::{PrivatePools, Routed};
 use streamalloc::Stream;
 

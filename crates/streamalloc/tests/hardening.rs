@@ -7,8 +7,9 @@ use std::time::Duration;
 use streamalloc::adaptors::{Limit, Retry, SingleStream};
 use streamalloc::allocators::{BackingKind, BestFit, BestFitConfig, Plain, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice};
+use streamalloc::device::{DeviceMemory, DriverPools, Streams};
 use streamalloc::facade::{Config, Facade};
-use streamalloc::{Allocator, Device, Error, Stream, StreamAllocator};
+use streamalloc::{Allocator, Error, Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
 
@@ -244,7 +245,7 @@ fn a_release_waits_with_a_bound_on_every_backing() {
         assert!(waited <= Duration::from_millis(100), "{backing:?}: the release waited {waited:?}");
         let e = released.expect_err("the pool's stream still uses the memory");
         assert!(matches!(e, Error::Timeout { .. }), "{backing:?}: {e}");
-        assert!(e.to_string().contains(&format!("{:#x}", s.0)), "{backing:?}: {e}");
+        assert!(e.to_string().contains(&format!("{:#x}", s.raw())), "{backing:?}: {e}");
         assert_eq!(sim.mem_info().unwrap().free, free, "{backing:?}: nothing went back");
         sim.advance(10_000_000_000);
         assert!(pool.release().unwrap() > 0, "{backing:?}");

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use streamalloc::allocators::{AsyncPool, AsyncPoolConfig, PoolMode, ReuseFlags};
 use streamalloc::device::sim::{SimConfig, SimDevice};
-use streamalloc::device::DeviceTestExt;
+use streamalloc::device::{DeviceMemory, DeviceTestExt, DriverPools, Streams};
 use streamalloc::facade::{Config, Facade};
 use streamalloc::{Allocation, Allocator, Device, Error, Stream};
 
@@ -77,7 +77,7 @@ fn peer_copy_needs_access_to_the_pool() {
     let err = d0.copy_peer(dst, 1, src.ptr(), MIB, s).unwrap_err();
     let msg = err.to_string();
     assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
-    assert!(msg.contains(&format!("pool {:#x}", raw.0)) && msg.contains("device 1 access"), "{msg}");
+    assert!(msg.contains(&format!("pool {:#x}", raw.raw())) && msg.contains("device 1 access"), "{msg}");
     // An interior pointer of the allocation is pool memory too.
     assert!(d0.copy_peer(dst, 1, src.ptr() + 4096, 4096, s).is_err());
 

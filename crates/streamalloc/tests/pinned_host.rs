@@ -13,6 +13,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use streamalloc::allocators::{PinnedHost, PinnedHostConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice, ViolationKind};
+use streamalloc::device::Streams;
 use streamalloc::{Device, Error, Stream};
 
 const MIB: usize = 1 << 20;
@@ -101,7 +102,10 @@ fn recording_checks_the_stream_and_the_pointer() {
     let (sim, device) = sim();
     let pool = pool(&device);
     let p = pool.allocate_ptr(4096).unwrap();
-    assert!(pool.record_stream_ptr(p, &device, Stream(0xbad0)).is_err(), "not a stream of the device");
+    assert!(
+        pool.record_stream_ptr(p, &device, Stream::forged(0xbad0)).is_err(),
+        "not a stream of the device"
+    );
     assert!(!pool.record_stream_ptr(p + 64, &device, Stream::DEFAULT).unwrap(), "not a block");
     assert!(pool.record_stream_ptr(p, &device, Stream::DEFAULT).unwrap());
     pool.free_ptr(p).unwrap();
@@ -342,6 +346,6 @@ fn a_block_recorded_on_a_destroyed_stream_is_named_at_the_release() {
     assert_eq!(pool.stats().pending_release, 4096);
     let err = pool.release().expect_err("the held error").to_string();
     assert!(err.contains(&format!("pinned block at {ptr:#x}")), "{err}");
-    assert!(err.contains(&format!("stream {:#x} recorded on it", s.0)), "{err}");
+    assert!(err.contains(&format!("stream {:#x} recorded on it", s.raw())), "{err}");
     assert!(err.contains("kept out of use for good"), "{err}");
 }

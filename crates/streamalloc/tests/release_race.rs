@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use streamalloc::allocators::{BackingKind, BestFit, BestFitConfig, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice, ViolationKind};
-use streamalloc::device::DeviceTestExt;
-use streamalloc::{Allocator, Device, Stream, StreamAllocator};
+use streamalloc::device::{DeviceMemory, DeviceTestExt, Streams, VirtualMemory};
+use streamalloc::{Allocator, Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
 const BACKINGS: [BackingKind; 3] = [BackingKind::CHUNKS, BackingKind::SEGMENTS, BackingKind::STITCHED];

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use proptest::prelude::*;
 use streamalloc::allocators::{BackingKind, BestFit, BestFitConfig, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice};
-use streamalloc::device::DeviceTestExt;
-use streamalloc::{Allocation, Allocator, Device, Error, Stream, StreamAllocator};
+use streamalloc::device::{DeviceMemory, DeviceTestExt, Streams};
+use streamalloc::{Allocation, Allocator, Error, Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
 

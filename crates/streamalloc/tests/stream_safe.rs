@@ -9,6 +9,7 @@ use conformance::{run_program, Action, Made};
 use streamalloc::adaptors::Pointers;
 use streamalloc::allocators::{BestFitConfig, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice};
+use streamalloc::device::{DeviceMemory, Graphs, Streams};
 use streamalloc::{Allocator, Device, Error, Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
@@ -159,7 +160,8 @@ fn out_of_memory_releases_other_streams_caches_then_reports_every_pool() {
     assert_eq!((report.requested, report.allocated, report.reserved), (30 * MIB, 50 * MIB, 50 * MIB));
     let text = err.to_string();
     assert!(
-        text.contains(&format!("stream {:#x}", s1.0)) && text.contains(&format!("stream {:#x}", s2.0)),
+        text.contains(&format!("stream {:#x}", s1.raw()))
+            && text.contains(&format!("stream {:#x}", s2.raw())),
         "{text}"
     );
     drop(y);
@@ -420,7 +422,7 @@ fn out_of_memory_with_many_streams_names_the_largest_holders_briefly() {
     assert!(err.is_out_of_memory(), "{text}");
     assert!(text.len() < 4096, "{} bytes: {}...", text.len(), &text[..300]);
     for (s, _) in big {
-        assert!(text.contains(&format!("stream {:#x}:", s.0)), "{s:?} not named: {text}");
+        assert!(text.contains(&format!("stream {:#x}:", s.raw())), "{s:?} not named: {text}");
     }
     assert!(text.contains("and 9992 more streams holding"), "{text}");
     drop(live);

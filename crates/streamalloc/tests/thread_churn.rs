@@ -4,8 +4,9 @@
 
 use std::time::Duration;
 
+use streamalloc::device::Streams;
 use streamalloc::facade::{Config, Facade};
-use streamalloc::{Device, Stream};
+use streamalloc::Stream;
 
 /// Resident memory of this process, in bytes (`/proc/self/statm`, pages of 4 KiB).
 fn rss() -> usize {

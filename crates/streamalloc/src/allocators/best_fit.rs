@@ -871,7 +871,7 @@ impl Drop for Inner {
 mod tests {
     use super::*;
     use crate::device::sim::{SimConfig, SimDevice};
-    use crate::device::DeviceTestExt;
+    use crate::device::{DeviceMemory, DeviceTestExt, Streams, VirtualMemory};
 
     const MIB: usize = 1 << 20;
 

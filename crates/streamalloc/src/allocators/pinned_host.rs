@@ -33,7 +33,7 @@ impl Default for PinnedHostConfig {
 /// asynchronous copies between the host and devices: PyTorch's `CachingHostAllocator`, CuPy's
 /// `PinnedMemoryPool`, RMM's pinned resources.
 ///
-/// * **Blocks.** Each block is one [`Device::host_alloc`] of a power of two bytes (at least
+/// * **Blocks.** Each block is one [`HostMemory::host_alloc`](crate::device::HostMemory::host_alloc) of a power of two bytes (at least
 ///   [`PinnedHostConfig::min_block`]), as PyTorch rounds; free blocks are kept per size class,
 ///   and a request takes a block of its own class, never a piece of a larger one.
 /// * **Stream order.** The host may write memory it is handed at once, so a block that
@@ -396,7 +396,7 @@ impl Inner {
                     "the pinned block at {ptr:#x} was freed with stream {:#x} recorded on it, which cannot \
                          be waited for ({m}; destroyed before the free?): the block is kept out of use for \
                          good; free pinned buffers before destroying the streams recorded on them",
-                    stream.0
+                    stream.raw()
                 )))
                 }
                 Err(e) => failed = Some(e),

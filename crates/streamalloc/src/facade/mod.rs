@@ -275,7 +275,7 @@ impl Facade {
     }
 
     /// Lets device `peer` read and write the memory that device `ordinal`'s allocators map
-    /// (`backing=stitched`), mapped so far and later ([`Device::grant_mapped_access`]); builds
+    /// (`backing=stitched`), mapped so far and later ([`VirtualMemory::grant_mapped_access`](crate::device::VirtualMemory::grant_mapped_access)); builds
     /// the stack if needed. Plain allocations (`backing=chunks`, private pools) follow the
     /// context-level peer access the program enables itself (`cudaDeviceEnablePeerAccess`);
     /// mapped memory does not, and needs this call too. The driver's pools (`strategy=async`)

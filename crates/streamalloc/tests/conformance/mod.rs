@@ -16,6 +16,7 @@ use streamalloc::allocators::{
 };
 use streamalloc::device::cuda::CudaDevice;
 use streamalloc::device::sim::{SimConfig, SimDevice};
+use streamalloc::device::Streams;
 use streamalloc::facade::{Config, Facade, PoolChoice, Strategy as Registered};
 use streamalloc::{
     Allocation, Allocator, Block, BlockOwner, Device, Error, Stats, Stream, StreamAllocator, ALIGNMENT,

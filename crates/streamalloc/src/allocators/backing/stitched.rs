@@ -16,7 +16,7 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Classes};
 
 /// The stitched backing. One address reservation per pool, in two areas: the *home* area
 /// (twice the device's memory) where memory is mapped fresh, in granules
-/// ([`Device::map_granularity`]), and the *stitch* area (the device's memory) where free
+/// ([`VirtualMemory::map_granularity`](crate::device::VirtualMemory::map_granularity)), and the *stitch* area (the device's memory) where free
 /// granules are mapped a second time.
 ///
 /// * **Placement.** A miss maps the fewest granules that, with a free block at the end of a
@@ -62,7 +62,7 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Classes};
 ///
 /// # Why stitching needs no wait
 ///
-/// A stitch maps the memory of free granules again ([`Device::map_alias`]); nothing is
+/// A stitch maps the memory of free granules again ([`VirtualMemory::map_alias`](crate::device::VirtualMemory::map_alias)); nothing is
 /// unmapped and nothing is created for them. The memory's last use through its home address
 /// is ordered on the pool's stream (blocks freed with recorded streams become free only once
 /// those streams' events completed), and its next user gets a block of the stitched range,
@@ -103,13 +103,13 @@ struct State {
     /// The most bytes mapped at once so far.
     high_water: u64,
     /// The stitched ranges mapped now, by start: their mapped length, and the home ranges
-    /// they map ([`Device::map_alias`]'s sources), to be mapped again by a wake.
+    /// they map ([`VirtualMemory::map_alias`](crate::device::VirtualMemory::map_alias)'s sources), to be mapped again by a wake.
     aliases: BTreeMap<u64, (u64, Sources)>,
     /// Where the pool is in a sleep.
     sleep: Sleep,
 }
 
-/// The home ranges a stitched range maps, in its order ([`Device::map_alias`]'s sources).
+/// The home ranges a stitched range maps, in its order ([`VirtualMemory::map_alias`](crate::device::VirtualMemory::map_alias)'s sources).
 type Sources = Vec<(u64, usize)>;
 
 /// Where a stitched pool is in a sleep ([`Backing::sleep_begin`]).
