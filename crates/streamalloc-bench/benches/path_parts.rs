@@ -6,6 +6,9 @@
 //! reads the one allocation path's cost from them. Run: `cargo bench -p streamalloc-bench
 //! --bench path_parts`.
 
+// A benchmark: a failed unwrap or expect stops it, as it should.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::hint::black_box;
 use std::sync::Arc;
 

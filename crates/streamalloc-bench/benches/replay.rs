@@ -7,6 +7,9 @@
 //! Each iteration is one warm pass over a trace (everything freed at its end); throughput is
 //! in trace operations. Run: `cargo bench -p streamalloc-bench --bench replay`.
 
+// A benchmark: a failed unwrap or expect stops it, as it should.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -34,6 +34,10 @@
 //! streamalloc-capi` fails when it is out of date, and regenerates it with
 //! `STREAMALLOC_BLESS=1`.
 
+// The C ABI: `extern "C"` entry points, raw pointers from C and the callbacks it installs.
+// Each `unsafe` block has its `// SAFETY:` comment; the workspace denies `unsafe` elsewhere
+// but in the core crate's device layer.
+#![allow(unsafe_code)]
 // Rustdoc does not render this crate (its documentation is the generated header, which
 // carries these doc comments); the lint keeps every exported item documented.
 #![warn(missing_docs)]

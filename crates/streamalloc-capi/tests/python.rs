@@ -2,6 +2,10 @@
 //! `libstreamalloc.so` of this build copied into it, on the simulator; and
 //! `python/tests/sim_fuzz.py`, the C path fuzzed against the simulator's ordering checker.
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use std::path::{Path, PathBuf};

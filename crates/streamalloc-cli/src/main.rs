@@ -248,6 +248,7 @@ const SIM_NS_PER_OP: &str = "ns/op on the simulator measure the library's CPU co
 /// version, which alone would make this binary, and the wheel that bundles it, need glibc 2.35;
 /// defined here, the binary keeps to the glibc its library needs. Computed in `f64`, where the
 /// squares of `f32` arguments cannot overflow or underflow: accurate to `f32`'s precision.
+#[allow(unsafe_code)] // `no_mangle`: the one symbol this program defines for C; no unsafe code
 #[no_mangle]
 pub extern "C" fn hypotf(x: f32, y: f32) -> f32 {
     let (x, y) = (f64::from(x), f64::from(y));

@@ -23,8 +23,7 @@ use std::sync::Arc;
 use crate::device::{DevicePtr, Stream};
 use crate::error::Result;
 
-/// Alignment of every pointer handed out, in bytes.
-pub const ALIGNMENT: usize = 256;
+pub use crate::policy::ALIGNMENT;
 
 /// Rounds `size` up to a multiple of [`ALIGNMENT`]; `None` on overflow.
 pub fn align_up(size: usize) -> Option<usize> {

@@ -1,6 +1,10 @@
 //! The facade on the simulator: every strategy, the stack's layers, per-device statistics,
 //! (a trace the Trace layer writes replays to identical statistics: streamalloc-replay's tests).
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::sync::Arc;
 
 use streamalloc::device::{DeviceMemory, Streams};

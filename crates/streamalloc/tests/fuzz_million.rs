@@ -5,6 +5,10 @@
 //! `STREAMALLOC_FUZZ_OPS` sets the operations per stack (default 1,000,000; `scripts/fuzz-long.sh`
 //! runs longer), `STREAMALLOC_FUZZ_SEED` the seed.
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::sync::Arc;
 use std::time::Duration;
 

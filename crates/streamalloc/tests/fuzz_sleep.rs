@@ -17,6 +17,10 @@
 //! `STREAMALLOC_FUZZ_SLEEP_OPS` sets the operations per worker (default 20,000),
 //! `STREAMALLOC_FUZZ_SEED` the seed.
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread;

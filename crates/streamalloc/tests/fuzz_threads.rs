@@ -9,6 +9,10 @@
 //! `STREAMALLOC_FUZZ_THREAD_OPS` sets the operations per worker thread (default 200,000),
 //! `STREAMALLOC_FUZZ_SEED` the seed.
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread;

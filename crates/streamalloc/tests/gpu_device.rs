@@ -5,6 +5,10 @@
 //! Every wait is bounded: host functions that block a stream give up after [`HOLD_LIMIT`], and
 //! polls give up after [`POLL_LIMIT`].
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -7,6 +7,10 @@
 //! machine with two by scripts/gpu/multi-gpu.sh. The simulator's version of these rules:
 //! tests/multi_device.rs.
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::sync::Arc;
 
 use streamalloc::allocators::{AsyncPool, AsyncPoolConfig, PoolMode, ReuseFlags};

@@ -3,6 +3,10 @@
 //! the peer was granted access to its pool, and every strategy accepts frees from another
 //! thread. The same rules on two real GPUs: tests/gpu_multi.rs.
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::sync::Arc;
 
 use streamalloc::allocators::{AsyncPool, AsyncPoolConfig, PoolMode, ReuseFlags};

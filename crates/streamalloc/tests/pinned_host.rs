@@ -6,6 +6,10 @@
 //! `STREAMALLOC_FUZZ_THREAD_OPS` sets the operations per worker thread of the fuzz (default
 //! 20,000), `STREAMALLOC_FUZZ_SEED` the seed.
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::sync::Arc;
 use std::thread;
 
@@ -36,6 +40,7 @@ fn blocks_are_real_host_memory() {
     assert_eq!(buffer.ptr() % 4096, 0);
     // SAFETY: the buffer is 100,000 bytes of host memory that the pool handed out and that
     // nothing else uses; the slice lives no longer than the buffer.
+    #[allow(unsafe_code)] // host memory seen as bytes: what a test of pinned memory checks
     let bytes = unsafe { std::slice::from_raw_parts_mut(buffer.as_mut_ptr(), buffer.size()) };
     bytes.iter_mut().enumerate().for_each(|(i, b)| *b = (i % 251) as u8);
     assert!(bytes.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8));

@@ -2,6 +2,10 @@
 //! behind (issue 16). Its own test binary, so that the process's resident memory is this
 //! test's alone.
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::time::Duration;
 
 use streamalloc::device::Streams;

@@ -23,8 +23,13 @@
 //! unmap) and [`Ipc`] (sharing memory with other processes). Every device implements all of
 //! them; `Device` is implemented for whatever does.
 
+// The driver's FFI: the crate's `unsafe` (denied elsewhere by the workspace lints), each
+// block with its `// SAFETY:` comment.
+#[allow(unsafe_code)]
 pub mod cuda;
 mod event_pool;
+// The system calls that copy descriptors between processes.
+#[allow(unsafe_code)]
 pub mod ipc;
 pub mod sim;
 
@@ -67,6 +72,12 @@ pub type HostPtr = u64;
 /// assert_eq!((a.owning_stream(), b.owning_stream()), (side, Stream::DEFAULT));
 /// # Ok::<(), streamalloc::Error>(())
 /// ```
+///
+/// Outside this layer a stream is not made from a bare integer:
+///
+/// ```compile_fail,E0423
+/// let forged = streamalloc::Stream(0xdead);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct Stream(u64);
 
@@ -85,6 +96,7 @@ impl Stream {
     /// handle (a destroyed stream's handle crashed the process on an H200). With the
     /// simulator, a handle it did not make is refused as an
     /// [`InvalidArgument`](crate::Error::InvalidArgument).
+    #[allow(unsafe_code)] // the one way in for a handle this layer did not make
     pub const unsafe fn from_raw(handle: u64) -> Stream {
         Stream(handle)
     }

@@ -1038,7 +1038,10 @@ impl State {
     /// Adds `node` to the capture `stream` takes part in; `false` if it is not capturing.
     fn capture_node(&mut self, stream: Stream, node: Node) -> Result<bool> {
         let Some(c) = self.stream_mut(stream)?.capture else { return Ok(false) };
-        let rec = self.captures.get_mut(&c).expect("capturing streams name a live capture");
+        let rec = self
+            .captures
+            .get_mut(&c)
+            .ok_or_else(|| Error::Internal("simulator: capturing streams name a live capture".into()))?;
         rec.nodes.push(node);
         if stream != rec.origin {
             rec.sides.entry(stream).or_default().0 += 1;
@@ -1067,9 +1070,14 @@ impl State {
             });
         }
         self.pool_ipc.forget(ptr);
-        let p = self.pools.get_mut(&pool).expect("allocations of destroyed pools are dropped");
+        let p = self
+            .pools
+            .get_mut(&pool)
+            .ok_or_else(|| Error::Internal("simulator: allocations of destroyed pools are dropped".into()))?;
         p.used -= n;
-        let (chunk, chunk_len) = p.chunk_of(ptr).expect("pool allocations lie in its chunks");
+        let (chunk, chunk_len) = p
+            .chunk_of(ptr)
+            .ok_or_else(|| Error::Internal("simulator: pool allocations lie in its chunks".into()))?;
         let chunk_end = chunk + chunk_len as u64;
         let mut addr = ptr;
         let mut block = FreeBlock { size: n, avail_at, stream };
@@ -1390,7 +1398,10 @@ impl DriverPools for SimDevice {
                         }));
                     }
                     let Some(start) = st.space.take(grow) else { return Err(self.oom(st, size)) };
-                    let p = st.pools.get_mut(&pool).expect("pool looked up above");
+                    let p = st
+                        .pools
+                        .get_mut(&pool)
+                        .ok_or_else(|| Error::Internal("simulator: pool looked up above".into()))?;
                     p.chunks.insert(start, grow);
                     p.reserved += grow;
                     p.reserved_high = p.reserved_high.max(p.reserved);
@@ -1399,7 +1410,10 @@ impl DriverPools for SimDevice {
                     (start, b)
                 }
             };
-            let p = st.pools.get_mut(&pool).expect("pool looked up above");
+            let p = st
+                .pools
+                .get_mut(&pool)
+                .ok_or_else(|| Error::Internal("simulator: pool looked up above".into()))?;
             p.free.remove(&addr);
             if block.size > n {
                 p.free.insert(addr + n as u64, FreeBlock { size: block.size - n, ..block });
@@ -1966,7 +1980,8 @@ impl Graphs for SimDevice {
             if st.captures[&c].origin != stream {
                 return Err(not_origin());
             }
-            let rec = st.captures.remove(&c).expect("checked above");
+            let rec =
+                st.captures.remove(&c).ok_or_else(|| Error::Internal("simulator: checked above".into()))?;
             for s in st.streams.values_mut().filter(|s| s.capture == Some(c)) {
                 s.capture = None;
             }
