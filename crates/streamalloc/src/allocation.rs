@@ -288,16 +288,6 @@ pub struct Stats {
 }
 
 impl Stats {
-    /// Share of cached memory that is not in the largest free block: 0 when the cache is one
-    /// block (or empty), near 1 when it is in many small pieces.
-    pub fn fragmentation(&self) -> f64 {
-        if self.cached == 0 {
-            0.0
-        } else {
-            1.0 - self.largest_free_block as f64 / self.cached as f64
-        }
-    }
-
     /// Records an allocation of `size` bytes in the byte and count figures.
     pub fn on_allocate(&mut self, size: usize) {
         self.allocated += size;
@@ -440,6 +430,35 @@ pub trait Allocator: Send + Sync {
     /// [`Error::Unsupported`](crate::Error::Unsupported) where the memory is the driver's to
     /// place (`AsyncPool`). Taken pool by pool: concurrent calls may move blocks meanwhile.
     fn segments(&self, out: &mut Vec<Segment>) -> Result<()>;
+}
+
+/// An allocator as its widest interface: one without stream methods, or a stream-aware one.
+/// What a program that runs either holds (a trace replay, a conformance suite).
+#[derive(Clone)]
+pub enum AnyAllocator {
+    /// An allocator without stream methods: every allocation is on its own stream.
+    Single(Arc<dyn Allocator>),
+    /// A stream-aware allocator.
+    Streams(Arc<dyn StreamAllocator>),
+}
+
+impl AnyAllocator {
+    /// The allocator, without its stream methods.
+    pub fn allocator(&self) -> &dyn Allocator {
+        match self {
+            AnyAllocator::Single(a) => a.as_ref(),
+            AnyAllocator::Streams(a) => a.as_ref(),
+        }
+    }
+
+    /// Allocates `size` bytes on `stream` if the allocator is stream-aware, else on its own
+    /// stream; fails as its `allocate` or `allocate_on` does.
+    pub fn allocate_on(&self, size: usize, stream: Stream) -> Result<Allocation> {
+        match self {
+            AnyAllocator::Single(a) => a.allocate(size),
+            AnyAllocator::Streams(a) => a.allocate_on(size, stream),
+        }
+    }
 }
 
 /// An allocator that allocates on any stream, following the ordering contract of the

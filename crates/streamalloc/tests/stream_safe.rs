@@ -9,12 +9,12 @@ mod conformance;
 
 use std::sync::Arc;
 
-use conformance::{run_program, Action, Made};
+use conformance::{run_program, Action};
 use streamalloc::adaptors::Pointers;
 use streamalloc::allocators::{BestFitConfig, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice};
 use streamalloc::device::{DeviceMemory, Graphs, Streams};
-use streamalloc::{Allocator, Device, Error, Stream, StreamAllocator};
+use streamalloc::{Allocator, AnyAllocator, Device, Error, Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
 
@@ -31,8 +31,8 @@ fn setup(capacity: usize) -> (Arc<SimDevice>, Pointers<StreamSafe>, Stream, Stre
     (sim, a, s1, s2)
 }
 
-fn stream_safe(device: Arc<dyn Device>) -> Made {
-    Made::Streams(Arc::new(StreamSafe::new(device, StreamSafeConfig::default()).unwrap()))
+fn stream_safe(device: Arc<dyn Device>) -> AnyAllocator {
+    AnyAllocator::Streams(Arc::new(StreamSafe::new(device, StreamSafeConfig::default()).unwrap()))
 }
 
 #[test]
@@ -490,4 +490,23 @@ fn the_reserved_peak_is_that_of_all_pools_together_not_the_sum_of_their_peaks() 
     alloc.retire_stream(s1).unwrap();
     alloc.reset_peak_stats();
     assert_eq!(alloc.stats().reserved_peak, alloc.stats().reserved);
+}
+
+/// Issue 51: `StreamSafe::new` checks its pools' sizes without building a pool to throw
+/// away: bad sizes are refused up front with the error a pool gives for them.
+#[test]
+fn bad_pool_sizes_are_refused_up_front_as_a_pool_refuses_them() {
+    let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+    let bad = [
+        BestFitConfig { growth: 1 << 20, ..BestFitConfig::default() },
+        BestFitConfig { small_chunk_size: 1000, ..BestFitConfig::default() },
+    ];
+    for pool in bad {
+        let e = StreamSafe::new(sim.clone(), StreamSafeConfig { pool, ..StreamSafeConfig::default() })
+            .err()
+            .unwrap();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+        let by_pool = streamalloc::allocators::BestFit::new(sim.clone(), pool).err().unwrap();
+        assert_eq!(e.to_string(), by_pool.to_string());
+    }
 }

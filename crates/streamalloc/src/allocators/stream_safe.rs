@@ -307,8 +307,7 @@ fn unlist(list: &mut Vec<Arc<StreamPool>>, pool: &Arc<StreamPool>) -> bool {
 impl StreamSafe {
     /// A stream-safe allocator on `device`. Makes no device call.
     pub fn new(device: Arc<dyn Device>, config: StreamSafeConfig) -> Result<Self> {
-        // Validate the pool settings once, up front.
-        BestFit::new(device.clone(), config.pool)?;
+        config.pool.validate()?;
         let slot = || Slot { stream: AtomicU64::new(EMPTY), pool: ArcSwapOption::empty() };
         let hot = || HotSlot { stream: AtomicU64::new(EMPTY), index: AtomicUsize::new(0) };
         Ok(Self {
