@@ -2,6 +2,10 @@
 //! on traces whose shapes vary, and a trace written by the facade's Trace layer replaying to
 //! identical statistics.
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::sync::{Arc, Mutex};
 
 use streamalloc::allocators::{BackingKind, BestFitConfig, StreamSafe, StreamSafeConfig};
@@ -19,7 +23,7 @@ fn sim(conf: &str) -> Facade {
 }
 
 /// Replays `trace` (a path under traces/) `passes` times after the measuring pass through
-/// StreamSafe over stitched ranges (`expandable=true`), on a simulated H200: the granules
+/// StreamSafe over stitched ranges (`backing=stitched`), on a simulated H200: the granules
 /// mapped or unmapped in each pass, and the footprint.
 fn stitched_granules_per_pass(trace: &str, passes: usize) -> (Vec<u64>, f64) {
     let path = format!("{}/../../traces/{trace}", env!("CARGO_MANIFEST_DIR"));

@@ -4,6 +4,10 @@
 //! pending write uses a buffer of stream A; the buffer is freed and A allocates the same size.
 //! Every test is `#[ignore]`d: scripts/gpu-test.sh runs them with `--ignored`.
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod conformance;
 mod gpu_common;
 

@@ -48,7 +48,7 @@ const NO_STREAM: u64 = u64::MAX;
 /// use streamalloc::adaptors::Pointers;
 /// use streamalloc::allocators::{StreamSafe, StreamSafeConfig};
 /// use streamalloc::device::sim::{SimConfig, SimDevice};
-/// use streamalloc::{Allocator, Device};
+/// use streamalloc::{Allocator, Streams};
 ///
 /// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
 /// let alloc = StreamSafe::new(sim.clone(), StreamSafeConfig::default())?;
@@ -317,7 +317,7 @@ impl<A: StreamAllocator> Pointers<A> {
     #[inline]
     fn claimed(&self, stream: Stream) -> Option<usize> {
         let home = shard_of(stream);
-        if self.owners.0[home].load(Ordering::Relaxed) == stream.0 {
+        if self.owners.0[home].load(Ordering::Relaxed) == stream.raw() {
             return Some(home);
         }
         self.claimed_past_home(stream, home)
@@ -328,7 +328,7 @@ impl<A: StreamAllocator> Pointers<A> {
     fn claimed_past_home(&self, stream: Stream, home: usize) -> Option<usize> {
         (1..PROBE)
             .map(|k| (home + k) % SHARDS)
-            .find(|&i| self.owners.0[i].load(Ordering::Relaxed) == stream.0)
+            .find(|&i| self.owners.0[i].load(Ordering::Relaxed) == stream.raw())
     }
 
     /// The shard `stream` allocates into: the one it claimed, else the first it looks at that
@@ -355,7 +355,7 @@ impl<A: StreamAllocator> Pointers<A> {
                 let free =
                     owner == NO_STREAM || self.shards[i].live.try_lock().is_some_and(|live| live.is_empty());
                 free && self.owners.0[i]
-                    .compare_exchange(owner, stream.0, Ordering::Relaxed, Ordering::Relaxed)
+                    .compare_exchange(owner, stream.raw(), Ordering::Relaxed, Ordering::Relaxed)
                     .is_ok()
             })
             .unwrap_or(home)
@@ -400,7 +400,7 @@ impl<A: StreamAllocator> Pointers<A> {
 /// The home shard of `stream`: where it starts looking for a shard of its own.
 fn shard_of(stream: Stream) -> usize {
     // Fibonacci hashing: stream handles are pointers (aligned) or small integers.
-    (stream.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (u64::BITS - SHARDS.trailing_zeros())) as usize
+    (stream.raw().wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (u64::BITS - SHARDS.trailing_zeros())) as usize
 }
 
 impl<A: StreamAllocator> Allocator for Pointers<A> {
@@ -460,6 +460,7 @@ mod tests {
     use super::*;
     use crate::allocators::{StreamSafe, StreamSafeConfig};
     use crate::device::sim::{SimConfig, SimDevice};
+    use crate::device::Streams;
 
     #[test]
     fn frees_on_any_stream_and_forgets_retired_streams() {
@@ -480,7 +481,7 @@ mod tests {
         stack.retire_stream(streams[1]).unwrap();
         assert_eq!(stack.recorded_streams(), vec![streams[2]]);
         assert!(!stack.record_stream_ptr(0x1234, streams[2]).unwrap());
-        assert!(stack.record_stream_ptr(ptrs[1], Stream(0xdead)).is_err());
+        assert!(stack.record_stream_ptr(ptrs[1], Stream::forged(0xdead)).is_err());
         for (&p, &s) in ptrs[..3].iter().zip(&streams) {
             assert!(stack.free_ptr(p, s));
         }

@@ -13,7 +13,7 @@ use rustc_hash::FxHashMap;
 use super::best_fit::{BestFit, BestFitConfig};
 use super::retry;
 use crate::allocation::{Allocation, Allocator, ReservedGauge, Segment, Stats, StreamAllocator};
-use crate::device::{CaptureStatus, Device, EventPool, Stream};
+use crate::device::{AtomicStream, CaptureStatus, Device, EventPool, Stream};
 use crate::error::{try_each, Error, OutOfMemory, Result};
 
 /// Settings of a [`StreamSafe`] allocator.
@@ -24,7 +24,7 @@ use crate::error::{try_each, Error, OutOfMemory, Result};
 /// use std::time::Duration;
 /// use streamalloc::allocators::{BestFitConfig, StreamSafe, StreamSafeConfig};
 /// use streamalloc::device::sim::{SimConfig, SimDevice};
-/// use streamalloc::{Device, StreamAllocator};
+/// use streamalloc::{Streams, StreamAllocator};
 ///
 /// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
 /// let config = StreamSafeConfig {
@@ -118,7 +118,7 @@ const STREAMS_NAMED: usize = 8;
 /// ```
 /// use streamalloc::allocators::{StreamSafe, StreamSafeConfig};
 /// use streamalloc::device::sim::{SimConfig, SimDevice};
-/// use streamalloc::{Allocator, Device, StreamAllocator};
+/// use streamalloc::{Allocator, Streams, StreamAllocator};
 ///
 /// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
 /// let alloc = StreamSafe::new(sim.clone(), StreamSafeConfig::default())?;
@@ -136,7 +136,7 @@ pub struct StreamSafe {
     device: Arc<dyn Device>,
     config: StreamSafeConfig,
     events: EventPool,
-    default_stream: AtomicU64,
+    default_stream: AtomicStream,
     /// The live pools promoted for lookups that write nothing, by stream hash with linear
     /// probing over [`HOT_PROBE`] slots (see [`StreamSafe::promote`]).
     hot: Box<[HotSlot]>,
@@ -268,8 +268,7 @@ fn unlist(list: &mut Vec<Arc<StreamPool>>, pool: &Arc<StreamPool>) -> bool {
 impl StreamSafe {
     /// A stream-safe allocator on `device`. Makes no device call.
     pub fn new(device: Arc<dyn Device>, config: StreamSafeConfig) -> Result<Self> {
-        // Validate the pool settings once, up front.
-        BestFit::new(device.clone(), config.pool)?;
+        config.pool.validate()?;
         let slot = || Slot { stream: AtomicU64::new(EMPTY), pool: ArcSwapOption::empty() };
         let hot = || HotSlot { stream: AtomicU64::new(EMPTY), index: AtomicUsize::new(0) };
         Ok(Self {
@@ -279,7 +278,7 @@ impl StreamSafe {
             events: EventPool::new(device.clone()),
             device,
             config,
-            default_stream: AtomicU64::new(config.default_stream.0),
+            default_stream: AtomicStream::new(config.default_stream),
             slots: (0..SLOTS).map(|_| slot()).collect(),
             overflow: Mutex::new(FxHashMap::default()),
             overflowed: AtomicUsize::new(0),
@@ -392,7 +391,7 @@ impl StreamSafe {
         let home = Self::home(pool.stream);
         for k in 0..HOT_PROBE {
             let slot = &self.hot[(home + k) % HOT_SLOTS];
-            if slot.stream.load(Ordering::Acquire) == pool.stream.0
+            if slot.stream.load(Ordering::Acquire) == pool.stream.raw()
                 && self.promoted_pool(slot).is_some_and(|p| Arc::ptr_eq(p, pool))
             {
                 slot.stream.store(EMPTY, Ordering::Release);
@@ -408,7 +407,7 @@ impl StreamSafe {
         let home = Self::home(pool.stream);
         for k in 0..PROBE {
             let slot = &self.slots[(home + k) % SLOTS];
-            if slot.stream.load(Ordering::Acquire) == pool.stream.0
+            if slot.stream.load(Ordering::Acquire) == pool.stream.raw()
                 && slot.pool.load().as_ref().is_some_and(|p| Arc::ptr_eq(p, pool))
             {
                 slot.stream.store(EMPTY, Ordering::Release);
@@ -466,7 +465,7 @@ impl StreamSafe {
     #[inline]
     fn home(stream: Stream) -> usize {
         // Stream handles are pointers: mix the bits so neighbours spread over the slots.
-        (stream.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as usize % SLOTS
+        (stream.raw().wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as usize % SLOTS
     }
 
     /// The promoted pool in `slot`, if any.
@@ -485,7 +484,7 @@ impl StreamSafe {
         let home = Self::home(stream);
         (0..HOT_PROBE)
             .map(|k| &self.hot[(home + k) % HOT_SLOTS])
-            .filter(|slot| slot.stream.load(Ordering::Acquire) == stream.0)
+            .filter(|slot| slot.stream.load(Ordering::Acquire) == stream.raw())
             .find_map(|slot| self.promoted_pool(slot).filter(|p| p.stream == stream))
     }
 
@@ -497,7 +496,7 @@ impl StreamSafe {
         let home = Self::home(stream);
         for k in 0..PROBE {
             let slot = &self.slots[(home + k) % SLOTS];
-            if slot.stream.load(Ordering::Acquire) != stream.0 {
+            if slot.stream.load(Ordering::Acquire) != stream.raw() {
                 continue;
             }
             let pool = slot.pool.load();
@@ -528,7 +527,7 @@ impl StreamSafe {
         let _creating = self.creating.lock();
         let n = self.promoted_len.load(Ordering::Acquire);
         let gone = pool.unslotted.load(Ordering::Acquire);
-        if n >= HOT || gone || pool.hot.load(Ordering::Acquire) || pool.stream.0 == EMPTY {
+        if n >= HOT || gone || pool.hot.load(Ordering::Acquire) || pool.stream.raw() == EMPTY {
             return;
         }
         let home = Self::home(pool.stream);
@@ -541,7 +540,7 @@ impl StreamSafe {
         }
         pool.hot.store(true, Ordering::Release);
         slot.index.store(n + 1, Ordering::Release);
-        slot.stream.store(pool.stream.0, Ordering::Release);
+        slot.stream.store(pool.stream.raw(), Ordering::Release);
         self.promoted_len.store(n + 1, Ordering::Release);
         // Found first among the promoted: its slot in the second table goes to others.
         self.unslot_second(pool);
@@ -555,7 +554,7 @@ impl StreamSafe {
         let home = Self::home(stream);
         let slotted = (0..PROBE)
             .map(|k| &self.slots[(home + k) % SLOTS])
-            .filter(|slot| slot.stream.load(Ordering::Acquire) == stream.0)
+            .filter(|slot| slot.stream.load(Ordering::Acquire) == stream.raw())
             .find_map(|slot| slot.pool.load_full().filter(|p| p.stream == stream));
         slotted.or_else(|| self.overflowed_pool(stream))
     }
@@ -610,11 +609,11 @@ impl StreamSafe {
         let home = Self::home(stream);
         let free = (0..PROBE)
             .map(|k| &self.slots[(home + k) % SLOTS])
-            .find(|slot| stream.0 != EMPTY && slot.stream.load(Ordering::Acquire) == EMPTY);
+            .find(|slot| stream.raw() != EMPTY && slot.stream.load(Ordering::Acquire) == EMPTY);
         match free {
             Some(slot) => {
                 slot.pool.store(Some(pool.clone()));
-                slot.stream.store(stream.0, Ordering::Release);
+                slot.stream.store(stream.raw(), Ordering::Release);
             }
             None => {
                 let mut overflow = self.overflow.lock();
@@ -772,7 +771,7 @@ impl StreamSafe {
             .map(|(stream, retired, s)| {
                 format!(
                     "stream {:#x}{}: allocated {}, cached {}, pending release {}, reserved {}",
-                    stream.0,
+                    stream.raw(),
                     if *retired { " (retired)" } else { "" },
                     s.allocated,
                     s.cached,
@@ -914,11 +913,11 @@ impl StreamAllocator for StreamSafe {
     }
 
     fn default_stream(&self) -> Stream {
-        Stream(self.default_stream.load(Ordering::Relaxed))
+        self.default_stream.load()
     }
 
     fn set_default_stream(&self, stream: Stream) {
-        self.default_stream.store(stream.0, Ordering::Relaxed);
+        self.default_stream.store(stream);
     }
 
     fn retire_stream(&self, stream: Stream) -> Result<()> {
