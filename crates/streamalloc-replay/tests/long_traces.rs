@@ -1,0 +1,111 @@
+//! Issue 52, defect #17's last part: a replay held the whole trace in memory (10M rows took
+//! 868 MB). Replayed from its file, what a replay holds is bounded by the allocations live
+//! at once, not by the trace's length.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use streamalloc::allocators::Plain;
+use streamalloc::device::sim::{SimConfig, SimDevice};
+use streamalloc::device::Stream;
+use streamalloc::trace::HEADER;
+use streamalloc_replay::compressed::{compress_file, Compression};
+use streamalloc_replay::replay::{replay, replay_file, ReplayOptions, ReplayResult, ReplayTarget, CHUNK};
+use streamalloc_replay::trace::{ParseOptions, Trace, TraceFile};
+
+/// At most this many allocations are live at once in [`write_trace`]'s traces.
+const LIVE: u64 = 8;
+
+/// Writes a trace of `rows` rows (allocations and frees, at most [`LIVE`] live at once, on two
+/// streams, timed) into a new file, and returns its path.
+fn write_trace(rows: u64, name: &str) -> PathBuf {
+    let path = std::env::temp_dir().join(format!("streamalloc-{}-{name}", std::process::id()));
+    let mut out = std::io::BufWriter::new(std::fs::File::create(&path).unwrap());
+    writeln!(out, "{HEADER}").unwrap();
+    let allocations = rows / 2;
+    let mut written = 0;
+    for i in 0..allocations + LIVE {
+        if i < allocations {
+            let size = 256 * (1 + i % 7);
+            writeln!(out, "0,{i},allocate,{:#x},{size},{}", 0x1000 * (1 + i % (2 * LIVE)), i % 2).unwrap();
+            written += 1;
+        }
+        if i >= LIVE && i - LIVE < allocations {
+            let j = i - LIVE;
+            writeln!(out, "0,{i},free,{:#x},0,{}", 0x1000 * (1 + j % (2 * LIVE)), j % 2).unwrap();
+            written += 1;
+        }
+    }
+    assert_eq!(written, 2 * allocations);
+    out.flush().unwrap();
+    path
+}
+
+/// A million rows replay holding at most one chunk of them and as many slots as allocations
+/// live at once, where the whole trace used to be held (and a slot for each allocation).
+#[test]
+fn a_long_trace_replays_holding_what_is_live_not_the_whole_trace() {
+    let rows = 1_000_000u64;
+    let path = write_trace(rows, "long.csv");
+    let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+    let target = ReplayTarget::Single(Arc::new(Plain::new(sim.clone(), Stream::DEFAULT)));
+    let options = ReplayOptions { passes: 1, ..Default::default() };
+    let file = TraceFile::open_with(&path, ParseOptions::default()).unwrap();
+    let r = replay_file(&file, "plain", &target, sim.as_ref(), &options).unwrap();
+    let _ = std::fs::remove_file(&path);
+    assert_eq!((r.ops, r.failures), (rows as usize, 0));
+    assert!(r.ops_held <= CHUNK, "{} ops held at once", r.ops_held);
+    assert_eq!(r.slots_held, LIVE as usize + 1, "slots held: those live at once");
+    assert_eq!(file.summary().slots, LIVE as usize + 1);
+    assert!(file.summary().ops.is_empty() && file.summary().times_us.is_empty());
+}
+
+/// The figures of `r` that do not depend on timing.
+fn figures(r: &ReplayResult) -> ReplayResult {
+    ReplayResult {
+        ns_per_op_warm: 0.0,
+        ns_per_op_passes: Vec::new(),
+        ops_held: 0,
+        slots_held: 0,
+        ..r.clone()
+    }
+}
+
+/// Replayed from its file, compressed or not, a trace gives the results of its replay in
+/// memory: footprint, series, device calls and the first failure (slots reused or not).
+#[test]
+fn a_trace_replayed_from_its_file_gives_the_results_of_the_whole_trace() {
+    let plain = write_trace(40_000, "same.csv");
+    for (suffix, compression) in
+        [("", Compression::None), (".gz", Compression::Gzip), (".xz", Compression::Xz)]
+    {
+        let path = PathBuf::from(format!("{}{suffix}", plain.display()));
+        if compression != Compression::None {
+            compress_file(&plain, &path, compression).unwrap();
+        }
+        // Small enough that some allocations fail: the first failure is the same op.
+        for capacity in [1 << 30, 8 << 10] {
+            let run = |whole: bool| {
+                let sim = SimDevice::new(SimConfig::with_capacity(capacity));
+                let target = ReplayTarget::Single(Arc::new(Plain::new(sim.clone(), Stream::DEFAULT)));
+                let options = ReplayOptions { passes: 2, series_points: 64, ..Default::default() };
+                if whole {
+                    replay(&Trace::from_path(&path).unwrap(), "plain", &target, sim.as_ref(), &options)
+                } else {
+                    let file = TraceFile::open_with(&path, ParseOptions::default()).unwrap();
+                    replay_file(&file, "plain", &target, sim.as_ref(), &options)
+                }
+                .unwrap()
+            };
+            let (whole, file) = (run(true), run(false));
+            assert_eq!(figures(&file), figures(&whole), "{suffix} on {capacity} bytes");
+            assert_eq!(whole.failures > 0, capacity < 1 << 20, "{suffix} on {capacity} bytes");
+            assert_eq!((whole.slots_held, file.slots_held), (20_000, LIVE as usize + 1));
+        }
+        if compression != Compression::None {
+            let _ = std::fs::remove_file(&path);
+        }
+    }
+    let _ = std::fs::remove_file(&plain);
+}
