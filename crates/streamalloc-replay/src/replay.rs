@@ -18,6 +18,10 @@
 //! CuPy's default stream) is replayed on [`Stream::DEFAULT`], every other recorded stream on
 //! a stream the replay creates.
 //!
+//! [`replay`] runs a trace held in memory; [`replay_file`] reads it from its file at each pass
+//! ([`TraceFile`]), so that it holds the allocations live at once, not the whole trace: what
+//! `streamalloc replay` runs. Both give the same figures.
+//!
 //! Replays that are compared must start from the same state: [`settle`] returns what a
 //! device's default stream-ordered pool keeps (it outlives the allocators that used it) and
 //! says how much memory is then in use, and [`check_start`] refuses a start with more.

@@ -158,7 +158,8 @@ pub struct Trace {
     pub name: String,
     /// The operations, in recorded order.
     pub ops: Vec<Op>,
-    /// Number of slots (= number of allocations).
+    /// Number of slots: allocations, or in a [`TraceFile::summary`] the most allocations live
+    /// at once.
     pub slots: usize,
     /// Size of each slot's allocation, indexed by slot.
     pub slot_sizes: Vec<usize>,
@@ -288,7 +289,7 @@ fn in_file(e: Error, path: &Path) -> Error {
 
 /// A trace read from its file again for each pass of a replay, so that what a replay holds is
 /// bounded by the allocations live at once, not by the trace's length (`streamalloc replay`
-/// replays through it; see `DESIGN.md`, "Replaying a trace from its file").
+/// replays through it; see `DESIGN.md`, Note [a trace replayed from its file]).
 ///
 /// [`TraceFile::open_with`] reads the file once for the trace's figures ([`TraceFile::summary`]);
 /// [`TraceFile::for_each_op`] reads it again, decompressing it again when it is compressed.
@@ -344,14 +345,20 @@ impl TraceFile {
     pub fn for_each_op(&self, mut each: impl FnMut(Op, u64) -> Result<()>) -> Result<()> {
         let (file, _) = open_named(&self.path)?;
         let mut ops = 0usize;
+        // An error of `each` or of a file found changed stops the scan and is returned as is.
+        let mut stopped = None;
         let again = scan(file, &self.summary.name, self.options, Slots::Reused, &mut |op, time_us| {
             ops += 1;
-            if ops > self.ops {
-                return Err(self.changed());
-            }
-            each(op, time_us)
-        })
-        .map_err(|e| in_file(e, &self.path))?;
+            let result = if ops > self.ops { Err(self.changed()) } else { each(op, time_us) };
+            result.map_err(|e| {
+                stopped = Some(e);
+                Error::InvalidArgument(String::new())
+            })
+        });
+        if let Some(e) = stopped {
+            return Err(e);
+        }
+        let again = again.map_err(|e| in_file(e, &self.path))?;
         if ops != self.ops || again != self.summary {
             return Err(self.changed());
         }

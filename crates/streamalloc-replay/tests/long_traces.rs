@@ -14,11 +14,12 @@ use streamalloc_replay::compressed::{compress_file, Compression};
 use streamalloc_replay::replay::{replay, replay_file, ReplayOptions, ReplayResult, ReplayTarget, CHUNK};
 use streamalloc_replay::trace::{ParseOptions, Trace, TraceFile};
 
-/// At most this many allocations are live at once in [`write_trace`]'s traces.
+/// Allocations live between rows in [`write_trace`]'s traces (one more just after each
+/// allocation).
 const LIVE: u64 = 8;
 
-/// Writes a trace of `rows` rows (allocations and frees, at most [`LIVE`] live at once, on two
-/// streams, timed) into a new file, and returns its path.
+/// Writes a trace of `rows` rows (allocations and frees, at most [`LIVE`] + 1 live at once, on
+/// two streams, timed) into a new file, and returns its path.
 fn write_trace(rows: u64, name: &str) -> PathBuf {
     let path = std::env::temp_dir().join(format!("streamalloc-{}-{name}", std::process::id()));
     let mut out = std::io::BufWriter::new(std::fs::File::create(&path).unwrap());
