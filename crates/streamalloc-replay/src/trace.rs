@@ -1119,6 +1119,38 @@ mod tests {
         }
     }
 
+    /// A trace file's slots are reused, its ops read again at each call, and a file changed
+    /// since it was opened is an error, not another trace replayed.
+    #[test]
+    fn a_trace_file_reuses_slots_and_notices_a_change() {
+        let path = std::env::temp_dir().join(format!("streamalloc-tracefile-{}.csv", std::process::id()));
+        let text = format!(
+            "{HEADER}\n0,1,allocate,0x10,64,0\n0,2,allocate,0x20,32,0\n0,3,free,0x10,0,0\n\
+             0,4,allocate,0x30,8,0\n0,5,free,0x20,0,0\n0,6,free,0x30,0,0\n"
+        );
+        std::fs::write(&path, &text).unwrap();
+        let file = TraceFile::open_with(&path, ParseOptions::default()).unwrap();
+        let whole = Trace::parse(text.as_bytes(), "t").unwrap();
+        assert_eq!((file.len(), file.summary().slots, whole.slots), (6, 2, 3));
+        assert_eq!(
+            (file.summary().peak_live, file.summary().name.as_str()),
+            (96, path.file_name().unwrap().to_str().unwrap())
+        );
+        let mut ops = Vec::new();
+        file.for_each_op(|op, time_us| {
+            ops.push((op, time_us));
+            Ok(())
+        })
+        .unwrap();
+        let slots: Vec<_> = ops.iter().map(|(op, _)| op.slot().unwrap()).collect();
+        assert_eq!(slots, [0, 1, 0, 0, 1, 0], "the third allocation takes the first's slot");
+        assert_eq!(ops.iter().map(|&(_, t)| t).collect::<Vec<_>>(), whole.times_us);
+        std::fs::write(&path, text.replace("0,6,free,0x30,0,0\n", "")).unwrap();
+        let err = file.for_each_op(|_, _| Ok(())).unwrap_err();
+        let _ = std::fs::remove_file(&path);
+        assert!(err.to_string().contains("the file changed while it was replayed"), "{err}");
+    }
+
     #[test]
     fn parses_the_sample_traces() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../traces");

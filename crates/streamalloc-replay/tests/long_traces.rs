@@ -6,7 +6,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use streamalloc::allocators::Plain;
+use streamalloc::allocators::{Plain, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice};
 use streamalloc::device::Stream;
 use streamalloc::trace::HEADER;
@@ -109,4 +109,49 @@ fn a_trace_replayed_from_its_file_gives_the_results_of_the_whole_trace() {
         }
     }
     let _ = std::fs::remove_file(&plain);
+}
+
+/// With stream rows and the trace's time replayed on the simulator, a trace replayed from its
+/// file gives the results of the whole trace too (violations included), slots reused.
+#[test]
+fn stream_rows_and_time_replay_from_the_file_as_from_memory() {
+    let path = std::env::temp_dir().join(format!("streamalloc-{}-streams.csv", std::process::id()));
+    let mut out = std::io::BufWriter::new(std::fs::File::create(&path).unwrap());
+    writeln!(out, "{HEADER}").unwrap();
+    // Each step allocates on stream 0, a side stream 7 uses and records it, stream 0 waits for
+    // the side stream every 4th step, and the allocation of 3 steps before is freed.
+    for i in 0..3000u64 {
+        let (t, ptr) = (10 * i, 0x10_0000 * (1 + i % 8));
+        writeln!(out, "0,{t},allocate,{ptr:#x},{},0", 1 << (12 + i % 5)).unwrap();
+        writeln!(out, "0,{},use,{ptr:#x},{},7", t + 1, 5000 + 1000 * (i % 7)).unwrap();
+        writeln!(out, "0,{},record_stream,{ptr:#x},0,7", t + 2).unwrap();
+        if i % 4 == 0 {
+            writeln!(out, "0,{},wait,0x7,0,0", t + 3).unwrap();
+        }
+        if i >= 3 {
+            writeln!(out, "0,{},free,{:#x},0,0", t + 4, 0x10_0000 * (1 + (i - 3) % 8)).unwrap();
+        }
+    }
+    out.flush().unwrap();
+    drop(out);
+    let run = |whole: bool| {
+        let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+        let target = ReplayTarget::Streams(Arc::new(
+            StreamSafe::new(sim.clone(), StreamSafeConfig::default()).unwrap(),
+        ));
+        let options = ReplayOptions { passes: 2, time: Some(sim.as_ref()), ..Default::default() };
+        if whole {
+            replay(&Trace::from_path(&path).unwrap(), "stream_safe", &target, sim.as_ref(), &options)
+        } else {
+            let file = TraceFile::open_with(&path, ParseOptions::default()).unwrap();
+            assert!(file.summary().has_stream_work());
+            replay_file(&file, "stream_safe", &target, sim.as_ref(), &options)
+        }
+        .unwrap()
+    };
+    let (whole, file) = (run(true), run(false));
+    let _ = std::fs::remove_file(&path);
+    assert!(whole.time && whole.failures == 0);
+    assert_eq!(figures(&file), figures(&whole));
+    assert_eq!((whole.slots_held, file.slots_held), (3000, 4));
 }
