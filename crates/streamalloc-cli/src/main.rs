@@ -34,9 +34,11 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use streamalloc::facade::{Config, DeviceKind, Facade, ENV_VAR};
 use streamalloc_replay::compressed::{self, Compression};
-use streamalloc_replay::replay::{check_start, replay, settle, ReplayOptions, ReplayResult, ReplayTarget};
+use streamalloc_replay::replay::{
+    check_start, replay_file, settle, ReplayOptions, ReplayResult, ReplayTarget,
+};
 use streamalloc_replay::trace::{
-    excerpt, excerpt_within, ParseOptions, Trace, CUT_SHORT, EXCERPT, NOT_TEXT, PICKLE,
+    excerpt, excerpt_within, ParseOptions, Trace, TraceFile, CUT_SHORT, EXCERPT, NOT_TEXT, PICKLE,
 };
 
 use crate::device::DeviceChoice;
@@ -456,12 +458,13 @@ fn record(output: &Path, command: &[String]) -> Result<(), String> {
             .map_err(|e| format!("compressing the trace into {}: {e}", output.display()))?;
         packed.replace(&target)?;
     }
-    let trace = load(&target.path, ParseOptions::lenient())?;
+    let file = load(&target.path, ParseOptions::lenient())?;
+    let trace = file.summary();
     let cut = if trace.skipped_truncated_rows > 0 { "; its last row, cut short, skipped" } else { "" };
     emit(&format!(
         "{}: {} operations, peak live {}, {} streams ({ended}{cut})\n",
         output.display(),
-        trace.len(),
+        file.len(),
         bytes(trace.peak_live),
         trace.streams.len(),
     ))?;
@@ -602,7 +605,8 @@ fn run_replay(paths: &[PathBuf], configs: &[(String, Config)], o: &RunOptions) -
 
     let mut rows = Vec::new();
     let mut failed_runs = 0;
-    for trace in &traces {
+    for file in &traces {
+        let trace = file.summary();
         for (label, config) in configs {
             bar.set_message(format!("{} / {label}", trace.name));
             let time = time_choice(trace, o.time, &opened).ok().and(opened.simulator.as_deref());
@@ -613,7 +617,7 @@ fn run_replay(paths: &[PathBuf], configs: &[(String, Config)], o: &RunOptions) -
                 time,
                 ..Default::default()
             };
-            match replay_one(trace, label, config, &opened, idle, &options) {
+            match replay_one(file, label, config, &opened, idle, &options) {
                 Ok(result) => rows.push(JsonResult {
                     device: opened.description.clone(),
                     config: replayed(config, &opened).to_string(),
@@ -643,7 +647,7 @@ fn run_replay(paths: &[PathBuf], configs: &[(String, Config)], o: &RunOptions) -
         if opened.sim.is_some() && !results.is_empty() {
             text.push_str(&format!("{SIM_NS_PER_OP}\n"));
         }
-        for trace in &traces {
+        for trace in traces.iter().map(TraceFile::summary) {
             let skipped = trace.skipped_frees + trace.skipped_stream_rows + trace.skipped_truncated_rows;
             if trace.recorded_failures + skipped > 0 {
                 let cut =
@@ -689,6 +693,7 @@ fn run_replay(paths: &[PathBuf], configs: &[(String, Config)], o: &RunOptions) -
     if let Some(path) = &o.plot {
         let panels: Vec<plot::Panel<'_>> = traces
             .iter()
+            .map(TraceFile::summary)
             .map(|t| plot::Panel {
                 title: format!("{} on the {}", t.name, short_device(&opened.description)),
                 results: rows.iter().map(|r| &r.result).filter(|r| r.trace == t.name).collect(),
@@ -787,14 +792,15 @@ fn fit(
     let mut text = format!("device: {}\n", opened.description);
     let mut unfit = Vec::new();
     for path in paths {
-        let trace = load(path, parse)?;
+        let file = load(path, parse)?;
+        let trace = file.summary();
         let mut rows = Vec::new();
         let mut best: Option<(usize, &str)> = None;
         let mut closest: Option<(usize, &str)> = None;
         for (label, config) in configs {
-            let time = time_choice(&trace, None, &opened).ok().and(opened.simulator.as_deref());
+            let time = time_choice(trace, None, &opened).ok().and(opened.simulator.as_deref());
             let options = ReplayOptions { passes: 1, time, ..Default::default() };
-            let verdict = match replay_one(&trace, label, config, &opened, idle, &options) {
+            let verdict = match replay_one(&file, label, config, &opened, idle, &options) {
                 Ok(r) => {
                     if r.failures == 0 {
                         let headroom = capacity.saturating_sub(r.peak_device_used);
@@ -882,10 +888,11 @@ fn replayed(config: &Config, opened: &device::Opened) -> Config {
     }
 }
 
-/// Replays `trace` through a fresh stack of `config` on the opened device, from the idle
-/// state; the stack is dropped after it (what a default pool keeps, the next start trims).
+/// Replays the trace of `file` (read from the file at each pass) through a fresh stack of
+/// `config` on the opened device, from the idle state; the stack is dropped after it (what a
+/// default pool keeps, the next start trims).
 fn replay_one(
-    trace: &Trace,
+    file: &TraceFile,
     label: &str,
     config: &Config,
     opened: &device::Opened,
@@ -893,11 +900,12 @@ fn replay_one(
     options: &ReplayOptions<'_>,
 ) -> Result<ReplayResult, String> {
     let device = opened.device.as_ref();
-    check_start(device, idle, opened.start_slack, &format!("replaying {} through {label}", trace.name))
+    let name = &file.summary().name;
+    check_start(device, idle, opened.start_slack, &format!("replaying {name} through {label}"))
         .map_err(|e| e.to_string())?;
     let stack =
         Facade::build_stack(config, opened.device.clone()).map_err(|e| format!("building the stack: {e}"))?;
-    let result = replay(trace, label, &ReplayTarget::Streams(stack.allocator.clone()), device, options)
+    let result = replay_file(file, label, &ReplayTarget::Streams(stack.allocator.clone()), device, options)
         .map_err(|e| e.to_string())?;
     // A trace the configuration asks for that could not be written fails the replay.
     if let (Some(traced), Some(path)) = (&stack.trace, &config.trace) {
@@ -911,12 +919,13 @@ fn short_device(description: &str) -> &str {
     description.split(['(', ';']).next().unwrap_or(description).trim()
 }
 
-/// Parses the trace at `path`; errors name the file, one for a last row cut short says that
-/// `--lenient` skips it, and one for a file that is not text (a pickle, most likely a PyTorch
-/// memory snapshot) says how `import` converts it, quoting none of its bytes.
-fn load(path: &Path, options: ParseOptions) -> Result<Trace, String> {
+/// Reads the trace at `path` for its figures (a replay reads its rows again, pass by pass);
+/// errors name the file, one for a last row cut short says that `--lenient` skips it, and one
+/// for a file that is not text (a pickle, most likely a PyTorch memory snapshot) says how
+/// `import` converts it, quoting none of its bytes.
+fn load(path: &Path, options: ParseOptions) -> Result<TraceFile, String> {
     let import = || format!("convert it with `streamalloc import {} -o TRACE.csv`", shell_word(path));
-    Trace::from_path_with(path, options).map_err(|e| match e {
+    TraceFile::open_with(path, options).map_err(|e| match e {
         streamalloc::Error::Io(msg) => msg,
         streamalloc::Error::Trace { line: 1, ref reason, .. } if reason.starts_with(PICKLE) => {
             format!("{}: {PICKLE}: {}", path.display(), import())

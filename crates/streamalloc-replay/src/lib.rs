@@ -3,8 +3,10 @@
 //! runs, kept apart from the allocator crate (which only writes traces, through its Trace
 //! layer).
 //!
-//! * [`trace`]: [`Trace::parse`](trace::Trace::parse) turns a trace into dense operations.
-//! * [`replay`]: [`replay()`](replay::replay) runs them through an allocator on a device.
+//! * [`trace`]: [`Trace::parse`](trace::Trace::parse) turns a trace into dense operations;
+//!   [`TraceFile`](trace::TraceFile) reads them from the file again whenever asked.
+//! * [`replay`]: [`replay()`](replay::replay) runs them through an allocator on a device;
+//!   [`replay_file`](replay::replay_file) runs a trace file's, holding only what is live.
 //! * [`compressed`]: trace files compressed with gzip or xz, read and written transparently.
 //!
 //! ```

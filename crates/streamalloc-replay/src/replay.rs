@@ -18,6 +18,10 @@
 //! CuPy's default stream) is replayed on [`Stream::DEFAULT`], every other recorded stream on
 //! a stream the replay creates.
 //!
+//! [`replay`] runs a trace held in memory; [`replay_file`] reads it from its file at each pass
+//! ([`TraceFile`]), so that it holds the allocations live at once, not the whole trace: what
+//! `streamalloc replay` runs. Both give the same figures.
+//!
 //! Replays that are compared must start from the same state: [`settle`] returns what a
 //! device's default stream-ordered pool keeps (it outlives the allocators that used it) and
 //! says how much memory is then in use, and [`check_start`] refuses a start with more.
@@ -61,7 +65,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
-use crate::trace::{Op, Trace};
+use crate::trace::{Op, Trace, TraceFile};
 use streamalloc::device::sim::SimDevice;
 use streamalloc::device::{Device, Event, PoolAttr, Stream};
 use streamalloc::{Allocation, Error, Result};
@@ -175,6 +179,16 @@ pub struct ReplayResult {
     /// Memory over pass 0.
     #[serde(default, skip_serializing_if = "Series::is_empty")]
     pub series: Series,
+    /// Most of the trace's ops the replay held in memory at once: the whole trace's for
+    /// [`replay`] and on threads, at most [`CHUNK`] for [`replay_file`] on one thread (not
+    /// serialized).
+    #[serde(skip)]
+    pub ops_held: usize,
+    /// Slots (state for one allocation each) a pass held: the trace's allocations for
+    /// [`replay`] and on threads, the most allocations live at once for [`replay_file`] on
+    /// one thread (not serialized).
+    #[serde(skip)]
+    pub slots_held: usize,
 }
 
 fn one() -> usize {
@@ -222,6 +236,44 @@ struct Clock<'a> {
     /// Violations the checker had recorded when the pass began.
     violations_before: AtomicUsize,
 }
+
+/// An allocation a single-thread pass holds, with what it frees.
+struct Held {
+    allocation: Allocation,
+    /// Bytes asked for.
+    size: usize,
+    /// The op (from 0) that allocated it.
+    op: usize,
+}
+
+/// Where a replay's ops come from.
+enum Source<'a> {
+    /// A trace in memory.
+    Whole(&'a Trace),
+    /// A trace read from its file at each pass.
+    File(&'a TraceFile),
+}
+
+impl Source<'_> {
+    /// The trace's figures (with its ops when whole).
+    fn trace(&self) -> &Trace {
+        match self {
+            Source::Whole(trace) => trace,
+            Source::File(file) => file.summary(),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Source::Whole(trace) => trace.len(),
+            Source::File(file) => file.len(),
+        }
+    }
+}
+
+/// Ops of a trace file read, then run, at a time in a single-thread pass: what such a replay
+/// holds of the trace beside its live allocations.
+pub const CHUNK: usize = 1 << 14;
 
 /// How often (in operations) progress is reported.
 const PROGRESS_EVERY: usize = 4096;
@@ -282,6 +334,8 @@ struct Shared<'a> {
     reserved_points: Vec<AtomicU64>,
     failures: AtomicU64,
     first_failure: Mutex<Option<Failure>>,
+    /// See [`ReplayResult::ops_held`].
+    ops_held: AtomicUsize,
 }
 
 impl Shared<'_> {
@@ -365,10 +419,10 @@ impl Shared<'_> {
         self.device.stream_wait_event(self.stream(stream), *event)
     }
 
-    /// With time, moves the simulator's clock to the time of op `index` (never back).
-    fn keep_time(&self, index: usize) -> Result<()> {
+    /// With time, moves the simulator's clock to `time_us`, an op's time (never back).
+    fn keep_time(&self, time_us: u64) -> Result<()> {
         let Some(clock) = &self.clock else { return Ok(()) };
-        let offset = self.trace.times_us[index].saturating_mul(1000);
+        let offset = time_us.saturating_mul(1000);
         let at = clock.start.load(Ordering::Relaxed).saturating_add(offset);
         let _moving = clock.moving.lock();
         match at.checked_sub(clock.sim.now()) {
@@ -421,34 +475,81 @@ impl Shared<'_> {
         self.streams.iter().try_for_each(|&s| self.device.synchronize_stream(s))
     }
 
-    /// One pass on this thread; returns its duration.
-    fn pass(&self, sample: bool) -> Result<Duration> {
-        let mut slots: Vec<Option<Allocation>> = Vec::new();
-        slots.resize_with(self.trace.slots, || None);
-        let start = Instant::now();
-        for (i, op) in self.trace.ops.iter().enumerate() {
-            self.keep_time(i)?;
-            match *op {
-                Op::Allocate { slot, size, stream, .. } => {
-                    slots[slot] = self.allocate(size, stream, sample, i)
-                }
-                Op::Free { slot, .. } => self.freed(slots[slot].take(), self.trace.slot_sizes[slot], sample),
-                Op::RecordStream { slot, stream, .. } => self.record(slots[slot].as_mut(), stream),
-                Op::Use { slot, stream, duration_ns, .. } => {
-                    self.run_use(slots[slot].as_ref(), stream, duration_ns)?
-                }
-                Op::Wait { stream, other, .. } => self.wait(stream, other)?,
+    /// Runs op `i` (from 0), of time `time_us`, on this thread, its allocation held in `slots`.
+    fn run_op(&self, slots: &mut [Option<Held>], i: usize, op: Op, time_us: u64, sample: bool) -> Result<()> {
+        self.keep_time(time_us)?;
+        match op {
+            Op::Allocate { slot, size, stream, .. } => {
+                slots[slot] =
+                    self.allocate(size, stream, sample, i).map(|allocation| Held { allocation, size, op: i })
             }
-            if sample {
-                self.sample(i)?;
+            Op::Free { slot, .. } => {
+                let held = slots[slot].take();
+                let size = held.as_ref().map_or(0, |h| h.size);
+                self.freed(held.map(|h| h.allocation), size, sample)
             }
-            self.progress(i + 1);
+            Op::RecordStream { slot, stream, .. } => {
+                self.record(slots[slot].as_mut().map(|h| &mut h.allocation), stream)
+            }
+            Op::Use { slot, stream, duration_ns, .. } => {
+                self.run_use(slots[slot].as_ref().map(|h| &h.allocation), stream, duration_ns)?
+            }
+            Op::Wait { stream, other, .. } => self.wait(stream, other)?,
         }
-        slots.clear();
+        if sample {
+            self.sample(i)?;
+        }
+        self.progress(i + 1);
+        Ok(())
+    }
+
+    /// One pass on this thread; returns its duration. Read from a file, the trace is read
+    /// [`CHUNK`] ops at a time, untimed, between timed runs of them.
+    fn pass(&self, source: &Source<'_>, sample: bool) -> Result<Duration> {
+        let mut slots: Vec<Option<Held>> = Vec::new();
+        slots.resize_with(self.trace.slots, || None);
+        let mut elapsed = Duration::ZERO;
+        match *source {
+            Source::Whole(trace) => {
+                let start = Instant::now();
+                for (i, &op) in trace.ops.iter().enumerate() {
+                    self.run_op(&mut slots, i, op, trace.times_us.get(i).copied().unwrap_or(0), sample)?;
+                }
+                elapsed += start.elapsed();
+            }
+            Source::File(file) => {
+                let mut done = 0;
+                let mut run = |chunk: &mut Vec<(Op, u64)>| -> Result<()> {
+                    let start = Instant::now();
+                    for (k, &(op, time_us)) in chunk.iter().enumerate() {
+                        self.run_op(&mut slots, done + k, op, time_us, sample)?;
+                    }
+                    elapsed += start.elapsed();
+                    done += chunk.len();
+                    chunk.clear();
+                    Ok(())
+                };
+                let mut chunk = Vec::with_capacity(CHUNK.min(file.len()));
+                file.for_each_op(|op, time_us| {
+                    chunk.push((op, time_us));
+                    self.ops_held.fetch_max(chunk.len(), Ordering::Relaxed);
+                    if chunk.len() == CHUNK {
+                        run(&mut chunk)?;
+                    }
+                    Ok(())
+                })?;
+                run(&mut chunk)?;
+            }
+        }
+        let start = Instant::now();
+        // What is still live is freed in the order it was allocated, whatever its slot.
+        let mut left: Vec<Held> = slots.drain(..).flatten().collect();
+        left.sort_unstable_by_key(|h| h.op);
+        drop(left);
         self.live.store(0, Ordering::Relaxed);
         self.synchronize()?;
-        let elapsed = start.elapsed();
-        self.progress_rest(self.trace.ops.len());
+        elapsed += start.elapsed();
+        self.progress_rest(source.len());
         Ok(elapsed)
     }
 
@@ -515,7 +616,7 @@ impl Shared<'_> {
                     })?;
                 }
             }
-            self.keep_time(i)?;
+            self.keep_time(self.trace.times_us.get(i).copied().unwrap_or(0))?;
             match op {
                 Op::Allocate { slot, size, stream, .. } => {
                     *plan.slots[slot].lock() = self.allocate(size, stream, sample, i);
@@ -633,14 +734,54 @@ pub fn replay(
     device: &dyn Device,
     options: &ReplayOptions<'_>,
 ) -> Result<ReplayResult> {
-    if options.passes == 0 {
-        return Err(Error::InvalidArgument("replay needs at least one timed pass".into()));
-    }
     if let Some(op) = trace.ops.iter().find(|op| op.slot().is_some_and(|slot| slot >= trace.slots)) {
         return Err(Error::InvalidArgument(format!(
             "trace {}: {op:?} names a slot beyond its {} slots",
             trace.name, trace.slots
         )));
+    }
+    if options.time.is_some() && trace.untimed_line.is_none() && trace.times_us.len() != trace.ops.len() {
+        return Err(Error::InvalidArgument(format!(
+            "trace {}: {} times for {} operations",
+            trace.name,
+            trace.times_us.len(),
+            trace.ops.len()
+        )));
+    }
+    run(&Source::Whole(trace), allocator, target, device, options)
+}
+
+/// Replays the trace of `file` as [`replay`] does, reading it from its file at each pass, so
+/// that a single-thread replay holds the allocations live at once and [`CHUNK`] ops, however
+/// long the trace. On threads ([`ReplayOptions::threads`]) the trace is read whole into memory
+/// first ([`TraceFile::load`]): each thread's plan needs its rows in any order.
+///
+/// Errors are those of [`replay`] and those of reading the file again
+/// ([`TraceFile::for_each_op`]).
+pub fn replay_file(
+    file: &TraceFile,
+    allocator: &str,
+    target: &ReplayTarget,
+    device: &dyn Device,
+    options: &ReplayOptions<'_>,
+) -> Result<ReplayResult> {
+    if options.threads {
+        return replay(&file.load()?, allocator, target, device, options);
+    }
+    run(&Source::File(file), allocator, target, device, options)
+}
+
+/// Replays the ops of `source` (see [`replay`]).
+fn run(
+    source: &Source<'_>,
+    allocator: &str,
+    target: &ReplayTarget,
+    device: &dyn Device,
+    options: &ReplayOptions<'_>,
+) -> Result<ReplayResult> {
+    let trace = source.trace();
+    if options.passes == 0 {
+        return Err(Error::InvalidArgument("replay needs at least one timed pass".into()));
     }
     if options.time.is_some() {
         if let Some(line) = trace.untimed_line {
@@ -650,16 +791,12 @@ pub fn replay(
                 trace.name
             )));
         }
-        if trace.times_us.len() != trace.ops.len() {
-            return Err(Error::InvalidArgument(format!(
-                "trace {}: {} times for {} operations",
-                trace.name,
-                trace.times_us.len(),
-                trace.ops.len()
-            )));
-        }
     }
-    let plan = if options.threads { Some(ThreadPlan::new(trace)?) } else { None };
+    // `replay_file` reads the trace whole for threads.
+    let plan = match *source {
+        Source::Whole(trace) if options.threads => Some(ThreadPlan::new(trace)?),
+        _ => None,
+    };
     let mut streams = Streams { device, streams: Vec::new(), event: None };
     // Stream rows run on the replay's streams whatever the target.
     if matches!(target, ReplayTarget::Streams(_)) || trace.has_stream_rows() {
@@ -670,8 +807,8 @@ pub fn replay(
     if trace.waits > 0 {
         streams.event = Some(device.create_event()?);
     }
-    let ops_per_point = trace.ops.len().div_ceil(options.series_points.max(1)).max(1);
-    let points = trace.ops.len().div_ceil(ops_per_point);
+    let ops_per_point = source.len().div_ceil(options.series_points.max(1)).max(1);
+    let points = source.len().div_ceil(ops_per_point);
     let shared = Shared {
         trace,
         target,
@@ -692,6 +829,10 @@ pub fn replay(
         reserved_points: (0..points).map(|_| AtomicU64::new(0)).collect(),
         failures: AtomicU64::new(0),
         first_failure: Mutex::new(None),
+        ops_held: AtomicUsize::new(match source {
+            Source::Whole(trace) => trace.ops.len(),
+            Source::File(_) => 0,
+        }),
     };
     shared.synchronize()?;
     let shared = Shared { base: device.mem_info()?.used(), ..shared };
@@ -706,7 +847,7 @@ pub fn replay(
         shared.begin_pass();
         let elapsed = match &plan {
             Some(plan) => shared.threaded_pass(plan, pass as u32, sample)?,
-            None => shared.pass(sample)?,
+            None => shared.pass(source, sample)?,
         };
         failures = failures.max(shared.failures.swap(0, Ordering::Relaxed));
         violations = violations.max(shared.pass_violations());
@@ -718,7 +859,7 @@ pub fn replay(
             device_calls = (after.device_allocs + after.device_frees)
                 .saturating_sub(calls_before.device_allocs + calls_before.device_frees);
         } else {
-            pass_ns.push(elapsed.as_nanos() as f64 / trace.ops.len().max(1) as f64);
+            pass_ns.push(elapsed.as_nanos() as f64 / source.len().max(1) as f64);
         }
     }
 
@@ -732,7 +873,7 @@ pub fn replay(
     Ok(ReplayResult {
         allocator: allocator.to_owned(),
         trace: trace.name.clone(),
-        ops: trace.ops.len(),
+        ops: source.len(),
         peak_live: trace.peak_live,
         peak_device_used,
         footprint_ratio: if trace.peak_live == 0 {
@@ -753,6 +894,8 @@ pub fn replay(
         first_failure_short: first.as_ref().and_then(|f| f.short),
         first_failure: first.map(|f| f.message),
         series,
+        ops_held: shared.ops_held.load(Ordering::Relaxed),
+        slots_held: trace.slots,
     })
 }
 
@@ -976,6 +1119,8 @@ mod tests {
             first_failure_short: None,
             ns_per_op_passes: vec![12.5, 13.0],
             series: Series { ops_per_point: 2, live: vec![10, 5], reserved: vec![20, 20] },
+            ops_held: 0,
+            slots_held: 0,
         };
         let text = serde_json::to_string(&r).unwrap();
         assert!(!text.contains("first_failure"));

@@ -30,7 +30,7 @@
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::io::{BufRead, Read};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use streamalloc::trace::{Action, HEADER};
 use streamalloc::{Error, Result};
@@ -158,7 +158,8 @@ pub struct Trace {
     pub name: String,
     /// The operations, in recorded order.
     pub ops: Vec<Op>,
-    /// Number of slots (= number of allocations).
+    /// Number of slots: allocations, or in a [`TraceFile::summary`] the most allocations live
+    /// at once.
     pub slots: usize,
     /// Size of each slot's allocation, indexed by slot.
     pub slot_sizes: Vec<usize>,
@@ -207,19 +208,8 @@ impl Trace {
     /// [`crate::compressed`]); the trace is named after the file (without a `.gz` or `.xz`).
     pub fn from_path_with(path: impl AsRef<Path>, options: ParseOptions) -> Result<Self> {
         let path = path.as_ref();
-        let file =
-            crate::compressed::open(path).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
-        let name =
-            path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
-        // A compressed trace is named as the file it holds (`t.csv.xz` holds `t.csv`).
-        let name = match crate::compressed::Compression::of_name(path) {
-            crate::compressed::Compression::None => name,
-            _ => path.file_stem().map_or(name, |stem| stem.to_string_lossy().into_owned()),
-        };
-        Self::parse_with(file, &name, options).map_err(|e| match e {
-            Error::Io(msg) => Error::Io(format!("{}: {msg}", path.display())),
-            other => other,
-        })
+        let (file, name) = open_named(path)?;
+        Self::parse_with(file, &name, options).map_err(|e| in_file(e, path))
     }
 
     /// Parses a trace strictly from `reader`, naming it `name`.
@@ -238,92 +228,19 @@ impl Trace {
     /// than tabs and line ends) is refused at line 1 without quoting it: the reason begins
     /// with [`PICKLE`] when it starts as a pickle of protocol 2 or later does (a PyTorch
     /// memory snapshot), else with [`NOT_TEXT`]; the content is its first bytes in hex.
-    pub fn parse_with(mut reader: impl BufRead, name: &str, options: ParseOptions) -> Result<Self> {
-        let mut state =
-            State { trace: Trace { name: name.to_owned(), ..Trace::default() }, ..State::default() };
-        let mut line = Vec::new();
-        let mut number = 0usize;
-        loop {
-            line.clear();
-            let read = (&mut reader)
-                .take(MAX_LINE as u64 + 1)
-                .read_until(b'\n', &mut line)
-                .map_err(|e| Error::Io(format!("reading line {}: {e}", number + 1)))?;
-            if read == 0 {
-                break;
-            }
-            number += 1;
-            if number == 1 {
-                if let Some(reason) = not_text(&line) {
-                    return Err(Error::Trace { line: 1, content: hex_start(&line), reason });
-                }
-            }
-            let ended = line.last() == Some(&b'\n');
-            if line.len() > MAX_LINE && !ended {
-                return Err(Error::Trace {
-                    line: number,
-                    content: excerpt(&String::from_utf8_lossy(&line)),
-                    reason: format!("the line is longer than {MAX_LINE} bytes (not a trace row)"),
-                });
-            }
-            // Under the length bound, only the last line can lack its newline.
-            let cut = |reason: String| {
-                if ended {
-                    reason
-                } else {
-                    format!(
-                        "{CUT_SHORT} (no newline at its end, as when the program writing the trace is \
-                         killed): {reason}"
-                    )
-                }
-            };
-            let (text, utf8) = match std::str::from_utf8(&line) {
-                Ok(text) => (Cow::Borrowed(text), true),
-                Err(_) => (String::from_utf8_lossy(&line), false),
-            };
-            let text = text.trim_end_matches(['\n', '\r']);
-            let fail = |reason: String| Error::Trace { line: number, content: excerpt(text), reason };
-            if !utf8 {
-                if !ended && number > 1 && options.skip_truncated_last_row {
-                    state.trace.skipped_truncated_rows += 1;
-                    continue;
-                }
-                return Err(fail(cut("the line is not UTF-8 text".into())));
-            }
-            if number == 1 {
-                // A byte order mark (as editors on Windows save CSV) is no part of the header.
-                if text.trim_start_matches('\u{feff}').trim() != HEADER {
-                    return Err(fail(format!("expected the header `{HEADER}`")));
-                }
-                continue;
-            }
-            if text.trim().is_empty() {
-                continue;
-            }
-            // Read whole before anything is changed, so that a row cut short changes nothing.
-            match Row::split(text).and_then(|row| Ok((row.event()?, row.time))) {
-                Ok((event, time)) => {
-                    let ops = state.trace.ops.len();
-                    state.apply(event, options).map_err(fail)?;
-                    state.note_time(time, number, state.trace.ops.len() > ops).map_err(fail)?;
-                }
-                Err(_) if !ended && options.skip_truncated_last_row => {
-                    state.trace.skipped_truncated_rows += 1
-                }
-                Err(reason) => return Err(fail(cut(reason))),
-            }
+    pub fn parse_with(reader: impl BufRead, name: &str, options: ParseOptions) -> Result<Self> {
+        let mut ops = Vec::new();
+        let mut times_us = Vec::new();
+        let mut trace = scan(reader, name, options, Slots::OnePerAllocation, &mut |op, time_us| {
+            ops.push(op);
+            times_us.push(time_us);
+            Ok(())
+        })?;
+        trace.ops = ops;
+        if trace.untimed_line.is_none() {
+            trace.times_us = times_us;
         }
-        if number == 0 {
-            return Err(Error::Trace {
-                line: 1,
-                content: String::new(),
-                reason: format!("empty file: expected the header `{HEADER}`"),
-            });
-        }
-        if state.trace.untimed_line.is_some() {
-            state.trace.times_us = Vec::new();
-        }
-        Ok(state.trace)
+        Ok(trace)
     }
 
     /// Whether the trace has `use` or `wait` rows: work on streams whose time a replay can
@@ -348,12 +265,235 @@ impl Trace {
     }
 }
 
+/// Opens the trace file at `path`, decompressed when it is gzip or xz, and names it after
+/// the file (without a `.gz` or `.xz`).
+fn open_named(path: &Path) -> Result<(Box<dyn BufRead + Send>, String)> {
+    let file = crate::compressed::open(path).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
+    let name =
+        path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
+    // A compressed trace is named as the file it holds (`t.csv.xz` holds `t.csv`).
+    let name = match crate::compressed::Compression::of_name(path) {
+        crate::compressed::Compression::None => name,
+        _ => path.file_stem().map_or(name, |stem| stem.to_string_lossy().into_owned()),
+    };
+    Ok((file, name))
+}
+
+/// `e`, an I/O error naming the file at `path`.
+fn in_file(e: Error, path: &Path) -> Error {
+    match e {
+        Error::Io(msg) => Error::Io(format!("{}: {msg}", path.display())),
+        other => other,
+    }
+}
+
+/// A trace read from its file again for each pass of a replay, so that what a replay holds is
+/// bounded by the allocations live at once, not by the trace's length (`streamalloc replay`
+/// replays through it; see `DESIGN.md`, Note [a trace replayed from its file]).
+///
+/// [`TraceFile::open_with`] reads the file once for the trace's figures ([`TraceFile::summary`]);
+/// [`TraceFile::for_each_op`] reads it again, decompressing it again when it is compressed.
+/// Its slots are reused: a slot freed is the next allocation's, so there are as many as
+/// allocations live at once ([`Trace::slots`] of the summary), and an operation's slot is not
+/// the one [`Trace::parse`] gives it.
+#[derive(Debug, Clone)]
+pub struct TraceFile {
+    path: PathBuf,
+    options: ParseOptions,
+    summary: Trace,
+    ops: usize,
+}
+
+impl TraceFile {
+    /// Reads the file at `path` with `options` (as [`Trace::from_path_with`] does, with the same
+    /// errors) and keeps its figures, not its operations.
+    pub fn open_with(path: impl AsRef<Path>, options: ParseOptions) -> Result<Self> {
+        let path = path.as_ref();
+        let (file, name) = open_named(path)?;
+        let mut ops = 0usize;
+        let summary = scan(file, &name, options, Slots::Reused, &mut |_, _| {
+            ops += 1;
+            Ok(())
+        })
+        .map_err(|e| in_file(e, path))?;
+        Ok(Self { path: path.to_owned(), options, summary, ops })
+    }
+
+    /// The trace's name and figures, without its operations: its [`Trace::ops`],
+    /// [`Trace::times_us`] and [`Trace::slot_sizes`] are empty, and its [`Trace::slots`] is
+    /// the most allocations live at once.
+    pub fn summary(&self) -> &Trace {
+        &self.summary
+    }
+
+    /// Number of operations.
+    pub fn len(&self) -> usize {
+        self.ops
+    }
+
+    /// Whether the trace has no operations.
+    pub fn is_empty(&self) -> bool {
+        self.ops == 0
+    }
+
+    /// Reads the file again and calls `each` with every operation and its time (as in
+    /// [`Trace::times_us`]; 0 for an untimed trace), in order, holding one row at a time.
+    ///
+    /// Errors are those of `each`, the file's (it cannot be read, or a row can no longer be
+    /// parsed), and one when the file no longer holds the trace read at first (its operations
+    /// or figures differ: it was changed since).
+    pub fn for_each_op(&self, mut each: impl FnMut(Op, u64) -> Result<()>) -> Result<()> {
+        let (file, _) = open_named(&self.path)?;
+        let mut ops = 0usize;
+        // An error of `each` or of a file found changed stops the scan and is returned as is.
+        let mut stopped = None;
+        let again = scan(file, &self.summary.name, self.options, Slots::Reused, &mut |op, time_us| {
+            ops += 1;
+            let result = if ops > self.ops { Err(self.changed()) } else { each(op, time_us) };
+            result.map_err(|e| {
+                stopped = Some(e);
+                Error::InvalidArgument(String::new())
+            })
+        });
+        if let Some(e) = stopped {
+            return Err(e);
+        }
+        let again = again.map_err(|e| in_file(e, &self.path))?;
+        if ops != self.ops || again != self.summary {
+            return Err(self.changed());
+        }
+        Ok(())
+    }
+
+    /// Reads the whole trace into memory, its slots one per allocation (what a replay on
+    /// threads needs: each thread's rows, in any order).
+    pub fn load(&self) -> Result<Trace> {
+        Trace::from_path_with(&self.path, self.options)
+    }
+
+    fn changed(&self) -> Error {
+        Error::Io(format!(
+            "{}: the file changed while it was replayed (it no longer holds the trace read at first)",
+            self.path.display()
+        ))
+    }
+}
+
+/// How a parse numbers slots.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+enum Slots {
+    /// A new slot for each allocation (a whole [`Trace`]: slot `i` is the `i`th allocation).
+    #[default]
+    OnePerAllocation,
+    /// A slot free again if any (a [`TraceFile`]: as many slots as allocations live at once).
+    Reused,
+}
+
+/// Reads a trace from `reader` with `options`, calling `each` with every operation and its
+/// time (microseconds from the first row's; 0 once the trace is found untimed), in order, and
+/// returns the trace's figures without its operations, times or slot sizes. Errors are those
+/// of [`Trace::parse_with`] and those of `each`.
+fn scan(
+    mut reader: impl BufRead,
+    name: &str,
+    options: ParseOptions,
+    slots: Slots,
+    each: &mut dyn FnMut(Op, u64) -> Result<()>,
+) -> Result<Trace> {
+    let mut state =
+        State { trace: Trace { name: name.to_owned(), ..Trace::default() }, slots, ..State::default() };
+    let mut line = Vec::new();
+    let mut number = 0usize;
+    loop {
+        line.clear();
+        let read = (&mut reader)
+            .take(MAX_LINE as u64 + 1)
+            .read_until(b'\n', &mut line)
+            .map_err(|e| Error::Io(format!("reading line {}: {e}", number + 1)))?;
+        if read == 0 {
+            break;
+        }
+        number += 1;
+        if number == 1 {
+            if let Some(reason) = not_text(&line) {
+                return Err(Error::Trace { line: 1, content: hex_start(&line), reason });
+            }
+        }
+        let ended = line.last() == Some(&b'\n');
+        if line.len() > MAX_LINE && !ended {
+            return Err(Error::Trace {
+                line: number,
+                content: excerpt(&String::from_utf8_lossy(&line)),
+                reason: format!("the line is longer than {MAX_LINE} bytes (not a trace row)"),
+            });
+        }
+        // Under the length bound, only the last line can lack its newline.
+        let cut = |reason: String| {
+            if ended {
+                reason
+            } else {
+                format!(
+                    "{CUT_SHORT} (no newline at its end, as when the program writing the trace is \
+                     killed): {reason}"
+                )
+            }
+        };
+        let (text, utf8) = match std::str::from_utf8(&line) {
+            Ok(text) => (Cow::Borrowed(text), true),
+            Err(_) => (String::from_utf8_lossy(&line), false),
+        };
+        let text = text.trim_end_matches(['\n', '\r']);
+        let fail = |reason: String| Error::Trace { line: number, content: excerpt(text), reason };
+        if !utf8 {
+            if !ended && number > 1 && options.skip_truncated_last_row {
+                state.trace.skipped_truncated_rows += 1;
+                continue;
+            }
+            return Err(fail(cut("the line is not UTF-8 text".into())));
+        }
+        if number == 1 {
+            // A byte order mark (as editors on Windows save CSV) is no part of the header.
+            if text.trim_start_matches('\u{feff}').trim() != HEADER {
+                return Err(fail(format!("expected the header `{HEADER}`")));
+            }
+            continue;
+        }
+        if text.trim().is_empty() {
+            continue;
+        }
+        // Read whole before anything is changed, so that a row cut short changes nothing.
+        match Row::split(text).and_then(|row| Ok((row.event()?, row.time))) {
+            Ok((event, time)) => {
+                let op = state.apply(event, options).map_err(fail)?;
+                let time_us = state.note_time(time, number).map_err(fail)?;
+                if let Some(op) = op {
+                    each(op, time_us)?;
+                }
+            }
+            Err(_) if !ended && options.skip_truncated_last_row => state.trace.skipped_truncated_rows += 1,
+            Err(reason) => return Err(fail(cut(reason))),
+        }
+    }
+    if number == 0 {
+        return Err(Error::Trace {
+            line: 1,
+            content: String::new(),
+            reason: format!("empty file: expected the header `{HEADER}`"),
+        });
+    }
+    Ok(state.trace)
+}
+
 /// A trace being built: the trace, and the maps from recorded values to dense indices.
 #[derive(Default)]
 struct State {
     trace: Trace,
-    /// Recorded pointer -> live slot.
-    live: HashMap<u64, usize>,
+    /// How slots are numbered.
+    slots: Slots,
+    /// Recorded pointer -> its live slot and size.
+    live: HashMap<u64, (usize, usize)>,
+    /// Slots free again, the one freed last at the end (with [`Slots::Reused`]).
+    free_slots: Vec<usize>,
     /// Recorded stream value -> stream index.
     stream_index: HashMap<u64, usize>,
     /// Recorded thread value -> thread index.
@@ -365,35 +505,50 @@ struct State {
 }
 
 impl State {
-    /// Adds the operation of one row; an error is the reason the row cannot be replayed.
-    fn apply(&mut self, event: Event<'_>, options: ParseOptions) -> std::result::Result<(), String> {
+    /// Counts one row and returns its operation, if it has one; an error is the reason the
+    /// row cannot be replayed.
+    fn apply(&mut self, event: Event<'_>, options: ParseOptions) -> std::result::Result<Option<Op>, String> {
         let trace = &mut self.trace;
-        match event {
+        Ok(match event {
             Event::Allocate { ptr, size, stream, thread } => {
                 if self.live.contains_key(&ptr) {
                     return Err(format!("pointer {ptr:#x} is allocated again while still live"));
                 }
                 let stream = intern(&mut self.stream_index, &mut trace.streams, stream);
                 let thread = intern(&mut self.thread_index, &mut trace.threads, thread);
-                let slot = trace.slots;
-                self.live.insert(ptr, slot);
-                trace.slots += 1;
-                trace.slot_sizes.push(size);
+                let slot = match self.slots {
+                    Slots::OnePerAllocation => {
+                        trace.slot_sizes.push(size);
+                        None
+                    }
+                    Slots::Reused => self.free_slots.pop(),
+                }
+                .unwrap_or_else(|| {
+                    trace.slots += 1;
+                    trace.slots - 1
+                });
+                self.live.insert(ptr, (slot, size));
                 trace.allocations += 1;
-                trace.ops.push(Op::Allocate { slot, size, stream, thread });
                 self.current = self.current.saturating_add(size);
                 trace.peak_live = trace.peak_live.max(self.current);
+                Some(Op::Allocate { slot, size, stream, thread })
             }
             Event::Free { ptr, written, stream, thread } => {
                 let stream = intern(&mut self.stream_index, &mut trace.streams, stream);
                 let thread = intern(&mut self.thread_index, &mut trace.threads, thread);
                 match self.live.remove(&ptr) {
-                    Some(slot) => {
-                        self.current = self.current.saturating_sub(trace.slot_sizes[slot]);
+                    Some((slot, size)) => {
+                        self.current = self.current.saturating_sub(size);
                         trace.frees += 1;
-                        trace.ops.push(Op::Free { slot, stream, thread });
+                        if self.slots == Slots::Reused {
+                            self.free_slots.push(slot);
+                        }
+                        Some(Op::Free { slot, stream, thread })
                     }
-                    None if options.skip_unknown_frees => trace.skipped_frees += 1,
+                    None if options.skip_unknown_frees => {
+                        trace.skipped_frees += 1;
+                        None
+                    }
                     None => {
                         return Err(format!(
                             "free of pointer {} that is not live (never allocated in this trace, or already \
@@ -406,29 +561,29 @@ impl State {
             Event::RecordStream { ptr, written, stream, thread } => {
                 let stream = intern(&mut self.stream_index, &mut trace.streams, stream);
                 let thread = intern(&mut self.thread_index, &mut trace.threads, thread);
-                if let Some(slot) = self.live_slot(ptr, written, "record_stream", options)? {
-                    self.trace.record_streams += 1;
-                    self.trace.ops.push(Op::RecordStream { slot, stream, thread });
-                }
+                let slot = self.live_slot(ptr, written, "record_stream", options)?;
+                self.trace.record_streams += usize::from(slot.is_some());
+                slot.map(|slot| Op::RecordStream { slot, stream, thread })
             }
             Event::Use { ptr, written, duration_ns, stream, thread } => {
                 let stream = intern(&mut self.stream_index, &mut trace.streams, stream);
                 let thread = intern(&mut self.thread_index, &mut trace.threads, thread);
-                if let Some(slot) = self.live_slot(ptr, written, "use", options)? {
-                    self.trace.uses += 1;
-                    self.trace.ops.push(Op::Use { slot, stream, duration_ns, thread });
-                }
+                let slot = self.live_slot(ptr, written, "use", options)?;
+                self.trace.uses += usize::from(slot.is_some());
+                slot.map(|slot| Op::Use { slot, stream, duration_ns, thread })
             }
             Event::Wait { stream, other, thread } => {
                 let stream = intern(&mut self.stream_index, &mut trace.streams, stream);
                 let other = intern(&mut self.stream_index, &mut trace.streams, other);
                 let thread = intern(&mut self.thread_index, &mut trace.threads, thread);
                 trace.waits += 1;
-                trace.ops.push(Op::Wait { stream, other, thread });
+                Some(Op::Wait { stream, other, thread })
             }
-            Event::Failure => trace.recorded_failures += 1,
-        }
-        Ok(())
+            Event::Failure => {
+                trace.recorded_failures += 1;
+                None
+            }
+        })
     }
 
     /// The live slot of `ptr` (written `written`) that a row of `action` names; `None` when it
@@ -441,7 +596,7 @@ impl State {
         options: ParseOptions,
     ) -> std::result::Result<Option<usize>, String> {
         match self.live.get(&ptr) {
-            Some(&slot) => Ok(Some(slot)),
+            Some(&(slot, _)) => Ok(Some(slot)),
             None if options.skip_unknown_stream_rows => {
                 self.trace.skipped_stream_rows += 1;
                 Ok(None)
@@ -453,24 +608,22 @@ impl State {
         }
     }
 
-    /// Notes the time `written` of the row at `line`, for the operation it `added` if any; a
-    /// negative integer is an error (no clock time either, and no count of microseconds).
-    fn note_time(&mut self, written: &str, line: usize, added: bool) -> std::result::Result<(), String> {
+    /// Notes the time `written` of the row at `line` and returns it in microseconds from the
+    /// first row's (0 once the trace is untimed); a negative integer is an error (no clock time
+    /// either, and no count of microseconds).
+    fn note_time(&mut self, written: &str, line: usize) -> std::result::Result<u64, String> {
         if written.strip_prefix('-').is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit())) {
             return Err(format!("negative Time `{}` (expected microseconds from 0)", excerpt(written)));
         }
         if self.trace.untimed_line.is_some() {
-            return Ok(());
+            return Ok(0);
         }
         let Ok(time) = written.parse::<u64>() else {
             self.trace.untimed_line = Some(line);
-            return Ok(());
+            return Ok(0);
         };
         let origin = *self.origin.get_or_insert(time);
-        if added {
-            self.trace.times_us.push(time.saturating_sub(origin));
-        }
-        Ok(())
+        Ok(time.saturating_sub(origin))
     }
 }
 
@@ -964,6 +1117,38 @@ mod tests {
             Err(Error::Trace { line: 1, reason, .. }) => assert!(reason.contains("longer than"), "{reason}"),
             other => panic!("{other:?}"),
         }
+    }
+
+    /// A trace file's slots are reused, its ops read again at each call, and a file changed
+    /// since it was opened is an error, not another trace replayed.
+    #[test]
+    fn a_trace_file_reuses_slots_and_notices_a_change() {
+        let path = std::env::temp_dir().join(format!("streamalloc-tracefile-{}.csv", std::process::id()));
+        let text = format!(
+            "{HEADER}\n0,1,allocate,0x10,64,0\n0,2,allocate,0x20,32,0\n0,3,free,0x10,0,0\n\
+             0,4,allocate,0x30,8,0\n0,5,free,0x20,0,0\n0,6,free,0x30,0,0\n"
+        );
+        std::fs::write(&path, &text).unwrap();
+        let file = TraceFile::open_with(&path, ParseOptions::default()).unwrap();
+        let whole = Trace::parse(text.as_bytes(), "t").unwrap();
+        assert_eq!((file.len(), file.summary().slots, whole.slots), (6, 2, 3));
+        assert_eq!(
+            (file.summary().peak_live, file.summary().name.as_str()),
+            (96, path.file_name().unwrap().to_str().unwrap())
+        );
+        let mut ops = Vec::new();
+        file.for_each_op(|op, time_us| {
+            ops.push((op, time_us));
+            Ok(())
+        })
+        .unwrap();
+        let slots: Vec<_> = ops.iter().map(|(op, _)| op.slot().unwrap()).collect();
+        assert_eq!(slots, [0, 1, 0, 0, 1, 0], "the third allocation takes the first's slot");
+        assert_eq!(ops.iter().map(|&(_, t)| t).collect::<Vec<_>>(), whole.times_us);
+        std::fs::write(&path, text.replace("0,6,free,0x30,0,0\n", "")).unwrap();
+        let err = file.for_each_op(|_, _| Ok(())).unwrap_err();
+        let _ = std::fs::remove_file(&path);
+        assert!(err.to_string().contains("the file changed while it was replayed"), "{err}");
     }
 
     #[test]
