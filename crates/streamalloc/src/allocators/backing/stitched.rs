@@ -24,7 +24,8 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Classes};
 /// * **Stitching.** When that growth would raise the memory mapped above its highest mark and
 ///   the free home granules pay for the request more cheaply, they are taken out of the pool
 ///   and their memory is mapped again, side by side, as one range that serves the request
-///   ([`Device::map_alias`]). Free memory is defragmented without moving live data and without
+///   ([`VirtualMemory::map_alias`](crate::device::VirtualMemory::map_alias)). Free memory is
+///   defragmented without moving live data and without
 ///   waiting for the device. See DESIGN.md, Note [stitching needs no wait].
 /// * **Reuse.** A range whose blocks are all free goes idle (its granules back home, the range
 ///   still mapped); a later miss it fits takes it back from the books, with no device call,
