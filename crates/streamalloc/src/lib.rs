@@ -60,8 +60,8 @@ pub mod text;
 pub mod trace;
 
 pub use allocation::{
-    Allocation, Allocator, Block, BlockOwner, BlockState, ReservedGauge, Segment, SegmentBlock, Stats,
-    StreamAllocator, ALIGNMENT,
+    Allocation, Allocator, Block, BlockOwner, BlockState, Kept, KeptBlock, PointerEntry, ReservedGauge,
+    Segment, SegmentBlock, Stats, StreamAllocator, ALIGNMENT,
 };
 pub use device::{Device, DevicePtr, Stream};
 pub use error::{Error, HeldErrors, OutOfMemory, Result};

@@ -12,8 +12,10 @@ use rustc_hash::FxHashMap;
 
 use super::best_fit::{BestFit, BestFitConfig};
 use super::retry;
-use crate::allocation::{Allocation, Allocator, ReservedGauge, Segment, Stats, StreamAllocator};
-use crate::device::{CaptureStatus, Device, EventPool, Stream};
+use crate::allocation::{
+    Allocation, Allocator, Kept, KeptBlock, PointerEntry, ReservedGauge, Segment, Stats, StreamAllocator,
+};
+use crate::device::{CaptureStatus, Device, DevicePtr, EventPool, Stream};
 use crate::error::{try_each, Error, OutOfMemory, Result};
 
 /// Settings of a [`StreamSafe`] allocator.
@@ -896,6 +898,41 @@ impl StreamSafe {
         self.with_pool(stream, |pool| self.allocate_in(pool, size, stream))
     }
 
+    /// [`StreamAllocator::allocate_kept`] in `pool`, the live pool of `stream`: the cached
+    /// path keeps the allocation under the pool's one lock; the slow path's handle is kept
+    /// after.
+    fn allocate_kept_in(
+        &self,
+        pool: &StreamPool,
+        size: usize,
+        stream: Stream,
+        word: u64,
+    ) -> Result<(Kept, bool)> {
+        self.note_allocation(pool);
+        if let Some(ptr) = pool.pool.allocate_kept(size, self.polls(pool, stream)?, word)? {
+            return Ok((Kept::Ptr(ptr), false));
+        }
+        let (allocation, retried) = self.allocate_slow(pool, size, stream)?;
+        Ok((pool.pool.keep(allocation, word).map_or_else(Kept::Handle, Kept::Ptr), retried))
+    }
+
+    /// Runs `f` on the pools that may keep an allocation: with `hint`, the live pool of that
+    /// stream (none made); without, every pool held, live and retired, until `f` returns
+    /// `Some`.
+    fn find_kept<T>(&self, hint: Option<Stream>, mut f: impl FnMut(&BestFit) -> Option<T>) -> Option<T> {
+        match hint {
+            Some(stream) => {
+                if let Some(pool) = self.hot_pool(stream) {
+                    return f(&pool.pool);
+                }
+                let found =
+                    self.slotted(stream).or_else(|| self.overflowed_pool(stream).map(Found::Owned))?;
+                f(&found.get().ok()?.pool)
+            }
+            None => self.snapshot().iter().find_map(|p| f(&p.pool)),
+        }
+    }
+
     fn allocate_in(&self, pool: &StreamPool, size: usize, stream: Stream) -> Result<(Allocation, bool)> {
         self.note_allocation(pool);
         match pool.pool.allocate_cached(size, self.polls(pool, stream)?)? {
@@ -923,5 +960,27 @@ impl StreamAllocator for StreamSafe {
 
     fn retire_stream(&self, stream: Stream) -> Result<()> {
         StreamSafe::retire_stream(self, stream)
+    }
+
+    /// Kept in the stream's pool, under the pool's one lock: no handle, no reference count.
+    fn allocate_kept(&self, size: usize, stream: Stream, word: u64) -> Result<Kept> {
+        if size == 0 {
+            return Ok(Kept::Handle(Allocation::empty(self.device.ordinal(), stream)));
+        }
+        self.count(self.with_pool(stream, |pool| self.allocate_kept_in(pool, size, stream, word)))
+    }
+
+    fn take_kept(&self, ptr: DevicePtr, hint: Option<Stream>) -> Option<PointerEntry> {
+        self.find_kept(hint, |pool| pool.take_kept(ptr))
+    }
+
+    fn with_kept(&self, ptr: DevicePtr, hint: Option<Stream>, f: &mut dyn FnMut(&mut KeptBlock)) -> bool {
+        self.find_kept(hint, |pool| pool.with_kept(ptr, f).then_some(())).is_some()
+    }
+
+    fn each_kept(&self, f: &mut dyn FnMut(DevicePtr, &mut KeptBlock)) {
+        for p in self.snapshot() {
+            p.pool.each_kept(f);
+        }
     }
 }
