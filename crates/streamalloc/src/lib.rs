@@ -55,6 +55,7 @@ pub mod device;
 pub mod error;
 pub mod facade;
 pub mod policy;
+pub(crate) mod stream_table;
 pub mod tags;
 pub mod text;
 pub mod trace;

@@ -13,6 +13,7 @@ use crate::allocation::{
 };
 use crate::device::{Device, DevicePtr, EventPool, Stream};
 use crate::error::{Error, Result};
+use crate::stream_table::StreamSlots;
 
 /// Shards of the table (a bit each in [`Pointers::occupied`]).
 const SHARDS: usize = 256;
@@ -20,8 +21,6 @@ const SHARDS: usize = 256;
 const WORDS: usize = SHARDS / u64::BITS as usize;
 /// Shards a stream looks at, from its home on, for one it claimed or one to claim.
 const PROBE: usize = 8;
-/// No stream: the owner of a shard nobody claimed.
-const NO_STREAM: u64 = u64::MAX;
 
 /// A stack's allocations by pointer: `allocate_ptr` makes an allocation through the allocator
 /// it wraps and keeps it, `free_ptr` frees it, `record_stream_ptr` records a stream on it. See
@@ -75,9 +74,9 @@ pub struct Pointers<A> {
     /// The longest [`StreamAllocator::retire_stream`] waits for the stream's work.
     wait_timeout: Duration,
     shards: Box<[Shard]>,
-    /// The stream that claimed each shard ([`NO_STREAM`] if none): read at every allocation
-    /// and free, written only by a claim, so apart from the shards' locks.
-    owners: Owners,
+    /// The stream that claimed each shard: read at every allocation and free by pointer that
+    /// reaches the table, written only by a claim, so apart from the shards' locks.
+    claims: StreamSlots,
     /// Bit `i` is set while shard `i` may hold an allocation: set by the insert that finds it
     /// clear, cleared by a look through the shards that finds the shard empty (both under the
     /// shard's lock), so a stream that allocates and frees one block writes no shared word.
@@ -157,10 +156,6 @@ struct Shard {
     live: Mutex<FxHashMap<DevicePtr, Kept>>,
 }
 
-/// The owners of the shards, on cache lines of their own.
-#[repr(align(128))]
-struct Owners([AtomicU64; SHARDS]);
-
 impl<A: StreamAllocator> Pointers<A> {
     /// Keeps `inner`'s allocations by pointer; `device` is the device `inner` allocates on
     /// (whose streams `record_stream_ptr` checks); `wait_timeout` bounds the wait of
@@ -172,7 +167,7 @@ impl<A: StreamAllocator> Pointers<A> {
             device,
             wait_timeout,
             shards: (0..SHARDS).map(|_| Shard::default()).collect(),
-            owners: Owners(std::array::from_fn(|_| AtomicU64::new(NO_STREAM))),
+            claims: StreamSlots::new(SHARDS, PROBE),
             occupied: Default::default(),
             recording: AtomicUsize::new(0),
             freeing: Mutex::new(Vec::new()),
@@ -371,7 +366,7 @@ impl<A: StreamAllocator> Pointers<A> {
         hint: Option<Stream>,
         mut f: impl FnMut(&mut FxHashMap<DevicePtr, Kept>) -> Option<T>,
     ) -> Option<T> {
-        let first = hint.map(|stream| self.claimed(stream).unwrap_or_else(|| shard_of(stream)));
+        let first = hint.map(|stream| self.claims.find(stream).unwrap_or_else(|| self.claims.home(stream)));
         if let Some(i) = first {
             if let Some(found) = f(&mut self.shards[i].live.lock()) {
                 return Some(found);
@@ -385,25 +380,6 @@ impl<A: StreamAllocator> Pointers<A> {
         found
     }
 
-    /// The shard `stream` claimed, if one of those it looks at is still its own: at its home,
-    /// where it mostly is, or in the rest ([`Pointers::claimed_past_home`]).
-    #[inline]
-    fn claimed(&self, stream: Stream) -> Option<usize> {
-        let home = shard_of(stream);
-        if self.owners.0[home].load(Ordering::Relaxed) == stream.0 {
-            return Some(home);
-        }
-        self.claimed_past_home(stream, home)
-    }
-
-    /// The shard `stream` claimed past its home, if any.
-    #[inline(never)]
-    fn claimed_past_home(&self, stream: Stream, home: usize) -> Option<usize> {
-        (1..PROBE)
-            .map(|k| (home + k) % SHARDS)
-            .find(|&i| self.owners.0[i].load(Ordering::Relaxed) == stream.0)
-    }
-
     /// The shard `stream` allocates into: the one it claimed, else the first it looks at that
     /// it can claim (no stream claimed it, or its stream keeps nothing in it), else its home,
     /// shared (a stream finding the 8 shards it looks at held by others tries their locks at
@@ -413,25 +389,15 @@ impl<A: StreamAllocator> Pointers<A> {
     /// misses the shard it looks in first looks in the others.
     #[inline]
     fn claim(&self, stream: Stream) -> usize {
-        self.claimed(stream).unwrap_or_else(|| self.claim_new(stream))
+        self.claims.find(stream).unwrap_or_else(|| self.claim_new(stream))
     }
 
     /// [`Pointers::claim`] for a stream that holds no claim.
     #[cold]
     #[inline(never)]
     fn claim_new(&self, stream: Stream) -> usize {
-        let home = shard_of(stream);
-        (0..PROBE)
-            .map(|k| (home + k) % SHARDS)
-            .find(|&i| {
-                let owner = self.owners.0[i].load(Ordering::Relaxed);
-                let free =
-                    owner == NO_STREAM || self.shards[i].live.try_lock().is_some_and(|live| live.is_empty());
-                free && self.owners.0[i]
-                    .compare_exchange(owner, stream.0, Ordering::Relaxed, Ordering::Relaxed)
-                    .is_ok()
-            })
-            .unwrap_or(home)
+        let emptied = |i: usize, _| self.shards[i].live.try_lock().is_some_and(|live| live.is_empty());
+        self.claims.claim(stream, emptied).unwrap_or_else(|| self.claims.home(stream))
     }
 
     /// Runs `f` on every shard that may hold an allocation.
@@ -468,12 +434,6 @@ impl<A: StreamAllocator> Pointers<A> {
             }
         }
     }
-}
-
-/// The home shard of `stream`: where it starts looking for a shard of its own.
-fn shard_of(stream: Stream) -> usize {
-    // Fibonacci hashing: stream handles are pointers (aligned) or small integers.
-    (stream.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (u64::BITS - SHARDS.trailing_zeros())) as usize
 }
 
 impl<A: StreamAllocator> Allocator for Pointers<A> {
@@ -609,8 +569,9 @@ mod tests {
         let alloc = StreamSafe::new(sim.clone(), StreamSafeConfig::default()).unwrap();
         let stack = Pointers::new(Limit::new(alloc, usize::MAX), sim.clone(), Duration::from_secs(1));
         let first = sim.create_stream().unwrap();
-        let home = shard_of(first);
-        let others = std::iter::repeat_with(|| sim.create_stream().unwrap()).filter(|&s| shard_of(s) == home);
+        let home = stack.claims.home(first);
+        let others =
+            std::iter::repeat_with(|| sim.create_stream().unwrap()).filter(|&s| stack.claims.home(s) == home);
         let alike: Vec<Stream> = std::iter::once(first).chain(others).take(n).collect();
         (sim, stack, alike, home)
     }
