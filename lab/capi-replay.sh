@@ -3,7 +3,7 @@
 # against it, then replays traces through streamalloc_malloc / streamalloc_free, once per
 # configuration: the best and the mean of PASSES timed passes.
 #   CONFS   space-separated STREAMALLOC_CONF strings
-#           (default: "device=sim,strategy=stream_safe,expandable=true device=sim,strategy=stream_safe,expandable=false")
+#           (default: "device=sim,strategy=stream_safe,backing=stitched device=sim,strategy=stream_safe,backing=chunks")
 #   PASSES  timed passes (default 10)
 #   LIB     a folder holding a libstreamalloc.so to use instead of building one (on a GPU
 #           machine: .anchors, which lab/run prepare fills; CONFS without device=sim)
@@ -34,7 +34,7 @@ for trace in "$@"; do
   esac
 done
 set -- "${plain[@]}"
-for conf in ${CONFS:-device=sim,strategy=stream_safe,expandable=true device=sim,strategy=stream_safe,expandable=false}; do
+for conf in ${CONFS:-device=sim,strategy=stream_safe,backing=stitched device=sim,strategy=stream_safe,backing=chunks}; do
   echo "== $conf"
   # One process per trace: the library's stacks live as long as the process, and a trace
   # replayed after another would start from the pool that one left.

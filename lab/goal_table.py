@@ -14,10 +14,12 @@ from collections import defaultdict
 
 from speed_table import FLOOR, fastest_anchor, per_trace, read_rounds
 
-STITCHED = "streamalloc:strategy=stream_safe,expandable=true"
+# Runs before the `expandable` key was retired (issue 51) wrote expandable=true|false.
+STITCHEDS = ("streamalloc:strategy=stream_safe,backing=stitched", "streamalloc:strategy=stream_safe,expandable=true")
 # Chunks: named explicitly since stitched ranges became the default; runs 1-35 wrote the
 # default's name.
-CHUNKS = ("streamalloc:strategy=stream_safe,expandable=false", "streamalloc:strategy=stream_safe")
+CHUNKS = ("streamalloc:strategy=stream_safe,backing=chunks", "streamalloc:strategy=stream_safe,expandable=false",
+          "streamalloc:strategy=stream_safe")
 
 
 def main(anchors, rounds):
@@ -36,13 +38,14 @@ def main(anchors, rounds):
     met = defaultdict(int)
     n = 0
     for trace in sorted(footprint):
-        if STITCHED not in footprint[trace] or not speed[trace].get(STITCHED):
+        stitched = next((c for c in STITCHEDS if c in footprint[trace]), STITCHEDS[0])
+        if stitched not in footprint[trace] or not speed[trace].get(stitched):
             continue
         n += 1
         # The floor maps nothing (footprint 0): not a reference.
         refs = {k: v for k, v in footprint[trace].items() if not k.startswith("streamalloc") and k != FLOOR}
         name, best = min(refs.items(), key=lambda kv: kv[1])
-        ours = footprint[trace][STITCHED]
+        ours = footprint[trace][stitched]
         goal = ours <= min(1.05, best)
         met["footprint"] += goal
         _, fast_best = fastest_anchor({k: min(v) for k, v in speed[trace].items()})
@@ -50,7 +53,7 @@ def main(anchors, rounds):
         row = [trace, f"{best:.4f} ({name})", f"{ours:.4f}", "yes" if goal else "no",
                f"{fast_best:.0f} / {fast_median:.0f}"]
         chunks = next((c for c in CHUNKS if speed[trace].get(c)), CHUNKS[0])
-        for conf, key in ((STITCHED, "stitched"), (chunks, "chunks")):
+        for conf, key in ((stitched, "stitched"), (chunks, "chunks")):
             ns = speed[trace].get(conf) or [float("nan")]
             b, m = min(ns), statistics.median(ns)
             met[key + " best"] += b <= fast_best / 2

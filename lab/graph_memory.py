@@ -38,7 +38,7 @@ ALLOCATORS = {
     "plain": "strategy=plain",
     "best_fit": "strategy=best_fit",
     "stream_safe": "strategy=stream_safe",
-    "stream_safe_chunks": "strategy=stream_safe,expandable=false",
+    "stream_safe_chunks": "strategy=stream_safe,backing=chunks",
     "async": "strategy=async",
     "native": "native",
     "cudaMallocAsync": "cudaMallocAsync",

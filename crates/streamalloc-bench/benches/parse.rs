@@ -1,6 +1,9 @@
 //! Parsing speed of the largest sample trace (gpt2_generate.csv.xz, 161k rows), from memory
 //! (decompressed first).
 
+// A benchmark: a failed unwrap or expect stops it, as it should.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use streamalloc_replay::trace::Trace;
 

@@ -6,6 +6,9 @@
 //! reads the one allocation path's cost from them. Run: `cargo bench -p streamalloc-bench
 //! --bench path_parts`.
 
+// A benchmark: a failed unwrap or expect stops it, as it should.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::hint::black_box;
 use std::sync::Arc;
 
@@ -32,19 +35,19 @@ fn bench(c: &mut Criterion) {
     group.bench_function("lock_and_release", |b| b.iter(|| *lock.lock() += 1));
     let owner = Arc::new(Owner(Mutex::new(0)));
     group.bench_function("reference_count_take_and_drop", |b| b.iter(|| drop(black_box(owner.clone()))));
-    let block = |ptr: u64| Block { ptr, size: 256, stream: Stream(1), ..Block::default() };
+    let block = |ptr: u64| Block { ptr, size: 256, stream: Stream::forged(1), ..Block::default() };
     group.bench_function("handle_make_and_drop", |b| {
         b.iter(|| drop(black_box(Allocation::new(block(1 << 40), owner.clone()))))
     });
     let mut handles: FxHashMap<u64, Allocation> =
-        (0..LIVE).map(|k| (k << 12, Allocation::empty(0, Stream(1)))).collect();
+        (0..LIVE).map(|k| (k << 12, Allocation::empty(0, Stream::forged(1)))).collect();
     handles.reserve(4 * LIVE as usize);
     let mut i = 0u64;
     group.bench_function("map_insert_and_remove_handle", |b| {
         b.iter(|| {
             i = (i + 1) % 1_000;
             let k = (1 << 41) + (i << 8);
-            handles.insert(k, Allocation::empty(0, Stream(1)));
+            handles.insert(k, Allocation::empty(0, Stream::forged(1)));
             black_box(handles.remove(&k))
         })
     });

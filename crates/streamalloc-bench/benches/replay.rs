@@ -7,6 +7,9 @@
 //! Each iteration is one warm pass over a trace (everything freed at its end); throughput is
 //! in trace operations. Run: `cargo bench -p streamalloc-bench --bench replay`.
 
+// A benchmark: a failed unwrap or expect stops it, as it should.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,8 +17,9 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use streamalloc::adaptors::Pointers;
 use streamalloc::allocators::{BackingKind, BestFit, BestFitConfig, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice};
+use streamalloc::device::Streams;
 use streamalloc::policy::best_fit::{BestFitPolicy, Classes};
-use streamalloc::{Allocation, Allocator, Device, Stream, StreamAllocator};
+use streamalloc::{Allocation, Allocator, Stream, StreamAllocator};
 use streamalloc_replay::trace::{Op, Trace};
 
 fn traces() -> Vec<Trace> {
@@ -123,7 +127,7 @@ fn bench(c: &mut Criterion) {
         group.bench_function("stream_safe_by_pointer", |b| {
             b.iter(|| pointer_pass(&trace, &mut ptrs, &by_pointer, s))
         });
-        // The same on stitched virtual-memory ranges (`expandable=true` in the facade).
+        // The same on stitched virtual-memory ranges (`backing=stitched` in the facade).
         let pool = BestFitConfig { backing: BackingKind::STITCHED, ..Default::default() };
         let stitched = Arc::new(
             StreamSafe::new(sim.clone(), StreamSafeConfig { pool, ..Default::default() }).expect("allocator"),

@@ -84,8 +84,9 @@ fn current_stream() -> Option<Stream> {
             // SAFETY: a non-zero value is a function of type `CupyStreamSource` stored by
             // streamalloc_cupy_set_stream_source, whose contract makes it callable here.
             let source: unsafe extern "C" fn() -> isize = unsafe { std::mem::transmute(f) };
-            // SAFETY: as above.
-            Some(Stream(unsafe { source() } as u64))
+            // SAFETY: as above; what it returns is CuPy's current stream, a live `cudaStream_t`
+            // of the current device (the source's contract), or 0 for the legacy default one.
+            Some(unsafe { Stream::from_raw(source() as u64) })
         }
     }
 }
@@ -116,7 +117,7 @@ struct Owners {
 
 /// Whether `stream` is one that a program can destroy (not a default stream's handle).
 fn destroyable(stream: Stream) -> bool {
-    stream.0 > 2
+    stream.raw() > 2
 }
 
 /// Counts the allocation at `ptr` on `stream`; tells the keeper when it is the stream's first.
@@ -126,15 +127,15 @@ fn kept_allocation(ptr: u64, stream: Stream) {
     }
     let first = match KEPT.lock().as_mut() {
         Some(o) => {
-            o.stream_of.insert(ptr, stream.0);
-            let live = o.live.entry(stream.0).or_default();
+            o.stream_of.insert(ptr, stream.raw());
+            let live = o.live.entry(stream.raw()).or_default();
             *live += 1;
             *live == 1
         }
         None => false,
     };
     if first {
-        tell_keeper(stream.0, 1);
+        tell_keeper(stream.raw(), 1);
     }
 }
 
@@ -170,7 +171,7 @@ pub extern "C" fn streamalloc_cupy_malloc(param: *mut c_void, size: usize, devic
     let _ = param;
     status::abi("streamalloc_cupy_malloc", ptr::null_mut(), || {
         let stream = current_stream().unwrap_or(Stream::DEFAULT);
-        let ptr = State::get()?.allocate(size, device, stream.0)?;
+        let ptr = State::get()?.allocate(size, device, stream.raw())?;
         if ptr != 0 {
             kept_allocation(ptr, stream);
         }

@@ -23,10 +23,21 @@
 //! forked after the library came into use every call fails at once, taking no lock (see
 //! `fork.rs`).
 //!
+//! Every stream a caller passes (`cudaStream_t`, CuPy's stream source) is NULL, the legacy
+//! default stream, or a live stream of the device the call names, made in its primary context
+//! (PyTorch's and CuPy's streams are); with `device=sim`, a handle of
+//! `streamalloc_sim_create_stream`. CUDA streams go to the driver as they are
+//! ([`Stream::from_raw`](core_alloc::Stream::from_raw)), which does not reliably refuse a
+//! bad one.
+//!
 //! `include/streamalloc.h` is generated from this crate by cbindgen; `cargo test -p
 //! streamalloc-capi` fails when it is out of date, and regenerates it with
 //! `STREAMALLOC_BLESS=1`.
 
+// The C ABI: `extern "C"` entry points, raw pointers from C and the callbacks it installs.
+// Each `unsafe` block has its `// SAFETY:` comment; the workspace denies `unsafe` elsewhere
+// but in the core crate's device layer.
+#![allow(unsafe_code)]
 // Rustdoc does not render this crate (its documentation is the generated header, which
 // carries these doc comments); the lint keeps every exported item documented.
 #![warn(missing_docs)]

@@ -18,7 +18,8 @@ use std::os::raw::{c_int, c_void};
 use std::sync::Arc;
 
 use core_alloc::device::sim::SimDevice;
-use core_alloc::{Device, Error, Result, Stream};
+use core_alloc::device::Streams;
+use core_alloc::{Error, Result, Stream};
 
 use crate::state::{ordinal, State};
 use crate::status::{self, StreamallocStatus};

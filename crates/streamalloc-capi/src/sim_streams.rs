@@ -26,7 +26,7 @@ impl SimStreams {
         loop {
             let mut h = self.keys.build_hasher();
             h.write_u64(n);
-            h.write_u64(stream.0);
+            h.write_u64(stream.raw());
             // Aligned like a pointer, as a `cudaStream_t` is.
             let handle = h.finish() & !7;
             if handle != 0 && !table.contains_key(&handle) {

@@ -151,14 +151,16 @@ impl State {
     pub(crate) fn handle(&self, device: usize, stream: Stream) -> u64 {
         match self.config().device {
             DeviceKind::Sim => self.sim_streams.handle_of(device, stream),
-            _ => stream.0,
+            _ => stream.raw(),
         }
     }
 
     /// The stream a C handle stands for, with its device when the handle says which.
     fn named(&self, handle: u64) -> Result<StreamHint> {
         if self.config().device != DeviceKind::Sim {
-            return Ok(StreamHint { device: None, stream: Stream(handle) });
+            // SAFETY: a stream handle a caller of the C ABI passes is a live `cudaStream_t` of
+            // the device it names, or NULL (the header's contract for every `stream` argument).
+            return Ok(StreamHint { device: None, stream: unsafe { Stream::from_raw(handle) } });
         }
         let (device, stream) = self.sim_streams.get(handle)?;
         Ok(StreamHint { device, stream })
@@ -404,7 +406,7 @@ mod tests {
     use std::sync::Arc;
     use std::time::{Duration, Instant};
 
-    use core_alloc::device::{CaptureStatus, Device};
+    use core_alloc::device::{CaptureStatus, Graphs, Streams};
 
     use super::*;
 

@@ -78,7 +78,7 @@ impl CFilter {
         match self.call {
             // SAFETY: `call` and `context` were given together to streamalloc_pool_begin, whose
             // contract keeps them valid until `drop`.
-            Some(call) => unsafe { call(self.context, s.0 as CudaStream) },
+            Some(call) => unsafe { call(self.context, s.raw() as CudaStream) },
             None => true,
         }
     }

@@ -2,6 +2,10 @@
 //! `tests/c/segments.c` on the simulator under each strategy and backing that can list its
 //! memory (and `async`, whose live allocations are listed one segment each).
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use common::run_ok as run;

@@ -4,6 +4,10 @@
 //! `streamalloc_trace_use` / `streamalloc_trace_wait` write `use` and `wait` rows, with the
 //! stream values the allocation rows use; without `trace=` they succeed and write nothing.
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 #[test]

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use clap::ValueEnum;
 use streamalloc::device::cuda::{device_count, driver_version, CudaDevice};
 use streamalloc::device::sim::{SimConfig, SimDevice};
+use streamalloc::device::{DeviceMemory, DriverPools};
 use streamalloc::Device;
 
 /// Which device to replay on.

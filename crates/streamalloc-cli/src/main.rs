@@ -85,7 +85,7 @@ enum Command {
         #[arg(required = true)]
         traces: Vec<PathBuf>,
         /// A configuration, as STREAMALLOC_CONF takes it (e.g.
-        /// 'strategy=stream_safe,expandable=true,growth=16MiB'); repeatable, each row is
+        /// 'strategy=stream_safe,backing=stitched,growth=16MiB'); repeatable, each row is
         /// labelled by its string, rows in the order --conf and --allocator are given. Its
         /// `device` key does not apply (--device chooses the device), nor `sim_virtual_memory`;
         /// `sim_capacity` sizes the simulator (see --capacity).
@@ -248,6 +248,7 @@ const SIM_NS_PER_OP: &str = "ns/op on the simulator measure the library's CPU co
 /// version, which alone would make this binary, and the wheel that bundles it, need glibc 2.35;
 /// defined here, the binary keeps to the glibc its library needs. Computed in `f64`, where the
 /// squares of `f32` arguments cannot overflow or underflow: accurate to `f32`'s precision.
+#[allow(unsafe_code)] // `no_mangle`: the one symbol this program defines for C; no unsafe code
 #[no_mangle]
 pub extern "C" fn hypotf(x: f32, y: f32) -> f32 {
     let (x, y) = (f64::from(x), f64::from(y));

@@ -4,6 +4,10 @@
 //! and the headroom; a replay with failed allocations exits nonzero unless
 //! `--expect-failures`; `fit` names the configuration that fits with the most headroom.
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use common::{json_rows, stderr, stdout, streamalloc, TempFile, HEADER};

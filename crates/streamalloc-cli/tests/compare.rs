@@ -2,6 +2,10 @@
 //! (`--base`, `--with`), across one or more result files, and shows the spread of the timed
 //! passes (median, min and max), so that a ratio of timings says whether it is a difference.
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use common::{stderr, stdout, streamalloc, workload, TempFile};

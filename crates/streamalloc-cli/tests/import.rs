@@ -6,6 +6,10 @@
 //! crates/streamalloc-cli/tests/fabricate_snapshot.py's snapshot (with and without `time_us`) and for
 //! traces/snapshots/mlp_train_side_stream.pickle.
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use std::path::{Path, PathBuf};

@@ -4,7 +4,7 @@
 //! (`lab/run prepare`), so figures compare with its figures:
 //!
 //! * **Pass 0** (untimed) runs every operation and samples the device's memory use
-//!   ([`Device::mem_info`]) after each one. Its peak, minus the use measured just before
+//!   ([`DeviceMemory::mem_info`](streamalloc::device::DeviceMemory::mem_info)) after each one. Its peak, minus the use measured just before
 //!   the pass, is [`ReplayResult::peak_device_used`]; divided by the trace's peak live bytes
 //!   it is the [`ReplayResult::footprint_ratio`] (1.0 is a perfect allocator, which no
 //!   real one reaches). The samples, downsampled, are [`ReplayResult::series`].
@@ -55,7 +55,7 @@
 //! enqueued by then.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Barrier};
+use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -64,33 +64,14 @@ use serde::{Deserialize, Serialize};
 use crate::trace::{Op, Trace};
 use streamalloc::device::sim::SimDevice;
 use streamalloc::device::{Device, Event, PoolAttr, Stream};
-use streamalloc::{Allocation, Allocator, Error, Result, StreamAllocator};
+use streamalloc::{Allocation, Error, Result};
 
-/// The allocator under replay.
-pub enum ReplayTarget {
-    /// An allocator without a stream API: every operation runs on the allocator's own
-    /// stream, and the trace's stream indices are ignored.
-    Single(Arc<dyn Allocator>),
-    /// A stream-aware allocator: each operation allocates on the stream of its recorded
-    /// stream (the default stream for the recorded stream 0, else one the replay creates).
-    Streams(Arc<dyn StreamAllocator>),
-}
-
-impl ReplayTarget {
-    fn allocate(&self, size: usize, stream: Stream) -> Result<Allocation> {
-        match self {
-            ReplayTarget::Single(a) => a.allocate(size),
-            ReplayTarget::Streams(a) => a.allocate_on(size, stream),
-        }
-    }
-
-    fn stats(&self) -> streamalloc::Stats {
-        match self {
-            ReplayTarget::Single(a) => a.stats(),
-            ReplayTarget::Streams(a) => a.stats(),
-        }
-    }
-}
+/// The allocator under replay: without a stream API ([`Single`](streamalloc::AnyAllocator::Single)) every
+/// operation runs on the allocator's own stream and the trace's stream indices are ignored; a
+/// stream-aware one ([`Streams`](streamalloc::AnyAllocator::Streams)) allocates on the stream of each operation's
+/// recorded stream (the default stream for the recorded stream 0, else one the replay
+/// creates).
+pub use streamalloc::AnyAllocator as ReplayTarget;
 
 /// How to replay.
 #[derive(Clone, Copy)]
@@ -312,7 +293,7 @@ impl Shared<'_> {
     /// counting them live when `sample`; the allocation, or `None` after counting the failure.
     /// With time, the ordering checker sees the handout.
     fn allocate(&self, size: usize, stream: usize, sample: bool, op: usize) -> Option<Allocation> {
-        match self.target.allocate(size, self.stream(stream)) {
+        match self.target.allocate_on(size, self.stream(stream)) {
             Ok(a) => {
                 if sample {
                     self.live.fetch_add(size, Ordering::Relaxed);
@@ -714,7 +695,7 @@ pub fn replay(
     };
     shared.synchronize()?;
     let shared = Shared { base: device.mem_info()?.used(), ..shared };
-    let calls_before = target.stats();
+    let calls_before = target.allocator().stats();
 
     let mut pass_ns = Vec::with_capacity(options.passes);
     let mut device_calls = 0;
@@ -733,7 +714,7 @@ pub fn replay(
             done(pass);
         }
         if sample {
-            let after = target.stats();
+            let after = target.allocator().stats();
             device_calls = (after.device_allocs + after.device_frees)
                 .saturating_sub(calls_before.device_allocs + calls_before.device_frees);
         } else {
@@ -759,7 +740,7 @@ pub fn replay(
         } else {
             peak_device_used as f64 / trace.peak_live as f64
         },
-        reserved_peak: target.stats().reserved_peak,
+        reserved_peak: target.allocator().stats().reserved_peak,
         device_calls,
         ns_per_op_warm: pass_ns.iter().copied().fold(f64::INFINITY, f64::min),
         ns_per_op_passes: pass_ns,
@@ -778,8 +759,11 @@ pub fn replay(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
     use streamalloc::allocators::Plain;
     use streamalloc::device::sim::{SimConfig, SimDevice};
+    use streamalloc::device::{DeviceMemory as _, DriverPools as _, Streams as _};
+    use streamalloc::Allocator;
 
     fn trace(text: &str) -> Trace {
         Trace::parse(format!("{}\n{text}", streamalloc::trace::HEADER).as_bytes(), "t").unwrap()

@@ -3,6 +3,10 @@
 //! trace's time is replayed on the simulator, under every allocator, and the ordering checker
 //! finds no early reuse.
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use streamalloc::device::sim::{SimConfig, SimDevice};

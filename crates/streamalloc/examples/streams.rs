@@ -11,7 +11,8 @@ use std::sync::Arc;
 use streamalloc::allocators::{StreamSafe, StreamSafeConfig};
 use streamalloc::device::cuda::CudaDevice;
 use streamalloc::device::sim::{SimConfig, SimDevice};
-use streamalloc::{Allocator, Device, Error, Result, Stream, StreamAllocator};
+use streamalloc::device::Streams;
+use streamalloc::{Allocator, Device, Error, Result, StreamAllocator};
 
 const MIB: usize = 1 << 20;
 
@@ -43,7 +44,8 @@ fn on_cuda_streams() -> Result<()> {
     let (compute, copy) = (ctx.new_stream().map_err(driver_error)?, ctx.new_stream().map_err(driver_error)?);
     // A `Stream` is the driver's stream handle; cudarc's streams live in the device's primary
     // context, the one streamalloc uses.
-    let (s1, s2) = (Stream(compute.cu_stream() as u64), Stream(copy.cu_stream() as u64));
+    let (s1, s2) =
+        (streamalloc::device::cuda::stream_of(&compute), streamalloc::device::cuda::stream_of(&copy));
     let device: Arc<dyn Device> = CudaDevice::new(0)?;
     let pool = StreamSafe::new(device, StreamSafeConfig::default())?;
     let mut a = pool.allocate_on(64 * MIB, s1)?;

@@ -23,8 +23,7 @@ use std::sync::Arc;
 use crate::device::{DevicePtr, Stream};
 use crate::error::Result;
 
-/// Alignment of every pointer handed out, in bytes.
-pub const ALIGNMENT: usize = 256;
+pub use crate::policy::ALIGNMENT;
 
 /// Rounds `size` up to a multiple of [`ALIGNMENT`]; `None` on overflow.
 pub fn align_up(size: usize) -> Option<usize> {
@@ -122,7 +121,7 @@ pub trait BlockOwner: Send + Sync {
 /// ```
 /// use streamalloc::allocators::{StreamSafe, StreamSafeConfig};
 /// use streamalloc::device::sim::{SimConfig, SimDevice};
-/// use streamalloc::{Device, StreamAllocator};
+/// use streamalloc::{Streams, StreamAllocator};
 ///
 /// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
 /// let alloc = StreamSafe::new(sim.clone(), StreamSafeConfig::default())?;
@@ -373,16 +372,6 @@ pub struct Stats {
 }
 
 impl Stats {
-    /// Share of cached memory that is not in the largest free block: 0 when the cache is one
-    /// block (or empty), near 1 when it is in many small pieces.
-    pub fn fragmentation(&self) -> f64 {
-        if self.cached == 0 {
-            0.0
-        } else {
-            1.0 - self.largest_free_block as f64 / self.cached as f64
-        }
-    }
-
     /// Records an allocation of `size` bytes in the byte and count figures.
     pub fn on_allocate(&mut self, size: usize) {
         self.allocated += size;
@@ -527,6 +516,35 @@ pub trait Allocator: Send + Sync {
     fn segments(&self, out: &mut Vec<Segment>) -> Result<()>;
 }
 
+/// An allocator as its widest interface: one without stream methods, or a stream-aware one.
+/// What a program that runs either holds (a trace replay, a conformance suite).
+#[derive(Clone)]
+pub enum AnyAllocator {
+    /// An allocator without stream methods: every allocation is on its own stream.
+    Single(Arc<dyn Allocator>),
+    /// A stream-aware allocator.
+    Streams(Arc<dyn StreamAllocator>),
+}
+
+impl AnyAllocator {
+    /// The allocator, without its stream methods.
+    pub fn allocator(&self) -> &dyn Allocator {
+        match self {
+            AnyAllocator::Single(a) => a.as_ref(),
+            AnyAllocator::Streams(a) => a.as_ref(),
+        }
+    }
+
+    /// Allocates `size` bytes on `stream` if the allocator is stream-aware, else on its own
+    /// stream; fails as its `allocate` or `allocate_on` does.
+    pub fn allocate_on(&self, size: usize, stream: Stream) -> Result<Allocation> {
+        match self {
+            AnyAllocator::Single(a) => a.allocate(size),
+            AnyAllocator::Streams(a) => a.allocate_on(size, stream),
+        }
+    }
+}
+
 /// An allocator that allocates on any stream, following the ordering contract of the
 /// [module docs](self).
 ///
@@ -535,7 +553,7 @@ pub trait Allocator: Send + Sync {
 /// ```
 /// use streamalloc::allocators::{AsyncPool, AsyncPoolConfig, StreamSafe, StreamSafeConfig};
 /// use streamalloc::device::sim::{SimConfig, SimDevice};
-/// use streamalloc::{Device, Stream, StreamAllocator};
+/// use streamalloc::{Streams, Stream, StreamAllocator};
 ///
 /// /// A buffer on each stream, from whichever stream-aware allocator is given.
 /// fn per_stream(alloc: &dyn StreamAllocator, streams: &[Stream]) -> streamalloc::Result<()> {
@@ -676,17 +694,17 @@ mod tests {
     #[test]
     fn recorded_streams_travel_to_the_owner() {
         let owner = Arc::new(Keep(parking_lot::Mutex::new(Vec::new())));
-        let block = Block { ptr: 0x1000, size: 256, stream: Stream(1), ..Block::default() };
+        let block = Block { ptr: 0x1000, size: 256, stream: Stream::forged(1), ..Block::default() };
         let mut a = Allocation::new(block, owner.clone());
-        a.record_stream(Stream(1)); // the owning stream: nothing to do
-        a.record_stream(Stream(2));
-        a.record_stream(Stream(3));
-        a.record_stream(Stream(2)); // twice: once
-        assert_eq!(a.recorded_streams(), &[Stream(2), Stream(3)]);
-        a.erase_stream(Stream(2));
-        assert_eq!((a.owning_stream(), a.recorded_streams()), (Stream(1), &[Stream(3)][..]));
+        a.record_stream(Stream::forged(1)); // the owning stream: nothing to do
+        a.record_stream(Stream::forged(2));
+        a.record_stream(Stream::forged(3));
+        a.record_stream(Stream::forged(2)); // twice: once
+        assert_eq!(a.recorded_streams(), &[Stream::forged(2), Stream::forged(3)]);
+        a.erase_stream(Stream::forged(2));
+        assert_eq!((a.owning_stream(), a.recorded_streams()), (Stream::forged(1), &[Stream::forged(3)][..]));
         drop(a);
         let freed = owner.0.lock();
-        assert_eq!((freed.len(), freed[0].ptr, &*freed[0].recorded), (1, 0x1000, &[Stream(3)][..]));
+        assert_eq!((freed.len(), freed[0].ptr, &*freed[0].recorded), (1, 0x1000, &[Stream::forged(3)][..]));
     }
 }

@@ -61,10 +61,10 @@ pub mod text;
 pub mod trace;
 
 pub use allocation::{
-    Allocation, Allocator, Block, BlockOwner, BlockState, Kept, KeptBlock, PointerEntry, ReservedGauge,
-    Segment, SegmentBlock, Stats, StreamAllocator, ALIGNMENT,
+    Allocation, Allocator, AnyAllocator, Block, BlockOwner, BlockState, Kept, KeptBlock, PointerEntry,
+    ReservedGauge, Segment, SegmentBlock, Stats, StreamAllocator, ALIGNMENT,
 };
-pub use device::{Device, DevicePtr, Stream};
+pub use device::{Device, DevicePtr, Stream, Streams};
 pub use error::{Error, HeldErrors, OutOfMemory, Result};
 
 /// The README's examples, compiled and run as doctests.

@@ -45,7 +45,7 @@ impl StreamSlots {
         if self.bits == 0 {
             return 0;
         }
-        (stream.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (u64::BITS - self.bits)) as usize
+        (stream.raw().wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (u64::BITS - self.bits)) as usize
     }
 
     /// The slots `stream` looks at, its home first.
@@ -67,7 +67,7 @@ impl StreamSlots {
     #[inline]
     pub(crate) fn find(&self, stream: Stream) -> Option<usize> {
         let home = self.home(stream);
-        if stream.0 != NO_STREAM && self.holder(home) == stream.0 {
+        if stream.raw() != NO_STREAM && self.holder(home) == stream.raw() {
             return Some(home);
         }
         self.find_past_home(stream)
@@ -76,15 +76,15 @@ impl StreamSlots {
     /// [`StreamSlots::find`] past the home slot.
     #[inline(never)]
     fn find_past_home(&self, stream: Stream) -> Option<usize> {
-        if stream.0 == NO_STREAM {
+        if stream.raw() == NO_STREAM {
             return None;
         }
-        self.probe(stream).skip(1).find(|&i| self.holder(i) == stream.0)
+        self.probe(stream).skip(1).find(|&i| self.holder(i) == stream.raw())
     }
 
     /// Every slot `stream` holds among those it looks at.
     pub(crate) fn held_by(&self, stream: Stream) -> impl Iterator<Item = usize> + '_ {
-        self.probe(stream).filter(move |&i| stream.0 != NO_STREAM && self.holder(i) == stream.0)
+        self.probe(stream).filter(move |&i| stream.raw() != NO_STREAM && self.holder(i) == stream.raw())
     }
 
     /// Takes the first slot `stream` looks at that nobody holds or whose holder `may_take`
@@ -95,14 +95,14 @@ impl StreamSlots {
         stream: Stream,
         mut may_take: impl FnMut(usize, u64) -> bool,
     ) -> Option<usize> {
-        if stream.0 == NO_STREAM {
+        if stream.raw() == NO_STREAM {
             return None;
         }
         self.probe(stream).find(|&i| {
             let holder = self.holders[i].load(Ordering::Relaxed);
             (holder == NO_STREAM || may_take(i, holder))
                 && self.holders[i]
-                    .compare_exchange(holder, stream.0, Ordering::AcqRel, Ordering::Relaxed)
+                    .compare_exchange(holder, stream.raw(), Ordering::AcqRel, Ordering::Relaxed)
                     .is_ok()
         })
     }
@@ -110,7 +110,7 @@ impl StreamSlots {
     /// The first slot `stream` looks at that nobody holds, for a caller that serializes the
     /// writes of the table itself (then [`StreamSlots::hold`]).
     pub(crate) fn vacant(&self, stream: Stream) -> Option<usize> {
-        if stream.0 == NO_STREAM {
+        if stream.raw() == NO_STREAM {
             return None;
         }
         self.probe(stream).find(|&i| self.holder(i) == NO_STREAM)
@@ -119,7 +119,7 @@ impl StreamSlots {
     /// Makes `stream` the holder of slot `i` (release ordering: what the caller wrote for the
     /// slot before is seen by a lookup that finds `stream` there).
     pub(crate) fn hold(&self, i: usize, stream: Stream) {
-        self.holders[i].store(stream.0, Ordering::Release);
+        self.holders[i].store(stream.raw(), Ordering::Release);
     }
 
     /// Empties slot `i`.
@@ -135,10 +135,10 @@ mod tests {
     #[test]
     fn streams_of_one_home_take_the_slots_after_it_and_find_them_again() {
         let slots = StreamSlots::new(256, 8);
-        let first = Stream(3);
+        let first = Stream::forged(3);
         let home = slots.home(first);
         let alike: Vec<Stream> = std::iter::once(first)
-            .chain((4..).map(Stream).filter(|&s| slots.home(s) == home))
+            .chain((4..).map(Stream::forged).filter(|&s| slots.home(s) == home))
             .take(9)
             .collect();
         for (k, &s) in alike[..8].iter().enumerate() {
@@ -148,14 +148,14 @@ mod tests {
         }
         // The ninth finds every slot it looks at held, unless a holder gives one up.
         assert_eq!(slots.claim(alike[8], |_, _| false), None);
-        assert_eq!(slots.claim(alike[8], |_, holder| holder == alike[2].0), Some((home + 2) % 256));
+        assert_eq!(slots.claim(alike[8], |_, holder| holder == alike[2].raw()), Some((home + 2) % 256));
         assert_eq!((slots.find(alike[2]), slots.find(alike[8])), (None, Some((home + 2) % 256)));
         slots.leave((home + 2) % 256);
         assert_eq!(slots.vacant(alike[2]), Some((home + 2) % 256));
         slots.hold((home + 2) % 256, alike[2]);
         assert_eq!(slots.held_by(alike[2]).collect::<Vec<_>>(), vec![(home + 2) % 256]);
         assert_eq!(
-            (slots.find(Stream(NO_STREAM)), slots.claim(Stream(NO_STREAM), |_, _| true)),
+            (slots.find(Stream::forged(NO_STREAM)), slots.claim(Stream::forged(NO_STREAM), |_, _| true)),
             (None, None)
         );
     }
@@ -165,7 +165,7 @@ mod tests {
         // Pointers' shards and StreamSafe's slots (256 each) had `hash >> 56`.
         let slots = StreamSlots::new(256, 8);
         for s in [0u64, 1, 7, 0x7f00_dead_beef, u64::MAX - 1] {
-            assert_eq!(slots.home(Stream(s)), (s.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as usize);
+            assert_eq!(slots.home(Stream::forged(s)), (s.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as usize);
         }
     }
 }

@@ -1,10 +1,15 @@
 //! The facade on the simulator: every strategy, the stack's layers, per-device statistics,
 //! (a trace the Trace layer writes replays to identical statistics: streamalloc-replay's tests).
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::sync::Arc;
 
+use streamalloc::device::{DeviceMemory, Streams};
 use streamalloc::facade::{Config, Facade, Strategy};
-use streamalloc::{Device, Error, Stream};
+use streamalloc::{Error, Stream};
 
 const MIB: usize = 1 << 20;
 
@@ -34,15 +39,15 @@ fn every_strategy_allocates_on_any_stream() {
 
 /// The caching strategies back their pools with stitched virtual-memory ranges by default,
 /// with chunks of plain allocations on a device without virtual memory management (where
-/// every reservation fails) or with `expandable=false`.
+/// every reservation fails) or with `backing=chunks`.
 #[test]
 fn caching_pools_map_ranges_where_the_device_can_and_fall_back_to_chunks() {
     for strategy in ["best_fit", "stream_safe"] {
         for (keys, maps) in [
             ("", true),
             (",sim_virtual_memory=false", false),
-            (",expandable=false", false),
-            (",expandable=true,sim_virtual_memory=false", false),
+            (",backing=chunks", false),
+            (",backing=stitched,sim_virtual_memory=false", false),
         ] {
             let f = sim(&format!("strategy={strategy}{keys}"));
             let large = f.allocate(40 * MIB, 0, Stream::DEFAULT).unwrap();
@@ -62,7 +67,7 @@ fn caching_pools_map_ranges_where_the_device_can_and_fall_back_to_chunks() {
 /// `stream_safe` still name it (undefined in the driver: a crash on an H200).
 #[test]
 fn retired_streams_are_named_by_no_later_call() {
-    for strategy in ["plain", "best_fit", "stream_safe", "stream_safe,expandable=false", "async"] {
+    for strategy in ["plain", "best_fit", "stream_safe", "stream_safe,backing=chunks", "async"] {
         for retire in [true, false] {
             let f = sim(&format!("strategy={strategy}"));
             let sim = f.stack(0).unwrap().sim.clone().unwrap();

@@ -17,6 +17,10 @@
 //! `STREAMALLOC_FUZZ_SLEEP_OPS` sets the operations per worker (default 20,000),
 //! `STREAMALLOC_FUZZ_SEED` the seed.
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread;
@@ -25,8 +29,9 @@ use parking_lot::RwLock;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use streamalloc::device::sim::{SimConfig, SimDevice};
+use streamalloc::device::Streams;
 use streamalloc::facade::{Config, DeviceStack, Facade};
-use streamalloc::{tags, Allocator, Device, Error, Stream, StreamAllocator};
+use streamalloc::{tags, Allocator, Error, Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
 const WORKERS: usize = 5;

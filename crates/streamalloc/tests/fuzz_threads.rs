@@ -9,6 +9,10 @@
 //! `STREAMALLOC_FUZZ_THREAD_OPS` sets the operations per worker thread (default 200,000),
 //! `STREAMALLOC_FUZZ_SEED` the seed.
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread;
@@ -20,6 +24,7 @@ use streamalloc::adaptors::Pointers;
 use streamalloc::adaptors::SingleStream;
 use streamalloc::allocators::{BackingKind, BestFit, BestFitConfig, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice, ViolationKind};
+use streamalloc::device::Streams;
 use streamalloc::facade::private_pools::{PrivatePools, Routed, StreamFilter};
 use streamalloc::facade::{Config, DynAllocator, Facade};
 use streamalloc::{Allocator, Device, Error, Stream, StreamAllocator};
@@ -236,11 +241,11 @@ fn check(name: &str, stack: Stack) {
 
 #[test]
 fn stream_safe_stitched_threads() {
-    check("stream_safe (stitched)", facade("strategy=stream_safe,expandable=true"));
+    check("stream_safe (stitched)", facade("strategy=stream_safe,backing=stitched"));
 }
 #[test]
 fn stream_safe_chunks_threads() {
-    check("stream_safe (chunks)", facade("strategy=stream_safe,expandable=false"));
+    check("stream_safe (chunks)", facade("strategy=stream_safe,backing=chunks"));
 }
 #[test]
 fn stream_safe_segments_threads() {
@@ -248,11 +253,11 @@ fn stream_safe_segments_threads() {
 }
 #[test]
 fn best_fit_stitched_threads() {
-    check("best_fit (stitched)", facade("strategy=best_fit,expandable=true"));
+    check("best_fit (stitched)", facade("strategy=best_fit,backing=stitched"));
 }
 #[test]
 fn best_fit_chunks_threads() {
-    check("best_fit (chunks)", facade("strategy=best_fit,expandable=false"));
+    check("best_fit (chunks)", facade("strategy=best_fit,backing=chunks"));
 }
 #[test]
 fn best_fit_segments_threads() {

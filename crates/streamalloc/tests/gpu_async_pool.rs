@@ -4,6 +4,10 @@
 //! `--ignored`. Waits are bounded: a stream blocked by a host function is released after at
 //! most [`BLOCK_LIMIT`].
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod conformance;
 mod gpu_common;
 

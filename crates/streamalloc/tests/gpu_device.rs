@@ -5,12 +5,19 @@
 //! Every wait is bounded: host functions that block a stream give up after [`HOLD_LIMIT`], and
 //! polls give up after [`POLL_LIMIT`].
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use streamalloc::device::cuda::{cuda_available, CudaDevice};
-use streamalloc::device::{CaptureStatus, Device, DeviceTestExt, Event, PoolAttr, PoolProps, Stream};
+use streamalloc::device::{
+    CaptureStatus, DeviceMemory, DeviceTestExt, DriverPools, Event, Events, Graphs, PoolAttr, PoolProps,
+    Stream, Streams, VirtualMemory,
+};
 use streamalloc::Error;
 
 /// Longest a test host function keeps its stream blocked.
@@ -541,7 +548,7 @@ fn bounded_event_wait_and_stream_check() {
     // crashed the process here); the simulator's tests check that it is refused.
 }
 
-/// Issue 52, #18: `Device::wait_event`'s default body computed `Instant::now() + timeout`,
+/// Issue 52, #18: `Events::wait_event`'s default body computed `Instant::now() + timeout`,
 /// which panicked for a timeout past the clock (`wait_timeout=10000000000000000000s`); it
 /// now waits without a deadline there, and a zero timeout on work still running says so.
 #[test]

@@ -1,6 +1,6 @@
 //! GPU tests of sharing mapped memory with another process: a block of a stitched pool
-//! exported ([`share_mapped`], `Device::export_mapped`) in one process and mapped in another
-//! (`fetch_fds`, `Device::map_shared`), the two processes a parent and the child it spawned
+//! exported ([`share_mapped`], `Ipc::export_mapped`) in one process and mapped in another
+//! (`fetch_fds`, `Ipc::map_shared`), the two processes a parent and the child it spawned
 //! (this test executable again, in the role the environment names). Bytes go both ways, and the
 //! receiver's mapping keeps the memory after the exporter freed the block and released its
 //! pool. `#[ignore]`d: `scripts/gpu-test.sh` runs them on a GPU machine, where a missing GPU
@@ -11,10 +11,14 @@
 //! child over its parent; there the first test fails with that cause named, and the second
 //! still shows the sharing itself.
 //!
-//! An allocation of an exportable driver pool (`Device::export_pool_pointer`) is imported the
-//! same way (`Device::import_pool_pointer`), by a parent from its child.
+//! An allocation of an exportable driver pool (`Ipc::export_pool_pointer`) is imported the
+//! same way (`Ipc::import_pool_pointer`), by a parent from its child.
 //!
 //! Every wait is bounded: a peer's line is awaited at most [`LIMIT`], then the child is killed.
+
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod gpu_common;
 

@@ -3,6 +3,10 @@
 //! driver refusing a free of memory it did not pin. `#[ignore]`d: `scripts/gpu-test.sh` runs
 //! them on a GPU machine, where a missing GPU fails them (never a silent pass).
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod gpu_common;
 
 use std::sync::atomic::Ordering;
@@ -24,6 +28,7 @@ fn pinned_blocks_are_copied_from_and_reused_after_the_copy() {
     let mut staging = pool.allocate(3 * MIB).unwrap();
     // SAFETY: the buffer is 3 MiB of pinned host memory the pool handed out and nothing else
     // uses; the slice ends before the buffer is dropped.
+    #[allow(unsafe_code)] // host memory seen as bytes: what a test of pinned memory checks
     let bytes = unsafe { std::slice::from_raw_parts_mut(staging.as_mut_ptr(), staging.size()) };
     bytes.fill(0x5a);
     let target = device.alloc(3 * MIB).unwrap();

@@ -6,6 +6,10 @@
 //! wake, and each misuse's answer. `#[ignore]`d: `scripts/gpu-test.sh` runs them on a GPU
 //! machine, where a missing GPU fails them (never a silent pass).
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod gpu_common;
 
 use std::sync::atomic::Ordering;
@@ -159,7 +163,7 @@ fn a_sleep_past_the_bound_names_the_stream_and_gives_nothing_back() {
     let before = used(&gpu);
     match layer.sleep(&tag("kv"), true, &[]) {
         Err(Error::Timeout { waited_for, .. }) => {
-            assert!(waited_for.contains(&format!("{:#x}", s.0)), "{waited_for}")
+            assert!(waited_for.contains(&format!("{:#x}", s.raw())), "{waited_for}")
         }
         other => panic!("expected a timeout, got {other:?}"),
     }

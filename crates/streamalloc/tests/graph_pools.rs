@@ -4,12 +4,16 @@
 //! negative control captures into the main pool, as the library did before private pools,
 //! and the checker catches the eager allocation that overwrites the graph's memory.
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::sync::Arc;
 
 use streamalloc::adaptors::Pointers;
 use streamalloc::allocators::{BestFitConfig, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice};
-use streamalloc::device::{CaptureStatus, Device, DeviceTestExt};
+use streamalloc::device::{CaptureStatus, DeviceTestExt, Graphs, Streams};
 use streamalloc::facade::private_pools::{PrivatePools, Routed};
 use streamalloc::Stream;
 

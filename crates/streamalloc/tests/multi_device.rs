@@ -3,11 +3,15 @@
 //! the peer was granted access to its pool, and every strategy accepts frees from another
 //! thread. The same rules on two real GPUs: tests/gpu_multi.rs.
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::sync::Arc;
 
 use streamalloc::allocators::{AsyncPool, AsyncPoolConfig, PoolMode, ReuseFlags};
 use streamalloc::device::sim::{SimConfig, SimDevice};
-use streamalloc::device::DeviceTestExt;
+use streamalloc::device::{DeviceMemory, DeviceTestExt, DriverPools, Streams};
 use streamalloc::facade::{Config, Facade};
 use streamalloc::{Allocation, Allocator, Device, Error, Stream};
 
@@ -77,7 +81,7 @@ fn peer_copy_needs_access_to_the_pool() {
     let err = d0.copy_peer(dst, 1, src.ptr(), MIB, s).unwrap_err();
     let msg = err.to_string();
     assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
-    assert!(msg.contains(&format!("pool {:#x}", raw.0)) && msg.contains("device 1 access"), "{msg}");
+    assert!(msg.contains(&format!("pool {:#x}", raw.raw())) && msg.contains("device 1 access"), "{msg}");
     // An interior pointer of the allocation is pool memory too.
     assert!(d0.copy_peer(dst, 1, src.ptr() + 4096, 4096, s).is_err());
 
@@ -176,7 +180,7 @@ fn frees_from_another_thread_work_for_every_strategy() {
 
 #[test]
 fn mapped_memory_is_copied_to_a_peer_only_once_peer_access_is_enabled() {
-    let f = sim("strategy=stream_safe,expandable=true");
+    let f = sim("strategy=stream_safe,backing=stitched");
     let d0 = f.stack(0).unwrap().sim.clone().unwrap();
     let d1 = f.stack(1).unwrap().sim.clone().unwrap();
     let dst = d1.alloc(64 * MIB).unwrap();

@@ -6,6 +6,10 @@
 //! `STREAMALLOC_FUZZ_THREAD_OPS` sets the operations per worker thread of the fuzz (default
 //! 20,000), `STREAMALLOC_FUZZ_SEED` the seed.
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::sync::Arc;
 use std::thread;
 
@@ -13,6 +17,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use streamalloc::allocators::{PinnedHost, PinnedHostConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice, ViolationKind};
+use streamalloc::device::Streams;
 use streamalloc::{Device, Error, Stream};
 
 const MIB: usize = 1 << 20;
@@ -35,6 +40,7 @@ fn blocks_are_real_host_memory() {
     assert_eq!(buffer.ptr() % 4096, 0);
     // SAFETY: the buffer is 100,000 bytes of host memory that the pool handed out and that
     // nothing else uses; the slice lives no longer than the buffer.
+    #[allow(unsafe_code)] // host memory seen as bytes: what a test of pinned memory checks
     let bytes = unsafe { std::slice::from_raw_parts_mut(buffer.as_mut_ptr(), buffer.size()) };
     bytes.iter_mut().enumerate().for_each(|(i, b)| *b = (i % 251) as u8);
     assert!(bytes.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8));
@@ -101,7 +107,10 @@ fn recording_checks_the_stream_and_the_pointer() {
     let (sim, device) = sim();
     let pool = pool(&device);
     let p = pool.allocate_ptr(4096).unwrap();
-    assert!(pool.record_stream_ptr(p, &device, Stream(0xbad0)).is_err(), "not a stream of the device");
+    assert!(
+        pool.record_stream_ptr(p, &device, Stream::forged(0xbad0)).is_err(),
+        "not a stream of the device"
+    );
     assert!(!pool.record_stream_ptr(p + 64, &device, Stream::DEFAULT).unwrap(), "not a block");
     assert!(pool.record_stream_ptr(p, &device, Stream::DEFAULT).unwrap());
     pool.free_ptr(p).unwrap();
@@ -342,6 +351,6 @@ fn a_block_recorded_on_a_destroyed_stream_is_named_at_the_release() {
     assert_eq!(pool.stats().pending_release, 4096);
     let err = pool.release().expect_err("the held error").to_string();
     assert!(err.contains(&format!("pinned block at {ptr:#x}")), "{err}");
-    assert!(err.contains(&format!("stream {:#x} recorded on it", s.0)), "{err}");
+    assert!(err.contains(&format!("stream {:#x} recorded on it", s.raw())), "{err}");
     assert!(err.contains("kept out of use for good"), "{err}");
 }

@@ -3,6 +3,10 @@
 //! for the streams that use the memory and for no other; every misuse has its answer; the
 //! ordering checker sees no early reuse and no unmap under a kernel, with threads at work.
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread;
@@ -11,9 +15,9 @@ use std::time::Duration;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use streamalloc::device::sim::{SimConfig, SimDevice, ViolationKind};
-use streamalloc::device::DeviceTestExt;
+use streamalloc::device::{DeviceMemory, DeviceTestExt, Streams};
 use streamalloc::facade::{Config, Facade};
-use streamalloc::{tags, Allocation, Allocator, Device, Error, Stream, StreamAllocator};
+use streamalloc::{tags, Allocation, Allocator, Error, Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
 const GRANULE: usize = 2 * MIB;
@@ -294,7 +298,7 @@ fn a_sleep_whose_streams_outlast_the_bound_names_them_and_leaves_the_tag_awake()
     match f.sleep(0, &["kv"], true) {
         Err(Error::Timeout { waited_for, .. }) => {
             assert!(
-                waited_for.contains(&format!("{:#x}", s.0)) && waited_for.contains("`kv`"),
+                waited_for.contains(&format!("{:#x}", s.raw())) && waited_for.contains("`kv`"),
                 "{waited_for}"
             )
         }
@@ -703,7 +707,7 @@ fn a_destroyed_recorded_stream_is_named_and_retiring_it_lets_the_sleep_go_on() {
     assert!(stack.allocator.record_stream_ptr(ptr, gone).expect("record"));
     sim.destroy_stream(gone).expect("destroy");
     let err = f.sleep(0, &["kv"], false).expect_err("a destroyed stream is recorded").to_string();
-    assert!(err.contains(&format!("stream {:#x}, recorded (record_stream)", gone.0)), "{err}");
+    assert!(err.contains(&format!("stream {:#x}, recorded (record_stream)", gone.raw())), "{err}");
     assert!(err.contains("retire streams before destroying them"), "{err}");
     assert!(!f.tag_stats(0, "kv").expect("stats").asleep);
     // The contract: retire first, then destroy.

@@ -2,6 +2,10 @@
 //! across stitched granules, and random programs against the ordering checker (its footprint
 //! on traces: streamalloc-replay's tests).
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod stitch_data;
 
 use std::sync::Arc;
@@ -9,8 +13,8 @@ use std::sync::Arc;
 use proptest::prelude::*;
 use streamalloc::allocators::{BackingKind, BestFit, BestFitConfig, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice};
-use streamalloc::device::DeviceTestExt;
-use streamalloc::{Allocation, Allocator, Device, Error, Stream, StreamAllocator};
+use streamalloc::device::{DeviceMemory, DeviceTestExt, Streams};
+use streamalloc::{Allocation, Allocator, Error, Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
 

@@ -1,15 +1,20 @@
 //! StreamSafe on the simulator: per-stream reuse, record_stream, stealing, retry on
 //! out-of-memory, destroyed and retired streams, graph capture.
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod conformance;
 
 use std::sync::Arc;
 
-use conformance::{run_program, Action, Made};
+use conformance::{run_program, Action};
 use streamalloc::adaptors::Pointers;
 use streamalloc::allocators::{BackingKind, BestFitConfig, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice};
-use streamalloc::{Allocator, Device, Error, Stream, StreamAllocator};
+use streamalloc::device::{DeviceMemory, Graphs, Streams};
+use streamalloc::{Allocator, AnyAllocator, Device, Error, Stream, StreamAllocator};
 
 const MIB: usize = 1 << 20;
 
@@ -26,8 +31,8 @@ fn setup(capacity: usize) -> (Arc<SimDevice>, Pointers<StreamSafe>, Stream, Stre
     (sim, a, s1, s2)
 }
 
-fn stream_safe(device: Arc<dyn Device>) -> Made {
-    Made::Streams(Arc::new(StreamSafe::new(device, StreamSafeConfig::default()).unwrap()))
+fn stream_safe(device: Arc<dyn Device>) -> AnyAllocator {
+    AnyAllocator::Streams(Arc::new(StreamSafe::new(device, StreamSafeConfig::default()).unwrap()))
 }
 
 #[test]
@@ -159,7 +164,8 @@ fn out_of_memory_releases_other_streams_caches_then_reports_every_pool() {
     assert_eq!((report.requested, report.allocated, report.reserved), (30 * MIB, 50 * MIB, 50 * MIB));
     let text = err.to_string();
     assert!(
-        text.contains(&format!("stream {:#x}", s1.0)) && text.contains(&format!("stream {:#x}", s2.0)),
+        text.contains(&format!("stream {:#x}", s1.raw()))
+            && text.contains(&format!("stream {:#x}", s2.raw())),
         "{text}"
     );
     drop(y);
@@ -420,7 +426,7 @@ fn out_of_memory_with_many_streams_names_the_largest_holders_briefly() {
     assert!(err.is_out_of_memory(), "{text}");
     assert!(text.len() < 4096, "{} bytes: {}...", text.len(), &text[..300]);
     for (s, _) in big {
-        assert!(text.contains(&format!("stream {:#x}:", s.0)), "{s:?} not named: {text}");
+        assert!(text.contains(&format!("stream {:#x}:", s.raw())), "{s:?} not named: {text}");
     }
     assert!(text.contains("and 9992 more streams holding"), "{text}");
     drop(live);
@@ -511,6 +517,7 @@ fn thousands_of_streams_share_the_address_space() {
         drop(x);
     }
     assert_eq!(a.pool_count(), streams.len());
+    assert!(a.stats().retries >= 2, "the reservations ran out and were given back: {:?}", a.stats());
     let mut held = Vec::new();
     let failure = loop {
         let Some(&s) = streams.get(held.len()) else { panic!("{} streams held memory at once", held.len()) };
@@ -531,4 +538,23 @@ fn thousands_of_streams_share_the_address_space() {
     a.allocate_on(MIB, next).expect("the freed pool's reservation serves another stream");
     drop(held);
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}
+
+/// Issue 51: `StreamSafe::new` checks its pools' sizes without building a pool to throw
+/// away: bad sizes are refused up front with the error a pool gives for them.
+#[test]
+fn bad_pool_sizes_are_refused_up_front_as_a_pool_refuses_them() {
+    let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+    let bad = [
+        BestFitConfig { growth: 1 << 20, ..BestFitConfig::default() },
+        BestFitConfig { small_chunk_size: 1000, ..BestFitConfig::default() },
+    ];
+    for pool in bad {
+        let e = StreamSafe::new(sim.clone(), StreamSafeConfig { pool, ..StreamSafeConfig::default() })
+            .err()
+            .unwrap();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+        let by_pool = streamalloc::allocators::BestFit::new(sim.clone(), pool).err().unwrap();
+        assert_eq!(e.to_string(), by_pool.to_string());
+    }
 }

@@ -2,10 +2,15 @@
 //! behind (issue 16). Its own test binary, so that the process's resident memory is this
 //! test's alone.
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::time::Duration;
 
+use streamalloc::device::Streams;
 use streamalloc::facade::{Config, Facade};
-use streamalloc::{Device, Stream};
+use streamalloc::Stream;
 
 /// Resident memory of this process, in bytes (`/proc/self/statm`, pages of 4 KiB).
 fn rss() -> usize {

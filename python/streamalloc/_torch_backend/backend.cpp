@@ -1853,7 +1853,7 @@ class Backend : public CCA::CUDAAllocator {
     if (p2p_enabled || srcDevice == dstDevice) {
       return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
     }
-    // Mapped memory (expandable=true) needs the peer copy without peer access.
+    // Mapped memory (backing=stitched) needs the peer copy without peer access.
     return cudaMemcpyPeerAsync(dst, dstDevice, src, srcDevice, count, stream);
   }
 

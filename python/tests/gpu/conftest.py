@@ -29,7 +29,7 @@ STRATEGIES = {
     "plain": "strategy=plain",
     "best_fit": "strategy=best_fit",
     "stream_safe": "strategy=stream_safe",
-    "stream_safe_chunks": "strategy=stream_safe,expandable=false",
+    "stream_safe_chunks": "strategy=stream_safe,backing=chunks",
     "async": "strategy=async",
 }
 """streamalloc configurations every guarantee is tested under, by test id."""

@@ -18,13 +18,13 @@ WORKER = "torch_backend_cases.py"
 
 CONFS = {
     "stream_safe": "strategy=stream_safe",
-    "stream_safe_chunks": "strategy=stream_safe,expandable=false",
+    "stream_safe_chunks": "strategy=stream_safe,backing=chunks",
     "async": "strategy=async",
 }
 """The configurations most cases run under: mapped memory (the default), cuMemAlloc chunks,
 the driver's pool."""
 
-SHAREABLE = {"stream_safe_chunks": "strategy=stream_safe,expandable=false", "plain": "strategy=plain"}
+SHAREABLE = {"stream_safe_chunks": "strategy=stream_safe,backing=chunks", "plain": "strategy=plain"}
 """Configurations whose memory is shared with CUDA IPC handles (cuMemAlloc memory): a child
 under torch's own allocator opens it too."""
 

@@ -5,7 +5,7 @@
 
 test_torch_guarantees.py runs every case this way (the allocator is fixed per process, and a
 failed capture or a crash must not take the other cases with it). CONF is a streamalloc
-configuration ("strategy=stream_safe,expandable=false"), made PyTorch's allocator with
+configuration ("strategy=stream_safe,backing=chunks"), made PyTorch's allocator with
 streamalloc.torch.enable before the first CUDA allocation, or a control: "native" (PyTorch's
 caching allocator) or "cudaMallocAsync" (its backend:cudaMallocAsync). The mempool case
 keeps PyTorch's allocator current whatever CONF says and takes streamalloc with CONF as the
@@ -219,7 +219,7 @@ def case_graph_other_stream(report, conf):
     torch = setup(conf)
     n, chunks, chunk, reps = 4096, 8, 128 * MIB, 3
     # Long enough for the first replay's eager tensors, which map fresh memory (under
-    # expandable=true, 512 granules; 0.3 s ran out with the other cases on the GPU, run 28).
+    # backing=stitched, 512 granules; 0.3 s ran out with the other cases on the GPU, run 28).
     cycles = sleep_cycles(torch, 1.0)
     s, r = torch.cuda.Stream(), torch.cuda.Stream()
     with torch.cuda.stream(s):

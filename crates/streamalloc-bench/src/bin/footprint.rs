@@ -10,7 +10,7 @@
 //!
 //! Run: `cargo run --release -p streamalloc-bench --bin footprint -- [--passes N] traces/*.csv.xz`
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use streamalloc::allocators::{BackingKind, BestFitConfig, StreamSafe, StreamSafeConfig};
 use streamalloc::device::sim::{SimConfig, SimDevice};
@@ -44,12 +44,15 @@ fn main() -> streamalloc::Result<()> {
             // The simulator's mapping calls and granules at the end of each pass.
             let per_pass = Mutex::new(vec![(sim.mapping_calls(), sim.mapped_granules())]);
             let pass_done = |_| {
-                per_pass.lock().expect("not poisoned").push((sim.mapping_calls(), sim.mapped_granules()));
+                per_pass
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push((sim.mapping_calls(), sim.mapped_granules()));
             };
             let options = ReplayOptions { passes, pass_done: Some(&pass_done), ..Default::default() };
             let r = replay(&trace, backing.name(), &target, sim.as_ref(), &options)?;
             live = r.peak_live;
-            let per_pass = per_pass.into_inner().expect("not poisoned");
+            let per_pass = per_pass.into_inner().unwrap_or_else(PoisonError::into_inner);
             // Mapping calls and granules per pass: "calls/granules" for each of the first four,
             // then the sums over the rest.
             let each: Vec<(u64, u64)> =

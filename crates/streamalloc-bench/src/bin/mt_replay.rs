@@ -43,7 +43,7 @@ use std::time::Instant;
 use streamalloc::device::cuda::CudaDevice;
 use streamalloc::device::sim::{SimConfig, SimDevice};
 use streamalloc::facade::{Config, Facade, Stack};
-use streamalloc::{Allocation, Allocator, Device, DevicePtr, Result, Stream, StreamAllocator};
+use streamalloc::{Allocation, Allocator, Device, DevicePtr, Error, Result, Stream, StreamAllocator};
 use streamalloc_replay::trace::{Op, Trace};
 
 /// Passes per run: a warm-up pass, then timed ones.
@@ -268,7 +268,8 @@ fn run(
     let profile = guard.map(|g| self_samples(&g));
     let mut slowest = vec![0.0f64; passes];
     for w in workers {
-        for (s, t) in slowest.iter_mut().zip(w.join().expect("a replay thread panicked")?) {
+        let times = w.join().map_err(|_| Error::Internal("a replay thread panicked".into()))??;
+        for (s, t) in slowest.iter_mut().zip(times) {
             *s = s.max(t);
         }
     }
@@ -300,7 +301,7 @@ fn short(name: &str) -> String {
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let usage = "usage: mt_replay TRACE [sim|cuda] [default|stream_safe|baseline|floor ...] [--profile]";
-    let path = args.first().expect(usage);
+    let path = args.first().ok_or_else(|| Error::InvalidArgument(usage.into()))?;
     let profile = args.iter().any(|a| a == "--profile");
     let kind = if args.iter().any(|a| a == "cuda") { "cuda" } else { "sim" };
     let sim = (kind == "sim").then(|| SimDevice::new(SimConfig::h200()));

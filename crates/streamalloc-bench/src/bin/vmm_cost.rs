@@ -1,5 +1,5 @@
 //! Measures, on CUDA device 0, the host cost of the virtual-memory calls a stitched pool makes
-//! ([`Device::map`], [`Device::map_alias`], [`Device::unmap`]) for ranges of 1 to 64 granules,
+//! ([`VirtualMemory::map`], [`VirtualMemory::map_alias`], [`VirtualMemory::unmap`]) for ranges of 1 to 64 granules,
 //! an alias made from one source range or from one range per granule: the figures behind
 //! the stitched backing's cost when a warm pass still maps.
 //! A measurement to read, not a test: `cargo run --release -p streamalloc-bench --bin vmm_cost`
@@ -8,7 +8,8 @@
 use std::time::Instant;
 
 use streamalloc::device::cuda::CudaDevice;
-use streamalloc::{Device, Result};
+use streamalloc::device::VirtualMemory;
+use streamalloc::Result;
 
 /// Rounds per size; the best is printed.
 const ROUNDS: usize = 5;

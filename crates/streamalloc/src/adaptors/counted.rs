@@ -49,7 +49,7 @@ impl StreamStats {
 /// use streamalloc::adaptors::Counted;
 /// use streamalloc::allocators::{StreamSafe, StreamSafeConfig};
 /// use streamalloc::device::sim::{SimConfig, SimDevice};
-/// use streamalloc::{Device, StreamAllocator};
+/// use streamalloc::{Streams, StreamAllocator};
 ///
 /// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
 /// let stats = Counted::new(StreamSafe::new(sim.clone(), StreamSafeConfig::default())?);

@@ -179,7 +179,7 @@ mod tests {
     use super::*;
     use crate::allocators::{BackingKind, StreamSafe, StreamSafeConfig};
     use crate::device::sim::{SimConfig, SimDevice};
-    use crate::device::Device;
+    use crate::device::Streams;
 
     const MIB: usize = 1 << 20;
 

@@ -54,7 +54,7 @@ const PROBE: usize = 8;
 /// use streamalloc::adaptors::Pointers;
 /// use streamalloc::allocators::{StreamSafe, StreamSafeConfig};
 /// use streamalloc::device::sim::{SimConfig, SimDevice};
-/// use streamalloc::{Allocator, Device};
+/// use streamalloc::{Allocator, Streams};
 ///
 /// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
 /// let alloc = StreamSafe::new(sim.clone(), StreamSafeConfig::default())?;
@@ -493,6 +493,7 @@ mod tests {
     use crate::adaptors::Limit;
     use crate::allocators::{StreamSafe, StreamSafeConfig};
     use crate::device::sim::{SimConfig, SimDevice};
+    use crate::device::Streams;
 
     #[test]
     fn frees_on_any_stream_and_forgets_retired_streams() {
@@ -513,7 +514,7 @@ mod tests {
         stack.retire_stream(streams[1]).unwrap();
         assert_eq!(stack.recorded_streams(), vec![streams[2]]);
         assert!(!stack.record_stream_ptr(0x1234, streams[2]).unwrap());
-        assert!(stack.record_stream_ptr(ptrs[1], Stream(0xdead)).is_err());
+        assert!(stack.record_stream_ptr(ptrs[1], Stream::forged(0xdead)).is_err());
         for (&p, &s) in ptrs[..3].iter().zip(&streams) {
             assert!(stack.free_ptr(p, s));
         }

@@ -28,7 +28,7 @@ use crate::error::Result;
 /// use streamalloc::adaptors::SingleStream;
 /// use streamalloc::allocators::{BestFit, BestFitConfig};
 /// use streamalloc::device::sim::{SimConfig, SimDevice};
-/// use streamalloc::{Device, Stream, StreamAllocator};
+/// use streamalloc::{Streams, Stream, StreamAllocator};
 ///
 /// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
 /// let pool = BestFit::new(sim.clone(), BestFitConfig::default())?; // the default stream's

@@ -73,7 +73,7 @@ impl<W: Write + Send + 'static> Shared<W> {
 
     fn write(out: &mut Output<W>, action: Action, ptr: u64, size: usize, stream: Stream) {
         let time_us = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64);
-        let record = Record { thread: thread_number(), time_us, action, ptr, size, stream: stream.0 };
+        let record = Record { thread: thread_number(), time_us, action, ptr, size, stream: stream.raw() };
         let Output { writer, error } = out;
         if let Some(w) = writer {
             if let Err(e) = w.write(&record) {
@@ -114,7 +114,7 @@ impl<A: Allocator, W: Write + Send + 'static> Traced<A, W> {
     /// Writes a `wait` row: `stream` now waits for the work enqueued so far on `other`
     /// (`streamalloc_trace_wait` of the C ABI).
     pub fn write_wait(&self, stream: Stream, other: Stream) {
-        self.shared.log(Action::Wait, other.0, 0, stream);
+        self.shared.log(Action::Wait, other.raw(), 0, stream);
     }
 
     /// Logs `made`, asked for on `asked` (`None`: by [`Allocator::allocate`], on the
@@ -176,7 +176,7 @@ mod tests {
     use crate::adaptors::Pointers;
     use crate::allocators::{StreamSafe, StreamSafeConfig};
     use crate::device::sim::{SimConfig, SimDevice};
-    use crate::device::Device;
+    use crate::device::Streams;
 
     /// A writer whose bytes the test reads while the adaptor holds it.
     #[derive(Clone, Default)]
@@ -220,7 +220,7 @@ mod tests {
         a.record_stream(side);
         let q = a.ptr();
         drop(a);
-        let s = side.0;
+        let s = side.raw();
         assert_eq!(
             rows(&traced, &out),
             [
@@ -254,7 +254,7 @@ mod tests {
         let a = traced.allocate_on(4096, side).unwrap();
         let p = a.ptr();
         drop(a);
-        let s = side.0;
+        let s = side.raw();
         assert_eq!(
             rows(&traced, &out),
             [
@@ -276,7 +276,7 @@ mod tests {
         );
         traced.write_use(0x7f00, side, 2_500);
         traced.write_wait(Stream::DEFAULT, side);
-        let s = side.0;
+        let s = side.raw();
         assert_eq!(rows(&traced, &out), [format!("use,0x7f00,2500,{s}"), format!("wait,{s:#x},0,0")]);
     }
 }

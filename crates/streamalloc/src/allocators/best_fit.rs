@@ -181,6 +181,25 @@ struct Pending {
     events: Vec<Event>,
 }
 
+impl BestFitConfig {
+    /// Checks the sizes as [`BestFit::new`] does, without building a pool: fails with
+    /// [`InvalidArgument`](crate::Error::InvalidArgument) where they are not multiples of
+    /// [`ALIGNMENT`](crate::ALIGNMENT), the small chunk is under 1 MiB or the growth size is not
+    /// above 1 MiB.
+    pub fn validate(&self) -> Result<()> {
+        self.classes().validate()
+    }
+
+    /// The size classes these settings give, before a backing adjusts them.
+    fn classes(&self) -> Classes {
+        Classes {
+            small_chunk: self.small_chunk_size as u64,
+            growth: self.growth as u64,
+            ..Classes::default()
+        }
+    }
+}
+
 impl BestFit {
     /// A pool on `device`, backed as [`BestFitConfig::backing`] says.
     pub fn new(device: Arc<dyn Device>, config: BestFitConfig) -> Result<Self> {
@@ -199,11 +218,7 @@ impl BestFit {
     /// A pool over `backing` ([`BestFitConfig::backing`] is not read). Fails as
     /// [`BestFit::with_source`] does.
     pub fn with_backing(backing: Box<dyn Backing>, config: BestFitConfig) -> Result<Self> {
-        let classes = backing.classes(Classes {
-            small_chunk: config.small_chunk_size as u64,
-            growth: config.growth as u64,
-            ..Classes::default()
-        });
+        let classes = backing.classes(config.classes());
         classes.validate()?;
         let device = backing.device().clone();
         let state = State {
@@ -969,7 +984,7 @@ impl Drop for Inner {
 mod tests {
     use super::*;
     use crate::device::sim::{SimConfig, SimDevice};
-    use crate::device::DeviceTestExt;
+    use crate::device::{DeviceMemory, DeviceTestExt, Streams, VirtualMemory};
 
     const MIB: usize = 1 << 20;
 

@@ -46,7 +46,7 @@ pub(crate) fn wait_for_streams(
                 waited_for: format!(
                     "the work enqueued on stream {:#x} (it uses cached memory, which could not go back \
                      to the device before it completes)",
-                    stream.0
+                    stream.raw()
                 ),
                 after: timeout,
             });

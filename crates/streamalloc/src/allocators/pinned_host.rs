@@ -32,8 +32,8 @@ impl Default for PinnedHostConfig {
 /// A caching pool of page-locked (pinned) host memory, the staging memory of fast
 /// asynchronous copies between the host and devices (PyTorch's `CachingHostAllocator`).
 ///
-/// * **Blocks.** Each block is one [`Device::host_alloc`] of a power of two bytes (at least
-///   [`PinnedHostConfig::min_block`]); a request takes a free block of its own size class, never
+/// * **Blocks.** Each block is one [`HostMemory::host_alloc`](crate::device::HostMemory::host_alloc) of a power of two
+///   bytes (at least [`PinnedHostConfig::min_block`]); a request takes a free block of its own size class, never
 ///   a piece of a larger one.
 /// * **Stream order.** A block that streams used ([`PinnedHost::record_stream_ptr`],
 ///   [`PinnedBuffer::record_stream`]) returns to its class only once an event recorded on each
@@ -389,7 +389,7 @@ impl Inner {
                     "the pinned block at {ptr:#x} was freed with stream {:#x} recorded on it, which cannot \
                          be waited for ({m}; destroyed before the free?): the block is kept out of use for \
                          good; free pinned buffers before destroying the streams recorded on them",
-                    stream.0
+                    stream.raw()
                 )))
                 }
                 Err(e) => failed = Some(e),

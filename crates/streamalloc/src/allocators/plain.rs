@@ -8,7 +8,7 @@ use rustc_hash::FxHashMap;
 use crate::allocation::{
     align_up, Allocation, Allocator, Block, BlockOwner, BlockState, Segment, SegmentBlock, Stats,
 };
-use crate::device::{Device, DevicePtr, Stream};
+use crate::device::{DeviceMemory, DevicePtr, Stream};
 use crate::error::{Error, HeldErrors, Result};
 
 /// No caching: every allocation is a device allocation (`cuMemAlloc`) and every free a
@@ -37,7 +37,7 @@ pub struct Plain {
 }
 
 struct Inner {
-    device: Arc<dyn Device>,
+    device: Arc<dyn DeviceMemory>,
     stream: Stream,
     state: Mutex<State>,
 }
@@ -53,7 +53,7 @@ struct State {
 
 impl Plain {
     /// A plain allocator on `device`; allocations belong to `stream`.
-    pub fn new(device: Arc<dyn Device>, stream: Stream) -> Self {
+    pub fn new(device: Arc<dyn DeviceMemory>, stream: Stream) -> Self {
         Self { inner: Arc::new(Inner { device, stream, state: Mutex::new(State::default()) }) }
     }
 

@@ -15,7 +15,7 @@ use super::retry;
 use crate::allocation::{
     Allocation, Allocator, Kept, KeptBlock, PointerEntry, ReservedGauge, Segment, Stats, StreamAllocator,
 };
-use crate::device::{CaptureStatus, Device, DevicePtr, EventPool, Stream};
+use crate::device::{AtomicStream, CaptureStatus, Device, DevicePtr, EventPool, Stream};
 use crate::error::{try_each, Error, OutOfMemory, Result};
 use crate::stream_table::StreamSlots;
 
@@ -27,7 +27,7 @@ use crate::stream_table::StreamSlots;
 /// use std::time::Duration;
 /// use streamalloc::allocators::{BestFitConfig, StreamSafe, StreamSafeConfig};
 /// use streamalloc::device::sim::{SimConfig, SimDevice};
-/// use streamalloc::{Device, StreamAllocator};
+/// use streamalloc::{Streams, StreamAllocator};
 ///
 /// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
 /// let config = StreamSafeConfig {
@@ -119,7 +119,7 @@ const STREAMS_NAMED: usize = 8;
 /// ```
 /// use streamalloc::allocators::{StreamSafe, StreamSafeConfig};
 /// use streamalloc::device::sim::{SimConfig, SimDevice};
-/// use streamalloc::{Allocator, Device, StreamAllocator};
+/// use streamalloc::{Allocator, Streams, StreamAllocator};
 ///
 /// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
 /// let alloc = StreamSafe::new(sim.clone(), StreamSafeConfig::default())?;
@@ -137,7 +137,7 @@ pub struct StreamSafe {
     device: Arc<dyn Device>,
     config: StreamSafeConfig,
     events: EventPool,
-    default_stream: AtomicU64,
+    default_stream: AtomicStream,
     /// The live pools promoted for lookups that write nothing: the streams holding the
     /// [`HOT_SLOTS`] slots, each looking at [`HOT_PROBE`] (see [`StreamSafe::promote`]), ...
     hot: StreamSlots,
@@ -260,8 +260,7 @@ fn unlist(list: &mut Vec<Arc<StreamPool>>, pool: &Arc<StreamPool>) -> bool {
 impl StreamSafe {
     /// A stream-safe allocator on `device`. Makes no device call.
     pub fn new(device: Arc<dyn Device>, config: StreamSafeConfig) -> Result<Self> {
-        // Validate the pool settings once, up front.
-        BestFit::new(device.clone(), config.pool)?;
+        config.pool.validate()?;
         Ok(Self {
             hot: StreamSlots::new(HOT_SLOTS, HOT_PROBE),
             hot_index: (0..HOT_SLOTS).map(|_| AtomicUsize::new(0)).collect(),
@@ -270,7 +269,7 @@ impl StreamSafe {
             events: EventPool::new(device.clone()),
             device,
             config,
-            default_stream: AtomicU64::new(config.default_stream.0),
+            default_stream: AtomicStream::new(config.default_stream),
             slots: StreamSlots::new(SLOTS, PROBE),
             slot_pools: (0..SLOTS).map(|_| ArcSwapOption::empty()).collect(),
             overflow: Mutex::new(FxHashMap::default()),
@@ -732,7 +731,7 @@ impl StreamSafe {
             .map(|(stream, retired, s)| {
                 format!(
                     "stream {:#x}{}: allocated {}, cached {}, pending release {}, reserved {}",
-                    stream.0,
+                    stream.raw(),
                     if *retired { " (retired)" } else { "" },
                     s.allocated,
                     s.cached,
@@ -909,11 +908,11 @@ impl StreamAllocator for StreamSafe {
     }
 
     fn default_stream(&self) -> Stream {
-        Stream(self.default_stream.load(Ordering::Relaxed))
+        self.default_stream.load()
     }
 
     fn set_default_stream(&self, stream: Stream) {
-        self.default_stream.store(stream.0, Ordering::Relaxed);
+        self.default_stream.store(stream);
     }
 
     fn retire_stream(&self, stream: Stream) -> Result<()> {

@@ -342,7 +342,7 @@ impl<A: StreamAllocator> Tagged<A> {
             return Err(Error::Unsupported(format!(
                 "sleep of tag `{tag}`: stream {:#x}, which uses its memory, is capturing a graph; sleep \
                  after the capture ends",
-                stream.0
+                stream.raw()
             )));
         }
         self.events.order_after(waiter, stream)
@@ -418,7 +418,7 @@ impl<A: StreamAllocator> Tagged<A> {
                      retire streams before destroying them, or free the allocations that recorded them; \
                      nothing was put to sleep",
                     names(falling.iter().map(|&i| pools[i].tag)),
-                    s.0
+                    s.raw()
                 )),
                 e => e,
             })?;
@@ -455,7 +455,7 @@ impl<A: StreamAllocator> Tagged<A> {
                 "the work enqueued on the streams that use the memory of tag(s) {} ({}){copies}, before putting \
                  them to sleep; nothing was put to sleep",
                 names(falling.iter().map(|&i| pools[i].tag)),
-                users.iter().map(|s| format!("{:#x}", s.0)).collect::<Vec<_>>().join(", ")
+                users.iter().map(|s| format!("{:#x}", s.raw())).collect::<Vec<_>>().join(", ")
             )
         });
         if let Err(e) = waited {
@@ -485,7 +485,7 @@ impl<A: StreamAllocator> Tagged<A> {
     }
 
     /// Refuses the sleep of `begun` when a range with data of theirs is exported
-    /// ([`Device::exports_any`]): see DESIGN.md, Note [IPC trust model].
+    /// ([`Ipc::exports_any`](crate::device::Ipc::exports_any)): see DESIGN.md, Note [IPC trust model].
     fn refuse_exported(&self, begun: &[Falling]) -> Result<()> {
         let granule = self.device.map_granularity()? as u64;
         for (_, _, ranges) in begun {

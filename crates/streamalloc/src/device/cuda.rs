@@ -1,6 +1,6 @@
 //! The CUDA driver API through `cudarc`, loaded at run time.
 //!
-//! [`CudaDevice`] implements [`Device`] on one GPU's *primary context* (the context the CUDA
+//! [`CudaDevice`] implements [`Device`](super::Device) on one GPU's *primary context* (the context the CUDA
 //! runtime, PyTorch and CuPy use), so memory and streams are shared with those libraries.
 //!
 //! * Loading: `libcuda` is opened at the first [`CudaDevice::new`] or [`cuda_available`], and
@@ -43,8 +43,8 @@ use parking_lot::Mutex;
 
 use super::ipc::{PoolPointer, SharedPiece, POOL_POINTER_DATA};
 use super::{
-    CaptureStatus, Device, DevicePtr, Event, Graph, GraphExec, HostPtr, MemInfo, Pool, PoolAttr, PoolProps,
-    Stream,
+    CaptureStatus, DeviceMemory, DevicePtr, DriverPools, Event, Events, Graph, GraphExec, Graphs, HostMemory,
+    HostPtr, Ipc, MemInfo, Pool, PoolAttr, PoolProps, Stream, Streams, VirtualMemory,
 };
 use crate::error::{Error, OutOfMemory, Result};
 
@@ -150,6 +150,13 @@ pub fn driver_version() -> Result<(u32, u32)> {
     check(unsafe { sys::cuDriverGetVersion(&mut v) }, "cuDriverGetVersion")?;
     let v = u32::try_from(v).unwrap_or(0);
     Ok((v / 1000, v % 1000 / 10))
+}
+
+/// The [`Stream`] of a stream cudarc made: its `CUstream`. cudarc's streams live in the device's
+/// primary context, the one [`CudaDevice`] uses. As any stream, it must not be used once
+/// destroyed (cudarc destroys it when its last `Arc` goes).
+pub fn stream_of(stream: &cudarc::driver::CudaStream) -> Stream {
+    Stream(stream.cu_stream() as u64)
 }
 
 /// Loads and initialises the driver once per process; later calls return the cached outcome.
@@ -277,18 +284,18 @@ pub struct CudaDevice {
     peers: Mutex<BTreeMap<usize, Arc<CudaDevice>>>,
     /// This device's mappings and the peers granted access to them.
     vmm: Mutex<Vmm>,
-    /// Whether [`Device::map`] creates memory that can be exported to another process
+    /// Whether [`VirtualMemory::map`] creates memory that can be exported to another process
     /// (`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`): until the device refuses it.
     exportable: AtomicBool,
-    /// The page-locked host allocations of [`Device::host_alloc`] not yet freed: address ->
-    /// size. The copies to and from them ([`Device::copy_to_pinned`]) are checked against it.
+    /// The page-locked host allocations of [`HostMemory::host_alloc`] not yet freed: address ->
+    /// size. The copies to and from them ([`HostMemory::copy_to_pinned`]) are checked against it.
     pinned: Mutex<BTreeMap<HostPtr, usize>>,
     /// Pool allocations exported to other processes and pools imported from them.
     pool_ipc: Mutex<PoolIpc>,
 }
 
-/// What a [`CudaDevice`] knows of pool IPC ([`Device::export_pool_pointer`],
-/// [`Device::import_pool_pointer`]).
+/// What a [`CudaDevice`] knows of pool IPC ([`Ipc::export_pool_pointer`],
+/// [`Ipc::import_pool_pointer`]).
 #[derive(Default)]
 struct PoolIpc {
     /// Each exportable pool's descriptor (`cuMemPoolExportToShareableHandle`), exported once
@@ -311,12 +318,12 @@ impl PoolIpc {
     }
 }
 
-/// What a [`CudaDevice`] knows of its mappings, for [`Device::grant_mapped_access`] and
-/// [`Device::export_mapped`].
+/// What a [`CudaDevice`] knows of its mappings, for [`VirtualMemory::grant_mapped_access`] and
+/// [`Ipc::export_mapped`].
 #[derive(Default)]
 struct Vmm {
-    /// Start of every granule mapped by [`Device::map`], [`Device::map_alias`] or
-    /// [`Device::map_shared`], and the number of the physical allocation behind it.
+    /// Start of every granule mapped by [`VirtualMemory::map`], [`VirtualMemory::map_alias`] or
+    /// [`Ipc::map_shared`], and the number of the physical allocation behind it.
     granules: BTreeMap<u64, u64>,
     /// The physical allocations behind `granules`, by number.
     physical: HashMap<u64, Physical>,
@@ -522,7 +529,7 @@ impl CudaDevice {
         result
     }
 
-    /// Unmaps `[addr, addr + size)` granule by granule (see [`Device::unmap`]). The caller
+    /// Unmaps `[addr, addr + size)` granule by granule (see [`VirtualMemory::unmap`]). The caller
     /// has bound the context and holds `vmm`'s lock.
     fn unmap_granules(&self, vmm: &mut Vmm, addr: DevicePtr, size: usize, granularity: usize) -> Result<()> {
         for at in (addr..addr + size as u64).step_by(granularity) {
@@ -588,7 +595,7 @@ impl CudaDevice {
 
     // Sharing mapped memory with another process.
 
-    /// Creates one physical allocation of `size` bytes for [`Device::map`], exportable to
+    /// Creates one physical allocation of `size` bytes for [`VirtualMemory::map`], exportable to
     /// another process (`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`) until the device refuses
     /// that handle type; then, and from then on, without one (that memory cannot be shared).
     /// The caller has bound the context.
@@ -696,7 +703,7 @@ fn whole_granules(size: usize, granularity: usize, call: &str) -> Result<()> {
     Ok(())
 }
 
-/// Properties of the physical memory [`Device::map`] creates: pinned memory of `device`,
+/// Properties of the physical memory [`VirtualMemory::map`] creates: pinned memory of `device`,
 /// exportable as `handles` says.
 fn allocation_prop(
     device: sys::CUdevice,
@@ -733,7 +740,7 @@ fn pool_attr_raw(attr: PoolAttr) -> (sys::CUmemPool_attribute, bool) {
     }
 }
 
-impl Device for CudaDevice {
+impl DeviceMemory for CudaDevice {
     fn ordinal(&self) -> usize {
         self.ordinal
     }
@@ -763,6 +770,17 @@ impl Device for CudaDevice {
         check(unsafe { sys::cuMemFree_v2(ptr) }, "cuMemFree")
     }
 
+    fn address_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize)> {
+        let _ctx = self.bind()?;
+        let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: a context is current and both out-pointers are valid; the driver validates
+        // `ptr`.
+        check(unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }, "cuMemGetAddressRange")?;
+        Ok((base, size))
+    }
+}
+
+impl HostMemory for CudaDevice {
     /// In the relaxed capture mode, as `cuMemAlloc`: a pinned pool may grow while another
     /// thread captures a graph.
     fn host_alloc(&self, size: usize) -> Result<HostPtr> {
@@ -829,7 +847,9 @@ impl Device for CudaDevice {
             "cuMemcpyHtoDAsync",
         )
     }
+}
 
+impl DriverPools for CudaDevice {
     fn default_pool(&self) -> Result<Pool> {
         let _ctx = self.bind()?;
         let mut p: sys::CUmemoryPool = ptr::null_mut();
@@ -935,6 +955,28 @@ impl Device for CudaDevice {
         check(unsafe { sys::cuMemPoolTrimTo(pool(p), keep) }, "cuMemPoolTrimTo")
     }
 
+    fn alloc_async(&self, size: usize, p: Pool, s: Stream) -> Result<DevicePtr> {
+        let mut d: sys::CUdeviceptr = 0;
+        let d_ptr: *mut sys::CUdeviceptr = &mut d;
+        // SAFETY: `d_ptr` points to `d`, alive across the call; the driver validates the pool
+        // and stream handles (and reports a missing context, see `on_stream`).
+        let res =
+            self.on_stream(s, || unsafe { sys::cuMemAllocFromPoolAsync(d_ptr, size, pool(p), stream(s)) })?;
+        match res {
+            sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(self.oom(size)),
+            res => check(res, "cuMemAllocFromPoolAsync").map(|()| d),
+        }
+    }
+
+    fn free_async(&self, ptr: DevicePtr, s: Stream) -> Result<()> {
+        self.pool_ipc.lock().forget(ptr);
+        // SAFETY: the driver validates `ptr` and the stream (and reports a missing context,
+        // see `on_stream`); the caller owns the memory it frees.
+        check(self.on_stream(s, || unsafe { sys::cuMemFreeAsync(ptr, stream(s)) })?, "cuMemFreeAsync")
+    }
+}
+
+impl VirtualMemory for CudaDevice {
     fn supports_virtual_memory(&self) -> Result<bool> {
         let mut supported: c_int = 0;
         let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED;
@@ -976,9 +1018,9 @@ impl Device for CudaDevice {
         check(unsafe { sys::cuMemAddressFree(addr, size) }, "cuMemAddressFree")
     }
 
-    /// Maps one physical allocation per granule, so that [`Device::unmap`] can take back any
+    /// Maps one physical allocation per granule, so that [`VirtualMemory::unmap`] can take back any
     /// granule-aligned part (the driver unmaps whole mappings only) and
-    /// [`Device::map_alias`] can map any granule again. Each allocation's handle is released
+    /// [`VirtualMemory::map_alias`] can map any granule again. Each allocation's handle is released
     /// once mapped: unmapping its last mapping then frees the memory.
     fn map(&self, addr: DevicePtr, size: usize) -> Result<()> {
         let _ctx = self.bind_relaxed()?;
@@ -1017,12 +1059,6 @@ impl Device for CudaDevice {
         })
     }
 
-    fn unmap(&self, addr: DevicePtr, size: usize) -> Result<()> {
-        let _ctx = self.bind_relaxed()?;
-        let granularity = self.granularity_of(size, "unmap")?;
-        self.unmap_granules(&mut self.vmm.lock(), addr, size, granularity)
-    }
-
     /// Records the peer, under the lock every mapping takes, and grants it access to each
     /// granule mapped so far; later mappings grant it with this device.
     fn grant_mapped_access(&self, peer: usize) -> Result<()> {
@@ -1049,15 +1085,14 @@ impl Device for CudaDevice {
         Ok(())
     }
 
-    fn address_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize)> {
-        let _ctx = self.bind()?;
-        let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
-        // SAFETY: a context is current and both out-pointers are valid; the driver validates
-        // `ptr`.
-        check(unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }, "cuMemGetAddressRange")?;
-        Ok((base, size))
+    fn unmap(&self, addr: DevicePtr, size: usize) -> Result<()> {
+        let _ctx = self.bind_relaxed()?;
+        let granularity = self.granularity_of(size, "unmap")?;
+        self.unmap_granules(&mut self.vmm.lock(), addr, size, granularity)
     }
+}
 
+impl Ipc for CudaDevice {
     fn export_mapped(&self, addr: DevicePtr, size: usize) -> Result<Vec<SharedPiece>> {
         let _ctx = self.bind_relaxed()?;
         let granularity = self.granularity_of(size, "export_mapped")?;
@@ -1099,36 +1134,6 @@ impl Device for CudaDevice {
             .granules
             .range(addr..end)
             .any(|(_, id)| vmm.physical.get(id).is_some_and(|p| p.export.is_some())))
-    }
-
-    /// Imports the allocation (`cuMemImportFromShareableHandle`, which leaves `fd` open) and
-    /// maps it as [`Device::map`] maps its own.
-    fn map_shared(&self, addr: DevicePtr, fd: BorrowedFd<'_>, offset: usize, len: usize) -> Result<()> {
-        let _ctx = self.bind_relaxed()?;
-        let granularity = self.map_granularity()?;
-        if offset != 0 || len != granularity {
-            return Err(Error::InvalidArgument(format!(
-                "map_shared of {len} bytes from offset {offset}: an allocation is mapped whole, one granule \
-                 of {granularity} bytes from offset 0"
-            )));
-        }
-        self.map_granules(addr, len, granularity, &|_, _| {
-            let mut handle: sys::CUmemGenericAllocationHandle = 0;
-            // SAFETY: for a POSIX file descriptor the driver takes the descriptor's value as the
-            // handle pointer and only reads the file it names, which `fd` keeps open across the
-            // call; `handle` is a valid out-pointer.
-            check(
-                unsafe {
-                    sys::cuMemImportFromShareableHandle(
-                        &mut handle,
-                        fd.as_raw_fd() as usize as *mut c_void,
-                        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-                    )
-                },
-                "cuMemImportFromShareableHandle",
-            )?;
-            Ok((handle, None))
-        })
     }
 
     fn export_pool_pointer(&self, ptr: DevicePtr, len: usize) -> Result<PoolPointer> {
@@ -1237,26 +1242,38 @@ impl Device for CudaDevice {
         check(unsafe { sys::cuMemFree_v2(ptr) }, "cuMemFree")
     }
 
-    fn alloc_async(&self, size: usize, p: Pool, s: Stream) -> Result<DevicePtr> {
-        let mut d: sys::CUdeviceptr = 0;
-        let d_ptr: *mut sys::CUdeviceptr = &mut d;
-        // SAFETY: `d_ptr` points to `d`, alive across the call; the driver validates the pool
-        // and stream handles (and reports a missing context, see `on_stream`).
-        let res =
-            self.on_stream(s, || unsafe { sys::cuMemAllocFromPoolAsync(d_ptr, size, pool(p), stream(s)) })?;
-        match res {
-            sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(self.oom(size)),
-            res => check(res, "cuMemAllocFromPoolAsync").map(|()| d),
+    /// Imports the allocation (`cuMemImportFromShareableHandle`, which leaves `fd` open) and
+    /// maps it as [`VirtualMemory::map`] maps its own.
+    fn map_shared(&self, addr: DevicePtr, fd: BorrowedFd<'_>, offset: usize, len: usize) -> Result<()> {
+        let _ctx = self.bind_relaxed()?;
+        let granularity = self.map_granularity()?;
+        if offset != 0 || len != granularity {
+            return Err(Error::InvalidArgument(format!(
+                "map_shared of {len} bytes from offset {offset}: an allocation is mapped whole, one granule \
+                 of {granularity} bytes from offset 0"
+            )));
         }
+        self.map_granules(addr, len, granularity, &|_, _| {
+            let mut handle: sys::CUmemGenericAllocationHandle = 0;
+            // SAFETY: for a POSIX file descriptor the driver takes the descriptor's value as the
+            // handle pointer and only reads the file it names, which `fd` keeps open across the
+            // call; `handle` is a valid out-pointer.
+            check(
+                unsafe {
+                    sys::cuMemImportFromShareableHandle(
+                        &mut handle,
+                        fd.as_raw_fd() as usize as *mut c_void,
+                        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                    )
+                },
+                "cuMemImportFromShareableHandle",
+            )?;
+            Ok((handle, None))
+        })
     }
+}
 
-    fn free_async(&self, ptr: DevicePtr, s: Stream) -> Result<()> {
-        self.pool_ipc.lock().forget(ptr);
-        // SAFETY: the driver validates `ptr` and the stream (and reports a missing context,
-        // see `on_stream`); the caller owns the memory it frees.
-        check(self.on_stream(s, || unsafe { sys::cuMemFreeAsync(ptr, stream(s)) })?, "cuMemFreeAsync")
-    }
-
+impl Streams for CudaDevice {
     fn create_stream(&self) -> Result<Stream> {
         let _ctx = self.bind()?;
         let mut s: sys::CUstream = ptr::null_mut();
@@ -1304,6 +1321,28 @@ impl Device for CudaDevice {
         })
     }
 
+    fn check_stream(&self, s: Stream) -> Result<()> {
+        let not_live = |e: Error| {
+            Error::InvalidArgument(format!("stream {:#x} is not a live stream of this device: {e}", s.0))
+        };
+        // A capturing stream is live; cuStreamIsCapturing is allowed on it, while
+        // cuStreamGetFlags fails there (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) and invalidates
+        // the capture: PyTorch calls record_stream on the side streams of torch.cuda.graph.
+        // See Note [record_stream on a capturing stream] in DESIGN.md.
+        if self.capture_status(s).map_err(not_live)? != CaptureStatus::None {
+            return Ok(());
+        }
+        let mut flags: std::ffi::c_uint = 0;
+        let flags_ptr: *mut std::ffi::c_uint = &mut flags;
+        // SAFETY: `flags_ptr` points to `flags`, alive across the call; the caller passes a
+        // stream that was not destroyed (see Device::check_stream), and the driver refuses
+        // one of another context.
+        let res = self.on_stream(s, || unsafe { sys::cuStreamGetFlags(stream(s), flags_ptr) })?;
+        check(res, "cuStreamGetFlags").map_err(not_live)
+    }
+}
+
+impl Events for CudaDevice {
     fn create_event(&self) -> Result<Event> {
         let _ctx = self.bind()?;
         let mut e: sys::CUevent = ptr::null_mut();
@@ -1335,32 +1374,14 @@ impl Device for CudaDevice {
         }
     }
 
-    fn check_stream(&self, s: Stream) -> Result<()> {
-        let not_live = |e: Error| {
-            Error::InvalidArgument(format!("stream {:#x} is not a live stream of this device: {e}", s.0))
-        };
-        // A capturing stream is live; cuStreamIsCapturing is allowed on it, while
-        // cuStreamGetFlags fails there (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) and invalidates
-        // the capture: PyTorch calls record_stream on the side streams of torch.cuda.graph.
-        // See Note [record_stream on a capturing stream] in DESIGN.md.
-        if self.capture_status(s).map_err(not_live)? != CaptureStatus::None {
-            return Ok(());
-        }
-        let mut flags: std::ffi::c_uint = 0;
-        let flags_ptr: *mut std::ffi::c_uint = &mut flags;
-        // SAFETY: `flags_ptr` points to `flags`, alive across the call; the caller passes a
-        // stream that was not destroyed (see Device::check_stream), and the driver refuses
-        // one of another context.
-        let res = self.on_stream(s, || unsafe { sys::cuStreamGetFlags(stream(s), flags_ptr) })?;
-        check(res, "cuStreamGetFlags").map_err(not_live)
-    }
-
     fn synchronize_event(&self, e: Event) -> Result<()> {
         let _ctx = self.bind()?;
         // SAFETY: a context is current and the driver validates the handle.
         check(unsafe { sys::cuEventSynchronize(event(e)) }, "cuEventSynchronize")
     }
+}
 
+impl Graphs for CudaDevice {
     fn begin_capture(&self, s: Stream) -> Result<()> {
         let _ctx = self.bind()?;
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
@@ -1376,11 +1397,6 @@ impl Device for CudaDevice {
         // out-pointer.
         check(unsafe { sys::cuStreamEndCapture(stream(s), &mut g) }, "cuStreamEndCapture")?;
         Ok(Graph(handle(g)))
-    }
-
-    fn instantiate_graph_auto_free(&self, graph: Graph) -> Result<GraphExec> {
-        let auto_free = sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH;
-        self.instantiate(graph, u64::from(auto_free.0))
     }
 
     fn launch_graph(&self, exec: GraphExec, s: Stream) -> Result<()> {
@@ -1399,6 +1415,11 @@ impl Device for CudaDevice {
         let _ctx = self.bind()?;
         // SAFETY: the driver validates the handle.
         check(unsafe { sys::cuGraphDestroy(graph.0 as usize as sys::CUgraph) }, "cuGraphDestroy")
+    }
+
+    fn instantiate_graph_auto_free(&self, graph: Graph) -> Result<GraphExec> {
+        let auto_free = sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH;
+        self.instantiate(graph, u64::from(auto_free.0))
     }
 }
 

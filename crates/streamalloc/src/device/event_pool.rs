@@ -67,7 +67,7 @@ impl Drop for EventPool {
 mod tests {
     use super::*;
     use crate::device::sim::{SimConfig, SimDevice};
-    use crate::device::Device;
+    use crate::device::{DeviceMemory, Streams};
 
     #[test]
     fn order_after_makes_the_waiter_wait_and_keeps_one_event() {

@@ -1,4 +1,4 @@
-//! Sharing mapped memory with another process: what [`Device::export_mapped`] hands out, and
+//! Sharing mapped memory with another process: what [`Ipc::export_mapped`] hands out, and
 //! the copying of its file descriptors into the receiving process ([`fetch_fds`],
 //! `pidfd_open` and `pidfd_getfd`, as PyTorch's expandable segments do).
 //!
@@ -13,7 +13,7 @@
 //! The system calls (`pidfd_open`, `pidfd_getfd`, `memfd_create`) are this module's only
 //! `unsafe` code.
 //!
-//! [`Device::export_mapped`]: super::Device::export_mapped
+//! [`Ipc::export_mapped`]: super::Ipc::export_mapped
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -154,7 +154,7 @@ pub fn check_exports(pid: u32, registry: RawFd, pieces: &[SharedPiece]) -> Resul
 }
 
 /// One physical allocation under a range of mapped memory, exported for another process
-/// ([`Device::export_mapped`](super::Device::export_mapped)).
+/// ([`Ipc::export_mapped`](super::Ipc::export_mapped)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SharedPiece {
     /// The POSIX file descriptor, open in this process, that stands for the allocation
@@ -175,7 +175,7 @@ pub struct SharedPiece {
 pub const POOL_POINTER_DATA: usize = 64;
 
 /// An allocation of a pool exported for another process
-/// ([`Device::export_pool_pointer`](super::Device::export_pool_pointer)).
+/// ([`Ipc::export_pool_pointer`](super::Ipc::export_pool_pointer)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PoolPointer {
     /// The POSIX file descriptor, open in this process, that stands for the pool; the device

@@ -17,26 +17,26 @@
 //!   attributes allow. Pools reserve in 2 MiB granules and release free granules above the
 //!   release threshold at synchronizations, or on `trim_pool`.
 //! * **Pool IPC.** An allocation of a pool created exportable is exported with a real
-//!   descriptor noted in the export registry ([`Device::export_pool_pointer`]) and imported
+//!   descriptor noted in the export registry ([`Ipc::export_pool_pointer`]) and imported
 //!   at the exporter's own address (one address space stands for both processes), counted
-//!   until [`Device::free_imported`]; freeing the allocation closes its export, and freeing
+//!   until [`Ipc::free_imported`]; freeing the allocation closes its export, and freeing
 //!   it while an import is held is a [`ViolationKind::FreeOfImported`].
-//! * **Address reservations** ([`Device::reserve_address`]) take no memory; mapping a range
+//! * **Address reservations** ([`VirtualMemory::reserve_address`]) take no memory; mapping a range
 //!   of one takes 2 MiB granules from the same memory as plain allocations, and unmapping
-//!   the last mapping of a granule gives it back. [`Device::map_alias`] maps granules a
+//!   the last mapping of a granule gives it back. [`VirtualMemory::map_alias`] maps granules a
 //!   second time, at no cost in memory: the checker sees a use through either address as a
 //!   use of the one granule, and mapped granules hold bytes (written by `memset_async` and
 //!   `copy_from_host`, read by `copy_to_host`, the `DeviceTestExt` methods of the `test-util`
 //!   feature; unwritten bytes read as 0), shared by all their mappings. Unmapping a range that a stream's work may still use through that
 //!   range is an error (on CUDA it would be a fault or silent corruption).
 //! * **Peers.** Each pool keeps the set of other device ordinals granted access to it
-//!   ([`Device::set_pool_access`]); the owning device always has it; mapped memory has the set
-//!   of [`Device::grant_mapped_access`]. A simulated device knows no other device:
+//!   ([`DriverPools::set_pool_access`]); the owning device always has it; mapped memory has the set
+//!   of [`VirtualMemory::grant_mapped_access`]. A simulated device knows no other device:
 //!   `copy_peer` (`test-util`) checks that the source, if it is a pool allocation or mapped memory
 //!   of this device, may be read by the destination device, and is otherwise a use of the
 //!   source range on the stream, like a memset. Nothing is written anywhere.
 //! * **Memory contents.** Only mapped granules hold bytes; plain and pool memory reads as 0.
-//! * **Page-locked host memory** ([`Device::host_alloc`]) is real host memory, page-aligned
+//! * **Page-locked host memory** ([`HostMemory::host_alloc`]) is real host memory, page-aligned
 //!   and zeroed, that callers may write and read; the device counts host allocations and frees
 //!   and refuses to free a pointer it did not hand out. [`SimDevice::use_host`] enqueues a use
 //!   of it on a stream (a copy to or from the device), and the checker's
@@ -44,12 +44,12 @@
 //!   again while such a use could still run; freeing it then is refused and recorded too.
 //!   Host uses are checked against host uses only (a host address may equal a simulated
 //!   device address), and only on the device that allocated the memory. A copy between it and
-//!   device memory ([`Device::copy_to_pinned`], [`Device::copy_from_pinned`]) is a use of both
+//!   device memory ([`HostMemory::copy_to_pinned`], [`HostMemory::copy_from_pinned`]) is a use of both
 //!   ranges on its stream, and with the `test-util` feature moves the bytes.
-//! * **Sharing with other processes.** [`Device::export_mapped`] gives each exported granule
+//! * **Sharing with other processes.** [`Ipc::export_mapped`] gives each exported granule
 //!   of memory a real file descriptor (one end of a socket pair, which another process can
 //!   copy with `pidfd_getfd`), kept until the exporter's last mapping of the memory goes, as
-//!   the CUDA device does; [`Device::map_shared`] maps the memory that a descriptor of one
+//!   the CUDA device does; [`Ipc::map_shared`] maps the memory that a descriptor of one
 //!   (or a copy of one) stands for, on the same simulated device (the receiving "process" is
 //!   the same device in the same process). What `map_shared` maps keeps the memory alive and
 //!   counted after its exporter unmapped it, until it is unmapped too. Exporting memory not
@@ -80,7 +80,7 @@
 //!     launched is an error (the driver creates it at launch); once launched it outlives the
 //!     graph until freed; a graph never launched gives it back when destroyed. Relaunching a
 //!     graph whose output is still allocated fails unless it was instantiated with
-//!     [`Device::instantiate_graph_auto_free`].
+//!     [`Graphs::instantiate_graph_auto_free`].
 //!   - A captured free of memory allocated outside the capture runs at every launch (so a
 //!     second launch frees unknown memory and fails, as on CUDA).
 //!   - Graph memory is tied to the graph, not its executable graphs: destroy the executables
@@ -102,8 +102,8 @@ use rand::{rngs::SmallRng, SeedableRng};
 
 use super::ipc::{PoolPointer, SharedPiece, POOL_POINTER_DATA};
 use super::{
-    CaptureStatus, Device, DevicePtr, Event, Graph, GraphExec, HostPtr, MemInfo, Pool, PoolAttr, PoolProps,
-    Stream,
+    CaptureStatus, DeviceMemory, DevicePtr, DriverPools, Event, Events, Graph, GraphExec, Graphs, HostMemory,
+    HostPtr, Ipc, MemInfo, Pool, PoolAttr, PoolProps, Stream, Streams, VirtualMemory,
 };
 #[cfg(feature = "test-util")]
 use super::{DeviceTestExt, HostFn};
@@ -112,7 +112,7 @@ use crate::error::{Error, OutOfMemory, Result};
 /// Settings of a simulated device.
 #[derive(Debug, Clone)]
 pub struct SimConfig {
-    /// Device ordinal reported by [`Device::ordinal`].
+    /// Device ordinal reported by [`DeviceMemory::ordinal`].
     pub ordinal: usize,
     /// Bytes of device memory.
     pub capacity: usize,
@@ -126,7 +126,7 @@ pub struct SimConfig {
     /// Seed of the kernel-duration jitter (up to +25%).
     pub seed: u64,
     /// Whether the device supports virtual memory management
-    /// ([`Device::supports_virtual_memory`]); without it, reservations fail as the driver's
+    /// ([`VirtualMemory::supports_virtual_memory`]); without it, reservations fail as the driver's
     /// do (`CUDA_ERROR_NOT_SUPPORTED`).
     pub virtual_memory: bool,
 }
@@ -163,20 +163,20 @@ pub enum ViolationKind {
     /// The range was handed to a stream whose work could start before an earlier use on
     /// another stream ends ([`SimDevice::check_handout`]).
     EarlyReuse,
-    /// The range was unmapped ([`Device::unmap`]) while a kernel could still use it.
+    /// The range was unmapped ([`VirtualMemory::unmap`]) while a kernel could still use it.
     UnmapInUse,
     /// Page-locked host memory was handed to the host again
     /// ([`SimDevice::check_host_handout`]) while a stream's use of it could still run.
     HostReuse,
-    /// Page-locked host memory was freed ([`Device::host_free`]) while a stream's use of it
+    /// Page-locked host memory was freed ([`HostMemory::host_free`]) while a stream's use of it
     /// could still run.
     HostFreeInUse,
     /// A kernel, memset or copy was enqueued on addresses of a reservation that are not all
     /// mapped (a closed IPC range, a sleeping tag's memory, a freed reservation): refused,
     /// as a GPU would fault. `user_stream` is the stream it was enqueued on.
     UnmappedUse,
-    /// A pool allocation was freed ([`Device::free_async`]) while another process still held
-    /// an import of it ([`Device::import_pool_pointer`]): the driver requires every importer
+    /// A pool allocation was freed ([`DriverPools::free_async`]) while another process still held
+    /// an import of it ([`Ipc::import_pool_pointer`]): the driver requires every importer
     /// to free its import first.
     FreeOfImported,
 }
@@ -228,7 +228,7 @@ const DEVICE_STRIDE: u64 = 1 << 44;
 /// to move either past it.
 pub const MAX_TIME_NS: u64 = 1 << 62;
 
-/// The simulated device. Create with [`SimDevice::new`]; implements [`Device`].
+/// The simulated device. Create with [`SimDevice::new`]; implements [`Device`](super::Device).
 pub struct SimDevice {
     config: SimConfig,
     state: Mutex<State>,
@@ -453,7 +453,7 @@ struct State {
     mapped: BTreeMap<u64, u64>,
     /// Mappings of each granule of memory in `mapped`; it goes back to `space` with its last.
     mappings: HashMap<u64, u32>,
-    /// Memory exported to other processes, and mappings of it by [`Device::map_shared`].
+    /// Memory exported to other processes, and mappings of it by [`Ipc::map_shared`].
     shared: Shared,
     /// Pool allocations exported to other processes and imports of them.
     pool_ipc: PoolIpc,
@@ -464,11 +464,13 @@ struct State {
     calls: u64,
     /// Calls that made the host wait for device work.
     host_waits: u64,
+    /// Records (streams, kernels) looked at by calls that look at the whole device.
+    device_wide_visits: u64,
     /// Calls that named a stream the device does not know (never made, or destroyed).
     unknown_stream_calls: u64,
-    /// Successful calls of [`Device::map_alias`].
+    /// Successful calls of [`VirtualMemory::map_alias`].
     aliases: u64,
-    /// Successful calls of [`Device::map`], [`Device::map_alias`] and [`Device::unmap`].
+    /// Successful calls of [`VirtualMemory::map`], [`VirtualMemory::map_alias`] and [`VirtualMemory::unmap`].
     mapping_calls: u64,
     /// Granules those calls mapped or unmapped.
     mapped_granules: u64,
@@ -476,7 +478,7 @@ struct State {
     mapped_peers: BTreeSet<usize>,
     /// Page-locked host memory handed out: address -> its pages.
     host: BTreeMap<HostPtr, Vec<HostPage>>,
-    /// Successful calls of [`Device::host_alloc`] and of [`Device::host_free`].
+    /// Successful calls of [`HostMemory::host_alloc`] and of [`HostMemory::host_free`].
     host_calls: (u64, u64),
 }
 
@@ -530,6 +532,7 @@ impl SimDevice {
             contents: HashMap::new(),
             calls: 0,
             host_waits: 0,
+            device_wide_visits: 0,
             unknown_stream_calls: 0,
             aliases: 0,
             mapping_calls: 0,
@@ -695,6 +698,13 @@ impl SimDevice {
         self.state.lock().host_waits
     }
 
+    /// How many stream and kernel records the calls that look at the whole device (a device
+    /// synchronization, the end of a capture) have looked at so far: the simulator's work that
+    /// grows with the streams and kernels it holds, counted so that tests can bound it.
+    pub fn device_wide_visits(&self) -> u64 {
+        self.state.lock().device_wide_visits
+    }
+
     /// How many calls so far named a stream the device does not know: never made, or
     /// destroyed (undefined behaviour on a GPU, where the handle of a destroyed stream may
     /// crash the process).
@@ -702,12 +712,12 @@ impl SimDevice {
         self.state.lock().unknown_stream_calls
     }
 
-    /// How many calls of [`Device::map_alias`] so far mapped memory a second time.
+    /// How many calls of [`VirtualMemory::map_alias`] so far mapped memory a second time.
     pub fn aliases(&self) -> u64 {
         self.state.lock().aliases
     }
 
-    /// How many calls of [`Device::map`], [`Device::map_alias`] and [`Device::unmap`] so far
+    /// How many calls of [`VirtualMemory::map`], [`VirtualMemory::map_alias`] and [`VirtualMemory::unmap`] so far
     /// succeeded: the virtual-memory calls that cost microseconds each on a GPU.
     pub fn mapping_calls(&self) -> u64 {
         self.state.lock().mapping_calls
@@ -719,14 +729,14 @@ impl SimDevice {
         self.state.lock().mapped_granules
     }
 
-    /// Granules of memory exported to other processes ([`Device::export_mapped`]) whose
+    /// Granules of memory exported to other processes ([`Ipc::export_mapped`]) whose
     /// descriptor is still open: the exporter still maps them.
     pub fn exported(&self) -> usize {
         self.state.lock().shared.exports.len()
     }
 
-    /// Pool allocations exported ([`Device::export_pool_pointer`]) and not yet freed, and
-    /// imports of them ([`Device::import_pool_pointer`]) not yet freed.
+    /// Pool allocations exported ([`Ipc::export_pool_pointer`]) and not yet freed, and
+    /// imports of them ([`Ipc::import_pool_pointer`]) not yet freed.
     pub fn pool_exports(&self) -> (usize, usize) {
         let st = self.state.lock();
         (st.pool_ipc.exports.len(), st.pool_ipc.imports.values().map(|&n| n as usize).sum())
@@ -827,8 +837,8 @@ impl SimDevice {
     }
 
     /// A copy of `len` bytes between device memory at `device` and page-locked host memory at
-    /// `host` (to the host when `to_host`) on `stream` ([`Device::copy_to_pinned`],
-    /// [`Device::copy_from_pinned`]): a use of both ranges for [`SimConfig::launch_ns`] and the
+    /// `host` (to the host when `to_host`) on `stream` ([`HostMemory::copy_to_pinned`],
+    /// [`HostMemory::copy_from_pinned`]): a use of both ranges for [`SimConfig::launch_ns`] and the
     /// bytes at [`SimConfig::bandwidth_bytes_per_ns`]; with the `test-util` feature the bytes
     /// move too, at once (the device's as mapped granules hold them). Refused for host memory
     /// this device did not hand out, for device memory not its own, for a range of an address
@@ -880,7 +890,7 @@ impl SimDevice {
         })
     }
 
-    /// How many calls of [`Device::host_alloc`], and of [`Device::host_free`], succeeded so
+    /// How many calls of [`HostMemory::host_alloc`], and of [`HostMemory::host_free`], succeeded so
     /// far.
     pub fn host_calls(&self) -> (u64, u64) {
         self.state.lock().host_calls
@@ -1059,7 +1069,10 @@ impl State {
     /// Adds `node` to the capture `stream` takes part in; `false` if it is not capturing.
     fn capture_node(&mut self, stream: Stream, node: Node) -> Result<bool> {
         let Some(c) = self.stream_mut(stream)?.capture else { return Ok(false) };
-        let rec = self.captures.get_mut(&c).expect("capturing streams name a live capture");
+        let rec = self
+            .captures
+            .get_mut(&c)
+            .ok_or_else(|| Error::Internal("simulator: capturing streams name a live capture".into()))?;
         rec.nodes.push(node);
         if stream != rec.origin {
             rec.sides.entry(stream).or_default().0 += 1;
@@ -1088,9 +1101,14 @@ impl State {
             });
         }
         self.pool_ipc.forget(ptr);
-        let p = self.pools.get_mut(&pool).expect("allocations of destroyed pools are dropped");
+        let p = self
+            .pools
+            .get_mut(&pool)
+            .ok_or_else(|| Error::Internal("simulator: allocations of destroyed pools are dropped".into()))?;
         p.used -= n;
-        let (chunk, chunk_len) = p.chunk_of(ptr).expect("pool allocations lie in its chunks");
+        let (chunk, chunk_len) = p
+            .chunk_of(ptr)
+            .ok_or_else(|| Error::Internal("simulator: pool allocations lie in its chunks".into()))?;
         let chunk_end = chunk + chunk_len as u64;
         let mut addr = ptr;
         let mut block = FreeBlock { size: n, avail_at, stream };
@@ -1149,7 +1167,7 @@ impl State {
     }
 }
 
-impl Device for SimDevice {
+impl DeviceMemory for SimDevice {
     fn ordinal(&self) -> usize {
         self.config.ordinal
     }
@@ -1184,6 +1202,21 @@ impl Device for SimDevice {
         })
     }
 
+    fn address_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize)> {
+        self.call(|st| {
+            let within = |(&base, &size): (&DevicePtr, &usize)| base <= ptr && ptr < base + size as u64;
+            st.plain
+                .iter()
+                .find(|e| within(*e))
+                .or_else(|| st.async_allocs.iter().map(|(a, (_, n))| (a, n)).find(|e| within(*e)))
+                .or_else(|| st.reservations.range(..=ptr).next_back().filter(|e| within(*e)))
+                .map(|(&base, &size)| (base, size))
+                .ok_or_else(|| Error::InvalidArgument(format!("{ptr:#x} is in no device allocation")))
+        })
+    }
+}
+
+impl HostMemory for SimDevice {
     /// Real host memory, zeroed (see the [module docs](self)).
     fn host_alloc(&self, size: usize) -> Result<HostPtr> {
         self.call(|st| {
@@ -1243,11 +1276,13 @@ impl Device for SimDevice {
         self.copy_pinned(src, dst, len, stream, true)
     }
 
-    /// As [`Device::copy_to_pinned`] here, the other way.
+    /// As [`HostMemory::copy_to_pinned`] here, the other way.
     fn copy_from_pinned(&self, dst: DevicePtr, src: HostPtr, len: usize, stream: Stream) -> Result<()> {
         self.copy_pinned(dst, src, len, stream, false)
     }
+}
 
+impl DriverPools for SimDevice {
     fn default_pool(&self) -> Result<Pool> {
         self.call(|st| Ok(st.default_pool))
     }
@@ -1352,6 +1387,111 @@ impl Device for SimDevice {
         })
     }
 
+    fn alloc_async(&self, size: usize, pool: Pool, stream: Stream) -> Result<DevicePtr> {
+        self.call(|st| {
+            if size == 0 {
+                return Err(Error::InvalidArgument("pool allocation of 0 bytes".into()));
+            }
+            let n = size.div_ceil(POOL_ALIGN) * POOL_ALIGN;
+            let now = st.now;
+            let ready = st.stream_mut(stream)?.ready;
+            let p = st.pools.get_mut(&pool).ok_or_else(|| unknown_pool(pool))?;
+            // Best fit among blocks reusable without a wait, then among those that need one.
+            let free_now = |b: &FreeBlock| {
+                b.stream == Some(stream)
+                    || (p.opportunistic && b.avail_at <= now)
+                    || (p.follow_events && b.avail_at <= ready)
+            };
+            let pick = |pred: &dyn Fn(&FreeBlock) -> bool| {
+                p.free
+                    .iter()
+                    .filter(|(_, b)| b.size >= n && pred(b))
+                    .min_by_key(|(a, b)| (b.size, **a))
+                    .map(|(a, b)| (*a, *b))
+            };
+            let mut chosen = pick(&free_now);
+            if chosen.is_none() && p.internal_deps {
+                chosen = pick(&|_| true);
+            }
+            let (addr, block) = match chosen {
+                Some(c) => c,
+                None => {
+                    let grow = n.div_ceil(POOL_GRANULE) * POOL_GRANULE;
+                    if p.max_size != 0 && p.reserved + grow > p.max_size {
+                        return Err(Error::oom(OutOfMemory {
+                            device: self.config.ordinal,
+                            requested: size,
+                            reserved: p.reserved,
+                            device_free: self.config.capacity - st.space.used,
+                            device_total: self.config.capacity,
+                            hint: format!("the pool's maximum size is {} bytes", p.max_size),
+                            ..OutOfMemory::default()
+                        }));
+                    }
+                    let Some(start) = st.space.take(grow) else { return Err(self.oom(st, size)) };
+                    let p = st
+                        .pools
+                        .get_mut(&pool)
+                        .ok_or_else(|| Error::Internal("simulator: pool looked up above".into()))?;
+                    p.chunks.insert(start, grow);
+                    p.reserved += grow;
+                    p.reserved_high = p.reserved_high.max(p.reserved);
+                    let b = FreeBlock { size: grow, avail_at: 0, stream: None };
+                    p.free.insert(start, b);
+                    (start, b)
+                }
+            };
+            let p = st
+                .pools
+                .get_mut(&pool)
+                .ok_or_else(|| Error::Internal("simulator: pool looked up above".into()))?;
+            p.free.remove(&addr);
+            if block.size > n {
+                p.free.insert(addr + n as u64, FreeBlock { size: block.size - n, ..block });
+            }
+            p.used += n;
+            p.used_high = p.used_high.max(p.used);
+            st.async_allocs.insert(addr, (pool, n));
+            if let Some(c) = st.stream_mut(stream)?.capture {
+                // Graph memory: the launch, not the capturing stream, waits for the free.
+                st.graph_mem.insert(addr, c);
+                st.capture_node(stream, Node::Alloc { ptr: addr, after: block.avail_at })?;
+                return Ok(addr);
+            }
+            let s = st.stream_mut(stream)?;
+            if block.stream != Some(stream) {
+                // Opportunistic reuse has nothing to wait for; otherwise the driver inserts
+                // the dependency on the free.
+                s.ready = s.ready.max(block.avail_at);
+                let ready = s.ready;
+                st.latest_ready = st.latest_ready.max(ready);
+            }
+            Ok(addr)
+        })
+    }
+
+    fn free_async(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
+        self.call(|st| {
+            if !st.async_allocs.contains_key(&ptr) {
+                return Err(Error::InvalidArgument(format!("free_async of unknown pointer {ptr:#x}")));
+            }
+            if st.capture_node(stream, Node::Free { ptr })? {
+                return Ok(());
+            }
+            if let Some(&g) = st.graph_mem.get(&ptr) {
+                if st.graphs.get(&Graph(g)).is_none_or(|r| r.launched_until.is_none()) {
+                    return Err(Error::InvalidArgument(format!(
+                        "free_async of graph memory {ptr:#x} before its graph was launched"
+                    )));
+                }
+            }
+            let avail_at = st.stream_mut(stream)?.ready.max(st.now);
+            st.pool_free(ptr, Some(stream), avail_at)
+        })
+    }
+}
+
+impl VirtualMemory for SimDevice {
     fn supports_virtual_memory(&self) -> Result<bool> {
         Ok(self.config.virtual_memory)
     }
@@ -1529,7 +1669,9 @@ impl Device for SimDevice {
             Ok(())
         })
     }
+}
 
+impl Ipc for SimDevice {
     fn export_mapped(&self, addr: DevicePtr, size: usize) -> Result<Vec<SharedPiece>> {
         self.call(|st| {
             let end = addr.checked_add(size as u64).filter(|_| size > 0 && size % MAP_GRANULE == 0);
@@ -1554,42 +1696,6 @@ impl Device for SimDevice {
         self.call(|st| {
             let end = addr.saturating_add(size as u64);
             Ok(st.mapped.range(addr..end).any(|(_, m)| st.shared.exports.contains_key(m)))
-        })
-    }
-
-    fn map_shared(&self, addr: DevicePtr, fd: BorrowedFd<'_>, offset: usize, len: usize) -> Result<()> {
-        let file = file_of(fd)?;
-        self.call(|st| {
-            if offset.checked_add(len).is_none_or(|end| end > MAP_GRANULE) {
-                return Err(Error::InvalidArgument(format!(
-                    "map_shared of {len} bytes from offset {offset}: past the end of the allocation's \
-                     {MAP_GRANULE} bytes"
-                )));
-            }
-            if offset != 0 || len != MAP_GRANULE {
-                return Err(Error::InvalidArgument(format!(
-                    "map_shared of {len} bytes from offset {offset}: an allocation is mapped whole"
-                )));
-            }
-            st.check_reserved(addr, len)?;
-            if st.mapped.contains_key(&addr) {
-                return Err(Error::InvalidArgument(format!("{addr:#x}+{len} is already mapped")));
-            }
-            let Some(&memory) = st.shared.by_file.get(&file) else {
-                return Err(Error::InvalidArgument(format!(
-                    "descriptor {} stands for no memory simulated device {} exports (never exported, or \
-                     released by its exporter)",
-                    fd.as_raw_fd(),
-                    self.config.ordinal
-                )));
-            };
-            st.mapped.insert(addr, memory);
-            *st.mappings.entry(memory).or_default() += 1;
-            *st.shared.received.entry(memory).or_default() += 1;
-            st.shared.at.insert(addr);
-            st.mapping_calls += 1;
-            st.mapped_granules += 1;
-            Ok(())
         })
     }
 
@@ -1628,7 +1734,7 @@ impl Device for SimDevice {
     }
 
     /// The import is the exporter's own address (one address space stands for both
-    /// processes), counted until [`Device::free_imported`].
+    /// processes), counted until [`Ipc::free_imported`].
     fn import_pool_pointer(&self, fd: BorrowedFd<'_>, data: &[u8; POOL_POINTER_DATA]) -> Result<DevicePtr> {
         let file = file_of(fd)?;
         self.call(|st| {
@@ -1662,116 +1768,44 @@ impl Device for SimDevice {
         })
     }
 
-    fn address_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize)> {
+    fn map_shared(&self, addr: DevicePtr, fd: BorrowedFd<'_>, offset: usize, len: usize) -> Result<()> {
+        let file = file_of(fd)?;
         self.call(|st| {
-            let within = |(&base, &size): (&DevicePtr, &usize)| base <= ptr && ptr < base + size as u64;
-            st.plain
-                .iter()
-                .find(|e| within(*e))
-                .or_else(|| st.async_allocs.iter().map(|(a, (_, n))| (a, n)).find(|e| within(*e)))
-                .or_else(|| st.reservations.range(..=ptr).next_back().filter(|e| within(*e)))
-                .map(|(&base, &size)| (base, size))
-                .ok_or_else(|| Error::InvalidArgument(format!("{ptr:#x} is in no device allocation")))
+            if offset.checked_add(len).is_none_or(|end| end > MAP_GRANULE) {
+                return Err(Error::InvalidArgument(format!(
+                    "map_shared of {len} bytes from offset {offset}: past the end of the allocation's \
+                     {MAP_GRANULE} bytes"
+                )));
+            }
+            if offset != 0 || len != MAP_GRANULE {
+                return Err(Error::InvalidArgument(format!(
+                    "map_shared of {len} bytes from offset {offset}: an allocation is mapped whole"
+                )));
+            }
+            st.check_reserved(addr, len)?;
+            if st.mapped.contains_key(&addr) {
+                return Err(Error::InvalidArgument(format!("{addr:#x}+{len} is already mapped")));
+            }
+            let Some(&memory) = st.shared.by_file.get(&file) else {
+                return Err(Error::InvalidArgument(format!(
+                    "descriptor {} stands for no memory simulated device {} exports (never exported, or \
+                     released by its exporter)",
+                    fd.as_raw_fd(),
+                    self.config.ordinal
+                )));
+            };
+            st.mapped.insert(addr, memory);
+            *st.mappings.entry(memory).or_default() += 1;
+            *st.shared.received.entry(memory).or_default() += 1;
+            st.shared.at.insert(addr);
+            st.mapping_calls += 1;
+            st.mapped_granules += 1;
+            Ok(())
         })
     }
+}
 
-    fn alloc_async(&self, size: usize, pool: Pool, stream: Stream) -> Result<DevicePtr> {
-        self.call(|st| {
-            if size == 0 {
-                return Err(Error::InvalidArgument("pool allocation of 0 bytes".into()));
-            }
-            let n = size.div_ceil(POOL_ALIGN) * POOL_ALIGN;
-            let now = st.now;
-            let ready = st.stream_mut(stream)?.ready;
-            let p = st.pools.get_mut(&pool).ok_or_else(|| unknown_pool(pool))?;
-            // Best fit among blocks reusable without a wait, then among those that need one.
-            let free_now = |b: &FreeBlock| {
-                b.stream == Some(stream)
-                    || (p.opportunistic && b.avail_at <= now)
-                    || (p.follow_events && b.avail_at <= ready)
-            };
-            let pick = |pred: &dyn Fn(&FreeBlock) -> bool| {
-                p.free
-                    .iter()
-                    .filter(|(_, b)| b.size >= n && pred(b))
-                    .min_by_key(|(a, b)| (b.size, **a))
-                    .map(|(a, b)| (*a, *b))
-            };
-            let mut chosen = pick(&free_now);
-            if chosen.is_none() && p.internal_deps {
-                chosen = pick(&|_| true);
-            }
-            let (addr, block) = match chosen {
-                Some(c) => c,
-                None => {
-                    let grow = n.div_ceil(POOL_GRANULE) * POOL_GRANULE;
-                    if p.max_size != 0 && p.reserved + grow > p.max_size {
-                        return Err(Error::oom(OutOfMemory {
-                            device: self.config.ordinal,
-                            requested: size,
-                            reserved: p.reserved,
-                            device_free: self.config.capacity - st.space.used,
-                            device_total: self.config.capacity,
-                            hint: format!("the pool's maximum size is {} bytes", p.max_size),
-                            ..OutOfMemory::default()
-                        }));
-                    }
-                    let Some(start) = st.space.take(grow) else { return Err(self.oom(st, size)) };
-                    let p = st.pools.get_mut(&pool).expect("pool looked up above");
-                    p.chunks.insert(start, grow);
-                    p.reserved += grow;
-                    p.reserved_high = p.reserved_high.max(p.reserved);
-                    let b = FreeBlock { size: grow, avail_at: 0, stream: None };
-                    p.free.insert(start, b);
-                    (start, b)
-                }
-            };
-            let p = st.pools.get_mut(&pool).expect("pool looked up above");
-            p.free.remove(&addr);
-            if block.size > n {
-                p.free.insert(addr + n as u64, FreeBlock { size: block.size - n, ..block });
-            }
-            p.used += n;
-            p.used_high = p.used_high.max(p.used);
-            st.async_allocs.insert(addr, (pool, n));
-            if let Some(c) = st.stream_mut(stream)?.capture {
-                // Graph memory: the launch, not the capturing stream, waits for the free.
-                st.graph_mem.insert(addr, c);
-                st.capture_node(stream, Node::Alloc { ptr: addr, after: block.avail_at })?;
-                return Ok(addr);
-            }
-            let s = st.stream_mut(stream)?;
-            if block.stream != Some(stream) {
-                // Opportunistic reuse has nothing to wait for; otherwise the driver inserts
-                // the dependency on the free.
-                s.ready = s.ready.max(block.avail_at);
-                let ready = s.ready;
-                st.latest_ready = st.latest_ready.max(ready);
-            }
-            Ok(addr)
-        })
-    }
-
-    fn free_async(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
-        self.call(|st| {
-            if !st.async_allocs.contains_key(&ptr) {
-                return Err(Error::InvalidArgument(format!("free_async of unknown pointer {ptr:#x}")));
-            }
-            if st.capture_node(stream, Node::Free { ptr })? {
-                return Ok(());
-            }
-            if let Some(&g) = st.graph_mem.get(&ptr) {
-                if st.graphs.get(&Graph(g)).is_none_or(|r| r.launched_until.is_none()) {
-                    return Err(Error::InvalidArgument(format!(
-                        "free_async of graph memory {ptr:#x} before its graph was launched"
-                    )));
-                }
-            }
-            let avail_at = st.stream_mut(stream)?.ready.max(st.now);
-            st.pool_free(ptr, Some(stream), avail_at)
-        })
-    }
-
+impl Streams for SimDevice {
     fn create_stream(&self) -> Result<Stream> {
         self.call(|st| {
             let s = Stream(st.id());
@@ -1808,6 +1842,7 @@ impl Device for SimDevice {
             // Work enqueued on streams destroyed since still runs to its end, as on a GPU.
             let streams = st.streams.values().map(|s| s.ready);
             let ready = streams.chain(st.uses.iter().map(|u| u.end)).max().unwrap_or(0);
+            st.device_wide_visits += (st.streams.len() + st.uses.len()) as u64;
             st.host_waits += 1;
             st.now = st.now.max(ready);
             st.apply_thresholds();
@@ -1865,6 +1900,12 @@ impl Device for SimDevice {
         })
     }
 
+    fn check_stream(&self, stream: Stream) -> Result<()> {
+        self.call(|st| st.stream_mut(stream).map(|_| ()))
+    }
+}
+
+impl Events for SimDevice {
     fn create_event(&self) -> Result<Event> {
         self.call(|st| {
             let e = Event(st.id());
@@ -1955,11 +1996,9 @@ impl Device for SimDevice {
             Ok(done)
         })
     }
+}
 
-    fn check_stream(&self, stream: Stream) -> Result<()> {
-        self.call(|st| st.stream_mut(stream).map(|_| ()))
-    }
-
+impl Graphs for SimDevice {
     fn begin_capture(&self, stream: Stream) -> Result<()> {
         self.call(|st| {
             let c = st.id();
@@ -1981,7 +2020,9 @@ impl Device for SimDevice {
             if st.captures[&c].origin != stream {
                 return Err(not_origin());
             }
-            let rec = st.captures.remove(&c).expect("checked above");
+            let rec =
+                st.captures.remove(&c).ok_or_else(|| Error::Internal("simulator: checked above".into()))?;
+            st.device_wide_visits += st.streams.len() as u64;
             for s in st.streams.values_mut().filter(|s| s.capture == Some(c)) {
                 s.capture = None;
             }
@@ -2086,8 +2127,8 @@ fn file_of(fd: BorrowedFd<'_>) -> Result<FileId> {
     Ok((meta.dev(), meta.ino()))
 }
 
-/// Memory a simulated device exported to other processes ([`Device::export_mapped`]), and
-/// what [`Device::map_shared`] mapped of it.
+/// Memory a simulated device exported to other processes ([`Ipc::export_mapped`]), and
+/// what [`Ipc::map_shared`] mapped of it.
 #[derive(Default)]
 struct Shared {
     /// Exported granules of memory: their descriptor, its file and the export's serial. Each
@@ -2148,8 +2189,8 @@ impl Shared {
     }
 }
 
-/// Pool allocations a simulated device exported ([`Device::export_pool_pointer`]) and
-/// imports of them ([`Device::import_pool_pointer`]).
+/// Pool allocations a simulated device exported ([`Ipc::export_pool_pointer`]) and
+/// imports of them ([`Ipc::import_pool_pointer`]).
 #[derive(Default)]
 struct PoolIpc {
     /// Pools created exportable.

@@ -134,7 +134,8 @@ pub struct Config {
     /// `sim_capacity`: bytes of a simulated device. Default 143,771 MiB (an H200).
     pub sim_capacity: usize,
     /// `sim_virtual_memory`: whether a simulated device supports virtual memory management
-    /// (as a device without it, `false` makes `expandable` fall back to chunks). Default
+    /// (as a device without it, `false` makes the `stitched` and `segments` backings fall back
+    /// to chunks). Default
     /// `true`.
     pub sim_virtual_memory: bool,
     /// `growth`: bytes a caching pool grows by for large requests. Default 32 MiB.
@@ -146,9 +147,8 @@ pub struct Config {
     /// segments (one reservation per size class, mapped from its start); `chunks`, chunks of
     /// plain allocations. The first two need a device with virtual memory management, and
     /// fall back to chunks elsewhere. Stitched ranges keep the footprint closest to the peak
-    /// live bytes when shapes vary (see DESIGN.md, Note [stitched by default]). `expandable=true` and
-    /// `expandable=false` are aliases of `backing=stitched` and `backing=chunks`. Default
-    /// `stitched`.
+    /// live bytes when shapes vary (see DESIGN.md, Note [stitched by default]). The retired key
+    /// `expandable` is an error naming these. Default `stitched`.
     pub backing: BackingKind,
     /// `pool`: `default`, `owned` or `ipc` (owned, and shareable with other processes), for
     /// `async`. Default `default`.
@@ -171,8 +171,9 @@ pub struct Config {
     /// `wait_timeout`: the longest an allocation waits for work on the device (other streams'
     /// kernels still using cached memory) before the caches it returns can go back to the
     /// driver; past it, the allocation fails with an out-of-memory error saying what it waited
-    /// for. Default 2 s: far longer than any kernel of a healthy step, short enough that a hung
-    /// stream shows as an error instead of a hang.
+    /// for; and the longest [`Facade::retire_stream`](super::Facade::retire_stream) waits for
+    /// a retired stream's work, under every strategy. Default 2 s: far longer than any kernel
+    /// of a healthy step, short enough that a hung stream shows as an error instead of a hang.
     pub wait_timeout: Duration,
     /// `stats`: `true` adds per-stream statistics. Default `false`.
     pub stats: bool,
@@ -214,7 +215,6 @@ pub const KEYS: &[(&str, &str)] = &[
     ("sim_virtual_memory", "true | false"),
     ("growth", "a size above 1MiB that is a multiple of 256 bytes, e.g. 20MiB"),
     ("backing", "the name of a backing (allocators::backing::BACKINGS)"),
-    ("expandable", "true | false (an alias: backing=stitched | backing=chunks)"),
     ("pool", "default | owned | ipc"),
     ("release_threshold", "a size, or max"),
     ("throttle", "a ratio in (0, 1], or 1 to turn it off"),
@@ -225,6 +225,12 @@ pub const KEYS: &[(&str, &str)] = &[
     ("stats", "true | false"),
     ("trace", "a file path"),
 ];
+
+/// The error of the retired key `expandable`, which meant the stitched backing while
+/// PyTorch's expandable segments are `backing=segments`.
+const RETIRED_EXPANDABLE: &str = "`expandable` is retired: name the pools' backing with `backing=`: \
+     backing=stitched (what expandable=true chose), backing=segments (PyTorch's expandable segments) or \
+     backing=chunks (what expandable=false chose)";
 
 /// The strategies that take `key`, if only some do (those whose entry lists it).
 fn strategies_taking(key: &str) -> Option<Vec<Strategy>> {
@@ -242,7 +248,7 @@ impl Strategy {
 impl Config {
     /// Parses `key=value` pairs separated by commas (whitespace around them is ignored) on
     /// top of the defaults. Unknown keys, bad values and keys the chosen strategy does not
-    /// take (`expandable` under `strategy=async`) are errors naming the key and what it
+    /// take (`backing` under `strategy=async`) are errors naming the key and what it
     /// accepts or which strategies take it.
     ///
     /// ```
@@ -250,7 +256,7 @@ impl Config {
     ///
     /// let c = Config::parse("strategy=async,release_threshold=8GiB")?;
     /// assert_eq!(c.strategy, Strategy::ASYNC);
-    /// let e = Config::parse("strategy=async,expandable=true").unwrap_err();
+    /// let e = Config::parse("strategy=async,backing=chunks").unwrap_err();
     /// assert!(e.to_string().contains("taken by best_fit, stream_safe"), "{e}");
     /// # Ok::<(), streamalloc::Error>(())
     /// ```
@@ -261,21 +267,15 @@ impl Config {
             let (key, value) = pair.split_once('=').map(|(k, v)| (k.trim(), v.trim())).ok_or_else(|| {
                 Error::Config(format!("`{}` is not key=value{}", excerpt(pair), torch_hint(pair)))
             })?;
+            if key == "expandable" {
+                return Err(Error::Config(RETIRED_EXPANDABLE.to_string()));
+            }
             let accepted = KEYS.iter().find(|(k, _)| *k == key).map(|(_, a)| *a).ok_or_else(|| {
                 let known: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();
                 Error::Config(format!("unknown key `{}`; known keys: {}", excerpt(key), known.join(", ")))
             })?;
             if seen.contains(&key) {
                 return Err(Error::Config(format!("`{key}` is given twice; give each key once")));
-            }
-            if let Some(other) = ["backing", "expandable"].into_iter().find(|k| *k != key && seen.contains(k))
-            {
-                if key == "backing" || key == "expandable" {
-                    return Err(Error::Config(format!(
-                        "`{key}` and `{other}` both choose the pools' backing (expandable=true|false is an alias \
-                         of backing=stitched|chunks); give one"
-                    )));
-                }
             }
             seen.push(key);
             let bad = || Error::Config(format!("{key}={}: expected {accepted}", excerpt(value)));
@@ -332,12 +332,6 @@ impl Config {
                             names.join(", ")
                         ))
                     })?
-                }
-                "expandable" => {
-                    c.backing = match value.parse().map_err(|_| bad())? {
-                        true => BackingKind::STITCHED,
-                        false => BackingKind::CHUNKS,
-                    }
                 }
                 "trace" if !value.is_empty() => c.trace = Some(PathBuf::from(value)),
                 _ => return Err(bad()),
@@ -398,58 +392,55 @@ impl Config {
     }
 }
 
-impl fmt::Display for Config {
-    /// Writes the configuration back as a string [`Config::parse`] reads: the keys that
-    /// apply to all strategies and those the chosen strategy takes.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let device = match self.device {
-            DeviceKind::Cuda => "cuda",
-            DeviceKind::Sim => "sim",
-        };
-        write!(
-            f,
-            "strategy={},device={device},sim_capacity={},sim_virtual_memory={}",
-            self.strategy.name(),
-            self.sim_capacity,
-            self.sim_virtual_memory
-        )?;
-        if self.strategy.takes("growth") {
-            write!(
-                f,
-                ",growth={},backing={},wait_timeout={}ms",
-                self.growth,
-                self.backing.name(),
-                self.wait_timeout.as_millis()
-            )?;
-        }
-        if self.strategy.takes("pool") {
-            let pool = match self.pool {
+impl Config {
+    /// The value of `key` ([`KEYS`]) as [`Config::parse`] reads it, or `None` where it is
+    /// unset (an optional key) or not written back.
+    fn value_of(&self, key: &str) -> Option<String> {
+        Some(match key {
+            "strategy" => self.strategy.name().to_string(),
+            "device" => match self.device {
+                DeviceKind::Cuda => "cuda",
+                DeviceKind::Sim => "sim",
+            }
+            .to_string(),
+            "sim_capacity" => self.sim_capacity.to_string(),
+            "sim_virtual_memory" => self.sim_virtual_memory.to_string(),
+            "growth" => self.growth.to_string(),
+            "backing" => self.backing.name().to_string(),
+            "pool" => match self.pool {
                 PoolChoice::Default => "default",
                 PoolChoice::Owned => "owned",
                 PoolChoice::Ipc => "ipc",
-            };
-            let threshold = if self.release_threshold == u64::MAX {
-                "max".to_string()
-            } else {
-                self.release_threshold.to_string()
-            };
-            write!(
-                f,
-                ",pool={pool},release_threshold={threshold},throttle={},trim_floor={}",
-                self.throttle, self.trim_floor
-            )?;
-        }
-        write!(f, ",stats={}", self.stats)?;
-        match self.limit {
-            Some(LimitSpec::Bytes(n)) => write!(f, ",limit={n}B")?,
-            Some(LimitSpec::Fraction(x)) => write!(f, ",limit={x:?}")?,
-            None => {}
-        }
-        if let Some(t) = self.retry_timeout {
-            write!(f, ",retry_timeout={}ms", t.as_millis())?;
-        }
-        if let Some(p) = &self.trace {
-            write!(f, ",trace={}", p.display())?;
+            }
+            .to_string(),
+            "release_threshold" if self.release_threshold == u64::MAX => "max".to_string(),
+            "release_threshold" => self.release_threshold.to_string(),
+            "throttle" => self.throttle.to_string(),
+            "trim_floor" => self.trim_floor.to_string(),
+            "limit" => match self.limit? {
+                LimitSpec::Bytes(n) => format!("{n}B"),
+                LimitSpec::Fraction(x) => format!("{x:?}"),
+            },
+            "retry_timeout" => format!("{}ms", self.retry_timeout?.as_millis()),
+            "wait_timeout" => format!("{}ms", self.wait_timeout.as_millis()),
+            "stats" => self.stats.to_string(),
+            "trace" => self.trace.as_ref()?.display().to_string(),
+            _ => return None,
+        })
+    }
+}
+
+impl fmt::Display for Config {
+    /// Writes the configuration back as a string [`Config::parse`] reads: each key of
+    /// [`KEYS`] that the chosen strategy takes (those of every strategy, and the groups its
+    /// registry entry lists), in the order of [`KEYS`], but optional keys left unset.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut first = true;
+        for (key, _) in KEYS.iter().filter(|(key, _)| self.strategy.takes(key)) {
+            if let Some(value) = self.value_of(key) {
+                write!(f, "{}{key}={value}", if first { "" } else { "," })?;
+                first = false;
+            }
         }
         Ok(())
     }
@@ -600,7 +591,7 @@ mod tests {
     #[test]
     fn every_key() {
         let caching =
-            Config::parse("strategy=stream_safe, growth=2MiB, expandable=false, wait_timeout=100ms").unwrap();
+            Config::parse("strategy=stream_safe, growth=2MiB, backing=chunks, wait_timeout=100ms").unwrap();
         assert_eq!(caching.growth, 2 << 20);
         assert_eq!(caching.backing, BackingKind::CHUNKS);
         assert_eq!(caching.wait_timeout, Duration::from_millis(100));
@@ -614,11 +605,10 @@ mod tests {
             assert_eq!(c.backing, backing);
             assert_eq!(Config::parse(&c.to_string()).unwrap(), c);
         }
-        assert_eq!(Config::parse("expandable=true").unwrap().backing, BackingKind::STITCHED);
         let c = Config::parse(
             "strategy=async, device=sim, sim_capacity=8GiB, sim_virtual_memory=false, pool=owned, \
              release_threshold=1GiB, throttle=0.5, trim_floor=64MiB, limit=40GiB, retry_timeout=250ms, \
-             stats=true, trace=/tmp/t.csv",
+             wait_timeout=300ms, stats=true, trace=/tmp/t.csv",
         )
         .unwrap();
         assert_eq!(c.strategy, Strategy::ASYNC);
@@ -631,10 +621,11 @@ mod tests {
         assert_eq!(c.trim_floor, 64 << 20);
         assert_eq!(c.limit, Some(LimitSpec::Bytes(40 << 30)));
         assert_eq!(c.retry_timeout, Some(Duration::from_millis(250)));
+        assert_eq!(c.wait_timeout, Duration::from_millis(300));
         assert!(c.stats);
         assert_eq!(c.trace, Some(PathBuf::from("/tmp/t.csv")));
         // Every key in KEYS is covered above.
-        assert_eq!(KEYS.len(), 16);
+        assert_eq!(KEYS.len(), 15);
         // Display writes back what parse reads.
         assert_eq!(Config::parse(&c.to_string()).unwrap(), c);
         for s in ["plain", "best_fit", "stream_safe", "async"] {
@@ -663,7 +654,6 @@ mod tests {
         assert!(err("device=tpu").contains("cuda | sim"));
         assert!(err("pool=mine").contains("default | owned | ipc"));
         assert!(err("stats=yes").contains("true | false"));
-        assert!(err("expandable=1").contains("true | false"));
         assert!(err("retry_timeout=soon").contains("a duration"));
         assert!(err("trace=").contains("a file path"));
         assert!(err("release_threshold=lots").contains("release_threshold"));
@@ -674,12 +664,15 @@ mod tests {
     }
 
     /// Values that parsed and then made every call fail, or meant something else than written.
-    /// The backing by name; `expandable` is an alias of two of them, and giving both is an
-    /// error. PyTorch's `expandable_segments:True` is answered with our key.
+    /// The backing by name; `expandable`, which chose the stitched backing while the name says
+    /// PyTorch's expandable segments (issue 51), is retired with an error naming `backing=`.
+    /// PyTorch's `expandable_segments:True` is answered with our key.
     #[test]
     fn the_backing_is_chosen_by_name() {
-        let e = Config::parse("backing=segments,expandable=false").unwrap_err().to_string();
-        assert!(e.contains("give one"), "{e}");
+        for conf in ["expandable=true", "expandable=false", "strategy=async,expandable=true"] {
+            let e = Config::parse(conf).unwrap_err().to_string();
+            assert!(e.contains("`expandable` is retired") && e.contains("backing=segments"), "{conf}: {e}");
+        }
         let e = Config::parse("backing=mapped").unwrap_err().to_string();
         assert!(e.contains("expected one of stitched, segments, chunks"), "{e}");
         let e = Config::parse("expandable_segments:True").unwrap_err().to_string();
@@ -721,11 +714,10 @@ mod tests {
     fn a_key_the_strategy_does_not_take_is_an_error_naming_those_that_do() {
         let caching = "taken by best_fit, stream_safe";
         let cases = [
-            ("strategy=async,expandable=true", "`expandable` does not apply to strategy=async", caching),
-            ("expandable=true,strategy=async", "`expandable` does not apply to strategy=async", caching),
+            ("strategy=async,backing=chunks", "`backing` does not apply to strategy=async", caching),
+            ("backing=chunks,strategy=async", "`backing` does not apply to strategy=async", caching),
             ("strategy=async,growth=64MiB", "`growth` does not apply to strategy=async", caching),
             ("strategy=plain,growth=64MiB", "`growth` does not apply to strategy=plain", caching),
-            ("strategy=async,wait_timeout=1s", "`wait_timeout` does not apply to strategy=async", caching),
             ("pool=owned", "`pool` does not apply to strategy=stream_safe", "taken by async"),
             (
                 "strategy=best_fit,release_threshold=1GiB",
@@ -739,10 +731,16 @@ mod tests {
             let e = Config::parse(conf).unwrap_err().to_string();
             assert!(e.contains(what) && e.contains(by), "{conf}: {e}");
         }
-        // Keys of every strategy are taken by all.
+        // Keys of every strategy are taken by all, and printed back for all (issue 51:
+        // `wait_timeout`, which bounds the pointer table's wait under every strategy, was
+        // refused under plain and async).
         for s in Strategy::all().map(Strategy::name) {
-            Config::parse(&format!("strategy={s},limit=1GiB,retry_timeout=1s,stats=true,device=sim"))
-                .unwrap();
+            let c = Config::parse(&format!(
+                "strategy={s},limit=1GiB,retry_timeout=1s,wait_timeout=250ms,stats=true,device=sim"
+            ))
+            .unwrap();
+            assert_eq!(c.wait_timeout, Duration::from_millis(250));
+            assert_eq!(Config::parse(&c.to_string()).unwrap(), c, "{c}");
         }
     }
 }

@@ -285,8 +285,8 @@ impl Facade {
     }
 
     /// Lets device `peer` read and write the memory that device `ordinal`'s allocators map
-    /// (`expandable=true`), mapped so far and later ([`Device::grant_mapped_access`]); builds
-    /// the stack if needed. Plain allocations (`expandable=false`, private pools) follow the
+    /// (`backing=stitched`), mapped so far and later ([`VirtualMemory::grant_mapped_access`](crate::device::VirtualMemory::grant_mapped_access)); builds
+    /// the stack if needed. Plain allocations (`backing=chunks`, private pools) follow the
     /// context-level peer access the program enables itself (`cudaDeviceEnablePeerAccess`);
     /// mapped memory does not, and needs this call too. The driver's pools (`strategy=async`)
     /// are not covered: see [`AsyncPool::grant_peer_access`](crate::allocators::AsyncPool::grant_peer_access).
@@ -403,7 +403,7 @@ impl Facade {
             Some(d) => Error::InvalidArgument(format!(
                 "{ptr:#x} is not a live allocation of device {d}, whose stream {:#x} is (a stream is \
                  recorded on its own device's memory only)",
-                s.0
+                s.raw()
             )),
             None => not_live(ptr),
         }))

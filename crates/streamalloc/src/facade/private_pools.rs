@@ -352,6 +352,7 @@ impl PrivatePools {
 mod tests {
     use super::*;
     use crate::device::sim::{SimConfig, SimDevice};
+    use crate::device::{DeviceMemory, Streams};
 
     fn pools(sim: &Arc<SimDevice>) -> PrivatePools {
         PrivatePools::new(sim.clone(), BestFitConfig::default(), false)
@@ -372,7 +373,7 @@ mod tests {
         let s = sim.create_stream().unwrap();
         assert!(pooled(&p, 1 << 20, s).is_none(), "nothing is active");
         p.begin((0, 1), Arc::new(move |x| x == s)).unwrap();
-        assert!(pooled(&p, 1 << 20, Stream(0xdead)).is_none(), "the filter does not match");
+        assert!(pooled(&p, 1 << 20, Stream::forged(0xdead)).is_none(), "the filter does not match");
         let a = pooled(&p, 1 << 20, s).unwrap();
         let b = pooled(&p, 1 << 20, s).unwrap();
         assert!(p.free(a, s));
@@ -471,7 +472,7 @@ mod tests {
         let owner = |ptr| {
             st.pools
                 .iter()
-                .find(|(_, e)| e.alloc.record_stream_ptr(ptr, Stream(0)).unwrap())
+                .find(|(_, e)| e.alloc.record_stream_ptr(ptr, Stream::forged(0)).unwrap())
                 .map(|(id, _)| *id)
         };
         assert_eq!((owner(a), owner(b)), (Some((1, 0)), Some((0, 2))));

@@ -19,8 +19,10 @@ use crate::error::Result;
 pub struct StrategySpec {
     /// The name `strategy=` takes.
     pub name: &'static str,
-    /// The configuration keys it takes that not every strategy takes (a key that no
-    /// strategy lists applies to all).
+    /// The configuration keys it takes that not every strategy takes: its key groups
+    /// ([`CACHING_POOL_KEYS`], [`DRIVER_POOL_KEYS`]) or keys of its own. A key that no strategy
+    /// lists applies to all. Parsing refuses, and printing leaves out, a key the chosen
+    /// strategy does not list.
     pub keys: &'static [&'static str],
     /// Why tags cannot sleep under it whatever the backing; `None` for a caching pool, whose
     /// tags sleep over stitched ranges.
@@ -34,8 +36,11 @@ pub struct StrategySpec {
     pub build: fn(config: &Config, device: &Arc<dyn Device>, pool: BestFitConfig) -> Result<DynAllocator>,
 }
 
-/// The keys of the caching pools.
-const POOL_KEYS: &[&str] = &["growth", "backing", "expandable", "wait_timeout"];
+/// The keys of the caching pools: how they grow and what backs them.
+pub const CACHING_POOL_KEYS: &[&str] = &["growth", "backing"];
+
+/// The keys of the driver's stream-ordered pool.
+pub const DRIVER_POOL_KEYS: &[&str] = &["pool", "release_threshold", "throttle", "trim_floor"];
 
 /// [`Plain`]: no caching, on any stream through [`SingleStream`].
 pub static PLAIN: StrategySpec = StrategySpec {
@@ -52,7 +57,7 @@ pub static PLAIN: StrategySpec = StrategySpec {
 /// [`BestFit`]: one caching pool, on any stream through [`SingleStream`].
 pub static BEST_FIT: StrategySpec = StrategySpec {
     name: "best_fit",
-    keys: POOL_KEYS,
+    keys: CACHING_POOL_KEYS,
     no_sleep: None,
     driver_pool: false,
     build: |_, device, pool| {
@@ -64,7 +69,7 @@ pub static BEST_FIT: StrategySpec = StrategySpec {
 /// [`StreamSafe`]: a caching pool per stream (the default).
 pub static STREAM_SAFE: StrategySpec = StrategySpec {
     name: "stream_safe",
-    keys: POOL_KEYS,
+    keys: CACHING_POOL_KEYS,
     no_sleep: None,
     driver_pool: false,
     build: |_, device, pool| {
@@ -75,7 +80,7 @@ pub static STREAM_SAFE: StrategySpec = StrategySpec {
 /// [`AsyncPool`]: the driver's stream-ordered pool.
 pub static ASYNC: StrategySpec = StrategySpec {
     name: "async",
-    keys: &["pool", "release_threshold", "throttle", "trim_floor"],
+    keys: DRIVER_POOL_KEYS,
     no_sleep: Some(
         "strategy=async allocates from the driver's pool, whose memory cannot be given back at its addresses",
     ),
@@ -103,4 +108,14 @@ pub static ASYNC: StrategySpec = StrategySpec {
 };
 
 /// Every strategy, in the order presets and comparisons list them.
+#[cfg(not(test))]
 pub static STRATEGIES: &[&StrategySpec] = &[&PLAIN, &BEST_FIT, &STREAM_SAFE, &ASYNC];
+
+/// The crate's own unit tests register DESIGN.md's worked example, `arena`, as the document
+/// says a new strategy is registered: so that the registry's readers are tested with a
+/// strategy that takes a key group of its own.
+#[cfg(test)]
+pub static STRATEGIES: &[&StrategySpec] = &[&PLAIN, &BEST_FIT, &STREAM_SAFE, &ASYNC, &arena::ARENA];
+
+#[cfg(test)]
+mod arena;

@@ -49,7 +49,7 @@
 //! stops once the bins reach their largest size.
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-use crate::allocation::ALIGNMENT;
+use super::ALIGNMENT;
 use crate::error::{Error, Result};
 
 mod sorted;

@@ -16,35 +16,12 @@ use streamalloc::allocators::{
 };
 use streamalloc::device::cuda::CudaDevice;
 use streamalloc::device::sim::{SimConfig, SimDevice};
+use streamalloc::device::Streams;
 use streamalloc::facade::{Config, Facade, PoolChoice, Strategy as Registered};
 use streamalloc::{
-    Allocation, Allocator, Block, BlockOwner, Device, Error, Stats, Stream, StreamAllocator, ALIGNMENT,
+    Allocation, Allocator, AnyAllocator, Block, BlockOwner, Device, Error, Stats, Stream, StreamAllocator,
+    ALIGNMENT,
 };
-
-/// The allocator under test, as its widest interface.
-pub enum Made {
-    /// An allocator without stream methods.
-    Plain(Arc<dyn Allocator>),
-    /// A stream-aware allocator.
-    Streams(Arc<dyn StreamAllocator>),
-}
-
-impl Made {
-    pub fn allocator(&self) -> &dyn Allocator {
-        match self {
-            Made::Plain(a) => a.as_ref(),
-            Made::Streams(a) => a.as_ref(),
-        }
-    }
-
-    /// Allocates on `stream` if the allocator is stream-aware, else on its own stream.
-    pub fn allocate_on(&self, size: usize, stream: Stream) -> streamalloc::Result<Allocation> {
-        match self {
-            Made::Plain(a) => a.allocate(size),
-            Made::Streams(a) => a.allocate_on(size, stream),
-        }
-    }
-}
 
 /// An allocator by pointer ([`Pointers`]) under the suite: its allocations are handles whose
 /// drop frees by pointer (after recording on it the streams recorded on the handle), so every
@@ -60,8 +37,8 @@ impl ByPointer {
     }
 
     /// `base` under the suite by pointer.
-    pub fn made(base: Arc<dyn StreamAllocator>, device: Arc<dyn Device>) -> Made {
-        Made::Streams(Arc::new(Self::new(base, device)))
+    pub fn made(base: Arc<dyn StreamAllocator>, device: Arc<dyn Device>) -> AnyAllocator {
+        AnyAllocator::Streams(Arc::new(Self::new(base, device)))
     }
 }
 
@@ -121,7 +98,7 @@ impl StreamAllocator for ByPointer {
 }
 
 /// Makes the allocator under test on a device.
-pub type Factory<'a> = &'a dyn Fn(Arc<dyn Device>) -> Made;
+pub type Factory<'a> = &'a dyn Fn(Arc<dyn Device>) -> AnyAllocator;
 
 /// A device for the suite: the simulator (with its checker) or a CUDA GPU.
 pub struct TestDevice {
@@ -359,16 +336,16 @@ pub fn run_program(make: Factory<'_>, program: &[Action], record: bool) -> usize
 }
 
 /// The allocators both the simulator's and the GPU's suite run, as factories.
-pub fn plain(device: Arc<dyn Device>) -> Made {
-    Made::Plain(Arc::new(Plain::new(device, Stream::DEFAULT)))
+pub fn plain(device: Arc<dyn Device>) -> AnyAllocator {
+    AnyAllocator::Single(Arc::new(Plain::new(device, Stream::DEFAULT)))
 }
 
-pub fn best_fit(device: Arc<dyn Device>) -> Made {
-    Made::Plain(Arc::new(BestFit::new(device, BestFitConfig::default()).expect("pool")))
+pub fn best_fit(device: Arc<dyn Device>) -> AnyAllocator {
+    AnyAllocator::Single(Arc::new(BestFit::new(device, BestFitConfig::default()).expect("pool")))
 }
 
-pub fn stream_safe(device: Arc<dyn Device>) -> Made {
-    Made::Streams(Arc::new(StreamSafe::new(device, StreamSafeConfig::default()).expect("allocator")))
+pub fn stream_safe(device: Arc<dyn Device>) -> AnyAllocator {
+    AnyAllocator::Streams(Arc::new(StreamSafe::new(device, StreamSafeConfig::default()).expect("allocator")))
 }
 
 /// BestFit's settings with `backing`.
@@ -376,36 +353,36 @@ fn backed(backing: BackingKind) -> BestFitConfig {
     BestFitConfig { backing, ..BestFitConfig::default() }
 }
 
-pub fn best_fit_expandable(device: Arc<dyn Device>) -> Made {
-    Made::Plain(Arc::new(BestFit::new(device, backed(BackingKind::SEGMENTS)).expect("pool")))
+pub fn best_fit_segments(device: Arc<dyn Device>) -> AnyAllocator {
+    AnyAllocator::Single(Arc::new(BestFit::new(device, backed(BackingKind::SEGMENTS)).expect("pool")))
 }
 
-pub fn stream_safe_expandable(device: Arc<dyn Device>) -> Made {
+pub fn stream_safe_segments(device: Arc<dyn Device>) -> AnyAllocator {
     let config = StreamSafeConfig { pool: backed(BackingKind::SEGMENTS), ..StreamSafeConfig::default() };
-    Made::Streams(Arc::new(StreamSafe::new(device, config).expect("allocator")))
+    AnyAllocator::Streams(Arc::new(StreamSafe::new(device, config).expect("allocator")))
 }
 
-pub fn best_fit_stitched(device: Arc<dyn Device>) -> Made {
-    Made::Plain(Arc::new(BestFit::new(device, backed(BackingKind::STITCHED)).expect("pool")))
+pub fn best_fit_stitched(device: Arc<dyn Device>) -> AnyAllocator {
+    AnyAllocator::Single(Arc::new(BestFit::new(device, backed(BackingKind::STITCHED)).expect("pool")))
 }
 
-pub fn stream_safe_stitched(device: Arc<dyn Device>) -> Made {
+pub fn stream_safe_stitched(device: Arc<dyn Device>) -> AnyAllocator {
     let config = StreamSafeConfig { pool: backed(BackingKind::STITCHED), ..StreamSafeConfig::default() };
-    Made::Streams(Arc::new(StreamSafe::new(device, config).expect("allocator")))
+    AnyAllocator::Streams(Arc::new(StreamSafe::new(device, config).expect("allocator")))
 }
 
-pub fn async_pool(device: Arc<dyn Device>) -> Made {
-    Made::Streams(Arc::new(AsyncPool::new(device, AsyncPoolConfig::default())))
+pub fn async_pool(device: Arc<dyn Device>) -> AnyAllocator {
+    AnyAllocator::Streams(Arc::new(AsyncPool::new(device, AsyncPoolConfig::default())))
 }
 
 /// StreamSafe through its own pointer bookkeeping (the C ABI's path with `stream_safe`).
-pub fn stream_safe_by_pointer(device: Arc<dyn Device>) -> Made {
+pub fn stream_safe_by_pointer(device: Arc<dyn Device>) -> AnyAllocator {
     let ss = Arc::new(StreamSafe::new(device.clone(), StreamSafeConfig::default()).expect("allocator"));
     ByPointer::made(ss, device)
 }
 
 /// AsyncPool by pointer (the C ABI's path with `async`).
-pub fn async_pool_by_pointer(device: Arc<dyn Device>) -> Made {
+pub fn async_pool_by_pointer(device: Arc<dyn Device>) -> AnyAllocator {
     let pool = Arc::new(AsyncPool::new(device.clone(), AsyncPoolConfig::default()));
     ByPointer::made(pool, device)
 }
@@ -429,8 +406,8 @@ pub fn registered() -> Vec<Config> {
 }
 
 /// The stack the facade builds for `config` (the stack of the C ABI, by handle here).
-pub fn facade_stack(config: Config) -> impl Fn(Arc<dyn Device>) -> Made {
-    move |device| Made::Streams(Facade::build_stack(&config, device).expect("stack").allocator)
+pub fn facade_stack(config: Config) -> impl Fn(Arc<dyn Device>) -> AnyAllocator {
+    move |device| AnyAllocator::Streams(Facade::build_stack(&config, device).expect("stack").allocator)
 }
 
 /// Every check on every configuration of the registries ([`registered`]), each on a fresh

@@ -54,7 +54,7 @@
 //!    before then is invalid. Dropping the [`Allocation`] therefore hands it to the
 //!    [`CapturedGraph`], which frees it (ordered after the last launch) when it is destroyed,
 //!    and only if it was ever launched. Graphs are instantiated with auto-free-on-launch
-//!    ([`Device::instantiate_graph_auto_free`]), so a graph whose memory outlives a launch
+//!    ([`Graphs::instantiate_graph_auto_free`](crate::device::Graphs::instantiate_graph_auto_free)), so a graph whose memory outlives a launch
 //!    can be launched again: each launch frees what the previous one left and allocates it
 //!    anew at the same address. An `Allocation` still alive when its graph is destroyed stays
 //!    valid and is freed, after the last launch, when dropped.
@@ -69,7 +69,7 @@ mod graph;
 mod tests;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -82,7 +82,9 @@ use super::retry;
 use crate::allocation::{
     align_up, Allocation, Allocator, Block, BlockOwner, Segment, Stats, StreamAllocator,
 };
-use crate::device::{CaptureStatus, Device, DevicePtr, EventPool, Pool, PoolAttr, PoolProps, Stream};
+use crate::device::{
+    AtomicStream, CaptureStatus, Device, DevicePtr, EventPool, Pool, PoolAttr, PoolProps, Stream,
+};
 use crate::error::{Error, HeldErrors, OutOfMemory, Result};
 
 /// Which stream-ordered pool an [`AsyncPool`] allocates from.
@@ -108,7 +110,7 @@ pub enum PoolMode {
         /// driver offers it (CUDA 12.2 and later).
         max_size: usize,
         /// Whether other processes can import its memory
-        /// ([`Device::export_pool_pointer`]); CUDA graphs cannot capture allocations of such a
+        /// ([`Ipc::export_pool_pointer`](crate::device::Ipc::export_pool_pointer)); CUDA graphs cannot capture allocations of such a
         /// pool.
         exportable: bool,
     },
@@ -189,7 +191,7 @@ impl Default for AsyncPoolConfig {
 /// ```
 /// use streamalloc::allocators::{AsyncPool, AsyncPoolConfig};
 /// use streamalloc::device::sim::{SimConfig, SimDevice};
-/// use streamalloc::{Allocator, Device, StreamAllocator};
+/// use streamalloc::{Allocator, Streams, StreamAllocator};
 ///
 /// let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
 /// let pool = AsyncPool::new(sim.clone(), AsyncPoolConfig::default()); // the device's default pool
@@ -251,7 +253,7 @@ struct Inner {
     /// `device.ordinal()`, read on every allocation.
     ordinal: usize,
     config: AsyncPoolConfig,
-    default_stream: AtomicU64,
+    default_stream: AtomicStream,
     ready: OnceLock<Ready>,
     init_lock: Mutex<()>,
     events: EventPool,
@@ -273,7 +275,7 @@ impl AsyncPool {
             events: EventPool::new(device.clone()),
             ordinal: device.ordinal(),
             device,
-            default_stream: AtomicU64::new(config.default_stream.0),
+            default_stream: AtomicStream::new(config.default_stream),
             config,
             ready: OnceLock::new(),
             init_lock: Mutex::new(()),
@@ -314,7 +316,10 @@ impl AsyncPool {
         {
             let mut captures = self.inner.captures.lock();
             if captures.contains_key(&stream) {
-                return Err(Error::InvalidArgument(format!("stream {:#x} is already capturing", stream.0)));
+                return Err(Error::InvalidArgument(format!(
+                    "stream {:#x} is already capturing",
+                    stream.raw()
+                )));
             }
             // Counted first, so that no allocation on `stream` skips the question once it
             // captures.
@@ -432,7 +437,7 @@ impl StreamAllocator for AsyncPool {
     }
 
     fn default_stream(&self) -> Stream {
-        Stream(self.inner.default_stream.load(Ordering::Relaxed))
+        self.inner.default_stream.load()
     }
 
     /// Nothing to forget: the driver's pool orders each free on its stream at the free.
@@ -441,7 +446,7 @@ impl StreamAllocator for AsyncPool {
     }
 
     fn set_default_stream(&self, stream: Stream) {
-        self.inner.default_stream.store(stream.0, Ordering::Relaxed);
+        self.inner.default_stream.store(stream);
     }
 }
 
@@ -480,7 +485,7 @@ impl Inner {
                     return Err(Error::Unsupported(format!(
                         "allocation on stream {:#x}, which is capturing a graph not begun with \
                          AsyncPool::begin_capture",
-                        stream.0
+                        stream.raw()
                     )));
                 };
                 let ptr = self.device.alloc_async(rounded, ready.pool, stream)?;
@@ -489,7 +494,7 @@ impl Inner {
             CaptureStatus::Invalidated => {
                 return Err(Error::InvalidArgument(format!(
                     "allocation on stream {:#x}, whose capture was invalidated",
-                    stream.0
+                    stream.raw()
                 )))
             }
         })
@@ -686,7 +691,8 @@ impl Inner {
             return Err(Error::Unsupported(format!(
                 "free of {:#x} while stream {:#x} captures a graph not begun with \
                  AsyncPool::begin_capture: the memory is leaked",
-                block.ptr, stream.0
+                block.ptr,
+                stream.raw()
             )));
         };
         match shared.defer(block) {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use super::*;
 use crate::device::sim::{SimConfig, SimDevice};
-use crate::device::DeviceTestExt;
+use crate::device::{DeviceTestExt, DriverPools, Events, Graphs, Streams};
 
 const MIB: usize = 1 << 20;
 
@@ -91,7 +91,7 @@ fn constructor_and_idle_calls_make_no_device_call() {
     let d = sim(1 << 30);
     let before = d.now();
     let pool = AsyncPool::new(d.clone(), AsyncPoolConfig::default());
-    pool.set_default_stream(Stream(12345));
+    pool.set_default_stream(Stream::forged(12345));
     assert_eq!(pool.release().unwrap(), 0);
     assert_eq!(pool.stats(), Stats::default());
     drop(pool);

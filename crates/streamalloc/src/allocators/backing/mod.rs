@@ -263,7 +263,7 @@ impl SharedRange {
 
 /// Exports the memory under `[ptr, ptr + size)`, a live block of a pool backed by
 /// [`Stitched`] or [`Segments`] ranges, for another process: the granule-aligned range that
-/// holds the block, and its physical allocations ([`Device::export_mapped`]). A block of a
+/// holds the block, and its physical allocations ([`Ipc::export_mapped`](crate::device::Ipc::export_mapped)). A block of a
 /// stitched range is shared through the stitched addresses, whose allocations are those of
 /// its home granules (the same descriptors). The block's granules may hold other blocks too:
 /// a receiver that maps the range sees them, as with PyTorch's expandable segments.
@@ -291,7 +291,7 @@ mod tests {
     use crate::allocators::{BestFit, BestFitConfig};
     use crate::device::ipc::fetch_fds;
     use crate::device::sim::{SimConfig, SimDevice};
-    use crate::device::DeviceTestExt;
+    use crate::device::{DeviceTestExt, Ipc, Streams, VirtualMemory};
     use crate::{Allocation, Allocator, Stream};
 
     const MIB: usize = 1 << 20;

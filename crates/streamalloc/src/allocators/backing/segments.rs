@@ -12,7 +12,7 @@ use crate::error::{try_each, Error, OutOfMemory, Result};
 use crate::policy::best_fit::{BestFitPolicy, TakenChunk};
 
 /// The backing of expandable segments: each class (small, large) has one segment, a device
-/// address reservation mapped from its start as needed ([`Device::map`]), grown at a miss by
+/// address reservation mapped from its start as needed ([`VirtualMemory::map`](crate::device::VirtualMemory::map)), grown at a miss by
 /// what the request lacks past the segment's free end, rounded up to the mapping
 /// granularity. Blocks merge across growths. Requests larger than the pool's growth size
 /// ([`Want::own`]) get chunks of their own from a [`Chunks`] backing: in the segment, such a

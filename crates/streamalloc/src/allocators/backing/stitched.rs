@@ -16,7 +16,7 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Classes};
 
 /// The stitched backing. One address reservation per pool, in two areas: the *home* area
 /// (twice the device's memory) where memory is mapped fresh, in granules
-/// ([`Device::map_granularity`]), and the *stitch* area (the device's memory) where free
+/// ([`VirtualMemory::map_granularity`](crate::device::VirtualMemory::map_granularity)), and the *stitch* area (the device's memory) where free
 /// granules are mapped a second time.
 ///
 /// * **Placement.** A miss maps the fewest granules that, with a free block next to an
@@ -70,13 +70,13 @@ struct State {
     /// The most bytes mapped at once so far.
     high_water: u64,
     /// The stitched ranges mapped now, by start: their mapped length, and the home ranges
-    /// they map ([`Device::map_alias`]'s sources), to be mapped again by a wake.
+    /// they map ([`VirtualMemory::map_alias`](crate::device::VirtualMemory::map_alias)'s sources), to be mapped again by a wake.
     aliases: BTreeMap<u64, (u64, Sources)>,
     /// Where the pool is in a sleep.
     sleep: Sleep,
 }
 
-/// The home ranges a stitched range maps, in its order ([`Device::map_alias`]'s sources).
+/// The home ranges a stitched range maps, in its order ([`VirtualMemory::map_alias`](crate::device::VirtualMemory::map_alias)'s sources).
 type Sources = Vec<(u64, usize)>;
 
 /// Where a stitched pool is in a sleep ([`Backing::sleep_begin`]).
@@ -178,7 +178,7 @@ impl Stitched {
                      (three times the device's memory and a granule, what each pool over stitched ranges reserves \
                      while it holds memory; with streams, a pool per stream): {e}; free the memory other streams \
                      hold, retire streams no longer used, or use backing=segments, which reserves nothing",
-                    self.stream.0
+                    self.stream.raw()
                 )],
                 ..OutOfMemory::default()
             }),
