@@ -90,6 +90,16 @@ impl<'a> IntoIterator for &'a Recorded {
     }
 }
 
+impl Block {
+    /// Marks `stream` as a user of the block until its free ([`Allocation::record_stream`]):
+    /// nothing for the owning stream or a stream recorded already.
+    pub fn record_stream(&mut self, stream: Stream) {
+        if stream != self.stream && !self.recorded.contains(&stream) {
+            self.recorded.push(stream);
+        }
+    }
+}
+
 /// Takes blocks back when their [`Allocation`] is dropped.
 ///
 /// Implemented by every allocator and adaptor. `free` must not panic and must not block on
@@ -165,9 +175,7 @@ impl Allocation {
     /// exist then; before destroying one, erase it ([`Allocation::erase_stream`]) once its
     /// work on this memory is done.
     pub fn record_stream(&mut self, stream: Stream) {
-        if stream != self.block.stream && !self.block.recorded.contains(&stream) {
-            self.block.recorded.push(stream);
-        }
+        self.block.record_stream(stream);
     }
 
     /// Undoes [`Allocation::record_stream`] for `stream` (the caller has ordered that
@@ -208,6 +216,83 @@ impl std::fmt::Debug for Allocation {
             .field("recorded", &self.block.recorded)
             .finish()
     }
+}
+
+/// What is kept for an allocation known by its pointer ([`StreamAllocator::take_kept`],
+/// [`Pointers`](crate::adaptors::Pointers)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PointerEntry {
+    /// Its size, as asked for.
+    pub size: usize,
+    /// The stream it was asked for on (its owning stream, except under an allocator of one
+    /// stream's pool, which owns it then).
+    pub stream: Stream,
+    /// The front end's word given when it was made (0 if none was).
+    pub word: u64,
+    /// Whether streams other than its owner were recorded on it.
+    pub recorded: bool,
+}
+
+/// An allocation that its allocator keeps by pointer, under the lock of the pool that made it
+/// ([`StreamAllocator::allocate_kept`]): its block and the front end's word. No handle and no
+/// reference count: the pool holds it until [`StreamAllocator::take_kept`] frees it.
+#[derive(Debug)]
+pub struct KeptBlock {
+    block: Block,
+    word: u64,
+}
+
+impl KeptBlock {
+    /// Keeps `block` with the front end's `word`.
+    pub fn new(block: Block, word: u64) -> Self {
+        Self { block, word }
+    }
+
+    /// What is kept for it.
+    pub fn entry(&self) -> PointerEntry {
+        let b = &self.block;
+        PointerEntry { size: b.size, stream: b.stream, word: self.word, recorded: !b.recorded.is_empty() }
+    }
+
+    /// Its device address.
+    pub fn ptr(&self) -> DevicePtr {
+        self.block.ptr
+    }
+
+    /// The stream it belongs to.
+    pub fn owning_stream(&self) -> Stream {
+        self.block.stream
+    }
+
+    /// [`Allocation::record_stream`] for it.
+    pub fn record_stream(&mut self, stream: Stream) {
+        self.block.record_stream(stream);
+    }
+
+    /// [`Allocation::erase_stream`] for it.
+    pub fn erase_stream(&mut self, stream: Stream) {
+        self.block.recorded.retain(|s| *s != stream);
+    }
+
+    /// The streams recorded so far.
+    pub fn recorded_streams(&self) -> &[Stream] {
+        &self.block.recorded
+    }
+
+    /// Its block, for the pool to take back.
+    pub fn into_block(self) -> Block {
+        self.block
+    }
+}
+
+/// What [`StreamAllocator::allocate_kept`] made.
+#[derive(Debug)]
+pub enum Kept {
+    /// An allocation the allocator keeps by its pointer (never null).
+    Ptr(DevicePtr),
+    /// A handle for the caller to keep: the allocator keeps nothing by pointer, or not this
+    /// allocation (a null pointer for a zero-size request).
+    Handle(Allocation),
 }
 
 /// A range of device memory an allocator holds (a device allocation, or a mapped range), with
@@ -503,6 +588,39 @@ pub trait StreamAllocator: Allocator {
     /// An error (the stream's work outlasted the wait) means the stream must not be
     /// destroyed yet.
     fn retire_stream(&self, stream: Stream) -> Result<()>;
+
+    /// Allocates like [`StreamAllocator::allocate_on`] for a caller that knows allocations by
+    /// pointer ([`Pointers`](crate::adaptors::Pointers)): an allocator that can keeps the
+    /// allocation itself, with the caller's `word`, in the stream's pool under the pool's own
+    /// lock ([`Kept::Ptr`], freed by [`StreamAllocator::take_kept`]); any other returns the
+    /// handle ([`Kept::Handle`], the default). Errors as `allocate_on`.
+    fn allocate_kept(&self, size: usize, stream: Stream, word: u64) -> Result<Kept> {
+        let _ = word;
+        self.allocate_on(size, stream).map(Kept::Handle)
+    }
+
+    /// Frees the allocation kept at `ptr` ([`StreamAllocator::allocate_kept`]), as dropping its
+    /// handle would; what was kept for it, or `None` if none is kept there. `hint` names the
+    /// one stream whose pool is looked in; `None` looks in every pool. The default keeps
+    /// nothing.
+    fn take_kept(&self, ptr: DevicePtr, hint: Option<Stream>) -> Option<PointerEntry> {
+        let _ = (ptr, hint);
+        None
+    }
+
+    /// Runs `f` on the allocation kept at `ptr`, under its pool's lock (`f` must take no lock
+    /// of the allocator); whether one is kept there. `hint` as in
+    /// [`StreamAllocator::take_kept`].
+    fn with_kept(&self, ptr: DevicePtr, hint: Option<Stream>, f: &mut dyn FnMut(&mut KeptBlock)) -> bool {
+        let _ = (ptr, hint, f);
+        false
+    }
+
+    /// Runs `f` on every allocation kept, pool by pool under each pool's lock (`f` must take
+    /// no lock of the allocator).
+    fn each_kept(&self, f: &mut dyn FnMut(DevicePtr, &mut KeptBlock)) {
+        let _ = f;
+    }
 }
 
 impl<A: Allocator + ?Sized> Allocator for Arc<A> {
@@ -538,6 +656,18 @@ impl<A: StreamAllocator + ?Sized> StreamAllocator for Arc<A> {
     }
     fn retire_stream(&self, stream: Stream) -> Result<()> {
         (**self).retire_stream(stream)
+    }
+    fn allocate_kept(&self, size: usize, stream: Stream, word: u64) -> Result<Kept> {
+        (**self).allocate_kept(size, stream, word)
+    }
+    fn take_kept(&self, ptr: DevicePtr, hint: Option<Stream>) -> Option<PointerEntry> {
+        (**self).take_kept(ptr, hint)
+    }
+    fn with_kept(&self, ptr: DevicePtr, hint: Option<Stream>, f: &mut dyn FnMut(&mut KeptBlock)) -> bool {
+        (**self).with_kept(ptr, hint, f)
+    }
+    fn each_kept(&self, f: &mut dyn FnMut(DevicePtr, &mut KeptBlock)) {
+        (**self).each_kept(f)
     }
 }
 

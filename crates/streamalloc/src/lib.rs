@@ -55,13 +55,14 @@ pub mod device;
 pub mod error;
 pub mod facade;
 pub mod policy;
+pub(crate) mod stream_table;
 pub mod tags;
 pub mod text;
 pub mod trace;
 
 pub use allocation::{
-    Allocation, Allocator, AnyAllocator, Block, BlockOwner, BlockState, ReservedGauge, Segment, SegmentBlock,
-    Stats, StreamAllocator, ALIGNMENT,
+    Allocation, Allocator, AnyAllocator, Block, BlockOwner, BlockState, Kept, KeptBlock, PointerEntry,
+    ReservedGauge, Segment, SegmentBlock, Stats, StreamAllocator, ALIGNMENT,
 };
 pub use device::{Device, DevicePtr, Stream, Streams};
 pub use error::{Error, HeldErrors, OutOfMemory, Result};

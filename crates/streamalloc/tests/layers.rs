@@ -17,7 +17,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("base", &["error", "text"]),
     ("device", &["device"]),
     ("policy", &["policy"]),
-    ("interface", &["allocation", "tags", "trace"]),
+    ("interface", &["allocation", "stream_table", "tags", "trace"]),
     ("allocators", &["allocators"]),
     ("adaptors", &["adaptors"]),
     ("facade", &["facade"]),

@@ -257,6 +257,38 @@ fn a_sleep_waits_for_the_streams_of_a_free_under_way() {
 }
 
 #[test]
+fn a_free_under_way_in_its_streams_pool_keeps_its_recorded_streams_listed() {
+    // Untagged, the allocation is kept in its stream's pool (no handle): while its free
+    // records the event on `user`, the stack still lists `user` (or has the block pending).
+    let (f, sim) = facade("wait_timeout=1s");
+    let [owner, user] = [0; 2].map(|_| sim.create_stream().unwrap());
+    let allocator = f.allocator(0).unwrap();
+    let ptr = allocator.allocate_ptr(6 * MIB, owner).unwrap();
+    assert!(allocator.record_stream_ptr(ptr, user).unwrap());
+    let (entered_tx, entered) = std::sync::mpsc::channel();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let released = std::sync::Mutex::new(released);
+    let first = AtomicBool::new(true);
+    sim.set_record_hook(Some(Arc::new(move |stream| {
+        if stream == user && first.swap(false, Ordering::AcqRel) {
+            entered_tx.send(()).unwrap();
+            let _ = released.lock().unwrap().recv_timeout(Duration::from_secs(30));
+        }
+    })));
+    thread::scope(|scope| {
+        let freeing = scope.spawn(|| assert!(allocator.free_ptr(ptr, owner)));
+        entered.recv_timeout(Duration::from_secs(30)).expect("the free records its event");
+        let listed = allocator.recorded_streams();
+        release.send(()).unwrap();
+        freeing.join().unwrap();
+        assert_eq!(listed, vec![user], "a free under way hid its recorded stream");
+    });
+    sim.set_record_hook(None);
+    assert_eq!((allocator.recorded_streams(), f.stats(0).live_allocations), (vec![], 0));
+    assert_eq!(f.stats(0).pending_release, 6 * MIB);
+}
+
+#[test]
 fn a_sleep_whose_streams_outlast_the_bound_names_them_and_leaves_the_tag_awake() {
     let (f, sim) = facade("wait_timeout=10ms");
     let s = sim.create_stream().unwrap();

@@ -60,9 +60,10 @@ mod retry;
 mod single_stream;
 mod trace;
 
+pub use crate::allocation::PointerEntry;
 pub use counted::{Counted, Scope, StreamStats};
 pub use limit::{Limit, ReservedLimit};
-pub use pointers::{PointerEntry, Pointers};
+pub use pointers::Pointers;
 pub use retry::Retry;
 pub use single_stream::SingleStream;
 pub use trace::Traced;

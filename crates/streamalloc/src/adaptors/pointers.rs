@@ -8,9 +8,12 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 
-use crate::allocation::{Allocation, Allocator, Stats, StreamAllocator};
+use crate::allocation::{
+    Allocation, Allocator, Kept as KeptBelow, KeptBlock, PointerEntry, Stats, StreamAllocator,
+};
 use crate::device::{Device, DevicePtr, EventPool, Stream};
 use crate::error::{Error, Result};
+use crate::stream_table::StreamSlots;
 
 /// Shards of the table (a bit each in [`Pointers::occupied`]).
 const SHARDS: usize = 256;
@@ -18,19 +21,22 @@ const SHARDS: usize = 256;
 const WORDS: usize = SHARDS / u64::BITS as usize;
 /// Shards a stream looks at, from its home on, for one it claimed or one to claim.
 const PROBE: usize = 8;
-/// No stream: the owner of a shard nobody claimed.
-const NO_STREAM: u64 = u64::MAX;
 
-/// A stack's allocations by pointer: `allocate_ptr` makes an [`Allocation`] through the
-/// allocator it wraps and keeps it, `free_ptr` drops it, `record_stream_ptr` records a stream on
-/// it. A free by pointer is the free of a handle, so the layers below have one allocation path.
-/// See DESIGN.md, Note [one pointer table].
+/// A stack's allocations by pointer: `allocate_ptr` makes an allocation through the allocator
+/// it wraps and keeps it, `free_ptr` frees it, `record_stream_ptr` records a stream on it. See
+/// DESIGN.md, Note [one pointer table].
 ///
-/// * **Sharded by stream.** 256 maps, each under a lock of its own; a stream claims one, so
-///   threads on different streams take different locks, and a free given the stream it was
-///   allocated on finds the allocation in one lookup (a free on another stream, or a
-///   `record_stream`, looks in the shards that hold anything). See DESIGN.md, Note [shards
-///   claimed by streams].
+/// * **Kept below where it can be.** An allocator that keeps allocations by pointer itself
+///   ([`StreamAllocator::allocate_kept`]) keeps them in the stream's pool under the pool's own
+///   lock, and no handle is made; every other allocation is an [`Allocation`] handle kept in
+///   the table here, whose free is the free of the handle. A look by pointer tries the pool of
+///   the stream given, then the table, then every pool. See DESIGN.md, Note [one lock per
+///   operation].
+/// * **Sharded by stream.** The table is 256 maps, each under a lock of its own; a stream
+///   claims one, so threads on different streams take different locks, and a free given the
+///   stream it was allocated on finds the allocation in one lookup (a free on another stream,
+///   or a `record_stream`, looks in the shards that hold anything). See DESIGN.md, Note
+///   [shards claimed by streams].
 /// * **Bounded.** The table holds the live allocations and a claim per shard, nothing per
 ///   thread or per stream; each map grows to at most twice the most allocations its shard held
 ///   at once.
@@ -68,16 +74,16 @@ pub struct Pointers<A> {
     /// The longest [`StreamAllocator::retire_stream`] waits for the stream's work.
     wait_timeout: Duration,
     shards: Box<[Shard]>,
-    /// The stream that claimed each shard ([`NO_STREAM`] if none): read at every allocation
-    /// and free, written only by a claim, so apart from the shards' locks.
-    owners: Owners,
+    /// The stream that claimed each shard: read at every allocation and free by pointer that
+    /// reaches the table, written only by a claim, so apart from the shards' locks.
+    claims: StreamSlots,
     /// Bit `i` is set while shard `i` may hold an allocation: set by the insert that finds it
     /// clear, cleared by a look through the shards that finds the shard empty (both under the
     /// shard's lock), so a stream that allocates and frees one block writes no shared word.
     occupied: [AtomicU64; WORDS],
-    /// Allocations kept that recorded a stream, and those whose free is under way
-    /// ([`Pointers::freeing`]): [`StreamAllocator::retire_stream`] and
-    /// [`Pointers::recorded_streams`] look through the table only when this is not 0.
+    /// Allocations kept (here or below) that recorded a stream, and those whose free is under
+    /// way ([`Pointers::freeing`]): [`StreamAllocator::retire_stream`] and
+    /// [`Pointers::recorded_streams`] look through the allocations only when this is not 0.
     recording: AtomicUsize,
     /// The streams recorded on allocations taken out of the table whose free has not yet
     /// returned: the allocator below orders the reuse after them only once it does, and a
@@ -93,23 +99,16 @@ struct Kept {
     word: u64,
 }
 
-/// What [`Pointers`] kept for an allocation, as [`Pointers::take_ptr`] and
-/// [`Pointers::entry`] report it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PointerEntry {
-    /// Its size, as asked for.
-    pub size: usize,
-    /// The stream it was asked for on (its owning stream, except under an allocator of one
-    /// stream's pool, which owns it then).
-    pub stream: Stream,
-    /// The front end's word given at [`Pointers::allocate_ptr_with`] (0 otherwise).
-    pub word: u64,
-    /// Whether streams other than its owner were recorded on it ([`Pointers::record_stream_ptr`],
-    /// or the allocator below, for the stream it was asked for on).
-    pub recorded: bool,
+/// What is kept for an allocation, in the table or by the allocator below.
+trait Held {
+    fn entry(&self) -> PointerEntry;
+    fn owning_stream(&self) -> Stream;
+    fn recorded_streams(&self) -> &[Stream];
+    fn record_stream(&mut self, stream: Stream);
+    fn erase_stream(&mut self, stream: Stream);
 }
 
-impl Kept {
+impl Held for Kept {
     fn entry(&self) -> PointerEntry {
         PointerEntry {
             size: self.allocation.size(),
@@ -117,6 +116,36 @@ impl Kept {
             word: self.word,
             recorded: !self.allocation.recorded_streams().is_empty(),
         }
+    }
+    fn owning_stream(&self) -> Stream {
+        self.allocation.owning_stream()
+    }
+    fn recorded_streams(&self) -> &[Stream] {
+        self.allocation.recorded_streams()
+    }
+    fn record_stream(&mut self, stream: Stream) {
+        self.allocation.record_stream(stream)
+    }
+    fn erase_stream(&mut self, stream: Stream) {
+        self.allocation.erase_stream(stream)
+    }
+}
+
+impl Held for KeptBlock {
+    fn entry(&self) -> PointerEntry {
+        KeptBlock::entry(self)
+    }
+    fn owning_stream(&self) -> Stream {
+        KeptBlock::owning_stream(self)
+    }
+    fn recorded_streams(&self) -> &[Stream] {
+        KeptBlock::recorded_streams(self)
+    }
+    fn record_stream(&mut self, stream: Stream) {
+        KeptBlock::record_stream(self, stream)
+    }
+    fn erase_stream(&mut self, stream: Stream) {
+        KeptBlock::erase_stream(self, stream)
     }
 }
 
@@ -126,10 +155,6 @@ impl Kept {
 struct Shard {
     live: Mutex<FxHashMap<DevicePtr, Kept>>,
 }
-
-/// The owners of the shards, on cache lines of their own.
-#[repr(align(128))]
-struct Owners([AtomicU64; SHARDS]);
 
 impl<A: StreamAllocator> Pointers<A> {
     /// Keeps `inner`'s allocations by pointer; `device` is the device `inner` allocates on
@@ -142,7 +167,7 @@ impl<A: StreamAllocator> Pointers<A> {
             device,
             wait_timeout,
             shards: (0..SHARDS).map(|_| Shard::default()).collect(),
-            owners: Owners(std::array::from_fn(|_| AtomicU64::new(NO_STREAM))),
+            claims: StreamSlots::new(SHARDS, PROBE),
             occupied: Default::default(),
             recording: AtomicUsize::new(0),
             freeing: Mutex::new(Vec::new()),
@@ -165,7 +190,11 @@ impl<A: StreamAllocator> Pointers<A> {
     /// for it (an index, a pointer to its records), returned by [`Pointers::take_ptr`] and
     /// [`Pointers::entry`], so that the front end keeps no table of its own.
     pub fn allocate_ptr_with(&self, size: usize, stream: Stream, word: u64) -> Result<DevicePtr> {
-        let allocation = self.inner.allocate_on(size, stream)?;
+        let allocation = match self.inner.allocate_kept(size, stream, word)? {
+            // Kept below, in the stream's pool under its own lock: the table takes no lock.
+            KeptBelow::Ptr(ptr) => return Ok(ptr),
+            KeptBelow::Handle(allocation) => allocation,
+        };
         let ptr = allocation.ptr();
         if ptr == 0 {
             return Ok(0);
@@ -194,6 +223,20 @@ impl<A: StreamAllocator> Pointers<A> {
 
     /// [`Pointers::free_ptr`], returning what was kept for the allocation.
     pub fn take_ptr(&self, ptr: DevicePtr, owner: Stream) -> Option<PointerEntry> {
+        let entry = match self.inner.take_kept(ptr, Some(owner)) {
+            Some(entry) => entry,
+            None => self.take_from_table(ptr, owner).or_else(|| self.inner.take_kept(ptr, None))?,
+        };
+        if entry.recorded {
+            // Release: its block is pending below by now (see `recorded_streams`).
+            self.recording.fetch_sub(1, Ordering::Release);
+        }
+        Some(entry)
+    }
+
+    /// Takes the allocation at `ptr` out of the table and frees it, outside the table's lock;
+    /// its recorded streams stay listed in [`Pointers::freeing`] until the free has returned.
+    fn take_from_table(&self, ptr: DevicePtr, owner: Stream) -> Option<PointerEntry> {
         let taken = self.find(Some(owner), |live| {
             let kept = live.remove(&ptr)?;
             // Listed as freeing before the shard's lock goes (see `recorded_streams`).
@@ -205,7 +248,6 @@ impl<A: StreamAllocator> Pointers<A> {
         })?;
         let entry = taken.entry();
         if !entry.recorded {
-            // Freed outside the table's lock.
             drop(taken);
             return Some(entry);
         }
@@ -219,15 +261,13 @@ impl<A: StreamAllocator> Pointers<A> {
                 freeing.swap_remove(i);
             }
         }
-        drop(freeing);
-        self.recording.fetch_sub(1, Ordering::Release);
         Some(entry)
     }
 
     /// What is kept for the allocation at `ptr`, if one is; `hint` is the stream looked at
     /// first.
     pub fn entry(&self, ptr: DevicePtr, hint: Option<Stream>) -> Option<PointerEntry> {
-        self.find(hint, |live| live.get(&ptr).map(Kept::entry))
+        self.with_entry(ptr, hint, |k| k.entry())
     }
 
     /// [`Allocation::record_stream`] for the allocation at `ptr`; `Ok(false)` if none is kept
@@ -235,34 +275,33 @@ impl<A: StreamAllocator> Pointers<A> {
     /// event could be recorded on it at the free).
     pub fn record_stream_ptr(&self, ptr: DevicePtr, stream: Stream) -> Result<bool> {
         self.device.check_stream(stream)?;
-        let found = self.find(None, |live| {
-            let allocation = &mut live.get_mut(&ptr)?.allocation;
-            let before = allocation.recorded_streams().len();
-            allocation.record_stream(stream);
-            if before == 0 && !allocation.recorded_streams().is_empty() {
-                // Counted under the shard's lock, as the free that takes it out counts.
+        let found = self.with_entry(ptr, None, |kept| {
+            let before = kept.recorded_streams().len();
+            kept.record_stream(stream);
+            if before == 0 && !kept.recorded_streams().is_empty() {
+                // Counted under the lock that holds the entry, as the free that takes it out
+                // counts.
                 self.recording.fetch_add(1, Ordering::Release);
             }
-            Some(())
         });
         Ok(found.is_some())
     }
 
     /// The owning stream of the allocation at `ptr`, if one is kept there.
     pub fn owner_of(&self, ptr: DevicePtr, hint: Stream) -> Option<Stream> {
-        self.find(Some(hint), |live| live.get(&ptr).map(|k| k.allocation.owning_stream()))
+        self.with_entry(ptr, Some(hint), |k| k.owning_stream())
     }
 
     /// Every allocation kept, with what is kept for it.
     pub fn entries(&self) -> Vec<(DevicePtr, PointerEntry)> {
         let mut all = Vec::new();
-        self.each_occupied(|live| all.extend(live.iter().map(|(&p, k)| (p, k.entry()))));
+        self.each_entry(|p, k| all.push((p, k.entry())));
         all
     }
 
     /// The size of the allocation kept at `ptr` (its start), if one is.
     pub fn size_of(&self, ptr: DevicePtr) -> Option<usize> {
-        self.find(None, |live| live.get(&ptr).map(|k| k.allocation.size()))
+        self.with_entry(ptr, None, |k| k.entry().size)
     }
 
     /// The streams recorded on the allocations kept and on those whose free is under way,
@@ -274,8 +313,8 @@ impl<A: StreamAllocator> Pointers<A> {
         if self.recording.load(Ordering::Acquire) == 0 {
             return streams;
         }
-        self.each_occupied(|live| {
-            for s in live.values().flat_map(|k| k.allocation.recorded_streams()) {
+        self.each_entry(|_, kept| {
+            for s in kept.recorded_streams() {
                 if !streams.contains(s) {
                     streams.push(*s);
                 }
@@ -291,6 +330,35 @@ impl<A: StreamAllocator> Pointers<A> {
         streams
     }
 
+    /// Runs `f` on what is kept for `ptr`: below in the pool of `hint` (if given), in the
+    /// table, then below in every pool.
+    fn with_entry<T>(
+        &self,
+        ptr: DevicePtr,
+        hint: Option<Stream>,
+        mut f: impl FnMut(&mut dyn Held) -> T,
+    ) -> Option<T> {
+        let mut out = None;
+        if hint.is_some() && self.inner.with_kept(ptr, hint, &mut |k| out = Some(f(k))) {
+            return out;
+        }
+        if let Some(found) = self.find(hint, |live| live.get_mut(&ptr).map(|k| f(k))) {
+            return Some(found);
+        }
+        self.inner.with_kept(ptr, None, &mut |k| out = Some(f(k)));
+        out
+    }
+
+    /// Runs `f` on every allocation kept, in the table and below.
+    fn each_entry(&self, mut f: impl FnMut(DevicePtr, &mut dyn Held)) {
+        self.each_occupied(|live| {
+            for (&p, k) in live.iter_mut() {
+                f(p, k);
+            }
+        });
+        self.inner.each_kept(&mut |p, k| f(p, k));
+    }
+
     /// Runs `f` on the shard of `hint` first (if given), then on every other shard that may
     /// hold an allocation, until it returns `Some`.
     fn find<T>(
@@ -298,7 +366,7 @@ impl<A: StreamAllocator> Pointers<A> {
         hint: Option<Stream>,
         mut f: impl FnMut(&mut FxHashMap<DevicePtr, Kept>) -> Option<T>,
     ) -> Option<T> {
-        let first = hint.map(|stream| self.claimed(stream).unwrap_or_else(|| shard_of(stream)));
+        let first = hint.map(|stream| self.claims.find(stream).unwrap_or_else(|| self.claims.home(stream)));
         if let Some(i) = first {
             if let Some(found) = f(&mut self.shards[i].live.lock()) {
                 return Some(found);
@@ -312,25 +380,6 @@ impl<A: StreamAllocator> Pointers<A> {
         found
     }
 
-    /// The shard `stream` claimed, if one of those it looks at is still its own: at its home,
-    /// where it mostly is, or in the rest ([`Pointers::claimed_past_home`]).
-    #[inline]
-    fn claimed(&self, stream: Stream) -> Option<usize> {
-        let home = shard_of(stream);
-        if self.owners.0[home].load(Ordering::Relaxed) == stream.raw() {
-            return Some(home);
-        }
-        self.claimed_past_home(stream, home)
-    }
-
-    /// The shard `stream` claimed past its home, if any.
-    #[inline(never)]
-    fn claimed_past_home(&self, stream: Stream, home: usize) -> Option<usize> {
-        (1..PROBE)
-            .map(|k| (home + k) % SHARDS)
-            .find(|&i| self.owners.0[i].load(Ordering::Relaxed) == stream.raw())
-    }
-
     /// The shard `stream` allocates into: the one it claimed, else the first it looks at that
     /// it can claim (no stream claimed it, or its stream keeps nothing in it), else its home,
     /// shared (a stream finding the 8 shards it looks at held by others tries their locks at
@@ -340,25 +389,15 @@ impl<A: StreamAllocator> Pointers<A> {
     /// misses the shard it looks in first looks in the others.
     #[inline]
     fn claim(&self, stream: Stream) -> usize {
-        self.claimed(stream).unwrap_or_else(|| self.claim_new(stream))
+        self.claims.find(stream).unwrap_or_else(|| self.claim_new(stream))
     }
 
     /// [`Pointers::claim`] for a stream that holds no claim.
     #[cold]
     #[inline(never)]
     fn claim_new(&self, stream: Stream) -> usize {
-        let home = shard_of(stream);
-        (0..PROBE)
-            .map(|k| (home + k) % SHARDS)
-            .find(|&i| {
-                let owner = self.owners.0[i].load(Ordering::Relaxed);
-                let free =
-                    owner == NO_STREAM || self.shards[i].live.try_lock().is_some_and(|live| live.is_empty());
-                free && self.owners.0[i]
-                    .compare_exchange(owner, stream.raw(), Ordering::Relaxed, Ordering::Relaxed)
-                    .is_ok()
-            })
-            .unwrap_or(home)
+        let emptied = |i: usize, _| self.shards[i].live.try_lock().is_some_and(|live| live.is_empty());
+        self.claims.claim(stream, emptied).unwrap_or_else(|| self.claims.home(stream))
     }
 
     /// Runs `f` on every shard that may hold an allocation.
@@ -397,12 +436,6 @@ impl<A: StreamAllocator> Pointers<A> {
     }
 }
 
-/// The home shard of `stream`: where it starts looking for a shard of its own.
-fn shard_of(stream: Stream) -> usize {
-    // Fibonacci hashing: stream handles are pointers (aligned) or small integers.
-    (stream.raw().wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (u64::BITS - SHARDS.trailing_zeros())) as usize
-}
-
 impl<A: StreamAllocator> Allocator for Pointers<A> {
     fn allocate(&self, size: usize) -> Result<Allocation> {
         self.inner.allocate(size)
@@ -439,11 +472,10 @@ impl<A: StreamAllocator> StreamAllocator for Pointers<A> {
             match &waited {
                 Err(Error::Timeout { .. }) => return waited,
                 Err(_) => {}
-                Ok(()) => self.each_occupied(|live| {
-                    let kept = live.values_mut().map(|k| &mut k.allocation);
-                    for a in kept.filter(|a| !a.recorded_streams().is_empty()) {
-                        a.erase_stream(stream);
-                        if a.recorded_streams().is_empty() {
+                Ok(()) => self.each_entry(|_, kept| {
+                    if !kept.recorded_streams().is_empty() {
+                        kept.erase_stream(stream);
+                        if kept.recorded_streams().is_empty() {
                             self.recording.fetch_sub(1, Ordering::Release);
                         }
                     }
@@ -458,6 +490,7 @@ impl<A: StreamAllocator> StreamAllocator for Pointers<A> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::adaptors::Limit;
     use crate::allocators::{StreamSafe, StreamSafeConfig};
     use crate::device::sim::{SimConfig, SimDevice};
     use crate::device::Streams;
@@ -490,18 +523,56 @@ mod tests {
         assert!(sim.violations().is_empty());
     }
 
+    #[test]
+    fn the_stream_pools_keep_their_allocations_and_the_table_holds_none() {
+        // Over StreamSafe an allocation by pointer is kept in its stream's pool, under the
+        // pool's one lock: the table's shards stay empty, and every look by pointer finds it.
+        let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+        let alloc = StreamSafe::new(sim.clone(), StreamSafeConfig::default()).unwrap();
+        let stack = Pointers::new(alloc, sim.clone(), Duration::from_secs(1));
+        let (a, b) = (sim.create_stream().unwrap(), sim.create_stream().unwrap());
+        let ptrs: Vec<(DevicePtr, Stream)> = (0..64u64)
+            .map(|i| {
+                let s = if i % 2 == 0 { a } else { b };
+                (stack.allocate_ptr_with(4096 << (i % 5), s, 1000 + i).unwrap(), s)
+            })
+            .collect();
+        assert!(stack.shards.iter().all(|s| s.live.lock().is_empty()), "the table holds allocations");
+        assert_eq!(stack.entries().len(), 64);
+        let (p0, s0) = ptrs[0];
+        assert_eq!(
+            stack.entry(p0, None),
+            Some(PointerEntry { size: 4096, stream: a, word: 1000, recorded: false })
+        );
+        assert_eq!((stack.owner_of(p0, b), stack.size_of(p0)), (Some(a), Some(4096)));
+        assert!(stack.record_stream_ptr(p0, b).unwrap());
+        assert_eq!(stack.recorded_streams(), vec![b]);
+        // Freed on the other stream: found all the same, with its word and recorded stream.
+        let taken = stack.take_ptr(p0, b).unwrap();
+        assert_eq!((taken.word, taken.recorded, stack.recorded_streams()), (1000, true, vec![]));
+        for &(p, s) in &ptrs[1..] {
+            assert!(stack.free_ptr(p, s));
+        }
+        assert!(!stack.free_ptr(p0, s0));
+        assert_eq!((stack.stats().allocated, stack.stats().live_allocations), (0, 0));
+        assert_eq!(stack.recording.load(Ordering::Relaxed), 0);
+        assert!(sim.violations().is_empty());
+    }
+
     /// A table over a simulated device of `capacity` bytes, and `n` of the device's streams
-    /// whose handles hash to one home shard (its index last).
+    /// whose handles hash to one home shard (its index last). Under [`Limit`], which gives
+    /// handles, the table keeps them.
     fn streams_of_one_home(
         capacity: usize,
         n: usize,
-    ) -> (Arc<SimDevice>, Pointers<StreamSafe>, Vec<Stream>, usize) {
+    ) -> (Arc<SimDevice>, Pointers<Limit<StreamSafe>>, Vec<Stream>, usize) {
         let sim = SimDevice::new(SimConfig::with_capacity(capacity));
         let alloc = StreamSafe::new(sim.clone(), StreamSafeConfig::default()).unwrap();
-        let stack = Pointers::new(alloc, sim.clone(), Duration::from_secs(1));
+        let stack = Pointers::new(Limit::new(alloc, usize::MAX), sim.clone(), Duration::from_secs(1));
         let first = sim.create_stream().unwrap();
-        let home = shard_of(first);
-        let others = std::iter::repeat_with(|| sim.create_stream().unwrap()).filter(|&s| shard_of(s) == home);
+        let home = stack.claims.home(first);
+        let others =
+            std::iter::repeat_with(|| sim.create_stream().unwrap()).filter(|&s| stack.claims.home(s) == home);
         let alike: Vec<Stream> = std::iter::once(first).chain(others).take(n).collect();
         (sim, stack, alike, home)
     }

@@ -11,7 +11,8 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use super::backing::{Backing, BackingKind, ChunkSource, DeviceChunks, Want};
 use super::retry;
 use crate::allocation::{
-    Allocation, Allocator, Block, BlockOwner, BlockState, ReservedGauge, Segment, SegmentBlock, Stats,
+    Allocation, Allocator, Block, BlockOwner, BlockState, KeptBlock, PointerEntry, ReservedGauge, Segment,
+    SegmentBlock, Stats,
 };
 use crate::device::{Device, DevicePtr, Event, EventPool, Stream};
 use crate::error::{Error, HeldErrors, OutOfMemory, Result};
@@ -167,6 +168,9 @@ struct State {
     stuck_bytes: usize,
     /// Errors met where they could not be returned (frees), reported by the next release.
     held: HeldErrors,
+    /// The allocations kept by pointer ([`BestFit::allocate_kept`]), under the same lock as
+    /// the books: an allocation and its free by pointer take this one lock.
+    kept: FxHashMap<DevicePtr, KeptBlock>,
 }
 
 struct Pending {
@@ -225,6 +229,7 @@ impl BestFit {
             pending_bytes: 0,
             stuck_bytes: 0,
             held: HeldErrors::default(),
+            kept: FxHashMap::default(),
         };
         let inner = Inner {
             has_pending: AtomicBool::new(false),
@@ -291,6 +296,88 @@ impl BestFit {
         }
         let hit = self.cached_or_growth(size, Self::round(size)?, poll).ok();
         Ok(hit.map(|b| Allocation::new(b, self.inner.clone())))
+    }
+
+    /// [`BestFit::allocate_cached`], the allocation kept in the pool by its pointer with the
+    /// front end's `word` (no handle is made): its pointer, under the pool's one lock.
+    /// `Ok(None)` on a miss; `size` must not be 0.
+    pub(crate) fn allocate_kept(&self, size: usize, poll: bool, word: u64) -> Result<Option<DevicePtr>> {
+        let rounded = Self::round(size)?;
+        let mut st = self.lock_polled(poll);
+        let Some(grant) = st.allocate(rounded, size) else { return Ok(None) };
+        let block = self.handout(grant, size);
+        let ptr = block.ptr;
+        st.keep(KeptBlock::new(block, word));
+        Ok(Some(ptr))
+    }
+
+    /// Keeps `allocation`, one of this pool's, by its pointer with `word`, as
+    /// [`BestFit::allocate_kept`] does (for an allocation of the slow path): its pointer; the
+    /// allocation back if it is not this pool's or has no memory.
+    pub(crate) fn keep(
+        &self,
+        allocation: Allocation,
+        word: u64,
+    ) -> std::result::Result<DevicePtr, Allocation> {
+        let (device, stream) = (allocation.device(), allocation.owning_stream());
+        let Some((block, owner)) = allocation.into_parts() else {
+            return Err(Allocation::empty(device, stream));
+        };
+        if !std::ptr::addr_eq(Arc::as_ptr(&owner), Arc::as_ptr(&self.inner)) {
+            return Err(Allocation::new(block, owner));
+        }
+        let ptr = block.ptr;
+        self.inner.state.lock().keep(KeptBlock::new(block, word));
+        Ok(ptr)
+    }
+
+    /// Frees the allocation kept at `ptr` ([`BestFit::allocate_kept`]), as the drop of its
+    /// handle would: what was kept for it, `None` if the pool keeps none there.
+    ///
+    /// With recorded streams, the allocation stays kept (its streams listed by
+    /// [`BestFit::each_kept`]) until its block is pending on their events, under one hold of
+    /// the lock: a sleep that looks at both in turn never misses it (DESIGN.md, Note [frees
+    /// under way]).
+    pub(crate) fn take_kept(&self, ptr: DevicePtr) -> Option<PointerEntry> {
+        let inner = &self.inner;
+        let mut st = inner.state.lock();
+        let kept = st.kept.get(&ptr)?;
+        let entry = kept.entry();
+        if !entry.recorded {
+            let block = st.kept.remove(&ptr)?.into_block();
+            st.take_back(block.token, block.ptr, block.size);
+            return Some(entry);
+        }
+        let streams = kept.recorded_streams().to_vec();
+        drop(st);
+        // The events are recorded without the lock, as a handle's free records them.
+        let (events, failed) = inner.record_events(&streams);
+        let mut st = inner.state.lock();
+        let Some(kept) = st.kept.remove(&ptr) else {
+            // Freed meanwhile by another thread (a double free): nothing of it is left here.
+            drop(st);
+            events.into_iter().for_each(|e| inner.events.put(e));
+            return None;
+        };
+        let mut block = kept.into_block();
+        // Streams recorded meanwhile (a race of the caller's) had no event: none waits here.
+        block.recorded.retain(|s| streams.contains(s));
+        inner.park_recorded(st, block, events, failed);
+        Some(entry)
+    }
+
+    /// Runs `f` on the allocation kept at `ptr`, under the pool's lock; whether one is.
+    pub(crate) fn with_kept(&self, ptr: DevicePtr, f: &mut dyn FnMut(&mut KeptBlock)) -> bool {
+        let mut st = self.inner.state.lock();
+        st.kept.get_mut(&ptr).map(f).is_some()
+    }
+
+    /// Runs `f` on every allocation kept, under the pool's lock.
+    pub(crate) fn each_kept(&self, f: &mut dyn FnMut(DevicePtr, &mut KeptBlock)) {
+        let mut st = self.inner.state.lock();
+        for (&ptr, kept) in st.kept.iter_mut() {
+            f(ptr, kept);
+        }
     }
 
     /// Moves pending frees whose events have completed to the free lists (event queries,
@@ -523,6 +610,18 @@ impl State {
         }
     }
 
+    /// Keeps `kept` by its pointer. The map is kept at most half full: it churns (every key
+    /// is removed again soon), and near hashbrown's maximum load the slots left by removals
+    /// lengthen probes and force rehashes in place (`bench/results/speed.md`).
+    fn keep(&mut self, kept: KeptBlock) {
+        let len = self.kept.len();
+        if len * 2 >= self.kept.capacity() {
+            self.kept.reserve(len.max(64));
+        }
+        let ptr = kept.ptr();
+        self.kept.insert(ptr, kept);
+    }
+
     /// Takes back the block of `token` at `ptr`, freed by an allocation of `size` bytes:
     /// parked for exact reuse if small, else merged at once. A block not handed out is a bug
     /// in the caller, held back as the error the next release reports.
@@ -732,24 +831,36 @@ impl Inner {
 
     /// The slow part of a free: record an event on each recorded stream and park the block.
     fn free_recorded(&self, block: Block) {
-        let device = &self.device;
-        let mut events = Vec::with_capacity(block.recorded.len());
-        let mut failed = None;
-        for &stream in &block.recorded {
+        let (events, failed) = self.record_events(&block.recorded);
+        self.park_recorded(self.state.lock(), block, events, failed);
+    }
+
+    /// An event recorded on each of `streams` (from the pool's events): the events recorded,
+    /// and the error that stopped it, if one did.
+    fn record_events(&self, streams: &[Stream]) -> (Vec<Event>, Option<Error>) {
+        let mut events = Vec::with_capacity(streams.len());
+        for &stream in streams {
             let event = match self.events.get() {
                 Ok(event) => event,
-                Err(e) => {
-                    failed = Some(e);
-                    break;
-                }
+                Err(e) => return (events, Some(e)),
             };
             events.push(event);
-            if let Err(e) = device.record_event(event, stream) {
-                failed = Some(e);
-                break;
+            if let Err(e) = self.device.record_event(event, stream) {
+                return (events, Some(e));
             }
         }
-        let mut st = self.state.lock();
+        (events, None)
+    }
+
+    /// Counts `block` freed and puts it among the frees pending on `events`; after `failed`,
+    /// keeps it out of use for good (the error held back).
+    fn park_recorded(
+        &self,
+        mut st: MutexGuard<'_, State>,
+        block: Block,
+        events: Vec<Event>,
+        failed: Option<Error>,
+    ) {
         st.stats.on_free(block.size);
         match failed {
             None => {
@@ -846,6 +957,14 @@ impl BlockOwner for Inner {
 
 impl Drop for Inner {
     fn drop(&mut self) {
+        // Allocations still kept by pointer are freed with the pool: those that recorded
+        // streams wait for them below, as frees pending.
+        let kept = std::mem::take(&mut self.state.get_mut().kept);
+        for block in kept.into_values().map(KeptBlock::into_block) {
+            if !block.recorded.is_empty() {
+                self.free_recorded(block);
+            }
+        }
         let st = self.state.get_mut();
         for p in st.pending.drain(..) {
             for event in p.events {
@@ -1073,6 +1192,44 @@ mod tests {
         assert_eq!(p.stats().pending_release, 0);
         assert!(sim.violations().is_empty());
         assert_eq!(p.inner.events.idle(), 1, "the event went back to the pool");
+    }
+
+    #[test]
+    fn allocations_kept_by_pointer_hold_no_reference_and_free_as_handles_do() {
+        let (sim, p) = pool(256 * MIB);
+        let side = sim.create_stream().unwrap();
+        drop(p.allocate(4096).unwrap());
+        let a = p.allocate_kept(4096, true, 7).unwrap().expect("a cached block");
+        let b = p.allocate_kept(100, true, 8).unwrap().expect("a cached block");
+        // No handle, no reference count: the pool's own is the only one.
+        assert_eq!(Arc::strong_count(&p.inner), 1);
+        assert_eq!(p.stats().live_allocations, 2);
+        assert!(p.with_kept(a, &mut |k| k.record_stream(side)));
+        sim.use_range(a, 4096, side, 1_000_000).unwrap();
+        let taken = p.take_kept(a).unwrap();
+        assert_eq!((taken.size, taken.word, taken.recorded), (4096, 7, true));
+        assert_eq!((p.take_kept(a), p.stats().pending_release), (None, 4096));
+        let c = p.allocate_kept(4096, true, 9).unwrap().expect("a cached block");
+        assert_ne!(c, a, "reused while the side stream still uses it");
+        // A handle of the slow path, kept after; another pool's is given back.
+        let d = p.allocate(3 * MIB).unwrap();
+        let d = p.keep(d, 10).unwrap();
+        let (_, other) = pool(256 * MIB);
+        assert!(p.keep(other.allocate(4096).unwrap(), 11).is_err());
+        let mut kept = Vec::new();
+        p.each_kept(&mut |ptr, k| kept.push((ptr, k.entry().word)));
+        kept.sort_unstable();
+        let mut want = vec![(b, 8), (c, 9), (d, 10)];
+        want.sort_unstable();
+        assert_eq!(kept, want);
+        // Dropped with the pool, a recorded one after its stream's work.
+        let before = device_free(&sim);
+        assert!(p.with_kept(b, &mut |k| k.record_stream(side)));
+        sim.use_range(b, 100, side, 5_000_000).unwrap();
+        let reserved = p.stats().reserved;
+        drop(p);
+        assert_eq!(device_free(&sim), before + reserved);
+        assert!(sim.violations().is_empty());
     }
 
     #[test]

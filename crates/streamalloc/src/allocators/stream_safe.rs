@@ -12,9 +12,12 @@ use rustc_hash::FxHashMap;
 
 use super::best_fit::{BestFit, BestFitConfig};
 use super::retry;
-use crate::allocation::{Allocation, Allocator, ReservedGauge, Segment, Stats, StreamAllocator};
-use crate::device::{AtomicStream, CaptureStatus, Device, EventPool, Stream};
+use crate::allocation::{
+    Allocation, Allocator, Kept, KeptBlock, PointerEntry, ReservedGauge, Segment, Stats, StreamAllocator,
+};
+use crate::device::{AtomicStream, CaptureStatus, Device, DevicePtr, EventPool, Stream};
 use crate::error::{try_each, Error, OutOfMemory, Result};
+use crate::stream_table::StreamSlots;
 
 /// Settings of a [`StreamSafe`] allocator.
 ///
@@ -70,8 +73,6 @@ impl Default for StreamSafeConfig {
 const SLOTS: usize = 256;
 /// Slots a pool may take, from its stream's home slot on (a lookup reads at most these).
 const PROBE: usize = 8;
-/// [`Slot::stream`] of an empty slot (a stream with this handle goes to the locked map).
-const EMPTY: u64 = u64::MAX;
 /// Pools that can be promoted ([`StreamSafe::promote`]) in an allocator's lifetime.
 const HOT: usize = 32;
 /// Slots of the table of promoted pools.
@@ -137,17 +138,24 @@ pub struct StreamSafe {
     config: StreamSafeConfig,
     events: EventPool,
     default_stream: AtomicStream,
-    /// The live pools promoted for lookups that write nothing, by stream hash with linear
-    /// probing over [`HOT_PROBE`] slots (see [`StreamSafe::promote`]).
-    hot: Box<[HotSlot]>,
+    /// The live pools promoted for lookups that write nothing: the streams holding the
+    /// [`HOT_SLOTS`] slots, each looking at [`HOT_PROBE`] (see [`StreamSafe::promote`]), ...
+    hot: StreamSlots,
+    /// ... and each slot's pool's index in [`StreamSafe::promoted`] + 1 (promoted pools are
+    /// never dropped, so a lookup reads them without holding them, and checks the stream).
+    hot_index: Box<[AtomicUsize]>,
     /// The pools promoted so far, in order: kept until the allocator is dropped.
     promoted: Box<[OnceLock<Arc<StreamPool>>]>,
     /// How many pools were promoted.
     promoted_len: AtomicUsize,
-    /// The other live pools, by stream hash with linear probing over [`PROBE`] slots;
-    /// finding a pool here takes no lock (it writes a slot of the calling thread's own, to
-    /// hold the pool while in use).
-    slots: Box<[Slot]>,
+    /// The other live pools: the streams holding the [`SLOTS`] slots, each looking at
+    /// [`PROBE`], ...
+    slots: StreamSlots,
+    /// ... and each slot's pool. A slot's stream is written after its pool when a pool comes
+    /// and before it when it goes, so a lookup loads the pool (the one write-free read that
+    /// holds it) only where the stream matches, and checks it. Finding a pool here takes no
+    /// lock (it writes a slot of the calling thread's own, to hold the pool while in use).
+    slot_pools: Box<[ArcSwapOption<StreamPool>]>,
     /// The live pools that found no slot.
     overflow: Mutex<FxHashMap<Stream, Arc<StreamPool>>>,
     /// `overflow.len()`, read without the lock.
@@ -171,14 +179,6 @@ pub struct StreamSafe {
     retries: AtomicU64,
 }
 
-/// A slot of the table of live pools. `stream` is written after `pool` when a pool comes
-/// and before it when it goes, so a lookup loads the pool (the one write-free read that
-/// holds it) only where the stream matches, and checks it.
-struct Slot {
-    stream: AtomicU64,
-    pool: ArcSwapOption<StreamPool>,
-}
-
 /// A live pool as a lookup found it, held as long as it is in use.
 enum Found<'a> {
     /// A promoted pool, which the allocator keeps.
@@ -200,14 +200,6 @@ impl Found<'_> {
             Found::Owned(p) => Ok(p),
         }
     }
-}
-
-/// A slot of the table of promoted pools: the stream, and its pool's index in
-/// [`StreamSafe::promoted`] + 1 (promoted pools are never dropped, so a lookup reads them
-/// without holding them, and checks the stream).
-struct HotSlot {
-    stream: AtomicU64,
-    index: AtomicUsize,
 }
 
 struct StreamPool {
@@ -269,17 +261,17 @@ impl StreamSafe {
     /// A stream-safe allocator on `device`. Makes no device call.
     pub fn new(device: Arc<dyn Device>, config: StreamSafeConfig) -> Result<Self> {
         config.pool.validate()?;
-        let slot = || Slot { stream: AtomicU64::new(EMPTY), pool: ArcSwapOption::empty() };
-        let hot = || HotSlot { stream: AtomicU64::new(EMPTY), index: AtomicUsize::new(0) };
         Ok(Self {
-            hot: (0..HOT_SLOTS).map(|_| hot()).collect(),
+            hot: StreamSlots::new(HOT_SLOTS, HOT_PROBE),
+            hot_index: (0..HOT_SLOTS).map(|_| AtomicUsize::new(0)).collect(),
             promoted: (0..HOT).map(|_| OnceLock::new()).collect(),
             promoted_len: AtomicUsize::new(0),
             events: EventPool::new(device.clone()),
             device,
             config,
             default_stream: AtomicStream::new(config.default_stream),
-            slots: (0..SLOTS).map(|_| slot()).collect(),
+            slots: StreamSlots::new(SLOTS, PROBE),
+            slot_pools: (0..SLOTS).map(|_| ArcSwapOption::empty()).collect(),
             overflow: Mutex::new(FxHashMap::default()),
             overflowed: AtomicUsize::new(0),
             pools: Mutex::new(Vec::new()),
@@ -388,14 +380,10 @@ impl StreamSafe {
 
     /// Takes `pool` out of the tables of live pools (under `creating`).
     fn unslot(&self, pool: &Arc<StreamPool>) {
-        let home = Self::home(pool.stream);
-        for k in 0..HOT_PROBE {
-            let slot = &self.hot[(home + k) % HOT_SLOTS];
-            if slot.stream.load(Ordering::Acquire) == pool.stream.raw()
-                && self.promoted_pool(slot).is_some_and(|p| Arc::ptr_eq(p, pool))
-            {
-                slot.stream.store(EMPTY, Ordering::Release);
-                slot.index.store(0, Ordering::Release);
+        for i in self.hot.held_by(pool.stream) {
+            if self.promoted_pool(i).is_some_and(|p| Arc::ptr_eq(p, pool)) {
+                self.hot.leave(i);
+                self.hot_index[i].store(0, Ordering::Release);
             }
         }
         self.unslot_second(pool);
@@ -404,14 +392,10 @@ impl StreamSafe {
     /// Takes `pool` out of the second table of live pools and the locked map (under
     /// `creating`).
     fn unslot_second(&self, pool: &Arc<StreamPool>) {
-        let home = Self::home(pool.stream);
-        for k in 0..PROBE {
-            let slot = &self.slots[(home + k) % SLOTS];
-            if slot.stream.load(Ordering::Acquire) == pool.stream.raw()
-                && slot.pool.load().as_ref().is_some_and(|p| Arc::ptr_eq(p, pool))
-            {
-                slot.stream.store(EMPTY, Ordering::Release);
-                slot.pool.store(None);
+        for i in self.slots.held_by(pool.stream) {
+            if self.slot_pools[i].load().as_ref().is_some_and(|p| Arc::ptr_eq(p, pool)) {
+                self.slots.leave(i);
+                self.slot_pools[i].store(None);
                 return;
             }
         }
@@ -462,16 +446,10 @@ impl StreamSafe {
         pool.pool.poll_pending();
     }
 
+    /// The promoted pool in slot `i` of [`StreamSafe::hot`], if any.
     #[inline]
-    fn home(stream: Stream) -> usize {
-        // Stream handles are pointers: mix the bits so neighbours spread over the slots.
-        (stream.raw().wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as usize % SLOTS
-    }
-
-    /// The promoted pool in `slot`, if any.
-    #[inline]
-    fn promoted_pool(&self, slot: &HotSlot) -> Option<&Arc<StreamPool>> {
-        let index = slot.index.load(Ordering::Acquire).checked_sub(1)?;
+    fn promoted_pool(&self, i: usize) -> Option<&Arc<StreamPool>> {
+        let index = self.hot_index[i].load(Ordering::Acquire).checked_sub(1)?;
         self.promoted.get(index)?.get()
     }
 
@@ -481,11 +459,7 @@ impl StreamSafe {
         if self.promoted_len.load(Ordering::Acquire) == 0 {
             return None;
         }
-        let home = Self::home(stream);
-        (0..HOT_PROBE)
-            .map(|k| &self.hot[(home + k) % HOT_SLOTS])
-            .filter(|slot| slot.stream.load(Ordering::Acquire) == stream.raw())
-            .find_map(|slot| self.promoted_pool(slot).filter(|p| p.stream == stream))
+        self.hot.held_by(stream).find_map(|i| self.promoted_pool(i).filter(|p| p.stream == stream))
     }
 
     /// The live pool of `stream` in the tables, if there is one; takes no lock.
@@ -493,13 +467,8 @@ impl StreamSafe {
         if let Some(p) = self.hot_pool(stream) {
             return Some(Found::Hot(p.as_ref()));
         }
-        let home = Self::home(stream);
-        for k in 0..PROBE {
-            let slot = &self.slots[(home + k) % SLOTS];
-            if slot.stream.load(Ordering::Acquire) != stream.raw() {
-                continue;
-            }
-            let pool = slot.pool.load();
+        for i in self.slots.held_by(stream) {
+            let pool = self.slot_pools[i].load();
             if let Some(p) = pool.as_ref().filter(|p| p.stream == stream) {
                 self.count_use(p);
                 return Some(Found::Held(pool));
@@ -527,20 +496,16 @@ impl StreamSafe {
         let _creating = self.creating.lock();
         let n = self.promoted_len.load(Ordering::Acquire);
         let gone = pool.unslotted.load(Ordering::Acquire);
-        if n >= HOT || gone || pool.hot.load(Ordering::Acquire) || pool.stream.raw() == EMPTY {
+        if n >= HOT || gone || pool.hot.load(Ordering::Acquire) {
             return;
         }
-        let home = Self::home(pool.stream);
-        let free = (0..HOT_PROBE)
-            .map(|k| &self.hot[(home + k) % HOT_SLOTS])
-            .find(|slot| slot.stream.load(Ordering::Acquire) == EMPTY);
-        let Some(slot) = free else { return };
+        let Some(i) = self.hot.vacant(pool.stream) else { return };
         if self.promoted[n].set(pool.clone()).is_err() {
             return;
         }
         pool.hot.store(true, Ordering::Release);
-        slot.index.store(n + 1, Ordering::Release);
-        slot.stream.store(pool.stream.raw(), Ordering::Release);
+        self.hot_index[i].store(n + 1, Ordering::Release);
+        self.hot.hold(i, pool.stream);
         self.promoted_len.store(n + 1, Ordering::Release);
         // Found first among the promoted: its slot in the second table goes to others.
         self.unslot_second(pool);
@@ -551,11 +516,10 @@ impl StreamSafe {
         if let Some(p) = self.hot_pool(stream) {
             return Some(p.clone());
         }
-        let home = Self::home(stream);
-        let slotted = (0..PROBE)
-            .map(|k| &self.slots[(home + k) % SLOTS])
-            .filter(|slot| slot.stream.load(Ordering::Acquire) == stream.raw())
-            .find_map(|slot| slot.pool.load_full().filter(|p| p.stream == stream));
+        let slotted = self
+            .slots
+            .held_by(stream)
+            .find_map(|i| self.slot_pools[i].load_full().filter(|p| p.stream == stream));
         slotted.or_else(|| self.overflowed_pool(stream))
     }
 
@@ -606,14 +570,10 @@ impl StreamSafe {
             pool.at.store(pools.len(), Ordering::Relaxed);
             pools.push(pool.clone());
         }
-        let home = Self::home(stream);
-        let free = (0..PROBE)
-            .map(|k| &self.slots[(home + k) % SLOTS])
-            .find(|slot| stream.raw() != EMPTY && slot.stream.load(Ordering::Acquire) == EMPTY);
-        match free {
-            Some(slot) => {
-                slot.pool.store(Some(pool.clone()));
-                slot.stream.store(stream.raw(), Ordering::Release);
+        match self.slots.vacant(stream) {
+            Some(i) => {
+                self.slot_pools[i].store(Some(pool.clone()));
+                self.slots.hold(i, stream);
             }
             None => {
                 let mut overflow = self.overflow.lock();
@@ -895,6 +855,41 @@ impl StreamSafe {
         self.with_pool(stream, |pool| self.allocate_in(pool, size, stream))
     }
 
+    /// [`StreamAllocator::allocate_kept`] in `pool`, the live pool of `stream`: the cached
+    /// path keeps the allocation under the pool's one lock; the slow path's handle is kept
+    /// after.
+    fn allocate_kept_in(
+        &self,
+        pool: &StreamPool,
+        size: usize,
+        stream: Stream,
+        word: u64,
+    ) -> Result<(Kept, bool)> {
+        self.note_allocation(pool);
+        if let Some(ptr) = pool.pool.allocate_kept(size, self.polls(pool, stream)?, word)? {
+            return Ok((Kept::Ptr(ptr), false));
+        }
+        let (allocation, retried) = self.allocate_slow(pool, size, stream)?;
+        Ok((pool.pool.keep(allocation, word).map_or_else(Kept::Handle, Kept::Ptr), retried))
+    }
+
+    /// Runs `f` on the pools that may keep an allocation: with `hint`, the live pool of that
+    /// stream (none made); without, every pool held, live and retired, until `f` returns
+    /// `Some`.
+    fn find_kept<T>(&self, hint: Option<Stream>, mut f: impl FnMut(&BestFit) -> Option<T>) -> Option<T> {
+        match hint {
+            Some(stream) => {
+                if let Some(pool) = self.hot_pool(stream) {
+                    return f(&pool.pool);
+                }
+                let found =
+                    self.slotted(stream).or_else(|| self.overflowed_pool(stream).map(Found::Owned))?;
+                f(&found.get().ok()?.pool)
+            }
+            None => self.snapshot().iter().find_map(|p| f(&p.pool)),
+        }
+    }
+
     fn allocate_in(&self, pool: &StreamPool, size: usize, stream: Stream) -> Result<(Allocation, bool)> {
         self.note_allocation(pool);
         match pool.pool.allocate_cached(size, self.polls(pool, stream)?)? {
@@ -922,5 +917,27 @@ impl StreamAllocator for StreamSafe {
 
     fn retire_stream(&self, stream: Stream) -> Result<()> {
         StreamSafe::retire_stream(self, stream)
+    }
+
+    /// Kept in the stream's pool, under the pool's one lock: no handle, no reference count.
+    fn allocate_kept(&self, size: usize, stream: Stream, word: u64) -> Result<Kept> {
+        if size == 0 {
+            return Ok(Kept::Handle(Allocation::empty(self.device.ordinal(), stream)));
+        }
+        self.count(self.with_pool(stream, |pool| self.allocate_kept_in(pool, size, stream, word)))
+    }
+
+    fn take_kept(&self, ptr: DevicePtr, hint: Option<Stream>) -> Option<PointerEntry> {
+        self.find_kept(hint, |pool| pool.take_kept(ptr))
+    }
+
+    fn with_kept(&self, ptr: DevicePtr, hint: Option<Stream>, f: &mut dyn FnMut(&mut KeptBlock)) -> bool {
+        self.find_kept(hint, |pool| pool.with_kept(ptr, f).then_some(())).is_some()
+    }
+
+    fn each_kept(&self, f: &mut dyn FnMut(DevicePtr, &mut KeptBlock)) {
+        for p in self.snapshot() {
+            p.pool.each_kept(f);
+        }
     }
 }

@@ -12,7 +12,9 @@ use super::best_fit::BestFit;
 use super::pinned_host::{PinnedBuffer, PinnedHost, PinnedHostConfig};
 use super::retry;
 use super::stream_safe::{StreamSafe, StreamSafeConfig};
-use crate::allocation::{Allocation, Allocator, Segment, Stats, StreamAllocator};
+use crate::allocation::{
+    Allocation, Allocator, Kept, KeptBlock, PointerEntry, Segment, Stats, StreamAllocator,
+};
 use crate::device::{CaptureStatus, Device, DevicePtr, EventPool, Stream};
 use crate::error::{try_each, Error, Result};
 use crate::tags::{self, Tag};
@@ -716,6 +718,35 @@ impl<A: StreamAllocator> StreamAllocator for Tagged<A> {
             p.alloc.retire_stream(stream)
         });
         main.and(tags)
+    }
+
+    /// Under a tag, the tag pool's handle; otherwise the wrapped allocator's (which keeps it
+    /// where it can), as [`StreamAllocator::allocate_on`] does.
+    fn allocate_kept(&self, size: usize, stream: Stream, word: u64) -> Result<Kept> {
+        if let Some(tag) = tags::current() {
+            return self.allocate_in_tag(tag, size, stream).map(Kept::Handle);
+        }
+        if self.count.load(Ordering::Relaxed) == 0 {
+            return self.main.allocate_kept(size, stream, word);
+        }
+        let made = self.main.allocate_kept(size, stream, word);
+        if matches!(&made, Err(e) if e.is_out_of_memory()) {
+            return self.untagged_again(size, stream).map(Kept::Handle);
+        }
+        made
+    }
+
+    /// The wrapped allocator's (the tags' pools keep handles).
+    fn take_kept(&self, ptr: DevicePtr, hint: Option<Stream>) -> Option<PointerEntry> {
+        self.main.take_kept(ptr, hint)
+    }
+
+    fn with_kept(&self, ptr: DevicePtr, hint: Option<Stream>, f: &mut dyn FnMut(&mut KeptBlock)) -> bool {
+        self.main.with_kept(ptr, hint, f)
+    }
+
+    fn each_kept(&self, f: &mut dyn FnMut(DevicePtr, &mut KeptBlock)) {
+        self.main.each_kept(f)
     }
 }
 

@@ -9,7 +9,7 @@ use parking_lot::Mutex;
 use super::Inner;
 use crate::allocation::{Block, BlockOwner};
 use crate::device::{Graph, GraphExec, Stream};
-use crate::error::Result;
+use crate::error::{try_each, Result};
 
 #[derive(Default, Clone, Copy, PartialEq, Eq)]
 enum Phase {
@@ -249,15 +249,13 @@ impl CapturedGraph {
             (std::mem::take(&mut st.owned), st.last_launch)
         };
         // Freed before the executable graph is destroyed, while it surely still exists.
-        let mut result = Ok(());
-        if let Some(launch) = launch {
-            for block in owned {
-                result = result.and(self.inner.release_block(after_launch(block, launch)));
-            }
-        }
+        let freed = match launch {
+            Some(launch) => try_each(owned, |block| self.inner.release_block(after_launch(block, launch))),
+            None => Ok(()),
+        };
         let exec = self.inner.device.destroy_graph_exec(self.exec);
         let graph = self.inner.device.destroy_graph(self.graph);
-        result.and(exec).and(graph)
+        freed.and(exec).and(graph)
     }
 }
 
