@@ -511,7 +511,8 @@ impl State {
     /// What the pool serves without its backing when no free block fits: best fit after
     /// giving every parked block back, else from an idle stitched chunk that fits the size
     /// whose homes are free ([`BestFitPolicy::reuse_stitched`]: a repeated workload's
-    /// misses on a stitched backing end here, with no device call).
+    /// misses on a stitched backing end here, with no device call), else from the frontier
+    /// block ([`BestFitPolicy::allocate_frontier`]).
     fn allocate_harder(&mut self, rounded: u64) -> Option<Grant> {
         if self.parked.bytes > 0 {
             self.unpark();
@@ -521,7 +522,7 @@ impl State {
         }
         match self.policy.reuse_stitched(rounded) {
             Ok(true) => self.policy.allocate(rounded),
-            Ok(false) => None,
+            Ok(false) => self.policy.allocate_frontier(rounded),
             Err(e) => {
                 self.held.hold(e);
                 None
@@ -556,6 +557,12 @@ impl State {
             parked.listed.push(rounded);
         }
         parked.bytes += block;
+        if parked.bytes == self.policy.allocated() {
+            // Nothing is in use: the pool starts over from coalesced free memory, as it did
+            // before its first block, so a workload that runs again lays its small blocks out
+            // as it did the first time (DESIGN.md, "Warm passes").
+            self.unpark();
+        }
     }
 
     /// Gives every parked block back to the policy, which coalesces it.

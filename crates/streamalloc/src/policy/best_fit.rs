@@ -348,6 +348,15 @@ impl FreeList {
         self.get(at).map(|e| (at, e))
     }
 
+    /// The entry after `at` in the list's order.
+    fn after(&self, at: At) -> Option<(At, Entry)> {
+        let next = match self.bin(at.bin).get(at.i + 1) {
+            Some(_) => At { bin: at.bin, i: at.i + 1 },
+            None => At { bin: self.filled_from(at.bin + 1)?, i: 0 },
+        };
+        self.get(next).map(|e| (next, e))
+    }
+
     /// The blocks of at least `size` bytes, smallest first.
     fn from(&self, size: u64) -> impl Iterator<Item = Entry> + '_ {
         self.bins.iter().skip(bin_of(size)).flatten().copied().filter(move |&(s, _, _)| s >= size)
@@ -404,6 +413,9 @@ pub struct BestFitPolicy {
     allocated: u64,
     cached: u64,
     stitches: Stitches,
+    /// Per class, the end of the memory its growths extend ([`BestFitPolicy::set_frontier`];
+    /// 0: none).
+    frontier: [u64; 2],
 }
 
 impl BestFitPolicy {
@@ -420,6 +432,7 @@ impl BestFitPolicy {
             allocated: 0,
             cached: 0,
             stitches: Stitches::default(),
+            frontier: [0; 2],
         }
     }
 
@@ -572,11 +585,67 @@ impl BestFitPolicy {
     }
 
     /// The smallest free block that fits `size` bytes (rounded up), split when the remainder
-    /// is large enough. `None` when no free block fits (the caller must grow) or for 0.
+    /// is large enough, passing over the frontier block of the request's class (see
+    /// [`BestFitPolicy::set_frontier`]), which [`BestFitPolicy::allocate_frontier`] serves.
+    /// `None` when no free block fits (the caller must grow) or for 0.
     pub fn allocate(&mut self, size: u64) -> Option<Grant> {
         let size = Self::round(size)?;
         let class = self.class_of(size);
-        let (at, (block_size, addr, slot)) = self.free_list(class).fit(size)?;
+        let list = self.free.get(class.index())?;
+        let mut found = list.fit(size)?;
+        let (_, (block_size, addr, _)) = found;
+        if addr + block_size == self.frontier(class) {
+            found = list.after(found.0)?;
+        }
+        self.grant(class, size, found)
+    }
+
+    /// [`BestFitPolicy::allocate`], the frontier block included.
+    pub fn allocate_frontier(&mut self, size: u64) -> Option<Grant> {
+        let size = Self::round(size)?;
+        let class = self.class_of(size);
+        let found = self.free.get(class.index())?.fit(size)?;
+        self.grant(class, size, found)
+    }
+
+    /// Sets the *frontier* of `class`: the end of the memory that its growths extend (a
+    /// virtual-memory backing's mapped address where the run it maps next for the class
+    /// begins; 0, the default: none). The free block of `class` that ends there, the frontier
+    /// block, is handed out only when no other free block and no idle stitched chunk fits the
+    /// request. A repeated workload then lays its blocks out alike in every pass: its first
+    /// pass found memory beyond the frontier unmapped, later passes find it mapped and free,
+    /// and neither hands it out while other memory fits (DESIGN.md, "Warm passes").
+    pub fn set_frontier(&mut self, class: Class, end: u64) {
+        if let Some(f) = self.frontier.get_mut(class.index()) {
+            *f = end;
+        }
+    }
+
+    /// The frontier of `class` (0: none).
+    fn frontier(&self, class: Class) -> u64 {
+        self.frontier.get(class.index()).copied().unwrap_or(0)
+    }
+
+    /// Where the frontier block of `class` starts: the frontier itself when no free block of
+    /// the class ends there. 0 without a frontier.
+    pub(super) fn frontier_start(&self, class: Class) -> u64 {
+        let end = self.frontier(class);
+        match end.checked_sub(1).and_then(|last| self.block_holding(last)) {
+            Some((_, _, idx)) => {
+                let s = self.slot(idx);
+                if s.state == State::Free && s.class == class && s.addr + s.size == end {
+                    s.addr
+                } else {
+                    end
+                }
+            }
+            None => end,
+        }
+    }
+
+    /// Hands out `size` bytes of `class` from the free block `found` (a [`FreeList::fit`]).
+    fn grant(&mut self, class: Class, size: u64, found: (At, Entry)) -> Option<Grant> {
+        let (at, (block_size, addr, slot)) = found;
         let mut granted = block_size;
         let remainder = block_size - size;
         let mut kept_in_list = false;
@@ -865,6 +934,11 @@ impl BestFitPolicy {
             }
             ((addr, chunk.size), blocks)
         })
+    }
+
+    /// Bytes in blocks handed out ([`Figures::allocated`], without the rest).
+    pub fn allocated(&self) -> u64 {
+        self.allocated
     }
 
     /// What the policy holds now. O(1).

@@ -22,8 +22,12 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Classes};
 /// * **Placement.** A miss maps the fewest granules that, with a free block at the end of a
 ///   mapped home range before an unmapped run, or at the start of one after it, make a free
 ///   block the request fits (PyTorch's expandable segments do this at the end of one segment
-///   only). Filling a run between two free blocks merges all three. Both classes share the
-///   area, so small and large requests reuse each other's unmapped granules.
+///   only). Filling a run between two free blocks merges all three. Large growths map in
+///   the area's lower half, from its bottom up, small ones in its upper half (either in the
+///   other half when its own has no room): small blocks never sit in memory large blocks
+///   freed. The pool's books know where each class's growths go on
+///   ([`BestFitPolicy::set_frontier`]) and hand out the free block there last, so that a
+///   repeated workload lays its blocks out alike whether that memory is mapped yet or not.
 /// * **Stitching.** When that growth would raise the memory mapped above its highest mark
 ///   so far, and mapping what the free home granules (whole granules inside free blocks)
 ///   lack for the request would raise it less, they pay instead: as many as the request
@@ -41,11 +45,9 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Classes};
 ///   whose home granules are all free takes them again and serves from the range: no device
 ///   call (the pool does this from its books before it asks the backing, so the miss makes
 ///   no device query either). A repeated workload (a training step, a decoding loop) meets
-///   the same requests at the same points, so after its first rounds its misses find their
-///   ranges. A small request (128 KiB or less here) that finds no small block takes a
-///   whole granule of a free large block, at its address: the memory changes class without
-///   a device call. Larger requests are carved out of large blocks, whose rests the next
-///   large requests use: small blocks, and the homes of ranges stitched from them, are few.
+///   the same requests at the same points, and from its second pass on lays its blocks out
+///   as the first did, so its misses find their ranges: it makes no device call. Only large
+///   requests stitch, from large blocks; small ones (128 KiB or less here) grow.
 /// * **Eviction.** Beyond 1024 idle ranges the least recently used, and all of them when the
 ///   stitch area has no room, are unmapped once an event recorded on the pool's stream after
 ///   their last use completed.
@@ -89,6 +91,9 @@ struct State {
     base: u64,
     /// Size of the reservation.
     reservation: u64,
+    /// Start of the small class's half of the home area: large growths map below it, small
+    /// ones above it (while their half has room).
+    small_area: u64,
     /// Start of the stitch area: home addresses lie below it, stitched ranges above it, with
     /// one unused granule between so that no home chunk meets a stitched one.
     stitch_area: u64,
@@ -205,6 +210,7 @@ impl Stitched {
         st.granularity = g;
         st.reservation = reservation;
         st.stitch_area = st.base + 2 * memory + g;
+        st.small_area = st.base + memory;
         st.holes.insert(st.base, 2 * memory);
         st.stitch_holes.insert(st.stitch_area, memory);
         Ok(())
@@ -250,6 +256,7 @@ impl Stitched {
             unmapped += len;
             Ok(())
         });
+        sync_frontier(st, books);
         stitched.and(homes).map(|()| unmapped)
     }
 
@@ -343,6 +350,7 @@ impl Stitched {
         take_hole(&mut st.holes, pl.at, pl.len);
         st.mapped += pl.len;
         st.high_water = st.high_water.max(st.mapped);
+        sync_frontier(st, books);
         Ok(())
     }
 
@@ -417,12 +425,10 @@ impl Backing for Stitched {
         self.reserve(&mut st)?;
         self.poll_retired(&mut st)?;
         let g = st.granularity;
-        // The pool found no free block and no idle stitched range for the request: a small
-        // request takes a free large granule, else the plan.
-        if want.class == Class::Small && reclass_granule(books, g, st.stitch_area)? {
-            return Ok(());
-        }
-        let placement = place(books, &st.holes, g, want.class, want.rounded);
+        // The pool found no free block and no idle stitched range for the request: the plan.
+        let runs = runs_of(&st, want.class);
+        let placement = place(books, &runs, g, want.class, want.rounded)
+            .or_else(|| place(books, &st.holes, g, want.class, want.rounded));
         // Mapping fresh memory is free up to the high-water mark; past it, what raises the
         // mark less wins.
         let raise = |len: u64| (st.mapped + len).saturating_sub(st.high_water);
@@ -431,10 +437,11 @@ impl Backing for Stitched {
         let (whole, head) = stitch_sources(books, g, want.rounded, st.stitch_area);
         let lacking = want.rounded.saturating_sub(whole + head.map_or(0, |(_, _, l)| l)).div_ceil(g) * g;
         let plan = match placement {
-            Some(pl) if grow_raise == 0 => Some(Plan::Grow(pl)),
+            // The small class grows apart (see `place`), and stitches only large blocks.
+            Some(pl) if grow_raise == 0 || want.class == Class::Small => Some(Plan::Grow(pl)),
             _ if raise(lacking) >= grow_raise => placement.map(Plan::Grow),
             _ if lacking == 0 => Some(Plan::Stitch { fresh: None }),
-            _ => match smallest_run(&st.holes, lacking) {
+            _ => match smallest_run(&runs, lacking).or_else(|| smallest_run(&st.holes, lacking)) {
                 Some(at) => Some(Plan::Stitch { fresh: Some(Placement { at, len: lacking }) }),
                 None => placement.map(Plan::Grow),
             },
@@ -450,7 +457,9 @@ impl Backing for Stitched {
                 }
                 // The free granules did not make up the request after all: grow where it
                 // fits now.
-                place(books, &st.holes, g, want.class, want.rounded)
+                let runs = runs_of(&st, want.class);
+                place(books, &runs, g, want.class, want.rounded)
+                    .or_else(|| place(books, &st.holes, g, want.class, want.rounded))
             }
             None => None,
         };
@@ -688,23 +697,16 @@ impl Backing for Stitched {
     }
 }
 
-/// Moves one whole granule of the smallest large free home block (below `limit`) that has
-/// one to the small class, at the same address: the memory changes hands without a device
-/// call. Whether there was one.
-fn reclass_granule(p: &mut BestFitPolicy, g: u64, limit: u64) -> Result<bool> {
-    let found = whole_granules(p, g, limit)
-        .filter(|&(class, ..)| class == Class::Large)
-        .map(|(_, size, _, hi)| (size, hi - g))
-        .min();
-    let Some((_, at)) = found else { return Ok(false) };
-    p.carve(at, g)?;
-    p.add_joined(Class::Small, at, g)?;
-    Ok(true)
-}
-
 /// The start of the smallest run of `runs` of at least `len` bytes.
 fn smallest_run(runs: &BTreeMap<u64, u64>, len: u64) -> Option<u64> {
     runs.iter().filter(|&(_, &run)| run >= len).min_by_key(|&(&at, &run)| (run, at)).map(|(&at, _)| at)
+}
+
+/// The free home blocks of the large class (below `limit`), as `(class, addr, size)`: what a
+/// stitch takes its homes from. Small blocks are left to the small class, whose granules lie
+/// apart (see `place`).
+fn large_free_blocks(p: &BestFitPolicy, limit: u64) -> impl Iterator<Item = (Class, u64, u64)> + '_ {
+    p.free_blocks().filter(move |&(class, a, _)| class == Class::Large && a < limit)
 }
 
 /// The free home blocks (below `limit`) that hold whole granules, as `(class, block size,
@@ -714,7 +716,7 @@ fn whole_granules(
     g: u64,
     limit: u64,
 ) -> impl Iterator<Item = (Class, u64, u64, u64)> + '_ {
-    p.free_blocks().filter(move |&(_, a, _)| a < limit).filter_map(move |(class, a, s)| {
+    large_free_blocks(p, limit).filter_map(move |(class, a, s)| {
         let (lo, hi) = (a.div_ceil(g) * g, (a + s) / g * g);
         (hi > lo).then_some((class, s, lo, hi))
     })
@@ -736,8 +738,7 @@ fn extent(g: u64, addr: u64, len: u64) -> (u64, u64) {
 /// began with one were stitched again in warm passes
 /// (`bench/results/stitched.md`).
 fn partial_head(p: &BestFitPolicy, g: u64, limit: u64) -> Option<(Class, u64, u64)> {
-    p.free_blocks()
-        .filter(|&(_, a, _)| a < limit)
+    large_free_blocks(p, limit)
         .filter_map(|(class, a, s)| {
             let (down, end) = ((a + s) / g * g, a + s);
             (end % g != 0 && a <= down).then_some((class, down, end - down))
@@ -773,10 +774,10 @@ fn carve_stitch(p: &mut BestFitPolicy, g: u64, rounded: u64, limit: u64) -> Vec<
     homes
 }
 
-/// The placement of a growth for a request of `rounded` bytes of `class` that maps the
-/// fewest bytes (the smallest unmapped run among equals), counting the free block of
-/// `class` at the end of the mapped range before a run and at the start of the one after
-/// it; `None` if no run is large enough.
+/// The placement of a growth for a request of `rounded` bytes of `class` in the unmapped
+/// `holes` that maps the fewest bytes (the smallest unmapped run among equals), counting the
+/// free block of `class` at the end of the mapped range before a run and at the start of the
+/// one after it; `None` if no run is large enough.
 fn place(
     p: &BestFitPolicy,
     holes: &BTreeMap<u64, u64>,
@@ -807,6 +808,39 @@ fn place(
         }
     }
     best.map(|(_, _, pl)| pl)
+}
+
+/// The unmapped runs of the home area where growths of `class` map first: those of its half
+/// (large below `small_area`, small above it), start -> length.
+///
+/// Small blocks lie apart from large ones: a pool keeps small blocks parked (allocated, in
+/// their chunks) between uses, so memory that was small once stays small, and a small
+/// request took a whole granule of a free large block before. A later pass of a repeated
+/// workload then found small chunks where its first pass had put large blocks, laid its
+/// large blocks out otherwise and stitched again (`bench/results/threads.md`).
+fn runs_of(st: &State, class: Class) -> BTreeMap<u64, u64> {
+    let home_end = st.stitch_area.saturating_sub(st.granularity);
+    let (lo, hi) = match class {
+        Class::Large => (st.base, st.small_area),
+        Class::Small => (st.small_area, home_end),
+    };
+    st.holes
+        .iter()
+        .filter_map(|(&at, &len)| {
+            let (start, end) = (at.max(lo), (at + len).min(hi));
+            (end > start).then(|| (start, end - start))
+        })
+        .collect()
+}
+
+/// Tells `books` where the growths of each class extend the home memory: the start of the
+/// highest unmapped run of its half ([`BestFitPolicy::set_frontier`]).
+fn sync_frontier(st: &State, books: &mut BestFitPolicy) {
+    for class in [Class::Large, Class::Small] {
+        if let Some((&at, _)) = runs_of(st, class).iter().next_back() {
+            books.set_frontier(class, at);
+        }
+    }
 }
 
 /// Puts back what a release or a sleep that did not happen took: the ranges wait as retired,

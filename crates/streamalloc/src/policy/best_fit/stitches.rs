@@ -40,6 +40,10 @@ struct Stitch {
     active: bool,
     /// The tick of its addition or last reuse.
     used: u64,
+    /// The tick of its addition.
+    made: u64,
+    /// The policy's frontier when it was added ([`BestFitPolicy::set_frontier`]).
+    top: u64,
 }
 
 /// What kept an idle stitched chunk from being reused when it was last looked at. While it
@@ -214,13 +218,15 @@ impl BestFitPolicy {
         homes: Vec<(Class, u64, u64)>,
     ) -> Result<()> {
         self.add_segment(class, addr, size)?;
+        let top = self.frontier(class);
         let st = &mut self.stitches;
         st.granule = granule;
         st.tick += 1;
         for &(_, a, l) in &homes {
             st.carved.insert(a, (l, addr));
         }
-        st.ranges.insert(addr, Stitch { size, class, homes, active: true, used: st.tick });
+        st.ranges
+            .insert(addr, Stitch { size, class, homes, active: true, used: st.tick, made: st.tick, top });
         Ok(())
     }
 
@@ -250,13 +256,23 @@ impl BestFitPolicy {
         settled
     }
 
-    /// Takes back into the pool, for a request of `size` bytes, the smallest idle stitched
-    /// chunk that fits it (at most half as large again, or as large as a stitch for it would
-    /// be) whose homes are all free (they leave the pool). Whether there was one.
+    /// Takes back into the pool, for a request of `size` bytes, an idle stitched chunk of its
+    /// class that fits it (at most half as large again, or as large as a stitch for it would be) whose
+    /// homes are all free (they leave the pool). Whether there was one.
+    ///
+    /// Without a frontier ([`BestFitPolicy::set_frontier`]), the smallest such chunk. With
+    /// one, the oldest such chunk added while the frontier was below the end the request
+    /// would have in the frontier block: memory mapped later than the chunk was added would
+    /// serve the request otherwise. A repeated workload's later passes, which find that
+    /// memory mapped, thus take the chunk its first pass stitched at the same request, and
+    /// not one its first pass stitched later (DESIGN.md, "Warm passes").
     pub fn reuse_stitched(&mut self, size: u64) -> Result<bool> {
-        // The chunk's key and its place in `ranges`; what kept each chunk passed over from
-        // reuse is noted in `idle`.
-        let mut found = None;
+        let class = self.class_of(size);
+        let frontier = self.frontier(class);
+        let reach = self.frontier_start(class).saturating_add(size);
+        // The chunk's key, its place in `ranges` and the tick of its addition; what kept each
+        // chunk passed over from reuse is noted in `idle`.
+        let mut found: Option<((u64, u64), usize, u64)> = None;
         for i in self.stitches.idle.bounds(&fitting(size, self.stitches.granule)) {
             let Some(&(key, blocker)) = self.stitches.idle.0.get(i) else { break };
             if blocker.holds(self) {
@@ -265,10 +281,16 @@ impl BestFitPolicy {
             let Stitches { ranges, carved, .. } = &self.stitches;
             let Some(at) = ranges.position(&key.1) else { continue };
             let Some((_, s)) = ranges.0.get(at) else { continue };
+            let older = found.is_none_or(|(_, _, made)| s.made < made);
+            if s.class != class || (frontier != 0 && (s.top >= reach || !older)) {
+                continue;
+            }
             match s.free_homes(self, carved) {
                 Ok(()) => {
-                    found = Some((key, at));
-                    break;
+                    found = Some((key, at, s.made));
+                    if frontier == 0 {
+                        break;
+                    }
                 }
                 Err(b) => {
                     if let Some(e) = self.stitches.idle.0.get_mut(i) {
@@ -277,7 +299,7 @@ impl BestFitPolicy {
                 }
             }
         }
-        let Some(((size, addr), at)) = found else { return Ok(false) };
+        let Some(((size, addr), at, _)) = found else { return Ok(false) };
         let Some((_, s)) = self.stitches.ranges.0.get_mut(at) else { return Ok(false) };
         // As in `settle_stitched`, the homes leave the chunk's entry while they are taken.
         let (class, homes) = (s.class, std::mem::take(&mut s.homes));
