@@ -34,6 +34,12 @@
 //! back and the stitched chunk waits, idle, for a request it fits
 //! ([`BestFitPolicy::reuse_stitched`]); see `stitches.rs`.
 //!
+//! # Frontier
+//! A virtual-memory backing may name, per class, where its growths go on
+//! ([`BestFitPolicy::set_frontier`]): the free block that ends there is handed out last, after
+//! every other fitting block and after an idle stitched chunk, so that a repeated workload
+//! lays its blocks out alike whether the memory past the frontier is mapped yet or not.
+//!
 //! # Storage
 //! Blocks live in a slab (`Vec`) indexed by a `u32` *token*, which the caller carries back on
 //! free (it fits [`Block::token`](crate::Block::token)). Vacated slots are recycled through a
@@ -1217,6 +1223,26 @@ mod tests {
         p.check();
         assert_eq!(p.free[0].bins.iter().map(Vec::len).sum::<usize>(), 1);
         assert_eq!(p.figures().largest_free, 2 * MIB);
+    }
+
+    #[test]
+    fn the_frontier_block_is_handed_out_last() {
+        // A 6 MiB hole and the 4 MiB free block at the segment's end, where it grows.
+        let grants = |p: &mut BestFitPolicy| {
+            p.add_segment(Class::Large, 0, 16 * MIB).unwrap();
+            let g: Vec<Grant> = [2, 6, 4].iter().map(|&n| p.allocate(n * MIB).unwrap()).collect();
+            p.free(g[1].token, g[1].addr).unwrap();
+        };
+        let mut plain = BestFitPolicy::new(classes());
+        grants(&mut plain);
+        assert_eq!(plain.allocate(3 * MIB).map(|g| g.addr), Some(12 * MIB), "best fit: the smallest");
+        let mut p = BestFitPolicy::new(classes());
+        grants(&mut p);
+        p.set_frontier(Class::Large, 16 * MIB);
+        assert_eq!(p.allocate(3 * MIB).map(|g| g.addr), Some(2 * MIB), "the hole first");
+        assert_eq!(p.allocate(4 * MIB), None, "only the frontier block fits");
+        assert_eq!(p.allocate_frontier(4 * MIB).map(|g| g.addr), Some(12 * MIB));
+        p.check();
     }
 
     #[test]

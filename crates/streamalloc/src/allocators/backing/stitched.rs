@@ -229,7 +229,7 @@ impl Stitched {
             }
             ranges.extend(r.ranges);
         }
-        Taken { granules: carve_free_granules(books, g, u64::MAX, limit), ranges, chunks: Vec::new() }
+        Taken { granules: carve_free_granules(books, g, u64::MAX, limit, None), ranges, chunks: Vec::new() }
     }
 
     /// Unmaps what a release or a sleep took out of the pool: stitched ranges (their
@@ -702,21 +702,26 @@ fn smallest_run(runs: &BTreeMap<u64, u64>, len: u64) -> Option<u64> {
     runs.iter().filter(|&(_, &run)| run >= len).min_by_key(|&(&at, &run)| (run, at)).map(|(&at, _)| at)
 }
 
-/// The free home blocks of the large class (below `limit`), as `(class, addr, size)`: what a
-/// stitch takes its homes from. Small blocks are left to the small class, whose granules lie
-/// apart (see `place`).
-fn large_free_blocks(p: &BestFitPolicy, limit: u64) -> impl Iterator<Item = (Class, u64, u64)> + '_ {
-    p.free_blocks().filter(move |&(class, a, _)| class == Class::Large && a < limit)
+/// The free home blocks (below `limit`) of `only`'s class (of either without), as `(class,
+/// addr, size)`. Stitches take only large blocks (`only` large): small blocks are left to the
+/// small class, whose granules lie apart (see `runs_of`).
+fn free_home_blocks(
+    p: &BestFitPolicy,
+    limit: u64,
+    only: Option<Class>,
+) -> impl Iterator<Item = (Class, u64, u64)> + '_ {
+    p.free_blocks().filter(move |&(class, a, _)| a < limit && only.is_none_or(|c| c == class))
 }
 
-/// The free home blocks (below `limit`) that hold whole granules, as `(class, block size,
-/// lo, hi)`: their whole granules span `[lo, hi)`.
+/// The free home blocks (below `limit`, of `only`'s class) that hold whole granules, as
+/// `(class, block size, lo, hi)`: their whole granules span `[lo, hi)`.
 fn whole_granules(
     p: &BestFitPolicy,
     g: u64,
     limit: u64,
+    only: Option<Class>,
 ) -> impl Iterator<Item = (Class, u64, u64, u64)> + '_ {
-    large_free_blocks(p, limit).filter_map(move |(class, a, s)| {
+    free_home_blocks(p, limit, only).filter_map(move |(class, a, s)| {
         let (lo, hi) = (a.div_ceil(g) * g, (a + s) / g * g);
         (hi > lo).then_some((class, s, lo, hi))
     })
@@ -738,7 +743,7 @@ fn extent(g: u64, addr: u64, len: u64) -> (u64, u64) {
 /// began with one were stitched again in warm passes
 /// (`bench/results/stitched.md`).
 fn partial_head(p: &BestFitPolicy, g: u64, limit: u64) -> Option<(Class, u64, u64)> {
-    large_free_blocks(p, limit)
+    free_home_blocks(p, limit, Some(Class::Large))
         .filter_map(|(class, a, s)| {
             let (down, end) = ((a + s) / g * g, a + s);
             (end % g != 0 && a <= down).then_some((class, down, end - down))
@@ -752,7 +757,7 @@ fn partial_head(p: &BestFitPolicy, g: u64, limit: u64) -> Option<(Class, u64, u6
 /// with (a range of a head alone would map a granule again for memory a free block already
 /// holds).
 fn stitch_sources(p: &BestFitPolicy, g: u64, rounded: u64, limit: u64) -> (u64, Option<(Class, u64, u64)>) {
-    let whole: u64 = whole_granules(p, g, limit).map(|(.., lo, hi)| hi - lo).sum();
+    let whole: u64 = whole_granules(p, g, limit, Some(Class::Large)).map(|(.., lo, hi)| hi - lo).sum();
     let short = whole > 0 && whole < rounded.div_ceil(g) * g;
     (whole, if short { partial_head(p, g, limit) } else { None })
 }
@@ -765,9 +770,9 @@ fn stitch_sources(p: &BestFitPolicy, g: u64, rounded: u64, limit: u64) -> (u64, 
 fn carve_stitch(p: &mut BestFitPolicy, g: u64, rounded: u64, limit: u64) -> Vec<(Class, u64, u64)> {
     let (whole, head) = stitch_sources(p, g, rounded, limit);
     let Some((class, at, len)) = head.filter(|&(_, _, l)| whole + l >= rounded) else {
-        return carve_free_granules(p, g, rounded.div_ceil(g) * g, limit);
+        return carve_free_granules(p, g, rounded.div_ceil(g) * g, limit, Some(Class::Large));
     };
-    let mut homes = carve_free_granules(p, g, whole, limit);
+    let mut homes = carve_free_granules(p, g, whole, limit, Some(Class::Large));
     if p.carve(at, len).is_ok() {
         homes.push((class, at, len));
     }
@@ -858,9 +863,15 @@ fn put_back(st: &mut State, books: &mut BestFitPolicy, taken: Taken) {
 /// homes are the free memory least likely to be handed out before its next use: taken from
 /// the smallest blocks, they went to the next small requests and a repeated workload
 /// stitched again (bench/results/stitched.md).
-fn carve_free_granules(p: &mut BestFitPolicy, g: u64, bytes: u64, limit: u64) -> Vec<(Class, u64, u64)> {
+fn carve_free_granules(
+    p: &mut BestFitPolicy,
+    g: u64,
+    bytes: u64,
+    limit: u64,
+    only: Option<Class>,
+) -> Vec<(Class, u64, u64)> {
     let mut candidates: Vec<(u64, u64, Class)> =
-        whole_granules(p, g, limit).map(|(class, _, lo, hi)| (hi - lo, lo, class)).collect();
+        whole_granules(p, g, limit, only).map(|(class, _, lo, hi)| (hi - lo, lo, class)).collect();
     candidates.sort_unstable_by_key(|&(len, lo, _)| (std::cmp::Reverse(len), lo));
     let mut carved = Vec::new();
     let mut left = bytes;

@@ -608,6 +608,45 @@ mod tests {
         assert!(p.take_stitches().is_empty() && !p.reuse_stitched(8 * MIB).unwrap());
     }
 
+    /// A 16 MiB segment whose growths go on at its end, four 4 MiB blocks, the second and
+    /// fourth carved out for an 8 MiB stitched chunk added while the frontier was at `top`,
+    /// used and freed (idle): its homes are a hole and the frontier block.
+    fn idle_stitched_at(top: u64) -> BestFitPolicy {
+        let mut p = BestFitPolicy::new(Classes::default());
+        p.add_segment(Class::Large, 0, 16 * MIB).unwrap();
+        let blocks: Vec<_> = (0..4).map(|_| p.allocate(4 * MIB).unwrap()).collect();
+        for b in [&blocks[1], &blocks[3]] {
+            p.free(b.token, b.addr).unwrap();
+            p.carve(b.addr, b.size).unwrap();
+        }
+        p.set_frontier(Class::Large, top);
+        let homes = vec![(Class::Large, 4 * MIB, 4 * MIB), (Class::Large, 12 * MIB, 4 * MIB)];
+        p.add_stitched(Class::Large, STITCH, 8 * MIB, 2 * MIB, homes).unwrap();
+        p.set_frontier(Class::Large, 16 * MIB);
+        let x = p.allocate(8 * MIB).unwrap();
+        p.free(x.token, x.addr).unwrap();
+        p
+    }
+
+    #[test]
+    fn an_idle_chunk_serves_a_request_only_if_stitched_before_the_frontier_reached_its_end() {
+        // Stitched while the frontier was at 16 MiB: the request would end at 20 MiB in the
+        // frontier block (from 12 MiB), past what was mapped then. It takes the chunk, as the
+        // pass that stitched it did.
+        let mut p = idle_stitched_at(16 * MIB);
+        assert!(p.reuse_stitched(8 * MIB).unwrap());
+        assert_eq!(p.allocate(8 * MIB).map(|g| g.addr), Some(STITCH));
+        // Stitched once the frontier had passed 20 MiB: a later request's. This one takes the
+        // frontier block, as a first pass, which found that memory mapped, did.
+        let mut p = idle_stitched_at(24 * MIB);
+        assert!(!p.reuse_stitched(8 * MIB).unwrap());
+        assert_eq!(p.allocate_frontier(8 * MIB), None, "the frontier block holds 4 MiB");
+        assert_eq!(p.allocate(4 * MIB).map(|g| g.addr), Some(4 * MIB), "the hole first");
+        assert_eq!(p.allocate(4 * MIB), None);
+        assert_eq!(p.allocate_frontier(4 * MIB).map(|g| g.addr), Some(12 * MIB));
+        p.check();
+    }
+
     #[test]
     fn the_least_recently_used_idle_chunks_go_first() {
         let mut p = BestFitPolicy::new(Classes::default());
