@@ -269,7 +269,9 @@ impl BestFitPolicy {
     pub fn reuse_stitched(&mut self, size: u64) -> Result<bool> {
         let class = self.class_of(size);
         let frontier = self.frontier(class);
-        let reach = self.frontier_start(class).saturating_add(size);
+        // Where the request would end in the frontier block: looked up at the first candidate
+        // (a walk through the blocks of the frontier's chunk).
+        let mut reach = None;
         // The chunk's key, its place in `ranges` and the tick of its addition; what kept each
         // chunk passed over from reuse is noted in `idle`.
         let mut found: Option<((u64, u64), usize, u64)> = None;
@@ -282,7 +284,11 @@ impl BestFitPolicy {
             let Some(at) = ranges.position(&key.1) else { continue };
             let Some((_, s)) = ranges.0.get(at) else { continue };
             let older = found.is_none_or(|(_, _, made)| s.made < made);
-            if s.class != class || (frontier != 0 && (s.top >= reach || !older)) {
+            if s.class != class || (frontier != 0 && !older) {
+                continue;
+            }
+            let reach = *reach.get_or_insert_with(|| self.frontier_start(class).saturating_add(size));
+            if frontier != 0 && s.top >= reach {
                 continue;
             }
             match s.free_homes(self, carved) {
