@@ -557,12 +557,6 @@ impl State {
             parked.listed.push(rounded);
         }
         parked.bytes += block;
-        if parked.bytes == self.policy.allocated() {
-            // Nothing is in use: the pool starts over from coalesced free memory, as it did
-            // before its first block, so a workload that runs again lays its small blocks out
-            // as it did the first time (DESIGN.md, "Warm passes").
-            self.unpark();
-        }
     }
 
     /// Gives every parked block back to the policy, which coalesces it.

@@ -942,11 +942,6 @@ impl BestFitPolicy {
         })
     }
 
-    /// Bytes in blocks handed out ([`Figures::allocated`], without the rest).
-    pub fn allocated(&self) -> u64 {
-        self.allocated
-    }
-
     /// What the policy holds now. O(1).
     pub fn figures(&self) -> Figures {
         Figures {
