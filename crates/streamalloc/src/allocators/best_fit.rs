@@ -514,7 +514,9 @@ impl State {
     /// misses on a stitched backing end here, with no device call), else from the frontier
     /// block ([`BestFitPolicy::allocate_frontier`]).
     fn allocate_harder(&mut self, rounded: u64) -> Option<Grant> {
-        if self.parked.bytes > 0 {
+        // Parked blocks are small: giving them back helps small requests only (and a large
+        // request served by the frontier block would give them back at every pass).
+        if self.parked.bytes > 0 && self.policy.class_of(rounded) == Class::Small {
             self.unpark();
             if let Some(g) = self.policy.allocate(rounded) {
                 return Some(g);
