@@ -592,9 +592,12 @@ impl State {
     /// What the pool serves without its backing when no free block fits: best fit after
     /// giving every parked block back, else from an idle stitched chunk that fits the size
     /// whose homes are free ([`BestFitPolicy::reuse_stitched`]: a repeated workload's
-    /// misses on a stitched backing end here, with no device call).
+    /// misses on a stitched backing end here, with no device call), else from the frontier
+    /// block ([`BestFitPolicy::allocate_frontier`]).
     fn allocate_harder(&mut self, rounded: u64) -> Option<Grant> {
-        if self.parked.bytes > 0 {
+        // Parked blocks are small: giving them back helps small requests only (and a large
+        // request served by the frontier block would give them back at every pass).
+        if self.parked.bytes > 0 && self.policy.class_of(rounded) == Class::Small {
             self.unpark();
             if let Some(g) = self.policy.allocate(rounded) {
                 return Some(g);
@@ -602,7 +605,7 @@ impl State {
         }
         match self.policy.reuse_stitched(rounded) {
             Ok(true) => self.policy.allocate(rounded),
-            Ok(false) => None,
+            Ok(false) => self.policy.allocate_frontier(rounded),
             Err(e) => {
                 self.held.hold(e);
                 None

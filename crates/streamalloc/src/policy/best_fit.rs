@@ -34,6 +34,12 @@
 //! back and the stitched chunk waits, idle, for a request it fits
 //! ([`BestFitPolicy::reuse_stitched`]); see `stitches.rs`.
 //!
+//! # Frontier
+//! A virtual-memory backing may name, per class, where its growths go on
+//! ([`BestFitPolicy::set_frontier`]): the free block that ends there is handed out last, after
+//! every other fitting block and after an idle stitched chunk, so that a repeated workload
+//! lays its blocks out alike whether the memory past the frontier is mapped yet or not.
+//!
 //! # Storage
 //! Blocks live in a slab (`Vec`) indexed by a `u32` *token*, which the caller carries back on
 //! free (it fits [`Block::token`](crate::Block::token)). Vacated slots are recycled through a
@@ -346,6 +352,15 @@ impl FreeList {
         self.get(at).map(|e| (at, e))
     }
 
+    /// The entry after `at` in the list's order.
+    fn after(&self, at: At) -> Option<(At, Entry)> {
+        let next = match self.bin(at.bin).get(at.i + 1) {
+            Some(_) => At { bin: at.bin, i: at.i + 1 },
+            None => At { bin: self.filled_from(at.bin + 1)?, i: 0 },
+        };
+        self.get(next).map(|e| (next, e))
+    }
+
     /// The blocks of at least `size` bytes, smallest first.
     fn from(&self, size: u64) -> impl Iterator<Item = Entry> + '_ {
         self.bins.iter().skip(bin_of(size)).flatten().copied().filter(move |&(s, _, _)| s >= size)
@@ -402,6 +417,9 @@ pub struct BestFitPolicy {
     allocated: u64,
     cached: u64,
     stitches: Stitches,
+    /// Per class, the end of the memory its growths extend ([`BestFitPolicy::set_frontier`];
+    /// 0: none).
+    frontier: [u64; 2],
 }
 
 impl BestFitPolicy {
@@ -418,6 +436,7 @@ impl BestFitPolicy {
             allocated: 0,
             cached: 0,
             stitches: Stitches::default(),
+            frontier: [0; 2],
         }
     }
 
@@ -570,11 +589,67 @@ impl BestFitPolicy {
     }
 
     /// The smallest free block that fits `size` bytes (rounded up), split when the remainder
-    /// is large enough. `None` when no free block fits (the caller must grow) or for 0.
+    /// is large enough, passing over the frontier block of the request's class (see
+    /// [`BestFitPolicy::set_frontier`]), which [`BestFitPolicy::allocate_frontier`] serves.
+    /// `None` when no free block fits (the caller must grow) or for 0.
     pub fn allocate(&mut self, size: u64) -> Option<Grant> {
         let size = Self::round(size)?;
         let class = self.class_of(size);
-        let (at, (block_size, addr, slot)) = self.free_list(class).fit(size)?;
+        let list = self.free.get(class.index())?;
+        let mut found = list.fit(size)?;
+        let (_, (block_size, addr, _)) = found;
+        if addr + block_size == self.frontier(class) {
+            found = list.after(found.0)?;
+        }
+        self.grant(class, size, found)
+    }
+
+    /// [`BestFitPolicy::allocate`], the frontier block included.
+    pub fn allocate_frontier(&mut self, size: u64) -> Option<Grant> {
+        let size = Self::round(size)?;
+        let class = self.class_of(size);
+        let found = self.free.get(class.index())?.fit(size)?;
+        self.grant(class, size, found)
+    }
+
+    /// Sets the *frontier* of `class`: the end of the memory that its growths extend (a
+    /// virtual-memory backing's mapped address where the run it maps next for the class
+    /// begins; 0, the default: none). The free block of `class` that ends there, the frontier
+    /// block, is handed out only when no other free block and no idle stitched chunk fits the
+    /// request. A repeated workload then lays its blocks out alike in every pass: its first
+    /// pass found memory beyond the frontier unmapped, later passes find it mapped and free,
+    /// and neither hands it out while other memory fits (DESIGN.md, "Warm passes").
+    pub fn set_frontier(&mut self, class: Class, end: u64) {
+        if let Some(f) = self.frontier.get_mut(class.index()) {
+            *f = end;
+        }
+    }
+
+    /// The frontier of `class` (0: none).
+    fn frontier(&self, class: Class) -> u64 {
+        self.frontier.get(class.index()).copied().unwrap_or(0)
+    }
+
+    /// Where the frontier block of `class` starts: the frontier itself when no free block of
+    /// the class ends there. 0 without a frontier.
+    pub(super) fn frontier_start(&self, class: Class) -> u64 {
+        let end = self.frontier(class);
+        match end.checked_sub(1).and_then(|last| self.block_holding(last)) {
+            Some((_, _, idx)) => {
+                let s = self.slot(idx);
+                if s.state == State::Free && s.class == class && s.addr + s.size == end {
+                    s.addr
+                } else {
+                    end
+                }
+            }
+            None => end,
+        }
+    }
+
+    /// Hands out `size` bytes of `class` from the free block `found` (a [`FreeList::fit`]).
+    fn grant(&mut self, class: Class, size: u64, found: (At, Entry)) -> Option<Grant> {
+        let (at, (block_size, addr, slot)) = found;
         let mut granted = block_size;
         let remainder = block_size - size;
         let mut kept_in_list = false;
@@ -1141,6 +1216,26 @@ mod tests {
         p.check();
         assert_eq!(p.free[0].bins.iter().map(Vec::len).sum::<usize>(), 1);
         assert_eq!(p.figures().largest_free, 2 * MIB);
+    }
+
+    #[test]
+    fn the_frontier_block_is_handed_out_last() {
+        // A 6 MiB hole and the 4 MiB free block at the segment's end, where it grows.
+        let grants = |p: &mut BestFitPolicy| {
+            p.add_segment(Class::Large, 0, 16 * MIB).unwrap();
+            let g: Vec<Grant> = [2, 6, 4].iter().map(|&n| p.allocate(n * MIB).unwrap()).collect();
+            p.free(g[1].token, g[1].addr).unwrap();
+        };
+        let mut plain = BestFitPolicy::new(classes());
+        grants(&mut plain);
+        assert_eq!(plain.allocate(3 * MIB).map(|g| g.addr), Some(12 * MIB), "best fit: the smallest");
+        let mut p = BestFitPolicy::new(classes());
+        grants(&mut p);
+        p.set_frontier(Class::Large, 16 * MIB);
+        assert_eq!(p.allocate(3 * MIB).map(|g| g.addr), Some(2 * MIB), "the hole first");
+        assert_eq!(p.allocate(4 * MIB), None, "only the frontier block fits");
+        assert_eq!(p.allocate_frontier(4 * MIB).map(|g| g.addr), Some(12 * MIB));
+        p.check();
     }
 
     #[test]

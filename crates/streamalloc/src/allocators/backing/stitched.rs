@@ -20,13 +20,18 @@ use crate::policy::best_fit::{BestFitPolicy, Class, Classes};
 /// granules are mapped a second time.
 ///
 /// * **Placement.** A miss maps the fewest granules that, with a free block next to an
-///   unmapped run, make a free block the request fits; both classes share the area.
+///   unmapped run, make a free block the request fits. Large growths map in the area's lower
+///   half, from its bottom up, small ones in its upper half (either in the other half when its
+///   own has no room): small blocks never sit in memory large blocks freed. The pool's books
+///   know where each class's growths go on ([`BestFitPolicy::set_frontier`]) and hand out the
+///   free block there last, so that a repeated workload lays its blocks out alike whether that
+///   memory is mapped yet or not. See DESIGN.md, "Warm passes".
 /// * **Stitching.** When that growth would raise the memory mapped above its highest mark and
-///   the free home granules pay for the request more cheaply, they are taken out of the pool
-///   and their memory is mapped again, side by side, as one range that serves the request
-///   ([`VirtualMemory::map_alias`](crate::device::VirtualMemory::map_alias)). Free memory is
-///   defragmented without moving live data and without
-///   waiting for the device. See DESIGN.md, Note [stitching needs no wait].
+///   the free home granules of large blocks pay for a large request more cheaply, they are
+///   taken out of the pool and their memory is mapped again, side by side, as one range that
+///   serves the request ([`VirtualMemory::map_alias`](crate::device::VirtualMemory::map_alias)).
+///   Free memory is defragmented without moving live data and without waiting for the device.
+///   See DESIGN.md, Note [stitching needs no wait].
 /// * **Reuse.** A range whose blocks are all free goes idle (its granules back home, the range
 ///   still mapped); a later miss it fits takes it back from the books, with no device call,
 ///   once its home granules are free. See DESIGN.md, Note [idle range fit].
@@ -57,6 +62,9 @@ struct State {
     base: u64,
     /// Size of the reservation.
     reservation: u64,
+    /// Start of the small class's half of the home area: large growths map below it, small
+    /// ones above it (while their half has room).
+    small_area: u64,
     /// Start of the stitch area: home addresses lie below it, stitched ranges above it, with
     /// one unused granule between so that no home chunk meets a stitched one.
     stitch_area: u64,
@@ -187,6 +195,7 @@ impl Stitched {
         st.granularity = g;
         st.reservation = reservation;
         st.stitch_area = st.base + 2 * memory + g;
+        st.small_area = st.base + memory;
         st.holes.insert(st.base, 2 * memory);
         st.stitch_holes.insert(st.stitch_area, memory);
         Ok(())
@@ -221,7 +230,7 @@ impl Stitched {
             }
             ranges.extend(r.ranges);
         }
-        Taken { granules: carve_free_granules(books, g, u64::MAX, limit), ranges, chunks: Vec::new() }
+        Taken { granules: carve_free_granules(books, g, u64::MAX, limit, None), ranges, chunks: Vec::new() }
     }
 
     /// Unmaps what a release or a sleep took out of the pool: stitched ranges (their
@@ -248,6 +257,7 @@ impl Stitched {
             unmapped += len;
             Ok(())
         });
+        sync_frontier(st, books);
         stitched.and(homes).map(|()| unmapped)
     }
 
@@ -341,6 +351,7 @@ impl Stitched {
         take_hole(&mut st.holes, pl.at, pl.len);
         st.mapped += pl.len;
         st.high_water = st.high_water.max(st.mapped);
+        sync_frontier(st, books);
         Ok(())
     }
 
@@ -415,12 +426,10 @@ impl Backing for Stitched {
         self.reserve(&mut st, want.rounded)?;
         self.poll_retired(&mut st)?;
         let g = st.granularity;
-        // The pool found no free block and no idle stitched range for the request: a small
-        // request takes a free large granule, else the plan.
-        if want.class == Class::Small && reclass_granule(books, g, st.stitch_area)? {
-            return Ok(());
-        }
-        let placement = place(books, &st.holes, g, want.class, want.rounded);
+        // The pool found no free block and no idle stitched range for the request: the plan.
+        let runs = runs_of(&st, want.class);
+        let placement = place(books, &runs, g, want.class, want.rounded)
+            .or_else(|| place(books, &st.holes, g, want.class, want.rounded));
         // Mapping fresh memory is free up to the high-water mark; past it, what raises the
         // mark less wins.
         let raise = |len: u64| (st.mapped + len).saturating_sub(st.high_water);
@@ -429,10 +438,11 @@ impl Backing for Stitched {
         let (whole, head) = stitch_sources(books, g, want.rounded, st.stitch_area);
         let lacking = want.rounded.saturating_sub(whole + head.map_or(0, |(_, _, l)| l)).div_ceil(g) * g;
         let plan = match placement {
-            Some(pl) if grow_raise == 0 => Some(Plan::Grow(pl)),
+            // The small class grows apart (see `place`), and stitches only large blocks.
+            Some(pl) if grow_raise == 0 || want.class == Class::Small => Some(Plan::Grow(pl)),
             _ if raise(lacking) >= grow_raise => placement.map(Plan::Grow),
             _ if lacking == 0 => Some(Plan::Stitch { fresh: None }),
-            _ => match smallest_run(&st.holes, lacking) {
+            _ => match smallest_run(&runs, lacking).or_else(|| smallest_run(&st.holes, lacking)) {
                 Some(at) => Some(Plan::Stitch { fresh: Some(Placement { at, len: lacking }) }),
                 None => placement.map(Plan::Grow),
             },
@@ -448,7 +458,9 @@ impl Backing for Stitched {
                 }
                 // The free granules did not make up the request after all: grow where it
                 // fits now.
-                place(books, &st.holes, g, want.class, want.rounded)
+                let runs = runs_of(&st, want.class);
+                place(books, &runs, g, want.class, want.rounded)
+                    .or_else(|| place(books, &st.holes, g, want.class, want.rounded))
             }
             None => None,
         };
@@ -690,33 +702,31 @@ impl Backing for Stitched {
     }
 }
 
-/// Moves one whole granule of the smallest large free home block (below `limit`) that has
-/// one to the small class, at the same address: the memory changes hands without a device
-/// call. Whether there was one.
-fn reclass_granule(p: &mut BestFitPolicy, g: u64, limit: u64) -> Result<bool> {
-    let found = whole_granules(p, g, limit)
-        .filter(|&(class, ..)| class == Class::Large)
-        .map(|(_, size, _, hi)| (size, hi - g))
-        .min();
-    let Some((_, at)) = found else { return Ok(false) };
-    p.carve(at, g)?;
-    p.add_joined(Class::Small, at, g)?;
-    Ok(true)
-}
-
 /// The start of the smallest run of `runs` of at least `len` bytes.
 fn smallest_run(runs: &BTreeMap<u64, u64>, len: u64) -> Option<u64> {
     runs.iter().filter(|&(_, &run)| run >= len).min_by_key(|&(&at, &run)| (run, at)).map(|(&at, _)| at)
 }
 
-/// The free home blocks (below `limit`) that hold whole granules, as `(class, block size,
-/// lo, hi)`: their whole granules span `[lo, hi)`.
+/// The free home blocks (below `limit`) of `only`'s class (of either without), as `(class,
+/// addr, size)`. Stitches take only large blocks (`only` large): small blocks are left to the
+/// small class, whose granules lie apart (see `runs_of`).
+fn free_home_blocks(
+    p: &BestFitPolicy,
+    limit: u64,
+    only: Option<Class>,
+) -> impl Iterator<Item = (Class, u64, u64)> + '_ {
+    p.free_blocks().filter(move |&(class, a, _)| a < limit && only.is_none_or(|c| c == class))
+}
+
+/// The free home blocks (below `limit`, of `only`'s class) that hold whole granules, as
+/// `(class, block size, lo, hi)`: their whole granules span `[lo, hi)`.
 fn whole_granules(
     p: &BestFitPolicy,
     g: u64,
     limit: u64,
+    only: Option<Class>,
 ) -> impl Iterator<Item = (Class, u64, u64, u64)> + '_ {
-    p.free_blocks().filter(move |&(_, a, _)| a < limit).filter_map(move |(class, a, s)| {
+    free_home_blocks(p, limit, only).filter_map(move |(class, a, s)| {
         let (lo, hi) = (a.div_ceil(g) * g, (a + s) / g * g);
         (hi > lo).then_some((class, s, lo, hi))
     })
@@ -734,8 +744,7 @@ fn extent(g: u64, addr: u64, len: u64) -> (u64, u64) {
 /// A stitched range may end with one: it maps the whole granule, but its chunk leaves the
 /// rest out. Only heads: see DESIGN.md, Note [granule heads].
 fn partial_head(p: &BestFitPolicy, g: u64, limit: u64) -> Option<(Class, u64, u64)> {
-    p.free_blocks()
-        .filter(|&(_, a, _)| a < limit)
+    free_home_blocks(p, limit, Some(Class::Large))
         .filter_map(|(class, a, s)| {
             let (down, end) = ((a + s) / g * g, a + s);
             (end % g != 0 && a <= down).then_some((class, down, end - down))
@@ -749,7 +758,7 @@ fn partial_head(p: &BestFitPolicy, g: u64, limit: u64) -> Option<(Class, u64, u6
 /// with (a range of a head alone would map a granule again for memory a free block already
 /// holds).
 fn stitch_sources(p: &BestFitPolicy, g: u64, rounded: u64, limit: u64) -> (u64, Option<(Class, u64, u64)>) {
-    let whole: u64 = whole_granules(p, g, limit).map(|(.., lo, hi)| hi - lo).sum();
+    let whole: u64 = whole_granules(p, g, limit, Some(Class::Large)).map(|(.., lo, hi)| hi - lo).sum();
     let short = whole > 0 && whole < rounded.div_ceil(g) * g;
     (whole, if short { partial_head(p, g, limit) } else { None })
 }
@@ -762,19 +771,19 @@ fn stitch_sources(p: &BestFitPolicy, g: u64, rounded: u64, limit: u64) -> (u64, 
 fn carve_stitch(p: &mut BestFitPolicy, g: u64, rounded: u64, limit: u64) -> Vec<(Class, u64, u64)> {
     let (whole, head) = stitch_sources(p, g, rounded, limit);
     let Some((class, at, len)) = head.filter(|&(_, _, l)| whole + l >= rounded) else {
-        return carve_free_granules(p, g, rounded.div_ceil(g) * g, limit);
+        return carve_free_granules(p, g, rounded.div_ceil(g) * g, limit, Some(Class::Large));
     };
-    let mut homes = carve_free_granules(p, g, whole, limit);
+    let mut homes = carve_free_granules(p, g, whole, limit, Some(Class::Large));
     if p.carve(at, len).is_ok() {
         homes.push((class, at, len));
     }
     homes
 }
 
-/// The placement of a growth for a request of `rounded` bytes of `class` that maps the
-/// fewest bytes (the smallest unmapped run among equals), counting the free block of
-/// `class` at the end of the mapped range before a run and at the start of the one after
-/// it; `None` if no run is large enough.
+/// The placement of a growth for a request of `rounded` bytes of `class` in the unmapped
+/// `holes` that maps the fewest bytes (the smallest unmapped run among equals), counting the
+/// free block of `class` at the end of the mapped range before a run and at the start of the
+/// one after it; `None` if no run is large enough.
 fn place(
     p: &BestFitPolicy,
     holes: &BTreeMap<u64, u64>,
@@ -807,6 +816,39 @@ fn place(
     best.map(|(_, _, pl)| pl)
 }
 
+/// The unmapped runs of the home area where growths of `class` map first: those of its half
+/// (large below `small_area`, small above it), start -> length.
+///
+/// Small blocks lie apart from large ones: a pool keeps small blocks parked (allocated, in
+/// their chunks) between uses, so memory that was small once stays small, and a small
+/// request took a whole granule of a free large block before. A later pass of a repeated
+/// workload then found small chunks where its first pass had put large blocks, laid its
+/// large blocks out otherwise and stitched again (`bench/results/threads.md`).
+fn runs_of(st: &State, class: Class) -> BTreeMap<u64, u64> {
+    let home_end = st.stitch_area.saturating_sub(st.granularity);
+    let (lo, hi) = match class {
+        Class::Large => (st.base, st.small_area),
+        Class::Small => (st.small_area, home_end),
+    };
+    st.holes
+        .iter()
+        .filter_map(|(&at, &len)| {
+            let (start, end) = (at.max(lo), (at + len).min(hi));
+            (end > start).then(|| (start, end - start))
+        })
+        .collect()
+}
+
+/// Tells `books` where the growths of each class extend the home memory: the start of the
+/// highest unmapped run of its half ([`BestFitPolicy::set_frontier`]).
+fn sync_frontier(st: &State, books: &mut BestFitPolicy) {
+    for class in [Class::Large, Class::Small] {
+        if let Some((&at, _)) = runs_of(st, class).iter().next_back() {
+            books.set_frontier(class, at);
+        }
+    }
+}
+
 /// Puts back what a release or a sleep that did not happen took: the ranges wait as retired,
 /// the granules go back to the pool.
 fn put_back(st: &mut State, books: &mut BestFitPolicy, taken: Taken) {
@@ -819,9 +861,15 @@ fn put_back(st: &mut State, books: &mut BestFitPolicy, taken: Taken) {
 /// Takes up to `bytes` of whole free granules of home blocks (below `limit`) out of `p`,
 /// those of the largest free blocks first, each block's from its start; the ranges taken.
 /// See DESIGN.md, Note [stitch from the largest free blocks].
-fn carve_free_granules(p: &mut BestFitPolicy, g: u64, bytes: u64, limit: u64) -> Vec<(Class, u64, u64)> {
+fn carve_free_granules(
+    p: &mut BestFitPolicy,
+    g: u64,
+    bytes: u64,
+    limit: u64,
+    only: Option<Class>,
+) -> Vec<(Class, u64, u64)> {
     let mut candidates: Vec<(u64, u64, Class)> =
-        whole_granules(p, g, limit).map(|(class, _, lo, hi)| (hi - lo, lo, class)).collect();
+        whole_granules(p, g, limit, only).map(|(class, _, lo, hi)| (hi - lo, lo, class)).collect();
     candidates.sort_unstable_by_key(|&(len, lo, _)| (std::cmp::Reverse(len), lo));
     let mut carved = Vec::new();
     let mut left = bytes;

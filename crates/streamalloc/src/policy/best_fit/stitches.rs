@@ -40,6 +40,10 @@ struct Stitch {
     active: bool,
     /// The tick of its addition or last reuse.
     used: u64,
+    /// The tick of its addition.
+    made: u64,
+    /// The policy's frontier when it was added ([`BestFitPolicy::set_frontier`]).
+    top: u64,
 }
 
 /// What kept an idle stitched chunk from being reused when it was last looked at. While it
@@ -211,13 +215,15 @@ impl BestFitPolicy {
         homes: Vec<(Class, u64, u64)>,
     ) -> Result<()> {
         self.add_segment(class, addr, size)?;
+        let top = self.frontier(class);
         let st = &mut self.stitches;
         st.granule = granule;
         st.tick += 1;
         for &(_, a, l) in &homes {
             st.carved.insert(a, (l, addr));
         }
-        st.ranges.insert(addr, Stitch { size, class, homes, active: true, used: st.tick });
+        st.ranges
+            .insert(addr, Stitch { size, class, homes, active: true, used: st.tick, made: st.tick, top });
         Ok(())
     }
 
@@ -247,13 +253,25 @@ impl BestFitPolicy {
         settled
     }
 
-    /// Takes back into the pool, for a request of `size` bytes, the smallest idle stitched
-    /// chunk that fits it (at most half as large again, or as large as a stitch for it would
-    /// be) whose homes are all free (they leave the pool). Whether there was one.
+    /// Takes back into the pool, for a request of `size` bytes, an idle stitched chunk of its
+    /// class that fits it (at most half as large again, or as large as a stitch for it would be) whose
+    /// homes are all free (they leave the pool). Whether there was one.
+    ///
+    /// Without a frontier ([`BestFitPolicy::set_frontier`]), the smallest such chunk. With
+    /// one, the oldest such chunk added while the frontier was below the end the request
+    /// would have in the frontier block: memory mapped later than the chunk was added would
+    /// serve the request otherwise. A repeated workload's later passes, which find that
+    /// memory mapped, thus take the chunk its first pass stitched at the same request, and
+    /// not one its first pass stitched later (DESIGN.md, "Warm passes").
     pub fn reuse_stitched(&mut self, size: u64) -> Result<bool> {
-        // The chunk's key and its place in `ranges`; what kept each chunk passed over from
-        // reuse is noted in `idle`.
-        let mut found = None;
+        let class = self.class_of(size);
+        let frontier = self.frontier(class);
+        // Where the request would end in the frontier block: looked up at the first candidate
+        // (a walk through the blocks of the frontier's chunk).
+        let mut reach = None;
+        // The chunk's key, its place in `ranges` and the tick of its addition; what kept each
+        // chunk passed over from reuse is noted in `idle`.
+        let mut found: Option<((u64, u64), usize, u64)> = None;
         for i in self.stitches.idle.bounds(&fitting(size, self.stitches.granule)) {
             let Some(&(key, blocker)) = self.stitches.idle.0.get(i) else { break };
             if blocker.holds(self) {
@@ -262,10 +280,20 @@ impl BestFitPolicy {
             let Stitches { ranges, carved, .. } = &self.stitches;
             let Some(at) = ranges.position(&key.1) else { continue };
             let Some((_, s)) = ranges.0.get(at) else { continue };
+            let older = found.is_none_or(|(_, _, made)| s.made < made);
+            if s.class != class || (frontier != 0 && !older) {
+                continue;
+            }
+            let reach = *reach.get_or_insert_with(|| self.frontier_start(class).saturating_add(size));
+            if frontier != 0 && s.top >= reach {
+                continue;
+            }
             match s.free_homes(self, carved) {
                 Ok(()) => {
-                    found = Some((key, at));
-                    break;
+                    found = Some((key, at, s.made));
+                    if frontier == 0 {
+                        break;
+                    }
                 }
                 Err(b) => {
                     if let Some(e) = self.stitches.idle.0.get_mut(i) {
@@ -274,7 +302,7 @@ impl BestFitPolicy {
                 }
             }
         }
-        let Some(((size, addr), at)) = found else { return Ok(false) };
+        let Some(((size, addr), at, _)) = found else { return Ok(false) };
         let Some((_, s)) = self.stitches.ranges.0.get_mut(at) else { return Ok(false) };
         // As in `settle_stitched`, the homes leave the chunk's entry while they are taken.
         let (class, homes) = (s.class, std::mem::take(&mut s.homes));
@@ -581,6 +609,45 @@ mod tests {
         let (mut p, _) = idle();
         assert!(p.take_idle_stitched() == vec![(STITCH, 8 * MIB)]);
         assert!(p.take_stitches().is_empty() && !p.reuse_stitched(8 * MIB).unwrap());
+    }
+
+    /// A 16 MiB segment whose growths go on at its end, four 4 MiB blocks, the second and
+    /// fourth carved out for an 8 MiB stitched chunk added while the frontier was at `top`,
+    /// used and freed (idle): its homes are a hole and the frontier block.
+    fn idle_stitched_at(top: u64) -> BestFitPolicy {
+        let mut p = BestFitPolicy::new(Classes::default());
+        p.add_segment(Class::Large, 0, 16 * MIB).unwrap();
+        let blocks: Vec<_> = (0..4).map(|_| p.allocate(4 * MIB).unwrap()).collect();
+        for b in [&blocks[1], &blocks[3]] {
+            p.free(b.token, b.addr).unwrap();
+            p.carve(b.addr, b.size).unwrap();
+        }
+        p.set_frontier(Class::Large, top);
+        let homes = vec![(Class::Large, 4 * MIB, 4 * MIB), (Class::Large, 12 * MIB, 4 * MIB)];
+        p.add_stitched(Class::Large, STITCH, 8 * MIB, 2 * MIB, homes).unwrap();
+        p.set_frontier(Class::Large, 16 * MIB);
+        let x = p.allocate(8 * MIB).unwrap();
+        p.free(x.token, x.addr).unwrap();
+        p
+    }
+
+    #[test]
+    fn an_idle_chunk_serves_a_request_only_if_stitched_before_the_frontier_reached_its_end() {
+        // Stitched while the frontier was at 16 MiB: the request would end at 20 MiB in the
+        // frontier block (from 12 MiB), past what was mapped then. It takes the chunk, as the
+        // pass that stitched it did.
+        let mut p = idle_stitched_at(16 * MIB);
+        assert!(p.reuse_stitched(8 * MIB).unwrap());
+        assert_eq!(p.allocate(8 * MIB).map(|g| g.addr), Some(STITCH));
+        // Stitched once the frontier had passed 20 MiB: a later request's. This one takes the
+        // frontier block, as a first pass, which found that memory mapped, did.
+        let mut p = idle_stitched_at(24 * MIB);
+        assert!(!p.reuse_stitched(8 * MIB).unwrap());
+        assert_eq!(p.allocate_frontier(8 * MIB), None, "the frontier block holds 4 MiB");
+        assert_eq!(p.allocate(4 * MIB).map(|g| g.addr), Some(4 * MIB), "the hole first");
+        assert_eq!(p.allocate(4 * MIB), None);
+        assert_eq!(p.allocate_frontier(4 * MIB).map(|g| g.addr), Some(12 * MIB));
+        p.check();
     }
 
     #[test]
