@@ -3,7 +3,7 @@
 //! and keeps its footprint.
 
 use streamalloc::device::sim::{SimConfig, SimDevice};
-use streamalloc::device::Device;
+use streamalloc::Streams;
 use streamalloc::facade::{Config, Facade};
 use streamalloc::{Allocator, Stream};
 use streamalloc_replay::trace::{Op, Trace};

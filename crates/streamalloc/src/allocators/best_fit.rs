@@ -613,9 +613,8 @@ impl State {
         }
     }
 
-    /// Keeps `kept` by its pointer. The map is kept at most half full: it churns (every key
-    /// is removed again soon), and near hashbrown's maximum load the slots left by removals
-    /// lengthen probes and force rehashes in place (`bench/results/speed.md`).
+    /// Keeps `kept` by its pointer, the map at most half full (see DESIGN.md, Note [maps kept
+    /// half full]).
     fn keep(&mut self, kept: KeptBlock) {
         let len = self.kept.len();
         if len * 2 >= self.kept.capacity() {

@@ -819,11 +819,8 @@ fn place(
 /// The unmapped runs of the home area where growths of `class` map first: those of its half
 /// (large below `small_area`, small above it), start -> length.
 ///
-/// Small blocks lie apart from large ones: a pool keeps small blocks parked (allocated, in
-/// their chunks) between uses, so memory that was small once stays small, and a small
-/// request took a whole granule of a free large block before. A later pass of a repeated
-/// workload then found small chunks where its first pass had put large blocks, laid its
-/// large blocks out otherwise and stitched again (`bench/results/threads.md`).
+/// Small blocks lie apart from large ones: a pool keeps small blocks parked between uses, so
+/// memory that was small once stays small (see DESIGN.md, "Warm passes").
 fn runs_of(st: &State, class: Class) -> BTreeMap<u64, u64> {
     let home_end = st.stitch_area.saturating_sub(st.granularity);
     let (lo, hi) = match class {
