@@ -118,8 +118,12 @@ struct State {
     cached: usize,
     /// Bytes of the blocks in `pending`.
     pending_bytes: usize,
-    /// Bytes of blocks never handed out again (see [`PinnedHost`]'s graphs).
+    /// Bytes of blocks never handed out again (see [`PinnedHost`]'s graphs), and of the
+    /// blocks of `orphans`.
     stuck_bytes: usize,
+    /// Blocks freed with a recorded stream no event could be recorded on (destroyed before
+    /// the free), with that stream's device: free again once the device has synchronized.
+    orphans: Vec<(HostPtr, usize, Arc<DeviceEvents>)>,
     /// Errors met where they could not be returned, reported by the next release.
     held: HeldErrors,
 }
@@ -226,8 +230,12 @@ impl PinnedHost {
 
     /// Gives the free blocks back (`cuMemFreeHost`), after moving those whose streams' work
     /// has completed to the free lists; the bytes given back. Then reports the errors that
-    /// frees met since the last release, if any. Waits for nothing.
+    /// frees met since the last release, if any. Waits for nothing, except after a free whose
+    /// recorded stream was destroyed first: that block's device is synchronized (all its
+    /// work, the destroyed stream's included, as `cuMemFree` waits), and the block is free
+    /// again.
     pub fn release(&self) -> Result<usize> {
+        self.inner.adopt_orphans();
         self.inner.poll(true);
         let released = self.inner.release_free();
         self.inner.state.lock().held.take()?;
@@ -363,12 +371,14 @@ impl Inner {
     }
 
     /// The slow part of a free: an event recorded on each user, and the block pending on
-    /// them; or, when a user captures a graph (or did) or an event cannot be recorded, the
-    /// block kept out of use for good.
+    /// them; or, when a user captures a graph (or did), the block kept out of use for good,
+    /// and when an event cannot be recorded (a destroyed stream), until a release has
+    /// synchronized the stream's device.
     fn free_used(&self, ptr: HostPtr, bytes: usize, users: Vec<(Arc<DeviceEvents>, Stream)>, captured: bool) {
         let mut events = Vec::with_capacity(users.len());
         let mut stuck = captured;
         let mut failed = None;
+        let mut orphaned_on = None;
         for (user, stream) in users {
             if stuck || failed.is_some() {
                 break;
@@ -385,12 +395,14 @@ impl Inner {
                 Ok(recorded) => stuck = !recorded,
                 // Issue 52, #12: say which block, which stream and what follows.
                 Err(Error::InvalidArgument(m)) => {
+                    orphaned_on = Some(user.clone());
                     failed = Some(Error::InvalidArgument(format!(
-                    "the pinned block at {ptr:#x} was freed with stream {:#x} recorded on it, which cannot \
-                         be waited for ({m}; destroyed before the free?): the block is kept out of use for \
-                         good; free pinned buffers before destroying the streams recorded on them",
-                    stream.raw()
-                )))
+                        "the pinned block at {ptr:#x} was freed with stream {:#x} recorded on it, which cannot \
+                         be waited for ({m}; destroyed before the free?): the block is kept out of use until \
+                         a release has waited for its device; free pinned buffers before destroying the \
+                         streams recorded on them",
+                        stream.raw()
+                    )))
                 }
                 Err(e) => failed = Some(e),
             }
@@ -405,10 +417,52 @@ impl Inner {
         if let Some(e) = failed {
             st.held.hold(e);
         }
+        if let (false, Some(user)) = (stuck, orphaned_on) {
+            st.orphans.push((ptr, bytes, user));
+        }
         drop(st);
         for (user, event) in events {
             user.events.put(event);
         }
+    }
+
+    /// Puts the blocks freed with a destroyed recorded stream back in the free lists once
+    /// their devices have synchronized (a device that fails to keeps its blocks out of use;
+    /// the error is held).
+    fn adopt_orphans(&self) {
+        let orphans = std::mem::take(&mut self.state.lock().orphans);
+        if orphans.is_empty() {
+            return;
+        }
+        let mut synced: Vec<(*const (), Result<()>)> = Vec::new();
+        let mut kept = Vec::new();
+        for (ptr, bytes, user) in orphans {
+            let key = Arc::as_ptr(&user.device).cast::<()>();
+            let i = match synced.iter().position(|(k, _)| *k == key) {
+                Some(i) => i,
+                None => {
+                    synced.push((key, user.device.synchronize()));
+                    synced.len() - 1
+                }
+            };
+            match &synced[i].1 {
+                Ok(()) => {
+                    let mut st = self.state.lock();
+                    st.stuck_bytes -= bytes;
+                    if let Some(class) = st.blocks.get(&ptr).map(|b| b.class) {
+                        st.put_free(ptr, class);
+                    }
+                }
+                Err(_) => kept.push((ptr, bytes, user)),
+            }
+        }
+        let mut st = self.state.lock();
+        for (_, r) in synced {
+            if let Err(e) = r {
+                st.held.hold(e);
+            }
+        }
+        st.orphans.extend(kept);
     }
 
     /// Moves pending blocks whose events have all completed to the free lists, querying the
