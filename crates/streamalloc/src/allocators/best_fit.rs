@@ -163,9 +163,11 @@ struct State {
     pending: Vec<Pending>,
     /// Bytes (as asked for) of `pending`.
     pending_bytes: usize,
-    /// Bytes (as asked for) of blocks never to be reused because an event could not be
-    /// recorded.
+    /// Bytes (as asked for) of `stuck`.
     stuck_bytes: usize,
+    /// Blocks freed with a recorded stream no event could be recorded on (destroyed before
+    /// the free): free again once the device has synchronized ([`Inner::adopt_stuck`]).
+    stuck: Vec<Pending>,
     /// Errors met where they could not be returned (frees), reported by the next release.
     held: HeldErrors,
     /// The allocations kept by pointer ([`BestFit::allocate_kept`]), under the same lock as
@@ -228,6 +230,7 @@ impl BestFit {
             pending: Vec::new(),
             pending_bytes: 0,
             stuck_bytes: 0,
+            stuck: Vec::new(),
             held: HeldErrors::default(),
             kept: FxHashMap::default(),
         };
@@ -692,6 +695,28 @@ impl Inner {
         }
     }
 
+    /// Frees the blocks freed with a destroyed recorded stream once the device has
+    /// synchronized (all its work, the destroyed stream's included, as `cuMemFree` waits); a
+    /// synchronize that fails keeps them out of use, its error held.
+    fn adopt_stuck(&self) {
+        if self.state.lock().stuck.is_empty() {
+            return;
+        }
+        let synced = self.device.synchronize();
+        let mut st = self.state.lock();
+        let st = &mut *st;
+        if let Err(e) = synced {
+            st.held.hold(e);
+            return;
+        }
+        for p in std::mem::take(&mut st.stuck) {
+            st.stuck_bytes -= p.size;
+            if let Err(e) = st.policy.free(p.token, p.ptr) {
+                st.held.hold(e);
+            }
+        }
+    }
+
     /// Moves pending blocks whose events have all completed to the free lists. Queries the
     /// device outside the lock; never blocks.
     fn poll_pending(&self) {
@@ -855,7 +880,7 @@ impl Inner {
     }
 
     /// Counts `block` freed and puts it among the frees pending on `events`; after `failed`,
-    /// keeps it out of use for good (the error held back).
+    /// keeps it out of use until a release has synchronized the device (the error held back).
     fn park_recorded(
         &self,
         mut st: MutexGuard<'_, State>,
@@ -872,6 +897,12 @@ impl Inner {
             }
             Some(e) => {
                 st.stuck_bytes += block.size;
+                st.stuck.push(Pending {
+                    token: block.token,
+                    ptr: block.ptr,
+                    size: block.size,
+                    events: Vec::new(),
+                });
                 st.held.hold(e);
                 drop(st);
                 for event in events {
@@ -888,8 +919,10 @@ impl Allocator for BestFit {
     }
 
     /// Gives free memory back (after a bounded wait, see [`BestFit`]); then reports the
-    /// errors frees held back, if any.
+    /// errors frees held back, if any. After a free whose recorded stream was destroyed
+    /// first, it synchronizes the device before, which frees that block.
     fn release(&self) -> Result<usize> {
+        self.inner.adopt_stuck();
         let released = self.release_cached();
         self.inner.state.lock().held.take()?;
         released

@@ -109,8 +109,8 @@ const STREAMS_NAMED: usize = 8;
 ///   or, while it still holds memory, at a later [`Allocator::release`]. The allocator's memory
 ///   and per-call cost do not grow with the number of streams ever used. A stream recorded on
 ///   an [`Allocation`] handle is erased from it ([`Allocation::erase_stream`]) before it is
-///   destroyed; a free whose recorded stream is gone keeps its block out of use and reports the
-///   driver's error at the next release. See DESIGN.md, Note [retire streams].
+///   destroyed; a free whose recorded stream is gone keeps its block out of use until the next
+///   release, which reports the driver's error, synchronizes the device and frees the block. See DESIGN.md, Note [retire streams].
 /// * **Concurrency.** Allocating and freeing take the one lock of the stream's pool; finding
 ///   the pool takes none. See DESIGN.md, Note [promoted pools].
 ///
