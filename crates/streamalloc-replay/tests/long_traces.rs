@@ -2,6 +2,10 @@
 //! 868 MB). Replayed from its file, what a replay holds is bounded by the allocations live
 //! at once, not by the trace's length.
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
