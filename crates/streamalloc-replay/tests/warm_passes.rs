@@ -2,6 +2,10 @@
 //! device call from its second pass on, on every trace of `traces/` and `bench/check-traces/`,
 //! and keeps its footprint.
 
+// A test: a failed unwrap or expect is the test failing (clippy.toml allows them in
+// `#[test]` functions only, and this file's helpers are not).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use streamalloc::device::sim::{SimConfig, SimDevice};
 use streamalloc::facade::{Config, Facade};
 use streamalloc::Streams;
