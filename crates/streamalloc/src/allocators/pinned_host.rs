@@ -32,9 +32,10 @@ impl Default for PinnedHostConfig {
 /// A caching pool of page-locked (pinned) host memory, the staging memory of fast
 /// asynchronous copies between the host and devices (PyTorch's `CachingHostAllocator`).
 ///
-/// * **Blocks.** Each block is one [`HostMemory::host_alloc`](crate::device::HostMemory::host_alloc) of a power of two
-///   bytes (at least [`PinnedHostConfig::min_block`]); a request takes a free block of its own size class, never
-///   a piece of a larger one.
+/// * **Blocks.** Each block is one
+///   [`HostMemory::host_alloc`](crate::device::HostMemory::host_alloc) of a power of two bytes
+///   (at least [`PinnedHostConfig::min_block`]); a request takes a free block of its own size
+///   class, never a piece of a larger one.
 /// * **Stream order.** A block that streams used ([`PinnedHost::record_stream_ptr`],
 ///   [`PinnedBuffer::record_stream`]) returns to its class only once an event recorded on each
 ///   of them at the free has completed; allocations query those events and never wait.
@@ -122,8 +123,9 @@ struct State {
     /// blocks of `orphans`.
     stuck_bytes: usize,
     /// Blocks freed with a recorded stream no event could be recorded on (destroyed before
-    /// the free), with that stream's device: free again once the device has synchronized.
-    orphans: Vec<(HostPtr, usize, Arc<DeviceEvents>)>,
+    /// the free), with the devices of all their recorded streams: free again once those
+    /// devices have synchronized.
+    orphans: Vec<(HostPtr, usize, Vec<Arc<DeviceEvents>>)>,
     /// Errors met where they could not be returned, reported by the next release.
     held: HeldErrors,
 }
@@ -378,7 +380,8 @@ impl Inner {
         let mut events = Vec::with_capacity(users.len());
         let mut stuck = captured;
         let mut failed = None;
-        let mut orphaned_on = None;
+        let mut orphaned = false;
+        let devices: Vec<Arc<DeviceEvents>> = users.iter().map(|(user, _)| user.clone()).collect();
         for (user, stream) in users {
             if stuck || failed.is_some() {
                 break;
@@ -395,7 +398,7 @@ impl Inner {
                 Ok(recorded) => stuck = !recorded,
                 // Issue 52, #12: say which block, which stream and what follows.
                 Err(Error::InvalidArgument(m)) => {
-                    orphaned_on = Some(user.clone());
+                    orphaned = true;
                     failed = Some(Error::InvalidArgument(format!(
                         "the pinned block at {ptr:#x} was freed with stream {:#x} recorded on it, which cannot \
                          be waited for ({m}; destroyed before the free?): the block is kept out of use until \
@@ -417,8 +420,8 @@ impl Inner {
         if let Some(e) = failed {
             st.held.hold(e);
         }
-        if let (false, Some(user)) = (stuck, orphaned_on) {
-            st.orphans.push((ptr, bytes, user));
+        if orphaned && !stuck {
+            st.orphans.push((ptr, bytes, devices));
         }
         drop(st);
         for (user, event) in events {
@@ -426,41 +429,47 @@ impl Inner {
         }
     }
 
-    /// Puts the blocks freed with a destroyed recorded stream back in the free lists once
-    /// their devices have synchronized (a device that fails to keeps its blocks out of use;
-    /// the error is held).
+    /// Puts the blocks freed with a destroyed recorded stream back in the free lists once the
+    /// devices of their recorded streams have synchronized (a block one of whose devices
+    /// fails to stays out of use; the error is held).
     fn adopt_orphans(&self) {
         let orphans = std::mem::take(&mut self.state.lock().orphans);
         if orphans.is_empty() {
             return;
         }
-        let mut synced: Vec<(*const (), Result<()>)> = Vec::new();
+        // Each device synchronized once: (the device's address, whether it succeeded).
+        let mut synced: Vec<(*const (), bool)> = Vec::new();
+        let mut failures = Vec::new();
         let mut kept = Vec::new();
-        for (ptr, bytes, user) in orphans {
-            let key = Arc::as_ptr(&user.device).cast::<()>();
-            let i = match synced.iter().position(|(k, _)| *k == key) {
-                Some(i) => i,
-                None => {
-                    synced.push((key, user.device.synchronize()));
-                    synced.len() - 1
-                }
-            };
-            match &synced[i].1 {
-                Ok(()) => {
-                    let mut st = self.state.lock();
-                    st.stuck_bytes -= bytes;
-                    if let Some(class) = st.blocks.get(&ptr).map(|b| b.class) {
-                        st.put_free(ptr, class);
+        for (ptr, bytes, devices) in orphans {
+            let mut all = true;
+            for user in &devices {
+                let key = Arc::as_ptr(&user.device).cast::<()>();
+                let ok = match synced.iter().find(|(k, _)| *k == key) {
+                    Some(&(_, ok)) => ok,
+                    None => {
+                        let result = user.device.synchronize();
+                        let ok = result.is_ok();
+                        failures.extend(result.err());
+                        synced.push((key, ok));
+                        ok
                     }
-                }
-                Err(_) => kept.push((ptr, bytes, user)),
+                };
+                all &= ok;
+            }
+            if !all {
+                kept.push((ptr, bytes, devices));
+                continue;
+            }
+            let mut st = self.state.lock();
+            st.stuck_bytes -= bytes;
+            if let Some(class) = st.blocks.get(&ptr).map(|b| b.class) {
+                st.put_free(ptr, class);
             }
         }
         let mut st = self.state.lock();
-        for (_, r) in synced {
-            if let Err(e) = r {
-                st.held.hold(e);
-            }
+        for e in failures {
+            st.held.hold(e);
         }
         st.orphans.extend(kept);
     }
