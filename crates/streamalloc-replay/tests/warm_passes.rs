@@ -3,8 +3,8 @@
 //! and keeps its footprint.
 
 use streamalloc::device::sim::{SimConfig, SimDevice};
-use streamalloc::Streams;
 use streamalloc::facade::{Config, Facade};
+use streamalloc::Streams;
 use streamalloc::{Allocator, Stream};
 use streamalloc_replay::trace::{Op, Trace};
 

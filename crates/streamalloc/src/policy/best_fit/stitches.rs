@@ -103,7 +103,7 @@ impl Stitch {
         carved: &Sorted<u64, (u64, u64)>,
     ) -> std::result::Result<(), Blocker> {
         for &(_, a, l) in &self.homes {
-            let Some((_, _, idx)) = p.block_holding(a) else {
+            let Some((_, _, idx)) = p.block_holding(a, super::HOMES) else {
                 // Out of the pool: memory of a stitched chunk in use, or being stitched.
                 let by = carved.at_or_below(a).filter(|&&(h, (len, _))| h + len > a);
                 let first = by.and_then(|&(_, (_, at))| Some((p.chunks.get(&at)?.first, at)));
