@@ -928,18 +928,25 @@ impl BestFitPolicy {
     }
 
     /// The chunk (start and entry) and the slot of the block, free or not, that holds `addr`.
-    /// The walk through the chunk's blocks starts at `fingers[finger]` when that is a live
-    /// block of the chunk (else at its first block) and leaves the finger at the block found.
+    /// The walk through the chunk's blocks starts at the nearest of its first block and the
+    /// blocks the fingers hold, and leaves `fingers[finger]` at the block found.
     fn block_holding(&self, addr: u64, finger: usize) -> Option<(u64, Chunk, u32)> {
         let &(start, chunk) = self.chunks.at_or_below(addr).filter(|(a, c)| a + c.size > addr)?;
+        // Start from the nearest (by address) of the chunk's first block and the blocks the
+        // fingers hold that are live blocks of the chunk.
+        let mut idx = chunk.first;
+        let mut distance = addr - start;
+        for f in &self.fingers {
+            let hint = f.0.load(Ordering::Relaxed);
+            let h = self.slot(hint);
+            if h.state != State::Vacant && h.addr >= start && h.addr < start + chunk.size {
+                let d = h.addr.abs_diff(addr);
+                if d < distance {
+                    (idx, distance) = (hint, d);
+                }
+            }
+        }
         let finger = self.fingers.get(finger)?;
-        let hint = finger.0.load(Ordering::Relaxed);
-        let h = self.slot(hint);
-        let mut idx = if h.state != State::Vacant && h.addr >= start && h.addr < start + chunk.size {
-            hint
-        } else {
-            chunk.first
-        };
         // Backwards to the block that starts at or below `addr`, then forwards to the one
         // that holds it (blocks tile their chunk).
         loop {
@@ -1303,7 +1310,9 @@ mod tests {
         }
         assert!(walked(&p) < n + 2 * 100, "{} blocks walked for 100 lookups", walked(&p));
         // Any address, forwards or backwards from the last one found: the block that holds
-        // it, a few steps away when that is near.
+        // it, a few steps away when that is near, and from the nearest of the chunk's first
+        // block and the fingers' blocks when not.
+        let start = walked(&p);
         for k in [1999, 3, 1500, 1501, 1499, 0, 7, 6, 1998] {
             let before = walked(&p);
             let (start, _, idx) = p.block_holding(k * 2 * MIB + 4096, HOMES).unwrap();
@@ -1312,6 +1321,7 @@ mod tests {
                 assert!(walked(&p) - before <= 4, "{} blocks walked", walked(&p) - before);
             }
         }
+        assert!(walked(&p) - start < 1000, "{} blocks walked for 9 lookups", walked(&p) - start);
         assert!(p.block_holding(n * 2 * MIB, HOMES).is_none(), "past the segment");
         p.check();
     }
