@@ -55,6 +55,8 @@
 //! stops once the bins reach their largest size.
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
+use std::sync::atomic::{AtomicU32, Ordering};
+
 use super::ALIGNMENT;
 use crate::error::{Error, Result};
 
@@ -420,7 +422,24 @@ pub struct BestFitPolicy {
     /// Per class, the end of the memory its growths extend ([`BestFitPolicy::set_frontier`];
     /// 0: none).
     frontier: [u64; 2],
+    /// Where [`BestFitPolicy::block_holding`] starts its walk: the slot it found last, per
+    /// class for the frontier blocks, one for every other address (see [`Finger`]).
+    fingers: [Finger; 3],
+    /// Blocks [`BestFitPolicy::block_holding`] visited (what the tests count).
+    #[cfg(test)]
+    walked: std::sync::atomic::AtomicU64,
 }
+
+/// A hint: the slot of a block that a walk through a chunk's blocks found last, from which
+/// the next walk for a nearby address starts (forwards or backwards) instead of from the
+/// chunk's first block. Checked before use (a live slot inside the chunk), so a stale one
+/// costs only the walk from the chunk's start. Atomic so that lookups keep `&self` and the
+/// policy `Sync`; its value never affects a result.
+#[derive(Debug, Default)]
+struct Finger(AtomicU32);
+
+/// [`BestFitPolicy::fingers`]' entry for addresses other than the frontiers'.
+const HOMES: usize = 2;
 
 impl BestFitPolicy {
     /// An empty policy with the given classes (check them first with
@@ -437,6 +456,9 @@ impl BestFitPolicy {
             cached: 0,
             stitches: Stitches::default(),
             frontier: [0; 2],
+            fingers: Default::default(),
+            #[cfg(test)]
+            walked: Default::default(),
         }
     }
 
@@ -634,7 +656,7 @@ impl BestFitPolicy {
     /// the class ends there. 0 without a frontier.
     pub(super) fn frontier_start(&self, class: Class) -> u64 {
         let end = self.frontier(class);
-        match end.checked_sub(1).and_then(|last| self.block_holding(last)) {
+        match end.checked_sub(1).and_then(|last| self.block_holding(last, class.index())) {
             Some((_, _, idx)) => {
                 let s = self.slot(idx);
                 if s.state == State::Free && s.class == class && s.addr + s.size == end {
@@ -900,21 +922,54 @@ impl BestFitPolicy {
         if size == 0 || addr % ALIGNMENT as u64 != 0 || size % ALIGNMENT as u64 != 0 {
             return None;
         }
-        let (start, chunk, idx) = self.block_holding(addr)?;
+        let (start, chunk, idx) = self.block_holding(addr, HOMES)?;
         let s = self.slot(idx);
         (s.state == State::Free && s.addr + s.size >= end).then_some((start, chunk, idx))
     }
 
     /// The chunk (start and entry) and the slot of the block, free or not, that holds `addr`.
-    fn block_holding(&self, addr: u64) -> Option<(u64, Chunk, u32)> {
+    /// The walk through the chunk's blocks starts at the nearest of its first block and the
+    /// blocks the fingers hold, and leaves `fingers[finger]` at the block found.
+    fn block_holding(&self, addr: u64, finger: usize) -> Option<(u64, Chunk, u32)> {
         let &(start, chunk) = self.chunks.at_or_below(addr).filter(|(a, c)| a + c.size > addr)?;
+        // Start from the nearest (by address) of the chunk's first block and the blocks the
+        // fingers hold that are live blocks of the chunk.
         let mut idx = chunk.first;
+        let mut distance = addr - start;
+        for f in &self.fingers {
+            let hint = f.0.load(Ordering::Relaxed);
+            let h = self.slot(hint);
+            if h.state != State::Vacant && h.addr >= start && h.addr < start + chunk.size {
+                let d = h.addr.abs_diff(addr);
+                if d < distance {
+                    (idx, distance) = (hint, d);
+                }
+            }
+        }
+        let finger = self.fingers.get(finger)?;
+        // Backwards to the block that starts at or below `addr`, then forwards to the one
+        // that holds it (blocks tile their chunk).
         loop {
+            #[cfg(test)]
+            self.walked.fetch_add(1, Ordering::Relaxed);
+            let s = self.slot(idx);
+            if s.state == State::Vacant {
+                return None;
+            }
+            if s.addr <= addr {
+                break;
+            }
+            idx = s.prev;
+        }
+        loop {
+            #[cfg(test)]
+            self.walked.fetch_add(1, Ordering::Relaxed);
             let s = self.slot(idx);
             if s.state == State::Vacant {
                 return None;
             }
             if s.addr + s.size > addr {
+                finger.0.store(idx, Ordering::Relaxed);
                 return Some((start, chunk, idx));
             }
             idx = s.next;
@@ -1235,6 +1290,39 @@ mod tests {
         assert_eq!(p.allocate(3 * MIB).map(|g| g.addr), Some(2 * MIB), "the hole first");
         assert_eq!(p.allocate(4 * MIB), None, "only the frontier block fits");
         assert_eq!(p.allocate_frontier(4 * MIB).map(|g| g.addr), Some(12 * MIB));
+        p.check();
+    }
+
+    #[test]
+    fn block_lookups_walk_from_the_block_found_last() {
+        // A segment of 2000 blocks; the last one, the frontier block, is free.
+        let n = 2000;
+        let mut p = BestFitPolicy::new(classes());
+        p.add_segment(Class::Large, 0, n * 2 * MIB).unwrap();
+        let grants: Vec<Grant> = (0..n).map(|_| p.allocate(2 * MIB).unwrap()).collect();
+        let last = grants.last().unwrap();
+        p.free(last.token, last.addr).unwrap();
+        p.set_frontier(Class::Large, n * 2 * MIB);
+        let walked = |p: &BestFitPolicy| p.walked.load(Ordering::Relaxed);
+        // The first lookup walks the segment; the next ones start where it ended.
+        for _ in 0..100 {
+            assert_eq!(p.frontier_start(Class::Large), (n - 1) * 2 * MIB);
+        }
+        assert!(walked(&p) < n + 2 * 100, "{} blocks walked for 100 lookups", walked(&p));
+        // Any address, forwards or backwards from the last one found: the block that holds
+        // it, a few steps away when that is near, and from the nearest of the chunk's first
+        // block and the fingers' blocks when not.
+        let start = walked(&p);
+        for k in [1999, 3, 1500, 1501, 1499, 0, 7, 6, 1998] {
+            let before = walked(&p);
+            let (start, _, idx) = p.block_holding(k * 2 * MIB + 4096, HOMES).unwrap();
+            assert_eq!((start, p.slot(idx).addr), (0, k * 2 * MIB));
+            if [1501, 1499, 6].contains(&k) {
+                assert!(walked(&p) - before <= 4, "{} blocks walked", walked(&p) - before);
+            }
+        }
+        assert!(walked(&p) - start < 1000, "{} blocks walked for 9 lookups", walked(&p) - start);
+        assert!(p.block_holding(n * 2 * MIB, HOMES).is_none(), "past the segment");
         p.check();
     }
 

@@ -18,9 +18,8 @@ use crate::error::{Error, Result};
 pub(super) struct Stitches {
     /// Every stitched chunk, by address.
     ranges: Sorted<u64, Stitch>,
-    /// The idle ones, as `(size, addr)`, each with what kept it from being reused when it was
-    /// last looked at.
-    idle: Sorted<(u64, u64), Blocker>,
+    /// The idle ones, as `(size, addr)`, each with what reuse looks at first ([`Idle`]).
+    idle: Sorted<(u64, u64), Idle>,
     /// The homes of the stitched chunks in use (out of the pool while they are): start ->
     /// (length, the chunk's address).
     carved: Sorted<u64, (u64, u64)>,
@@ -28,6 +27,20 @@ pub(super) struct Stitches {
     tick: u64,
     /// The granule stitched chunks are made of (0 before the first).
     granule: u64,
+    /// Stitched chunks looked up in `ranges` by reuse (what the tests count).
+    #[cfg(test)]
+    looked_up: u64,
+}
+
+/// What [`BestFitPolicy::reuse_stitched`] needs of an idle chunk before it looks the chunk up
+/// in the stitched chunks: copies of its class, `made` and `top` (fixed once it is added),
+/// and what kept it from being reused when it was last looked at.
+#[derive(Debug, Clone, Copy)]
+struct Idle {
+    class: Class,
+    made: u64,
+    top: u64,
+    blocker: Blocker,
 }
 
 #[derive(Debug)]
@@ -86,9 +99,9 @@ impl Stitches {
     /// Forgets what kept idle chunks from reuse that names a stitched chunk: its address may
     /// be given to another once it is forgotten.
     fn forget_stitch_blockers(&mut self) {
-        for (_, b) in &mut self.idle.0 {
-            if matches!(b, Blocker::Stitch { .. }) {
-                *b = Blocker::Unknown;
+        for (_, e) in &mut self.idle.0 {
+            if matches!(e.blocker, Blocker::Stitch { .. }) {
+                e.blocker = Blocker::Unknown;
             }
         }
     }
@@ -103,7 +116,7 @@ impl Stitch {
         carved: &Sorted<u64, (u64, u64)>,
     ) -> std::result::Result<(), Blocker> {
         for &(_, a, l) in &self.homes {
-            let Some((_, _, idx)) = p.block_holding(a) else {
+            let Some((_, _, idx)) = p.block_holding(a, super::HOMES) else {
                 // Out of the pool: memory of a stitched chunk in use, or being stitched.
                 let by = carved.at_or_below(a).filter(|&&(h, (len, _))| h + len > a);
                 let first = by.and_then(|&(_, (_, at))| Some((p.chunks.get(&at)?.first, at)));
@@ -236,6 +249,7 @@ impl BestFitPolicy {
         // The homes leave the chunk's entry while they go back, and return to it (still at
         // `at`: nothing below adds or removes a stitched chunk) after.
         let (size, homes) = (s.size, std::mem::take(&mut s.homes));
+        let idle = Idle { class: s.class, made: s.made, top: s.top, blocker: Blocker::Unknown };
         let settled = self
             .carve(addr, size)
             .and_then(|()| homes.iter().try_for_each(|&(class, a, len)| self.add_joined(class, a, len)));
@@ -244,7 +258,7 @@ impl BestFitPolicy {
             for (_, a, _) in &homes {
                 st.carved.remove(a);
             }
-            st.idle.insert((size, addr), Blocker::Unknown);
+            st.idle.insert((size, addr), idle);
         }
         if let Some((_, s)) = st.ranges.0.get_mut(at) {
             s.active = settled.is_err();
@@ -273,31 +287,32 @@ impl BestFitPolicy {
         // chunk passed over from reuse is noted in `idle`.
         let mut found: Option<((u64, u64), usize, u64)> = None;
         for i in self.stitches.idle.bounds(&fitting(size, self.stitches.granule)) {
-            let Some(&(key, blocker)) = self.stitches.idle.0.get(i) else { break };
-            if blocker.holds(self) {
+            let Some(&(key, e)) = self.stitches.idle.0.get(i) else { break };
+            let older = found.is_none_or(|(_, _, made)| e.made < made);
+            if e.class != class || (frontier != 0 && !older) || e.blocker.holds(self) {
                 continue;
+            }
+            let reach = *reach.get_or_insert_with(|| self.frontier_start(class).saturating_add(size));
+            if frontier != 0 && e.top >= reach {
+                continue;
+            }
+            #[cfg(test)]
+            {
+                self.stitches.looked_up += 1;
             }
             let Stitches { ranges, carved, .. } = &self.stitches;
             let Some(at) = ranges.position(&key.1) else { continue };
             let Some((_, s)) = ranges.0.get(at) else { continue };
-            let older = found.is_none_or(|(_, _, made)| s.made < made);
-            if s.class != class || (frontier != 0 && !older) {
-                continue;
-            }
-            let reach = *reach.get_or_insert_with(|| self.frontier_start(class).saturating_add(size));
-            if frontier != 0 && s.top >= reach {
-                continue;
-            }
             match s.free_homes(self, carved) {
                 Ok(()) => {
-                    found = Some((key, at, s.made));
+                    found = Some((key, at, e.made));
                     if frontier == 0 {
                         break;
                     }
                 }
                 Err(b) => {
                     if let Some(e) = self.stitches.idle.0.get_mut(i) {
-                        e.1 = b;
+                        e.1.blocker = b;
                     }
                 }
             }
@@ -589,7 +604,7 @@ mod tests {
         let x = p.allocate(8 * MIB).unwrap();
         p.free(x.token, x.addr).unwrap();
         let named = |p: &BestFitPolicy| {
-            p.stitches.idle.0.iter().any(|(_, b)| matches!(b, Blocker::Stitch { addr: STITCH, .. }))
+            p.stitches.idle.0.iter().any(|(_, e)| matches!(e.blocker, Blocker::Stitch { addr: STITCH, .. }))
         };
         assert!(named(&p), "the 6 MiB chunk was passed over for the one at STITCH");
         assert_eq!(p.take_stale_stitched(8 * MIB..=8 * MIB, 0), vec![(STITCH, 8 * MIB)]);
@@ -643,6 +658,7 @@ mod tests {
         // frontier block, as a first pass, which found that memory mapped, did.
         let mut p = idle_stitched_at(24 * MIB);
         assert!(!p.reuse_stitched(8 * MIB).unwrap());
+        assert_eq!(p.stitches.looked_up, 0, "passed over without a look-up of the chunk");
         assert_eq!(p.allocate_frontier(8 * MIB), None, "the frontier block holds 4 MiB");
         assert_eq!(p.allocate(4 * MIB).map(|g| g.addr), Some(4 * MIB), "the hole first");
         assert_eq!(p.allocate(4 * MIB), None);
