@@ -98,6 +98,11 @@ impl Block {
             self.recorded.push(stream);
         }
     }
+
+    /// Undoes [`Block::record_stream`] for `stream` ([`Allocation::erase_stream`]).
+    pub fn erase_stream(&mut self, stream: Stream) {
+        self.recorded.retain(|s| *s != stream);
+    }
 }
 
 /// Takes blocks back when their [`Allocation`] is dropped.
@@ -181,7 +186,7 @@ impl Allocation {
     /// Undoes [`Allocation::record_stream`] for `stream` (the caller has ordered that
     /// stream's work before the free by other means).
     pub fn erase_stream(&mut self, stream: Stream) {
-        self.block.recorded.retain(|s| *s != stream);
+        self.block.erase_stream(stream);
     }
 
     /// The streams recorded so far.
@@ -271,7 +276,7 @@ impl KeptBlock {
 
     /// [`Allocation::erase_stream`] for it.
     pub fn erase_stream(&mut self, stream: Stream) {
-        self.block.recorded.retain(|s| *s != stream);
+        self.block.erase_stream(stream);
     }
 
     /// The streams recorded so far.

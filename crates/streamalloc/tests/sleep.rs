@@ -8,7 +8,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
 use std::thread;
 use std::time::Duration;
 
@@ -230,17 +230,7 @@ fn a_sleep_waits_for_the_streams_of_a_free_under_way() {
     let t0 = sim.now();
     sim.use_range(ptr, 6 * MIB, user, 5_000_000).unwrap();
     // The first event recorded on `user` (the free's) waits until the sleep has returned.
-    let (entered_tx, entered) = std::sync::mpsc::channel();
-    let (release, released) = std::sync::mpsc::channel::<()>();
-    let released = std::sync::Mutex::new(released);
-    let first = AtomicBool::new(true);
-    sim.set_record_hook(Some(Arc::new(move |stream| {
-        if stream == user && first.swap(false, Ordering::AcqRel) {
-            entered_tx.send(()).unwrap();
-            // Bounded: a sleep that blocks on the free under way fails the test, not hangs it.
-            let _ = released.lock().unwrap().recv_timeout(Duration::from_secs(30));
-        }
-    })));
+    let (entered, release) = hold_first_record_on(&sim, user);
     thread::scope(|scope| {
         let freeing = scope.spawn(|| assert!(allocator.free_ptr(ptr, owner)));
         entered.recv_timeout(Duration::from_secs(30)).expect("the free records its event");
@@ -256,6 +246,23 @@ fn a_sleep_waits_for_the_streams_of_a_free_under_way() {
     assert_eq!(f.stats(0).live_allocations, 0);
 }
 
+/// Stops the first event recorded on `user` (a free's) until the returned sender sends, or
+/// 30 s pass (bounded: a call that blocks on the free under way fails the test, not hangs
+/// it); the returned receiver gets a message once that record has begun.
+fn hold_first_record_on(sim: &SimDevice, user: Stream) -> (mpsc::Receiver<()>, mpsc::Sender<()>) {
+    let (entered_tx, entered) = mpsc::channel();
+    let (release, released) = mpsc::channel::<()>();
+    let released = std::sync::Mutex::new(released);
+    let first = AtomicBool::new(true);
+    sim.set_record_hook(Some(Arc::new(move |stream| {
+        if stream == user && first.swap(false, Ordering::AcqRel) {
+            entered_tx.send(()).unwrap();
+            let _ = released.lock().unwrap().recv_timeout(Duration::from_secs(30));
+        }
+    })));
+    (entered, release)
+}
+
 #[test]
 fn a_free_under_way_in_its_streams_pool_keeps_its_recorded_streams_listed() {
     // Untagged, the allocation is kept in its stream's pool (no handle): while its free
@@ -265,16 +272,7 @@ fn a_free_under_way_in_its_streams_pool_keeps_its_recorded_streams_listed() {
     let allocator = f.allocator(0).unwrap();
     let ptr = allocator.allocate_ptr(6 * MIB, owner).unwrap();
     assert!(allocator.record_stream_ptr(ptr, user).unwrap());
-    let (entered_tx, entered) = std::sync::mpsc::channel();
-    let (release, released) = std::sync::mpsc::channel::<()>();
-    let released = std::sync::Mutex::new(released);
-    let first = AtomicBool::new(true);
-    sim.set_record_hook(Some(Arc::new(move |stream| {
-        if stream == user && first.swap(false, Ordering::AcqRel) {
-            entered_tx.send(()).unwrap();
-            let _ = released.lock().unwrap().recv_timeout(Duration::from_secs(30));
-        }
-    })));
+    let (entered, release) = hold_first_record_on(&sim, user);
     thread::scope(|scope| {
         let freeing = scope.spawn(|| assert!(allocator.free_ptr(ptr, owner)));
         entered.recv_timeout(Duration::from_secs(30)).expect("the free records its event");
