@@ -17,6 +17,7 @@ use crate::allocation::{
 use crate::device::{Device, DevicePtr, Event, EventPool, Stream};
 use crate::error::{Error, HeldErrors, OutOfMemory, Result};
 use crate::policy::best_fit::{BestFitPolicy, Class, Classes, Grant, Growth};
+use crate::policy::AddrRange;
 
 /// A wholly free chunk moving from one pool to another (see [`BestFit::take_free_chunk`]).
 #[derive(Debug)]
@@ -961,7 +962,7 @@ impl Allocator for BestFit {
         let parked: FxHashSet<u64> =
             st.parked.by_size.values().flat_map(|l| l.blocks.iter().map(|&(_, addr, _)| addr)).collect();
         let pending: FxHashSet<u64> = st.pending.iter().map(|p| p.ptr).collect();
-        for ((addr, size), blocks) in st.policy.chunk_blocks() {
+        for (AddrRange { addr, len: size }, blocks) in st.policy.chunk_blocks() {
             let blocks = blocks
                 .into_iter()
                 .map(|(addr, size, allocated)| SegmentBlock {
@@ -1009,7 +1010,7 @@ impl Drop for Inner {
                 self.events.put(event);
             }
         }
-        let mut chunks: Vec<(u64, u64)> = st.policy.chunks().collect();
+        let mut chunks: Vec<AddrRange> = st.policy.chunks().collect();
         chunks.extend(st.policy.take_stitches());
         self.backing.teardown(chunks);
     }

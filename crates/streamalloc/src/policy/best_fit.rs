@@ -57,7 +57,7 @@
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use super::ALIGNMENT;
+use super::{AddrRange, ALIGNMENT};
 use crate::error::{Error, Result};
 
 mod sorted;
@@ -976,13 +976,13 @@ impl BestFitPolicy {
         }
     }
 
-    /// Every chunk held, as `(addr, size)`, whether free or not.
-    pub fn chunks(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
-        self.chunks.0.iter().map(|&(a, c)| (a, c.size))
+    /// Every chunk held, whether free or not, in address order.
+    pub fn chunks(&self) -> impl Iterator<Item = AddrRange> + '_ {
+        self.chunks.0.iter().map(|&(a, c)| AddrRange::new(a, c.size))
     }
 
-    /// Every chunk held, as `(addr, size)`, with its blocks in address order.
-    pub fn chunk_blocks(&self) -> impl Iterator<Item = ((u64, u64), Vec<ChunkBlock>)> + '_ {
+    /// Every chunk held, in address order, with its blocks in address order.
+    pub fn chunk_blocks(&self) -> impl Iterator<Item = (AddrRange, Vec<ChunkBlock>)> + '_ {
         self.chunks.0.iter().map(|&(addr, chunk)| {
             let mut blocks = Vec::new();
             let mut idx = chunk.first;
@@ -991,7 +991,7 @@ impl BestFitPolicy {
                 blocks.push((slot.addr, slot.size, slot.state == State::Allocated));
                 idx = slot.next;
             }
-            ((addr, chunk.size), blocks)
+            (AddrRange::new(addr, chunk.size), blocks)
         })
     }
 
@@ -1052,9 +1052,9 @@ mod tests {
 
     const MIB: u64 = 1 << 20;
 
-    /// The chunks [`BestFitPolicy::release_free_chunks`] takes, as `(addr, size)`.
-    fn taken(p: &mut BestFitPolicy) -> Vec<(u64, u64)> {
-        p.release_free_chunks().into_iter().map(|c| (c.addr, c.size)).collect()
+    /// The chunks [`BestFitPolicy::release_free_chunks`] takes.
+    fn taken(p: &mut BestFitPolicy) -> Vec<AddrRange> {
+        p.release_free_chunks().into_iter().map(|c| AddrRange::new(c.addr, c.size)).collect()
     }
 
     impl BestFitPolicy {
@@ -1350,7 +1350,7 @@ mod tests {
         let mut p = BestFitPolicy::new(classes());
         p.add_chunk(Class::Large, 128 * MIB, 20 * MIB).unwrap();
         assert_eq!(p.allocate(4096), None, "small requests never use large chunks");
-        assert_eq!(taken(&mut p), vec![(128 * MIB, 20 * MIB)]);
+        assert_eq!(taken(&mut p), vec![AddrRange::new(128 * MIB, 20 * MIB)]);
         p.add_chunk(Class::Small, 64 * MIB, 2 * MIB).unwrap();
         assert_eq!(p.allocate(MIB + 256), None, "large requests never use small chunks");
         p.add_chunk(Class::Large, 0, 20 * MIB).unwrap();
@@ -1392,7 +1392,7 @@ mod tests {
         assert_eq!(p.figures().largest_free, 10 * MIB);
         // Never given to another pool, but released when wholly free.
         assert_eq!(p.take_free_chunk(2 * MIB), None);
-        assert_eq!(taken(&mut p), vec![(64 * MIB, 10 * MIB)]);
+        assert_eq!(taken(&mut p), vec![AddrRange::new(64 * MIB, 10 * MIB)]);
         // Growth into another chunk, or of what is not a segment, is refused.
         p.add_segment(Class::Large, 64 * MIB, 2 * MIB).unwrap();
         p.add_chunk(Class::Large, 68 * MIB, 2 * MIB).unwrap();
@@ -1413,11 +1413,11 @@ mod tests {
         let c = p.allocate(4 * MIB).unwrap();
         assert_eq!((b.addr, c.addr), (16 * MIB, 20 * MIB), "lowest address among equal fits");
         p.free(b.token, b.addr).unwrap();
-        assert_eq!(taken(&mut p), vec![(64 * MIB, 20 * MIB)]);
+        assert_eq!(taken(&mut p), vec![AddrRange::new(64 * MIB, 20 * MIB)]);
         p.check();
         p.free(a.token, a.addr).unwrap();
         p.free(c.token, c.addr).unwrap();
-        assert_eq!(taken(&mut p), vec![(0, 2 * MIB), (16 * MIB, 20 * MIB)]);
+        assert_eq!(taken(&mut p), vec![AddrRange::new(0, 2 * MIB), AddrRange::new(16 * MIB, 20 * MIB)]);
         p.check();
         assert_eq!(p.figures(), Figures::default());
         assert!(taken(&mut p).is_empty());
@@ -1484,7 +1484,10 @@ mod tests {
         let a = p.allocate(4 * MIB).unwrap();
         p.carve(68 * MIB, 2 * MIB).unwrap();
         p.check();
-        assert_eq!(p.chunks().collect::<Vec<_>>(), [(64 * MIB, 4 * MIB), (70 * MIB, 6 * MIB)]);
+        assert_eq!(
+            p.chunks().collect::<Vec<_>>(),
+            [AddrRange::new(64 * MIB, 4 * MIB), AddrRange::new(70 * MIB, 6 * MIB)]
+        );
         assert!(p.carve(64 * MIB, 2 * MIB).is_err(), "not free");
         assert!(p.carve(69 * MIB, 2 * MIB).is_err(), "not mapped");
         assert_eq!(p.chunk_ending_at(68 * MIB), Some((64 * MIB, Class::Large, 0)));

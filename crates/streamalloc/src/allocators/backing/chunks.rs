@@ -6,6 +6,7 @@ use super::{Backing, Taken, Want};
 use crate::device::{Device, DevicePtr};
 use crate::error::{try_each, Error, Result};
 use crate::policy::best_fit::{BestFitPolicy, TakenChunk};
+use crate::policy::AddrRange;
 
 /// A source of chunks of device address space for a caching pool such as
 /// [`BestFit`](crate::allocators::BestFit), which the [`Chunks`] backing draws on. Today's
@@ -102,9 +103,9 @@ impl Backing for Chunks {
         Ok(released)
     }
 
-    fn teardown(&mut self, chunks: Vec<(u64, u64)>) {
-        for (addr, size) in chunks {
-            let _ = self.shrink(addr, size);
+    fn teardown(&mut self, chunks: Vec<AddrRange>) {
+        for c in chunks {
+            let _ = self.shrink(c.addr, c.len);
         }
     }
 }

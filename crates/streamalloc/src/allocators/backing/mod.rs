@@ -29,6 +29,7 @@ use crate::device::ipc::SharedPiece;
 use crate::device::{Device, DevicePtr, Stream};
 use crate::error::{Error, Result};
 use crate::policy::best_fit::{BestFitPolicy, Class, Classes, TakenChunk};
+use crate::policy::AddrRange;
 
 /// What a pool knows of a backing: one entry each in [`BACKINGS`], which the configuration
 /// (`backing=NAME`) and the presets take every backing from, so adding one is its file and
@@ -150,9 +151,8 @@ pub struct Taken {
     pub chunks: Vec<TakenChunk>,
     /// Free granules of mapped memory, as `(class, addr, len)`.
     pub granules: Vec<(Class, u64, u64)>,
-    /// Mapped ranges that no block of the books holds (stitched ranges idle or evicted), as
-    /// `(addr, len)`.
-    pub ranges: Vec<(u64, u64)>,
+    /// Mapped ranges that no block of the books holds (stitched ranges idle or evicted).
+    pub ranges: Vec<AddrRange>,
 }
 
 impl Taken {
@@ -233,9 +233,9 @@ pub trait Backing: Send + Sync {
         Err(Error::Unsupported("wake: this backing cannot sleep".into()))
     }
     /// Gives back every chunk the pool holds and what its stitched chunks left out of them
-    /// ([`BestFitPolicy::take_stitches`]), as `(addr, size)`, when the pool is dropped.
-    /// Errors only leak memory: nothing is left to report them to.
-    fn teardown(&mut self, chunks: Vec<(u64, u64)>);
+    /// ([`BestFitPolicy::take_stitches`]), `chunks`, when the pool is dropped. Errors only
+    /// leak memory: nothing is left to report them to.
+    fn teardown(&mut self, chunks: Vec<AddrRange>);
 }
 
 /// The memory under a live block of a pool over mapped memory, exported for another process

@@ -10,6 +10,7 @@ use super::{Backing, Chunks, Taken, Want};
 use crate::device::Device;
 use crate::error::{try_each, Error, OutOfMemory, Result};
 use crate::policy::best_fit::{BestFitPolicy, TakenChunk};
+use crate::policy::AddrRange;
 
 /// The backing of expandable segments: each class (small, large) has one segment, a device
 /// address reservation mapped from its start as needed ([`VirtualMemory::map`](crate::device::VirtualMemory::map)), grown at a miss by
@@ -159,11 +160,11 @@ impl Backing for Segments {
         Ok(released)
     }
 
-    fn teardown(&mut self, chunks: Vec<(u64, u64)>) {
+    fn teardown(&mut self, chunks: Vec<AddrRange>) {
         let sg = std::mem::take(self.state.get_mut());
-        for (addr, size) in chunks {
-            if !sg.base.contains(&Some(addr)) {
-                let _ = self.chunks.shrink(addr, size);
+        for c in chunks {
+            if !sg.base.contains(&Some(c.addr)) {
+                let _ = self.chunks.shrink(c.addr, c.len);
             }
         }
         if sg.mapped.iter().any(|&m| m > 0) {

@@ -13,6 +13,7 @@ use super::{Backing, Taken, Want};
 use crate::device::{CaptureStatus, Device, DevicePtr, Event, EventPool, Stream};
 use crate::error::{try_each, Error, OutOfMemory, Result};
 use crate::policy::best_fit::{BestFitPolicy, Class, Classes};
+use crate::policy::AddrRange;
 
 /// The stitched backing. One address reservation per pool, in two areas: the *home* area
 /// (twice the device's memory) where memory is mapped fresh, in granules
@@ -106,7 +107,7 @@ enum Sleep {
 #[derive(Default)]
 struct Falling {
     taken: Taken,
-    homes: Vec<(u64, u64)>,
+    homes: Vec<AddrRange>,
 }
 
 /// What a sleeping pool gave back at its addresses: home ranges (runs of the unmapped home
@@ -120,9 +121,9 @@ struct Falling {
 /// mapped").
 #[derive(Default)]
 struct Slept {
-    homes: Vec<(u64, u64)>,
+    homes: Vec<AddrRange>,
     aliases: Vec<(u64, u64, Sources)>,
-    held: Vec<(u64, u64)>,
+    held: Vec<AddrRange>,
     held_aliases: Vec<u64>,
 }
 
@@ -131,7 +132,7 @@ struct Slept {
 /// are unmapped at the next release.
 struct Retired {
     event: Option<Event>,
-    ranges: Vec<(u64, u64)>,
+    ranges: Vec<AddrRange>,
 }
 
 /// Idle stitched ranges kept for reuse; beyond them the least recently used are evicted.
@@ -222,8 +223,8 @@ impl Stitched {
     /// (their events go back: the caller waits for the pool's stream, which they follow).
     fn take_free(&self, st: &mut State, books: &mut BestFitPolicy) -> Taken {
         let (g, limit) = (st.granularity, st.stitch_area);
-        let mut ranges: Vec<(u64, u64)> =
-            books.take_idle_stitched().into_iter().map(|(a, l)| extent(g, a, l)).collect();
+        let mut ranges: Vec<AddrRange> =
+            books.take_idle_stitched().into_iter().map(|r| extent(g, r)).collect();
         for r in std::mem::take(&mut st.retired) {
             if let Some(e) = r.event {
                 self.events.put(e);
@@ -239,12 +240,12 @@ impl Stitched {
     /// pool, still mapped, where it was). Every range is tried; the bytes of home granules
     /// unmapped, or the first error.
     fn unmap_taken(&self, st: &mut State, books: &mut BestFitPolicy, taken: Taken) -> Result<u64> {
-        let stitched = try_each(taken.ranges, |(addr, size)| {
-            self.device.unmap(addr, size as usize).inspect_err(|_| {
-                st.retired.push(Retired { event: None, ranges: vec![(addr, size)] });
+        let stitched = try_each(taken.ranges, |r| {
+            self.device.unmap(r.addr, r.len as usize).inspect_err(|_| {
+                st.retired.push(Retired { event: None, ranges: vec![r] });
             })?;
-            insert_hole(&mut st.stitch_holes, addr, size);
-            st.aliases.remove(&addr);
+            insert_hole(&mut st.stitch_holes, r.addr, r.len);
+            st.aliases.remove(&r.addr);
             Ok(())
         });
         let mut unmapped = 0;
@@ -279,13 +280,13 @@ impl Stitched {
                 self.events.put(e);
             }
             let mut left = Vec::new();
-            for (addr, len) in r.ranges {
-                match self.device.unmap(addr, len as usize) {
+            for range in r.ranges {
+                match self.device.unmap(range.addr, range.len as usize) {
                     Ok(()) => {
-                        insert_hole(&mut st.stitch_holes, addr, len);
-                        st.aliases.remove(&addr);
+                        insert_hole(&mut st.stitch_holes, range.addr, range.len);
+                        st.aliases.remove(&range.addr);
                     }
-                    Err(_) => left.push((addr, len)),
+                    Err(_) => left.push(range),
                 }
             }
             if !left.is_empty() {
@@ -311,7 +312,7 @@ impl Stitched {
         &self,
         st: &mut State,
         books: &mut BestFitPolicy,
-        take: impl FnOnce(&mut BestFitPolicy) -> Vec<(u64, u64)>,
+        take: impl FnOnce(&mut BestFitPolicy) -> Vec<AddrRange>,
     ) -> Result<()> {
         if self.device.capture_status(self.stream)? != CaptureStatus::None {
             return Ok(());
@@ -321,7 +322,7 @@ impl Stitched {
             return Ok(());
         }
         let g = st.granularity;
-        let ranges = ranges.into_iter().map(|(a, l)| extent(g, a, l)).collect();
+        let ranges = ranges.into_iter().map(|r| extent(g, r)).collect();
         let event = self.events.get().ok().filter(|&e| match self.device.record_event(e, self.stream) {
             Ok(()) => true,
             Err(_) => {
@@ -395,8 +396,11 @@ impl Stitched {
                 ..OutOfMemory::default()
             }));
         };
-        let from: Vec<(u64, usize)> =
-            homes.iter().map(|&(_, a, l)| extent(g, a, l)).map(|(a, l)| (a, l as usize)).collect();
+        let from: Vec<(u64, usize)> = homes
+            .iter()
+            .map(|&(_, a, l)| extent(g, AddrRange::new(a, l)))
+            .map(|r| (r.addr, r.len as usize))
+            .collect();
         if let Err(e) = self.device.map_alias(&from, at) {
             put_back(books, &homes);
             return Err(e);
@@ -516,11 +520,12 @@ impl Backing for Stitched {
         let mut falling = Falling::default();
         if st.base != 0 {
             falling.taken = self.take_free(&mut st, books);
-            let mut cut: Vec<(u64, u64)> = falling.taken.granules.iter().map(|&(_, a, l)| (a, l)).collect();
+            let mut cut: Vec<AddrRange> =
+                falling.taken.granules.iter().map(|&(_, a, l)| AddrRange::new(a, l)).collect();
             cut.sort_unstable();
             falling.homes = subtract(&mapped_homes(&st), &cut);
         }
-        let listed = falling.homes.iter().map(|&(a, l)| (a, l as usize)).collect();
+        let listed = falling.homes.iter().map(|h| (h.addr, h.len as usize)).collect();
         st.sleep = Sleep::Falling(falling);
         Ok(listed)
     }
@@ -555,16 +560,16 @@ impl Backing for Stitched {
         let mut bytes = 0;
         // Homes go only once no stitched range maps their memory any more.
         let homes = if st.aliases.is_empty() {
-            try_each(homes, |(addr, len)| {
-                slept.homes.push((addr, len));
-                if let Err(e) = self.device.unmap(addr, len as usize) {
+            try_each(homes, |h| {
+                slept.homes.push(h);
+                if let Err(e) = self.device.unmap(h.addr, h.len as usize) {
                     // Still mapped, its contents kept: a wake hands it back with the rest.
-                    slept.held.push((addr, len));
+                    slept.held.push(h);
                     return Err(e);
                 }
-                insert_hole(&mut st.holes, addr, len);
-                st.mapped -= len;
-                bytes += len;
+                insert_hole(&mut st.holes, h.addr, h.len);
+                st.mapped -= h.len;
+                bytes += h.len;
                 Ok(())
             })
         } else {
@@ -586,9 +591,9 @@ impl Backing for Stitched {
         let mut homes_done = 0;
         let mut aliases_done = 0;
         let mut mapped = Ok(());
-        for &(addr, len) in &slept.homes {
-            if !slept.held.contains(&(addr, len)) {
-                mapped = self.device.map(addr, len as usize);
+        for h in &slept.homes {
+            if !slept.held.contains(h) {
+                mapped = self.device.map(h.addr, h.len as usize);
                 if mapped.is_err() {
                     break;
                 }
@@ -616,21 +621,22 @@ impl Backing for Stitched {
             slept.held_aliases.retain(|at| !slept.aliases[..aliases_done].iter().any(|a| a.0 == *at));
             slept.held_aliases.extend(held_aliases);
             let mut held = Vec::new();
-            for &(addr, len) in &slept.homes[..homes_done] {
-                let was_held = slept.held.contains(&(addr, len));
+            for &h in &slept.homes[..homes_done] {
+                let was_held = slept.held.contains(&h);
                 // Homes go only once no stitched range maps their memory any more.
-                let unmapped = slept.held_aliases.is_empty() && self.device.unmap(addr, len as usize).is_ok();
+                let unmapped =
+                    slept.held_aliases.is_empty() && self.device.unmap(h.addr, h.len as usize).is_ok();
                 match (unmapped, was_held) {
                     (true, true) => {
-                        insert_hole(&mut st.holes, addr, len);
-                        st.mapped -= len;
+                        insert_hole(&mut st.holes, h.addr, h.len);
+                        st.mapped -= h.len;
                     }
                     (false, false) => {
-                        take_hole(&mut st.holes, addr, len);
-                        st.mapped += len;
-                        held.push((addr, len));
+                        take_hole(&mut st.holes, h.addr, h.len);
+                        st.mapped += h.len;
+                        held.push(h);
                     }
-                    (false, true) => held.push((addr, len)),
+                    (false, true) => held.push(h),
                     (true, false) => {}
                 }
             }
@@ -640,21 +646,21 @@ impl Backing for Stitched {
             st.sleep = Sleep::Asleep(slept);
             return Err(e);
         }
-        for &(addr, len) in &slept.homes {
-            if !slept.held.contains(&(addr, len)) {
-                take_hole(&mut st.holes, addr, len);
-                st.mapped += len;
+        for h in &slept.homes {
+            if !slept.held.contains(h) {
+                take_hole(&mut st.holes, h.addr, h.len);
+                st.mapped += h.len;
             }
         }
         st.high_water = st.high_water.max(st.mapped);
         let Slept { homes, aliases, .. } = slept;
         st.aliases.extend(aliases.into_iter().map(|(at, len, from)| (at, (len, from))));
-        Ok(homes.into_iter().map(|(a, l)| (a, l as usize)).collect())
+        Ok(homes.into_iter().map(|h| (h.addr, h.len as usize)).collect())
     }
 
     // Waits for the whole device before it unmaps: see Note [teardown waits for the device]
     // in DESIGN.md.
-    fn teardown(&mut self, chunks: Vec<(u64, u64)>) {
+    fn teardown(&mut self, chunks: Vec<AddrRange>) {
         let mut st = std::mem::take(self.state.get_mut());
         if st.base == 0 {
             return;
@@ -664,13 +670,14 @@ impl Backing for Stitched {
             let _ = self.device.synchronize();
             let retired = std::mem::take(&mut st.retired);
             self.unmap_retired(&mut st, retired, true);
-            let mut aliases: Vec<(u64, u64)> = st.aliases.iter().map(|(&at, &(len, _))| (at, len)).collect();
+            let mut aliases: Vec<AddrRange> =
+                st.aliases.iter().map(|(&at, &(len, _))| AddrRange::new(at, len)).collect();
             if let Sleep::Asleep(slept) = &st.sleep {
                 let held = slept.aliases.iter().filter(|a| slept.held_aliases.contains(&a.0));
-                aliases.extend(held.map(|&(at, len, _)| (at, len)));
+                aliases.extend(held.map(|&(at, len, _)| AddrRange::new(at, len)));
             }
-            for (at, len) in aliases.into_iter().chain(mapped_homes(&st)) {
-                let _ = self.device.unmap(at, len as usize);
+            for r in aliases.into_iter().chain(mapped_homes(&st)) {
+                let _ = self.device.unmap(r.addr, r.len as usize);
             }
             let _ = self.device.free_address(st.base, st.reservation as usize);
             return;
@@ -686,17 +693,17 @@ impl Backing for Stitched {
         // Chunks and homes may share a granule (a stitched range's end takes part of one):
         // each granule is unmapped once.
         let g = st.granularity;
-        let mut extents: Vec<(u64, u64)> = chunks.into_iter().map(|(a, l)| extent(g, a, l)).collect();
+        let mut extents: Vec<AddrRange> = chunks.into_iter().map(|c| extent(g, c)).collect();
         extents.sort_unstable();
-        let mut merged: Vec<(u64, u64)> = Vec::new();
-        for (a, l) in extents {
+        let mut merged: Vec<AddrRange> = Vec::new();
+        for r in extents {
             match merged.last_mut() {
-                Some((m, ml)) if a <= *m + *ml => *ml = (*ml).max(a + l - *m),
-                _ => merged.push((a, l)),
+                Some(m) if r.addr <= m.end() => m.len = m.len.max(r.end() - m.addr),
+                _ => merged.push(r),
             }
         }
-        for (addr, size) in merged {
-            let _ = self.device.unmap(addr, size as usize);
+        for r in merged {
+            let _ = self.device.unmap(r.addr, r.len as usize);
         }
         let _ = self.device.free_address(st.base, st.reservation as usize);
     }
@@ -732,10 +739,10 @@ fn whole_granules(
     })
 }
 
-/// The granule-aligned range that maps `[addr, addr + len)`: `(start, length)`.
-fn extent(g: u64, addr: u64, len: u64) -> (u64, u64) {
-    let start = addr / g * g;
-    (start, (addr + len).div_ceil(g) * g - start)
+/// The granule-aligned range that maps `r`.
+fn extent(g: u64, r: AddrRange) -> AddrRange {
+    let start = r.addr / g * g;
+    AddrRange::new(start, r.end().div_ceil(g) * g - start)
 }
 
 /// The largest free head of a granule among the free home blocks (below `limit`): the part
@@ -884,36 +891,35 @@ fn carve_free_granules(
 }
 
 /// The mapped runs of the home area, in address order: what its unmapped runs leave.
-fn mapped_homes(st: &State) -> Vec<(u64, u64)> {
+fn mapped_homes(st: &State) -> Vec<AddrRange> {
     let end = st.stitch_area.saturating_sub(st.granularity);
     let mut runs = Vec::new();
     let mut at = st.base;
     for (&hole, &len) in &st.holes {
         if hole > at {
-            runs.push((at, hole - at));
+            runs.push(AddrRange::new(at, hole - at));
         }
         at = hole + len;
     }
     if end > at {
-        runs.push((at, end - at));
+        runs.push(AddrRange::new(at, end - at));
     }
     runs
 }
 
 /// `runs` without `cut` (both sorted by address, each without overlaps within itself).
-fn subtract(runs: &[(u64, u64)], cut: &[(u64, u64)]) -> Vec<(u64, u64)> {
+fn subtract(runs: &[AddrRange], cut: &[AddrRange]) -> Vec<AddrRange> {
     let mut out = Vec::new();
-    for &(start, len) in runs {
-        let mut at = start;
-        let end = start + len;
-        for &(c, n) in cut.iter().filter(|&&(c, n)| c < end && c + n > start) {
-            if c > at {
-                out.push((at, c - at));
+    for &run in runs {
+        let mut at = run.addr;
+        for c in cut.iter().filter(|c| c.overlaps(run)) {
+            if c.addr > at {
+                out.push(AddrRange::new(at, c.addr - at));
             }
-            at = at.max(c + n);
+            at = at.max(c.end());
         }
-        if end > at {
-            out.push((at, end - at));
+        if run.end() > at {
+            out.push(AddrRange::new(at, run.end() - at));
         }
     }
     out

@@ -12,6 +12,7 @@ use std::ops::RangeInclusive;
 use super::sorted::Sorted;
 use super::{BestFitPolicy, Chunk, Class, Slot, State, NIL};
 use crate::error::{Error, Result};
+use crate::policy::AddrRange;
 
 /// The stitched chunks of a policy, in use or idle.
 #[derive(Debug, Default)]
@@ -343,20 +344,21 @@ impl BestFitPolicy {
         taken.map(|()| true)
     }
 
-    /// Forgets every idle stitched chunk and returns them as `(addr, size)`, for the caller to
-    /// unmap once nothing uses them.
-    pub fn take_idle_stitched(&mut self) -> Vec<(u64, u64)> {
+    /// Forgets every idle stitched chunk and returns their ranges, for the caller to unmap
+    /// once nothing uses them.
+    pub fn take_idle_stitched(&mut self) -> Vec<AddrRange> {
         let Stitches { ranges, idle, .. } = &mut self.stitches;
-        let taken: Vec<(u64, u64)> =
-            std::mem::take(&mut idle.0).into_iter().map(|((size, addr), _)| (addr, size)).collect();
+        let taken: Vec<AddrRange> = std::mem::take(&mut idle.0)
+            .into_iter()
+            .map(|((size, addr), _)| AddrRange::new(addr, size))
+            .collect();
         ranges.0.retain(|(_, s)| s.active);
         taken
     }
 
     /// Forgets the least recently used idle stitched chunks of `sizes` beyond the `keep` most
-    /// recent and returns them as `(addr, size)`, for the caller to unmap once nothing uses
-    /// them.
-    pub fn take_stale_stitched(&mut self, sizes: RangeInclusive<u64>, keep: usize) -> Vec<(u64, u64)> {
+    /// recent and returns their ranges, for the caller to unmap once nothing uses them.
+    pub fn take_stale_stitched(&mut self, sizes: RangeInclusive<u64>, keep: usize) -> Vec<AddrRange> {
         let Stitches { ranges, idle, .. } = &mut self.stitches;
         let (lo, hi) = (*sizes.start(), *sizes.end());
         let mut by_age: Vec<(u64, u64, u64)> = idle
@@ -366,24 +368,24 @@ impl BestFitPolicy {
             .collect();
         let Some(excess) = by_age.len().checked_sub(keep).filter(|&n| n > 0) else { return Vec::new() };
         by_age.sort_unstable();
-        let stale: Vec<(u64, u64)> =
-            by_age.into_iter().take(excess).map(|(_, addr, size)| (addr, size)).collect();
-        for &(addr, size) in &stale {
-            idle.remove(&(size, addr));
-            ranges.remove(&addr);
+        let stale: Vec<AddrRange> =
+            by_age.into_iter().take(excess).map(|(_, addr, size)| AddrRange::new(addr, size)).collect();
+        for r in &stale {
+            idle.remove(&(r.len, r.addr));
+            ranges.remove(&r.addr);
         }
         self.stitches.forget_stitch_blockers();
         stale
     }
 
-    /// Forgets every stitched chunk and returns, as `(addr, size)`, the idle ones and the
-    /// homes of those in use: with [`BestFitPolicy::chunks`], every range the caller mapped
-    /// for the pool, to be unmapped when it is dropped.
-    pub fn take_stitches(&mut self) -> Vec<(u64, u64)> {
+    /// Forgets every stitched chunk and returns the ranges of the idle ones and the homes of
+    /// those in use: with [`BestFitPolicy::chunks`], every range the caller mapped for the
+    /// pool, to be unmapped when it is dropped.
+    pub fn take_stitches(&mut self) -> Vec<AddrRange> {
         let Stitches { ranges, idle, .. } = std::mem::take(&mut self.stitches);
         idle.0
             .into_iter()
-            .map(|((size, addr), _)| (addr, size))
+            .map(|((size, addr), _)| AddrRange::new(addr, size))
             .chain(
                 ranges
                     .0
@@ -391,7 +393,7 @@ impl BestFitPolicy {
                     .map(|(_, s)| s)
                     .filter(|s| s.active)
                     .flat_map(|s| s.homes)
-                    .map(|(_, a, l)| (a, l)),
+                    .map(|(_, a, l)| AddrRange::new(a, l)),
             )
             .collect()
     }
@@ -432,7 +434,7 @@ mod tests {
     }
 
     /// Chunks, free blocks and figures, to compare two policies.
-    type Books = (Vec<(u64, u64)>, Vec<(Class, u64, u64)>, Figures);
+    type Books = (Vec<AddrRange>, Vec<(Class, u64, u64)>, Figures);
 
     fn books(p: &BestFitPolicy) -> Books {
         let mut free: Vec<_> = p.free_blocks().collect();
@@ -607,7 +609,7 @@ mod tests {
             p.stitches.idle.0.iter().any(|(_, e)| matches!(e.blocker, Blocker::Stitch { addr: STITCH, .. }))
         };
         assert!(named(&p), "the 6 MiB chunk was passed over for the one at STITCH");
-        assert_eq!(p.take_stale_stitched(8 * MIB..=8 * MIB, 0), vec![(STITCH, 8 * MIB)]);
+        assert_eq!(p.take_stale_stitched(8 * MIB..=8 * MIB, 0), vec![AddrRange::new(STITCH, 8 * MIB)]);
         // A slot holding a block at STITCH would no longer say that chunk is in use.
         assert!(!named(&p));
         // A new stitched chunk at the forgotten one's address, over other memory.
@@ -620,9 +622,12 @@ mod tests {
     #[test]
     fn take_stitches_returns_idle_ranges_and_the_homes_of_those_in_use() {
         let (mut p, _) = stitched();
-        assert_eq!(p.take_stitches(), vec![(4 * MIB, 4 * MIB), (12 * MIB, 4 * MIB)]);
+        assert_eq!(
+            p.take_stitches(),
+            vec![AddrRange::new(4 * MIB, 4 * MIB), AddrRange::new(12 * MIB, 4 * MIB)]
+        );
         let (mut p, _) = idle();
-        assert!(p.take_idle_stitched() == vec![(STITCH, 8 * MIB)]);
+        assert!(p.take_idle_stitched() == vec![AddrRange::new(STITCH, 8 * MIB)]);
         assert!(p.take_stitches().is_empty() && !p.reuse_stitched(8 * MIB).unwrap());
     }
 
@@ -692,8 +697,8 @@ mod tests {
         assert!(p.take_stale_stitched(0..=u64::MAX, 3).is_empty());
         assert_eq!(
             p.take_stale_stitched(8 * MIB..=8 * MIB, 1),
-            vec![(STITCH + 16 * MIB, 8 * MIB), (STITCH + 32 * MIB, 8 * MIB)]
+            vec![AddrRange::new(STITCH + 16 * MIB, 8 * MIB), AddrRange::new(STITCH + 32 * MIB, 8 * MIB)]
         );
-        assert_eq!(p.take_idle_stitched(), vec![(STITCH, 8 * MIB)]);
+        assert_eq!(p.take_idle_stitched(), vec![AddrRange::new(STITCH, 8 * MIB)]);
     }
 }
