@@ -16,7 +16,7 @@ use crate::allocation::{
 };
 use crate::device::{Device, DevicePtr, Event, EventPool, Stream};
 use crate::error::{Error, HeldErrors, OutOfMemory, Result};
-use crate::policy::best_fit::{BestFitPolicy, Class, Classes, Grant, Growth};
+use crate::policy::best_fit::{BestFitPolicy, ChunkBlock, Class, Classes, Grant, Growth};
 use crate::policy::AddrRange;
 
 /// A wholly free chunk moving from one pool to another (see [`BestFit::take_free_chunk`]).
@@ -402,7 +402,7 @@ impl BestFit {
     pub fn take_free_chunk(&self, size: usize) -> Option<FreeChunk> {
         let mut st = self.inner.state.lock();
         st.unpark();
-        let (class, addr, size) = st.policy.take_free_chunk(u64::try_from(size).ok()?)?;
+        let (class, AddrRange { addr, len: size }) = st.policy.take_free_chunk(u64::try_from(size).ok()?)?;
         st.stats.reserved -= size as usize;
         Some(FreeChunk { class, addr, size })
     }
@@ -965,7 +965,7 @@ impl Allocator for BestFit {
         for (AddrRange { addr, len: size }, blocks) in st.policy.chunk_blocks() {
             let blocks = blocks
                 .into_iter()
-                .map(|(addr, size, allocated)| SegmentBlock {
+                .map(|ChunkBlock { range: AddrRange { addr, len: size }, allocated }| SegmentBlock {
                     addr,
                     size: size as usize,
                     state: match allocated {

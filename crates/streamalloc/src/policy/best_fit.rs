@@ -225,8 +225,14 @@ struct Chunk {
     segment: bool,
 }
 
-/// A block of a chunk ([`BestFitPolicy::chunk_blocks`]): `(addr, size, allocated)`.
-pub type ChunkBlock = (u64, u64, bool);
+/// A block of a chunk ([`BestFitPolicy::chunk_blocks`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkBlock {
+    /// The block's addresses.
+    pub range: AddrRange,
+    /// Whether the block is handed out (else it is free).
+    pub allocated: bool,
+}
 
 /// A free-list entry: `(size, addr, slot)`.
 type Entry = (u64, u64, u32);
@@ -808,7 +814,7 @@ impl BestFitPolicy {
     /// Removes the smallest wholly free chunk (not a segment) of the class of `size` that
     /// could serve `size` bytes, without returning it anywhere: the caller hands it to another
     /// policy with [`BestFitPolicy::add_chunk`]. `None` if there is none.
-    pub fn take_free_chunk(&mut self, size: u64) -> Option<(Class, u64, u64)> {
+    pub fn take_free_chunk(&mut self, size: u64) -> Option<(Class, AddrRange)> {
         let size = Self::round(size)?;
         let class = self.class_of(size);
         let Self { slots, vacant, free, chunks, reserved, cached, .. } = self;
@@ -823,15 +829,14 @@ impl BestFitPolicy {
         vacant.push(slot);
         *reserved -= block_size;
         *cached -= block_size;
-        Some((class, addr, block_size))
+        Some((class, AddrRange::new(addr, block_size)))
     }
 
-    /// Every free block, as `(class, addr, size)`, in no particular order.
-    pub fn free_blocks(&self) -> impl Iterator<Item = (Class, u64, u64)> + '_ {
-        self.free
-            .iter()
-            .zip([Class::Small, Class::Large])
-            .flat_map(|(list, class)| list.bins.iter().flatten().map(move |&(s, a, _)| (class, a, s)))
+    /// Every free block, with its class, in no particular order.
+    pub fn free_blocks(&self) -> impl Iterator<Item = (Class, AddrRange)> + '_ {
+        self.free.iter().zip([Class::Small, Class::Large]).flat_map(|(list, class)| {
+            list.bins.iter().flatten().map(move |&(s, a, _)| (class, AddrRange::new(a, s)))
+        })
     }
 
     /// The chunk that ends at `end`, if any: its start, class and the free bytes at its end.
@@ -988,7 +993,8 @@ impl BestFitPolicy {
             let mut idx = chunk.first;
             while idx != NIL {
                 let slot = self.slot(idx);
-                blocks.push((slot.addr, slot.size, slot.state == State::Allocated));
+                let range = AddrRange::new(slot.addr, slot.size);
+                blocks.push(ChunkBlock { range, allocated: slot.state == State::Allocated });
                 idx = slot.next;
             }
             (AddrRange::new(addr, chunk.size), blocks)
@@ -1499,6 +1505,34 @@ mod tests {
         p.free(a.token, a.addr).unwrap();
         p.check();
         assert_eq!(p.figures().largest_free, 12 * MIB, "one free block again");
+    }
+
+    #[test]
+    fn blocks_and_free_chunks_come_as_named_ranges() {
+        let mut p = BestFitPolicy::new(classes());
+        p.add_chunk(Class::Large, 64 * MIB, 12 * MIB).unwrap();
+        p.add_chunk(Class::Large, 16 * MIB, 20 * MIB).unwrap();
+        let a = p.allocate(4 * MIB).unwrap();
+        assert_eq!(a.addr, 64 * MIB, "the smallest chunk that fits");
+        let block = |addr, len, allocated| ChunkBlock { range: AddrRange::new(addr, len), allocated };
+        assert_eq!(
+            p.chunk_blocks().collect::<Vec<_>>(),
+            [
+                (AddrRange::new(16 * MIB, 20 * MIB), vec![block(16 * MIB, 20 * MIB, false)]),
+                (
+                    AddrRange::new(64 * MIB, 12 * MIB),
+                    vec![block(64 * MIB, 4 * MIB, true), block(68 * MIB, 8 * MIB, false)]
+                ),
+            ]
+        );
+        let mut free: Vec<_> = p.free_blocks().collect();
+        free.sort_unstable_by_key(|&(_, r)| r);
+        let free_of = |addr, len| (Class::Large, AddrRange::new(addr, len));
+        assert_eq!(free, [free_of(16 * MIB, 20 * MIB), free_of(68 * MIB, 8 * MIB)]);
+        assert_eq!(p.take_free_chunk(2 * MIB), Some(free_of(16 * MIB, 20 * MIB)), "wholly free only");
+        assert_eq!(p.take_free_chunk(2 * MIB), None);
+        p.free(a.token, a.addr).unwrap();
+        p.check();
     }
 
     proptest! {

@@ -149,8 +149,8 @@ pub struct Want {
 pub struct Taken {
     /// Wholly free chunks (chunks of their own, segments).
     pub chunks: Vec<TakenChunk>,
-    /// Free granules of mapped memory, as `(class, addr, len)`.
-    pub granules: Vec<(Class, u64, u64)>,
+    /// Free granules of mapped memory, each with its class.
+    pub granules: Vec<(Class, AddrRange)>,
     /// Mapped ranges that no block of the books holds (stitched ranges idle or evicted).
     pub ranges: Vec<AddrRange>,
 }

@@ -111,8 +111,7 @@ struct Falling {
 }
 
 /// What a sleeping pool gave back at its addresses: home ranges (runs of the unmapped home
-/// area meanwhile, which nothing takes while it sleeps), and the stitched ranges over them as
-/// `(start, mapped length, home ranges mapped)`.
+/// area meanwhile, which nothing takes while it sleeps), and the stitched ranges over them.
 ///
 /// `held` and `held_aliases` name those of them still mapped: an unmap that failed (at the
 /// sleep's end, or undoing a wake that failed) leaves its range mapped and counted, out of
@@ -122,9 +121,15 @@ struct Falling {
 #[derive(Default)]
 struct Slept {
     homes: Vec<AddrRange>,
-    aliases: Vec<(u64, u64, Sources)>,
+    aliases: Vec<Alias>,
     held: Vec<AddrRange>,
     held_aliases: Vec<u64>,
+}
+
+/// A stitched range a sleep unmapped: where it was mapped and the home ranges it maps.
+struct Alias {
+    range: AddrRange,
+    from: Sources,
 }
 
 /// Evicted stitched ranges and the event recorded on the pool's stream after their last
@@ -249,13 +254,13 @@ impl Stitched {
             Ok(())
         });
         let mut unmapped = 0;
-        let homes = try_each(taken.granules, |(class, addr, len)| {
-            self.device.unmap(addr, len as usize).inspect_err(|_| {
-                let _ = books.add_joined(class, addr, len);
+        let homes = try_each(taken.granules, |(class, r)| {
+            self.device.unmap(r.addr, r.len as usize).inspect_err(|_| {
+                let _ = books.add_joined(class, r.addr, r.len);
             })?;
-            insert_hole(&mut st.holes, addr, len);
-            st.mapped -= len;
-            unmapped += len;
+            insert_hole(&mut st.holes, r.addr, r.len);
+            st.mapped -= r.len;
+            unmapped += r.len;
             Ok(())
         });
         sync_frontier(st, books);
@@ -364,10 +369,10 @@ impl Stitched {
     fn stitch(&self, st: &mut State, books: &mut BestFitPolicy, class: Class, rounded: u64) -> Result<bool> {
         let (g, limit) = (st.granularity, st.stitch_area);
         let homes = carve_stitch(books, g, rounded, limit);
-        let put_back = |books: &mut BestFitPolicy, homes: &[(Class, u64, u64)]| {
-            let _ = homes.iter().try_for_each(|&(k, a, l)| books.add_joined(k, a, l));
+        let put_back = |books: &mut BestFitPolicy, homes: &[(Class, AddrRange)]| {
+            let _ = homes.iter().try_for_each(|&(k, h)| books.add_joined(k, h.addr, h.len));
         };
-        let size: u64 = homes.iter().map(|&(_, _, l)| l).sum();
+        let size: u64 = homes.iter().map(|&(_, h)| h.len).sum();
         if size < rounded {
             put_back(books, &homes);
             return Ok(false);
@@ -396,11 +401,8 @@ impl Stitched {
                 ..OutOfMemory::default()
             }));
         };
-        let from: Vec<(u64, usize)> = homes
-            .iter()
-            .map(|&(_, a, l)| extent(g, AddrRange::new(a, l)))
-            .map(|r| (r.addr, r.len as usize))
-            .collect();
+        let from: Vec<(u64, usize)> =
+            homes.iter().map(|&(_, h)| extent(g, h)).map(|r| (r.addr, r.len as usize)).collect();
         if let Err(e) = self.device.map_alias(&from, at) {
             put_back(books, &homes);
             return Err(e);
@@ -440,7 +442,7 @@ impl Backing for Stitched {
         let grow_raise = placement.map_or(u64::MAX, |pl| raise(pl.len));
         // Whole granules the free home memory a stitch can take lacks for the request.
         let (whole, head) = stitch_sources(books, g, want.rounded, st.stitch_area);
-        let lacking = want.rounded.saturating_sub(whole + head.map_or(0, |(_, _, l)| l)).div_ceil(g) * g;
+        let lacking = want.rounded.saturating_sub(whole + head.map_or(0, |(_, h)| h.len)).div_ceil(g) * g;
         let plan = match placement {
             // The small class grows apart (see `place`), and stitches only large blocks.
             Some(pl) if grow_raise == 0 || want.class == Class::Small => Some(Plan::Grow(pl)),
@@ -520,8 +522,7 @@ impl Backing for Stitched {
         let mut falling = Falling::default();
         if st.base != 0 {
             falling.taken = self.take_free(&mut st, books);
-            let mut cut: Vec<AddrRange> =
-                falling.taken.granules.iter().map(|&(_, a, l)| AddrRange::new(a, l)).collect();
+            let mut cut: Vec<AddrRange> = falling.taken.granules.iter().map(|&(_, r)| r).collect();
             cut.sort_unstable();
             falling.homes = subtract(&mapped_homes(&st), &cut);
         }
@@ -549,7 +550,7 @@ impl Backing for Stitched {
         let mut slept = Slept::default();
         let aliases = try_each(std::mem::take(&mut st.aliases), |(at, (len, from))| {
             match self.device.unmap(at, len as usize) {
-                Ok(()) => slept.aliases.push((at, len, from)),
+                Ok(()) => slept.aliases.push(Alias { range: AddrRange::new(at, len), from }),
                 Err(e) => {
                     st.aliases.insert(at, (len, from));
                     return Err(e);
@@ -601,9 +602,9 @@ impl Backing for Stitched {
             homes_done += 1;
         }
         if mapped.is_ok() {
-            for (at, _, from) in &slept.aliases {
-                if !slept.held_aliases.contains(at) {
-                    mapped = self.device.map_alias(from, *at);
+            for a in &slept.aliases {
+                if !slept.held_aliases.contains(&a.range.addr) {
+                    mapped = self.device.map_alias(&a.from, a.range.addr);
                     if mapped.is_err() {
                         break;
                     }
@@ -613,12 +614,14 @@ impl Backing for Stitched {
         }
         if let Err(e) = mapped {
             let mut held_aliases = Vec::new();
-            for &(at, len, _) in &slept.aliases[..aliases_done] {
-                if self.device.unmap(at, len as usize).is_err() {
-                    held_aliases.push(at);
+            for a in &slept.aliases[..aliases_done] {
+                if self.device.unmap(a.range.addr, a.range.len as usize).is_err() {
+                    held_aliases.push(a.range.addr);
                 }
             }
-            slept.held_aliases.retain(|at| !slept.aliases[..aliases_done].iter().any(|a| a.0 == *at));
+            slept
+                .held_aliases
+                .retain(|at| !slept.aliases[..aliases_done].iter().any(|a| a.range.addr == *at));
             slept.held_aliases.extend(held_aliases);
             let mut held = Vec::new();
             for &h in &slept.homes[..homes_done] {
@@ -654,7 +657,7 @@ impl Backing for Stitched {
         }
         st.high_water = st.high_water.max(st.mapped);
         let Slept { homes, aliases, .. } = slept;
-        st.aliases.extend(aliases.into_iter().map(|(at, len, from)| (at, (len, from))));
+        st.aliases.extend(aliases.into_iter().map(|a| (a.range.addr, (a.range.len, a.from))));
         Ok(homes.into_iter().map(|h| (h.addr, h.len as usize)).collect())
     }
 
@@ -673,8 +676,8 @@ impl Backing for Stitched {
             let mut aliases: Vec<AddrRange> =
                 st.aliases.iter().map(|(&at, &(len, _))| AddrRange::new(at, len)).collect();
             if let Sleep::Asleep(slept) = &st.sleep {
-                let held = slept.aliases.iter().filter(|a| slept.held_aliases.contains(&a.0));
-                aliases.extend(held.map(|&(at, len, _)| AddrRange::new(at, len)));
+                let held = slept.aliases.iter().filter(|a| slept.held_aliases.contains(&a.range.addr));
+                aliases.extend(held.map(|a| a.range));
             }
             for r in aliases.into_iter().chain(mapped_homes(&st)) {
                 let _ = self.device.unmap(r.addr, r.len as usize);
@@ -714,28 +717,28 @@ fn smallest_run(runs: &BTreeMap<u64, u64>, len: u64) -> Option<u64> {
     runs.iter().filter(|&(_, &run)| run >= len).min_by_key(|&(&at, &run)| (run, at)).map(|(&at, _)| at)
 }
 
-/// The free home blocks (below `limit`) of `only`'s class (of either without), as `(class,
-/// addr, size)`. Stitches take only large blocks (`only` large): small blocks are left to the
-/// small class, whose granules lie apart (see `runs_of`).
+/// The free home blocks (below `limit`) of `only`'s class (of either without), each with its
+/// class. Stitches take only large blocks (`only` large): small blocks are left to the small
+/// class, whose granules lie apart (see `runs_of`).
 fn free_home_blocks(
     p: &BestFitPolicy,
     limit: u64,
     only: Option<Class>,
-) -> impl Iterator<Item = (Class, u64, u64)> + '_ {
-    p.free_blocks().filter(move |&(class, a, _)| a < limit && only.is_none_or(|c| c == class))
+) -> impl Iterator<Item = (Class, AddrRange)> + '_ {
+    p.free_blocks().filter(move |&(class, b)| b.addr < limit && only.is_none_or(|c| c == class))
 }
 
-/// The free home blocks (below `limit`, of `only`'s class) that hold whole granules, as
-/// `(class, block size, lo, hi)`: their whole granules span `[lo, hi)`.
+/// The whole granules of each free home block (below `limit`, of `only`'s class) that holds
+/// some, as one range with the block's class.
 fn whole_granules(
     p: &BestFitPolicy,
     g: u64,
     limit: u64,
     only: Option<Class>,
-) -> impl Iterator<Item = (Class, u64, u64, u64)> + '_ {
-    free_home_blocks(p, limit, only).filter_map(move |(class, a, s)| {
-        let (lo, hi) = (a.div_ceil(g) * g, (a + s) / g * g);
-        (hi > lo).then_some((class, s, lo, hi))
+) -> impl Iterator<Item = (Class, AddrRange)> + '_ {
+    free_home_blocks(p, limit, only).filter_map(move |(class, b)| {
+        let (lo, hi) = (b.addr.div_ceil(g) * g, b.end() / g * g);
+        (hi > lo).then(|| (class, AddrRange::new(lo, hi - lo)))
     })
 }
 
@@ -747,16 +750,16 @@ fn extent(g: u64, r: AddrRange) -> AddrRange {
 
 /// The largest free head of a granule among the free home blocks (below `limit`): the part
 /// of a granule from its start to the end of a free block that covers that start and ends
-/// inside it, as `(class, addr, len)`. The rest of the granule belongs to the next block.
-/// A stitched range may end with one: it maps the whole granule, but its chunk leaves the
-/// rest out. Only heads: see DESIGN.md, Note [granule heads].
-fn partial_head(p: &BestFitPolicy, g: u64, limit: u64) -> Option<(Class, u64, u64)> {
+/// inside it, with its class. The rest of the granule belongs to the next block. A stitched
+/// range may end with one: it maps the whole granule, but its chunk leaves the rest out.
+/// Only heads: see DESIGN.md, Note [granule heads].
+fn partial_head(p: &BestFitPolicy, g: u64, limit: u64) -> Option<(Class, AddrRange)> {
     free_home_blocks(p, limit, Some(Class::Large))
-        .filter_map(|(class, a, s)| {
-            let (down, end) = ((a + s) / g * g, a + s);
-            (end % g != 0 && a <= down).then_some((class, down, end - down))
+        .filter_map(|(class, b)| {
+            let (down, end) = (b.end() / g * g, b.end());
+            (end % g != 0 && b.addr <= down).then_some((class, AddrRange::new(down, end - down)))
         })
-        .max_by_key(|&(_, at, len)| (len, std::cmp::Reverse(at)))
+        .max_by_key(|&(_, h)| (h.len, std::cmp::Reverse(h.addr)))
 }
 
 /// What a stitch for a request of `rounded` bytes can take of the free home memory (below
@@ -764,8 +767,8 @@ fn partial_head(p: &BestFitPolicy, g: u64, limit: u64) -> Option<(Class, u64, u6
 /// the request's granules, the free head of a granule ([`partial_head`]) the range may end
 /// with (a range of a head alone would map a granule again for memory a free block already
 /// holds).
-fn stitch_sources(p: &BestFitPolicy, g: u64, rounded: u64, limit: u64) -> (u64, Option<(Class, u64, u64)>) {
-    let whole: u64 = whole_granules(p, g, limit, Some(Class::Large)).map(|(.., lo, hi)| hi - lo).sum();
+fn stitch_sources(p: &BestFitPolicy, g: u64, rounded: u64, limit: u64) -> (u64, Option<(Class, AddrRange)>) {
+    let whole: u64 = whole_granules(p, g, limit, Some(Class::Large)).map(|(_, r)| r.len).sum();
     let short = whole > 0 && whole < rounded.div_ceil(g) * g;
     (whole, if short { partial_head(p, g, limit) } else { None })
 }
@@ -775,14 +778,14 @@ fn stitch_sources(p: &BestFitPolicy, g: u64, rounded: u64, limit: u64) -> (u64, 
 /// granules of whole free granules ([`carve_free_granules`]), or all of them and then a free
 /// head that makes up the rest. Less than the request when the free memory does not make it
 /// up.
-fn carve_stitch(p: &mut BestFitPolicy, g: u64, rounded: u64, limit: u64) -> Vec<(Class, u64, u64)> {
+fn carve_stitch(p: &mut BestFitPolicy, g: u64, rounded: u64, limit: u64) -> Vec<(Class, AddrRange)> {
     let (whole, head) = stitch_sources(p, g, rounded, limit);
-    let Some((class, at, len)) = head.filter(|&(_, _, l)| whole + l >= rounded) else {
+    let Some((class, head)) = head.filter(|&(_, h)| whole + h.len >= rounded) else {
         return carve_free_granules(p, g, rounded.div_ceil(g) * g, limit, Some(Class::Large));
     };
     let mut homes = carve_free_granules(p, g, whole, limit, Some(Class::Large));
-    if p.carve(at, len).is_ok() {
-        homes.push((class, at, len));
+    if p.carve(head.addr, head.len).is_ok() {
+        homes.push((class, head));
     }
     homes
 }
@@ -859,7 +862,7 @@ fn put_back(st: &mut State, books: &mut BestFitPolicy, taken: Taken) {
     if !taken.ranges.is_empty() {
         st.retired.push(Retired { event: None, ranges: taken.ranges });
     }
-    let _ = taken.granules.iter().try_for_each(|&(k, a, l)| books.add_joined(k, a, l));
+    let _ = taken.granules.iter().try_for_each(|&(k, r)| books.add_joined(k, r.addr, r.len));
 }
 
 /// Takes up to `bytes` of whole free granules of home blocks (below `limit`) out of `p`,
@@ -871,19 +874,18 @@ fn carve_free_granules(
     bytes: u64,
     limit: u64,
     only: Option<Class>,
-) -> Vec<(Class, u64, u64)> {
-    let mut candidates: Vec<(u64, u64, Class)> =
-        whole_granules(p, g, limit, only).map(|(class, _, lo, hi)| (hi - lo, lo, class)).collect();
-    candidates.sort_unstable_by_key(|&(len, lo, _)| (std::cmp::Reverse(len), lo));
+) -> Vec<(Class, AddrRange)> {
+    let mut candidates: Vec<(Class, AddrRange)> = whole_granules(p, g, limit, only).collect();
+    candidates.sort_unstable_by_key(|&(_, r)| (std::cmp::Reverse(r.len), r.addr));
     let mut carved = Vec::new();
     let mut left = bytes;
-    for (len, lo, class) in candidates {
+    for (class, r) in candidates {
         if left == 0 {
             break;
         }
-        let take = if left >= len { len } else { left.div_ceil(g) * g };
-        if p.carve(lo, take).is_ok() {
-            carved.push((class, lo, take));
+        let take = if left >= r.len { r.len } else { left.div_ceil(g) * g };
+        if p.carve(r.addr, take).is_ok() {
+            carved.push((class, AddrRange::new(r.addr, take)));
             left = left.saturating_sub(take);
         }
     }

@@ -49,7 +49,7 @@ struct Stitch {
     size: u64,
     class: Class,
     /// The home ranges whose memory the chunk maps, in order, each with its class.
-    homes: Vec<(Class, u64, u64)>,
+    homes: Vec<(Class, AddrRange)>,
     /// A chunk of the pool, rather than idle.
     active: bool,
     /// The tick of its addition or last reuse.
@@ -116,7 +116,8 @@ impl Stitch {
         p: &BestFitPolicy,
         carved: &Sorted<u64, (u64, u64)>,
     ) -> std::result::Result<(), Blocker> {
-        for &(_, a, l) in &self.homes {
+        for &(_, home) in &self.homes {
+            let a = home.addr;
             let Some((_, _, idx)) = p.block_holding(a, super::HOMES) else {
                 // Out of the pool: memory of a stitched chunk in use, or being stitched.
                 let by = carved.at_or_below(a).filter(|&&(h, (len, _))| h + len > a);
@@ -124,7 +125,7 @@ impl Stitch {
                 return Err(first.map_or(Blocker::Unknown, |(slot, addr)| Blocker::Stitch { slot, addr }));
             };
             let s = p.slot(idx);
-            if s.state == State::Free && s.addr + s.size >= a + l {
+            if s.state == State::Free && s.addr + s.size >= home.end() {
                 continue;
             }
             return Err(match s.state {
@@ -217,7 +218,7 @@ impl BestFitPolicy {
     }
 
     /// Adds the stitched chunk `[addr, addr + size)` of `class`, which maps the memory of
-    /// `homes` (`(class, addr, len)`, taken out with [`BestFitPolicy::carve`]) in order, in
+    /// `homes` (each with its class, taken out with [`BestFitPolicy::carve`]) in order, in
     /// granules of `granule` bytes (the same for every stitched chunk of a policy). It is
     /// never joined with another chunk, nor moved to another policy.
     pub fn add_stitched(
@@ -226,15 +227,15 @@ impl BestFitPolicy {
         addr: u64,
         size: u64,
         granule: u64,
-        homes: Vec<(Class, u64, u64)>,
+        homes: Vec<(Class, AddrRange)>,
     ) -> Result<()> {
         self.add_segment(class, addr, size)?;
         let top = self.frontier(class);
         let st = &mut self.stitches;
         st.granule = granule;
         st.tick += 1;
-        for &(_, a, l) in &homes {
-            st.carved.insert(a, (l, addr));
+        for &(_, h) in &homes {
+            st.carved.insert(h.addr, (h.len, addr));
         }
         st.ranges
             .insert(addr, Stitch { size, class, homes, active: true, used: st.tick, made: st.tick, top });
@@ -253,11 +254,11 @@ impl BestFitPolicy {
         let idle = Idle { class: s.class, made: s.made, top: s.top, blocker: Blocker::Unknown };
         let settled = self
             .carve(addr, size)
-            .and_then(|()| homes.iter().try_for_each(|&(class, a, len)| self.add_joined(class, a, len)));
+            .and_then(|()| homes.iter().try_for_each(|&(class, h)| self.add_joined(class, h.addr, h.len)));
         let st = &mut self.stitches;
         if settled.is_ok() {
-            for (_, a, _) in &homes {
-                st.carved.remove(a);
+            for (_, h) in &homes {
+                st.carved.remove(&h.addr);
             }
             st.idle.insert((size, addr), idle);
         }
@@ -324,13 +325,13 @@ impl BestFitPolicy {
         let (class, homes) = (s.class, std::mem::take(&mut s.homes));
         let taken = homes
             .iter()
-            .try_for_each(|&(_, a, len)| self.carve(a, len))
+            .try_for_each(|&(_, h)| self.carve(h.addr, h.len))
             .and_then(|()| self.add_segment(class, addr, size));
         let st = &mut self.stitches;
         if taken.is_ok() {
             st.idle.remove(&(size, addr));
-            for &(_, a, l) in &homes {
-                st.carved.insert(a, (l, addr));
+            for &(_, h) in &homes {
+                st.carved.insert(h.addr, (h.len, addr));
             }
             st.tick += 1;
         }
@@ -393,7 +394,7 @@ impl BestFitPolicy {
                     .map(|(_, s)| s)
                     .filter(|s| s.active)
                     .flat_map(|s| s.homes)
-                    .map(|(_, a, l)| AddrRange::new(a, l)),
+                    .map(|(_, h)| h),
             )
             .collect()
     }
@@ -411,7 +412,7 @@ mod tests {
     impl BestFitPolicy {
         /// Whether `[addr, addr + size)` lies inside one free block.
         fn is_free(&self, addr: u64, size: u64) -> bool {
-            self.free_blocks().any(|(_, a, s)| a <= addr && addr + size <= a + s)
+            self.free_blocks().any(|(_, b)| b.addr <= addr && addr + size <= b.end())
         }
     }
 
@@ -434,11 +435,11 @@ mod tests {
     }
 
     /// Chunks, free blocks and figures, to compare two policies.
-    type Books = (Vec<AddrRange>, Vec<(Class, u64, u64)>, Figures);
+    type Books = (Vec<AddrRange>, Vec<(Class, AddrRange)>, Figures);
 
     fn books(p: &BestFitPolicy) -> Books {
         let mut free: Vec<_> = p.free_blocks().collect();
-        free.sort_by_key(|&(_, a, _)| a);
+        free.sort_by_key(|&(_, b)| b.addr);
         (p.chunks().collect(), free, p.figures())
     }
 
@@ -506,7 +507,10 @@ mod tests {
             p.free(b.token, b.addr).unwrap();
             p.carve(b.addr, b.size).unwrap();
         }
-        let homes = vec![(Class::Large, 4 * MIB, 4 * MIB), (Class::Large, 12 * MIB, 4 * MIB)];
+        let homes = vec![
+            (Class::Large, AddrRange::new(4 * MIB, 4 * MIB)),
+            (Class::Large, AddrRange::new(12 * MIB, 4 * MIB)),
+        ];
         p.add_stitched(Class::Large, STITCH, 8 * MIB, 2 * MIB, homes).unwrap();
         (p, [blocks[0].token, blocks[2].token])
     }
@@ -563,7 +567,14 @@ mod tests {
         let mut p = BestFitPolicy::new(Classes::default());
         p.add_segment(Class::Large, 0, 2 * MIB).unwrap();
         p.carve(0, 2 * MIB).unwrap();
-        p.add_stitched(Class::Large, STITCH, 2 * MIB, 2 * MIB, vec![(Class::Large, 0, 2 * MIB)]).unwrap();
+        p.add_stitched(
+            Class::Large,
+            STITCH,
+            2 * MIB,
+            2 * MIB,
+            vec![(Class::Large, AddrRange::new(0, 2 * MIB))],
+        )
+        .unwrap();
         let x = p.allocate(2 * MIB).unwrap();
         p.free(x.token, x.addr).unwrap();
         assert!(
@@ -578,7 +589,10 @@ mod tests {
         let (mut p, tokens) = idle();
         p.carve(4 * MIB, 4 * MIB).unwrap();
         p.carve(12 * MIB, 2 * MIB).unwrap();
-        let homes = vec![(Class::Large, 4 * MIB, 4 * MIB), (Class::Large, 12 * MIB, 2 * MIB)];
+        let homes = vec![
+            (Class::Large, AddrRange::new(4 * MIB, 4 * MIB)),
+            (Class::Large, AddrRange::new(12 * MIB, 2 * MIB)),
+        ];
         p.add_stitched(Class::Large, STITCH + 16 * MIB, 6 * MIB, 2 * MIB, homes).unwrap();
         let i = p.allocate(6 * MIB).unwrap();
         assert_eq!(i.addr, STITCH + 16 * MIB);
@@ -615,7 +629,14 @@ mod tests {
         // A new stitched chunk at the forgotten one's address, over other memory.
         p.free(first, 0).unwrap();
         p.carve(0, 4 * MIB).unwrap();
-        p.add_stitched(Class::Large, STITCH, 4 * MIB, 2 * MIB, vec![(Class::Large, 0, 4 * MIB)]).unwrap();
+        p.add_stitched(
+            Class::Large,
+            STITCH,
+            4 * MIB,
+            2 * MIB,
+            vec![(Class::Large, AddrRange::new(0, 4 * MIB))],
+        )
+        .unwrap();
         assert!(p.reuse_stitched(6 * MIB).unwrap(), "its homes are free");
     }
 
@@ -643,7 +664,10 @@ mod tests {
             p.carve(b.addr, b.size).unwrap();
         }
         p.set_frontier(Class::Large, top);
-        let homes = vec![(Class::Large, 4 * MIB, 4 * MIB), (Class::Large, 12 * MIB, 4 * MIB)];
+        let homes = vec![
+            (Class::Large, AddrRange::new(4 * MIB, 4 * MIB)),
+            (Class::Large, AddrRange::new(12 * MIB, 4 * MIB)),
+        ];
         p.add_stitched(Class::Large, STITCH, 8 * MIB, 2 * MIB, homes).unwrap();
         p.set_frontier(Class::Large, 16 * MIB);
         let x = p.allocate(8 * MIB).unwrap();
@@ -683,7 +707,7 @@ mod tests {
                 STITCH + i * 16 * MIB,
                 8 * MIB,
                 2 * MIB,
-                vec![(Class::Large, 0, 8 * MIB)],
+                vec![(Class::Large, AddrRange::new(0, 8 * MIB))],
             )
             .unwrap();
             let x = p.allocate(8 * MIB).unwrap();
