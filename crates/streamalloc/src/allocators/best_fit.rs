@@ -1,6 +1,7 @@
 //! `BestFit`: the auto-growth best-fit caching pool (Paddle's `AutoGrowthBestFitAllocator`,
 //! PyTorch's `CUDACachingAllocator`, RMM's `pool_memory_resource`).
 
+use std::collections::hash_map::Entry;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -345,14 +346,19 @@ impl BestFit {
     pub(crate) fn take_kept(&self, ptr: DevicePtr) -> Option<PointerEntry> {
         let inner = &self.inner;
         let mut st = inner.state.lock();
-        let kept = st.kept.get(&ptr)?;
-        let entry = kept.entry();
+        // One hash lookup: an unrecorded allocation leaves through its entry. (`entry` makes
+        // room for an insertion on a miss: the map kept half full has it, an empty one may not.)
+        if st.kept.is_empty() {
+            return None;
+        }
+        let Entry::Occupied(found) = st.kept.entry(ptr) else { return None };
+        let entry = found.get().entry();
         if !entry.recorded {
-            let block = st.kept.remove(&ptr)?.into_block();
+            let block = found.remove().into_block();
             st.take_back(block.token, block.ptr, block.size);
             return Some(entry);
         }
-        let streams = kept.recorded_streams().to_vec();
+        let streams = found.get().recorded_streams().to_vec();
         drop(st);
         // The events are recorded without the lock, as a handle's free records them.
         let (events, failed) = inner.record_events(&streams);
