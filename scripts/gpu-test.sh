@@ -60,8 +60,8 @@ rm .gpu/found.tsv
 
 cat > .gpu/run.sh <<'RUNNER'
 #!/usr/bin/env bash
-# Runs every packed test executable, GPU tests included; extra arguments (e.g. --skip NAME) go
-# to every executable. Logs: .gpu/logs/, and with $OUT set, $OUT/summary.txt + $OUT/gpu-tests.log.
+# Runs every packed test executable, GPU tests included (GPU_TESTS_ONLY=REGEX: only those whose
+# label matches, e.g. 'gpu_'); extra arguments (e.g. --skip NAME) go to every executable. Logs: .gpu/logs/, and with $OUT set, $OUT/summary.txt + $OUT/gpu-tests.log.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
@@ -76,8 +76,10 @@ while IFS=$'\t' read -r file rel _; do
 done < "$here/bins.tsv"
 mkdir -p "$root/target/tmp"   # env!("CARGO_TARGET_TMPDIR") of integration tests
 limit=${GPU_TEST_TIMEOUT:-300}   # seconds per executable
+only=${GPU_TESTS_ONLY:-}          # an extended regex: only the executables whose label matches
 command -v nvidia-smi >/dev/null && nvidia-smi -L
 while IFS=$'\t' read -r file pkg label; do
+  [ -n "$only" ] && ! [[ $label =~ $only ]] && continue
   log="$logs/$label.log"
   (cd "$root/$pkg" && CARGO_MANIFEST_DIR="$root/$pkg" RUST_BACKTRACE=1 \
     timeout "$limit" "$here/bin/$file" --include-ignored --test-threads=1 "$@") > "$log" 2>&1
@@ -94,7 +96,7 @@ while IFS=$'\t' read -r file pkg label; do
 done < "$here/tests.tsv" | tee "$logs/summary.txt"
 read -r total_pass total_fail bad < <(awk '/ passed .* failed / { p += $2; f += $4; if (!/ ok$/) b++ }
   END { print p + 0, f + 0, b + 0 }' "$logs/summary.txt")
-echo "TOTAL: $total_pass passed, $total_fail failed, $bad of $(wc -l < "$here/tests.tsv") executables failed; logs in $logs" \
+echo "TOTAL: $total_pass passed, $total_fail failed, $bad of $(grep -c " passed .* failed " "$logs/summary.txt") executables failed; logs in $logs" \
   | tee -a "$logs/summary.txt"
 if [ -n "${OUT:-}" ]; then
   cp "$logs/summary.txt" "$OUT/"
