@@ -500,12 +500,21 @@ mod tests {
     /// A 16 MiB home segment with four 4 MiB blocks, the second and fourth freed and carved
     /// out, and a stitched chunk of 8 MiB over them: the policy and the first and third blocks.
     fn stitched() -> (BestFitPolicy, [u64; 2]) {
+        stitched_while(None)
+    }
+
+    /// [`stitched`], the chunk added while the large class's frontier was at `frontier` (where
+    /// given).
+    fn stitched_while(frontier: Option<u64>) -> (BestFitPolicy, [u64; 2]) {
         let mut p = BestFitPolicy::new(Classes::default());
         p.add_segment(Class::Large, 0, 16 * MIB).unwrap();
         let blocks: Vec<_> = (0..4).map(|_| p.allocate(4 * MIB).unwrap()).collect();
         for b in [&blocks[1], &blocks[3]] {
             p.free(b.token, b.addr).unwrap();
             p.carve(b.addr, b.size).unwrap();
+        }
+        if let Some(top) = frontier {
+            p.set_frontier(Class::Large, top);
         }
         let homes = vec![
             (Class::Large, AddrRange::new(4 * MIB, 4 * MIB)),
@@ -656,19 +665,7 @@ mod tests {
     /// fourth carved out for an 8 MiB stitched chunk added while the frontier was at `top`,
     /// used and freed (idle): its homes are a hole and the frontier block.
     fn idle_stitched_at(top: u64) -> BestFitPolicy {
-        let mut p = BestFitPolicy::new(Classes::default());
-        p.add_segment(Class::Large, 0, 16 * MIB).unwrap();
-        let blocks: Vec<_> = (0..4).map(|_| p.allocate(4 * MIB).unwrap()).collect();
-        for b in [&blocks[1], &blocks[3]] {
-            p.free(b.token, b.addr).unwrap();
-            p.carve(b.addr, b.size).unwrap();
-        }
-        p.set_frontier(Class::Large, top);
-        let homes = vec![
-            (Class::Large, AddrRange::new(4 * MIB, 4 * MIB)),
-            (Class::Large, AddrRange::new(12 * MIB, 4 * MIB)),
-        ];
-        p.add_stitched(Class::Large, STITCH, 8 * MIB, 2 * MIB, homes).unwrap();
+        let (mut p, _) = stitched_while(Some(top));
         p.set_frontier(Class::Large, 16 * MIB);
         let x = p.allocate(8 * MIB).unwrap();
         p.free(x.token, x.addr).unwrap();
