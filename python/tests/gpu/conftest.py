@@ -40,8 +40,8 @@ the test is wrong."""
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "serial: measures device-wide memory, so must not run beside "
-                            "other cases (deselect it under pytest-xdist: -m 'not serial')")
+    config.addinivalue_line("markers", "serial: measures or takes device-wide memory, so must not run "
+                            "beside other cases (deselect it under pytest-xdist: -m 'not serial')")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -51,6 +51,7 @@ def test_memory_stats_through_torch(run_case, conf):
     run_case(WORKER, "stats", conf)
 
 
+@pytest.mark.serial  # cudnn's benchmark may take all the device's free memory for a workspace
 @confs(CONFS)
 def test_cudnn_benchmark_convolution(run_case, conf):
     run_case(WORKER, "cudnn_benchmark", conf)
