@@ -362,6 +362,21 @@ enum streamalloc_status_t streamalloc_free_word(void *ptr,
 // `entry` is null (an error) or valid for writing a `streamalloc_entry_t`.
 enum streamalloc_status_t streamalloc_entry(void *ptr, struct streamalloc_entry_t *entry);
 
+// Hands `[ptr, ptr + size)` of private pool `(id_hi, id_lo)` of `device` out again, as an
+// allocation of `size` bytes on `stream` kept with `word` ([`streamalloc_allocate_word`]'s),
+// where the pool's free memory holds that range: PyTorch's cudagraph trees restore a
+// checkpoint of a pool so (`setCheckpointPoolState`), at the addresses its recorded graphs
+// use. Frees of the pool pending on recorded streams are waited for first (bounded by
+// `wait_timeout`). `STREAMALLOC_INVALID_ARGUMENT`, nothing handed out, when the pool does not
+// exist or does not hold the range free.
+enum streamalloc_status_t streamalloc_pool_allocate_at(int device,
+                                                       uint64_t id_hi,
+                                                       uint64_t id_lo,
+                                                       void *ptr,
+                                                       size_t size,
+                                                       cudaStream_t stream,
+                                                       uint64_t word);
+
 // Lists the live allocations of private pool `(id_hi, id_lo)` of `device`: up to `max` to
 // `ptrs` and `entries` (each may be NULL), with their count written to `*n`. With too little
 // room nothing is written to the arrays and the status is `STREAMALLOC_INVALID_ARGUMENT`

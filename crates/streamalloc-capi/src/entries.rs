@@ -142,6 +142,38 @@ pub unsafe extern "C" fn streamalloc_entry(
     })
 }
 
+/// Hands `[ptr, ptr + size)` of private pool `(id_hi, id_lo)` of `device` out again, as an
+/// allocation of `size` bytes on `stream` kept with `word` ([`streamalloc_allocate_word`]'s),
+/// where the pool's free memory holds that range: PyTorch's cudagraph trees restore a
+/// checkpoint of a pool so (`setCheckpointPoolState`), at the addresses its recorded graphs
+/// use. Frees of the pool pending on recorded streams are waited for first (bounded by
+/// `wait_timeout`). `STREAMALLOC_INVALID_ARGUMENT`, nothing handed out, when the pool does not
+/// exist or does not hold the range free.
+#[no_mangle]
+pub extern "C" fn streamalloc_pool_allocate_at(
+    device: c_int,
+    id_hi: u64,
+    id_lo: u64,
+    ptr: *mut c_void,
+    size: usize,
+    stream: CudaStream,
+    word: u64,
+) -> StreamallocStatus {
+    status::status(|| {
+        let state = State::get()?;
+        let ordinal = ordinal(device)?;
+        let stream = state.stream(stream as u64, Some(ordinal))?;
+        let stack = state.facade().stack(ordinal)?;
+        let ptr = ptr as DevicePtr;
+        stack.private.allocate_at((id_hi, id_lo), ptr, size, stream, word)?;
+        if let Some(sim) = &stack.sim {
+            let owner = stack.private.entry(ptr).map_or(stream, |(_, e)| e.stream);
+            sim.check_handout(ptr, size, owner);
+        }
+        Ok(())
+    })
+}
+
 /// Lists the live allocations of private pool `(id_hi, id_lo)` of `device`: up to `max` to
 /// `ptrs` and `entries` (each may be NULL), with their count written to `*n`. With too little
 /// room nothing is written to the arrays and the status is `STREAMALLOC_INVALID_ARGUMENT`

@@ -1,8 +1,8 @@
 //! The multi-threaded fuzz (issue 33): on every strategy and backing, threads allocate, use,
 //! `record_stream` and free on streams of their own while others release the cache in a
 //! loop (`empty_cache`), allocate and release while holding the allocation (the memory
-//! fraction's path), run private pools (CUDA graphs' and `MemPool`'s) and make, use and
-//! retire streams. The simulator's ordering checker counts every early reuse and every
+//! fraction's path), run private pools (CUDA graphs' and `MemPool`'s, checkpoints restored
+//! at their addresses) and make, use and retire streams. The simulator's ordering checker counts every early reuse and every
 //! device call on memory in use (an unmap under a running kernel): there must be none. The
 //! negative control drops `record_stream` and is caught.
 //!
@@ -19,6 +19,7 @@ use std::thread;
 use std::time::Duration;
 
 use rand::rngs::SmallRng;
+use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use streamalloc::adaptors::Pointers;
 use streamalloc::adaptors::SingleStream;
@@ -187,11 +188,24 @@ fn private_pools(stack: &Stack, stream: Stream, seed: u64, strict: bool, done: &
             if let Ok(Routed::Pool(ptr)) = p.allocate(n, stream) {
                 sim.check_handout(ptr, n, stream);
                 sim.use_range(ptr, n, stream, 3_000).expect("use");
-                made.push(ptr);
+                made.push((ptr, n));
             }
         }
         p.end((1, id));
-        for ptr in made {
+        // Half the time a checkpoint is restored, as cudagraph trees do: the allocations are
+        // freed, then handed out again at their addresses, while releases run beside.
+        if rng.gen_bool(0.5) {
+            for &(ptr, _) in &made {
+                assert!(p.free(ptr, stream));
+            }
+            made.shuffle(&mut rng);
+            for &(ptr, n) in &made {
+                p.allocate_at((1, id), ptr, n, stream, 0).expect("a checkpointed range is free again");
+                sim.check_handout(ptr, n, stream);
+                sim.use_range(ptr, n, stream, 3_000).expect("use");
+            }
+        }
+        for (ptr, _) in made {
             assert!(p.free(ptr, stream));
         }
         p.release((1, id));

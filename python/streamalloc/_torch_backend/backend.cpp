@@ -14,7 +14,7 @@
 // The library keeps the books: what torch needs per allocation rides in its pointer table
 // (Note [the word]), which private pool takes an allocation is the library's routing, and the
 // snapshot is its list of segments. Allocation and free take no lock of the backend's own
-// (counts are atomics); the locks below serve private pools' books, checkpoints and history.
+// (counts are atomics); the locks below serve private pools' books and history.
 // See DESIGN.md, Note [the backend only translates].
 //
 // What each of torch's methods does here:
@@ -42,9 +42,9 @@
 //   getPoolUseCount                 (a MemPool holds one, each begin one more until release)
 //   checkPoolLiveAllocations        the pool's live allocations against torch's set
 //   getCheckpointState /            cudagraph trees: a state lists a pool's live allocations;
-//   setCheckpointPoolState          while it exists their memory is not returned to the
-//                                   library when torch frees it, so that setting the state
-//                                   revives exactly those addresses
+//   setCheckpointPoolState          setting it frees what is live in the pool and hands the
+//                                   state's allocations out again at their addresses
+//                                   (streamalloc_pool_allocate_at), as native does
 //   shareIpcHandle / getIpcDevPtr   in torch's own formats, so that a process under torch's
 //                                   allocator opens what this one shares and this one opens
 //                                   torch's: cuMemAlloc chunks (strategy=plain, backing=chunks)
@@ -74,8 +74,7 @@
 //                   reports nothing pending (streamalloc_stats' pending_release 0), whichever is
 //                   seen first; until then the snapshot shows the block active_pending_free
 //                   (tracked while history is recorded; otherwise the completion follows the
-//                   request). Memory held for a cudagraph trees checkpoint completes when
-//                   released.
+//                   request).
 //   OOM             an allocation refused for lack of memory (addr: the device's free bytes)
 //   SNAPSHOT        a snapshot was taken (in the next snapshot's traces, as native)
 // SEGMENT_ALLOC / SEGMENT_FREE / SEGMENT_MAP / SEGMENT_UNMAP are not recorded: the library's
@@ -84,7 +83,7 @@
 // (streamalloc_segments), device by device: each segment as the library holds it (address,
 // size, stream, private pool), each block allocated (a live allocation, its requested size
 // and context from the library's entry), active_pending_free (freed, its reuse waiting for
-// recorded streams, or held for a cudagraph trees checkpoint) or inactive (free). Memory of a
+// recorded streams) or inactive (free). Memory of a
 // MemPool allocator of its own is not the library's: each such allocation is a segment of one
 // block. device_traces are the rings, oldest first, times in Unix microseconds.
 //
@@ -169,6 +168,7 @@ struct Lib {
   decltype(&::streamalloc_free_word) free_word = nullptr;
   decltype(&::streamalloc_entry) entry = nullptr;
   decltype(&::streamalloc_pool_live) pool_live = nullptr;
+  decltype(&::streamalloc_pool_allocate_at) pool_allocate_at = nullptr;
   decltype(&::streamalloc_segments) segments = nullptr;
   decltype(&::streamalloc_record_stream) record_stream = nullptr;
   decltype(&::streamalloc_stats) stats = nullptr;
@@ -363,7 +363,6 @@ struct PoolState : public CCA::AllocatorState {
   c10::DeviceIndex device;
   MempoolId_t id;
   std::vector<std::pair<void*, Alloc>> allocs;
-  ~PoolState() override;
 };
 
 bool call_filter(void* context, cudaStream_t stream) {
@@ -395,9 +394,9 @@ void drop_thread(void* context) {
 // (streamalloc_free_word). So the backend keeps no table of allocations and takes no lock of
 // its own to allocate or free: the library's table is sharded by stream. The word is 0 unless
 // history records contexts, when it points to an Extra holding the allocation's context,
-// deleted once the library's entry is gone (its free, or a checkpoint's release); readers of
-// another thread's Extra (snapshot, checkpoints) hold extra_mu_ shared, and its deleters hold
-// it alone, only while history records contexts.
+// deleted once the library's entry is gone (its free); readers of another thread's Extra
+// (snapshot, checkpoints) hold extra_mu_ shared, and its deleters hold it alone, only while
+// history records contexts.
 
 class Backend : public CCA::CUDAAllocator {
  public:
@@ -731,9 +730,6 @@ class Backend : public CCA::CUDAAllocator {
   void free_or_throw(void* ptr) {
     // Outside every lock: torch's recorder takes the GIL.
     std::shared_ptr<c10::GatheredContext> context = gather(CCA::RecordContext::ALL);
-    if (pinned_.load(std::memory_order_acquire) > 0 && park(ptr, context)) {
-      return;
-    }
     bool traced = recording_.load(std::memory_order_acquire) || have_trackers_.load(std::memory_order_acquire);
     if (traced) {
       // The request is recorded before the library may hand the memory out again.
@@ -842,38 +838,6 @@ class Backend : public CCA::CUDAAllocator {
     return true;
   }
 
-  // A free of memory a checkpoint state holds (cudagraph trees): torch is done with it, the
-  // library keeps it until the state goes; whether `ptr` was such.
-  bool park(void* ptr, const std::shared_ptr<c10::GatheredContext>& context) {
-    Alloc a;
-    {
-      std::lock_guard<std::mutex> lock(pins_mu_);
-      auto pin = pins_.find(ptr);
-      if (pin == pins_.end() || pin->second <= 0 || parked_.count(ptr) != 0) {
-        return false;
-      }
-      std::shared_lock<std::shared_mutex> extra(extra_mu_);
-      if (!lookup(ptr, a)) {
-        return false;
-      }
-      parked_[ptr] = a;
-    }
-    count(a, -1);
-    record(CCA::TraceEntry::FREE_REQUESTED, a.device, reinterpret_cast<size_t>(ptr), a.size, a.stream, a.pool,
-           context ? context : a.context);
-    return true;
-  }
-
-  // Frees in the library memory held for a checkpoint (its FREE_REQUESTED recorded before).
-  void release_parked(void* ptr) {
-    streamalloc_entry_t e{};
-    if (free_in_library(ptr, e) != OK) {
-      std::fprintf(stderr, "streamalloc: freeing %p held for a checkpoint: %s\n", ptr, last_error().c_str());
-      return;
-    }
-    completed(ptr, take_entry(e), nullptr);
-  }
-
   // --- setup ---
 
   void init(int device_count) override {
@@ -979,7 +943,7 @@ class Backend : public CCA::CUDAAllocator {
     const auto large = static_cast<size_t>(StatType::LARGE_POOL);
     // Allocations and their bytes, current, peak and accumulated: the backend's count of torch's
     // tensors, as torch's own allocators count them (down at torch's free, also when the memory
-    // waits for a recorded stream or is held for a cudagraph trees checkpoint). Not the
+    // waits for a recorded stream). Not the
     // library's allocated_peak: under a stream-ordered strategy that adds up the peaks of each
     // stream's pool, which overstates the peak of all of them together.
     for (size_t k = 0; k < kStatTypes; k++) {
@@ -1082,11 +1046,6 @@ class Backend : public CCA::CUDAAllocator {
     for (c10::DeviceIndex d = 0; d < devices; d++) {
       poll_awaiting(d);
     }
-    std::unordered_map<void*, Alloc> parked;
-    {
-      std::lock_guard<std::mutex> lock(pins_mu_);
-      parked = parked_;
-    }
     std::vector<size_t> active_bytes(kMaxDevices, 0);
     std::vector<streamalloc_segment_t> segments;
     std::vector<streamalloc_block_t> blocks;
@@ -1117,8 +1076,7 @@ class Backend : public CCA::CUDAAllocator {
             block.requested_size = a.size;
             block.context_when_allocated = a.context;
           }
-          bool held = parked.count(p) != 0; // freed by torch, held for a checkpoint
-          block.allocated = live && !held;
+          block.allocated = live;
           block.active = b.state != STREAMALLOC_BLOCK_FREE;
           if (block.allocated) {
             seg.allocated_size += b.size;
@@ -1345,8 +1303,7 @@ class Backend : public CCA::CUDAAllocator {
     }
   }
 
-  // The live allocations of pool `id` of `device` as torch sees them: the library's (or the
-  // pool allocator's), less those torch freed that a checkpoint holds.
+  // The live allocations of pool `id` of `device`: the library's (or the pool allocator's).
   std::vector<std::pair<void*, Alloc>> pool_live(c10::DeviceIndex device, MempoolId_t id) {
     std::vector<std::pair<void*, Alloc>> live;
     {
@@ -1372,12 +1329,9 @@ class Backend : public CCA::CUDAAllocator {
       ptrs.resize(n + n / 4 + 4);
       entries.resize(ptrs.size());
     }
-    std::lock_guard<std::mutex> pins(pins_mu_);
     std::shared_lock<std::shared_mutex> extra(extra_mu_);
     for (size_t i = 0; i < ptrs.size(); i++) {
-      if (parked_.count(ptrs[i]) == 0) {
-        live.emplace_back(ptrs[i], from_entry(entries[i], false));
-      }
+      live.emplace_back(ptrs[i], from_entry(entries[i], false));
     }
     return live;
   }
@@ -1400,14 +1354,14 @@ class Backend : public CCA::CUDAAllocator {
     state->device = device;
     state->id = id;
     state->allocs = pool_live(device, id);
-    std::lock_guard<std::mutex> lock(pins_mu_);
-    for (const auto& entry : state->allocs) {
-      pins_[entry.first] += 1;
-    }
-    pinned_.store(pins_.size(), std::memory_order_release);
     return state;
   }
 
+  // As native: everything live in the pool now is freed, and the checkpoint's allocations are
+  // handed out again at their addresses (the library's pool_allocate_at: torch freed them
+  // meanwhile, their memory back in the pool, reused or not; torch has freed or will free,
+  // as stale, what reused it). One live now at a checkpointed address and size keeps its
+  // memory. See Note [checkpoints] in DESIGN.md.
   CCA::CheckpointDelta setCheckpointPoolState(
       c10::DeviceIndex device,
       std::shared_ptr<CCA::AllocatorState> as) override {
@@ -1416,83 +1370,48 @@ class Backend : public CCA::CUDAAllocator {
     TORCH_CHECK(state->device == device, "streamalloc: checkpoint of device ", static_cast<int>(state->device),
                 " set on ", static_cast<int>(device));
     CCA::CheckpointDelta delta;
-    std::vector<void*> to_release;
-    // History entries, recorded once the locks are released: (action, address, allocation).
+    // History entries, recorded at the end: (action, address, allocation).
     std::vector<std::tuple<CCA::TraceEntry::Action, void*, Alloc>> events;
-    // Everything live in the pool now is freed (as native does); what the checkpoint wants
-    // keeps its memory, which is then handed out again below.
-    std::vector<std::pair<void*, Alloc>> now = pool_live(device, state->id);
-    {
-      std::lock_guard<std::mutex> lock(pins_mu_);
-      std::unordered_set<void*> wanted;
-      for (const auto& entry : state->allocs) {
-        wanted.insert(entry.first);
+    std::unordered_map<void*, size_t> wanted; // address -> size
+    for (const auto& [p, a] : state->allocs) {
+      wanted.emplace(p, a.size);
+    }
+    std::unordered_set<void*> kept;
+    for (const auto& [p, a] : pool_live(device, state->id)) {
+      count(a, -1);
+      delta.ptrs_freed.push_back(p);
+      events.emplace_back(CCA::TraceEntry::FREE_REQUESTED, p, a);
+      events.emplace_back(CCA::TraceEntry::FREE_COMPLETED, p, a);
+      auto w = wanted.find(p);
+      if (w != wanted.end() && w->second == a.size) {
+        kept.insert(p);
+        continue;
       }
-      std::unordered_set<void*> live_now;
-      for (const auto& [p, a] : now) {
-        live_now.insert(p);
-        count(a, -1);
-        delta.ptrs_freed.push_back(p);
-        events.emplace_back(CCA::TraceEntry::FREE_REQUESTED, p, a);
-        if (wanted.count(p)) {
-          // Handed back below at once.
-          events.emplace_back(CCA::TraceEntry::FREE_COMPLETED, p, a);
-          continue;
-        }
-        auto pin = pins_.find(p);
-        if (pin != pins_.end() && pin->second > 0) {
-          parked_[p] = a;
-        } else {
-          to_release.push_back(p);
+      streamalloc_entry_t e{};
+      TORCH_CHECK(free_in_library(p, e) == OK, "streamalloc: restoring a cudagraph trees checkpoint: freeing ", p,
+                  ": ", last_error());
+      take_entry(e);
+    }
+    for (const auto& [p, recorded] : state->allocs) {
+      if (kept.count(p) == 0) {
+        Extra* extra = recorded.context ? new Extra{recorded.context} : nullptr;
+        uint64_t word = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(extra));
+        int status = lib_.pool_allocate_at(device, state->id.first, state->id.second, p, recorded.size,
+                                           recorded.stream, word);
+        if (status != OK) {
+          delete extra;
+          TORCH_CHECK(false, "streamalloc: restoring a cudagraph trees checkpoint of pool (", state->id.first, ", ",
+                      state->id.second, "): ", last_error());
         }
       }
-      for (const auto& [p, recorded] : state->allocs) {
-        auto parked = parked_.find(p);
-        if (parked != parked_.end()) {
-          events.emplace_back(CCA::TraceEntry::FREE_COMPLETED, p, parked->second);
-          parked_.erase(parked);
-        } else {
-          TORCH_INTERNAL_ASSERT(live_now.count(p) != 0, "streamalloc: a checkpointed allocation was neither live nor held");
-        }
-        count(recorded, +1);
-        delta.dataptrs_allocd.emplace_back(p, p, &deleter, c10::Device(c10::DeviceType::CUDA, device));
-        events.emplace_back(CCA::TraceEntry::ALLOC, p, recorded);
-      }
+      count(recorded, +1);
+      delta.dataptrs_allocd.emplace_back(p, p, &deleter, c10::Device(c10::DeviceType::CUDA, device));
+      events.emplace_back(CCA::TraceEntry::ALLOC, p, recorded);
     }
     for (const auto& [action, p, a] : events) {
       record(action, a.device, reinterpret_cast<size_t>(p), a.size, a.stream, a.pool, a.context);
     }
-    for (void* p : to_release) {
-      release_parked(p);
-    }
     return delta;
-  }
-
-  // A checkpoint state is gone: its allocations that torch freed meanwhile go back now.
-  void unpin(const std::vector<std::pair<void*, Alloc>>& allocs) {
-    std::vector<void*> to_release;
-    {
-      std::lock_guard<std::mutex> lock(pins_mu_);
-      for (const auto& entry : allocs) {
-        auto pin = pins_.find(entry.first);
-        if (pin == pins_.end()) {
-          continue;
-        }
-        if (--pin->second > 0) {
-          continue;
-        }
-        pins_.erase(pin);
-        auto parked = parked_.find(entry.first);
-        if (parked != parked_.end()) {
-          to_release.push_back(parked->first);
-          parked_.erase(parked);
-        }
-      }
-      pinned_.store(pins_.size(), std::memory_order_release);
-    }
-    for (void* p : to_release) {
-      release_parked(p);
-    }
   }
 
   // --- IPC ---
@@ -1876,12 +1795,6 @@ class Backend : public CCA::CUDAAllocator {
   std::map<c10::DeviceIndex, double> fractions_;
   std::vector<CCA::OutOfMemoryObserver> oom_observers_;
   Counts counts_[kMaxDevices];
-  // cudagraph trees' checkpoints: allocations in checkpoint states, how many; of those, freed
-  // by torch (kept by the library until the states go).
-  std::mutex pins_mu_;
-  std::unordered_map<void*, int> pins_;
-  std::unordered_map<void*, Alloc> parked_;
-  std::atomic<size_t> pinned_{0}; // pins_.size(): frees look at the pins only when not 0
   std::shared_mutex extra_mu_; // see Note [the word]
   // Allocations torch freed whose memory may not be reused yet (while history is recorded).
   std::mutex awaiting_mu_;
@@ -1907,19 +1820,6 @@ class Backend : public CCA::CUDAAllocator {
   std::mutex ipc_mu_;
   std::unordered_map<std::string, std::weak_ptr<void>> ipc_;
 };
-
-PoolState::~PoolState() {
-  if (g_backend == nullptr) {
-    return;
-  }
-  try { // a destructor must not throw (a trace tracker may)
-    g_backend->unpin(allocs);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "streamalloc: releasing a cudagraph trees checkpoint: %s\n", e.what());
-  } catch (...) {
-    std::fprintf(stderr, "streamalloc: releasing a cudagraph trees checkpoint: an unknown C++ exception\n");
-  }
-}
 
 void deleter(void* ptr) {
   g_backend->free(ptr);
@@ -1955,6 +1855,7 @@ __attribute__((visibility("default"))) int streamalloc_torch_backend_install(
     resolve(handle, "streamalloc_free_word", lib.free_word, missing);
     resolve(handle, "streamalloc_entry", lib.entry, missing);
     resolve(handle, "streamalloc_pool_live", lib.pool_live, missing);
+    resolve(handle, "streamalloc_pool_allocate_at", lib.pool_allocate_at, missing);
     resolve(handle, "streamalloc_segments", lib.segments, missing);
     resolve(handle, "streamalloc_record_stream", lib.record_stream, missing);
     resolve(handle, "streamalloc_stats", lib.stats, missing);

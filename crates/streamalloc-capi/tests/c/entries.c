@@ -1,9 +1,9 @@
 /* The front end's word kept by the library's pointer table (streamalloc_allocate_word,
- * _free_word, _entry, _pool_live) on the simulator (STREAMALLOC_CONF names device=sim): each
- * free hands back exactly the word, size, stream and private pool of its allocation, from
- * 8 threads on 8 streams freeing one another's allocations too. Prints one line per failed
- * check; exits 0 when all pass, 1 otherwise. With the argument "one-pool" (best_fit), the
- * allocator records the stream asked for on each allocation. */
+ * _free_word, _entry, _pool_live, _pool_allocate_at) on the simulator (STREAMALLOC_CONF names
+ * device=sim): each free hands back exactly the word, size, stream and private pool of its
+ * allocation, from 8 threads on 8 streams freeing one another's allocations too. Prints one
+ * line per failed check; exits 0 when all pass, 1 otherwise. With the argument "one-pool"
+ * (best_fit), the allocator records the stream asked for on each allocation. */
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
@@ -97,6 +97,13 @@ int main(int argc, char** argv) {
   CHECK(streamalloc_free_word(q, 0, streams[2], &e) == STREAMALLOC_OK);
   CHECK(e.in_pool && e.pool_hi == 3 && e.pool_lo == 4 && e.word == 7 && e.size == 4096);
   CHECK(streamalloc_pool_live(0, 3, 4, ptrs, entries, 2, &n) == STREAMALLOC_OK && n == 1 && ptrs[0] == r);
+  /* A checkpoint restored: q's range handed out again, with a new word; r's is not free. */
+  CHECK(streamalloc_pool_allocate_at(0, 3, 4, q, 4096, streams[2], 9) == STREAMALLOC_OK);
+  CHECK(streamalloc_pool_live(0, 3, 4, ptrs, entries, 2, &n) == STREAMALLOC_OK && n == 2);
+  CHECK(streamalloc_pool_allocate_at(0, 3, 4, r, 8192, streams[2], 10) == STREAMALLOC_INVALID_ARGUMENT);
+  CHECK(strstr(streamalloc_last_error(), "not free memory of private pool") != NULL);
+  CHECK(streamalloc_pool_allocate_at(0, 9, 9, q, 4096, streams[2], 10) == STREAMALLOC_INVALID_ARGUMENT);
+  CHECK(streamalloc_free_word(q, 0, streams[2], &e) == STREAMALLOC_OK && e.word == 9 && e.in_pool);
   CHECK(streamalloc_free_word(r, 0, NULL, &e) == STREAMALLOC_OK && e.word == 8);
   CHECK(streamalloc_pool_release(0, 3, 4) == STREAMALLOC_OK);
 

@@ -316,6 +316,39 @@ impl BestFit {
         Ok(Some(ptr))
     }
 
+    /// Hands `[ptr, ptr + size)` out again as an allocation of `size` bytes kept with `word`,
+    /// as [`BestFit::allocate_kept`] keeps its own ([`BestFitPolicy::allocate_at`]): the range
+    /// must be free in this pool. With `poll`, frees pending on recorded streams are polled
+    /// and, while the range is not free, waited for once (at most the pool's `wait_timeout`).
+    /// Whether the range was handed out; never grows the pool.
+    pub(crate) fn allocate_kept_at(
+        &self,
+        ptr: DevicePtr,
+        size: usize,
+        word: u64,
+        poll: bool,
+    ) -> Result<bool> {
+        let rounded = Self::round(size)?;
+        for wait in [false, true] {
+            if wait {
+                if !poll || !self.has_pending() {
+                    break;
+                }
+                self.inner.wait_pending();
+            }
+            let mut st = self.lock_polled(poll);
+            // Parked blocks go back to the policy: merged, their bytes can be handed out.
+            st.unpark();
+            if let Some(grant) = st.policy.allocate_at(ptr, rounded) {
+                st.stats.on_allocate(size);
+                let block = self.handout(grant, size);
+                st.keep(KeptBlock::new(block, word));
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
     /// Keeps `allocation`, one of this pool's, by its pointer with `word`, as
     /// [`BestFit::allocate_kept`] does (for an allocation of the slow path): its pointer; the
     /// allocation back if it is not this pool's or has no memory.
@@ -1271,6 +1304,41 @@ mod tests {
         let reserved = p.stats().reserved;
         drop(p);
         assert_eq!(device_free(&sim), before + reserved);
+        assert!(sim.violations().is_empty());
+    }
+
+    #[test]
+    fn a_freed_range_is_handed_out_again_at_its_address() {
+        let (sim, p) = pool(256 * MIB);
+        let side = sim.create_stream().unwrap();
+        // Kept as a front end keeps them: from the cache, else through the slow path.
+        let kept = |size, word| match p.allocate_kept(size, true, word).unwrap() {
+            Some(ptr) => ptr,
+            None => p.keep(p.allocate(size).unwrap(), word).unwrap(),
+        };
+        let (a, b, c) = (kept(4096, 1), kept(5 * MIB, 2), kept(3 * MIB, 3));
+        p.take_kept(a).unwrap();
+        p.take_kept(b).unwrap();
+        let reserved = p.stats().reserved;
+        // A small block is parked for exact reuse, a large one merged: both come back.
+        assert!(p.allocate_kept_at(b, 5 * MIB, 12, true).unwrap());
+        assert!(p.allocate_kept_at(a, 4096, 11, true).unwrap());
+        assert!(!p.allocate_kept_at(c, 3 * MIB, 13, true).unwrap(), "still handed out");
+        assert!(!p.allocate_kept_at(b + 4096, 4096, 13, true).unwrap(), "inside a block handed out");
+        assert!(p.with_kept(b, &mut |k| assert_eq!((k.entry().size, k.entry().word), (5 * MIB, 12))));
+        assert_eq!(p.take_kept(a).map(|e| e.word), Some(11));
+        assert_eq!((p.stats().reserved, p.stats().live_allocations), (reserved, 2));
+        // Freed with a recorded stream: handed out again once that stream's work is done.
+        assert!(p.with_kept(c, &mut |k| k.record_stream(side)));
+        sim.use_range(c, 3 * MIB, side, 1_000_000).unwrap();
+        p.take_kept(c).unwrap();
+        assert_eq!(p.stats().pending_release, 3 * MIB);
+        assert!(!p.allocate_kept_at(c, 3 * MIB, 14, false).unwrap(), "pending, and no polling");
+        assert!(p.allocate_kept_at(c, 3 * MIB, 14, true).unwrap(), "waited for the side stream");
+        assert_eq!(p.stats().pending_release, 0);
+        p.take_kept(b).unwrap();
+        p.take_kept(c).unwrap();
+        assert_eq!(p.stats().live_allocations, 0);
         assert!(sim.violations().is_empty());
     }
 

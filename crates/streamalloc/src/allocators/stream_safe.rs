@@ -873,6 +873,31 @@ impl StreamSafe {
         Ok((pool.pool.keep(allocation, word).map_or_else(Kept::Handle, Kept::Ptr), retried))
     }
 
+    /// Hands `[ptr, ptr + size)` out again as an allocation of `size` bytes kept with `word`,
+    /// from the live stream pool whose free memory holds the range (`stream`'s looked at
+    /// first; [`BestFit::allocate_kept_at`]): for a framework that restores allocations at the
+    /// addresses a recorded CUDA graph uses. Frees pending on recorded streams are waited for
+    /// (bounded) unless `stream` captures. Whether a pool held the range free.
+    pub(crate) fn allocate_kept_at(
+        &self,
+        ptr: DevicePtr,
+        size: usize,
+        stream: Stream,
+        word: u64,
+    ) -> Result<bool> {
+        let poll = !self.capturing(stream)?;
+        let mut pools = self.snapshot();
+        pools.retain(|p| !p.retired.load(Ordering::Acquire));
+        pools.sort_by_key(|p| p.stream != stream);
+        for pool in pools {
+            if pool.pool.allocate_kept_at(ptr, size, word, poll)? {
+                self.note_allocation(&pool);
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
     /// Runs `f` on the pools that may keep an allocation: with `hint`, the live pool of that
     /// stream (none made); without, every pool held, live and retired, until `f` returns
     /// `Some`.

@@ -41,7 +41,7 @@ use crate::adaptors::{PointerEntry, Pointers};
 use crate::allocation::{Segment, Stats, StreamAllocator};
 use crate::allocators::{BackingKind, BestFitConfig, StreamSafe, StreamSafeConfig};
 use crate::device::{CaptureStatus, Device, DevicePtr, Stream};
-use crate::error::{try_each, Result};
+use crate::error::{try_each, Error, Result};
 use crate::Allocator;
 
 /// A pool's id, as PyTorch's `MempoolId_t`: a pair of integers.
@@ -241,6 +241,34 @@ impl PrivatePools {
         }
     }
 
+    /// Hands `[ptr, ptr + size)` of pool `id` out again as an allocation of `size` bytes on
+    /// `stream`, kept with `word` ([`Pointers::allocate_ptr_with`]), where its free memory
+    /// holds the range: PyTorch's cudagraph trees restore a checkpoint of a pool so, at the
+    /// addresses its recorded graphs use. Frees pending on recorded streams are waited for
+    /// (bounded) first. Fails with [`Error::InvalidArgument`] naming the range when the pool
+    /// does not exist or does not hold it free.
+    pub fn allocate_at(
+        &self,
+        id: PoolId,
+        ptr: DevicePtr,
+        size: usize,
+        stream: Stream,
+        word: u64,
+    ) -> Result<()> {
+        let alloc = self.state.lock().pools.get(&id).map(|e| e.alloc.clone());
+        let held = match &alloc {
+            Some(alloc) => alloc.inner().allocate_kept_at(ptr, size, stream, word)?,
+            None => false,
+        };
+        if held {
+            return Ok(());
+        }
+        Err(Error::InvalidArgument(format!(
+            "{ptr:#x}+{size} is not free memory of private pool {id:?}{}",
+            if alloc.is_some() { "" } else { " (no such pool)" }
+        )))
+    }
+
     /// Frees `ptr` if a pool made it; whether one did.
     pub fn free(&self, ptr: DevicePtr, owner: Stream) -> bool {
         self.take(ptr, owner).is_some()
@@ -387,6 +415,47 @@ mod tests {
         assert_eq!(p.len(), 0);
         assert_eq!(sim.mem_info().unwrap().used(), 0, "the pool's chunks went back");
         assert!(!p.free(b, s), "freed twice");
+    }
+
+    /// A checkpoint restored (PyTorch's cudagraph trees): allocations freed meanwhile, their
+    /// memory reused by the pool in between, are handed out again at their addresses, with no
+    /// growth; a range not free, or of no pool, is refused by name.
+    #[test]
+    fn a_pools_allocations_are_handed_out_again_at_their_addresses() {
+        let sim = SimDevice::new(SimConfig::with_capacity(1 << 30));
+        let p = pools(&sim);
+        let s = sim.create_stream().unwrap();
+        p.begin((0, 1), Arc::new(move |x| x == s)).unwrap();
+        let (a, _) = p.allocate_with(3 << 20, s, 7).unwrap();
+        let Routed::Pool(a) = a else { panic!("not pooled") };
+        let b = pooled(&p, 5 << 20, s).unwrap();
+        let c = pooled(&p, 4096, s).unwrap();
+        let used = sim.mem_info().unwrap().used();
+        assert!(p.free(a, s) && p.free(c, s));
+        // Another allocation takes `a`'s memory meanwhile, and goes.
+        let d = pooled(&p, 3 << 20, s).unwrap();
+        assert_eq!(d, a);
+        assert!(p.free(d, s));
+        p.allocate_at((0, 1), a, 3 << 20, s, 8).unwrap();
+        p.allocate_at((0, 1), c, 4096, s, 9).unwrap();
+        assert_eq!(sim.mem_info().unwrap().used(), used, "no growth");
+        let words: Vec<_> = p.live((0, 1)).into_iter().map(|(ptr, e)| (ptr, e.size, e.word)).collect();
+        assert!(words.contains(&(a, 3 << 20, 8)) && words.contains(&(c, 4096, 9)), "{words:?}");
+        let refused = p.allocate_at((0, 1), b + 4096, 4096, s, 0).unwrap_err();
+        assert!(
+            matches!(refused, Error::InvalidArgument(ref m) if m.contains("not free memory")),
+            "{refused}"
+        );
+        assert!(
+            matches!(p.allocate_at((0, 2), a, 4096, s, 0), Err(Error::InvalidArgument(m)) if m.contains("no such pool"))
+        );
+        for x in [a, b, c] {
+            assert!(p.free(x, s));
+        }
+        p.end((0, 1));
+        p.release((0, 1));
+        assert_eq!((p.len(), sim.mem_info().unwrap().used()), (0, 0));
+        assert!(sim.violations().is_empty());
     }
 
     /// A stream retired before it is destroyed is named by no later call of a private pool

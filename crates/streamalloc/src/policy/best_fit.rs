@@ -710,6 +710,62 @@ impl BestFitPolicy {
         Some(Grant { addr, size: granted, token: u64::from(slot) })
     }
 
+    /// Hands out exactly `[addr, addr + size)` (`size` rounded up), which must lie inside one
+    /// free block: what the block holds before `addr` and past the range stays free. It lets
+    /// a framework hand an allocation out again at the address a recorded CUDA graph uses
+    /// (PyTorch's cudagraph trees restore a private pool's allocations so). `None`, changing
+    /// nothing, when the range is not inside one free block, is unaligned or is empty.
+    pub fn allocate_at(&mut self, addr: u64, size: u64) -> Option<Grant> {
+        let size = Self::round(size)?;
+        let (_, _, idx) = self.free_block_around(addr, size)?;
+        let b = self.slot(idx);
+        let (class, end, b_end) = (b.class, addr + size, b.addr + b.size);
+        let (left, right) = (b.addr < addr, end < b_end);
+        // The slots of the parts are made first: without room nothing changes.
+        let at = if left { self.new_slot(VACANT)? } else { idx };
+        let tail = if right {
+            match self.new_slot(VACANT) {
+                Some(t) => t,
+                None => {
+                    if left {
+                        self.vacate(at);
+                    }
+                    return None;
+                }
+            }
+        } else {
+            NIL
+        };
+        self.free_list(class).remove(b.size, b.addr);
+        if left {
+            // The part before `addr` keeps the block's slot, and so its chunk's first block.
+            if let Some(s) = self.slot_mut(idx) {
+                s.size = addr - b.addr;
+                s.next = at;
+            }
+            self.free_list(class).insert(addr - b.addr, b.addr, idx);
+        }
+        let next = if right {
+            if let Some(t) = self.slot_mut(tail) {
+                *t = Slot { addr: end, size: b_end - end, prev: at, next: b.next, state: State::Free, class };
+            }
+            self.free_list(class).insert(b_end - end, end, tail);
+            tail
+        } else {
+            b.next
+        };
+        if let Some(n) = self.slot_mut(b.next) {
+            n.prev = if right { tail } else { at };
+        }
+        let prev = if left { idx } else { b.prev };
+        if let Some(s) = self.slot_mut(at) {
+            *s = Slot { addr, size, prev, next, state: State::Allocated, class };
+        }
+        self.allocated += size;
+        self.cached -= size;
+        Some(Grant { addr, size, token: u64::from(at) })
+    }
+
     /// Whether a free block fits `size` bytes (rounded up): [`BestFitPolicy::allocate`] would
     /// serve it without growing.
     pub fn fits(&self, size: u64) -> bool {
@@ -1484,6 +1540,32 @@ mod tests {
     }
 
     #[test]
+    fn allocate_at_hands_out_exactly_the_range_and_leaves_the_rest_free() {
+        let mut p = BestFitPolicy::new(classes());
+        p.add_chunk(Class::Large, 64 * MIB, 32 * MIB).unwrap();
+        let a = p.allocate_at(70 * MIB, 8 * MIB).unwrap();
+        assert_eq!((a.addr, a.size), (70 * MIB, 8 * MIB));
+        p.check();
+        assert_eq!(p.figures().allocated, 8 * MIB);
+        assert_eq!(p.figures().largest_free, 18 * MIB, "free before and after it");
+        assert!(p.allocate_at(76 * MIB, 4 * MIB).is_none(), "overlaps a block handed out");
+        assert!(p.allocate_at(64 * MIB + 100, MIB).is_none(), "unaligned");
+        assert!(p.allocate_at(200 * MIB, MIB).is_none(), "not held");
+        assert!(p.allocate_at(90 * MIB, 8 * MIB).is_none(), "past the chunk's end");
+        // The first and the last bytes of the chunk: no part left on one side.
+        let first = p.allocate_at(64 * MIB, 6 * MIB).unwrap();
+        let last = p.allocate_at(94 * MIB, 2 * MIB).unwrap();
+        p.check();
+        assert_eq!(p.figures().largest_free, 16 * MIB);
+        for g in [a, first, last] {
+            p.free(g.token, g.addr).unwrap();
+        }
+        p.check();
+        assert_eq!(p.figures().largest_free, 32 * MIB, "one free block again");
+        assert_eq!(p.figures().allocated, 0);
+    }
+
+    #[test]
     fn carve_splits_a_chunk_and_join_merges_it_back() {
         let mut p = BestFitPolicy::new(classes());
         p.add_segment(Class::Large, 64 * MIB, 12 * MIB).unwrap();
@@ -1536,6 +1618,58 @@ mod tests {
     }
 
     proptest! {
+        /// Any layout handed out once can be handed out again at its addresses, in any order,
+        /// once its blocks are free (what restoring a CUDA graph pool's checkpoint asks).
+        #[test]
+        fn allocate_at_restores_an_earlier_layout(
+            sizes in proptest::collection::vec(prop_oneof![1u64..=64 << 10, (MIB + 1)..=12 * MIB], 1..60),
+            keep in proptest::collection::vec(any::<bool>(), 60),
+            order in any::<u64>(),
+        ) {
+            let mut p = BestFitPolicy::new(classes());
+            let mut next_addr = 1u64 << 32;
+            let mut live = Vec::new();
+            for size in sizes {
+                let g = match p.allocate(size) {
+                    Some(g) => g,
+                    None => {
+                        let growth = p.growth_for(size).unwrap();
+                        p.add_chunk(growth.class, next_addr, growth.size).unwrap();
+                        next_addr += growth.size + 2 * MIB;
+                        p.allocate(size).unwrap()
+                    }
+                };
+                live.push((g, size));
+            }
+            // Some blocks are freed (the checkpoint's allocations that died), the others stay.
+            let (mut gone, stay): (Vec<_>, Vec<_>) =
+                live.into_iter().enumerate().partition(|(i, _)| !keep[*i % keep.len()]);
+            for (_, (g, _)) in &gone {
+                p.free(g.token, g.addr).unwrap();
+            }
+            p.check();
+            let n = gone.len().max(1) as u64;
+            gone.rotate_left((order % n) as usize);
+            let mut again = Vec::new();
+            for (_, (g, size)) in &gone {
+                let back = p.allocate_at(g.addr, *size);
+                prop_assert!(back.is_some(), "{:#x}+{} not free again", g.addr, size);
+                let back = back.unwrap();
+                prop_assert_eq!(back.addr, g.addr);
+                prop_assert!(back.size <= g.size && back.size >= *size);
+                again.push(back);
+                p.check();
+            }
+            let total: u64 = stay.iter().map(|(_, (g, _))| g.size).chain(again.iter().map(|g| g.size)).sum();
+            prop_assert_eq!(p.figures().allocated, total);
+            for g in stay.iter().map(|(_, (g, _))| *g).chain(again) {
+                p.free(g.token, g.addr).unwrap();
+            }
+            p.check();
+            prop_assert_eq!(p.figures().allocated, 0);
+            prop_assert_eq!(p.figures().cached, p.figures().reserved);
+        }
+
         #[test]
         fn random_sequences_keep_invariants(
             ops in proptest::collection::vec(op(), 1..300),
