@@ -30,7 +30,9 @@ Cases (each checks real results, data read back where there is data):
                    against eager, with torch's slow-path pool asserts on (checkPoolLiveAllocations,
                    standard deleters); a new function run while graphs execute makes the trees
                    checkpoint the pool (getCheckpointState / setCheckpointPoolState), checked to
-                   have happened, results right afterwards
+                   have happened, results right afterwards; then every block the library lists
+                   as allocated is one of torch's live allocations (checkpointed memory torch
+                   freed is free)
   ipc              ARG native|streamalloc (the child's allocator): a CUDA tensor sent through a
                    queue to a spawned process (torch.multiprocessing), which checks every
                    element and writes new values; the parent reads exactly what the child
@@ -346,6 +348,20 @@ def case_compile(report, conf):
             w = h(g(f(x)))
         expect = (((x * 2).relu() + 1).sin() * 3).cos() - 1
         report.expect(torch.allclose(w, expect, atol=1e-5), f"after the checkpoint, iteration {it}: wrong result")
+    # Memory torch freed is free in the library too, checkpointed or not: every block the
+    # library lists as allocated is one of torch's live allocations (a checkpoint once kept
+    # the memory of the allocations it lists until it went, for the life of the tree).
+    del x, w
+    gc.collect()
+    torch.cuda.synchronize()
+    if conf != "strategy=async":
+        import streamalloc
+
+        held = sum(1 for seg in streamalloc.segments(0) for b in seg["blocks"] if b["state"] == "allocated")
+        live = torch.cuda.memory_stats()["allocation.all.current"]
+        report.info.update(library_allocations=held, torch_allocations=live)
+        report.expect(held == live, f"the library holds {held} allocations, torch {live}: memory torch freed "
+                      "stays allocated")
 
 
 def ipc_child(inbox, outbox, child_conf, n):
