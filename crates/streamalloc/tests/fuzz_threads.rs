@@ -2,9 +2,9 @@
 //! `record_stream` and free on streams of their own while others release the cache in a
 //! loop (`empty_cache`), allocate and release while holding the allocation (the memory
 //! fraction's path), run private pools (CUDA graphs' and `MemPool`'s, checkpoints restored
-//! at their addresses) and make, use and retire streams. The simulator's ordering checker counts every early reuse and every
-//! device call on memory in use (an unmap under a running kernel): there must be none. The
-//! negative control drops `record_stream` and is caught.
+//! at their addresses) and make, use and retire streams. The simulator's ordering checker
+//! counts every early reuse and every device call on memory in use (an unmap under a running
+//! kernel): there must be none. The negative control drops `record_stream` and is caught.
 //!
 //! `STREAMALLOC_FUZZ_THREAD_OPS` sets the operations per worker thread (default 200,000),
 //! `STREAMALLOC_FUZZ_SEED` the seed.

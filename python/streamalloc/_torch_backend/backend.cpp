@@ -83,9 +83,9 @@
 // (streamalloc_segments), device by device: each segment as the library holds it (address,
 // size, stream, private pool), each block allocated (a live allocation, its requested size
 // and context from the library's entry), active_pending_free (freed, its reuse waiting for
-// recorded streams) or inactive (free). Memory of a
-// MemPool allocator of its own is not the library's: each such allocation is a segment of one
-// block. device_traces are the rings, oldest first, times in Unix microseconds.
+// recorded streams) or inactive (free). Memory of a MemPool allocator of its own is not the
+// library's: each such allocation is a segment of one block. device_traces are the rings,
+// oldest first, times in Unix microseconds.
 //
 // Nothing here lets an exception escape into the library (the filter trampolines catch) and
 // every library error becomes a c10::Error with the library's message.
