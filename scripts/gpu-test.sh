@@ -61,7 +61,8 @@ rm .gpu/found.tsv
 cat > .gpu/run.sh <<'RUNNER'
 #!/usr/bin/env bash
 # Runs every packed test executable, GPU tests included (GPU_TESTS_ONLY=REGEX: only those whose
-# label matches, e.g. 'gpu_'); extra arguments (e.g. --skip NAME) go to every executable. Logs: .gpu/logs/, and with $OUT set, $OUT/summary.txt + $OUT/gpu-tests.log.
+# label matches, e.g. 'gpu_'); extra arguments (e.g. --skip NAME) go to every executable.
+# Logs: .gpu/logs/, and with $OUT set, $OUT/summary.txt + $OUT/gpu-tests.log.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
