@@ -614,41 +614,44 @@ struct SizeList {
 }
 
 impl State {
-    /// Allocates from the cache and counts it: a parked block of exactly this rounded size,
-    /// else best fit, else [`State::allocate_harder`].
+    /// Allocates from the cache and counts it: for a small request, a parked block of exactly
+    /// its rounded size; else [`State::allocate_harder`].
     fn allocate(&mut self, rounded: u64, size: usize) -> Option<Grant> {
-        let parked = &mut self.parked;
-        let grant = match parked.by_size.get_mut(&rounded).and_then(|list| list.blocks.pop()) {
-            Some((token, addr, block)) => {
-                parked.bytes -= block;
-                Grant { addr, size: block, token }
-            }
-            None => match self.policy.allocate(rounded) {
-                Some(g) => g,
+        // Only small blocks are parked: a large request looks in the policy alone.
+        let grant = if self.policy.class_of(rounded) == Class::Small {
+            let parked = &mut self.parked;
+            match parked.by_size.get_mut(&rounded).and_then(|list| list.blocks.pop()) {
+                Some((token, addr, block)) => {
+                    parked.bytes -= block;
+                    Grant { addr, size: block, token }
+                }
                 None => self.allocate_harder(rounded)?,
-            },
+            }
+        } else {
+            self.allocate_harder(rounded)?
         };
         self.stats.on_allocate(size);
         Some(grant)
     }
 
-    /// What the pool serves without its backing when no free block fits: best fit after
-    /// giving every parked block back, else from an idle stitched chunk that fits the size
-    /// whose homes are free ([`BestFitPolicy::reuse_stitched`]: a repeated workload's
-    /// misses on a stitched backing end here, with no device call), else from the frontier
-    /// block ([`BestFitPolicy::allocate_frontier`]).
+    /// What the pool serves without its backing when no parked block fits: best fit (for a
+    /// small request, once more after giving every parked block back), else from an idle
+    /// stitched chunk that fits the size whose homes are free
+    /// ([`BestFitPolicy::reuse_stitched`]: a repeated workload's misses on a stitched backing
+    /// end here, with no device call), else from the frontier block
+    /// ([`BestFitPolicy::allocate_frontier`]); the last three in one call
+    /// ([`BestFitPolicy::allocate_or_reuse`]).
     fn allocate_harder(&mut self, rounded: u64) -> Option<Grant> {
         // Parked blocks are small: giving them back helps small requests only (and a large
         // request served by the frontier block would give them back at every pass).
         if self.parked.bytes > 0 && self.policy.class_of(rounded) == Class::Small {
-            self.unpark();
             if let Some(g) = self.policy.allocate(rounded) {
                 return Some(g);
             }
+            self.unpark();
         }
-        match self.policy.reuse_stitched(rounded) {
-            Ok(true) => self.policy.allocate(rounded),
-            Ok(false) => self.policy.allocate_frontier(rounded),
+        match self.policy.allocate_or_reuse(rounded) {
+            Ok(grant) => grant,
             Err(e) => {
                 self.held.hold(e);
                 None
