@@ -1243,6 +1243,7 @@ mod tests {
                 }
             }
             assert_eq!(free_blocks, listed, "stale free-list entries");
+            self.stitches.check();
             assert_eq!((reserved, allocated, cached), (self.reserved, self.allocated, self.cached));
             assert_eq!(reserved, allocated + cached);
         }
