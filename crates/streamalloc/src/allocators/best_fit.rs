@@ -594,14 +594,30 @@ impl BestFit {
 /// Parked small blocks.
 #[derive(Default)]
 struct Parked {
-    /// Rounded request size -> the blocks parked under it. Lists emptied by reuse keep their
-    /// capacity, so parking again does not allocate.
-    by_size: FxHashMap<u64, SizeList>,
-    /// The sizes whose lists were pushed to since the last unpark, each once: unparking
-    /// visits only these, not every size ever seen.
-    listed: Vec<u64>,
+    /// The blocks parked under each rounded request size, at the size's index
+    /// ([`Parked::index`]): only small sizes are parked, so the vector stays short (at most
+    /// the small class's largest size over 256 entries), and a lookup indexes it where a hash
+    /// map hashed and probed. Lists emptied by reuse keep their capacity, so parking again
+    /// does not allocate.
+    by_size: Vec<SizeList>,
+    /// The indices of the sizes whose lists were pushed to since the last unpark, each once:
+    /// unparking visits only these, not every size ever seen.
+    listed: Vec<usize>,
     /// Bytes of the blocks parked.
     bytes: u64,
+}
+
+impl Parked {
+    /// The index in [`Parked::by_size`] of a rounded size (a positive multiple of
+    /// [`ALIGNMENT`](crate::ALIGNMENT)).
+    fn index(rounded: u64) -> usize {
+        (rounded / crate::ALIGNMENT as u64).saturating_sub(1) as usize
+    }
+
+    /// Every block parked, as (token, address, block size).
+    fn blocks(&self) -> impl Iterator<Item = &(u64, u64, u64)> + '_ {
+        self.by_size.iter().flat_map(|list| &list.blocks)
+    }
 }
 
 /// The blocks parked under one rounded size.
@@ -614,41 +630,44 @@ struct SizeList {
 }
 
 impl State {
-    /// Allocates from the cache and counts it: a parked block of exactly this rounded size,
-    /// else best fit, else [`State::allocate_harder`].
+    /// Allocates from the cache and counts it: for a small request, a parked block of exactly
+    /// its rounded size; else [`State::allocate_harder`].
     fn allocate(&mut self, rounded: u64, size: usize) -> Option<Grant> {
-        let parked = &mut self.parked;
-        let grant = match parked.by_size.get_mut(&rounded).and_then(|list| list.blocks.pop()) {
-            Some((token, addr, block)) => {
-                parked.bytes -= block;
-                Grant { addr, size: block, token }
-            }
-            None => match self.policy.allocate(rounded) {
-                Some(g) => g,
+        // Only small blocks are parked: a large request looks in the policy alone.
+        let grant = if self.policy.class_of(rounded) == Class::Small {
+            let parked = &mut self.parked;
+            match parked.by_size.get_mut(Parked::index(rounded)).and_then(|list| list.blocks.pop()) {
+                Some((token, addr, block)) => {
+                    parked.bytes -= block;
+                    Grant { addr, size: block, token }
+                }
                 None => self.allocate_harder(rounded)?,
-            },
+            }
+        } else {
+            self.allocate_harder(rounded)?
         };
         self.stats.on_allocate(size);
         Some(grant)
     }
 
-    /// What the pool serves without its backing when no free block fits: best fit after
-    /// giving every parked block back, else from an idle stitched chunk that fits the size
-    /// whose homes are free ([`BestFitPolicy::reuse_stitched`]: a repeated workload's
-    /// misses on a stitched backing end here, with no device call), else from the frontier
-    /// block ([`BestFitPolicy::allocate_frontier`]).
+    /// What the pool serves without its backing when no parked block fits: best fit (for a
+    /// small request, once more after giving every parked block back), else from an idle
+    /// stitched chunk that fits the size whose homes are free
+    /// ([`BestFitPolicy::reuse_stitched`]: a repeated workload's misses on a stitched backing
+    /// end here, with no device call), else from the frontier block
+    /// ([`BestFitPolicy::allocate_frontier`]); the last three in one call
+    /// ([`BestFitPolicy::allocate_or_reuse`]).
     fn allocate_harder(&mut self, rounded: u64) -> Option<Grant> {
         // Parked blocks are small: giving them back helps small requests only (and a large
         // request served by the frontier block would give them back at every pass).
         if self.parked.bytes > 0 && self.policy.class_of(rounded) == Class::Small {
-            self.unpark();
             if let Some(g) = self.policy.allocate(rounded) {
                 return Some(g);
             }
+            self.unpark();
         }
-        match self.policy.reuse_stitched(rounded) {
-            Ok(true) => self.policy.allocate(rounded),
-            Ok(false) => self.policy.allocate_frontier(rounded),
+        match self.policy.allocate_or_reuse(rounded) {
+            Ok(grant) => grant,
             Err(e) => {
                 self.held.hold(e);
                 None
@@ -687,11 +706,21 @@ impl State {
             return;
         }
         let parked = &mut self.parked;
-        let list = parked.by_size.entry(rounded).or_default();
+        let index = Parked::index(rounded);
+        if parked.by_size.len() <= index {
+            parked.by_size.resize_with(index + 1, SizeList::default);
+        }
+        let Some(list) = parked.by_size.get_mut(index) else {
+            // Not reached (the vector was just grown): merged at once rather than lost.
+            if let Err(e) = self.policy.free(token, ptr) {
+                self.held.hold(e);
+            }
+            return;
+        };
         list.blocks.push((token, ptr, block));
         if !list.listed {
             list.listed = true;
-            parked.listed.push(rounded);
+            parked.listed.push(index);
         }
         parked.bytes += block;
     }
@@ -703,8 +732,8 @@ impl State {
         if *bytes == 0 {
             return;
         }
-        for size in listed.drain(..) {
-            let Some(list) = by_size.get_mut(&size) else { continue };
+        for index in listed.drain(..) {
+            let Some(list) = by_size.get_mut(index) else { continue };
             list.listed = false;
             for (token, addr, _) in list.blocks.drain(..) {
                 if let Err(e) = policy.free(token, addr) {
@@ -975,9 +1004,7 @@ impl Allocator for BestFit {
             cached: (figures.cached + st.parked.bytes) as usize,
             largest_free_block: st
                 .parked
-                .by_size
-                .values()
-                .flat_map(|list| &list.blocks)
+                .blocks()
                 .map(|&(_, _, block)| block)
                 .fold(figures.largest_free, u64::max) as usize,
             pending_release: st.pending_bytes + st.stuck_bytes,
@@ -998,8 +1025,7 @@ impl Allocator for BestFit {
     /// recorded streams.
     fn segments(&self, out: &mut Vec<Segment>) -> Result<()> {
         let st = self.inner.state.lock();
-        let parked: FxHashSet<u64> =
-            st.parked.by_size.values().flat_map(|l| l.blocks.iter().map(|&(_, addr, _)| addr)).collect();
+        let parked: FxHashSet<u64> = st.parked.blocks().map(|&(_, addr, _)| addr).collect();
         let pending: FxHashSet<u64> = st.pending.iter().map(|p| p.ptr).collect();
         for (AddrRange { addr, len: size }, blocks) in st.policy.chunk_blocks() {
             let blocks = blocks
@@ -1156,6 +1182,27 @@ mod tests {
         let s = p.stats();
         assert_eq!((s.device_allocs, s.total_allocations, s.total_frees, s.live_allocations), (1, 2, 1, 1));
         assert_eq!((s.allocated, s.reserved, s.cached), (1000, 2 * MIB, 2 * MIB - 1024));
+    }
+
+    #[test]
+    fn the_smallest_and_largest_small_sizes_are_parked_and_served_again() {
+        let (_, p) = pool(64 * MIB);
+        // 1 byte rounds to the first size parked, 1 MiB (the small class's largest) to the last.
+        let (one, largest) = (p.allocate(1).unwrap(), p.allocate(MIB).unwrap());
+        let (one_ptr, largest_ptr) = (one.ptr(), largest.ptr());
+        drop((one, largest));
+        assert_eq!(p.stats().largest_free_block, MIB, "the free rest of the chunk is smaller");
+        let segments = {
+            let mut out = Vec::new();
+            p.segments(&mut out).unwrap();
+            out
+        };
+        let free: Vec<_> =
+            segments[0].blocks.iter().filter(|b| b.state == BlockState::Free).map(|b| b.addr).collect();
+        assert!(free.contains(&one_ptr) && free.contains(&largest_ptr), "parked blocks are free");
+        assert_eq!(p.allocate(MIB).unwrap().ptr(), largest_ptr);
+        assert_eq!(p.allocate(200).unwrap().ptr(), one_ptr);
+        assert_eq!(p.stats().reserved, 2 * MIB);
     }
 
     #[test]

@@ -632,6 +632,36 @@ impl BestFitPolicy {
         self.grant(class, size, found)
     }
 
+    /// What a pool serves without its source: [`BestFitPolicy::allocate`], else an idle
+    /// stitched chunk that fits ([`BestFitPolicy::reuse_stitched`]) and a block of it, else
+    /// the frontier block ([`BestFitPolicy::allocate_frontier`]): the same block as those
+    /// calls in turn, with one search of the free lists unless a stitched chunk is taken
+    /// back (a miss that ends in the frontier block searched them twice). `Ok(None)` when
+    /// nothing fits (the caller must grow) or for 0; the error of
+    /// [`BestFitPolicy::reuse_stitched`].
+    pub fn allocate_or_reuse(&mut self, size: u64) -> Result<Option<Grant>> {
+        let Some(size) = Self::round(size) else { return Ok(None) };
+        let class = self.class_of(size);
+        let frontier = self.frontier(class);
+        let Some(list) = self.free.get(class.index()) else { return Ok(None) };
+        // What `allocate` hands out, else the frontier block that `allocate_frontier` would.
+        let frontier_block = match list.fit(size) {
+            Some(found @ (at, (block_size, addr, _))) if addr + block_size == frontier => {
+                match list.after(at) {
+                    Some(next) => return Ok(self.grant(class, size, next)),
+                    None => Some(found),
+                }
+            }
+            Some(found) => return Ok(self.grant(class, size, found)),
+            None => None,
+        };
+        if self.reuse_stitched(size)? {
+            return Ok(self.allocate(size));
+        }
+        // No chunk was taken back: the free lists are as searched above.
+        Ok(frontier_block.and_then(|found| self.grant(class, size, found)))
+    }
+
     /// [`BestFitPolicy::allocate`], the frontier block included.
     pub fn allocate_frontier(&mut self, size: u64) -> Option<Grant> {
         let size = Self::round(size)?;
@@ -1213,6 +1243,7 @@ mod tests {
                 }
             }
             assert_eq!(free_blocks, listed, "stale free-list entries");
+            self.stitches.check();
             assert_eq!((reserved, allocated, cached), (self.reserved, self.allocated, self.cached));
             assert_eq!(reserved, allocated + cached);
         }

@@ -18,15 +18,14 @@ impl<K, V> Default for Sorted<K, V> {
 }
 
 impl<K: Ord + Copy, V> Sorted<K, V> {
-    /// Inserts `value` at `key`, replacing the value there.
-    pub(super) fn insert(&mut self, key: K, value: V) {
+    /// Inserts `value` at `key`, replacing the value there: the value replaced, if any.
+    pub(super) fn insert(&mut self, key: K, value: V) -> Option<V> {
         match self.0.binary_search_by(|e| e.0.cmp(&key)) {
-            Ok(i) => {
-                if let Some(e) = self.0.get_mut(i) {
-                    e.1 = value;
-                }
+            Ok(i) => self.0.get_mut(i).map(|e| std::mem::replace(&mut e.1, value)),
+            Err(i) => {
+                self.0.insert(i, (key, value));
+                None
             }
-            Err(i) => self.0.insert(i, (key, value)),
         }
     }
 

@@ -20,7 +20,13 @@ pub(super) struct Stitches {
     /// Every stitched chunk, by address.
     ranges: Sorted<u64, Stitch>,
     /// The idle ones, as `(size, addr)`, each with what reuse looks at first ([`Idle`]).
+    /// Changed only through [`Stitches::add_idle`] and [`Stitches::remove_idle`], which count
+    /// them by class.
     idle: Sorted<(u64, u64), Idle>,
+    /// How many of `idle` are of each class ([`Class::index`]): a request of a class with none
+    /// does not search them (a search reads memory of its own, about ten entries of the
+    /// sorted vector).
+    idle_of: [usize; 2],
     /// The homes of the stitched chunks in use (out of the pool while they are): start ->
     /// (length, the chunk's address).
     carved: Sorted<u64, (u64, u64)>,
@@ -31,6 +37,9 @@ pub(super) struct Stitches {
     /// Stitched chunks looked up in `ranges` by reuse (what the tests count).
     #[cfg(test)]
     looked_up: u64,
+    /// Searches of `idle` by reuse (what the tests count).
+    #[cfg(test)]
+    searched: u64,
 }
 
 /// What [`BestFitPolicy::reuse_stitched`] needs of an idle chunk before it looks the chunk up
@@ -95,6 +104,42 @@ impl Blocker {
 impl Stitches {
     pub(super) fn is_empty(&self) -> bool {
         self.ranges.0.is_empty()
+    }
+
+    /// Adds an idle chunk, counted in its class.
+    fn add_idle(&mut self, key: (u64, u64), idle: Idle) {
+        if let Some(n) = self.idle_of.get_mut(idle.class.index()) {
+            *n += 1;
+        }
+        if let Some(old) = self.idle.insert(key, idle) {
+            // Not reached (a chunk goes idle once before it is reused or forgotten).
+            if let Some(n) = self.idle_of.get_mut(old.class.index()) {
+                *n -= 1;
+            }
+        }
+    }
+
+    /// Removes the idle chunk at `key`, counted in its class; it, if there was one.
+    fn remove_idle(&mut self, key: &(u64, u64)) -> Option<Idle> {
+        let removed = self.idle.remove(key)?;
+        if let Some(n) = self.idle_of.get_mut(removed.class.index()) {
+            *n -= 1;
+        }
+        Some(removed)
+    }
+
+    /// Panics if the idle chunks' counts by class are wrong (for the tests).
+    #[cfg(test)]
+    pub(super) fn check(&self) {
+        for class in [Class::Small, Class::Large] {
+            let idle = self.idle.0.iter().filter(|(_, e)| e.class == class).count();
+            assert_eq!(self.idle_of.get(class.index()), Some(&idle), "idle chunks of {class:?} miscounted");
+        }
+    }
+
+    /// Whether any idle chunk is of `class`.
+    fn any_idle(&self, class: Class) -> bool {
+        self.idle_of.get(class.index()).is_some_and(|&n| n > 0)
     }
 
     /// Forgets what kept idle chunks from reuse that names a stitched chunk: its address may
@@ -260,7 +305,7 @@ impl BestFitPolicy {
             for (_, h) in &homes {
                 st.carved.remove(&h.addr);
             }
-            st.idle.insert((size, addr), idle);
+            st.add_idle((size, addr), idle);
         }
         if let Some((_, s)) = st.ranges.0.get_mut(at) {
             s.active = settled.is_err();
@@ -281,6 +326,9 @@ impl BestFitPolicy {
     /// not one its first pass stitched later (DESIGN.md, "Warm passes").
     pub fn reuse_stitched(&mut self, size: u64) -> Result<bool> {
         let class = self.class_of(size);
+        if !self.stitches.any_idle(class) {
+            return Ok(false);
+        }
         let frontier = self.frontier(class);
         // Where the request would end in the frontier block: looked up at the first candidate
         // (a walk through the blocks of the frontier's chunk).
@@ -288,14 +336,24 @@ impl BestFitPolicy {
         // The chunk's key, its place in `ranges` and the tick of its addition; what kept each
         // chunk passed over from reuse is noted in `idle`.
         let mut found: Option<((u64, u64), usize, u64)> = None;
+        #[cfg(test)]
+        {
+            self.stitches.searched += 1;
+        }
         for i in self.stitches.idle.bounds(&fitting(size, self.stitches.granule)) {
             let Some(&(key, e)) = self.stitches.idle.0.get(i) else { break };
             let older = found.is_none_or(|(_, _, made)| e.made < made);
-            if e.class != class || (frontier != 0 && !older) || e.blocker.holds(self) {
+            if e.class != class || (frontier != 0 && !older) {
                 continue;
             }
-            let reach = *reach.get_or_insert_with(|| self.frontier_start(class).saturating_add(size));
-            if frontier != 0 && e.top >= reach {
+            // Before the blocker, whose slot is memory of its own to read.
+            if frontier != 0 {
+                let reach = *reach.get_or_insert_with(|| self.frontier_start(class).saturating_add(size));
+                if e.top >= reach {
+                    continue;
+                }
+            }
+            if e.blocker.holds(self) {
                 continue;
             }
             #[cfg(test)]
@@ -329,7 +387,7 @@ impl BestFitPolicy {
             .and_then(|()| self.add_segment(class, addr, size));
         let st = &mut self.stitches;
         if taken.is_ok() {
-            st.idle.remove(&(size, addr));
+            st.remove_idle(&(size, addr));
             for &(_, h) in &homes {
                 st.carved.insert(h.addr, (h.len, addr));
             }
@@ -348,7 +406,8 @@ impl BestFitPolicy {
     /// Forgets every idle stitched chunk and returns their ranges, for the caller to unmap
     /// once nothing uses them.
     pub fn take_idle_stitched(&mut self) -> Vec<AddrRange> {
-        let Stitches { ranges, idle, .. } = &mut self.stitches;
+        let Stitches { ranges, idle, idle_of, .. } = &mut self.stitches;
+        *idle_of = [0; 2];
         let taken: Vec<AddrRange> = std::mem::take(&mut idle.0)
             .into_iter()
             .map(|((size, addr), _)| AddrRange::new(addr, size))
@@ -360,7 +419,7 @@ impl BestFitPolicy {
     /// Forgets the least recently used idle stitched chunks of `sizes` beyond the `keep` most
     /// recent and returns their ranges, for the caller to unmap once nothing uses them.
     pub fn take_stale_stitched(&mut self, sizes: RangeInclusive<u64>, keep: usize) -> Vec<AddrRange> {
-        let Stitches { ranges, idle, .. } = &mut self.stitches;
+        let Stitches { ranges, idle, .. } = &self.stitches;
         let (lo, hi) = (*sizes.start(), *sizes.end());
         let mut by_age: Vec<(u64, u64, u64)> = idle
             .range((lo, 0)..=(hi, u64::MAX))
@@ -372,8 +431,8 @@ impl BestFitPolicy {
         let stale: Vec<AddrRange> =
             by_age.into_iter().take(excess).map(|(_, addr, size)| AddrRange::new(addr, size)).collect();
         for r in &stale {
-            idle.remove(&(r.len, r.addr));
-            ranges.remove(&r.addr);
+            self.stitches.remove_idle(&(r.len, r.addr));
+            self.stitches.ranges.remove(&r.addr);
         }
         self.stitches.forget_stitch_blockers();
         stale
@@ -403,7 +462,7 @@ impl BestFitPolicy {
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
 mod tests {
-    use super::super::{Classes, Figures};
+    use super::super::{Classes, Figures, Grant};
     use super::*;
     use proptest::prelude::*;
 
@@ -490,6 +549,99 @@ mod tests {
                 let before = books(joined);
                 prop_assert!(joined.add_joined(class, addr, size).is_err());
                 prop_assert_eq!(books(joined), before);
+            }
+        }
+    }
+
+    /// What a pool served without its source before [`BestFitPolicy::allocate_or_reuse`]:
+    /// best fit, else an idle stitched chunk, else the frontier block, in three calls.
+    fn three_calls(p: &mut BestFitPolicy, size: u64) -> Option<Grant> {
+        if let Some(g) = p.allocate(size) {
+            return Some(g);
+        }
+        match p.reuse_stitched(size).unwrap() {
+            true => p.allocate(size),
+            false => p.allocate_frontier(size),
+        }
+    }
+
+    proptest! {
+        /// `allocate_or_reuse` hands out what best fit, an idle stitched chunk and the
+        /// frontier block, called in turn, hand out, and leaves the same books, over random
+        /// programs of allocations, frees, stitches and growths at the frontier.
+        #[test]
+        fn allocate_or_reuse_hands_out_what_the_three_calls_do(
+            ops in proptest::collection::vec((0u8..6, 1u64..=12, any::<u64>()), 1..80),
+        ) {
+            const UNIT: u64 = MIB;
+            let mut policies = [0, 1].map(|_| BestFitPolicy::new(Classes::default()));
+            let mut frontier = 32 * MIB;
+            for p in &mut policies {
+                p.add_segment(Class::Large, 0, frontier).unwrap();
+                p.set_frontier(Class::Large, frontier);
+            }
+            let mut live: Vec<Grant> = Vec::new();
+            let mut stitches = 0;
+            for &(kind, n, pick) in &ops {
+                let [one, three] = &mut policies;
+                match kind {
+                    0..=2 => {
+                        // Sizes of 1-12 MiB and a little more, so that blocks split and the
+                        // idle chunks' fit (half as large again) is exercised both ways.
+                        let size = n * UNIT + (pick % 3) * 256 * 1024;
+                        let got = one.allocate_or_reuse(size).unwrap();
+                        prop_assert_eq!(got, three_calls(three, size));
+                        live.extend(got);
+                    }
+                    3 if !live.is_empty() => {
+                        let g = live.swap_remove((pick % live.len() as u64) as usize);
+                        for p in [one, three] {
+                            p.free(g.token, g.addr).unwrap();
+                        }
+                    }
+                    4 => {
+                        // A stitch over one or two free home blocks of at least 2 MiB (the
+                        // frontier block included), whole: a chunk of the pool until its
+                        // blocks are all freed, then idle (two homes: no one block of the
+                        // pool fits what it fits).
+                        let mut free: Vec<AddrRange> = one
+                            .free_blocks()
+                            .filter(|&(c, b)| c == Class::Large && b.len >= 2 * MIB && b.addr < STITCH)
+                            .map(|(_, b)| b)
+                            .collect();
+                        free.sort_unstable_by_key(|b| b.addr);
+                        if free.is_empty() {
+                            continue;
+                        }
+                        let first = (pick % free.len() as u64) as usize;
+                        let second = (pick / 7 % free.len() as u64) as usize;
+                        let mut homes = vec![free[first]];
+                        if second != first {
+                            homes.push(free[second]);
+                        }
+                        let len = homes.iter().map(|h| h.len).sum();
+                        let at = STITCH + stitches * (1 << 30);
+                        stitches += 1;
+                        for p in [one, three] {
+                            for h in &homes {
+                                p.carve(h.addr, h.len).unwrap();
+                            }
+                            let homes = homes.iter().map(|&h| (Class::Large, h)).collect();
+                            p.add_stitched(Class::Large, at, len, 2 * MIB, homes).unwrap();
+                        }
+                    }
+                    _ => {
+                        // The backing grows at the frontier.
+                        for p in [one, three] {
+                            p.add_joined(Class::Large, frontier, n * UNIT).unwrap();
+                            p.set_frontier(Class::Large, frontier + n * UNIT);
+                        }
+                        frontier += n * UNIT;
+                    }
+                }
+                let [one, three] = &policies;
+                one.check();
+                prop_assert_eq!(books(one), books(three));
             }
         }
     }
@@ -720,6 +872,28 @@ mod tests {
             p.take_stale_stitched(8 * MIB..=8 * MIB, 1),
             vec![AddrRange::new(STITCH + 16 * MIB, 8 * MIB), AddrRange::new(STITCH + 32 * MIB, 8 * MIB)]
         );
+        p.check();
         assert_eq!(p.take_idle_stitched(), vec![AddrRange::new(STITCH, 8 * MIB)]);
+        p.check();
+    }
+
+    #[test]
+    fn idle_chunks_are_counted_by_class_and_only_a_class_with_some_is_searched() {
+        let (mut p, _) = idle();
+        assert_eq!(p.stitches.idle_of, [0, 1]);
+        // A small request finds no idle chunk of its class: none is searched.
+        assert!(!p.reuse_stitched(64 * 1024).unwrap());
+        assert_eq!(p.stitches.searched, 0);
+        assert!(p.reuse_stitched(8 * MIB).unwrap());
+        assert_eq!((p.stitches.idle_of, p.stitches.searched), ([0, 0], 1));
+        // No idle chunk left: the next large request does not search either.
+        assert!(!p.reuse_stitched(8 * MIB).unwrap());
+        assert_eq!(p.stitches.searched, 1);
+        let x = p.allocate(8 * MIB).unwrap();
+        p.free(x.token, x.addr).unwrap();
+        assert_eq!(p.stitches.idle_of, [0, 1], "idle again");
+        p.check();
+        assert_eq!(p.take_idle_stitched().len(), 1);
+        assert_eq!(p.stitches.idle_of, [0, 0]);
     }
 }
