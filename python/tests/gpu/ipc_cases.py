@@ -148,7 +148,8 @@ class Cell:
 
     def close(self):
         failed = bool(self.report.failures) or sys.exc_info()[0] is not None
-        if not failed:
+        # A child that ended on a refusal (the matrix's async -> native cell) answers nothing.
+        if not failed and self.proc.is_alive():
             self.inbox.put("stop")
             self.answer("stopping")
         self.proc.join(60)
