@@ -623,13 +623,25 @@ impl BestFitPolicy {
     pub fn allocate(&mut self, size: u64) -> Option<Grant> {
         let size = Self::round(size)?;
         let class = self.class_of(size);
-        let list = self.free.get(class.index())?;
-        let mut found = list.fit(size)?;
-        let (_, (block_size, addr, _)) = found;
-        if addr + block_size == self.frontier(class) {
-            found = list.after(found.0)?;
-        }
+        let found = self.fit_before_frontier(class, size).ok()?;
         self.grant(class, size, found)
+    }
+
+    /// Best fit for the rounded `size` in `class`'s free blocks, passing over the frontier
+    /// block: `Ok` the block [`BestFitPolicy::allocate`] takes, `Err(Some)` the frontier block
+    /// when only it fits, `Err(None)` when none does.
+    fn fit_before_frontier(
+        &self,
+        class: Class,
+        size: u64,
+    ) -> std::result::Result<(At, Entry), Option<(At, Entry)>> {
+        let list = self.free.get(class.index()).ok_or(None)?;
+        let found = list.fit(size).ok_or(None)?;
+        let (at, (block_size, addr, _)) = found;
+        if addr + block_size != self.frontier(class) {
+            return Ok(found);
+        }
+        list.after(at).ok_or(Some(found))
     }
 
     /// What a pool serves without its source: [`BestFitPolicy::allocate`], else an idle
@@ -642,18 +654,10 @@ impl BestFitPolicy {
     pub fn allocate_or_reuse(&mut self, size: u64) -> Result<Option<Grant>> {
         let Some(size) = Self::round(size) else { return Ok(None) };
         let class = self.class_of(size);
-        let frontier = self.frontier(class);
-        let Some(list) = self.free.get(class.index()) else { return Ok(None) };
         // What `allocate` hands out, else the frontier block that `allocate_frontier` would.
-        let frontier_block = match list.fit(size) {
-            Some(found @ (at, (block_size, addr, _))) if addr + block_size == frontier => {
-                match list.after(at) {
-                    Some(next) => return Ok(self.grant(class, size, next)),
-                    None => Some(found),
-                }
-            }
-            Some(found) => return Ok(self.grant(class, size, found)),
-            None => None,
+        let frontier_block = match self.fit_before_frontier(class, size) {
+            Ok(found) => return Ok(self.grant(class, size, found)),
+            Err(frontier_block) => frontier_block,
         };
         if self.reuse_stitched(size)? {
             return Ok(self.allocate(size));
