@@ -297,3 +297,33 @@ fn graphs_share_one_pool() {
     assert_eq!(pool.stats().allocated, 0);
     device.destroy_stream(s).unwrap();
 }
+
+/// A request the device cannot hold fails with out-of-memory and leaves the pool holding no
+/// more than before: the driver's pool may grow while it tries, and is trimmed after.
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-test.sh"]
+fn a_failed_request_leaves_the_pool_as_it_was() {
+    let device = gpu();
+    let s = device.create_stream().unwrap();
+    let pool = AsyncPool::new(device.clone(), AsyncPoolConfig::default());
+    let kept = pool.allocate_on(64 * MIB, s).unwrap();
+    let total = device.mem_info().unwrap().total;
+    let before = (pool.stats().reserved, device.mem_info().unwrap().free);
+    let huge = pool.allocate_on(2 * total, s);
+    assert!(
+        matches!(&huge, Err(streamalloc::Error::OutOfMemory(_))),
+        "expected out-of-memory, got {:?}",
+        huge.map(|a| a.size())
+    );
+    let after = (pool.stats().reserved, device.mem_info().unwrap().free);
+    assert!(after.0 <= before.0, "the pool holds {} bytes after the failure, {} before", after.0, before.0);
+    assert!(
+        after.1 + 64 * MIB >= before.1,
+        "the device's free memory fell from {} to {} bytes with the failure",
+        before.1,
+        after.1
+    );
+    drop(kept);
+    device.synchronize_stream(s).unwrap();
+    device.destroy_stream(s).unwrap();
+}

@@ -64,3 +64,29 @@ fn stitching_does_not_wait_for_the_pools_stream() {
     drop(pool);
     device.destroy_stream(s).expect("destroy stream");
 }
+
+/// A request the device cannot hold (twice its memory; its free memory and a GiB) fails with
+/// out-of-memory without taking the device's free memory while it fails: other processes and
+/// pools keep theirs.
+#[test]
+#[ignore = "needs a CUDA GPU: run by scripts/gpu-test.sh"]
+fn a_request_beyond_free_memory_fails_without_taking_it() {
+    let device = gpu();
+    let config = BestFitConfig { backing: BackingKind::STITCHED, ..Default::default() };
+    let pool = BestFit::new(device.clone(), config).expect("pool");
+    let info = device.mem_info().expect("mem_info");
+    for size in [2 * info.total, info.free + (1 << 30)] {
+        let before = device.mem_info().expect("mem_info").free;
+        let (result, least) = gpu_common::least_free_during(&device, || pool.allocate(size));
+        assert!(
+            matches!(&result, Err(streamalloc::Error::OutOfMemory(_))),
+            "{size} bytes: expected out-of-memory, got {:?}",
+            result.map(|a| a.size())
+        );
+        assert!(
+            least >= before / 2,
+            "while {size} bytes failed, the device's free memory fell from {before} to {least} bytes"
+        );
+    }
+    assert_eq!(pool.stats().reserved, 0, "the failed requests left memory in the pool");
+}

@@ -36,6 +36,26 @@ pub fn block_stream(device: &Arc<dyn DeviceTestExt>, stream: Stream) -> Arc<Atom
     go
 }
 
+/// Runs `f` while another thread samples the device's free memory (every 100 us); what `f`
+/// returned and the least free memory seen while it ran.
+pub fn least_free_during<T>(device: &Arc<dyn DeviceTestExt>, f: impl FnOnce() -> T) -> (T, usize) {
+    let done = Arc::new(AtomicBool::new(false));
+    let (d, stop) = (device.clone(), done.clone());
+    let sampler = std::thread::spawn(move || {
+        let mut least = usize::MAX;
+        loop {
+            least = least.min(d.mem_info().expect("mem_info").free);
+            if stop.load(Ordering::Acquire) {
+                return least;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    });
+    let result = f();
+    done.store(true, Ordering::Release);
+    (result, sampler.join().expect("the sampling thread failed"))
+}
+
 /// Whether every byte is `value`.
 pub fn all(bytes: &[u8], value: u8) -> bool {
     bytes.iter().all(|b| *b == value)
