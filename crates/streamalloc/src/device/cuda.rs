@@ -1025,6 +1025,11 @@ impl VirtualMemory for CudaDevice {
     fn map(&self, addr: DevicePtr, size: usize) -> Result<()> {
         let _ctx = self.bind_relaxed()?;
         let granularity = self.granularity_of(size, "map")?;
+        // Memory is created granule by granule: a size the device cannot hold would take all
+        // of its free memory, from every other pool and process, before failing.
+        if size > self.mem_info()?.free {
+            return Err(self.oom(size));
+        }
         self.map_granules(addr, size, granularity, &|_, _| Ok((self.create_granule(granularity)?, None)))
             .map_err(|e| match e {
                 Error::Driver { code, .. } if code == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY as i32 => {

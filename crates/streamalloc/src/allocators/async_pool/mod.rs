@@ -574,7 +574,8 @@ impl Inner {
     /// timeout): `stream` is ordered after the pending frees, the pool trimmed, and the
     /// allocation tried again. If the ordering or the trim fails, the allocation is still
     /// tried again (the driver's pool orders its own reuse), and an out-of-memory error
-    /// names that failure.
+    /// names that failure. After a final failure the pool is trimmed to
+    /// [`AsyncPoolConfig::trim_floor`]: what it grew by while the driver tried goes back.
     fn alloc_with_retry(
         &self,
         ready: &Ready,
@@ -601,10 +602,13 @@ impl Inner {
         }
         let release_error = retried.release_error;
         retried.result.map_err(|e| {
-            let c = self.counters.lock();
             if !e.is_out_of_memory() {
                 return e;
             }
+            // The driver's pool may have grown while it tried (seen: 24 GiB kept after a request
+            // of twice the device's memory); what the failed request left goes back.
+            let trimmed = self.device.trim_pool(ready.pool, self.config.trim_floor);
+            let c = self.counters.lock();
             let attr = |a| self.device.pool_attr(ready.pool, a).unwrap_or(0) as usize;
             let reserved = attr(PoolAttr::ReservedMemCurrent);
             let info = self.device.mem_info().unwrap_or_default();
@@ -626,7 +630,11 @@ impl Inner {
                 reserved,
                 device_free: info.free,
                 device_total: info.total,
-                detail: release_error.iter().map(super::release_failed).collect(),
+                detail: release_error
+                    .iter()
+                    .chain(trimmed.err().as_ref())
+                    .map(super::release_failed)
+                    .collect(),
                 hint,
                 host: false,
             })
