@@ -191,7 +191,11 @@ impl State {
         }
         let stream = self.stream(stream, Some(device))?;
         let stack = self.facade.stack(device)?;
-        let (routed, pool) = stack.private.allocate_with(size, stream, word)?;
+        // No private pool active: nothing to route (what `allocate_with` would answer).
+        let (routed, pool) = match stack.private.is_active() {
+            true => stack.private.allocate_with(size, stream, word)?,
+            false => (Routed::Main { graphed: false }, None),
+        };
         let ptr = match routed {
             Routed::Pool(ptr) => ptr,
             Routed::Main { graphed } => {

@@ -5,7 +5,9 @@
 //! A tag is set by scope: [`scope`] returns a guard that makes the tag current on the calling
 //! thread until it is dropped (nested scopes restore the tag around them); front ends without
 //! guards (C) [`push`] and [`pop`]. Untagged allocations (no scope open) go where they went
-//! before tags existed; reading the current tag is one thread-local read. Tags are names,
+//! before tags existed; reading the current tag is one relaxed atomic load until a thread
+//! first sets a tag, one thread-local read after (a thread-local in a shared library is a
+//! call of `__tls_get_addr`). Tags are names,
 //! interned once per process: a [`Tag`] is a small number standing for one.
 //!
 //! # Examples
@@ -30,6 +32,7 @@
 use std::cell::{Cell, RefCell};
 use std::marker::PhantomData;
 use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -50,6 +53,10 @@ struct Names {
 }
 
 static NAMES: Mutex<Option<Names>> = Mutex::new(None);
+
+/// Whether a thread has made a tag current: until then no thread has one. A thread sets it
+/// before its own current tag, so its own reads see it.
+static EVER_SET: AtomicBool = AtomicBool::new(false);
 
 thread_local! {
     /// The calling thread's current tag (0: none).
@@ -106,12 +113,25 @@ impl std::fmt::Display for Tag {
 /// being torn down).
 #[inline]
 pub fn current() -> Option<Tag> {
+    if !EVER_SET.load(Ordering::Relaxed) {
+        return None;
+    }
+    current_set()
+}
+
+/// [`current`] once a tag was set: not inlined, so that the thread-local's address is not
+/// computed before the check (the compiler hoists it).
+#[inline(never)]
+fn current_set() -> Option<Tag> {
     CURRENT.try_with(Cell::get).ok().and_then(Tag::from_raw)
 }
 
 /// Makes `tag` the calling thread's current tag; the one it replaces.
 fn set(tag: Option<Tag>) -> u32 {
     let raw = tag.map_or(0, |t| t.0.get());
+    if raw != 0 && !EVER_SET.load(Ordering::Relaxed) {
+        EVER_SET.store(true, Ordering::Relaxed);
+    }
     CURRENT.try_with(|c| c.replace(raw)).unwrap_or(0)
 }
 

@@ -127,6 +127,7 @@ impl DeviceStack {
     /// Allocates `size` bytes on `stream` from the stack (not a private pool) by pointer,
     /// keeping `word` with it ([`Pointers::allocate_ptr_with`]), under
     /// [`DeviceStack::reserved_limit`].
+    #[inline]
     pub fn allocate_ptr_with(&self, size: usize, stream: Stream, word: u64) -> Result<DevicePtr> {
         self.reserved_limit.allocate_ptr_with(&self.allocator, size, stream, word)
     }
@@ -247,13 +248,20 @@ impl Facade {
     }
 
     /// The stack of device `ordinal`, built on first use.
+    #[inline]
     pub fn stack(&self, ordinal: usize) -> Result<&DeviceStack> {
+        match self.built(ordinal) {
+            Some(stack) => Ok(stack),
+            None => self.build_stack_of(ordinal),
+        }
+    }
+
+    /// [`Facade::stack`] where it is not built yet.
+    #[cold]
+    fn build_stack_of(&self, ordinal: usize) -> Result<&DeviceStack> {
         let slot = self.stacks.get(ordinal).ok_or_else(|| {
             Error::InvalidArgument(format!("device {ordinal} is beyond the {MAX_DEVICES} a facade serves"))
         })?;
-        if let Some(stack) = slot.get() {
-            return Ok(stack);
-        }
         let _building = self.building.lock();
         if let Some(stack) = slot.get() {
             return Ok(stack);
@@ -265,11 +273,13 @@ impl Facade {
     }
 
     /// The stack of device `ordinal` if it is built (the device is in use).
+    #[inline]
     pub fn built(&self, ordinal: usize) -> Option<&DeviceStack> {
         self.stacks.get(ordinal)?.get()
     }
 
     /// The stacks built so far, by device ordinal.
+    #[inline]
     pub fn built_stacks(&self) -> impl Iterator<Item = &DeviceStack> {
         let mut mask = self.built_mask.load(Ordering::Acquire);
         std::iter::from_fn(move || {
@@ -342,6 +352,14 @@ impl Facade {
     ) -> Result<Option<Freed>> {
         if ptr == 0 {
             return Ok(None);
+        }
+        // No private pool active, no free deferred: `device`'s stack is asked first, as below.
+        if let Some(stack) = device.and_then(|d| self.built(d)) {
+            if !self.built_stacks().any(|s| s.private.is_active()) {
+                if let Some(entry) = stack.allocator.take_ptr(ptr, owner.on(stack)) {
+                    return Ok(Some(Freed { device: stack.device.ordinal(), entry, pool: None }));
+                }
+            }
         }
         let mut undecided: Vec<(&DeviceStack, Error)> = Vec::new();
         for stack in self.stacks_from(device) {

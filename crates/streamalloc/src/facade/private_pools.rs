@@ -361,6 +361,7 @@ impl PrivatePools {
     }
 
     /// Whether a pool is active (a capture or a `use_mem_pool` block is under way).
+    #[inline]
     pub fn is_active(&self) -> bool {
         self.active.load(Ordering::Acquire) != 0
     }
