@@ -187,6 +187,23 @@ pub struct OutOfMemory {
     pub hint: String,
 }
 
+impl OutOfMemory {
+    /// Whether more device memory was requested than the device has in all: no release or
+    /// wait can serve such a request, so none is made.
+    pub fn exceeds_device(&self) -> bool {
+        !self.host && self.device_total != 0 && self.requested > self.device_total
+    }
+
+    /// The hint of a request that [`OutOfMemory::exceeds_device`].
+    pub(crate) fn beyond_device_hint(&self) -> String {
+        format!(
+            "{} bytes is more than the device's {} bytes of memory, which no release or wait could \
+             serve (so none was made): allocate less, or split the data across devices",
+            self.requested, self.device_total
+        )
+    }
+}
+
 /// Lines of [`OutOfMemory::detail`] an out-of-memory message shows. See DESIGN.md, Note
 /// [bounded error messages].
 const DETAIL_SHOWN: usize = 16;

@@ -554,3 +554,24 @@ fn bad_pool_sizes_are_refused_up_front_as_a_pool_refuses_them() {
         assert_eq!(e.to_string(), by_pool.to_string());
     }
 }
+
+/// A request larger than the device's whole memory can never be served: it fails at once,
+/// without giving back what the pools cache (the next allocations would map it again) or
+/// waiting for other streams' work, and its error says so.
+#[test]
+fn a_request_beyond_the_device_keeps_the_cache() {
+    let (sim, a, s1, s2) = setup(1 << 30);
+    drop(a.allocate_on(64 * MIB, s1).unwrap());
+    drop(a.allocate_on(64 * MIB, s2).unwrap());
+    let before = (a.stats(), sim.host_waits());
+    let e = a.allocate_on(2 << 30, s1).map(|x| x.size()).unwrap_err();
+    let Error::OutOfMemory(report) = &e else { panic!("expected out-of-memory, got {e}") };
+    assert!(report.exceeds_device(), "{e}");
+    assert!(e.to_string().contains("more than the device's"), "{e}");
+    let after = (a.stats(), sim.host_waits());
+    assert_eq!(after.0.cached, before.0.cached, "the pools gave their cache back");
+    assert_eq!(after.0.device_frees, before.0.device_frees, "device memory was freed");
+    assert_eq!(after.1, before.1, "the host waited for the streams' work");
+    // Within the device's memory, the cache still goes back for a request it cannot serve.
+    assert!(a.allocate_on((1 << 30) - 4 * MIB, s1).is_ok());
+}

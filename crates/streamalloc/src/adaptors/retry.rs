@@ -109,6 +109,9 @@ impl<A: Allocator> Retry<A> {
         let waited = retried.waited;
         retried.result.map_err(|mut e| {
             if let Error::OutOfMemory(report) = &mut e {
+                if report.exceeds_device() {
+                    return e; // not retried: the hint of the allocator below says why
+                }
                 let line = format!("retried after releasing caches and waited {waited:?} for frees");
                 report.hint = if report.hint.is_empty() { line } else { format!("{}; {line}", report.hint) };
             }

@@ -897,6 +897,7 @@ impl Inner {
     /// made before the last attempt (a bounded wait that ran out).
     fn failure(&self, error: Error, size: usize, chunk: usize, release: Option<Error>) -> Error {
         let Error::OutOfMemory(device_report) = error else { return error };
+        let beyond = device_report.exceeds_device().then(|| device_report.beyond_device_hint());
         let mem = self.device.mem_info().unwrap_or_default();
         let st = self.state.lock();
         let figures = st.policy.figures();
@@ -918,9 +919,11 @@ impl Inner {
             device_free: mem.free,
             device_total: mem.total,
             detail,
-            hint: "BestFit returned its free chunks and retried once; free allocations, use a \
-                   smaller growth size or a stream-ordered pool to reduce fragmentation"
-                .into(),
+            hint: beyond.unwrap_or_else(|| {
+                "BestFit returned its free chunks and retried once; free allocations, use a smaller \
+                 growth size or a stream-ordered pool to reduce fragmentation"
+                    .into()
+            }),
             host: false,
         })
     }

@@ -35,7 +35,9 @@ impl<T> Retried<T> {
 /// Runs `attempt`; while it fails with out-of-memory, runs `release` and attempts again,
 /// until `timeout` has passed since the first failure, calling `wait` with the time left
 /// between attempts (it returns early when memory may have been freed). A zero timeout still
-/// makes one release and one more attempt. Other errors end the loop at once.
+/// makes one release and one more attempt. Other errors end the loop at once, and so does an
+/// out-of-memory error for more than the device has in all ([`OutOfMemory::exceeds_device`](crate::error::OutOfMemory::exceeds_device)):
+/// no release is made (DESIGN.md, Note [requests beyond the device]).
 ///
 /// `release` gives memory back before the next attempt; it returns `Ok(Some(_))` when memory
 /// freed meanwhile already serves the request (the attempt is then not made), and an error
@@ -48,8 +50,12 @@ pub(crate) fn on_out_of_memory<T>(
     mut wait: impl FnMut(Duration),
 ) -> Retried<T> {
     let first = attempt();
-    if !matches!(&first, Err(e) if e.is_out_of_memory()) {
-        return Retried { result: first, failed: 0, waited: Duration::ZERO, release_error: None };
+    match &first {
+        Err(Error::OutOfMemory(report)) if report.exceeds_device() => {
+            return Retried { result: first, failed: 1, waited: Duration::ZERO, release_error: None }
+        }
+        Err(Error::OutOfMemory(_)) => {}
+        _ => return Retried { result: first, failed: 0, waited: Duration::ZERO, release_error: None },
     }
     let start = Instant::now();
     let mut failed = 1;
@@ -100,6 +106,16 @@ mod tests {
             |_| (),
         );
         assert!(matches!(r.result, Err(Error::InvalidArgument(_))) && r.failed == 0 && !r.retried());
+    }
+
+    #[test]
+    fn a_request_beyond_the_device_makes_no_release() {
+        let beyond = || {
+            Error::oom(OutOfMemory { requested: 3 << 30, device_total: 2 << 30, ..OutOfMemory::default() })
+        };
+        let r: Retried<()> =
+            on_out_of_memory(Duration::from_secs(1), || Err(beyond()), || unreachable!(), |_| unreachable!());
+        assert!(r.out_of_memory() && r.failed == 1 && r.waited.is_zero());
     }
 
     #[test]

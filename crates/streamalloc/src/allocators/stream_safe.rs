@@ -751,6 +751,7 @@ impl StreamSafe {
                 rest.pending_release
             ));
         }
+        let beyond = report.exceeds_device().then(|| report.beyond_device_hint());
         detail.extend(report.detail);
         let timed_out = release.is_some();
         if let Some(e) = release {
@@ -763,12 +764,13 @@ impl StreamSafe {
             pending_release: total.pending_release,
             reserved: total.reserved,
             detail,
-            hint: match timed_out {
-                false => format!(
+            hint: match (beyond, timed_out) {
+                (Some(hint), _) => hint,
+                (None, false) => format!(
                     "every stream's pool released its free chunks and the allocation was retried for \
                      {waited:?}; free memory, or raise the retry wait if frees are pending on other streams"
                 ),
-                true => format!(
+                (None, true) => format!(
                     "the pools kept their free chunks, as other streams' work still ran at the wait bound \
                      (see above), and the allocation was retried for {waited:?}; raise wait_timeout if that \
                      work is expected to take longer, or look for a stream that hangs"

@@ -1026,7 +1026,8 @@ impl VirtualMemory for CudaDevice {
         let _ctx = self.bind_relaxed()?;
         let granularity = self.granularity_of(size, "map")?;
         // Memory is created granule by granule: a size the device cannot hold would take all
-        // of its free memory, from every other pool and process, before failing.
+        // of its free memory, from every other pool and process, before failing (DESIGN.md,
+        // Note [requests beyond the device]).
         if size > self.mem_info()?.free {
             return Err(self.oom(size));
         }

@@ -612,18 +612,9 @@ impl Inner {
             let attr = |a| self.device.pool_attr(ready.pool, a).unwrap_or(0) as usize;
             let reserved = attr(PoolAttr::ReservedMemCurrent);
             let info = self.device.mem_info().unwrap_or_default();
-            let hint = match self.config.mode {
-                PoolMode::Owned { max_size, .. } if max_size != 0 => {
-                    format!("the pool's maximum size is {max_size} bytes: raise max_size or free allocations")
-                }
-                _ => "free allocations or memory held outside this pool (other pools, libraries or \
-                      processes); a lower `throttle=` (a key of STREAMALLOC_CONF, e.g. throttle=0.6) \
-                      makes allocations wait for pending frees sooner"
-                    .into(),
-            };
-            Error::oom(OutOfMemory {
+            let mut report = OutOfMemory {
                 device: self.device.ordinal(),
-                requested: size,
+                requested: rounded,
                 allocated: c.stats.allocated,
                 cached: reserved.saturating_sub(attr(PoolAttr::UsedMemCurrent)),
                 pending_release: c.pending,
@@ -635,9 +626,22 @@ impl Inner {
                     .chain(trimmed.err().as_ref())
                     .map(super::release_failed)
                     .collect(),
-                hint,
+                hint: String::new(),
                 host: false,
-            })
+            };
+            let beyond = report.exceeds_device();
+            report.requested = size;
+            report.hint = match self.config.mode {
+                _ if beyond => report.beyond_device_hint(),
+                PoolMode::Owned { max_size, .. } if max_size != 0 => {
+                    format!("the pool's maximum size is {max_size} bytes: raise max_size or free allocations")
+                }
+                _ => "free allocations or memory held outside this pool (other pools, libraries or \
+                      processes); a lower `throttle=` (a key of STREAMALLOC_CONF, e.g. throttle=0.6) \
+                      makes allocations wait for pending frees sooner"
+                    .into(),
+            };
+            Error::oom(report)
         })
     }
 

@@ -164,6 +164,29 @@ fn owned_pool_with_max_size_reports_oom_with_figures() {
     assert_eq!(pool.stats().failures, 1);
 }
 
+/// A request beyond the device's memory is not retried (no stream is ordered after the
+/// pending frees), says why, and leaves the pool trimmed to its floor.
+#[test]
+fn a_request_beyond_the_device_is_not_retried() {
+    let d = sim(1 << 30);
+    let pool = AsyncPool::new(d.clone(), AsyncPoolConfig::default());
+    let s = d.create_stream().unwrap();
+    drop(pool.allocate_on(64 * MIB, s).unwrap());
+    let calls = d.calls();
+    match pool.allocate_on(2 << 30, s) {
+        Err(Error::OutOfMemory(r)) => {
+            assert!(r.exceeds_device() && r.hint.contains("more than the device's"), "{r}");
+            assert_eq!(r.requested, 2 << 30);
+        }
+        other => panic!("expected out of memory, got {:?}", other.map(|a| a.size())),
+    }
+    // The failed allocation, the trim after it, and the figures' queries: no second attempt.
+    let made = d.calls() - calls;
+    assert_eq!(pool.stats().retries, 0);
+    assert_eq!(pool.stats().reserved, 0, "the pool kept its cache after the failure");
+    assert!(made <= 6, "{made} device calls");
+}
+
 #[test]
 fn view_pool_is_never_destroyed() {
     let d = sim(1 << 30);
