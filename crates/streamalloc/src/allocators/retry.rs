@@ -36,8 +36,9 @@ impl<T> Retried<T> {
 /// until `timeout` has passed since the first failure, calling `wait` with the time left
 /// between attempts (it returns early when memory may have been freed). A zero timeout still
 /// makes one release and one more attempt. Other errors end the loop at once, and so does an
-/// out-of-memory error for more than the device has in all ([`OutOfMemory::exceeds_device`](crate::error::OutOfMemory::exceeds_device)):
-/// no release is made (DESIGN.md, Note [requests beyond the device]).
+/// out-of-memory error for more than the device has in all
+/// ([`exceeds_device`](crate::error::OutOfMemory::exceeds_device)): no release is made
+/// (DESIGN.md, Note [requests beyond the device]).
 ///
 /// `release` gives memory back before the next attempt; it returns `Ok(Some(_))` when memory
 /// freed meanwhile already serves the request (the attempt is then not made), and an error
