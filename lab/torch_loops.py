@@ -36,7 +36,9 @@ process per allocator says little: --rounds N (default 5) runs N processes of ea
 allocator), interleaved (round 1: every allocator once, round 2: again, ...), and each
 process records which kernels one step after the timed ones launches (torch.profiler: the
 names and counts of its CUDA kernels, hashed), so rows are compared over processes that ran
-the same algorithms. streamalloc's configuration is the default unless STREAMALLOC_CONF is
+the same algorithms; the same profile gives each operator's own host time (`host_ops` in
+the JSON lines; the log line shows aten::empty and aten::empty_strided per call, which hold
+the allocator's call). streamalloc's configuration is the default unless STREAMALLOC_CONF is
 set.
 
 For each (loop, allocator), printed as a markdown table and written to DIR/torch_loops.md:
@@ -310,7 +312,10 @@ def kernel_fingerprint(torch, step, i, sample):
     """What one more step (the last one again: the same shapes) does on the device, from torch.profiler: {"kernels": {name: count},
     "kernel_fp": a hash of them (processes with the same hash ran the same algorithms),
     "api_calls": {CUDA runtime or driver function: [calls, total us]}} (the allocator's device
-    calls, cuMemMap and the like, among them)."""
+    calls, cuMemMap and the like, among them), and "host_ops": {operator: [calls, self CPU us]}
+    for the 12 operators with the most host time of their own and for the tensor-making ones
+    (aten::empty and aten::empty_strided, whose own time holds the allocator's call: compare it
+    per call across allocators; the profiler's overhead is the same under each)."""
     import hashlib
 
     from torch.profiler import ProfilerActivity, profile
@@ -319,7 +324,7 @@ def kernel_fingerprint(torch, step, i, sample):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step(i, sample)
             torch.cuda.synchronize()
-        kernels, api = {}, {}
+        kernels, api, ops = {}, {}, {}
         for event in prof.events():
             if event.device_type == torch.autograd.DeviceType.CUDA:
                 kernels[event.name] = kernels.get(event.name, 0) + 1
@@ -327,10 +332,18 @@ def kernel_fingerprint(torch, step, i, sample):
                 calls = api.setdefault(event.name, [0, 0.0])
                 calls[0] += 1
                 calls[1] += round(event.cpu_time_total, 1)
+            else:
+                calls = ops.setdefault(event.name, [0, 0.0])
+                calls[0] += 1
+                calls[1] += event.self_cpu_time_total
     except Exception as e:  # the figure is lost, not the run
         return {"kernel_fp": None, "kernel_fp_error": short(e)}
+    top = sorted(ops, key=lambda name: -ops[name][1])[:12]
+    host_ops = {name: [ops[name][0], round(ops[name][1], 1)]
+                for name in top + [n for n in ("aten::empty", "aten::empty_strided") if n in ops]}
     text = "\n".join(f"{name} {count}" for name, count in sorted(kernels.items()))
-    return {"kernels": kernels, "kernel_fp": hashlib.sha1(text.encode()).hexdigest()[:10], "api_calls": api}
+    return {"kernels": kernels, "kernel_fp": hashlib.sha1(text.encode()).hexdigest()[:10], "api_calls": api,
+            "host_ops": host_ops}
 
 
 SETUP = {}
@@ -629,6 +642,8 @@ def report(run, n, secs):
           + (f"{run['allocations_per_step']:.0f} allocations/step  " if run.get("allocations_per_step") else "")
           + (f"device calls/step {run['device_calls_per_step']}  " if run.get("device_calls_per_step") else "")
           + (f"api {api}  " if api else "")
+          + "".join(f"{name} {us / calls:.1f} us/call  " for name, (calls, us) in (run.get("host_ops") or {}).items()
+                    if name in ("aten::empty", "aten::empty_strided") and calls)
           + (f"peak {mib(run.get('peak_over_baseline'))} MiB  " if run.get("peak_over_baseline") else "")
           + state, flush=True)
 
