@@ -48,6 +48,11 @@ use super::{
 };
 use crate::error::{Error, OutOfMemory, Result};
 
+/// The size from which [`VirtualMemory::map`] asks the device's free memory before creating
+/// any: below it, a failing map holds little memory for a short while, and the query
+/// (`cuMemGetInfo`, a driver round trip) would slow every small growth.
+const MAP_CHECKED: usize = 256 << 20;
+
 /// Every driver entry point this module calls, by the exact symbol name `cudarc` loads. `cudarc`
 /// panics when a symbol is missing at its first call, so [`init_driver`] checks them all up
 /// front and turns a missing one into [`Error::NoDriver`]. Keep in sync with the `sys::` calls
@@ -1027,8 +1032,8 @@ impl VirtualMemory for CudaDevice {
         let granularity = self.granularity_of(size, "map")?;
         // Memory is created granule by granule: a size the device cannot hold would take all
         // of its free memory, from every other pool and process, before failing (DESIGN.md,
-        // Note [requests beyond the device]).
-        if size > self.mem_info()?.free {
+        // Note [requests beyond the device]), from MAP_CHECKED on.
+        if size >= MAP_CHECKED && size > self.mem_info()?.free {
             return Err(self.oom(size));
         }
         self.map_granules(addr, size, granularity, &|_, _| Ok((self.create_granule(granularity)?, None)))

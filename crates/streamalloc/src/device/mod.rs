@@ -353,9 +353,9 @@ pub trait VirtualMemory: Send + Sync {
     /// Backs `[addr, addr + size)`, inside a reservation and unmapped, with new device memory
     /// that this device may read and write (`cuMemCreate`, `cuMemMap`, `cuMemSetAccess`),
     /// created exportable to other processes ([`Ipc::export_mapped`]) where the device
-    /// allows it. A size beyond the device's free memory fails with
-    /// [`Error::OutOfMemory`](crate::Error::OutOfMemory) before any memory is created; a
-    /// failure maps nothing.
+    /// allows it. A failure maps nothing; a large size (256 MiB or more on CUDA) beyond the
+    /// device's free memory fails with [`Error::OutOfMemory`](crate::Error::OutOfMemory)
+    /// before any memory is created.
     fn map(&self, addr: DevicePtr, size: usize) -> Result<()>;
     /// Maps the memory mapped at each range `(addr, size)` of `from` a second time, side by
     /// side from `to`, inside a reservation and unmapped (`cuMemRetainAllocationHandle` and
