@@ -602,9 +602,9 @@ impl Inner {
         }
         let release_error = retried.release_error;
         retried.result.map_err(|e| {
-            if !e.is_out_of_memory() {
-                return e;
-            }
+            // The driver's own answer, which decided that no retry was made.
+            let Error::OutOfMemory(device_report) = &e else { return e };
+            let beyond = device_report.exceeds_device();
             // The driver's pool may have grown while it tried (seen: 24 GiB kept after a request
             // of twice the device's memory); what the failed request left goes back.
             let trimmed = self.device.trim_pool(ready.pool, self.config.trim_floor);
@@ -614,7 +614,7 @@ impl Inner {
             let info = self.device.mem_info().unwrap_or_default();
             let mut report = OutOfMemory {
                 device: self.device.ordinal(),
-                requested: rounded,
+                requested: size,
                 allocated: c.stats.allocated,
                 cached: reserved.saturating_sub(attr(PoolAttr::UsedMemCurrent)),
                 pending_release: c.pending,
@@ -629,8 +629,6 @@ impl Inner {
                 hint: String::new(),
                 host: false,
             };
-            let beyond = report.exceeds_device();
-            report.requested = size;
             report.hint = match self.config.mode {
                 _ if beyond => report.beyond_device_hint(),
                 PoolMode::Owned { max_size, .. } if max_size != 0 => {
